@@ -1,0 +1,32 @@
+# Two commands set up a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	# torch first, pinned: a looser requirement would pull a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m pipetrain demo
+
+lint: $(STAMP)
+	$(PY) -m ruff check pipetrain tests benchmarks
+	$(PY) -m ruff format --check pipetrain tests benchmarks
+
+test: lint
+	$(PY) -m pytest
+
+bench: $(STAMP)
+	$(PY) benchmarks/schedule_build.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,26 @@
+"""pipetrain: pipeline-parallel training for PyTorch, from plan to run.
+
+Schedules are data (``pipetrain.schedule``), checked and simulated before they run
+(``pipetrain.sim``), drawn (``pipetrain.render``) and run on torch.distributed
+(``pipetrain.runtime``). Importing this package does not import torch: ``Pipeline`` is loaded on
+first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from pipetrain.runtime.pipeline import Pipeline
+
+__all__ = ["Pipeline", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Pipeline":
+        from pipetrain.runtime.pipeline import Pipeline
+
+        return Pipeline
+    raise AttributeError(f"module 'pipetrain' has no attribute {name!r}")

@@ -1,0 +1,5 @@
+"""``python -m pipetrain`` runs the command line."""
+
+from pipetrain.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,432 @@
+"""The command line: ``pipetrain schedules | show | simulate | compare | train | demo``.
+
+Input is validated here, at the edge: any bad value exits with status 2 and a one-paragraph
+message naming the problem and the legal values, never a traceback. torch is imported only by
+``train`` (lazily), so planning commands run anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from pipetrain.schedule.lower import lower
+from pipetrain.schedule.program import Program
+from pipetrain.schedule.registry import FAMILIES, build_schedule, family
+from pipetrain.schedule.validate import validate
+from pipetrain.sim.costs import Costs
+from pipetrain.sim.simulate import simulate
+
+PROG = "pipetrain"
+
+
+class UsageError(ValueError):
+    """Bad command-line input; reported without a traceback, exit status 2."""
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def cost_value(text: str) -> float | tuple[float, ...]:
+    """One non-negative finite number, or a comma-separated list with one per stage."""
+    parts = [p.strip() for p in text.split(",")]
+    try:
+        values = [float(p) for p in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number >= 0 or a comma-separated list of them, got {text!r}"
+        ) from None
+    for v in values:
+        if not math.isfinite(v) or v < 0:
+            raise argparse.ArgumentTypeError(f"costs must be finite numbers >= 0, got {v}")
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def _add_shape(p: argparse.ArgumentParser, required: bool = True) -> None:
+    names = ", ".join(FAMILIES)
+    p.add_argument(
+        "--schedule", "-s", required=required, metavar="NAME", help=f"schedule family: {names}"
+    )
+    p.add_argument(
+        "--ranks",
+        "-p",
+        type=positive_int,
+        required=required,
+        metavar="P",
+        help="pipeline ranks (GPUs)",
+    )
+    p.add_argument(
+        "--microbatches",
+        "-m",
+        type=positive_int,
+        required=required,
+        metavar="M",
+        help="micro-batches per step",
+    )
+    p.add_argument(
+        "--stages-per-rank",
+        "-v",
+        type=positive_int,
+        metavar="V",
+        help="stages (model chunks) per rank; default 2 for interleaved-1f1b, looped-bfs, interleaved-zb, zbv, dualpipev, else 1",
+    )
+    p.add_argument(
+        "--group-size",
+        type=positive_int,
+        metavar="G",
+        help="interleaved-1f1b only: micro-batch group size per virtual stage (default: ranks)",
+    )
+
+
+def _add_costs(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "costs (time units per stage; one number, or a comma-separated list with one per stage)"
+    )
+    g.add_argument(
+        "--forward",
+        "-F",
+        type=cost_value,
+        default=1.0,
+        metavar="F",
+        help="forward time (default 1)",
+    )
+    g.add_argument(
+        "--backward-input",
+        "-I",
+        type=cost_value,
+        default=1.0,
+        metavar="I",
+        help="input-gradient time (default 1)",
+    )
+    g.add_argument(
+        "--backward-weight",
+        "-W",
+        type=cost_value,
+        default=1.0,
+        metavar="W",
+        help="weight-gradient time (default 1)",
+    )
+    g.add_argument(
+        "--backward", "-B", type=cost_value, metavar="B", help="full backward time (default I + W)"
+    )
+    g.add_argument(
+        "--forward-backward",
+        type=cost_value,
+        metavar="FB",
+        help="overlapped F&B pair time (default F + B)",
+    )
+    g.add_argument(
+        "--comm",
+        "-C",
+        type=cost_value,
+        default=0.0,
+        metavar="C",
+        help="latency on every cross-rank dependency (default 0)",
+    )
+    g.add_argument(
+        "--activation",
+        type=cost_value,
+        default=1.0,
+        metavar="A",
+        help="activation size of one micro-batch per stage (default 1)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Pipeline-parallel schedules: build, check, simulate, draw and train.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub.add_parser("schedules", help="list every schedule with its constraints")
+
+    p = sub.add_parser("show", help="print a schedule's program grid")
+    _add_shape(p)
+    p.add_argument(
+        "--lowered", action="store_true", help="include the SEND/RECV actions lowering adds"
+    )
+    p.add_argument(
+        "--save", metavar="FILE", help="also write the program (.json, else torch-compatible CSV)"
+    )
+
+    p = sub.add_parser("simulate", help="simulate one step: timeline, bubble, memory")
+    _add_shape(p, required=False)
+    p.add_argument(
+        "--program",
+        metavar="FILE",
+        help="simulate a program file (CSV as torch's _dump_csv writes, or JSON) instead of --schedule",
+    )
+    _add_costs(p)
+    p.add_argument(
+        "--json", action="store_true", help="print one JSON object instead of the timeline"
+    )
+    p.add_argument("--svg", metavar="FILE", help="write an SVG Gantt chart")
+    p.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace JSON")
+    p.add_argument(
+        "--width",
+        type=positive_int,
+        default=100,
+        metavar="COLS",
+        help="terminal timeline width (default 100)",
+    )
+
+    p = sub.add_parser("compare", help="every schedule that accepts the shape, best first")
+    p.add_argument(
+        "--ranks", "-p", type=positive_int, required=True, metavar="P", help="pipeline ranks (GPUs)"
+    )
+    p.add_argument(
+        "--microbatches",
+        "-m",
+        type=positive_int,
+        required=True,
+        metavar="M",
+        help="micro-batches per step",
+    )
+    p.add_argument(
+        "--stages-per-rank",
+        "-v",
+        type=positive_int,
+        metavar="V",
+        help="stages per rank for the looped families (default 2)",
+    )
+    _add_costs(p)
+    p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+
+    p = sub.add_parser(
+        "train", help="train a small GPT with a pipeline schedule (launches the processes itself)"
+    )
+    try:
+        from pipetrain.train import add_train_arguments
+    except ImportError:  # pragma: no cover - the training app is optional at import time
+        pass
+    else:
+        add_train_arguments(p)
+
+    p = sub.add_parser("demo", help="the main job with its defaults (what `make demo` runs)")
+    p.add_argument("--out", default="out", metavar="DIR", help="where pictures go (default out/)")
+    p.add_argument(
+        "--plan-only", action="store_true", help="only compare schedules and draw one; no training"
+    )
+    return parser
+
+
+def costs_from(args: argparse.Namespace) -> Costs:
+    return Costs(
+        forward=args.forward,
+        backward_input=args.backward_input,
+        backward_weight=args.backward_weight,
+        backward=args.backward,
+        forward_backward=args.forward_backward,
+        comm=args.comm,
+        activation=args.activation,
+    )
+
+
+def program_from(args: argparse.Namespace) -> Program:
+    if getattr(args, "program", None):
+        if args.schedule:
+            raise UsageError("give either --program FILE or --schedule NAME, not both")
+        from pipetrain.schedule.program_io import load_program
+
+        return validate(lower(validate(load_program(args.program))))
+    if not (args.schedule and args.ranks and args.microbatches):
+        raise UsageError("give --schedule NAME --ranks P --microbatches M, or --program FILE")
+    program = build_schedule(
+        args.schedule, args.ranks, args.microbatches, args.stages_per_rank, args.group_size
+    )
+    return validate(lower(program))
+
+
+def cmd_schedules(_: argparse.Namespace) -> int:
+    width = max(len(n) for n in FAMILIES)
+    for fam in FAMILIES.values():
+        print(f"{fam.name:<{width}}  {fam.summary}")
+        print(f"{'':<{width}}  constraints: {fam.constraints}")
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    program = build_schedule(
+        args.schedule, args.ranks, args.microbatches, args.stages_per_rank, args.group_size
+    )
+    lowered = validate(lower(program))
+    shown = lowered if args.lowered else program
+    placement = program.placement
+    print(
+        f"{program.name}: {program.num_ranks} ranks, {program.num_stages} stages "
+        f"({placement.kind} placement), {program.num_microbatches} micro-batches"
+    )
+    print(shown.grid())
+    if args.save:
+        from pipetrain.schedule.program_io import save_program
+
+        save_program(shown, args.save)
+        print(f"wrote {args.save}")
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    program = program_from(args)
+    timeline = simulate(program, costs_from(args))
+    if args.svg:
+        from pipetrain.render import render_svg
+
+        Path(args.svg).write_text(render_svg(timeline, title=_title(program)))
+    if args.trace:
+        from pipetrain.render import write_trace
+
+        write_trace(timeline, args.trace)
+    if args.json:
+        print(json.dumps(_summary(program, timeline), indent=1))
+        return 0
+    from pipetrain.render import render_text
+
+    print(_title(program))
+    print(render_text(timeline, width=args.width))
+    print(_summary_text(timeline))
+    for path in (args.svg, args.trace):
+        if path:
+            print(f"wrote {path}")
+    return 0
+
+
+def _title(program: Program) -> str:
+    return (
+        f"{program.name}: {program.num_ranks} ranks × {program.placement.stages_per_rank or '?'} "
+        f"stages/rank, {program.num_microbatches} micro-batches"
+    )
+
+
+def _summary(program: Program, timeline) -> dict[str, object]:
+    return {
+        "schedule": program.name,
+        "ranks": program.num_ranks,
+        "stages": program.num_stages,
+        "stages_per_rank": program.placement.stages_per_rank,
+        "microbatches": program.num_microbatches,
+        "p2p_transfers": _transfers(program),
+        **timeline.summary(),
+    }
+
+
+def _transfers(program: Program) -> int:
+    counts = lower(program).count()
+    return counts.get("SEND_F", 0) + counts.get("SEND_B", 0)
+
+
+def _summary_text(timeline) -> str:
+    peaks = ", ".join(f"{p:g}" for p in timeline.peak_activations)
+    return (
+        f"makespan {timeline.makespan:g}   span {timeline.span:g}   "
+        f"bubble {100 * timeline.bubble_fraction:.1f}%   peak activations per rank [{peaks}]"
+    )
+
+
+def compare_rows(num_ranks: int, num_microbatches: int, stages_per_rank: int | None, costs: Costs):
+    """Simulate every family that accepts the shape; return (rows, refusals)."""
+    rows, refused = [], []
+    for fam in FAMILIES.values():
+        v = stages_per_rank if (fam.multi_stage and stages_per_rank) else None
+        try:
+            program = validate(lower(build_schedule(fam.name, num_ranks, num_microbatches, v)))
+        except ValueError as e:
+            refused.append((fam.name.value, str(e).splitlines()[0]))
+            continue
+        rows.append(_summary(program, simulate(program, costs)))
+    rows.sort(key=lambda r: (r["makespan"], max(x["peak_activations"] for x in r["per_rank"])))
+    return rows, refused
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    rows, refused = compare_rows(
+        args.ranks, args.microbatches, args.stages_per_rank, costs_from(args)
+    )
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    print(f"{args.ranks} ranks, {args.microbatches} micro-batches (best first)")
+    print(format_compare(rows))
+    for name, why in refused:
+        print(f"  not applicable: {name}: {why}")
+    return 0
+
+
+def format_compare(rows: Sequence[dict]) -> str:
+    header = f"{'schedule':<17}{'v':>2}{'makespan':>10}{'span':>9}{'bubble':>8}{'peak':>6}  {'p2p':>6}  peak per rank"
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        peaks = [x["peak_activations"] for x in r["per_rank"]]
+        per = " ".join(f"{p:g}" for p in peaks[:16]) + (" …" if len(peaks) > 16 else "")
+        lines.append(
+            f"{r['schedule']:<17}{r['stages_per_rank']:>2}{r['makespan']:>10g}{r['span']:>9g}"
+            f"{100 * r['bubble_fraction']:>7.1f}%{max(peaks):>6g}  {r['p2p_transfers']:>6}  {per}"
+        )
+    return "\n".join(lines)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print("$ pipetrain compare --ranks 4 --microbatches 8")
+    rows, _ = compare_rows(4, 8, None, Costs())
+    print(format_compare(rows))
+    from pipetrain.render import render_svg, render_text
+
+    program = validate(lower(build_schedule("zbv", 4, 8)))
+    timeline = simulate(program)
+    svg = out / "zbv_simulated.svg"
+    svg.write_text(render_svg(timeline, title=_title(program)))
+    print(f"\n{_title(program)} (simulated, unit costs)")
+    print(render_text(timeline))
+    print(_summary_text(timeline))
+    print(f"wrote {svg}")
+    if args.plan_only:
+        return 0
+    from pipetrain.train import add_train_arguments, run_train
+
+    parser = argparse.ArgumentParser(prog=f"{PROG} train")
+    add_train_arguments(parser)
+    print("\n$ pipetrain train   # 4 processes on CPU, zbv, defaults")
+    return run_train(parser.parse_args([]))
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from pipetrain.train import run_train
+
+    return run_train(args)
+
+
+COMMANDS = {
+    "schedules": cmd_schedules,
+    "show": cmd_show,
+    "simulate": cmd_simulate,
+    "compare": cmd_compare,
+    "demo": cmd_demo,
+    "train": cmd_train,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "simulate" and not args.program:
+            if args.schedule:
+                family(args.schedule)
+        return COMMANDS[args.command](args)
+    except ValueError as e:  # ScheduleError and UsageError are ValueErrors
+        print(f"{PROG} {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        return 0

@@ -1,0 +1,109 @@
+"""Actions: one instruction on one rank, and their text notation.
+
+The notation is torch.distributed.pipelining's (``_Action.__repr__`` / ``_Action.from_str``):
+``<stage><KIND><microbatch>`` — ``2F0``, ``0I3``, ``1W3``, ``0SEND_F3``, ``1RECV_B2`` — and for an
+overlapped forward & backward pair (DualPipe) ``(0F7;7B3)OVERLAP_F_B``. ``format`` and ``parse``
+round-trip. This module owns the vocabulary of op kinds and the category sets the rest dispatch on;
+what an action *needs* lives in ``deps``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class OpKind(StrEnum):
+    """What an action does. Values are the spellings used in the text notation."""
+
+    F = "F"  # forward
+    B = "B"  # full backward: input gradient and weight gradient together
+    I = "I"
+    W = "W"  # backward, weight-gradient half
+    OVERLAP_F_B = "OVERLAP_F_B"  # a forward and a backward of other micro-batches run together
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+
+
+COMPUTE_KINDS = frozenset({OpKind.F, OpKind.B, OpKind.I, OpKind.W, OpKind.OVERLAP_F_B})
+BACKWARD_KINDS = frozenset({OpKind.B, OpKind.I, OpKind.W})
+COMM_KINDS = frozenset({OpKind.SEND_F, OpKind.RECV_F, OpKind.SEND_B, OpKind.RECV_B})
+SEND_KINDS = frozenset({OpKind.SEND_F, OpKind.SEND_B})
+RECV_KINDS = frozenset({OpKind.RECV_F, OpKind.RECV_B})
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """One instruction: ``kind`` on ``stage`` for ``microbatch``.
+
+    An ``OVERLAP_F_B`` action carries its two parts in ``parts`` (a forward, then a ``B`` or ``I``);
+    its own ``stage`` and ``microbatch`` are those of the forward part, so sorting and grids still
+    work, but every consumer that cares about meaning must look at ``compute_parts``.
+    """
+
+    kind: OpKind
+    stage: int
+    microbatch: int
+    parts: tuple[Action, ...] = ()
+
+    def __post_init__(self) -> None:
+        if (self.kind is OpKind.OVERLAP_F_B) != bool(self.parts):
+            raise ValueError(
+                f"only OVERLAP_F_B actions have parts, got {self.kind} with {self.parts}"
+            )
+
+    @property
+    def is_compute(self) -> bool:
+        return self.kind in COMPUTE_KINDS
+
+    @property
+    def is_comm(self) -> bool:
+        return self.kind in COMM_KINDS
+
+    @property
+    def compute_parts(self) -> tuple[Action, ...]:
+        """The plain F/B/I/W actions this action performs (itself, or an overlapped pair's parts)."""
+        return self.parts if self.parts else (self,)
+
+    def __str__(self) -> str:
+        return format_action(self)
+
+    def __repr__(self) -> str:
+        return format_action(self)
+
+
+def overlap(forward: Action, backward: Action) -> Action:
+    """An overlapped pair: ``forward`` (an F) and ``backward`` (a B or I) of another micro-batch."""
+    if forward.kind is not OpKind.F or backward.kind not in (OpKind.B, OpKind.I):
+        raise ValueError(f"an overlapped pair is an F and a B or I, got {forward} and {backward}")
+    return Action(OpKind.OVERLAP_F_B, forward.stage, forward.microbatch, (forward, backward))
+
+
+def format_action(action: Action) -> str:
+    if action.parts:
+        return "(" + ";".join(format_action(p) for p in action.parts) + ")" + action.kind.value
+    return f"{action.stage}{action.kind.value}{action.microbatch}"
+
+
+_KINDS_PATTERN = "|".join(
+    sorted((k.value for k in OpKind if k is not OpKind.OVERLAP_F_B), key=len, reverse=True)
+)
+_SIMPLE = re.compile(rf"(\d+)({_KINDS_PATTERN})(\d+)")
+_PAIR = re.compile(r"\((.+);(.+)\)OVERLAP_F_B")
+
+
+def parse_action(text: str) -> Action:
+    """Parse one action in torch.distributed.pipelining's notation; raises ``ValueError``."""
+    text = text.strip()
+    if m := _SIMPLE.fullmatch(text):
+        return Action(OpKind(m.group(2)), int(m.group(1)), int(m.group(3)))
+    if m := _PAIR.fullmatch(text):
+        return overlap(parse_action(m.group(1)), parse_action(m.group(2)))
+    raise ValueError(
+        f"cannot parse action {text!r}: expected <stage><kind><microbatch> with kind one of "
+        f"{', '.join(k.value for k in OpKind if k is not OpKind.OVERLAP_F_B)} (e.g. 2F0, 1SEND_B3), "
+        "or (<F action>;<B or I action>)OVERLAP_F_B"
+    )

@@ -1,0 +1,45 @@
+"""Small helpers shared by the builders: argument checks and row assembly."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pipetrain.schedule.action import Action, OpKind
+from pipetrain.schedule.placement import Placement
+from pipetrain.schedule.program import Program
+
+
+def require_positive(**counts: int) -> None:
+    """Refuse counts below 1, naming the argument."""
+    for name, value in counts.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def require_stages_per_rank(family: str, stages_per_rank: int, legal: Sequence[int]) -> None:
+    if stages_per_rank not in legal:
+        raise ValueError(
+            f"{family} takes stages_per_rank in {{{', '.join(map(str, legal))}}}, got {stages_per_rank}"
+        )
+
+
+def F(stage: int, microbatch: int) -> Action:
+    return Action(OpKind.F, stage, microbatch)
+
+
+def B(stage: int, microbatch: int) -> Action:
+    return Action(OpKind.B, stage, microbatch)
+
+
+def I(stage: int, microbatch: int) -> Action:
+    return Action(OpKind.I, stage, microbatch)
+
+
+def W(stage: int, microbatch: int) -> Action:
+    return Action(OpKind.W, stage, microbatch)
+
+
+def make_program(
+    name: str, placement: Placement, num_microbatches: int, rows: Sequence[Sequence[Action]]
+) -> Program:
+    return Program(placement, num_microbatches, tuple(tuple(r) for r in rows), name)

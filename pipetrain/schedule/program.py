@@ -1,0 +1,126 @@
+"""The ``Program``: placement + micro-batch count + one ordered action tuple per rank.
+
+A program is the single artefact every other part reads: builders make one (compute only),
+passes (``lower``) return new ones, the simulator and the runtime execute one. Bubbles are time,
+not actions, so there is no ``None`` placeholder. ``ScheduleError`` draws the program grid with the
+offending cells marked, because a list of action names is unreadable past a handful of ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from pipetrain.schedule.action import Action
+from pipetrain.schedule.placement import Placement
+
+
+@dataclass(frozen=True, slots=True)
+class Program:
+    """Per-rank action lists for one training step.
+
+    ``name`` is informational (the schedule that built it, or the file it came from).
+    """
+
+    placement: Placement
+    num_microbatches: int
+    actions: tuple[tuple[Action, ...], ...]
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        if self.num_microbatches < 1:
+            raise ValueError(f"num_microbatches must be >= 1, got {self.num_microbatches}")
+        if len(self.actions) != self.placement.num_ranks:
+            raise ValueError(
+                f"program has {len(self.actions)} rank rows but its placement has "
+                f"{self.placement.num_ranks} ranks"
+            )
+
+    @property
+    def num_ranks(self) -> int:
+        return self.placement.num_ranks
+
+    @property
+    def num_stages(self) -> int:
+        return self.placement.num_stages
+
+    @property
+    def is_lowered(self) -> bool:
+        """True when the program carries its own SEND/RECV actions."""
+        return any(a.is_comm for row in self.actions for a in row)
+
+    def compute_only(self) -> Program:
+        """The same program with its communication actions removed."""
+        rows = tuple(tuple(a for a in row if a.is_compute) for row in self.actions)
+        return Program(self.placement, self.num_microbatches, rows, self.name)
+
+    def with_actions(self, rows: Iterable[Iterable[Action]]) -> Program:
+        return Program(
+            self.placement, self.num_microbatches, tuple(tuple(r) for r in rows), self.name
+        )
+
+    def count(self) -> dict[str, int]:
+        """How many actions of each kind (by notation name) the program holds."""
+        counts: dict[str, int] = {}
+        for row in self.actions:
+            for a in row:
+                counts[a.kind.value] = counts.get(a.kind.value, 0) + 1
+        return counts
+
+    def grid(self, marked: Iterable[tuple[int, int]] = (), max_columns: int = 0) -> str:
+        """The program as text: one row per rank, one column per step, ``>cell<`` marked."""
+        return format_grid(self.actions, marked=set(marked), max_columns=max_columns)
+
+
+def format_grid(
+    rows: Sequence[Sequence[Action]],
+    marked: Iterable[tuple[int, int]] = (),
+    max_columns: int = 0,
+) -> str:
+    """Draw rows of actions as an aligned grid; ``marked`` holds (rank, step) cells to highlight.
+
+    With ``max_columns`` > 0, only a window of that many steps is drawn, centred on the first
+    marked cell, so an error in a 1000-step program still fits a terminal.
+    """
+    marked = set(marked)
+    width = max((len(str(a)) for row in rows for a in row), default=2) + 2
+    num_steps = max((len(row) for row in rows), default=0)
+    lo, hi = 0, num_steps
+    if max_columns and num_steps > max_columns:
+        centre = min((step for _, step in marked), default=0)
+        lo = max(0, min(centre - max_columns // 2, num_steps - max_columns))
+        hi = lo + max_columns
+    label = len(f"rank {len(rows) - 1}")
+    header = " " * (label + 2) + "".join(f"{s:<{width}}" for s in range(lo, hi))
+    lines = [header.rstrip()]
+    for rank, row in enumerate(rows):
+        cells = []
+        for step in range(lo, hi):
+            if step >= len(row):
+                cells.append(" " * width)
+                continue
+            text = str(row[step])
+            cell = f">{text}<" if (rank, step) in marked else f" {text} "
+            cells.append(f"{cell:<{width}}")
+        prefix = "… " if lo > 0 else "  "
+        suffix = " …" if hi < len(row) else ""
+        lines.append(f"{f'rank {rank}':<{label}}{prefix}{''.join(cells).rstrip()}{suffix}")
+    return "\n".join(lines)
+
+
+class ScheduleError(ValueError):
+    """A program is malformed or cannot run; the message names rank, step and action and draws
+    the grid with the offending cells marked."""
+
+    def __init__(
+        self,
+        message: str,
+        program: Program | None = None,
+        marked: Iterable[tuple[int, int]] = (),
+    ) -> None:
+        self.problem = message
+        self.marked = tuple(marked)
+        text = message
+        if program is not None:
+            text += "\n\n" + program.grid(self.marked, max_columns=16)
+        super().__init__(text)

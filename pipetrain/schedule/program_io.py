@@ -1,0 +1,114 @@
+"""Programs to and from files: CSV (torch.distributed.pipelining's layout) and JSON.
+
+CSV is what ``_PipelineScheduleRuntime._dump_csv`` writes and ``_load_csv`` reads: one row per
+rank, one action per cell in torch's notation, empty cells for its ``None`` bubbles. It carries no
+placement or micro-batch count, so loading infers them: the stages are 0..max, each stage lives on
+the rank whose row runs it, and the micro-batches are 0..max. JSON carries both explicitly.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+
+from pipetrain.schedule.action import Action, format_action, parse_action
+from pipetrain.schedule.placement import Placement, infer_kind
+from pipetrain.schedule.program import Program
+
+
+def to_csv(program: Program) -> str:
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    for row in program.actions:
+        writer.writerow([format_action(a) for a in row])
+    return buf.getvalue()
+
+
+def from_csv(text: str, name: str = "csv") -> Program:
+    rows: list[list[Action]] = []
+    for line_no, cells in enumerate(csv.reader(io.StringIO(text)), start=1):
+        try:
+            rows.append([parse_action(c) for c in cells if c.strip() and c.strip() != "None"])
+        except ValueError as e:
+            raise ValueError(f"line {line_no} (rank {line_no - 1}): {e}") from None
+    if not rows:
+        raise ValueError(
+            "program file is empty: expected one line of comma-separated actions per rank"
+        )
+    return _infer_program(rows, name)
+
+
+def _infer_program(rows: list[list[Action]], name: str) -> Program:
+    stage_rank: dict[int, int] = {}
+    num_microbatches = 0
+    for rank, row in enumerate(rows):
+        for action in row:
+            for part in action.compute_parts if action.is_compute else (action,):
+                num_microbatches = max(num_microbatches, part.microbatch + 1)
+                if not action.is_compute:
+                    continue
+                other = stage_rank.setdefault(part.stage, rank)
+                if other != rank:
+                    raise ValueError(
+                        f"stage {part.stage} runs on ranks {other} and {rank}; a stage lives on one rank"
+                    )
+    num_stages = max(stage_rank, default=-1) + 1
+    missing = [s for s in range(num_stages) if s not in stage_rank]
+    if missing or not num_stages:
+        raise ValueError(f"program file runs no compute for stages {missing or [0]}")
+    rank_of_stage = tuple(stage_rank[s] for s in range(num_stages))
+    placement = Placement(rank_of_stage, len(rows), infer_kind(rank_of_stage, len(rows)))
+    return Program(placement, num_microbatches, tuple(tuple(r) for r in rows), name)
+
+
+def to_json(program: Program) -> str:
+    return json.dumps(
+        {
+            "name": program.name,
+            "num_microbatches": program.num_microbatches,
+            "rank_of_stage": list(program.placement.rank_of_stage),
+            "actions": [[format_action(a) for a in row] for row in program.actions],
+        },
+        indent=1,
+    )
+
+
+def from_json(text: str) -> Program:
+    try:
+        data = json.loads(text)
+        ranks = data["rank_of_stage"]
+        rows = [[parse_action(a) for a in row] for row in data["actions"]]
+        num_ranks = len(rows)
+        placement = Placement(
+            tuple(int(r) for r in ranks), num_ranks, infer_kind(tuple(ranks), num_ranks)
+        )
+        return Program(
+            placement,
+            int(data["num_microbatches"]),
+            tuple(map(tuple, rows)),
+            str(data.get("name", "json")),
+        )
+    except (KeyError, TypeError, json.JSONDecodeError) as e:
+        raise ValueError(
+            f"malformed program JSON ({e}); expected keys name, num_microbatches, rank_of_stage, actions"
+        ) from None
+
+
+def save_program(program: Program, path: str | Path) -> None:
+    """Write ``program`` as JSON if ``path`` ends in .json, else as torch-compatible CSV."""
+    path = Path(path)
+    path.write_text(to_json(program) if path.suffix == ".json" else to_csv(program))
+
+
+def load_program(path: str | Path) -> Program:
+    """Read a program written by ``save_program`` or by torch's ``_dump_csv``."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ValueError(f"cannot read program file {str(path)!r}: {e.strerror}") from None
+    if path.suffix == ".json":
+        return from_json(text)
+    return from_csv(text, name=path.stem)

@@ -1,0 +1,171 @@
+"""The ``Timeline``: what ran where and when, and the metrics every picture and report reads.
+
+The simulator predicts one and the runtime measures one; both are this type, so "predicted vs
+measured" is one subtraction and every renderer works on both. It lives beside the program (not in
+``sim``) because the runtime may import ``schedule`` but not ``sim``.
+
+Metrics, as the ZB paper (Qi et al. 2024, §2) uses them:
+
+* makespan: last end − first start over all ranks;
+* span of a rank: its first start to its last end; ``span`` = max over ranks (the ZB paper's "cost");
+* bubble fraction = 1 − Σ busy / (ranks × makespan);
+* activations: a micro-batch's activation on a stage is held from the start of its ``F`` to the
+  end of its last backward piece (``B``, or ``W`` when split), times the stage's activation size;
+  an overlapped pair allocates its forward at its start and frees its backward at its end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+from pipetrain.schedule.action import Action, OpKind
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    rank: int
+    action: Action
+    start: float
+    end: float
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True, slots=True)
+class RankStats:
+    rank: int
+    busy: float
+    idle: float
+    span: float
+    peak_activations: float
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Spans of compute actions (communication is latency on the dependencies, not a span).
+
+    ``activation_size[s]`` weighs one micro-batch's activation on stage ``s``. ``measured`` says
+    whether the spans came from a real run (clocks or CUDA events) or the simulator.
+    """
+
+    num_ranks: int
+    spans: tuple[Span, ...]
+    activation_size: tuple[float, ...]
+    name: str = ""
+    measured: bool = False
+
+    @cached_property
+    def start(self) -> float:
+        return min((s.start for s in self.spans), default=0.0)
+
+    @cached_property
+    def end(self) -> float:
+        return max((s.end for s in self.spans), default=0.0)
+
+    @property
+    def makespan(self) -> float:
+        return self.end - self.start
+
+    @cached_property
+    def busy(self) -> tuple[float, ...]:
+        busy = [0.0] * self.num_ranks
+        for s in self.spans:
+            busy[s.rank] += s.duration
+        return tuple(busy)
+
+    @cached_property
+    def rank_spans(self) -> tuple[float, ...]:
+        first = [float("inf")] * self.num_ranks
+        last = [float("-inf")] * self.num_ranks
+        for s in self.spans:
+            first[s.rank] = min(first[s.rank], s.start)
+            last[s.rank] = max(last[s.rank], s.end)
+        return tuple(max(0.0, b - a) for a, b in zip(first, last))
+
+    @property
+    def span(self) -> float:
+        return max(self.rank_spans, default=0.0)
+
+    @property
+    def bubble_fraction(self) -> float:
+        if self.makespan <= 0:
+            return 0.0
+        return 1.0 - sum(self.busy) / (self.num_ranks * self.makespan)
+
+    @cached_property
+    def memory(self) -> tuple[tuple[tuple[float, float], ...], ...]:
+        """Per rank, the activation curve as (time, held) steps, in activation-size units."""
+        return tuple(
+            _activation_curve(rank_spans, self.activation_size)
+            for rank_spans in _by_rank(self.spans, self.num_ranks)
+        )
+
+    @cached_property
+    def peak_activations(self) -> tuple[float, ...]:
+        return tuple(max((held for _, held in curve), default=0.0) for curve in self.memory)
+
+    def rank_stats(self) -> tuple[RankStats, ...]:
+        return tuple(
+            RankStats(
+                rank=r,
+                busy=self.busy[r],
+                idle=self.makespan - self.busy[r],
+                span=self.rank_spans[r],
+                peak_activations=self.peak_activations[r],
+            )
+            for r in range(self.num_ranks)
+        )
+
+    def summary(self) -> dict[str, object]:
+        """A JSON-ready dict of the headline metrics."""
+        return {
+            "makespan": self.makespan,
+            "span": self.span,
+            "bubble_fraction": self.bubble_fraction,
+            "per_rank": [
+                {
+                    "rank": st.rank,
+                    "busy": st.busy,
+                    "idle": st.idle,
+                    "span": st.span,
+                    "peak_activations": st.peak_activations,
+                }
+                for st in self.rank_stats()
+            ],
+        }
+
+
+def _by_rank(spans: Sequence[Span], num_ranks: int) -> list[list[Span]]:
+    rows: list[list[Span]] = [[] for _ in range(num_ranks)]
+    for s in spans:
+        rows[s.rank].append(s)
+    return rows
+
+
+def _activation_curve(
+    spans: Sequence[Span], activation_size: Sequence[float]
+) -> tuple[tuple[float, float], ...]:
+    """Allocate at the start of F, free at the end of the last backward piece of (stage, mb)."""
+    split = {
+        (p.stage, p.microbatch) for s in spans for p in s.action.compute_parts if p.kind is OpKind.W
+    }
+    events: list[tuple[float, int, float]] = []  # (time, order, delta): frees sort before allocs
+    for s in spans:
+        for p in s.action.compute_parts:
+            size = activation_size[p.stage]
+            if p.kind is OpKind.F:
+                events.append((s.start, 1, size))
+            elif p.kind is OpKind.W or (
+                p.kind in (OpKind.B, OpKind.I) and (p.stage, p.microbatch) not in split
+            ):
+                events.append((s.end, 0, -size))
+    events.sort(key=lambda e: (e[0], e[1]))
+    held, curve = 0.0, [(float("-inf"), 0.0)]
+    for time, _, delta in events:
+        held += delta
+        curve.append((time, held))
+    return tuple(curve[1:]) if len(curve) > 1 else ((0.0, 0.0),)

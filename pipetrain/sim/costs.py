@@ -1,0 +1,78 @@
+"""Per-stage costs for the simulator.
+
+Every cost is one number for all stages or a sequence with one value per stage (a stage is one
+chunk as placed: with two stages per rank each is its own chunk). Defaults follow the papers'
+unit model: forward = input-gradient = weight-gradient = 1, full backward = input + weight,
+an overlapped F&B pair = its forward + its backward (no overlap gain unless measured), no
+communication, activation size 1.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+Cost = float | Sequence[float]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageCosts:
+    """Costs resolved to one tuple entry per stage. ``forward_backward`` entries may be None,
+    meaning "the pair's forward plus its backward"."""
+
+    forward: tuple[float, ...]
+    backward_input: tuple[float, ...]
+    backward_weight: tuple[float, ...]
+    backward: tuple[float, ...]
+    forward_backward: tuple[float | None, ...]
+    comm: tuple[float, ...]
+    activation: tuple[float, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Costs:
+    forward: Cost = 1.0
+    backward_input: Cost = 1.0
+    backward_weight: Cost = 1.0
+    backward: Cost | None = None
+    forward_backward: Cost | None = None
+    comm: Cost = 0.0
+    activation: Cost = 1.0
+
+    def per_stage(self, num_stages: int) -> StageCosts:
+        """Resolve to per-stage tuples; ``ValueError`` names a bad value and the legal ones."""
+        f = _resolve("forward", self.forward, num_stages)
+        i = _resolve("backward_input", self.backward_input, num_stages)
+        w = _resolve("backward_weight", self.backward_weight, num_stages)
+        b = (
+            tuple(x + y for x, y in zip(i, w))
+            if self.backward is None
+            else _resolve("backward", self.backward, num_stages)
+        )
+        fb: tuple[float | None, ...] = (
+            (None,) * num_stages
+            if self.forward_backward is None
+            else _resolve("forward_backward", self.forward_backward, num_stages)
+        )
+        return StageCosts(
+            forward=f,
+            backward_input=i,
+            backward_weight=w,
+            backward=b,
+            forward_backward=fb,
+            comm=_resolve("comm", self.comm, num_stages),
+            activation=_resolve("activation", self.activation, num_stages),
+        )
+
+
+def _resolve(name: str, value: Cost, num_stages: int) -> tuple[float, ...]:
+    values = [value] * num_stages if isinstance(value, int | float) else list(value)
+    if len(values) != num_stages:
+        raise ValueError(
+            f"cost {name} has {len(values)} values; give one number or one per stage ({num_stages})"
+        )
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"cost {name} must be a finite number >= 0, got {v!r}")
+    return tuple(float(v) for v in values)
