@@ -19,8 +19,8 @@ demo: $(STAMP)
 	$(PY) -m pipetrain demo
 
 lint: $(STAMP)
-	$(PY) -m ruff check pipetrain tests benchmarks
-	$(PY) -m ruff format --check pipetrain tests benchmarks
+	$(PY) -m ruff check pipetrain tests $(wildcard benchmarks)
+	$(PY) -m ruff format --check pipetrain tests $(wildcard benchmarks)
 
 test: lint
 	$(PY) -m pytest
