@@ -33,8 +33,37 @@ class Token(IntEnum):
 Key = tuple[Token, int, int]
 
 
+# The rule is pure and every pass (lower, validate, simulate, run) asks it about the same actions;
+# remembering the answers makes a question a dict lookup (frozen actions hash cheaply).
+_produced_by: dict[Action, tuple[Key, ...]] = {}
+_required_by: dict[int, dict[Action, tuple[Key, ...]]] = {}
+
+
 def produces(action: Action) -> tuple[Key, ...]:
     """Values that exist on the action's rank once it has finished."""
+    found = _produced_by.get(action)
+    if found is None:
+        if len(_produced_by) > _MEMO_LIMIT:
+            _produced_by.clear()
+        found = _produced_by[action] = _produces(action)
+    return found
+
+
+def requires(action: Action, num_stages: int) -> tuple[Key, ...]:
+    """Values that must exist (locally or received) before the compute action can start."""
+    memo = _required_by.setdefault(num_stages, {})
+    found = memo.get(action)
+    if found is None:
+        if len(memo) > _MEMO_LIMIT:
+            memo.clear()
+        found = memo[action] = _requires(action, num_stages)
+    return found
+
+
+_MEMO_LIMIT = 1 << 21
+
+
+def _produces(action: Action) -> tuple[Key, ...]:
     out: list[Key] = []
     for a in action.compute_parts:
         s, j = a.stage, a.microbatch
@@ -52,8 +81,7 @@ def produces(action: Action) -> tuple[Key, ...]:
     return tuple(out)
 
 
-def requires(action: Action, num_stages: int) -> tuple[Key, ...]:
-    """Values that must exist (locally or received) before the compute action can start."""
+def _requires(action: Action, num_stages: int) -> tuple[Key, ...]:
     out: list[Key] = []
     for a in action.compute_parts:
         s, j = a.stage, a.microbatch

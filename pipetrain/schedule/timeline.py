@@ -19,12 +19,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import NamedTuple
 
 from pipetrain.schedule.action import Action, OpKind
 
 
-@dataclass(frozen=True, slots=True)
-class Span:
+class Span(NamedTuple):
+    """One action on one rank from ``start`` to ``end`` (a tuple: timelines hold 10^5 of them)."""
+
     rank: int
     action: Action
     start: float

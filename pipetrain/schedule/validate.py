@@ -22,8 +22,8 @@ from collections import Counter
 from collections.abc import Sequence
 
 from pipetrain.schedule import deps
-from pipetrain.schedule.action import Action, OpKind
-from pipetrain.schedule.lower import inject_comms
+from pipetrain.schedule.action import SEND_KINDS, Action, OpKind
+from pipetrain.schedule.execute import describe_key, execute
 from pipetrain.schedule.program import Program, ScheduleError
 
 
@@ -35,7 +35,7 @@ def validate(program: Program) -> Program:
         _check_pairing(program)
         _execute_lowered(program)
     else:
-        inject_comms(program)  # the walk that injects comms is the dependency-order execution
+        execute(program, lambda _: 1.0)
     return program
 
 
@@ -98,77 +98,97 @@ def _check_counts(program: Program) -> None:
 
 
 def _check_pairing(program: Program) -> None:
+    """Each crossing value has one SEND and one RECV; nothing else travels. Keyed by value."""
     placement = program.placement
-    seen: Counter[Action] = Counter()
-    cell: dict[Action, tuple[int, int]] = {}
+    seen: Counter[tuple[bool, deps.Key]] = Counter()  # (is_send, value)
+    cell: dict[tuple[bool, deps.Key], tuple[int, int]] = {}
     for rank, step, action in _cells(program):
         if action.is_comm:
-            seen[action] += 1
-            cell.setdefault(action, (rank, step))
-    needed: set[Action] = set()
+            tag = (action.kind in SEND_KINDS, deps.comm_key(action))
+            seen[tag] += 1
+            cell.setdefault(tag, (rank, step))
+    needed: set[deps.Key] = set()
     for row in program.actions:
         for action in row:
             if action.is_compute:
-                for key in deps.produces(action):
-                    if deps.crosses_ranks(key, placement):
-                        needed.update(deps.transfer(key))
-    for action, count in seen.items():
-        if action not in needed:
+                needed.update(k for k in deps.produces(action) if deps.crosses_ranks(k, placement))
+    for (is_send, key), count in seen.items():
+        name = _comm_name(is_send, key)
+        if key not in needed:
             raise ScheduleError(
-                f"{action} moves a value that never crosses ranks (or does not exist)",
+                f"{name} moves a value that never crosses ranks (or does not exist)",
                 program,
-                [cell[action]],
+                [cell[is_send, key]],
             )
         if count > 1:
-            raise ScheduleError(f"{action} appears {count} times", program, [cell[action]])
-    missing = sorted(needed - set(seen), key=str)
+            raise ScheduleError(f"{name} appears {count} times", program, [cell[is_send, key]])
+    missing = sorted(
+        _comm_name(is_send, k)
+        for k in needed
+        for is_send in (True, False)
+        if (is_send, k) not in seen
+    )
     if missing:
-        names = ", ".join(map(str, missing[:8])) + (" …" if len(missing) > 8 else "")
+        names = ", ".join(missing[:8]) + (" …" if len(missing) > 8 else "")
         raise ScheduleError(f"missing communication actions: {names}", program)
 
 
+def _comm_name(is_send: bool, key: deps.Key) -> str:
+    send, recv = deps.transfer(key)
+    return str(send if is_send else recv)
+
+
 def _execute_lowered(program: Program) -> None:
+    """Blocking batched P2P: post a run of comms, wait until every counterpart is posted.
+
+    A SEND and its RECV share the value they move (``deps.comm_key``), so "counterpart posted" is
+    a set lookup on (direction, value).
+    """
     rows, num_stages = program.actions, program.num_stages
     have: list[set[deps.Key]] = [set() for _ in rows]
-    posted: set[Action] = set()
+    posted: set[tuple[bool, deps.Key]] = set()
+    waiting: dict[tuple[bool, deps.Key], list[int]] = {}  # counterpart -> ranks parked on it
     pos = [0] * len(rows)
-    remaining = sum(len(r) for r in rows)
-    while remaining:
-        progressed = False
-        for rank, row in enumerate(rows):
-            if pos[rank] >= len(row):
-                continue
+    work = list(range(len(rows) - 1, -1, -1))
+    while work:
+        rank = work.pop()
+        row = rows[rank]
+        while pos[rank] < len(row):
             action = row[pos[rank]]
             if action.is_compute:
-                if all(k in have[rank] for k in deps.requires(action, num_stages)):
-                    have[rank].update(deps.produces(action))
-                    pos[rank] += 1
-                    remaining -= 1
-                    progressed = True
-                continue
-            batch = _batch_at(row, pos[rank])
-            for i, comm in enumerate(batch):
-                if (
-                    comm.kind in (OpKind.SEND_F, OpKind.SEND_B)
-                    and deps.comm_key(comm) not in have[rank]
-                ):
+                missing = [k for k in deps.requires(action, num_stages) if k not in have[rank]]
+                if missing:  # nothing later can bring it: local values come from earlier actions
                     raise ScheduleError(
-                        f"rank {rank} step {pos[rank] + i}: {comm} sends a value not yet computed here",
+                        f"rank {rank} step {pos[rank]}: {action} needs "
+                        f"{', '.join(describe_key(k, program.placement) for k in missing)}, "
+                        "which no earlier action on this rank computed or received",
+                        program,
+                        [(rank, pos[rank])],
+                    )
+                have[rank].update(deps.produces(action))
+                pos[rank] += 1
+                continue
+            batch = [(c.kind in SEND_KINDS, deps.comm_key(c)) for c in _batch_at(row, pos[rank])]
+            for i, tag in enumerate(batch):
+                if tag in posted:
+                    continue
+                if tag[0] and tag[1] not in have[rank]:
+                    raise ScheduleError(
+                        f"rank {rank} step {pos[rank] + i}: {row[pos[rank] + i]} sends a value "
+                        "not yet computed here",
                         program,
                         [(rank, pos[rank] + i)],
                     )
-                if comm not in posted:
-                    posted.add(comm)
-                    progressed = True
-            if all(deps.peer(c) in posted for c in batch):
-                for comm in batch:
-                    if comm.kind in (OpKind.RECV_F, OpKind.RECV_B):
-                        have[rank].add(deps.comm_key(comm))
-                pos[rank] += len(batch)
-                remaining -= len(batch)
-                progressed = True
-        if not progressed:
-            raise _lowered_deadlock(program, pos, have, posted)
+                posted.add(tag)
+                work.extend(waiting.pop(tag, ()))
+            unmatched = next(((not s, k) for s, k in batch if (not s, k) not in posted), None)
+            if unmatched is not None:
+                waiting.setdefault(unmatched, []).append(rank)
+                break
+            have[rank].update(k for is_send, k in batch if not is_send)
+            pos[rank] += len(batch)
+    if any(p < len(r) for p, r in zip(pos, rows)):
+        raise _lowered_deadlock(program, pos, posted)
 
 
 def _batch_at(row: Sequence[Action], start: int) -> tuple[Action, ...]:
@@ -179,25 +199,16 @@ def _batch_at(row: Sequence[Action], start: int) -> tuple[Action, ...]:
 
 
 def _lowered_deadlock(
-    program: Program, pos: Sequence[int], have: Sequence[set[deps.Key]], posted: set[Action]
+    program: Program, pos: Sequence[int], posted: set[tuple[bool, deps.Key]]
 ) -> ScheduleError:
     placement = program.placement
     lines, marked = [], []
     for rank, row in enumerate(program.actions):
         if pos[rank] >= len(row):
             continue
-        action = row[pos[rank]]
-        if action.is_compute:
-            missing = [k for k in deps.requires(action, program.num_stages) if k not in have[rank]]
-            what = ", ".join(
-                f"{k[1]}{'F' if k[0] is deps.Token.ACTIVATION else 'B/I'}{k[2]}" for k in missing
-            )
-            lines.append(f"  rank {rank} step {pos[rank]}: {action} waits for {what}")
-            marked.append((rank, pos[rank]))
-            continue
         for i, comm in enumerate(_batch_at(row, pos[rank])):
             other = deps.peer(comm)
-            if other not in posted:
+            if (other.kind in SEND_KINDS, deps.comm_key(other)) not in posted:
                 peer_rank = placement.rank(other.stage)
                 lines.append(
                     f"  rank {rank} step {pos[rank] + i}: {comm} waits for {other} on rank {peer_rank}"

@@ -14,17 +14,16 @@ The model (the one the ZB paper, Qi et al. 2024 §2 and Table 2, uses to state i
   above, so the same program simulates the same lowered or not.
 
 Activations are accounted by the ``Timeline`` (held from the start of F to the end of the last
-backward piece, times the stage's activation size). The simulation is event driven: a rank that
-waits on a value is parked on it and woken when it is produced, so a run is O(actions).
+backward piece, times the stage's activation size). The event loop is ``schedule.execute``, the
+same one lowering uses; this module supplies the durations and latencies.
 """
 
 from __future__ import annotations
 
-from pipetrain.schedule import deps
 from pipetrain.schedule.action import Action, OpKind
-from pipetrain.schedule.lower import deadlock_error
+from pipetrain.schedule.execute import execute
 from pipetrain.schedule.program import Program
-from pipetrain.schedule.timeline import Span, Timeline
+from pipetrain.schedule.timeline import Timeline
 from pipetrain.sim.costs import Costs, StageCosts
 
 
@@ -50,44 +49,8 @@ def duration(action: Action, costs: StageCosts) -> float:
 
 def simulate(program: Program, costs: Costs | None = None) -> Timeline:
     """Predict the timeline of one step of ``program``; raises ``ScheduleError`` on deadlock."""
-    program = program.compute_only()
-    placement, num_stages = program.placement, program.num_stages
-    sc = (costs or Costs()).per_stage(num_stages)
-    rows = program.actions
-    produced: dict[deps.Key, float] = {}
-    waiting: dict[deps.Key, list[int]] = {}
-    pos = [0] * len(rows)
-    free_at = [0.0] * len(rows)
-    spans: list[Span] = []
-    work = list(range(len(rows)))
-    while work:
-        rank = work.pop()
-        row = rows[rank]
-        while pos[rank] < len(row):
-            action = row[pos[rank]]
-            start = free_at[rank]
-            blocked_on = None
-            for key in deps.requires(action, num_stages):
-                t = produced.get(key)
-                if t is None:
-                    blocked_on = key
-                    break
-                if placement.rank(key[1]) != rank:
-                    t += sc.comm[key[1]]
-                start = max(start, t)
-            if blocked_on is not None:
-                waiting.setdefault(blocked_on, []).append(rank)
-                break
-            end = start + duration(action, sc)
-            spans.append(Span(rank, action, start, end))
-            free_at[rank] = end
-            pos[rank] += 1
-            for key in deps.produces(action):
-                produced[key] = end
-                work.extend(waiting.pop(key, ()))
-    if any(p < len(r) for p, r in zip(pos, rows)):
-        have = [set(produced)] * len(rows)  # a stuck rank waits on a value nobody produced
-        raise deadlock_error(program, pos, have)
+    sc = (costs or Costs()).per_stage(program.num_stages)
+    spans = execute(program, lambda action: duration(action, sc), lambda key: sc.comm[key[1]])
     return Timeline(
         num_ranks=program.num_ranks,
         spans=tuple(spans),

@@ -18,12 +18,12 @@ group. With equal groups, forward slot k runs chunk ``(k // g) mod v`` on micro-
 ``v − 1 − (k // g) mod v``. Every rank walks the same table; a rank differs only in its warm-up.
 
 Legal group sizes (``legal_group_sizes``), Megatron's rule: p ≤ g ≤ m, and the last group empty
-or ≥ p. Megatron says a shorter last group "introduces dependency bubbles"; with the 2(p − r − 1)
-warm-up it is worse — rank 0's warm-up takes a last-group forward that rank p − 1 only runs after
-a backward that waits on rank 0, a deadlock (p = 4, v = 3, m = 5, g = 4 is the smallest). Unset,
+or ≥ p. Megatron says a shorter last group "introduces dependency bubbles"; it can be worse —
+rank 0's warm-up takes a last-group forward that rank p − 1 only runs after a backward that waits
+on rank 0, a deadlock (e.g. p = 4, v = 3, m = 5, g = 4; about 1 in 10 such shapes). Unset,
 g is the smallest legal size: p when p divides m, else the next size whose remainder is 0 or ≥ p
 (g = m at worst) — so every m ≥ 1 builds, and where torch's rounds rule (g = m // max(1, m // p))
-accepts a shape it picks the same g in every case we checked. With m < p no g ≥ p exists; we run the
+accepts a shape it picks the same g (checked for p ≤ 16, m ≤ 128). With m < p no g ≥ p exists; we run the
 only depth-first group, g = m (Megatron refuses; torch does the same via one round).
 """
 
@@ -182,6 +182,19 @@ def zero_bubble_warmup(
     return min((p - r - 1) + (v - 1) * g, num_microbatches * v)
 
 
+def zero_bubble_lag(rank: int, num_chunks: int, num_microbatches: int, num_warmup: int) -> int:
+    """How many input-gradient slots rank r defers each W: r, as in ZB-H1 and torch, but at most
+    the number of Is that a forward still follows (steady pairs − 1).
+
+    A W is deferred so the next forward can go first; once no forward is left, deferring only
+    holds activations longer. This cap is ZB-H1's ("the lag is capped by the forwards left after
+    the warm-up"), so v = 1 reproduces ``build_zb_h1``; torch keeps the lag r here. At unit
+    costs the two give the same makespan on every shape we swept (p ≤ 8, v ≤ 4, m ≤ 32).
+    """
+    num_steady = num_microbatches * num_chunks - num_warmup
+    return min(rank, max(num_steady - 1, 0))
+
+
 def defer_weight_gradients(order: list[tuple[str, Slot]], lag: int) -> list[tuple[str, Slot]]:
     """Split every B into I and W; the W of the n-th I runs right after the (n + lag)-th I;
     the last ``lag`` Ws run at the end (torch ``_get_1f1b_rank_ops(enable_zero_bubble=True)``)."""
@@ -206,10 +219,11 @@ def build_interleaved_zb(
     2024 §2.1 applied to looped chunks).
 
     Rank r: ``zero_bubble_warmup`` forwards, then (F, I) pairs, then the remaining Is, walking the
-    same depth-first ``schedule_table`` as interleaved 1F1B (its default g); every W is
-    deferred by r input-gradient slots — the W of the n-th I runs right after the (n + r)-th I,
-    as in ZB-H1 — and the last r Ws close the rank. Rank r holds at most warm-up + 1 + r chunk
-    activations, never more than interleaved 1F1B's + r. With v = 1 this is ZB-H1. Any m ≥ 1.
+    same depth-first ``schedule_table`` as interleaved 1F1B (its default g); every W is deferred
+    by ``zero_bubble_lag`` (r, fewer when forwards run out) input-gradient slots — the W of the
+    n-th I runs right after the (n + lag)-th I, as in ZB-H1 — and the last ``lag`` Ws close the
+    rank. Rank r holds at most min(warm-up + 1 + lag, m·v) chunk activations, never more than
+    interleaved 1F1B's + r. With v = 1 this is exactly ZB-H1. Any m ≥ 1.
     """
     family = "interleaved-zb"
     require_positive(
@@ -222,6 +236,7 @@ def build_interleaved_zb(
     rows = []
     for rank in range(p):
         num_warmup = zero_bubble_warmup(p, rank, v, g, m)
-        order = defer_weight_gradients(one_f_one_b_order(forward, backward, num_warmup), lag=rank)
+        lag = zero_bubble_lag(rank, v, m, num_warmup)
+        order = defer_weight_gradients(one_f_one_b_order(forward, backward, num_warmup), lag)
         rows.append(_actions(order, p, rank))
     return make_program(family, looped(p, v), m, rows)

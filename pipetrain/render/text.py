@@ -1,0 +1,210 @@
+"""The terminal timeline: one row per rank, time across, a block per span, a time axis, a legend.
+
+Time is scaled so the whole line (rank label, grid, frame) fits ``width`` columns. Each column
+shows the op kind that covers most of it (or a bubble, when idle time dominates), so a timeline
+with thousands of spans still draws as a readable heat map; blocks wide enough get a label from
+``style.labels`` (stage included when a rank holds several stages). Without colour, kinds are told
+apart by fill characters; with colour (ANSI 256-colour backgrounds) by the ``style`` palette.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+
+from pipetrain.render.style import (
+    COLOURS,
+    NAMES,
+    SHORT,
+    chunk_of,
+    fmt,
+    kinds_present,
+    multi_stage,
+    text_colour,
+    ticks,
+)
+from pipetrain.schedule.action import Action, OpKind
+from pipetrain.schedule.timeline import Timeline
+
+#: fill character per kind when drawing without colour
+FILL: dict[OpKind, str] = {
+    OpKind.F: "-",
+    OpKind.B: "=",
+    OpKind.I: "~",
+    OpKind.W: "+",
+    OpKind.OVERLAP_F_B: "#",
+}
+IDLE = "."
+RESET = "\x1b[0m"
+
+Cell = tuple[str, OpKind | None]  # (character, kind drawn under it; None = bubble)
+
+
+def render_text(timeline: Timeline, width: int = 100, color: bool | None = None) -> str:
+    """Draw ``timeline`` for a terminal, every line at most ``width`` columns (minimum 30).
+
+    ``color`` True adds ANSI colour, False never does, None colours only when stdout is a TTY and
+    the ``NO_COLOR`` environment variable is unset.
+    """
+    colour = _want_colour(color)
+    width = max(width, 30)
+    head = _header(timeline)
+    if not timeline.spans or timeline.makespan <= 0:
+        return "\n".join([*textwrap.wrap(head, width), "(no spans)"])
+    label_w = len(f"rank {timeline.num_ranks - 1}")
+    cols = width - label_w - 3  # "rank r |" + grid + "|"
+    scale = cols / timeline.makespan
+    rows = _dominant(timeline, cols, scale)
+    _overlay_labels(rows, timeline, scale)
+    lines = textwrap.wrap(head, width)
+    for rank, row in enumerate(rows):
+        lines.append(f"{f'rank {rank}':<{label_w}} |{_paint(row, colour)}|")
+    lines.extend(_axis(timeline, cols, scale, label_w + 2))
+    unit = "ms" if timeline.measured else "time units"
+    notes = ["f3 = a rank's 2nd chunk"] if multi_stage(timeline) else []
+    notes.append(f"1 column = {1 / scale:.3g} {unit}")
+    lines.extend(_legend(kinds_present(timeline), colour, notes, width))
+    return "\n".join(lines)
+
+
+def _want_colour(color: bool | None) -> bool:
+    if color is not None:
+        return color
+    return sys.stdout.isatty() and "NO_COLOR" not in os.environ
+
+
+def _header(timeline: Timeline) -> str:
+    source = "measured" if timeline.measured else "simulated"
+    name = timeline.name or "timeline"
+    text = f"{name} ({source}): makespan {fmt(timeline.makespan)}"
+    text += f", bubble {timeline.bubble_fraction:.1%}"
+    peaks = timeline.peak_activations
+    if peaks:
+        top = max(range(len(peaks)), key=peaks.__getitem__)
+        text += f", peak activations {fmt(peaks[top])} (rank {top})"
+    return text
+
+
+def _dominant(timeline: Timeline, cols: int, scale: float) -> list[list[Cell]]:
+    """Per rank and column, the kind covering most of the column (None when idle dominates)."""
+    cover: list[list[dict[OpKind, float]]] = [
+        [{} for _ in range(cols)] for _ in range(timeline.num_ranks)
+    ]
+    for s in timeline.spans:
+        a = (s.start - timeline.start) * scale
+        b = (s.end - timeline.start) * scale
+        for c in range(max(0, int(a)), min(cols, int(b) + 1)):
+            part = min(b, c + 1) - max(a, c)
+            if part > 0:
+                cell = cover[s.rank][c]
+                cell[s.action.kind] = cell.get(s.action.kind, 0.0) + part
+    rows: list[list[Cell]] = []
+    for rank_cover in cover:
+        row: list[Cell] = []
+        for cell in rank_cover:
+            kind = max(cell, key=cell.__getitem__, default=None)
+            if kind is None or cell[kind] < 1.0 - sum(cell.values()):
+                row.append((IDLE, None))
+            else:
+                row.append((FILL[kind], kind))
+        rows.append(row)
+    return rows
+
+
+def _overlay_labels(rows: list[list[Cell]], timeline: Timeline, scale: float) -> None:
+    """Write each span's label at the start of its block and fill the rest of the block."""
+    chunks = chunk_of(timeline) if multi_stage(timeline) else None
+    cols = len(rows[0]) if rows else 0
+    for s in timeline.spans:
+        first = round((s.start - timeline.start) * scale)
+        last = min(cols, round((s.end - timeline.start) * scale))
+        text = _label(s.action, s.rank, chunks, last - first)
+        row = rows[s.rank]
+        for i, ch in enumerate(text):
+            row[first + i] = (ch, s.action.kind)
+        for c in range(first + len(text), last):
+            row[c] = (FILL[s.action.kind], s.action.kind)
+
+
+def _label(action: Action, rank: int, chunks: dict[tuple[int, int], int] | None, room: int) -> str:
+    """The longest label that fits a block of ``room`` cells.
+
+    ``F3`` may fill its block (``F3F4`` still reads as two blocks); a stage-prefixed ``1F3`` or a
+    bare ``3`` needs one fill cell after it. With several stages per rank, the short form is
+    lower case for a rank's odd chunks (``f3``), so the chunks stay apart without the prefix.
+    """
+    parts = action.compute_parts
+    full = "+".join(str(p) for p in parts)
+    if chunks is not None and len(full) < room:
+        return full
+    short = "+".join(
+        p.kind.value.lower() + str(p.microbatch)
+        if chunks is not None and chunks[(rank, p.stage)] % 2
+        else p.kind.value + str(p.microbatch)
+        for p in parts
+    )
+    if len(short) <= room:
+        return short
+    bare = "+".join(str(p.microbatch) for p in parts)
+    return bare if len(bare) < room else ""
+
+
+def _ansi(fill: str) -> str:
+    """The xterm-256 background (and readable foreground) escape nearest to ``#rrggbb``."""
+    levels = (0, 95, 135, 175, 215, 255)
+    rgb = (int(fill[i : i + 2], 16) for i in (1, 3, 5))
+    r, g, b = (min(range(6), key=lambda i, v=v: abs(levels[i] - v)) for v in rgb)
+    fg = 16 if text_colour(fill) == "#000000" else 231
+    return f"\x1b[48;5;{16 + 36 * r + 6 * g + b};38;5;{fg}m"
+
+
+def _paint(row: list[Cell], colour: bool) -> str:
+    if not colour:
+        return "".join(ch for ch, _ in row)
+    out: list[str] = []
+    current: OpKind | str | None = "start"
+    for ch, kind in row:
+        if kind != current:
+            out.append(RESET if kind is None else _ansi(COLOURS[kind]))
+            current = kind
+        if kind is None:
+            out.append(" ")
+        else:
+            out.append(ch if ch != FILL[kind] else " ")
+    out.append(RESET)
+    return "".join(out)
+
+
+def _axis(timeline: Timeline, cols: int, scale: float, indent: int) -> list[str]:
+    """A tick line under the grid (``+`` at each tick) and the tick values under it."""
+    marks = ["-"] * (cols + 1)
+    values = [" "] * (indent + cols + 12)
+    free_from = 0
+    for t in ticks(timeline.start, timeline.end, max(1, cols // 10)):
+        x = round((t - timeline.start) * scale)
+        marks[min(x, cols)] = "+"
+        text = fmt(t)
+        pos = indent + x - (len(text) if x >= cols - 1 else 0)
+        if pos >= free_from:
+            values[pos : pos + len(text)] = text
+            free_from = pos + len(text) + 1
+    return [" " * (indent - 1) + "".join(marks), "".join(values).rstrip()]
+
+
+def _legend(kinds: list[OpKind], colour: bool, notes: list[str], width: int) -> list[str]:
+    """Legend items packed into lines of at most ``width`` visible columns."""
+    items: list[tuple[str, int]] = []  # (text with escapes, visible length)
+    for k in kinds:
+        swatch = f"{_ansi(COLOURS[k])}  {RESET}" if colour else FILL[k]
+        text = f"{SHORT[k]} {NAMES[k]}"
+        items.append((f"{swatch} {text}", len(text) + (3 if colour else 2)))
+    items.append((f"{' ' if colour else IDLE} idle", 6))
+    items.extend((note, len(note)) for note in notes)
+    lines, line, used = [], "legend:", len("legend:")
+    for text, size in items:
+        if used + 2 + size > width and used > len("legend:"):
+            lines.append(line)
+            line, used = " " * len("legend:"), len("legend:")
+        line, used = f"{line}  {text}", used + 2 + size
+    return [*lines, line]
