@@ -79,7 +79,7 @@ FAMILIES: dict[ScheduleName, Family] = {
             name=ScheduleName.INTERLEAVED_1F1B,
             summary="1F1B over v looped chunks per rank, depth-first (Narayanan et al. 2021)",
             constraints="v >= 1 stages per rank (default 2); any micro-batch count; group size G "
-            "in [ranks, micro-batches] with micro-batches % G == 0 or >= ranks (default: the "
+            "in [ranks, micro-batches] with micro-batches % G == 0 or micro-batches % G >= ranks (default: the "
             "smallest legal; G = micro-batches when fewer than ranks)",
             stages_per_rank=None,
             default_stages_per_rank=2,
