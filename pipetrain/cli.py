@@ -334,7 +334,12 @@ def _summary_text(timeline) -> str:
 
 
 def compare_rows(num_ranks: int, num_microbatches: int, stages_per_rank: int | None, costs: Costs):
-    """Simulate every family that accepts the shape; return (rows, refusals)."""
+    """Simulate every family that accepts the shape; return (rows, refusals).
+
+    ``costs`` describe one rank's share of the model, so families compare on the same model: with
+    v stages per rank each stage costs 1/v of it and holds 1/v of its activations (communication
+    latency stays per transfer). Peaks are then in units of one rank's share, as DESIGN.md uses.
+    """
     rows, refused = [], []
     for fam in FAMILIES.values():
         v = stages_per_rank if (fam.multi_stage and stages_per_rank) else None
@@ -343,7 +348,8 @@ def compare_rows(num_ranks: int, num_microbatches: int, stages_per_rank: int | N
         except ValueError as e:
             refused.append((fam.name.value, str(e).splitlines()[0]))
             continue
-        rows.append(_summary(program, simulate(program, costs)))
+        per_stage = costs.scaled(1 / (program.placement.stages_per_rank or 1))
+        rows.append(_summary(program, simulate(program, per_stage)))
     rows.sort(key=lambda r: (r["makespan"], max(x["peak_activations"] for x in r["per_rank"])))
     return rows, refused
 
@@ -355,7 +361,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
-    print(f"{args.ranks} ranks, {args.microbatches} micro-batches (best first)")
+    print(
+        f"{args.ranks} ranks, {args.microbatches} micro-batches, best first; costs and peaks are per "
+        "rank's share of the model (with v stages per rank, a stage costs 1/v)"
+    )
     print(format_compare(rows))
     for name, why in refused:
         print(f"  not applicable: {name}: {why}")

@@ -40,6 +40,25 @@ class Costs:
     comm: Cost = 0.0
     activation: Cost = 1.0
 
+    def scaled(self, factor: float) -> Costs:
+        """Every time and size multiplied by ``factor`` (e.g. 1/v to split a rank's share of the
+        model into v stages). Only single-number costs scale; per-stage lists are refused."""
+        values = {}
+        for name in (
+            "forward",
+            "backward_input",
+            "backward_weight",
+            "backward",
+            "forward_backward",
+            "comm",
+            "activation",
+        ):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, int | float):
+                raise ValueError(f"cost {name}: give one number here, not one per stage")
+            values[name] = None if value is None else value * (1.0 if name == "comm" else factor)
+        return Costs(**values)
+
     def per_stage(self, num_stages: int) -> StageCosts:
         """Resolve to per-stage tuples; ``ValueError`` names a bad value and the legal ones."""
         f = _resolve("forward", self.forward, num_stages)
