@@ -302,9 +302,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def _title(program: Program) -> str:
+    v = program.placement.stages_per_rank
+    per_rank = f"{v} stage{'s' if v != 1 else ''} per rank" if v else "uneven stages"
     return (
-        f"{program.name}: {program.num_ranks} ranks × {program.placement.stages_per_rank or '?'} "
-        f"stages/rank, {program.num_microbatches} micro-batches"
+        f"{program.name}: {program.num_ranks} ranks, {per_rank}, "
+        f"{program.num_microbatches} micro-batches"
     )
 
 
