@@ -1,0 +1,219 @@
+"""The executor: runs one rank's row of a lowered program, one exhaustive ``match`` on op kinds.
+
+It owns the values in flight between actions, keyed by (stage, micro-batch): activations waiting
+for their ``F`` (received, or handed over by a local previous stage), outputs waiting for their
+``SEND_F``, output gradients waiting for their ``B``/``I``, input gradients waiting for their
+``SEND_B``. Consecutive SEND/RECV actions are posted as one batch just before the next compute
+action (receives posted at their position in the program, waited only by the compute that reads
+them). Every entry is popped by the action that consumes it, so a step that completes leaves all
+of them empty — ``check_empty`` holds the runtime to that.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from pipetrain.runtime.p2p import Pending, TensorMeta, Transport, recv_buffer, wire
+from pipetrain.runtime.stage import StageRunner, leaves
+from pipetrain.runtime.timing import Recorder
+from pipetrain.schedule.action import Action, OpKind
+from pipetrain.schedule.placement import Placement
+
+Key = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class StepData:
+    """This step's micro-batches: stage-0 inputs, targets and loss weights."""
+
+    inputs: tuple[tuple[torch.Tensor, ...], ...]
+    targets: tuple[object, ...]
+    weights: tuple[float, ...]
+
+
+@dataclass
+class MetaCache:
+    """Forward transfer metadata learnt while discovering; valid while input shapes stay."""
+
+    signature: object = None
+    received: dict[Key, tuple[TensorMeta, ...]] = field(default_factory=dict)
+    sent: dict[Key, tuple[TensorMeta, ...]] = field(default_factory=dict)
+
+
+class Executor:
+    """Runs this rank's actions for one step (``train``) or one forward-only pass."""
+
+    def __init__(
+        self,
+        rank: int,
+        placement: Placement,
+        runners: dict[int, StageRunner],
+        transport: Transport,
+        arities: list[tuple[int, float]],
+    ) -> None:
+        self.rank = rank
+        self.placement = placement
+        self.runners = runners
+        self.transport = transport
+        self.arities = arities
+        self.acts: dict[Key, tuple[torch.Tensor, ...] | Pending] = {}
+        self.outbox_f: dict[Key, tuple[torch.Tensor, ...]] = {}
+        self.grads: dict[Key, list[torch.Tensor] | Pending] = {}
+        self.outbox_b: dict[Key, list[torch.Tensor]] = {}
+        self.results: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._batch: list[tuple[str, Pending, torch.Tensor]] = []
+
+    def run(
+        self,
+        actions: tuple[Action, ...],
+        data: StepData,
+        cache: MetaCache,
+        recorder: Recorder,
+        train: bool,
+        discover: bool,
+    ) -> None:
+        """Execute ``actions`` in order; with ``discover``, learn transfer shapes into ``cache``."""
+        self.data, self.cache, self.train, self.discover = data, cache, train, discover
+        for action in actions:
+            if not action.is_comm:
+                self.flush()
+                self.transport.reap()
+                started = recorder.start()
+                self.dispatch(action)
+                recorder.stop(action, started)
+            else:
+                self.dispatch(action)
+                if self.discover:
+                    self.flush()
+        self.flush()
+        self.transport.drain()
+
+    def flush(self) -> None:
+        batch, self._batch = self._batch, []
+        self.transport.post(batch)
+
+    def dispatch(self, action: Action) -> None:
+        s, j = action.stage, action.microbatch
+        match action.kind:
+            case OpKind.F:
+                self.forward(s, j)
+            case OpKind.B | OpKind.I:
+                self.backward(action)
+            case OpKind.W:
+                self.runners[s].backward_weight(j)
+            case OpKind.OVERLAP_F_B:
+                # Correctness first: the forward part, then the backward part, on one stream.
+                for part in action.parts:
+                    self.dispatch(part)
+            case OpKind.SEND_F:
+                self.send(action, self.outbox_f.pop((s, j)), self.placement.rank(s + 1))
+            case OpKind.RECV_F:
+                self.recv_f(action)
+            case OpKind.SEND_B:
+                self.send(action, self.outbox_b.pop((s, j)), self.placement.rank(s - 1))
+            case OpKind.RECV_B:
+                metas = tuple(self.runners[s].grad_metas(j))
+                self.recv(action, self.placement.rank(s + 1), metas, self.grads)
+
+    def forward(self, s: int, j: int) -> None:
+        args = self.data.inputs[j] if s == 0 else self._take(self.acts.pop((s, j)))
+        self._check_arity(s, len(args), "receives")
+        runner = self.runners[s]
+        if self.train:
+            outputs = runner.forward(j, args, self.data.targets[j], self.data.weights[j])
+        else:
+            outputs = runner.call(args)
+        if runner.is_last:
+            if not self.train:
+                self.results[j] = outputs
+            return
+        self._check_arity(s + 1, len(outputs), "would receive")
+        if self.placement.rank(s + 1) == self.rank:
+            self.acts[(s + 1, j)] = leaves(outputs)
+        else:
+            self.outbox_f[(s, j)] = outputs
+
+    def backward(self, action: Action) -> None:
+        s, j = action.stage, action.microbatch
+        runner = self.runners[s]
+        grads = None if runner.is_last else self._take(self.grads.pop((s, j)))
+        if action.kind is OpKind.B:
+            found = runner.backward(j, grads)
+        else:
+            found = runner.backward_input(j, grads)
+        if s == 0:
+            return
+        if self.placement.rank(s - 1) == self.rank:
+            self.grads[(s - 1, j)] = found
+        else:
+            self.outbox_b[(s, j)] = found
+
+    def send(self, action: Action, tensors, peer: int) -> None:
+        tensors = tuple(tensors)
+        if action.kind is OpKind.SEND_F:
+            self._check_sent_meta(action, tuple(TensorMeta.of(t) for t in tensors), peer)
+        wires = [wire(t) for t in tensors]
+        owner = Pending(action, peer, wires, [])
+        self._batch += [("send", owner, w) for w in wires]
+
+    def recv_f(self, action: Action) -> None:
+        key, peer = (action.stage, action.microbatch), self.placement.rank(action.stage - 1)
+        if self.discover:
+            self.cache.received[key] = self.transport.recv_meta(action, peer)
+        metas = self.cache.received.get(key)
+        assert metas is not None, f"no metadata for {action} outside discovery"
+        self.recv(action, peer, metas, self.acts)
+
+    def recv(self, action: Action, peer: int, metas, into: dict) -> None:
+        buffers = [recv_buffer(m, self.transport.device) for m in metas]
+        owner = Pending(action, peer, buffers, [], metas)
+        self._batch += [("recv", owner, b) for b in buffers]
+        into[(action.stage, action.microbatch)] = owner
+
+    def _take(self, value):
+        """A received value ready for compute: wait for it, then make leaves of activations."""
+        if not isinstance(value, Pending):
+            return value
+        self.transport.wait(value)
+        tensors = value.tensors()
+        if value.action.kind is OpKind.RECV_B:
+            return tensors
+        grad = [self.train and m.requires_grad for m in value.metas]
+        return tuple(t.requires_grad_(g) for t, g in zip(tensors, grad))
+
+    def _check_sent_meta(self, action: Action, metas: tuple[TensorMeta, ...], peer: int) -> None:
+        key = (action.stage, action.microbatch)
+        if self.discover:
+            self.cache.sent[key] = metas
+            self.transport.send_meta(action, peer, metas)
+        elif self.cache.sent.get(key) != metas:
+            raise ValueError(
+                f"rank {self.rank}: {action} sends {metas}, but the first step with these input "
+                f"shapes sent {self.cache.sent.get(key)}; stage outputs whose shapes change "
+                "while the inputs' shapes stay are not supported"
+            )
+
+    def _check_arity(self, stage: int, count: int, verb: str) -> None:
+        lo, hi = self.arities[stage]
+        if not lo <= count <= hi:
+            most = "any number" if hi == math.inf else int(hi)
+            raise ValueError(
+                f"stage {stage} {verb} {count} tensor(s) but its forward takes {lo} to {most} "
+                f"positional arguments; make stage {stage - 1}'s outputs match stage {stage}'s "
+                "inputs (a tuple output is passed as positional arguments)"
+            )
+
+    def check_empty(self) -> None:
+        """After a complete step nothing of it may remain (internal invariant)."""
+        left = {
+            "activations": self.acts,
+            "outbox_f": self.outbox_f,
+            "grads": self.grads,
+            "outbox_b": self.outbox_b,
+        }
+        left = {k: sorted(v) for k, v in left.items() if v}
+        stages = {s: r.leftovers() for s, r in self.runners.items() if r.leftovers()}
+        assert not left and not stages, f"step left state behind: {left} {stages}"

@@ -1,0 +1,199 @@
+"""Point-to-point transfers: tensor metadata, batched isend/irecv, and waits that time out.
+
+The lowered program fixes the order of transfers per pair of ranks (``schedule.lower``); this
+module only posts them. A run of consecutive SEND/RECV actions becomes one
+``dist.batch_isend_irecv``; receives are waited right before the compute that needs them and sends
+are polled and dropped as they complete (so a sent activation's memory goes as soon as it can).
+
+Shapes are discovered, never declared: while discovering (the first step, or a step whose input
+shapes changed) every forward transfer is preceded by a fixed-size int64 metadata message, and the
+receiver waits for it before posting the payload. That is per-action blocking P2P, which the
+lowered program's global order makes deadlock-free. Gradients need no metadata: their shapes are
+those of the activations they belong to, which both ends know.
+
+Bool tensors travel as uint8 (gloo has no bool), and every wait takes a timeout so a rank that
+died mid-step yields an error naming the waiting rank, the action and the peer, not a hang.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from pipetrain.schedule.action import Action
+
+_DTYPES = (
+    torch.float64,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+)
+_CODE = {d: i for i, d in enumerate(_DTYPES)}
+META_LEN = 256
+
+
+class PipelineTimeoutError(RuntimeError):
+    """A wait on a peer did not finish within the pipeline's timeout."""
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+    @staticmethod
+    def of(t: torch.Tensor) -> TensorMeta:
+        return TensorMeta(tuple(t.shape), t.dtype, bool(t.requires_grad))
+
+    def empty(self, device: torch.device) -> torch.Tensor:
+        return torch.empty(self.shape, dtype=self.dtype, device=device)
+
+
+def encode(metas: tuple[TensorMeta, ...], device: torch.device) -> torch.Tensor:
+    """Pack metadata into ``META_LEN`` int64s: count, then (dtype, requires_grad, ndim, dims…)."""
+    flat = [len(metas)]
+    for m in metas:
+        if m.dtype not in _CODE:
+            raise TypeError(f"cannot send a {m.dtype} tensor between stages; legal: {_DTYPES}")
+        flat += [_CODE[m.dtype], int(m.requires_grad), len(m.shape), *m.shape]
+    if len(flat) > META_LEN:
+        raise ValueError(
+            f"a stage output of {len(metas)} tensors needs {len(flat)} metadata words; "
+            f"at most {META_LEN} fit (fewer or lower-rank tensors)"
+        )
+    out = torch.zeros(META_LEN, dtype=torch.int64)
+    out[: len(flat)] = torch.tensor(flat, dtype=torch.int64)
+    return out.to(device)
+
+
+def decode(buffer: torch.Tensor) -> tuple[TensorMeta, ...]:
+    flat = buffer.tolist()
+    metas, i = [], 1
+    for _ in range(flat[0]):
+        code, rg, ndim = flat[i : i + 3]
+        metas.append(TensorMeta(tuple(flat[i + 3 : i + 3 + ndim]), _DTYPES[code], bool(rg)))
+        i += 3 + ndim
+    return tuple(metas)
+
+
+def wire(t: torch.Tensor) -> torch.Tensor:
+    """The tensor as it travels: contiguous, bool viewed as uint8."""
+    t = t.detach().contiguous()
+    return t.view(torch.uint8) if t.dtype == torch.bool else t
+
+
+def unwire(t: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
+    return t.view(torch.bool) if meta.dtype == torch.bool else t
+
+
+def recv_buffer(meta: TensorMeta, device: torch.device) -> torch.Tensor:
+    dtype = torch.uint8 if meta.dtype == torch.bool else meta.dtype
+    return torch.empty(meta.shape, dtype=dtype, device=device)
+
+
+@dataclass
+class Pending:
+    """Transfers of one action: receive buffers fill (send buffers may go) once ``works`` end."""
+
+    action: Action
+    peer: int
+    buffers: list[torch.Tensor]
+    works: list
+    metas: tuple[TensorMeta, ...] = ()
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The received tensors in their own dtypes (call after ``Transport.wait``)."""
+        return [unwire(b, m) for b, m in zip(self.buffers, self.metas)]
+
+
+class Transport:
+    """Posts transfers on ``group`` for program rank ``rank`` and waits with a timeout."""
+
+    def __init__(self, rank: int, group, device: torch.device, timeout: timedelta) -> None:
+        self.rank = rank
+        self.group = group
+        self.device = device
+        self.timeout = timeout
+        self._sends: list[Pending] = []
+
+    def _global(self, rank: int) -> int:
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+    def post(self, ops: list[tuple[str, Pending, torch.Tensor]]) -> None:
+        """Post ("send"|"recv", owner, tensor) ops as one batch; each owner collects its works."""
+        if not ops:
+            return
+        p2p = [
+            dist.P2POp(
+                dist.isend if kind == "send" else dist.irecv, t, self._global(o.peer), self.group
+            )
+            for kind, o, t in ops
+        ]
+        works = dist.batch_isend_irecv(p2p)
+        # A backend may coalesce the batch into a single work; then every owner waits on it.
+        if len(works) != len(ops):
+            works = [works[-1]] * len(ops)
+        for (kind, owner, _), work in zip(ops, works):
+            owner.works.append(work)
+            if kind == "send" and (not self._sends or self._sends[-1] is not owner):
+                self._sends.append(owner)
+
+    def reap(self) -> None:
+        """Drop sends that completed, releasing their buffers (a sent activation's memory)."""
+        self._sends = [s for s in self._sends if not all(_done(w) for w in s.works)]
+
+    def drain(self) -> None:
+        """Wait for every send still in flight (end of step)."""
+        sends, self._sends = self._sends, []
+        for s in sends:
+            self.wait(s)
+
+    def wait(self, pending: Pending) -> None:
+        for w in pending.works:
+            self.wait_work(w, str(pending.action), pending.peer)
+
+    def wait_work(self, work, what: str, peer: int) -> None:
+        """Wait for ``work``; past the timeout, fail naming this rank, ``what`` and ``peer``."""
+        try:
+            ok = work.wait(self.timeout)
+        except RuntimeError as e:
+            raise PipelineTimeoutError(
+                f"rank {self.rank}: {what} waited on rank {peer} and failed within "
+                f"{self.timeout.total_seconds():g} s (did rank {peer} fail or stop?): {e}"
+            ) from e
+        if ok is False:
+            raise PipelineTimeoutError(
+                f"rank {self.rank}: {what} waited on rank {peer} for more than "
+                f"{self.timeout.total_seconds():g} s"
+            )
+
+    def recv_meta(self, action: Action, peer: int) -> tuple[TensorMeta, ...]:
+        """Blocking receive of a metadata message (shape discovery)."""
+        buf = torch.empty(META_LEN, dtype=torch.int64, device=self.device)
+        pending = Pending(action, peer, [buf], [])
+        self.post([("recv", pending, buf)])
+        self.wait(pending)
+        return decode(buf.cpu())
+
+    def send_meta(self, action: Action, peer: int, metas: tuple[TensorMeta, ...]) -> None:
+        buf = encode(metas, self.device)
+        self.post([("send", Pending(action, peer, [buf], []), buf)])
+
+
+def _done(work) -> bool:
+    try:
+        return work.is_completed()
+    except RuntimeError:
+        return True

@@ -1,0 +1,274 @@
+"""``Pipeline``: the one-line API that runs any pipetrain program on torch.distributed.
+
+    pipe = Pipeline(stages, schedule="zbv", num_microbatches=8, loss_fn=loss_fn)
+    loss = pipe.step(inputs, targets)             # every rank, same arguments
+    opt = torch.optim.AdamW(pipe.parameters())    # this rank's stages only
+
+Construction checks everything it can before any transfer (stage count, world size, process
+group, module types) and raises ``ValueError`` naming the legal values; it then lowers and
+validates the program once. A step splits the batch, runs this rank's row with the ``Executor``,
+and agrees on the loss with one broadcast from the rank holding the last stage. Modules are
+trained in place (``module.to(device)``), so the caller's references see gradients and updates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipetrain.runtime import microbatch
+from pipetrain.runtime.executor import Executor, MetaCache, StepData
+from pipetrain.runtime.p2p import Transport
+from pipetrain.runtime.stage import StageRunner, arity
+from pipetrain.runtime.timing import Recorder, gather_timeline
+from pipetrain.schedule.action import Action, OpKind
+from pipetrain.schedule.lower import lower
+from pipetrain.schedule.program import Program
+from pipetrain.schedule.timeline import Timeline
+from pipetrain.schedule.validate import validate
+
+Stages = Sequence[nn.Module] | Callable[[int], nn.Module]
+
+
+class Pipeline:
+    """Pipeline-parallel training of ``stages`` under ``schedule`` (see the module docstring).
+
+    ``stages``: a sequence of modules (ranks × stages per rank of them) or a callable
+    ``stage_index -> nn.Module`` with ``num_stages=`` (each rank builds only its own).
+    ``schedule``: a registry name (with ``stages_per_rank=`` where it applies) or a ``Program``.
+    ``timeout``: how long any wait on a peer may take before it fails naming rank, action, peer.
+    """
+
+    def __init__(
+        self,
+        stages: Stages,
+        schedule: str | Program,
+        num_microbatches: int | None = None,
+        loss_fn: Callable | None = None,
+        *,
+        stages_per_rank: int | None = None,
+        num_stages: int | None = None,
+        group=None,
+        device: torch.device | str | None = None,
+        timeout: timedelta = timedelta(minutes=10),
+    ) -> None:
+        _require_process_group()
+        if loss_fn is None:
+            raise ValueError("loss_fn is required: loss_fn(last_stage_output, targets) -> scalar")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.loss_fn = loss_fn
+        self.timeout = timeout
+        self.device = torch.device(device) if device is not None else _default_device()
+        total = _count_stages(stages, num_stages)
+        self.program = _resolve_program(
+            schedule, num_microbatches, total, self.world_size, stages_per_rank
+        )
+        self.num_microbatches = self.program.num_microbatches
+        self.placement = self.program.placement
+        self.last_stage = self.placement.num_stages - 1
+        self.last_rank = self.placement.rank(self.last_stage)
+        self.modules = _local_modules(stages, self.placement.stages_of_rank(self.rank), self.device)
+        self.runners = {
+            s: StageRunner(s, m, s == self.last_stage, loss_fn) for s, m in self.modules.items()
+        }
+        self.arities = self._gather_arities()
+        self.transport = Transport(self.rank, group, self.device, timeout)
+        self._caches: dict[str, MetaCache] = {}
+        self._eval_program: Program | None = None
+        self.last_timeline: Timeline | None = None
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """This rank's stage parameters, each once (for the optimizer)."""
+        seen: set[int] = set()
+        for module in self.modules.values():
+            for p in module.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield p
+
+    def step(self, inputs, targets, timeline: bool = False) -> torch.Tensor:
+        """One training step; returns the micro-batch-weighted mean loss on every rank.
+
+        Gradients accumulate into ``.grad`` (zero them as with any torch training loop).
+        """
+        mbs = self._split(inputs, targets)
+        rows = self.program.actions[self.rank]
+        self._execute(rows, mbs, "train", timeline, self.program.name)
+        return self._agree_on_loss(mbs.weights)
+
+    def eval_step(self, inputs):
+        """Forward only; the last stage's outputs (merged) on the rank that holds it, else None."""
+        if self._eval_program is None:
+            self._eval_program = _forward_only(self.program)
+        mbs = self._split(inputs, None)
+        rows = self._eval_program.actions[self.rank]
+        with torch.no_grad():
+            results = self._execute(rows, mbs, "eval", False, self.program.name)
+        if self.rank != self.last_rank:
+            return None
+        outs = [results[j] for j in range(self.num_microbatches)]
+        return microbatch.merge(outs, single=len(outs[0]) == 1)
+
+    def _split(self, inputs, targets) -> microbatch.MicroBatches:
+        _require_process_group()
+        xs = tuple(x.to(self.device) for x in microbatch.as_tuple(inputs, "inputs"))
+        ys = targets
+        if isinstance(targets, torch.Tensor):
+            ys = targets.to(self.device)
+        elif isinstance(targets, (tuple, list)):
+            ys = tuple(t.to(self.device) for t in microbatch.as_tuple(targets, "targets"))
+        return microbatch.split(xs, ys, self.num_microbatches)
+
+    def _execute(self, rows, mbs, mode: str, timeline: bool, name: str):
+        signature = (mbs.batch_size, *((tuple(x.shape), x.dtype) for x in mbs.inputs[0]))
+        cache = self._caches.get(mode)
+        discover = cache is None or cache.signature != signature
+        if discover:
+            cache = self._caches[mode] = MetaCache(signature=signature)
+        recorder = Recorder(self.rank, self.device, timeline)
+        recorder.begin(self.group)
+        executor = Executor(self.rank, self.placement, self.runners, self.transport, self.arities)
+        data = StepData(mbs.inputs, mbs.targets, mbs.weights)
+        executor.run(rows, data, cache, recorder, train=mode == "train", discover=discover)
+        executor.check_empty()
+        if timeline:
+            self.last_timeline = gather_timeline(
+                recorder, self.group, self.world_size, self.placement.num_stages, name
+            )
+        return executor.results
+
+    def _agree_on_loss(self, weights: tuple[float, ...]) -> torch.Tensor:
+        """Σ_j w_j · loss_j from the last stage, broadcast so every rank returns the same value."""
+        value = torch.zeros(2, dtype=torch.float64, device=self.device)
+        if self.rank == self.last_rank:
+            losses = self.runners[self.last_stage].losses
+            dtype = losses[0].dtype
+            value[0] = sum(w * losses.pop(j).double() for j, w in enumerate(weights))
+            value[1] = _DTYPES.index(dtype) if dtype in _DTYPES else 0
+        if self.world_size > 1:
+            src = (
+                self.last_rank
+                if self.group is None
+                else dist.get_global_rank(self.group, self.last_rank)
+            )
+            work = dist.broadcast(value, src, group=self.group, async_op=True)
+            self.transport.wait_work(work, "the loss broadcast", self.last_rank)
+        return value[0].to(_DTYPES[int(value[1].item())])
+
+    def _gather_arities(self) -> list[tuple[int, float]]:
+        mine = {s: arity(m) for s, m in self.modules.items()}
+        everyone: list[dict | None] = [None] * self.world_size
+        if self.world_size > 1:
+            dist.all_gather_object(everyone, mine, group=self.group)
+        else:
+            everyone = [mine]
+        table: dict[int, tuple[int, float]] = {}
+        for part in everyone:
+            table.update(part or {})
+        return [table[s] for s in range(self.placement.num_stages)]
+
+
+_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+def _require_process_group() -> None:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "torch.distributed is not initialized: call "
+            "torch.distributed.init_process_group('gloo' or 'nccl', ...) (or launch with "
+            "torchrun) before building or stepping a Pipeline"
+        )
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available():
+        import os
+
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def _count_stages(stages: Stages, num_stages: int | None) -> int:
+    if callable(stages) and not isinstance(stages, (nn.Module, Sequence)):
+        if num_stages is None:
+            raise ValueError("stages is a callable stage_index -> nn.Module; pass num_stages=")
+        return num_stages
+    if isinstance(stages, nn.Module) and not isinstance(stages, (nn.Sequential, nn.ModuleList)):
+        raise ValueError("stages must be a sequence of nn.Module (one per stage) or a callable")
+    n = len(stages)
+    if num_stages is not None and num_stages != n:
+        raise ValueError(f"num_stages={num_stages} but {n} stages were given")
+    return n
+
+
+def _resolve_program(schedule, num_microbatches, total, world, stages_per_rank) -> Program:
+    if isinstance(schedule, Program):
+        program = schedule
+        if num_microbatches is not None and num_microbatches != program.num_microbatches:
+            raise ValueError(
+                f"num_microbatches={num_microbatches} but the program has "
+                f"{program.num_microbatches}; omit it or make them agree"
+            )
+    else:
+        from pipetrain.schedule.registry import build_schedule
+
+        if num_microbatches is None:
+            raise ValueError("num_microbatches is required with a schedule name")
+        if total % world:
+            raise ValueError(
+                f"{total} stages cannot be spread over {world} ranks; the stage count must be a "
+                "multiple of the world size"
+            )
+        v = stages_per_rank if stages_per_rank is not None else total // world
+        if v * world != total:
+            raise ValueError(
+                f"stages_per_rank={v} × {world} ranks = {v * world} stages, but {total} were given"
+            )
+        try:
+            program = build_schedule(schedule, world, num_microbatches, stages_per_rank=v)
+        except ValueError as e:
+            raise ValueError(f"{total} stages on {world} ranks ({v} per rank): {e}") from None
+    if program.num_ranks != world:
+        raise ValueError(
+            f"the program has {program.num_ranks} ranks but the process group has {world}; "
+            f"launch {program.num_ranks} processes"
+        )
+    if program.num_stages != total:
+        raise ValueError(
+            f"the schedule has {program.num_stages} stages but {total} stages were given"
+        )
+    return validate(lower(program))
+
+
+def _local_modules(stages: Stages, mine: tuple[int, ...], device) -> dict[int, nn.Module]:
+    out = {}
+    for s in mine:
+        module = stages[s] if isinstance(stages, (Sequence, nn.Module)) else stages(s)
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"stage {s} is a {type(module).__name__}, not an nn.Module")
+        out[s] = module.to(device)
+    return out
+
+
+def _forward_only(program: Program) -> Program:
+    """The program's forwards alone (pair parts included), lowered again for eval.
+
+    ``validate`` would reject it (no backward); ``lower``'s dependency walk is the run check.
+    """
+    rows = tuple(
+        tuple(
+            Action(OpKind.F, p.stage, p.microbatch)
+            for a in row
+            if a.is_compute
+            for p in a.compute_parts
+            if p.kind is OpKind.F
+        )
+        for row in program.actions
+    )
+    return lower(Program(program.placement, program.num_microbatches, rows, program.name))

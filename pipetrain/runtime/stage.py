@@ -1,0 +1,163 @@
+"""One stage on this rank: forward with its graph kept, then B, or I and W, per micro-batch.
+
+The stage owns what a micro-batch leaves behind between its forward and its last backward piece:
+the input leaves (to read their gradients), the gradient edges of its outputs (never the output
+tensors themselves: an activation that was sent can be freed while its graph stays — Megatron's
+``deallocate_pipeline_outputs`` without touching ``.data``), and after ``I`` the work for ``W``.
+Each piece pops what it consumed, so after a micro-batch's last piece nothing of it is left.
+Communication and ordering belong to the executor; the split itself to ``split_backward``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+from pipetrain.runtime.p2p import TensorMeta
+from pipetrain.runtime.split_backward import (
+    WeightWork,
+    backward_full,
+    backward_input,
+    backward_weight,
+)
+
+
+@dataclass
+class _Saved:
+    """A micro-batch between its forward and its backward."""
+
+    inputs: list[torch.Tensor]  # input leaves that need a gradient, in input order
+    roots: list[GradientEdge]  # outputs that need a gradient (the weighted loss on the last stage)
+    root_metas: list[TensorMeta]
+    device: torch.device
+
+
+def arity(module: nn.Module) -> tuple[int, float]:
+    """(fewest, most) positional arguments ``module.forward`` accepts; (0, inf) if unknown."""
+    try:
+        sig = inspect.signature(module.forward)
+    except (TypeError, ValueError):
+        return 0, math.inf
+    lo, hi = 0, 0
+    for p in sig.parameters.values():
+        if p.kind is p.VAR_POSITIONAL:
+            hi = math.inf
+        elif p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            hi += 1
+            lo += p.default is p.empty
+    return lo, hi
+
+
+def leaves(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """Cut the graph between stages: fresh leaves that need a gradient where the source did."""
+    return tuple(t.detach().requires_grad_(t.requires_grad and _grad_dtype(t)) for t in tensors)
+
+
+def _grad_dtype(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+class StageRunner:
+    """Runs stage ``index`` (``module``); the last stage also applies ``loss_fn``."""
+
+    def __init__(
+        self, index: int, module: nn.Module, is_last: bool, loss_fn: Callable | None
+    ) -> None:
+        self.index = index
+        self.module = module
+        self.is_last = is_last
+        self.loss_fn = loss_fn
+        self.saved: dict[int, _Saved] = {}
+        self.weight_work: dict[int, WeightWork] = {}
+        self.losses: dict[int, torch.Tensor] = {}
+
+    def forward(
+        self, mb: int, args: tuple[torch.Tensor, ...], target: object, weight: float
+    ) -> tuple[torch.Tensor, ...]:
+        """Run the module; keep what backward needs. Returns the outputs (empty on the last stage)."""
+        outputs = self.call(args)
+        need = [a for a in args if a.requires_grad]
+        if not self.is_last:
+            roots = [o for o in outputs if o.requires_grad]
+            edges = [get_gradient_edge(o) for o in roots]
+            self.saved[mb] = _Saved(need, edges, _metas(roots), _device(outputs))
+            return outputs
+        loss = self.loss_fn(outputs[0] if len(outputs) == 1 else outputs, target)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ValueError(
+                f"loss_fn must return a scalar tensor, got {shape} on stage {self.index} "
+                f"micro-batch {mb}; reduce it (e.g. reduction='mean')"
+            )
+        self.losses[mb] = loss.detach().reshape(())
+        scaled = (loss * weight).reshape(())
+        roots = [scaled] if scaled.requires_grad else []
+        edges = [get_gradient_edge(r) for r in roots]
+        self.saved[mb] = _Saved(need, edges, _metas(roots), scaled.device)
+        return ()
+
+    def call(self, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        out = self.module(*args)
+        outputs = out if isinstance(out, tuple) else (out,)
+        for i, o in enumerate(outputs):
+            if not isinstance(o, torch.Tensor):
+                raise TypeError(
+                    f"stage {self.index} returned {type(o).__name__} at output {i}; stages must "
+                    "return a tensor or a tuple of tensors"
+                )
+        # An output that is an input leaf would alias the next stage's graph into this one.
+        ids = {id(a) for a in args}
+        return tuple(o.view_as(o) if id(o) in ids else o for o in outputs)
+
+    def grad_metas(self, mb: int) -> list[TensorMeta]:
+        """Shapes of the output gradients micro-batch ``mb`` expects (for receive buffers)."""
+        return self.saved[mb].root_metas
+
+    def backward(self, mb: int, grads: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        """``B``: input gradients (zeros where unused) and weight gradients accumulated."""
+        saved = self.saved.pop(mb)
+        found = backward_full(saved.roots, self._root_grads(saved, grads), saved.inputs)
+        return _fill(found, saved.inputs)
+
+    def backward_input(self, mb: int, grads: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        """``I``: input gradients only; what ``W`` needs is kept until ``backward_weight``."""
+        saved = self.saved.pop(mb)
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        found, work = backward_input(
+            saved.roots, self._root_grads(saved, grads), saved.inputs, params
+        )
+        self.weight_work[mb] = work
+        return _fill(found, saved.inputs)
+
+    def backward_weight(self, mb: int) -> None:
+        work = self.weight_work.pop(mb)
+        backward_weight(work)
+
+    def _root_grads(self, saved: _Saved, grads: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        if self.is_last:
+            return [
+                torch.ones(m.shape, dtype=m.dtype, device=saved.device) for m in saved.root_metas
+            ]
+        assert grads is not None and len(grads) == len(saved.roots), "gradient count mismatch"
+        return grads
+
+    def leftovers(self) -> int:
+        return len(self.saved) + len(self.weight_work)
+
+
+def _device(tensors: tuple[torch.Tensor, ...]) -> torch.device:
+    return tensors[0].device if tensors else torch.device("cpu")
+
+
+def _metas(tensors: list[torch.Tensor]) -> list[TensorMeta]:
+    return [TensorMeta.of(t) for t in tensors]
+
+
+def _fill(found: list[torch.Tensor | None], inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [torch.zeros_like(x) if g is None else g for g, x in zip(found, inputs)]

@@ -1,0 +1,107 @@
+"""Split backward in one process: I then W equals one backward, nothing runs twice, graph freed."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import torch
+from torch import nn
+from torch.autograd.graph import get_gradient_edge
+
+from pipetrain.runtime.split_backward import backward_full, backward_input, backward_weight
+
+
+def model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+
+
+def run_split(net, x, g, count, refs=None):
+    x = x.detach().requires_grad_(x.requires_grad)
+    h = net[1](net[0](x))
+    h.register_hook(lambda grad: count.append(1))
+    out = net[2](h)
+    if refs is not None:
+        refs += [weakref.ref(x), weakref.ref(h)]
+    params = [p for p in net.parameters() if p.requires_grad]
+    found, work = backward_input(
+        [get_gradient_edge(out)], [g], [x] if x.requires_grad else [], params
+    )
+    return found, work
+
+
+def test_input_then_weight_equals_full_backward_and_skips_repeats():
+    net, ref = model(), model()
+    x = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(2, 3, dtype=torch.float64)
+    xr = x.detach().requires_grad_()
+    ref(xr).backward(g)
+    fired = {n: 0 for n, _ in net.named_parameters()}
+    for n, p in net.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, n=n: fired.__setitem__(n, fired[n] + 1))
+    count: list[int] = []
+    (dx,), work = run_split(net, x, g, count)
+    assert torch.allclose(dx, xr.grad, rtol=1e-12)
+    assert all(p.grad is None for p in net.parameters()), "I must not touch weight gradients"
+    assert len(count) == 1
+    backward_weight(work)
+    assert len(count) == 1, "W re-ran the input-gradient path"
+    for (n, p), q in zip(net.named_parameters(), ref.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-12), n
+    assert all(v == 1 for v in fired.values()), fired
+
+
+def test_first_stage_puts_everything_in_w_and_frees_the_graph():
+    net, ref = model(), model()
+    net[0].bias.requires_grad_(False)
+    ref[0].bias.requires_grad_(False)
+    x = torch.randn(2, 4, dtype=torch.float64)
+    g = torch.randn(2, 3, dtype=torch.float64)
+    ref(x).backward(g)
+    refs: list[weakref.ref] = []
+    found, work = run_split(net, x, g, [], refs)
+    assert found == [] and all(r() is not None for r in refs), "W needs the saved activations"
+    backward_weight(work)
+    del work
+    gc.collect()
+    assert all(r() is None for r in refs), "the graph outlived W"
+    assert net[0].bias.grad is None
+    for p, q in zip(net.parameters(), ref.parameters()):
+        if q.grad is not None:
+            assert torch.allclose(p.grad, q.grad, rtol=1e-12)
+
+
+class Square(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * x * w
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return 2 * x * w * g, (x * x * g).sum(0)
+
+
+def test_custom_function_and_parameter_free_stage_stay_exact():
+    w = nn.Parameter(torch.rand(3, dtype=torch.float64))
+    x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(2, 3, dtype=torch.float64)
+    out = Square.apply(x, w)
+    (dx,), work = backward_input([get_gradient_edge(out)], [g], [x], [w])
+    assert w.grad is None
+    backward_weight(work)
+    assert torch.allclose(dx, 2 * x * w * g)
+    assert torch.allclose(w.grad, (x * x * g).sum(0))
+    y = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    (dy,), work = backward_input([get_gradient_edge(y.sin())], [g], [y], [])
+    assert work.empty and torch.allclose(dy, y.cos() * g)
+
+
+def test_full_backward_returns_input_gradients():
+    net = model()
+    x = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(2, 3, dtype=torch.float64)
+    (dx,) = backward_full([get_gradient_edge(net(x))], [g], [x])
+    assert dx is not None and x.grad is None and net[0].weight.grad is not None
