@@ -1,0 +1,30 @@
+"""Models to train with pipetrain: a small GPT cut into pipeline stages, and its dataset.
+
+This package imports torch (it is application code, like ``pipetrain.train``); the planning
+packages never import it.
+"""
+
+from pipetrain.models.data import VOCAB_SIZE, batches, corpus_tensor, make_corpus
+from pipetrain.models.gpt import (
+    GPTConfig,
+    GPTStage,
+    build_gpt,
+    lm_loss,
+    make_stage,
+    split_gpt,
+    stage_layers,
+)
+
+__all__ = [
+    "VOCAB_SIZE",
+    "GPTConfig",
+    "GPTStage",
+    "batches",
+    "build_gpt",
+    "corpus_tensor",
+    "lm_loss",
+    "make_corpus",
+    "make_stage",
+    "split_gpt",
+    "stage_layers",
+]

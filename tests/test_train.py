@@ -1,0 +1,185 @@
+"""The training app: the GPT split, the dataset, argument checks, measured costs, and a smoke run.
+
+The smoke run launches ``python -m pipetrain train`` (2 gloo processes on CPU) and is the only
+test here that starts processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from pipetrain.models import (  # noqa: E402
+    GPTConfig,
+    batches,
+    build_gpt,
+    corpus_tensor,
+    lm_loss,
+    make_corpus,
+    make_stage,
+    split_gpt,
+    stage_layers,
+)
+from pipetrain.schedule.registry import build_schedule  # noqa: E402
+from pipetrain.sim.costs import Costs  # noqa: E402
+from pipetrain.sim.simulate import simulate  # noqa: E402
+from pipetrain.train import add_train_arguments, check_arguments, measured_costs  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = GPTConfig(num_layers=6, hidden=32, num_heads=4, seq_len=16)
+
+
+@pytest.mark.parametrize("num_stages", [1, 2, 3, 4, 6])
+def test_split_composes_to_the_unsplit_model_in_float64(num_stages: int) -> None:
+    full = build_gpt(TINY, seed=3).double()
+    stages = [s.double() for s in split_gpt(TINY, num_stages, seed=3)]
+    tokens = torch.randint(
+        0, TINY.vocab_size, (2, TINY.seq_len), generator=torch.Generator().manual_seed(0)
+    )
+    x = tokens
+    for stage in stages:
+        x = stage(x)
+    assert x.dtype == torch.float64 and x.shape == (2, TINY.seq_len, TINY.vocab_size)
+    torch.testing.assert_close(x, full(tokens), rtol=1e-12, atol=1e-12)
+    # every parameter exactly once, under the same name as in the unsplit model
+    merged: dict[str, torch.Tensor] = {}
+    for stage in stages:
+        for name, p in stage.state_dict().items():
+            assert name not in merged, f"{name} held by two stages"
+            merged[name] = p
+    reference = full.state_dict()
+    assert merged.keys() == reference.keys()
+    for name, p in reference.items():
+        assert torch.equal(merged[name], p), name
+
+
+def test_stage_layers_are_balanced_and_cover_every_layer() -> None:
+    for layers in range(1, 13):
+        for n in range(1, layers + 1):
+            bounds = stage_layers(layers, n)
+            assert [a for a, _ in bounds] == [0, *[b for _, b in bounds[:-1]]]
+            assert bounds[-1][1] == layers
+            sizes = [b - a for a, b in bounds]
+            assert min(sizes) >= 1 and max(sizes) - min(sizes) <= 1
+            if n > 2 and len(set(sizes)) > 1:  # leftovers go to the middle stages first
+                assert sizes[0] <= max(sizes[1:-1]) and sizes[-1] <= max(sizes[1:-1])
+    assert [b - a for a, b in stage_layers(10, 4)] == [2, 3, 3, 2]
+
+
+def test_split_refuses_more_stages_than_layers() -> None:
+    with pytest.raises(ValueError, match="at least one block"):
+        split_gpt(TINY, TINY.num_layers + 1)
+    with pytest.raises(ValueError, match="stage_index"):
+        make_stage(TINY, 6, 6)
+    with pytest.raises(ValueError, match="multiple of num_heads"):
+        GPTConfig(hidden=30, num_heads=4)
+
+
+def test_only_first_and_last_stage_hold_embedding_and_head() -> None:
+    stages = split_gpt(TINY, 3)
+    assert hasattr(stages[0], "tok_emb") and not hasattr(stages[0], "head")
+    assert not hasattr(stages[1], "tok_emb") and not hasattr(stages[1], "head")
+    assert hasattr(stages[2], "head") and not hasattr(stages[2], "tok_emb")
+
+
+def test_dataset_is_deterministic_bytes_and_batches_shift_by_one() -> None:
+    assert make_corpus(1000, seed=1) == make_corpus(1000, seed=1)
+    assert make_corpus(1000, seed=1) != make_corpus(1000, seed=2)
+    tokens = corpus_tensor(4096)
+    assert tokens.dtype == torch.int64 and 0 <= int(tokens.min()) and int(tokens.max()) < 256
+    a = next(batches(tokens, 3, 8, seed=5))
+    b = next(batches(tokens, 3, 8, seed=5))
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    inputs, targets = a
+    assert inputs.shape == targets.shape == (3, 8)
+    assert torch.equal(inputs[:, 1:], targets[:, :-1])
+
+
+def test_loss_goes_down_on_one_process() -> None:
+    torch.manual_seed(0)
+    model = build_gpt(TINY)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    data = batches(corpus_tensor(1 << 14), 8, TINY.seq_len)
+    losses = []
+    for _ in range(30):
+        x, y = next(data)
+        loss = lm_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_train_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("--schedule", "nope"), "legal schedules"),
+        (("--schedule", "dualpipev", "--microbatches", "4"), "num_microbatches"),
+        (("--layers", "4"), "--layers >= 8"),
+        (("--hidden", "30"), "multiple of --heads"),
+        (("--schedule", "1f1b", "--stages-per-rank", "2"), "stages_per_rank"),
+    ],
+)
+def test_bad_arguments_are_refused_before_launching(argv: tuple[str, ...], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        check_arguments(_args(*argv))
+
+
+def test_defaults_are_the_demo() -> None:
+    args = _args()
+    assert (args.schedule, args.ranks, args.microbatches) == ("zbv", 4, 8)
+    assert check_arguments(args) == 8
+
+
+@pytest.mark.parametrize(
+    "name", ["1f1b", "zb-h1", "zbv", "dualpipev", "interleaved-1f1b", "interleaved-zb"]
+)
+def test_measured_costs_round_trip_through_the_simulator(name: str) -> None:
+    program = build_schedule(name, 2, 4)
+    n = program.num_stages
+    costs = Costs(
+        forward=[1.0 + s for s in range(n)],
+        backward_input=[2.0 + s for s in range(n)],
+        backward_weight=[0.5 + s for s in range(n)],
+        backward=[3.0 + 2 * s for s in range(n)],
+        forward_backward=[4.0 + 3 * s for s in range(n)] if name == "dualpipev" else None,
+    )
+    timeline = simulate(program, costs)
+    recovered = measured_costs([timeline], n)
+    again = simulate(program, recovered)
+    assert again.makespan == pytest.approx(timeline.makespan)
+    assert again.bubble_fraction == pytest.approx(timeline.bubble_fraction)
+
+
+def test_train_smoke_two_processes(tmp_path: Path) -> None:
+    pytest.importorskip("pipetrain.runtime.pipeline")
+    svg = tmp_path / "step.svg"
+    cmd = [sys.executable, "-m", "pipetrain", "train", "--ranks", "2", "--schedule", "zbv"]
+    cmd += ["--steps", "5", "--layers", "4", "--hidden", "16", "--heads", "2", "--seq-len", "16"]
+    cmd += ["--microbatches", "4", "--microbatch-size", "2", "--svg", str(svg), "--timeout", "60"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "loss" in done.stdout and "bubble" in done.stdout, done.stdout
+    assert svg.exists() and svg.read_text().startswith("<svg")
+
+
+def test_train_refuses_bad_input_with_exit_2() -> None:
+    cmd = [sys.executable, "-m", "pipetrain", "train", "--schedule", "nope"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "legal schedules" in done.stderr
