@@ -4,6 +4,9 @@ CSV is what ``_PipelineScheduleRuntime._dump_csv`` writes and ``_load_csv`` read
 rank, one action per cell in torch's notation, empty cells for its ``None`` bubbles. It carries no
 placement or micro-batch count, so loading infers them: the stages are 0..max, each stage lives on
 the rank whose row runs it, and the micro-batches are 0..max. JSON carries both explicitly.
+torch's ``compute_comms`` dumps also hold FSDP and gradient-reduction housekeeping cells
+(``0UNSHARD``, ``0RESHARD``, ``0REDUCE_GRAD``); they say nothing about pipeline order, so loading
+skips them (pipetrain's runtime accumulates gradients itself).
 """
 
 from __future__ import annotations
@@ -11,11 +14,19 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 from pathlib import Path
 
 from pipetrain.schedule.action import Action, format_action, parse_action
 from pipetrain.schedule.placement import Placement, infer_kind
 from pipetrain.schedule.program import Program
+
+_TORCH_HOUSEKEEPING = re.compile(r"\d+(UNSHARD|RESHARD|REDUCE_GRAD)")
+
+
+def _is_action_cell(cell: str) -> bool:
+    cell = cell.strip()
+    return bool(cell) and cell != "None" and not _TORCH_HOUSEKEEPING.fullmatch(cell)
 
 
 def to_csv(program: Program) -> str:
@@ -30,7 +41,7 @@ def from_csv(text: str, name: str = "csv") -> Program:
     rows: list[list[Action]] = []
     for line_no, cells in enumerate(csv.reader(io.StringIO(text)), start=1):
         try:
-            rows.append([parse_action(c) for c in cells if c.strip() and c.strip() != "None"])
+            rows.append([parse_action(c) for c in cells if _is_action_cell(c)])
         except ValueError as e:
             raise ValueError(f"line {line_no} (rank {line_no - 1}): {e}") from None
     if not rows:
