@@ -81,6 +81,8 @@ class Executor:
             if not action.is_comm:
                 self.flush()
                 self.transport.reap()
+                # Waiting for inputs is idle time, not the action's: the span starts after it.
+                self.resolve_inputs(action)
                 started = recorder.start()
                 self.dispatch(action)
                 recorder.stop(action, started)
@@ -117,6 +119,19 @@ class Executor:
             case OpKind.RECV_B:
                 metas = tuple(self.runners[s].grad_metas(j))
                 self.recv(action, self.placement.rank(s + 1), metas, self.grads)
+
+    def resolve_inputs(self, action: Action) -> None:
+        """Wait for the received values ``action`` reads, so its own span excludes the wait."""
+        for part in action.compute_parts:
+            key = (part.stage, part.microbatch)
+            if part.kind is OpKind.F:
+                pending = self.acts.get(key)
+                if isinstance(pending, Pending):
+                    self.acts[key] = self._take(pending)
+            elif part.kind in (OpKind.B, OpKind.I):
+                pending = self.grads.get(key)
+                if isinstance(pending, Pending):
+                    self.grads[key] = self._take(pending)
 
     def forward(self, s: int, j: int) -> None:
         args = self.data.inputs[j] if s == 0 else self._take(self.acts.pop((s, j)))

@@ -11,8 +11,13 @@ receiver waits for it before posting the payload. That is per-action blocking P2
 lowered program's global order makes deadlock-free. Gradients need no metadata: their shapes are
 those of the activations they belong to, which both ends know.
 
-Bool tensors travel as uint8 (gloo has no bool), and every wait takes a timeout so a rank that
-died mid-step yields an error naming the waiting rank, the action and the peer, not a hang.
+Bool tensors travel as uint8 (gloo has no bool), and every wait is bounded so a rank that died
+mid-step yields an error naming the waiting rank, the action and the peer, not a hang. On CPU
+(gloo) the wait itself takes the timeout. On CUDA (NCCL) a wait with a timeout would block the host
+thread until the transfer lands (ProcessGroupNCCL polls), so the host could no longer queue work
+ahead of the GPU; there the wait only orders the compute stream after the transfer, and the bound
+is the process group's own timeout and watchdog (``init_process_group(timeout=...)``, which
+``pipetrain train`` sets from ``--timeout``).
 """
 
 from __future__ import annotations
@@ -167,7 +172,7 @@ class Transport:
     def wait_work(self, work, what: str, peer: int) -> None:
         """Wait for ``work``; past the timeout, fail naming this rank, ``what`` and ``peer``."""
         try:
-            ok = work.wait(self.timeout)
+            ok = work.wait() if self.device.type == "cuda" else work.wait(self.timeout)
         except RuntimeError as e:
             raise PipelineTimeoutError(
                 f"rank {self.rank}: {what} waited on rank {peer} and failed within "
