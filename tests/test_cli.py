@@ -112,14 +112,20 @@ def test_compare_ranks_every_applicable_family(capsys) -> None:
             ["simulate", "-s", "dualpipev", "-p", "4", "-m", "3"],
             "num_microbatches >= 2 x num_ranks",
         ),
-        (["simulate", "-s", "zbv", "-p", "2", "-m", "4", "-v", "3"], "zbv needs stages_per_rank = 2, got 3"),
+        (
+            ["simulate", "-s", "zbv", "-p", "2", "-m", "4", "-v", "3"],
+            "zbv needs stages_per_rank = 2, got 3",
+        ),
         (
             ["simulate", "-s", "interleaved-1f1b", "-p", "4", "-m", "6", "--group-size", "5"],
             "microbatch_group_size in",
         ),
         (["simulate", "--program", "/no/such/file.csv"], "cannot read program file"),
         (["simulate"], "give --schedule NAME"),
-        (["show", "-s", "gpipe", "-p", "2", "-m", "2", "-v", "2"], "gpipe needs stages_per_rank = 1, got 2"),
+        (
+            ["show", "-s", "gpipe", "-p", "2", "-m", "2", "-v", "2"],
+            "gpipe needs stages_per_rank = 1, got 2",
+        ),
     ],
 )
 def test_bad_input_exits_2_with_a_message(capsys, argv, message) -> None:

@@ -18,9 +18,11 @@ travels as ``SEND_F(s, j)`` → ``RECV_F(s + 1, j)`` (forward) or ``SEND_B(s, j)
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import IntEnum
+from functools import lru_cache
 
-from pipetrain.schedule.action import Action, OpKind
+from pipetrain.schedule.action import COMM_KINDS, Action, OpKind
 from pipetrain.schedule.placement import Placement
 
 
@@ -33,37 +35,8 @@ class Token(IntEnum):
 Key = tuple[Token, int, int]
 
 
-# The rule is pure and every pass (lower, validate, simulate, run) asks it about the same actions;
-# remembering the answers makes a question a dict lookup (frozen actions hash cheaply).
-_produced_by: dict[Action, tuple[Key, ...]] = {}
-_required_by: dict[int, dict[Action, tuple[Key, ...]]] = {}
-
-
 def produces(action: Action) -> tuple[Key, ...]:
     """Values that exist on the action's rank once it has finished."""
-    found = _produced_by.get(action)
-    if found is None:
-        if len(_produced_by) > _MEMO_LIMIT:
-            _produced_by.clear()
-        found = _produced_by[action] = _produces(action)
-    return found
-
-
-def requires(action: Action, num_stages: int) -> tuple[Key, ...]:
-    """Values that must exist (locally or received) before the compute action can start."""
-    memo = _required_by.setdefault(num_stages, {})
-    found = memo.get(action)
-    if found is None:
-        if len(memo) > _MEMO_LIMIT:
-            memo.clear()
-        found = memo[action] = _requires(action, num_stages)
-    return found
-
-
-_MEMO_LIMIT = 1 << 21
-
-
-def _produces(action: Action) -> tuple[Key, ...]:
     out: list[Key] = []
     for a in action.compute_parts:
         s, j = a.stage, a.microbatch
@@ -81,7 +54,8 @@ def _produces(action: Action) -> tuple[Key, ...]:
     return tuple(out)
 
 
-def _requires(action: Action, num_stages: int) -> tuple[Key, ...]:
+def requires(action: Action, num_stages: int) -> tuple[Key, ...]:
+    """Values that must exist (locally or received) before the compute action can start."""
     out: list[Key] = []
     for a in action.compute_parts:
         s, j = a.stage, a.microbatch
@@ -147,3 +121,89 @@ def peer(action: Action) -> Action:
     """The matching half of a SEND or RECV."""
     send, recv = transfer(comm_key(action))
     return recv if action.kind in (OpKind.SEND_F, OpKind.SEND_B) else send
+
+
+# --- The same rule, compiled for the hot loops ---------------------------------------------------
+#
+# Lowering, validation and simulation each walk ~10^5 actions; hashing (token, stage, microbatch)
+# tuples and re-deriving the rule per action cost more than the work itself. ``CompiledRule`` asks
+# the functions above once per (kind, stage) at micro-batch 0 and stores the answers as integers.
+# That is sound because no dependency crosses micro-batches: the values of micro-batch j are those
+# of micro-batch 0 shifted by j (``compile_rule`` asserts that the rule, asked about micro-batch 0,
+# names only micro-batch 0). The rule itself stays stated once, above.
+
+_PLAIN_COMPUTE = (OpKind.F, OpKind.B, OpKind.I, OpKind.W)
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """A cross-rank value, as a template at micro-batch 0: who sends it and who receives it."""
+
+    value: int
+    send: Action
+    recv: Action
+    recv_rank: int
+
+
+@dataclass(frozen=True, eq=False)
+class CompiledRule:
+    """The dependency rule for one placement, with values as integers.
+
+    Value ``(token, stage, microbatch)`` is the integer ``microbatch · stride + token · S + stage``
+    (S stages, ``stride`` = 3S): distinct for every micro-batch, negative ones included, so no
+    micro-batch count is needed. Tables are keyed by ``(kind, stage)`` and hold the answer for
+    micro-batch 0; add ``microbatch · stride`` for another micro-batch. Plain compute kinds only:
+    an overlapped pair is looked up through its ``compute_parts``.
+    """
+
+    placement: Placement
+    stride: int
+    #: (kind, stage) -> ((value, producer's rank, token, stage), ...) the action needs
+    needs: dict[tuple[OpKind, int], tuple[tuple[int, int, Token, int], ...]]
+    #: (kind, stage) -> values the action produces
+    makes: dict[tuple[OpKind, int], tuple[int, ...]]
+    #: (kind, stage) -> the transfers of the produced values that cross ranks
+    transfers: dict[tuple[OpKind, int], tuple[Transfer, ...]]
+    #: (kind, stage) of a SEND/RECV -> the value it moves; absent when that value cannot exist
+    moves: dict[tuple[OpKind, int], int]
+
+    def value(self, key: Key) -> int:
+        token, stage, microbatch = key
+        return microbatch * self.stride + token * self.placement.num_stages + stage
+
+    def key(self, value: int) -> Key:
+        microbatch, rest = divmod(value, self.stride)
+        token, stage = divmod(rest, self.placement.num_stages)
+        return (Token(token), stage, microbatch)
+
+
+@lru_cache(maxsize=64)
+def compile_rule(placement: Placement) -> CompiledRule:
+    """The rule above as integer tables for ``placement`` (cached: tables are O(stages))."""
+    num_stages = placement.num_stages
+    stride = len(Token) * num_stages
+    rank_of_stage = placement.rank_of_stage
+
+    def value(key: Key) -> int:
+        assert key[2] == 0 and 0 <= key[1] < num_stages, key  # micro-batch 0, a real stage
+        return key[0] * num_stages + key[1]
+
+    needs, makes, transfers, moves = {}, {}, {}, {}
+    for stage in range(num_stages):
+        for kind in _PLAIN_COMPUTE:
+            action = Action(kind, stage, 0)
+            needs[kind, stage] = tuple(
+                (value(k), rank_of_stage[k[1]], k[0], k[1]) for k in requires(action, num_stages)
+            )
+            made = produces(action)
+            makes[kind, stage] = tuple(value(k) for k in made)
+            transfers[kind, stage] = tuple(
+                Transfer(value(k), *transfer(k), rank_of_stage[consumer_stage(k)])
+                for k in made
+                if crosses_ranks(k, placement)
+            )
+        for kind in COMM_KINDS:
+            key = comm_key(Action(kind, stage, 0))
+            if 0 <= key[1] < num_stages:
+                moves[kind, stage] = value(key)
+    return CompiledRule(placement, stride, needs, makes, transfers, moves)

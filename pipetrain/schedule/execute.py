@@ -7,6 +7,9 @@ ended when producer and consumer live on different ranks. A rank that waits is p
 missing value and woken when it is produced, so a run is O(actions) however long the program.
 If ranks remain parked when nothing is left to run, the program deadlocks and ``ScheduleError``
 says who waits on whom.
+
+The loop reads the rule through ``deps.compile_rule`` (values as integers), because it runs once
+per action of every lowering, validation and simulation.
 """
 
 from __future__ import annotations
@@ -30,45 +33,68 @@ def execute(
     latency: Callable[[deps.Key], float] = _no_latency,
 ) -> list[Span]:
     """Run the program's compute actions (SEND/RECV are skipped: they are latency, not work)."""
-    placement, num_stages = program.placement, program.num_stages
-    rows = [tuple(a for a in row if a.is_compute) for row in program.actions]
-    rank_of_stage = placement.rank_of_stage
-    produced: dict[deps.Key, float] = {}
-    waiting: dict[deps.Key, list[int]] = {}
+    rule = deps.compile_rule(program.placement)
+    needs_of, makes_of, stride = rule.needs, rule.makes, rule.stride
+    pay_latency = latency is not _no_latency  # lowering and validation: no call per dependency
+    rows = [[a for a in row if a.is_compute] for row in program.actions]
+    produced: dict[int, float] = {}  # value -> when it was produced
+    waiting: dict[int, list[int]] = {}  # value -> ranks parked on it
     pos = [0] * len(rows)
     free_at = [0.0] * len(rows)
     spans: list[Span] = []
     work = list(range(len(rows) - 1, -1, -1))
     while work:
         rank = work.pop()
-        row = rows[rank]
-        while pos[rank] < len(row):
-            action = row[pos[rank]]
-            start = free_at[rank]
+        row, step, free = rows[rank], pos[rank], free_at[rank]
+        while step < len(row):
+            action = row[step]
+            parts = action.compute_parts
+            start = free
             blocked_on = None
-            for key in deps.requires(action, num_stages):
-                t = produced.get(key)
-                if t is None:
-                    blocked_on = key
+            for part in parts:
+                shift = part.microbatch * stride
+                needs = needs_of.get((part.kind, part.stage))
+                if needs is None:  # unvalidated input naming a stage the placement lacks
+                    raise _bad_stage(program, rows, rank, step)
+                for base, producer_rank, token, stage in needs:
+                    t = produced.get(base + shift)
+                    if t is None:
+                        blocked_on = base + shift
+                        break
+                    if producer_rank != rank and pay_latency:
+                        t += latency((token, stage, part.microbatch))
+                    if t > start:
+                        start = t
+                if blocked_on is not None:
                     break
-                if rank_of_stage[key[1]] != rank:
-                    t += latency(key)
-                if t > start:
-                    start = t
             if blocked_on is not None:
                 waiting.setdefault(blocked_on, []).append(rank)
                 break
-            end = start + duration(action)
-            spans.append(Span(rank, action, start, end))
-            free_at[rank] = end
-            pos[rank] += 1
-            for key in deps.produces(action):
-                produced[key] = end
-                if key in waiting:
-                    work.extend(waiting.pop(key))
+            free = start + duration(action)
+            spans.append(Span(rank, action, start, free))
+            step += 1
+            for part in parts:
+                shift = part.microbatch * stride
+                for base in makes_of[part.kind, part.stage]:
+                    produced[base + shift] = free
+                    if base + shift in waiting:
+                        work.extend(waiting.pop(base + shift))
+        pos[rank], free_at[rank] = step, free
     if any(p < len(r) for p, r in zip(pos, rows)):
-        raise deadlock_error(program.with_actions(rows), pos, produced)
+        produced_keys = {rule.key(v): t for v, t in produced.items()}
+        raise deadlock_error(program.with_actions(rows), pos, produced_keys)
     return spans
+
+
+def _bad_stage(
+    program: Program, rows: Sequence[Sequence[Action]], rank: int, step: int
+) -> ScheduleError:
+    return ScheduleError(
+        f"rank {rank} step {step}: {rows[rank][step]} names a stage outside "
+        f"0..{program.num_stages - 1}",
+        program.with_actions(rows),
+        [(rank, step)],
+    )
 
 
 def deadlock_error(

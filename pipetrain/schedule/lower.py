@@ -42,22 +42,24 @@ def inject_comms(program: Program) -> Program:
     """Add SEND/RECV actions for every cross-rank dependency (see the module docstring)."""
     if program.is_lowered:
         raise ScheduleError("program already carries SEND/RECV actions; lower a compute-only one")
-    placement = program.placement
-    rank_of_stage = placement.rank_of_stage
-    # (time, kind: 0 = transfer before 1 = compute, rank, sequence) orders the global sequence
-    items: list[tuple[float, int, int, int, Action, Action | None]] = []
-    for seq, span in enumerate(execute(program, _unit)):
-        items.append((span.start, 1, span.rank, seq, span.action, None))
-        for key in deps.produces(span.action):
-            if deps.crosses_ranks(key, placement):
-                send, recv = deps.transfer(key)
-                items.append((span.end, 0, span.rank, seq, send, recv))
-    items.sort(key=lambda item: item[:4])
+    transfers_of = deps.compile_rule(program.placement).transfers
+    # Entries sort by (time, 0 = transfer before 1 = compute, rank, execution order); the running
+    # count as fourth field makes every entry distinct, so the sort never compares actions.
+    entries: list[tuple[float, int, int, int, Action, Action | None, int]] = []
+    for span in execute(program, _unit):
+        rank, action = span.rank, span.action
+        entries.append((span.start, 1, rank, len(entries), action, None, rank))
+        for part in action.compute_parts:
+            for t in transfers_of[part.kind, part.stage]:  # templates at micro-batch 0
+                send = Action(t.send.kind, t.send.stage, part.microbatch)
+                recv = Action(t.recv.kind, t.recv.stage, part.microbatch)
+                entries.append((span.end, 0, rank, len(entries), send, recv, t.recv_rank))
+    entries.sort()
     rows: list[list[Action]] = [[] for _ in range(program.num_ranks)]
-    for _, _, rank, _, action, recv in items:
+    for _, _, rank, _, action, recv, recv_rank in entries:
         rows[rank].append(action)
         if recv is not None:
-            rows[rank_of_stage[recv.stage]].append(recv)
+            rows[recv_rank].append(recv)
     return program.with_actions(rows)
 
 

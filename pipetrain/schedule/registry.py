@@ -163,7 +163,9 @@ def build(spec: ScheduleSpec) -> Program:
     fam = family(spec.name)
     v = fam.default_stages_per_rank if spec.stages_per_rank is None else spec.stages_per_rank
     if fam.stages_per_rank is not None and v not in fam.stages_per_rank:
-        raise ValueError(f"{fam.name} needs stages_per_rank = {fam.legal_stages_per_rank()}, got {v}")
+        raise ValueError(
+            f"{fam.name} needs stages_per_rank = {fam.legal_stages_per_rank()}, got {v}"
+        )
     if spec.microbatch_group_size is not None and not fam.takes_group_size:
         raise ValueError(f"{fam.name} takes no micro-batch group size; only interleaved-1f1b does")
     kwargs: dict[str, int] = {}

@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import accumulate
+from operator import itemgetter
 from typing import NamedTuple
 
 from pipetrain.schedule.action import Action, OpKind
@@ -152,22 +154,16 @@ def _activation_curve(
     spans: Sequence[Span], activation_size: Sequence[float]
 ) -> tuple[tuple[float, float], ...]:
     """Allocate at the start of F, free at the end of the last backward piece of (stage, mb)."""
-    split = {
-        (p.stage, p.microbatch) for s in spans for p in s.action.compute_parts if p.kind is OpKind.W
-    }
+    parts = [(s, p) for s in spans for p in s.action.compute_parts]
+    split = {(p.stage, p.microbatch) for _, p in parts if p.kind is OpKind.W}
     events: list[tuple[float, int, float]] = []  # (time, order, delta): frees sort before allocs
-    for s in spans:
-        for p in s.action.compute_parts:
-            size = activation_size[p.stage]
-            if p.kind is OpKind.F:
-                events.append((s.start, 1, size))
-            elif p.kind is OpKind.W or (
-                p.kind in (OpKind.B, OpKind.I) and (p.stage, p.microbatch) not in split
-            ):
-                events.append((s.end, 0, -size))
-    events.sort(key=lambda e: (e[0], e[1]))
-    held, curve = 0.0, [(float("-inf"), 0.0)]
-    for time, _, delta in events:
-        held += delta
-        curve.append((time, held))
-    return tuple(curve[1:]) if len(curve) > 1 else ((0.0, 0.0),)
+    for s, p in parts:
+        if p.kind is OpKind.F:
+            events.append((s.start, 1, activation_size[p.stage]))
+        elif p.kind is OpKind.W or (p.stage, p.microbatch) not in split:  # W, or B/I unsplit
+            events.append((s.end, 0, -activation_size[p.stage]))
+    if not events:
+        return ((0.0, 0.0),)
+    events.sort(key=itemgetter(0, 1))
+    held = accumulate(delta for _, _, delta in events)
+    return tuple(zip((time for time, _, _ in events), held))

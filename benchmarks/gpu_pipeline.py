@@ -1,0 +1,849 @@
+"""pipetrain against torch.distributed.pipelining on real GPUs (issue 4 §1); a benchmark, not a test.
+
+    torchrun --nproc-per-node 2 benchmarks/gpu_pipeline.py --out $OUT            # 2 GPUs, NCCL
+    torchrun --nproc-per-node 4 benchmarks/gpu_pipeline.py --preset cpu-smoke   # CPU, gloo
+
+Per configuration (schedule family × micro-batch count) both libraries train the same GPT
+(``pipetrain.models.gpt``; stages deep-copied from one seeded master, so the weights are equal and
+nothing is shared) on the same ranks, micro-batch size and count, with the same optimizer step
+(AdamW foreach, ``zero_grad(set_to_none=False)``). The libraries alternate: pipetrain first on even
+configurations, torch first on odd ones. Each runs warm-up steps, then timed steps
+(``synchronize`` + ``perf_counter`` around the whole step including the optimizer, after a
+barrier; a step's time is the slowest rank's), and pipetrain then runs ``timeline=True`` steps
+*after* the timed ones, so event recording never pollutes the step times.
+
+Reported per configuration and library: step time (median, min–max), tokens/s, model TFLOP/s per
+GPU, peak GPU memory per rank (``max_memory_allocated`` above what was allocated before the
+library's modules were built), pipeline efficiency = limit step time / step time. For pipetrain
+also: the measured bubble fraction (from its measured timeline), the simulator's bubble from the
+measured mean F/B/I/W/pair time per stage with comm = 0 and with comm = a measured one-way P2P time
+of one activation (ping-pong between ranks 0 and 1), and the predicted peak memory (resident state
+before the step + the simulator's activation peak, weighting each stage by the activation bytes
+one micro-batch's forward allocated in the limit run).
+
+The physical limit: every rank runs its own stages of the same layout with no pipeline and no
+communication — for each micro-batch, forward and ordinary backward of each local stage (random
+activations in, random gradients out), then the same optimizer step — all ranks concurrently. The
+pipeline cannot beat the slowest rank's time, so limit step time = max over ranks of the median;
+limit tokens/s = batch tokens / that time (per-rank work scaled by the number of ranks).
+
+Model FLOPs per token = 6·P + 12·L·s·h, P = parameters except the embeddings (blocks, final LN,
+head), L layers, s sequence length, h hidden (the attention term counts QKᵀ and AV, forward and
+backward, without halving for the causal mask: the PaLM/Megatron convention).
+
+Every failure becomes an error row and the run goes on; a time budget skips what would not fit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import functools
+import gc
+import inspect
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from pipetrain.models.gpt import GPTConfig, lm_loss, make_stage
+from pipetrain.runtime.pipeline import Pipeline
+from pipetrain.schedule.action import OpKind
+from pipetrain.sim.costs import Costs
+from pipetrain.sim.simulate import simulate
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Family:
+    torch_class: str
+    stages_per_rank: int
+    layout: str  # "one", "loop", "v"
+
+
+FAMILIES = {
+    "gpipe": Family("ScheduleGPipe", 1, "one"),
+    "1f1b": Family("Schedule1F1B", 1, "one"),
+    "interleaved-1f1b": Family("ScheduleInterleaved1F1B", 2, "loop"),
+    "looped-bfs": Family("ScheduleLoopedBFS", 2, "loop"),
+    "interleaved-zb": Family("ScheduleInterleavedZeroBubble", 2, "loop"),
+    "zbv": Family("ScheduleZBVZeroBubble", 2, "v"),
+    "dualpipev": Family("ScheduleDualPipeV", 2, "v"),
+}
+
+PRESETS = {
+    # the issue's reference shape: 16 layers × hidden 2048, seq 1024, micro-batch 4, bf16
+    "h100": dict(
+        vocab=8192,
+        seq=1024,
+        layers=16,
+        hidden=2048,
+        heads=16,
+        mb_size=4,
+        dtype="bfloat16",
+        microbatches="16,8",
+        steps=10,
+        warmup=3,
+        timeline_steps=2,
+        limit_steps=6,
+        budget_s=300.0,
+    ),
+    "cpu-smoke": dict(
+        vocab=256,
+        seq=64,
+        layers=8,
+        hidden=64,
+        heads=4,
+        mb_size=2,
+        dtype="float32",
+        microbatches="",  # 2 × ranks, so the V schedules (micro-batches >= stages) all run
+        steps=3,
+        warmup=1,
+        timeline_steps=1,
+        limit_steps=2,
+        budget_s=100.0,
+    ),
+}
+
+
+def local_stages(layout: str, rank: int, world: int, v: int) -> list[int]:
+    if layout == "one":
+        return [rank]
+    if layout == "loop":
+        return [rank + c * world for c in range(v)]
+    return [rank, 2 * world - 1 - rank]  # V: rank r holds r and 2p−1−r
+
+
+# ---------------------------------------------------------------------------------------------
+# process setup, collectives that every rank calls in the same order
+# ---------------------------------------------------------------------------------------------
+
+
+class Ctx:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.cuda = torch.cuda.is_available() and args.device != "cpu"
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if self.cuda:
+            torch.cuda.set_device(local)
+            self.device = torch.device("cuda", local)
+            dist.init_process_group(
+                "nccl", timeout=timedelta(seconds=args.pg_timeout), device_id=self.device
+            )
+        else:
+            torch.set_num_threads(1)
+            self.device = torch.device("cpu")
+            dist.init_process_group("gloo", timeout=timedelta(seconds=args.pg_timeout))
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.dtype = getattr(torch, args.dtype)
+        self.cfg = GPTConfig(
+            vocab_size=args.vocab,
+            seq_len=args.seq,
+            num_layers=args.layers,
+            hidden=args.hidden,
+            num_heads=args.heads,
+        )
+        self.t0 = time.perf_counter()
+        self._masters: dict[tuple[int, int], torch.nn.Module] = {}
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def gather(self, obj) -> list:
+        out: list = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+    def agree(self, obj):
+        """Rank 0's value on every rank (decisions that all ranks must take together)."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def stage(self, num_stages: int, s: int) -> torch.nn.Module:
+        """A fresh copy of stage ``s`` of ``num_stages`` on this device (one seeded master each)."""
+        key = (num_stages, s)
+        if key not in self._masters:
+            self._masters[key] = make_stage(self.cfg, s, num_stages, seed=0).to(self.dtype)
+        return copy.deepcopy(self._masters[key]).to(self.device)
+
+    def batch(self, n: int):
+        g = torch.Generator().manual_seed(1234 + n)
+        shape = (n * self.args.mb_size, self.cfg.seq_len)
+        x = torch.randint(0, self.cfg.vocab_size, shape, generator=g)
+        y = torch.randint(0, self.cfg.vocab_size, shape, generator=g)
+        return x.to(self.device), y.to(self.device)
+
+    def mem_reset(self) -> int:
+        gc.collect()
+        if not self.cuda:
+            return 0
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return torch.cuda.memory_allocated(self.device)
+
+    def mem_peak(self) -> int | None:
+        return torch.cuda.max_memory_allocated(self.device) if self.cuda else None
+
+    def mem_now(self) -> int | None:
+        return torch.cuda.memory_allocated(self.device) if self.cuda else None
+
+
+def log(ctx: Ctx, msg: str) -> None:
+    if ctx.rank == 0:
+        print(f"[{ctx.elapsed():7.1f}s] {msg}", flush=True)
+
+
+def make_optimizer(ctx: Ctx, params):
+    params = [p for p in params if p.requires_grad]
+    if ctx.args.optimizer == "none":
+        return None
+    if ctx.args.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=1e-4, foreach=True)
+    return torch.optim.AdamW(params, lr=1e-4, foreach=True)
+
+
+def opt_step(opt, params) -> None:
+    if opt is not None:
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    else:
+        for p in params:
+            p.grad = None
+
+
+def time_steps(ctx: Ctx, fn, count: int) -> list[float]:
+    """Per-step wall times (s) on this rank: barrier, synchronize, step, synchronize."""
+    times = []
+    for _ in range(count):
+        ctx.barrier()
+        ctx.sync()
+        t = time.perf_counter()
+        fn()
+        ctx.sync()
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def slowest(ctx: Ctx, times: list[float]) -> list[float]:
+    """Per step, the slowest rank's time (collective)."""
+    everyone = ctx.gather(times)
+    return [max(ts) for ts in zip(*everyone)]
+
+
+def stats(times: list[float]) -> dict:
+    return {
+        "median_ms": 1e3 * statistics.median(times),
+        "min_ms": 1e3 * min(times),
+        "max_ms": 1e3 * max(times),
+        "all_ms": [round(1e3 * t, 3) for t in times],
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# model arithmetic
+# ---------------------------------------------------------------------------------------------
+
+
+def flops_per_token(cfg: GPTConfig) -> float:
+    h, L = cfg.hidden, cfg.num_layers
+    block = 4 * h * h + 4 * h + 2 * cfg.mlp_ratio * h * h + (cfg.mlp_ratio + 1) * h + 4 * h
+    params = L * block + 2 * h + h * cfg.vocab_size  # blocks + final LN + head (no embeddings)
+    return 6 * params + 12 * L * cfg.seq_len * h
+
+
+# ---------------------------------------------------------------------------------------------
+# the physical limit and a P2P estimate
+# ---------------------------------------------------------------------------------------------
+
+
+def measure_limit(ctx: Ctx, layout: str, v: int, n: int) -> dict:
+    num_stages = v * ctx.world
+    mine = local_stages(layout, ctx.rank, ctx.world, v)
+    base = ctx.mem_reset()
+    mods = {s: ctx.stage(num_stages, s) for s in mine}
+    params = [p for m in mods.values() for p in m.parameters()]
+    opt = make_optimizer(ctx, params)
+    x, y = ctx.batch(n)
+    xs, ys = x.chunk(n), y.chunk(n)
+    b, t, h = ctx.args.mb_size, ctx.cfg.seq_len, ctx.cfg.hidden
+    gen = torch.Generator(device=ctx.device).manual_seed(7)
+    hid = torch.randn(b, t, h, device=ctx.device, dtype=ctx.dtype, generator=gen)
+    gout = torch.randn(b, t, h, device=ctx.device, dtype=ctx.dtype, generator=gen) * 1e-3
+    act: dict[int, int] = {}
+
+    def step() -> None:
+        for j in range(n):
+            for s in mine:
+                inp = xs[j] if s == 0 else hid.detach().requires_grad_()
+                before = ctx.mem_now() if j == 0 and s not in act else None
+                out = mods[s](inp)
+                if s == num_stages - 1:
+                    loss = lm_loss(out, ys[j]) / n
+                    if before is not None:
+                        act[s] = ctx.mem_now() - before
+                    loss.backward()
+                else:
+                    if before is not None:
+                        act[s] = ctx.mem_now() - before
+                    out.backward(gout)
+                del out
+        opt_step(opt, params)
+
+    for _ in range(ctx.args.limit_warmup):
+        step()
+    times = slowest(ctx, time_steps(ctx, step, ctx.args.limit_steps))
+    peak = (ctx.mem_peak() or 0) - base if ctx.cuda else None
+    acts: dict[int, int] = {}
+    for part in ctx.gather(act):
+        acts.update(part)
+    out = stats(times)
+    out.update(
+        layout=layout,
+        stages_per_rank=v,
+        microbatches=n,
+        tokens_per_s=n * b * t / (out["median_ms"] / 1e3),
+        activation_bytes={str(k): v for k, v in sorted(acts.items())},
+        peak_gib_rank0=None if peak is None else peak / GIB,
+    )
+    return out
+
+
+def measure_comm_ms(ctx: Ctx) -> float | None:
+    """One-way time of one activation between ranks 0 and 1 (ping-pong, blocking send/recv)."""
+    if ctx.world < 2:
+        return None
+    shape = (ctx.args.mb_size, ctx.cfg.seq_len, ctx.cfg.hidden)
+    buf = torch.zeros(shape, dtype=ctx.dtype, device=ctx.device)
+    reps = 10
+
+    def ping(count: int) -> None:
+        for _ in range(count):
+            if ctx.rank == 0:
+                dist.send(buf, 1)
+                dist.recv(buf, 1)
+            elif ctx.rank == 1:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+
+    ping(3)
+    ctx.barrier()
+    ctx.sync()
+    t = time.perf_counter()
+    ping(reps)
+    ctx.sync()
+    ms = (time.perf_counter() - t) * 1e3 / (2 * reps)
+    return ctx.agree(ms)
+
+
+# ---------------------------------------------------------------------------------------------
+# the two libraries
+# ---------------------------------------------------------------------------------------------
+
+
+def mean_costs(timelines) -> dict[tuple[OpKind, int], float]:
+    durations: dict[tuple[OpKind, int], list[float]] = defaultdict(list)
+    for tl in timelines:
+        for span in tl.spans:
+            durations[span.action.kind, span.action.stage].append(span.duration)
+    return {k: statistics.fmean(v) for k, v in durations.items()}
+
+
+def costs_from(mean: dict, num_stages: int, comm: float, activation) -> Costs:
+    def col(kind: OpKind) -> list[float | None]:
+        return [mean.get((kind, s)) for s in range(num_stages)]
+
+    f, i, w, b = (col(k) for k in (OpKind.F, OpKind.I, OpKind.W, OpKind.B))
+    pair = col(OpKind.OVERLAP_F_B)
+    for s in range(num_stages):
+        f[s] = f[s] or 0.0
+        if b[s] is None:
+            b[s] = (i[s] or 0.0) + (w[s] or 0.0)
+        i[s] = i[s] if i[s] is not None else b[s] / 2
+        w[s] = w[s] if w[s] is not None else b[s] / 2
+    pairs = (
+        [p if p is not None else 0.0 for p in pair] if any(p is not None for p in pair) else None
+    )
+    return Costs(
+        forward=f,
+        backward_input=i,
+        backward_weight=w,
+        backward=b,
+        forward_backward=pairs,
+        comm=comm,
+        activation=activation,
+    )
+
+
+def measure(ctx: Ctx, pipeline_step, opt, params, base: int) -> tuple[dict, int | None]:
+    """Warm up, then time ``pipeline_step`` + the optimizer step; memory above ``base``.
+
+    Returns the row (times; ``peak_gib``: per rank, the peak during the pipeline step alone;
+    ``peak_total_gib``: including the optimizer step's temporaries) and the memory resident
+    before a step (parameters, gradients, optimizer state, library buffers), above ``base``.
+    """
+    peaks = {"step": 0, "total": 0}
+
+    def step() -> None:
+        if ctx.cuda:
+            peaks["total"] = max(peaks["total"], torch.cuda.max_memory_allocated(ctx.device))
+            torch.cuda.reset_peak_memory_stats(ctx.device)
+        pipeline_step()
+        if ctx.cuda:
+            peaks["step"] = max(peaks["step"], torch.cuda.max_memory_allocated(ctx.device))
+        opt_step(opt, params)
+
+    for _ in range(ctx.args.warmup):
+        step()
+    ctx.sync()
+    resident = None if not ctx.cuda else torch.cuda.memory_allocated(ctx.device) - base
+    peaks.update(step=0, total=0)
+    times = slowest(ctx, time_steps(ctx, step, ctx.args.steps))
+    row = stats(times)
+    if ctx.cuda:
+        peaks["total"] = max(peaks["total"], torch.cuda.max_memory_allocated(ctx.device))
+        row["peak_gib"] = gathered_gib(ctx, peaks["step"] - base)
+        row["peak_total_gib"] = gathered_gib(ctx, peaks["total"] - base)
+        row["resident_gib"] = gathered_gib(ctx, resident)
+    return row, resident
+
+
+@contextlib.contextmanager
+def stream_ordered_waits():
+    """Experiment: pipetrain's P2P waits without a timeout on CUDA, for this block only.
+
+    ``Transport.wait_work`` passes its timeout to ``Work.wait``; ProcessGroupNCCL then blocks the
+    host, polling until the transfer is done (a host sync per receive). Without a timeout the
+    wait only orders the compute stream after the transfer. The library is patched for the
+    duration of one measurement and restored; the hang guard is then the process group's timeout.
+    """
+    from pipetrain.runtime import p2p
+
+    original = p2p.Transport.wait_work
+
+    def wait_work(self, work, what, peer):
+        if self.device.type != "cuda":
+            return original(self, work, what, peer)
+        work.wait()
+        return None
+
+    p2p.Transport.wait_work = wait_work
+    try:
+        yield
+    finally:
+        p2p.Transport.wait_work = original
+
+
+def run_pipetrain(
+    ctx: Ctx, name: str, fam: Family, n: int, limit: dict, comm_ms, stream_wait: bool = False
+) -> dict:
+    if stream_wait:
+        with stream_ordered_waits():
+            return run_pipetrain(ctx, name, fam, n, limit, comm_ms)
+    a = ctx.args
+    num_stages = fam.stages_per_rank * ctx.world
+    base = ctx.mem_reset()
+    pipe = Pipeline(
+        lambda s: ctx.stage(num_stages, s),
+        name,
+        n,
+        lm_loss,
+        stages_per_rank=fam.stages_per_rank,
+        num_stages=num_stages,
+        device=ctx.device,
+        timeout=timedelta(seconds=a.op_timeout),
+    )
+    expect = local_stages(fam.layout, ctx.rank, ctx.world, fam.stages_per_rank)
+    got = sorted(pipe.placement.stages_of_rank(ctx.rank))
+    if got != sorted(expect):
+        raise RuntimeError(f"placement differs from torch's: pipetrain {got}, torch {expect}")
+    params = list(pipe.parameters())
+    opt = make_optimizer(ctx, params)
+    x, y = ctx.batch(n)
+    row, _ = measure(ctx, lambda: pipe.step(x, y), opt, params, base)
+    timelines = []
+    for _ in range(a.timeline_steps):
+        pipe.step(x, y, timeline=True)
+        timelines.append(pipe.last_timeline)
+        opt_step(opt, params)
+    if timelines:
+        mean = mean_costs(timelines)
+        acts = limit.get("activation_bytes") or {}
+        act = [acts.get(str(s), 0) / GIB for s in range(num_stages)]
+        sim0 = simulate(pipe.program, costs_from(mean, num_stages, 0.0, act))
+        simc = simulate(pipe.program, costs_from(mean, num_stages, comm_ms or 0.0, act))
+        row.update(
+            bubble_measured=statistics.fmean(t.bubble_fraction for t in timelines),
+            makespan_measured_ms=statistics.fmean(t.makespan for t in timelines),
+            bubble_sim_comm0=sim0.bubble_fraction,
+            bubble_sim_comm=simc.bubble_fraction,
+            makespan_sim_comm0_ms=sim0.makespan,
+            makespan_sim_comm_ms=simc.makespan,
+            mean_action_ms={f"{k.value}{s}": round(v, 4) for (k, s), v in sorted(mean.items())},
+            timeline_peak_activations=list(timelines[-1].peak_activations),
+        )
+        res = row.get("resident_gib")
+        if res and acts:
+            row["pred_peak_gib"] = [r + s for r, s in zip(res, simc.peak_activations)]
+        if ctx.rank == 0 and a.out:
+            save_timeline_text(ctx, name, n, timelines[-1], simc)
+    return row
+
+
+def save_timeline_text(ctx: Ctx, name: str, n: int, measured, simulated) -> None:
+    """The measured and simulated step as text (appended to one file: few files come back)."""
+    try:
+        from pipetrain.render.text import render_text
+    except ImportError:
+        return
+    try:
+        text = render_text(measured, color=False) + "\n" + render_text(simulated, color=False)
+    except Exception:
+        return
+    with open(Path(ctx.args.out) / "timelines.txt", "a") as f:
+        f.write(f"==== {name} n={n} (measured, then simulated from measured costs) ====\n")
+        f.write(text + "\n")
+
+
+def gathered_gib(ctx: Ctx, value: int | None) -> list[float] | None:
+    everyone = ctx.gather(value)
+    if any(v is None for v in everyone):
+        return None
+    return [v / GIB for v in everyone]
+
+
+def run_torch(ctx: Ctx, name: str, fam: Family, n: int) -> dict:
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining import schedules as S
+
+    cls = getattr(S, fam.torch_class, None)
+    if cls is None:
+        return {"skipped": f"not in this torch ({torch.__version__}): {fam.torch_class}"}
+    num_stages = fam.stages_per_rank * ctx.world
+    mine = local_stages(fam.layout, ctx.rank, ctx.world, fam.stages_per_rank)
+    base = ctx.mem_reset()
+    mods = {s: ctx.stage(num_stages, s) for s in mine}
+    stages = [PipelineStage(mods[s], s, num_stages, ctx.device) for s in mine]
+    sched = cls(stages if fam.stages_per_rank > 1 else stages[0], n, loss_fn=lm_loss)
+    params = [p for m in mods.values() for p in m.parameters()]
+    opt = make_optimizer(ctx, params)
+    x, y = ctx.batch(n)
+    args = (x,) if 0 in mine else ()
+    kwargs: dict = {}
+    if num_stages - 1 in mine:
+        kwargs["target"] = y
+    if "return_outputs" in inspect.signature(sched.step).parameters:
+        kwargs["return_outputs"] = False
+
+    row, _ = measure(ctx, lambda: sched.step(*args, **kwargs), opt, params, base)
+    return row
+
+
+# ---------------------------------------------------------------------------------------------
+# driver
+# ---------------------------------------------------------------------------------------------
+
+
+def guarded(ctx: Ctx, what: str, fn) -> dict:
+    """Run ``fn`` on every rank; any rank's exception makes an error row (all ranks agree)."""
+    t = time.perf_counter()
+    try:
+        row, err = fn(), None
+    except Exception as e:
+        row, err = {}, f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        if ctx.args.verbose:
+            traceback.print_exc()
+        ctx.mem_reset()
+    errors = [e for e in ctx.gather(err) if e]
+    if errors:
+        row = {"error": errors[0]}
+        log(ctx, f"{what}: ERROR {errors[0]}")
+    row["wall_s"] = time.perf_counter() - t
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    ctx = Ctx(args)
+    cfg = ctx.cfg
+    n_list = [int(v) for v in args.microbatches.split(",") if v] or [2 * ctx.world]
+    names = [s for s in args.schedules.split(",") if s]
+    bad = [s for s in names if s not in FAMILIES]
+    if bad:
+        raise SystemExit(f"unknown schedules {bad}; legal: {', '.join(FAMILIES)}")
+    out = Path(args.out) if args.out else None
+    if out and ctx.rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "timelines.txt").unlink(missing_ok=True)
+    fpt = flops_per_token(cfg)
+    meta = {
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(ctx.device) if ctx.cuda else "cpu",
+        "backend": dist.get_backend(),
+        "world": ctx.world,
+        "model": {
+            "vocab": cfg.vocab_size,
+            "seq": cfg.seq_len,
+            "layers": cfg.num_layers,
+            "hidden": cfg.hidden,
+            "heads": cfg.num_heads,
+            "dtype": args.dtype,
+        },
+        "microbatch_size": args.mb_size,
+        "optimizer": args.optimizer,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "flops_per_token": fpt,
+        "flops_formula": "6*P + 12*L*s*h; P = non-embedding parameters (blocks, final LN, head)",
+        "limit": "max over ranks of the median step time of its own stages, no pipeline, "
+        "gradient accumulation over the same micro-batches, same optimizer",
+        "efficiency": "limit step time / step time",
+        "argv": sys.argv,
+    }
+    log(ctx, f"gpu_pipeline: {meta['device']} × {ctx.world}, torch {torch.__version__}, {cfg}")
+    comm_ms = guarded(ctx, "comm", lambda: {"ms": measure_comm_ms(ctx)}).get("ms")
+    meta["comm_ms_one_way"] = comm_ms
+    meta["comm_source"] = "measured ping-pong of one activation between ranks 0 and 1"
+    log(ctx, f"one activation rank 0 → 1: {comm_ms} ms")
+    limits: dict[tuple[str, int, int], dict] = {}
+    rows: list[dict] = []
+    config_s: dict[int, float] = {}
+    index = 0
+    for n in n_list:
+        tokens = n * args.mb_size * cfg.seq_len
+        for name in names:
+            fam = FAMILIES[name]
+            key = (fam.layout, fam.stages_per_rank, n)
+            est = config_s.get(n, max(config_s.values(), default=0.0))
+            skip = ctx.agree(ctx.elapsed() + est > args.budget_s)
+            row = {"schedule": name, "microbatches": n, "tokens_per_step": tokens}
+            if skip:
+                row["skipped"] = f"time budget ({args.budget_s:.0f} s) would be exceeded"
+                rows.append(row)
+                log(ctx, f"{name} n={n}: skipped (time budget)")
+                continue
+            start = time.perf_counter()
+            if key not in limits:
+                limits[key] = guarded(
+                    ctx,
+                    f"limit {key}",
+                    lambda f=fam, n=n: measure_limit(ctx, f.layout, f.stages_per_rank, n),
+                )
+                log(ctx, f"limit {key}: {limits[key].get('median_ms', 'n/a')} ms")
+            limit = limits[key]
+            order = ("pipetrain", "torch") if index % 2 == 0 else ("torch", "pipetrain")
+            index += 1
+            if name in args.streamwait_schedules.split(","):
+                order += ("pipetrain-sw",)
+            for lib in order:
+                if lib.startswith("pipetrain"):
+                    sw = lib == "pipetrain-sw"
+                    fn = functools.partial(run_pipetrain, ctx, name, fam, n, limit, comm_ms, sw)
+                else:
+                    fn = functools.partial(run_torch, ctx, name, fam, n)
+                res = guarded(ctx, f"{name} n={n} {lib}", fn)
+                if "median_ms" in res:
+                    res["tokens_per_s"] = tokens / (res["median_ms"] / 1e3)
+                    res["tflops_per_gpu"] = (
+                        fpt * tokens / (res["median_ms"] / 1e3) / ctx.world / 1e12
+                    )
+                    if "median_ms" in limit:
+                        res["efficiency"] = limit["median_ms"] / res["median_ms"]
+                row[lib] = res
+                log(ctx, f"{name} n={n} {lib}: {short(res)}")
+            row["limit_ms"] = limit.get("median_ms")
+            if "median_ms" in row.get("pipetrain", {}) and "median_ms" in row.get("torch", {}):
+                row["pipetrain_over_torch"] = (
+                    row["pipetrain"]["median_ms"] / row["torch"]["median_ms"]
+                )
+            rows.append(row)
+            config_s[n] = time.perf_counter() - start
+            if ctx.rank == 0 and out:
+                write_json(out, meta, limits, rows)
+    if ctx.rank == 0:
+        if out:
+            write_json(out, meta, limits, rows)
+            print(plot(out, rows, n_list, names), flush=True)
+        print(table(meta, limits, rows), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def short(res: dict) -> str:
+    if "error" in res:
+        return "error"
+    if "skipped" in res:
+        return "skipped: " + res["skipped"]
+    return f"{res['median_ms']:.2f} ms, eff {res.get('efficiency', float('nan')):.3f}"
+
+
+def write_json(out: Path, meta, limits, rows) -> None:
+    data = {
+        "meta": meta,
+        "limits": [dict(v, key=list(k)) for k, v in limits.items()],
+        "rows": rows,
+    }
+    tmp = out / "gpu_pipeline.json.tmp"
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(out / "gpu_pipeline.json")
+
+
+def fmt(v, spec: str = ".3f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def table(meta, limits, rows) -> str:
+    head = (
+        "| schedule | mb | lib | step ms med [min–max] | tok/s | TFLOP/s/GPU | eff | "
+        "bubble meas | bubble sim (0 / comm) | peak GiB per rank | pred GiB | pt/torch |"
+    )
+    lines = [
+        f"## gpu_pipeline: {meta['device']} × {meta['world']}, torch {meta['torch']}, "
+        f"{meta['model']}, micro-batch {meta['microbatch_size']}, optimizer {meta['optimizer']}",
+        f"comm (one activation, one way): {fmt(meta.get('comm_ms_one_way'))} ms; "
+        f"FLOPs/token = {meta['flops_formula']}; eff = {meta['efficiency']}",
+        "",
+        head,
+        "|---" * (head.count("|") - 1) + "|",
+    ]
+    for r in rows:
+        for lib in ("pipetrain", "torch", "pipetrain-sw"):
+            res = r.get(lib)
+            if res is None:
+                if lib == "pipetrain" and "skipped" in r:
+                    lines.append(
+                        f"| {r['schedule']} | {r['microbatches']} | both | {r['skipped']} |"
+                    )
+                continue
+            if "median_ms" not in res:
+                why = res.get("error") or res.get("skipped") or "?"
+                lines.append(f"| {r['schedule']} | {r['microbatches']} | {lib} | {why} |")
+                continue
+            peaks = res.get("peak_gib")
+            pred = res.get("pred_peak_gib")
+            ratio = None
+            if lib != "torch" and "median_ms" in r.get("torch", {}):
+                ratio = res["median_ms"] / r["torch"]["median_ms"]
+            lines.append(
+                f"| {r['schedule']} | {r['microbatches']} | {lib} | "
+                f"{res['median_ms']:.1f} [{res['min_ms']:.1f}–{res['max_ms']:.1f}] | "
+                f"{res['tokens_per_s']:.0f} | {res['tflops_per_gpu']:.3g} | "
+                f"{fmt(res.get('efficiency'))} | {fmt(res.get('bubble_measured'))} | "
+                f"{fmt(res.get('bubble_sim_comm0'))} / {fmt(res.get('bubble_sim_comm'))} | "
+                f"{'/'.join(f'{p:.2f}' for p in peaks) if peaks else '-'} | "
+                f"{'/'.join(f'{p:.2f}' for p in pred) if pred else '-'} | "
+                f"{fmt(ratio) if ratio is not None else ''} |"
+            )
+    lines += ["", "| limit (layout, v, mb) | step ms med [min–max] | tok/s | act MiB/stage |"]
+    lines.append("|---|---|---|---|")
+    for k, v in limits.items():
+        if "median_ms" in v:
+            lines.append(
+                f"| {k} | {v['median_ms']:.1f} [{v['min_ms']:.1f}–{v['max_ms']:.1f}] | "
+                f"{v['tokens_per_s']:.0f} | "
+                f"{' '.join(f'{s}:{b / 2**20:.0f}' for s, b in v['activation_bytes'].items()) or '-'} |"
+            )
+        else:
+            lines.append(f"| {k} | {v.get('error')} | | |")
+    return "\n".join(lines)
+
+
+def plot(out: Path, rows, n_list, names) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "plot skipped: matplotlib is not installed"
+    fig, axes = plt.subplots(2, len(n_list), figsize=(5 * len(n_list), 7), squeeze=False)
+    for col, n in enumerate(n_list):
+        by = {r["schedule"]: r for r in rows if r["microbatches"] == n}
+        xs = range(len(names))
+        libs = [("pipetrain", "tab:blue"), ("torch", "tab:orange")]
+        if any("pipetrain-sw" in r for r in by.values()):
+            libs.append(("pipetrain-sw", "tab:green"))
+        width = 0.8 / len(libs)
+        for k, (lib, color) in enumerate(libs):
+            ms = [by.get(s, {}).get(lib, {}).get("median_ms", 0) or 0 for s in names]
+            eff = [by.get(s, {}).get(lib, {}).get("efficiency", 0) or 0 for s in names]
+            pos = [x + (k - (len(libs) - 1) / 2) * width for x in xs]
+            axes[0][col].bar(pos, ms, width, label=lib, color=color)
+            axes[1][col].bar(pos, eff, width, label=lib, color=color)
+        for ax, title in ((axes[0][col], "step time (ms)"), (axes[1][col], "pipeline efficiency")):
+            ax.set_xticks(list(xs), names, rotation=30, ha="right", fontsize=8)
+            ax.set_title(f"{title}, {n} micro-batches", fontsize=9)
+            ax.legend(fontsize=8)
+        axes[1][col].set_ylim(0, 1.05)
+    fig.tight_layout()
+    path = out / "gpu_pipeline.png"
+    fig.savefig(path, dpi=110)
+    return f"plot: {path}"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None, help="default: h100 on GPU")
+    p.add_argument("--out", default=None, help="folder for gpu_pipeline.json/.png (default: none)")
+    p.add_argument("--microbatches", default=None, help="comma list, e.g. 16,8")
+    p.add_argument(
+        "--schedules",
+        default="1f1b,interleaved-1f1b,interleaved-zb,zbv,dualpipev",
+        help=f"comma list of: {', '.join(FAMILIES)}",
+    )
+    for name, kind in (
+        ("steps", int),
+        ("warmup", int),
+        ("timeline-steps", int),
+        ("limit-steps", int),
+        ("vocab", int),
+        ("seq", int),
+        ("layers", int),
+        ("hidden", int),
+        ("heads", int),
+        ("mb-size", int),
+        ("budget-s", float),
+    ):
+        p.add_argument(f"--{name}", type=kind, default=None, help="overrides the preset")
+    p.add_argument("--limit-warmup", type=int, default=2, help="warm-up steps of the limit run")
+    p.add_argument("--dtype", default=None, help="bfloat16 | float32 (overrides the preset)")
+    p.add_argument("--optimizer", choices=("adamw", "sgd", "none"), default="adamw")
+    p.add_argument("--device", choices=("auto", "cpu"), default="auto")
+    p.add_argument("--op-timeout", type=float, default=60.0, help="pipetrain wait timeout (s)")
+    p.add_argument("--pg-timeout", type=float, default=120.0, help="process-group timeout (s)")
+    p.add_argument("--verbose", action="store_true", help="print tracebacks of failures")
+    p.add_argument(
+        "--streamwait-schedules",
+        default="",
+        help="comma list: also run pipetrain with stream-ordered P2P waits (lib pipetrain-sw)",
+    )
+    args = p.parse_args(argv)
+    preset = args.preset or ("h100" if torch.cuda.is_available() else "cpu-smoke")
+    for k, v in PRESETS[preset].items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
+    args.preset = preset
+    return args
+
+
+if __name__ == "__main__":
+    sys.exit(main())
