@@ -141,6 +141,12 @@ def _add_costs(p: argparse.ArgumentParser) -> None:
         metavar="A",
         help="activation size of one micro-batch per stage (default 1)",
     )
+    g.add_argument(
+        "--activation-for-weight",
+        type=cost_value,
+        metavar="AW",
+        help="activation held between a split backward's I and W (default A)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -230,6 +236,7 @@ def costs_from(args: argparse.Namespace) -> Costs:
         forward_backward=args.forward_backward,
         comm=args.comm,
         activation=args.activation,
+        activation_for_weight=args.activation_for_weight,
     )
 
 

@@ -126,3 +126,24 @@ def test_makespan_never_below_the_busiest_rank(name, p, m, f, i, w, c) -> None:
     assert t.makespan >= max(t.busy) - 1e-9
     assert 0 <= t.bubble_fraction < 1
     assert len(t.spans) == sum(len(r) for r in program.actions)
+
+
+def test_activation_held_between_input_and_weight_gradients() -> None:
+    """ZB-H1 on one rank-pair: what W still needs can differ from the full activation."""
+    program = build_schedule("zb-h1", 2, 4)
+    same = simulate(program)
+    heavier = simulate(program, Costs(activation_for_weight=1.5))
+    lighter = simulate(program, Costs(activation_for_weight=0.25))
+    assert same.peak_activations == (2, 2)
+    assert heavier.peak_activations[0] > same.peak_activations[0]
+    # the last rank defers W by one micro-batch: its second F overlaps a lightened first one
+    assert lighter.peak_activations[1] == 1.25 < same.peak_activations[1]
+    assert lighter.peak_activations[0] == same.peak_activations[0]  # rank 0 peaks before any I
+    # unsplit backwards never look at it
+    gp = build_schedule("1f1b", 2, 4)
+    assert (
+        simulate(gp, Costs(activation_for_weight=9)).peak_activations
+        == simulate(gp).peak_activations
+    )
+    # the curve always returns to zero
+    assert all(curve[-1][1] == 0 for curve in heavier.memory)

@@ -11,6 +11,9 @@ Metrics, as the ZB paper (Qi et al. 2024, §2) uses them:
 * bubble fraction = 1 − Σ busy / (ranks × makespan);
 * activations: a micro-batch's activation on a stage is held from the start of its ``F`` to the
   end of its last backward piece (``B``, or ``W`` when split), times the stage's activation size;
+  between a split backward's ``I`` and ``W`` it weighs ``weight_activation_size`` instead (what
+  ``W`` still needs: by default the same, measured it is the retained graph plus the gradients
+  captured for ``W``);
   an overlapped pair allocates its forward at its start and frees its backward at its end.
 """
 
@@ -52,8 +55,10 @@ class RankStats:
 class Timeline:
     """Spans of compute actions (communication is latency on the dependencies, not a span).
 
-    ``activation_size[s]`` weighs one micro-batch's activation on stage ``s``. ``measured`` says
-    whether the spans came from a real run (clocks or CUDA events) or the simulator.
+    ``activation_size[s]`` weighs one micro-batch's activation on stage ``s``;
+    ``weight_activation_size[s]`` what it weighs between its ``I`` and ``W`` (``None``: the same).
+    ``measured`` says whether the spans came from a real run (clocks or CUDA events) or the
+    simulator.
     """
 
     num_ranks: int
@@ -61,6 +66,7 @@ class Timeline:
     activation_size: tuple[float, ...]
     name: str = ""
     measured: bool = False
+    weight_activation_size: tuple[float, ...] | None = None
 
     @cached_property
     def start(self) -> float:
@@ -104,7 +110,11 @@ class Timeline:
     def memory(self) -> tuple[tuple[tuple[float, float], ...], ...]:
         """Per rank, the activation curve as (time, held) steps, in activation-size units."""
         return tuple(
-            _activation_curve(rank_spans, self.activation_size)
+            _activation_curve(
+                rank_spans,
+                self.activation_size,
+                self.weight_activation_size or self.activation_size,
+            )
             for rank_spans in _by_rank(self.spans, self.num_ranks)
         )
 
@@ -151,17 +161,26 @@ def _by_rank(spans: Sequence[Span], num_ranks: int) -> list[list[Span]]:
 
 
 def _activation_curve(
-    spans: Sequence[Span], activation_size: Sequence[float]
+    spans: Sequence[Span],
+    activation_size: Sequence[float],
+    weight_activation_size: Sequence[float],
 ) -> tuple[tuple[float, float], ...]:
-    """Allocate at the start of F, free at the end of the last backward piece of (stage, mb)."""
+    """Allocate at the start of F; between I and W hold the weight-gradient size; free at the end
+    of the last backward piece of (stage, mb)."""
     parts = [(s, p) for s in spans for p in s.action.compute_parts]
     split = {(p.stage, p.microbatch) for _, p in parts if p.kind is OpKind.W}
     events: list[tuple[float, int, float]] = []  # (time, order, delta): frees sort before allocs
     for s, p in parts:
         if p.kind is OpKind.F:
             events.append((s.start, 1, activation_size[p.stage]))
-        elif p.kind is OpKind.W or (p.stage, p.microbatch) not in split:  # W, or B/I unsplit
+        elif p.kind is OpKind.W:
+            events.append((s.end, 0, -weight_activation_size[p.stage]))
+        elif (p.stage, p.microbatch) not in split:  # B, or an I whose W never runs here
             events.append((s.end, 0, -activation_size[p.stage]))
+        else:  # I of a split backward: what W still needs stays
+            change = weight_activation_size[p.stage] - activation_size[p.stage]
+            if change:
+                events.append((s.end, 0 if change < 0 else 1, change))
     if not events:
         return ((0.0, 0.0),)
     events.sort(key=itemgetter(0, 1))

@@ -4,7 +4,7 @@ Every cost is one number for all stages or a sequence with one value per stage (
 chunk as placed: with two stages per rank each is its own chunk). Defaults follow the papers'
 unit model: forward = input-gradient = weight-gradient = 1, full backward = input + weight,
 an overlapped F&B pair = its forward + its backward (no overlap gain unless measured), no
-communication, activation size 1.
+communication, activation size 1, held unchanged between a split backward's I and W.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ class StageCosts:
     forward_backward: tuple[float | None, ...]
     comm: tuple[float, ...]
     activation: tuple[float, ...]
+    activation_for_weight: tuple[float, ...]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,6 +40,8 @@ class Costs:
     forward_backward: Cost | None = None
     comm: Cost = 0.0
     activation: Cost = 1.0
+    #: what a stage holds between a split backward's I and W (default: ``activation``)
+    activation_for_weight: Cost | None = None
 
     def scaled(self, factor: float) -> Costs:
         """Every time and size multiplied by ``factor`` (e.g. 1/v to split a rank's share of the
@@ -52,6 +55,7 @@ class Costs:
             "forward_backward",
             "comm",
             "activation",
+            "activation_for_weight",
         ):
             value = getattr(self, name)
             if value is not None and not isinstance(value, int | float):
@@ -74,6 +78,7 @@ class Costs:
             if self.forward_backward is None
             else _resolve("forward_backward", self.forward_backward, num_stages)
         )
+        activation = _resolve("activation", self.activation, num_stages)
         return StageCosts(
             forward=f,
             backward_input=i,
@@ -81,7 +86,10 @@ class Costs:
             backward=b,
             forward_backward=fb,
             comm=_resolve("comm", self.comm, num_stages),
-            activation=_resolve("activation", self.activation, num_stages),
+            activation=activation,
+            activation_for_weight=activation
+            if self.activation_for_weight is None
+            else _resolve("activation_for_weight", self.activation_for_weight, num_stages),
         )
 
 

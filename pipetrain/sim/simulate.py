@@ -70,5 +70,6 @@ def simulate(program: Program, costs: Costs | None = None) -> Timeline:
         num_ranks=program.num_ranks,
         spans=tuple(spans),
         activation_size=sc.activation,
+        weight_activation_size=sc.activation_for_weight,
         name=program.name,
     )
