@@ -357,7 +357,9 @@ def compare_rows(num_ranks: int, num_microbatches: int, stages_per_rank: int | N
         except ValueError as e:
             refused.append((fam.name.value, str(e).splitlines()[0]))
             continue
-        per_stage = costs.scaled(1 / (program.placement.stages_per_rank or 1))
+        # a chain is one copy of the model: each of its stages is ranks/stages_per_chain of a
+        # rank's share (1/v for v stages per rank; 1 for DualPipe's two full copies)
+        per_stage = costs.scaled(program.num_ranks / program.placement.stages_per_chain)
         rows.append(_summary(program, simulate(program, per_stage)))
     rows.sort(key=lambda r: (r["makespan"], max(x["peak_activations"] for x in r["per_rank"])))
     return rows, refused

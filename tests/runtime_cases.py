@@ -256,6 +256,9 @@ def run_errors(rank: int, world: int) -> dict:
     out["world"] = _error_of(
         lambda: pipetrain.Pipeline(build_stages(4), build_schedule("1f1b", 4, 2), None, loss_fn)
     )
+    out["two_copies"] = _error_of(
+        lambda: pipetrain.Pipeline(build_stages(4), "dualpipe", 4, loss_fn)
+    )
     pipe = pipetrain.Pipeline(build_stages(2), "1f1b", 4, loss_fn)
     inputs, y = batch(3)
     out["too_many_mb"] = _error_of(lambda: pipe.step(inputs, y))

@@ -180,7 +180,8 @@ def test_pipeline_runs_torch_csv_exactly(tmp_path):
 @pytest.mark.slow
 def test_torch_runtime_runs_our_csv_exactly(tmp_path):
     cases = []
-    for name in FAMILIES:
+    one_copy = [n for n in FAMILIES if n != "dualpipe"]  # torch has no two-copy placement
+    for name in one_copy:
         for m in (3, 4):
             try:
                 program = build_schedule(name, 2, m)
@@ -192,7 +193,7 @@ def test_torch_runtime_runs_our_csv_exactly(tmp_path):
             lowered = tmp_path / f"{name}_m{m}_lowered.csv"
             save_program(lower(program), lowered)
             cases.append((f"{name} m={m} compute_comms", str(lowered), "compute_comms"))
-    assert len(cases) == 4 * len(FAMILIES) - 2
+    assert len(cases) == 4 * len(one_copy) - 2
     failures = launch(2, run_pipetrain_csv_in_torch, cases, timeout=90)
     problems = [f for rank_failures in failures for f in rank_failures]
     assert not problems, "\n".join(problems)

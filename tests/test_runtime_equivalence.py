@@ -8,7 +8,8 @@ from runtime_harness import launch
 
 from pipetrain.schedule.registry import FAMILIES
 
-NAMES = [str(n) for n in FAMILIES]
+# dualpipe holds two copies of the model; the runtime refuses it (test_runtime_errors)
+NAMES = [str(n) for n in FAMILIES if n != "dualpipe"]
 
 
 @pytest.mark.slow

@@ -31,6 +31,7 @@ def test_bad_input_on_two_ranks():
         assert "ValueError" in r["stage_count"] and "3 stages" in r["stage_count"]
         assert "ValueError" in r["world"] and "process group has 2" in r["world"]
         assert "ValueError" in r["too_many_mb"] and "batch size 3" in r["too_many_mb"]
+        assert "ValueError" in r["two_copies"] and "use dualpipev" in r["two_copies"]
     # The last stage's rank sees the bad loss; the other fails on its wait, naming what and whom.
     assert "loss_fn must return a scalar" in r1["non_scalar"]
     assert "PipelineTimeoutError" in r0["non_scalar"] and "rank 0" in r0["non_scalar"]

@@ -44,6 +44,8 @@ def peak_bound(name: ScheduleName, p: int, v: int, m: int) -> int:
             return 2 * p
         case ScheduleName.DUALPIPEV:
             return 2 * p + 1
+        case ScheduleName.DUALPIPE:
+            return p + 1
     raise AssertionError(name)
 
 
@@ -72,11 +74,14 @@ def test_every_accepted_shape_lowers_validates_and_simulates(name, p, v, m, cost
         for action in row:
             for part in action.compute_parts:
                 parts[part.kind] += 1
-    pieces = num_stages * m
+    pieces = program.placement.stages_per_chain * m  # each micro-batch runs one chain
     assert parts[OpKind.F] == pieces
     if name in SPLIT:
         assert parts[OpKind.I] == parts[OpKind.W] == pieces and parts[OpKind.B] == 0
-    elif name is ScheduleName.DUALPIPEV:  # full B, and I + W where it defers (zero bubble)
+    elif name in (
+        ScheduleName.DUALPIPEV,
+        ScheduleName.DUALPIPE,
+    ):  # full B, and I + W where it defers (zero bubble)
         assert parts[OpKind.B] + parts[OpKind.I] == pieces and parts[OpKind.I] == parts[OpKind.W]
     else:
         assert parts[OpKind.B] == pieces and parts[OpKind.I] == parts[OpKind.W] == 0

@@ -234,6 +234,12 @@ def _resolve_program(schedule, num_microbatches, total, world, stages_per_rank) 
             program = build_schedule(schedule, world, num_microbatches, stages_per_rank=v)
         except ValueError as e:
             raise ValueError(f"{total} stages on {world} ranks ({v} per rank): {e}") from None
+    if program.placement.num_chains > 1:
+        raise ValueError(
+            f"{program.name} runs {program.placement.num_chains} copies of the model "
+            "(bidirectional placement); the runtime runs programs with one copy: use dualpipev, "
+            "DualPipe's one-copy V variant"
+        )
     if program.num_ranks != world:
         raise ValueError(
             f"the program has {program.num_ranks} ranks but the process group has {world}; "

@@ -11,6 +11,10 @@ else re-derives it. Values are named by ``Key = (Token, stage, microbatch)``:
 * ``W(s, j)`` needs the input gradient of ``(s, j)`` from ``I`` — i.e. that ``I`` ran — and
   produces the weight gradient.
 
+Stages are counted within a chain (``Placement.stages_per_chain``, every stage unless the
+placement holds several copies of the model, as DualPipe does): "stage 0" is a chain's first
+stage, "the last stage" its last.
+
 A value crosses ranks when its producer and consumer stages live on different ranks; then it
 travels as ``SEND_F(s, j)`` → ``RECV_F(s + 1, j)`` (forward) or ``SEND_B(s, j)`` →
 ``RECV_B(s − 1, j)`` (backward), the pairing torch.distributed.pipelining uses.
@@ -54,18 +58,18 @@ def produces(action: Action) -> tuple[Key, ...]:
     return tuple(out)
 
 
-def requires(action: Action, num_stages: int) -> tuple[Key, ...]:
+def requires(action: Action, stages_per_chain: int) -> tuple[Key, ...]:
     """Values that must exist (locally or received) before the compute action can start."""
     out: list[Key] = []
     for a in action.compute_parts:
         s, j = a.stage, a.microbatch
         match a.kind:
             case OpKind.F:
-                if s > 0:
+                if s % stages_per_chain:
                     out.append((Token.ACTIVATION, s - 1, j))
             case OpKind.B | OpKind.I:
                 out.append((Token.ACTIVATION, s, j))
-                if s < num_stages - 1:
+                if (s + 1) % stages_per_chain:
                     out.append((Token.INPUT_GRAD, s + 1, j))
             case OpKind.W:
                 out.append((Token.INPUT_GRAD, s, j))
@@ -74,18 +78,18 @@ def requires(action: Action, num_stages: int) -> tuple[Key, ...]:
     return tuple(out)
 
 
-def consumer_stage(key: Key) -> int | None:
+def consumer_stage(key: Key, stages_per_chain: int) -> int | None:
     """The stage that consumes a value on another stage, or None if it stays on its stage."""
     token, s, _ = key
     if token is Token.ACTIVATION:
-        return s + 1
+        return s + 1 if (s + 1) % stages_per_chain else None
     if token is Token.INPUT_GRAD:
-        return s - 1 if s > 0 else None
+        return s - 1 if s % stages_per_chain else None
     return None
 
 
 def crosses_ranks(key: Key, placement: Placement) -> bool:
-    dst = consumer_stage(key)
+    dst = consumer_stage(key, placement.stages_per_chain)
     if dst is None or not 0 <= dst < placement.num_stages:
         return False
     return placement.rank(dst) != placement.rank(key[1])
@@ -193,12 +197,17 @@ def compile_rule(placement: Placement) -> CompiledRule:
         for kind in _PLAIN_COMPUTE:
             action = Action(kind, stage, 0)
             needs[kind, stage] = tuple(
-                (value(k), rank_of_stage[k[1]], k[0], k[1]) for k in requires(action, num_stages)
+                (value(k), rank_of_stage[k[1]], k[0], k[1])
+                for k in requires(action, placement.stages_per_chain)
             )
             made = produces(action)
             makes[kind, stage] = tuple(value(k) for k in made)
             transfers[kind, stage] = tuple(
-                Transfer(value(k), *transfer(k), rank_of_stage[consumer_stage(k)])
+                Transfer(
+                    value(k),
+                    *transfer(k),
+                    rank_of_stage[consumer_stage(k, placement.stages_per_chain)],
+                )
                 for k in made
                 if crosses_ranks(k, placement)
             )

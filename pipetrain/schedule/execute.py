@@ -107,7 +107,11 @@ def deadlock_error(
         if pos[rank] >= len(row):
             continue
         action = row[pos[rank]]
-        missing = [k for k in deps.requires(action, program.num_stages) if k not in produced]
+        missing = [
+            k
+            for k in deps.requires(action, program.placement.stages_per_chain)
+            if k not in produced
+        ]
         waits = ", ".join(describe_key(k, placement) for k in missing)
         lines.append(f"  rank {rank} step {pos[rank]}: {action} waits for {waits}")
         marked.append((rank, pos[rank]))

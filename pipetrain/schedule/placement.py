@@ -17,6 +17,7 @@ class PlacementKind(StrEnum):
     ONE_PER_RANK = "one-per-rank"
     LOOPED = "looped"
     V = "v"
+    BIDIRECTIONAL = "bidirectional"
     EXPLICIT = "explicit"
 
 
@@ -27,6 +28,8 @@ class Placement:
     rank_of_stage: tuple[int, ...]
     num_ranks: int
     kind: PlacementKind = PlacementKind.EXPLICIT
+    #: stages per chain (a copy of the model); ``None``: one chain of every stage
+    chain_length: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_ranks < 1:
@@ -41,6 +44,24 @@ class Placement:
         idle = sorted(set(range(self.num_ranks)) - set(self.rank_of_stage))
         if idle:
             raise ValueError(f"ranks {idle} hold no stage: every rank needs at least one")
+        if self.chain_length is not None and (
+            self.chain_length < 1 or len(self.rank_of_stage) % self.chain_length
+        ):
+            raise ValueError(
+                f"chain_length {self.chain_length} must divide the {len(self.rank_of_stage)} stages"
+            )
+
+    @property
+    def stages_per_chain(self) -> int:
+        """How many stages one micro-batch flows through."""
+        return self.chain_length or len(self.rank_of_stage)
+
+    @property
+    def num_chains(self) -> int:
+        return len(self.rank_of_stage) // self.stages_per_chain
+
+    def chain(self, stage: int) -> int:
+        return stage // self.stages_per_chain
 
     @property
     def num_stages(self) -> int:
@@ -74,6 +95,13 @@ def v_shape(num_ranks: int) -> Placement:
     """Rank ``r`` holds stages ``r`` and ``2·ranks − 1 − r`` (ZB paper §6, DualPipeV)."""
     down = list(range(num_ranks))
     return Placement(tuple(down + down[::-1]), num_ranks, PlacementKind.V)
+
+
+def bidirectional(num_ranks: int) -> Placement:
+    """DualPipe's two chains: stage k of the down chain on rank k, stage k of the up chain
+    (stage ``ranks + k``) on rank ``ranks − 1 − k``."""
+    down = list(range(num_ranks))
+    return Placement(tuple(down + down[::-1]), num_ranks, PlacementKind.BIDIRECTIONAL, num_ranks)
 
 
 def infer_kind(rank_of_stage: tuple[int, ...], num_ranks: int) -> PlacementKind:

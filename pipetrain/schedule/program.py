@@ -109,6 +109,33 @@ def format_grid(
     return "\n".join(lines)
 
 
+def microbatch_chains(program: Program) -> tuple[int, ...]:
+    """Which chain (copy of the model) each micro-batch flows through, read off its actions.
+
+    With one chain every micro-batch is on chain 0. Otherwise a micro-batch's chain is that of the
+    stages its compute actions run; one that runs on two chains, or on none, is refused.
+    """
+    placement, m = program.placement, program.num_microbatches
+    if placement.num_chains == 1:
+        return (0,) * m
+    seen: list[set[int]] = [set() for _ in range(m)]
+    for row in program.actions:
+        for action in row:
+            if action.is_compute:
+                for p in action.compute_parts:
+                    if 0 <= p.microbatch < m and 0 <= p.stage < placement.num_stages:
+                        seen[p.microbatch].add(placement.chain(p.stage))
+    bad = [j for j, chains in enumerate(seen) if len(chains) != 1]
+    if bad:
+        j = bad[0]
+        raise ScheduleError(
+            f"micro-batch {j} runs on chains {sorted(seen[j])}; with {placement.num_chains} "
+            f"chains of {placement.stages_per_chain} stages each micro-batch flows through one",
+            program,
+        )
+    return tuple(chains.pop() for chains in seen)
+
+
 class ScheduleError(ValueError):
     """A program is malformed or cannot run; the message names rank, step and action and draws
     the grid with the offending cells marked."""

@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 
 from pipetrain.schedule.action import Action, format_action, parse_action
-from pipetrain.schedule.placement import Placement, infer_kind
+from pipetrain.schedule.placement import Placement, PlacementKind, bidirectional, infer_kind
 from pipetrain.schedule.program import Program
 
 _TORCH_HOUSEKEEPING = re.compile(r"\d+(UNSHARD|RESHARD|REDUCE_GRAD)")
@@ -53,6 +53,7 @@ def from_csv(text: str, name: str = "csv") -> Program:
 
 def _infer_program(rows: list[list[Action]], name: str) -> Program:
     stage_rank: dict[int, int] = {}
+    stages_of_mb: dict[int, set[int]] = {}
     num_microbatches = 0
     for rank, row in enumerate(rows):
         for action in row:
@@ -60,6 +61,7 @@ def _infer_program(rows: list[list[Action]], name: str) -> Program:
                 num_microbatches = max(num_microbatches, part.microbatch + 1)
                 if not action.is_compute:
                     continue
+                stages_of_mb.setdefault(part.microbatch, set()).add(part.stage)
                 other = stage_rank.setdefault(part.stage, rank)
                 if other != rank:
                     raise ValueError(
@@ -70,8 +72,27 @@ def _infer_program(rows: list[list[Action]], name: str) -> Program:
     if missing or not num_stages:
         raise ValueError(f"program file runs no compute for stages {missing or [0]}")
     rank_of_stage = tuple(stage_rank[s] for s in range(num_stages))
-    placement = Placement(rank_of_stage, len(rows), infer_kind(rank_of_stage, len(rows)))
+    chain_length = _infer_chain_length(stages_of_mb, num_stages)
+    kind = (
+        PlacementKind.BIDIRECTIONAL
+        if chain_length and rank_of_stage == bidirectional(len(rows)).rank_of_stage
+        else infer_kind(rank_of_stage, len(rows))
+    )
+    placement = Placement(rank_of_stage, len(rows), kind, chain_length)
     return Program(placement, num_microbatches, tuple(tuple(r) for r in rows), name)
+
+
+def _infer_chain_length(stages_of_mb: dict[int, set[int]], num_stages: int) -> int | None:
+    """Several copies of the model (DualPipe) show as micro-batches that each run one contiguous,
+    equally long run of stages; ``None`` when every micro-batch runs every stage (one chain)."""
+    lengths = {len(stages) for stages in stages_of_mb.values()}
+    if len(lengths) != 1 or (length := lengths.pop()) == num_stages or num_stages % length:
+        return None
+    for stages in stages_of_mb.values():
+        first = min(stages)
+        if first % length or stages != set(range(first, first + length)):
+            return None
+    return length
 
 
 def to_json(program: Program) -> str:
@@ -80,6 +101,7 @@ def to_json(program: Program) -> str:
             "name": program.name,
             "num_microbatches": program.num_microbatches,
             "rank_of_stage": list(program.placement.rank_of_stage),
+            "chain_length": program.placement.chain_length,
             "actions": [[format_action(a) for a in row] for row in program.actions],
         },
         indent=1,
@@ -92,9 +114,14 @@ def from_json(text: str) -> Program:
         ranks = data["rank_of_stage"]
         rows = [[parse_action(a) for a in row] for row in data["actions"]]
         num_ranks = len(rows)
-        placement = Placement(
-            tuple(int(r) for r in ranks), num_ranks, infer_kind(tuple(ranks), num_ranks)
+        rank_of_stage = tuple(int(r) for r in ranks)
+        chain_length = data.get("chain_length")
+        kind = (
+            PlacementKind.BIDIRECTIONAL
+            if chain_length and rank_of_stage == bidirectional(num_ranks).rank_of_stage
+            else infer_kind(rank_of_stage, num_ranks)
         )
+        placement = Placement(rank_of_stage, num_ranks, kind, chain_length)
         return Program(
             placement,
             int(data["num_microbatches"]),

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
+from pipetrain.schedule.builders.dualpipe import build_dualpipe
 from pipetrain.schedule.builders.dualpipev import build_dualpipev
 from pipetrain.schedule.builders.gpipe import build_gpipe
 from pipetrain.schedule.builders.interleaved import (
@@ -33,6 +34,7 @@ class ScheduleName(StrEnum):
     INTERLEAVED_ZB = "interleaved-zb"
     ZBV = "zbv"
     DUALPIPEV = "dualpipev"
+    DUALPIPE = "dualpipe"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,6 +135,17 @@ FAMILIES: dict[ScheduleName, Family] = {
             stages_per_rank=(2,),
             default_stages_per_rank=2,
             builder=build_dualpipev,
+        ),
+        Family(
+            name=ScheduleName.DUALPIPE,
+            summary="DualPipe: two model copies fed from both ends, overlapped F&B pairs "
+            "(DeepSeek-V3 §3.2.1)",
+            constraints="2 stages per rank, one of each copy (parameters held twice); even "
+            "ranks; even micro-batches >= 2 x ranks; plan and simulate only (the runtime runs "
+            "one copy of the model)",
+            stages_per_rank=(2,),
+            default_stages_per_rank=2,
+            builder=build_dualpipe,
         ),
     )
 }

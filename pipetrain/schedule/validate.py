@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pipetrain.schedule import deps
 from pipetrain.schedule.action import COMM_KINDS, SEND_KINDS, Action, OpKind
 from pipetrain.schedule.execute import describe_key, execute
-from pipetrain.schedule.program import Program, ScheduleError
+from pipetrain.schedule.program import Program, ScheduleError, microbatch_chains
 
 
 def validate(program: Program) -> Program:
@@ -94,30 +94,58 @@ def _check_counts(program: Program) -> None:
             if action.is_compute:
                 for p in action.compute_parts:
                     tally[p.kind][p.stage * m + p.microbatch] += 1
-    if any(f != 1 for f in tally[OpKind.F]) or not all(
-        (b == 1 and i == w == 0) or (b == 0 and i == w == 1)
-        for b, i, w in zip(tally[OpKind.B], tally[OpKind.I], tally[OpKind.W])
-    ):
-        _counts_error(program)
+    expected = _expected_cells(program)
+    ok = all(
+        (f == 1 and ((b == 1 and i == w == 0) or (b == 0 and i == w == 1)))
+        if wanted
+        else f == b == i == w == 0
+        for wanted, f, b, i, w in zip(
+            expected, tally[OpKind.F], tally[OpKind.B], tally[OpKind.I], tally[OpKind.W]
+        )
+    )
+    if not ok:
+        _counts_error(program, expected)
 
 
-def _counts_error(program: Program) -> None:
+def _expected_cells(program: Program) -> list[bool]:
+    """For each (stage, micro-batch), flattened as stage·m + micro-batch: must it run? With one
+    chain every cell must; with several, a micro-batch runs on its chain's stages only."""
+    m, placement = program.num_microbatches, program.placement
+    if placement.num_chains == 1:
+        return [True] * (program.num_stages * m)
+    chains = microbatch_chains(program)
+    return [
+        placement.chain(stage) == chains[j] for stage in range(program.num_stages) for j in range(m)
+    ]
+
+
+def _counts_error(program: Program, expected: list[bool]) -> None:
     where: dict[tuple[OpKind, int, int], list[tuple[int, int]]] = {}
     for rank, step, action in _cells(program):
         if action.is_compute:
             for p in action.compute_parts:
                 where.setdefault((p.kind, p.stage, p.microbatch), []).append((rank, step))
+    m = program.num_microbatches
     for stage in range(program.num_stages):
-        for mb in range(program.num_microbatches):
+        for mb in range(m):
             n = {
                 k: len(where.get((k, stage, mb), ()))
                 for k in (OpKind.F, OpKind.B, OpKind.I, OpKind.W)
             }
             cells = [c for k in n for c in where.get((k, stage, mb), ())]
+            found = ", ".join(f"{v} {k.value}" for k, v in n.items())
+            if not expected[stage * m + mb]:
+                if cells:
+                    raise ScheduleError(
+                        f"micro-batch {mb} flows through another chain, but stage {stage} runs "
+                        f"it ({found})",
+                        program,
+                        cells,
+                    )
+                continue
             ok_full = n[OpKind.B] == 1 and n[OpKind.I] == n[OpKind.W] == 0
             ok_split = n[OpKind.B] == 0 and n[OpKind.I] == n[OpKind.W] == 1
             if n[OpKind.F] != 1 or not (ok_full or ok_split):
-                found = ", ".join(f"{v} {k.value}" for k, v in n.items())
                 raise ScheduleError(
                     f"stage {stage} micro-batch {mb} needs exactly one F and either one B or one I "
                     f"and one W; found {found}",
@@ -164,8 +192,14 @@ def _check_pairing(program: Program, tags: list[list[int]] | None) -> None:
     """
     if tags is not None:
         rule = deps.compile_rule(program.placement)
-        bases = {t.value for transfers in rule.transfers.values() for t in transfers}
-        needed = {b + j * rule.stride for b in bases for j in range(program.num_microbatches)}
+        placement, m = program.placement, program.num_microbatches
+        bases = {
+            (t.value, placement.chain(t.send.stage))
+            for transfers in rule.transfers.values()
+            for t in transfers
+        }
+        chains = microbatch_chains(program) if placement.num_chains > 1 else (0,) * m
+        needed = {b + j * rule.stride for b, c in bases for j in range(m) if chains[j] == c}
         sent = [tag >> 1 for row in tags for tag in row if tag >= 0 and tag & 1]
         received = [tag >> 1 for row in tags for tag in row if tag >= 0 and not tag & 1]
         if all(len(v) == len(needed) and set(v) == needed for v in (sent, received)):
@@ -280,7 +314,11 @@ def _execute_lowered(program: Program, tags: list[list[int]]) -> None:
 def _missing_input(program: Program, rank: int, step: int, have: set[int]) -> ScheduleError:
     rule = deps.compile_rule(program.placement)
     action = program.actions[rank][step]
-    missing = [k for k in deps.requires(action, program.num_stages) if rule.value(k) not in have]
+    missing = [
+        k
+        for k in deps.requires(action, program.placement.stages_per_chain)
+        if rule.value(k) not in have
+    ]
     return ScheduleError(
         f"rank {rank} step {step}: {action} needs "
         f"{', '.join(describe_key(k, program.placement) for k in missing)}, "

@@ -76,11 +76,11 @@ def build_dualpipev(num_ranks: int, num_microbatches: int) -> Program:
             f"(legal with {p} ranks: any num_microbatches >= {2 * p})"
         )
     placement = v_shape(p)
-    rows = [_dualpipev_row(p, m, rank, placement.stages_of_rank(rank)) for rank in range(p)]
+    rows = [dualpipev_row(p, m, rank, placement.stages_of_rank(rank)) for rank in range(p)]
     return make_program("dualpipev", placement, m, rows)
 
 
-def _dualpipev_row(p: int, m: int, rank: int, stages: tuple[int, int]) -> list[Action]:
+def dualpipev_row(p: int, m: int, rank: int, stages: tuple[int, int]) -> list[Action]:
     row = _Row(stages)
     step_1 = (p - rank - 1) * 2  # nF0
     step_2 = rank + 1  # nF0F1
