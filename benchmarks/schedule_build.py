@@ -18,7 +18,14 @@ and, where torch has the schedule, torch's equivalent steps, each timed on its o
 * comms: ``_add_send_recv`` on the compute actions (bubbles and REDUCE_GRAD dropped first; the
   FSDP passes ``_add_unshard_reshard`` / ``_add_reduce_grad`` are left out: pipetrain has no
   counterpart, and leaving them out only flatters torch);
-* simulation: ``_simulate_comms_compute`` (a step-count dry run: no costs, no memory).
+* simulation: ``_simulate_comms_compute`` (a step-count dry run: no costs, no memory);
+
+and, separately, torch's schedule constructor as a user calls it (``ScheduleZBVZeroBubble(stages,
+n_microbatches)``): generation plus its whole lowering (``_add_unshard_reshard``,
+``_add_reduce_grad``, ``_add_send_recv``), which every rank pays before its first step whether or
+not FSDP is in use. The "speed-up" column compares like-for-like steps; the "vs constructor"
+column compares what each library needs before a runnable program exists (pipetrain: build +
+lower + validate).
 
 Each case is timed best of ``--repeat`` (by total); a torch case slower than 5 s runs once, and a
 torch step is stopped after 60 s. Usage::
@@ -88,6 +95,7 @@ class Case:
     pipetrain: Timing
     torch_schedule: str | None = None
     torch: Timing | None = None
+    torch_constructor: Timing | None = None
 
 
 # --- pipetrain --------------------------------------------------------------------------------
@@ -205,6 +213,33 @@ def time_torch(
     return timing
 
 
+def time_torch_constructor(
+    torch_name: str, ranks: int, microbatches: int, clock: Callable[[], float]
+) -> Timing:
+    """torch's unmodified constructor: what a rank pays before its schedule can run."""
+    import torch.distributed.pipelining.schedules as S
+
+    cls = S.get_schedule_class(torch_name)
+    single = issubclass(cls, S.PipelineScheduleSingle)
+    stages = _stand_in_stages(S, cls, ranks, 1 if single else 2)
+    timing = Timing()
+    previous = signal.signal(signal.SIGALRM, _on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, TORCH_STEP_LIMIT_S)
+    start = clock()
+    try:
+        cls(stages[0] if single else stages, microbatches)
+        timing.phases["constructor"] = clock() - start
+    except _StepTimeout:
+        timing.error = f"constructor: > {TORCH_STEP_LIMIT_S:g} s, stopped"
+    except Exception as e:  # torch's own failure
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        timing.error = f"constructor: {type(e).__name__} {first_line}"[:160]
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    return timing
+
+
 def _quiet_torch() -> None:
     """Import torch up front (not inside a timed step); silence its per-class log notes."""
     import logging
@@ -251,6 +286,11 @@ def run_cases(
                     repeat,
                     once_above_s=TORCH_REPEAT_BELOW_S,
                 )
+                case.torch_constructor = best_of(
+                    partial(time_torch_constructor, torch_name, ranks, microbatches, clock),
+                    repeat,
+                    once_above_s=TORCH_REPEAT_BELOW_S,
+                )
             cases.append(case)
             print(_row(case), file=sys.stderr, flush=True)
     return cases
@@ -268,7 +308,7 @@ def _row(case: Case) -> str:
         f"**{pt.total:.3f}** ({_phases(pt)})",
     ]
     if case.torch is None:
-        cells += ["—", "—", "—"]
+        cells += ["—", "—", "—", "—", "—"]
     else:
         t = case.torch
         if t.error is None:
@@ -280,14 +320,21 @@ def _row(case: Case) -> str:
         else:
             done = f" after {t.total:.3f} s ({_phases(t)})" if t.phases else ""
             cells += [case.torch_schedule or "", f"failed: {t.error}{done}", "—"]
+        c = case.torch_constructor
+        runnable = pt.total - pt.phases.get("simulate", 0.0)  # build + lower + validate
+        if c is None or c.error is not None:
+            cells += [f"failed: {c.error}" if c is not None else "—", "—"]
+        else:
+            cells += [f"{c.total:.3f}", f"{c.total / runnable:.1f}×"]
     return "| " + " | ".join(cells) + " |"
 
 
 def markdown(cases: list[Case]) -> str:
     lines = [
         "| schedule | ranks × micro-batches | pipetrain s (build / lower / validate / simulate) "
-        "| torch schedule | torch s (generate / validate / comms / simulate) | speed-up |",
-        "|---|---|---|---|---|---|",
+        "| torch schedule | torch s (generate / validate / comms / simulate) | speed-up "
+        "| torch constructor s | vs constructor |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     lines += [_row(c) for c in cases]
     return "\n".join(lines)
