@@ -1,6 +1,7 @@
 """pipetrain against torch.distributed.pipelining on real GPUs (issue 4 §1); a benchmark, not a test.
 
     torchrun --nproc-per-node 2 benchmarks/gpu_pipeline.py --out $OUT            # 2 GPUs, NCCL
+    torchrun --nproc-per-node 4 benchmarks/gpu_pipeline.py --out $OUT            # 4 GPUs, NCCL
     torchrun --nproc-per-node 4 benchmarks/gpu_pipeline.py --preset cpu-smoke   # CPU, gloo
 
 Per configuration (schedule family × micro-batch count) both libraries train the same GPT
@@ -17,9 +18,15 @@ GPU, peak GPU memory per rank (``max_memory_allocated`` above what was allocated
 library's modules were built), pipeline efficiency = limit step time / step time. For pipetrain
 also: the measured bubble fraction (from its measured timeline), the simulator's bubble from the
 measured mean F/B/I/W/pair time per stage with comm = 0 and with comm = a measured one-way P2P time
-of one activation (ping-pong between ranks 0 and 1), and the predicted peak memory (resident state
-before the step + the simulator's activation peak, weighting each stage by the activation bytes
-one micro-batch's forward allocated in the limit run).
+of one activation (ping-pong between ranks 0 and 1), and the predicted peak memory: resident state
+before the step + the simulator's activation peak, with ``activation`` = the bytes one
+micro-batch's forward allocated in the limit run and ``activation_for_weight`` = the bytes
+pipetrain's ``StageRunner`` still holds after that micro-batch's I, before its W (retained graph +
+gradients captured for W), measured per stage in the limit run (``measure_held``).
+
+``pipetrain-hostwait`` rows (``--hostwait-schedules``, default 1f1b,zbv) are a diagnostic of the
+OLD runtime: pipetrain again with its NCCL waits patched back to the host-blocking
+``work.wait(timeout)`` of before the fix, so one run shows that fix's before and after.
 
 The physical limit: every rank runs its own stages of the same layout with no pipeline and no
 communication — for each micro-batch, forward and ordinary backward of each local stage (random
@@ -39,6 +46,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import functools
 import gc
 import inspect
@@ -63,6 +71,7 @@ from pipetrain.sim.costs import Costs
 from pipetrain.sim.simulate import simulate
 
 GIB = 2**30
+HOSTWAIT = "pipetrain-hostwait"  # diagnostic: the runtime's OLD host-blocking NCCL waits
 
 
 @dataclass(frozen=True)
@@ -289,6 +298,7 @@ def measure_limit(ctx: Ctx, layout: str, v: int, n: int) -> dict:
     hid = torch.randn(b, t, h, device=ctx.device, dtype=ctx.dtype, generator=gen)
     gout = torch.randn(b, t, h, device=ctx.device, dtype=ctx.dtype, generator=gen) * 1e-3
     act: dict[int, int] = {}
+    held = measure_held(ctx, mods, num_stages, xs[0], ys[0], hid, gout, 1.0 / n)
 
     def step() -> None:
         for j in range(n):
@@ -315,6 +325,12 @@ def measure_limit(ctx: Ctx, layout: str, v: int, n: int) -> dict:
     acts: dict[int, int] = {}
     for part in ctx.gather(act):
         acts.update(part)
+    after_f: dict[int, int] = {}
+    after_i: dict[int, int] = {}
+    for part in ctx.gather(held):
+        for k, (f_bytes, i_bytes) in part.items():
+            if f_bytes is not None:
+                after_f[k], after_i[k] = f_bytes, i_bytes
     out = stats(times)
     out.update(
         layout=layout,
@@ -322,9 +338,54 @@ def measure_limit(ctx: Ctx, layout: str, v: int, n: int) -> dict:
         microbatches=n,
         tokens_per_s=n * b * t / (out["median_ms"] / 1e3),
         activation_bytes={str(k): v for k, v in sorted(acts.items())},
+        runtime_after_forward_bytes={str(k): v for k, v in sorted(after_f.items())},
+        runtime_after_input_bytes={str(k): v for k, v in sorted(after_i.items())},
         peak_gib_rank0=None if peak is None else peak / GIB,
     )
     return out
+
+
+def measure_held(
+    ctx: Ctx, mods: dict, num_stages: int, x0, y0, hid, gout, weight: float
+) -> dict[int, tuple[int | None, int | None]]:
+    """Per local stage: bytes the runtime holds for one micro-batch after its F and after its I.
+
+    One micro-batch through pipetrain's own ``StageRunner`` (the object the runtime keeps per
+    stage; its ``backward_input``/``backward_weight`` are ``pipetrain.runtime.split_backward``'s),
+    measured as ``memory_allocated`` minus the value before F. As in the runtime, the received
+    input and the received output gradient are fresh buffers allocated after that point, the
+    stage's outputs and the input gradients are dropped once produced (the runtime sends them and
+    keeps only gradient edges), so after F the graph's saved tensors remain, and after I (before
+    W) the retained graph plus the ``WeightWork`` with the gradients captured for W. W then runs
+    and the parameters' ``.grad`` are restored, so the limit run starts as it would have.
+    ``(None, None)`` per stage without CUDA (no allocator statistics).
+    """
+    from pipetrain.runtime.stage import StageRunner
+
+    held: dict[int, tuple[int | None, int | None]] = {}
+    for s, mod in mods.items():
+        last = s == num_stages - 1
+        runner = StageRunner(s, mod, last, lm_loss)
+        grads_before = [p.grad for p in mod.parameters()]
+        gc.collect()
+        before = ctx.mem_now()
+        inp = x0 if s == 0 else hid.clone().requires_grad_()  # the receive buffer
+        outputs = runner.forward(0, (inp,), y0, weight)
+        del outputs, inp  # sent and released; the graph keeps what it saved
+        after_f = ctx.mem_now()
+        received = None if last else [gout.clone()]  # the gradient's receive buffer
+        input_grads = runner.backward_input(0, received)
+        del input_grads, received  # sent and released
+        after_i = ctx.mem_now()
+        runner.backward_weight(0)
+        if runner.leftovers():
+            raise RuntimeError(f"stage {s}: StageRunner kept {runner.leftovers()} micro-batches")
+        for p, g in zip(mod.parameters(), grads_before):
+            p.grad = g
+        held[s] = (
+            (None, None) if before is None else (after_f - before, after_i - before)  # type: ignore[operator]
+        )
+    return held
 
 
 def measure_comm_ms(ctx: Ctx) -> float | None:
@@ -367,7 +428,21 @@ def mean_costs(timelines) -> dict[tuple[OpKind, int], float]:
     return {k: statistics.fmean(v) for k, v in durations.items()}
 
 
-def costs_from(mean: dict, num_stages: int, comm: float, activation) -> Costs:
+def has_activation_for_weight() -> bool:
+    """Whether ``Costs`` has the I→W hold field (the memory-model change of issue 4 §2)."""
+    return "activation_for_weight" in {f.name for f in dataclasses.fields(Costs)}
+
+
+NO_AFW = (
+    "pipetrain.sim.costs.Costs has no 'activation_for_weight' field (the memory-model change "
+    "that holds a split backward's size between I and W has not landed in this checkout); "
+    "no I→W-aware memory prediction: see pred_peak_gib_f_only for the F-only model"
+)
+
+
+def costs_from(
+    mean: dict, num_stages: int, comm: float, activation, activation_for_weight=None
+) -> Costs:
     def col(kind: OpKind) -> list[float | None]:
         return [mean.get((kind, s)) for s in range(num_stages)]
 
@@ -382,6 +457,11 @@ def costs_from(mean: dict, num_stages: int, comm: float, activation) -> Costs:
     pairs = (
         [p if p is not None else 0.0 for p in pair] if any(p is not None for p in pair) else None
     )
+    extra = {}
+    if activation_for_weight is not None:
+        if not has_activation_for_weight():
+            raise RuntimeError(NO_AFW)
+        extra["activation_for_weight"] = activation_for_weight
     return Costs(
         forward=f,
         backward_input=i,
@@ -390,6 +470,7 @@ def costs_from(mean: dict, num_stages: int, comm: float, activation) -> Costs:
         forward_backward=pairs,
         comm=comm,
         activation=activation,
+        **extra,
     )
 
 
@@ -427,36 +508,46 @@ def measure(ctx: Ctx, pipeline_step, opt, params, base: int) -> tuple[dict, int 
 
 
 @contextlib.contextmanager
-def stream_ordered_waits():
-    """Experiment: pipetrain's P2P waits without a timeout on CUDA, for this block only.
+def host_blocking_waits():
+    """Diagnostic of the OLD runtime behaviour, for the ``pipetrain-hostwait`` rows only.
 
-    ``Transport.wait_work`` passes its timeout to ``Work.wait``; ProcessGroupNCCL then blocks the
-    host, polling until the transfer is done (a host sync per receive). Without a timeout the
-    wait only orders the compute stream after the transfer. The library is patched for the
-    duration of one measurement and restored; the hang guard is then the process group's timeout.
+    Before commit ded2659 ``Transport.wait_work`` passed its timeout to ``Work.wait`` on every
+    backend; on NCCL that makes ProcessGroupNCCL block the host thread, polling until the transfer
+    lands (a host sync per receive), so the host can no longer queue work ahead of the GPU. The
+    runtime now waits without a timeout on CUDA (the wait only orders the compute stream). This
+    restores the old host-blocking wait for one measurement and puts the fix back afterwards, so
+    one run shows the before (``pipetrain-hostwait``) and after (``pipetrain``) of that change.
     """
     from pipetrain.runtime import p2p
 
-    original = p2p.Transport.wait_work
+    fixed = p2p.Transport.wait_work
 
-    def wait_work(self, work, what, peer):
-        if self.device.type != "cuda":
-            return original(self, work, what, peer)
-        work.wait()
-        return None
+    def old_wait_work(self, work, what: str, peer: int) -> None:
+        try:
+            ok = work.wait(self.timeout)  # host-blocking on NCCL: the pre-fix code, verbatim
+        except RuntimeError as e:
+            raise p2p.PipelineTimeoutError(
+                f"rank {self.rank}: {what} waited on rank {peer} and failed within "
+                f"{self.timeout.total_seconds():g} s (did rank {peer} fail or stop?): {e}"
+            ) from e
+        if ok is False:
+            raise p2p.PipelineTimeoutError(
+                f"rank {self.rank}: {what} waited on rank {peer} for more than "
+                f"{self.timeout.total_seconds():g} s"
+            )
 
-    p2p.Transport.wait_work = wait_work
+    p2p.Transport.wait_work = old_wait_work
     try:
         yield
     finally:
-        p2p.Transport.wait_work = original
+        p2p.Transport.wait_work = fixed
 
 
 def run_pipetrain(
-    ctx: Ctx, name: str, fam: Family, n: int, limit: dict, comm_ms, stream_wait: bool = False
+    ctx: Ctx, name: str, fam: Family, n: int, limit: dict, comm_ms, host_wait: bool = False
 ) -> dict:
-    if stream_wait:
-        with stream_ordered_waits():
+    if host_wait:
+        with host_blocking_waits():
             return run_pipetrain(ctx, name, fam, n, limit, comm_ms)
     a = ctx.args
     num_stages = fam.stages_per_rank * ctx.world
@@ -502,7 +593,16 @@ def run_pipetrain(
         )
         res = row.get("resident_gib")
         if res and acts:
-            row["pred_peak_gib"] = [r + s for r, s in zip(res, simc.peak_activations)]
+            # the F-only model (every activation held at its F size until its last backward)
+            row["pred_peak_gib_f_only"] = [r + s for r, s in zip(res, simc.peak_activations)]
+            held = limit.get("runtime_after_input_bytes") or {}
+            act_w = [held.get(str(s), 0) / GIB for s in range(num_stages)]
+            if not has_activation_for_weight():
+                row["pred_error"] = NO_AFW
+            elif held:
+                costs = costs_from(mean, num_stages, comm_ms or 0.0, act, act_w)
+                simm = simulate(pipe.program, costs)
+                row["pred_peak_gib"] = [r + s for r, s in zip(res, simm.peak_activations)]
         if ctx.rank == 0 and a.out:
             save_timeline_text(ctx, name, n, timelines[-1], simc)
     return row
@@ -619,6 +719,14 @@ def main(argv: list[str] | None = None) -> int:
         "argv": sys.argv,
     }
     log(ctx, f"gpu_pipeline: {meta['device']} × {ctx.world}, torch {torch.__version__}, {cfg}")
+    meta["memory_model"] = (
+        "resident before the step + simulated activation peak; activation = one micro-batch's "
+        "forward bytes (limit run), activation_for_weight = bytes StageRunner holds after I"
+        if has_activation_for_weight()
+        else NO_AFW
+    )
+    if not has_activation_for_weight():
+        log(ctx, f"WARNING: {NO_AFW}")
     comm_ms = guarded(ctx, "comm", lambda: {"ms": measure_comm_ms(ctx)}).get("ms")
     meta["comm_ms_one_way"] = comm_ms
     meta["comm_source"] = "measured ping-pong of one activation between ranks 0 and 1"
@@ -651,12 +759,12 @@ def main(argv: list[str] | None = None) -> int:
             limit = limits[key]
             order = ("pipetrain", "torch") if index % 2 == 0 else ("torch", "pipetrain")
             index += 1
-            if name in args.streamwait_schedules.split(","):
-                order += ("pipetrain-sw",)
+            if name in args.hostwait_schedules.split(","):
+                order += (HOSTWAIT,)
             for lib in order:
                 if lib.startswith("pipetrain"):
-                    sw = lib == "pipetrain-sw"
-                    fn = functools.partial(run_pipetrain, ctx, name, fam, n, limit, comm_ms, sw)
+                    hw = lib == HOSTWAIT
+                    fn = functools.partial(run_pipetrain, ctx, name, fam, n, limit, comm_ms, hw)
                 else:
                     fn = functools.partial(run_torch, ctx, name, fam, n)
                 res = guarded(ctx, f"{name} n={n} {lib}", fn)
@@ -726,7 +834,7 @@ def table(meta, limits, rows) -> str:
         "|---" * (head.count("|") - 1) + "|",
     ]
     for r in rows:
-        for lib in ("pipetrain", "torch", "pipetrain-sw"):
+        for lib in ("pipetrain", "torch", HOSTWAIT):
             res = r.get(lib)
             if res is None:
                 if lib == "pipetrain" and "skipped" in r:
@@ -740,6 +848,10 @@ def table(meta, limits, rows) -> str:
                 continue
             peaks = res.get("peak_gib")
             pred = res.get("pred_peak_gib")
+            pred_missing = "-"
+            if res.get("pred_error") and res.get("pred_peak_gib_f_only"):
+                f_only = "/".join(f"{p:.2f}" for p in res["pred_peak_gib_f_only"])
+                pred_missing = f"{f_only} (F-only: no Costs.activation_for_weight)"
             ratio = None
             if lib != "torch" and "median_ms" in r.get("torch", {}):
                 ratio = res["median_ms"] / r["torch"]["median_ms"]
@@ -750,20 +862,31 @@ def table(meta, limits, rows) -> str:
                 f"{fmt(res.get('efficiency'))} | {fmt(res.get('bubble_measured'))} | "
                 f"{fmt(res.get('bubble_sim_comm0'))} / {fmt(res.get('bubble_sim_comm'))} | "
                 f"{'/'.join(f'{p:.2f}' for p in peaks) if peaks else '-'} | "
-                f"{'/'.join(f'{p:.2f}' for p in pred) if pred else '-'} | "
+                f"{'/'.join(f'{p:.2f}' for p in pred) if pred else pred_missing} | "
                 f"{fmt(ratio) if ratio is not None else ''} |"
             )
-    lines += ["", "| limit (layout, v, mb) | step ms med [min–max] | tok/s | act MiB/stage |"]
-    lines.append("|---|---|---|---|")
+    lines += [
+        "",
+        "act = one micro-batch's forward (limit run); after I = what pipetrain's StageRunner "
+        "holds after I, before W (retained graph + gradients captured for W); MiB per stage",
+        "",
+        "| limit (layout, v, mb) | step ms med [min–max] | tok/s | act MiB/stage | "
+        "after I MiB/stage |",
+        "|---|---|---|---|---|",
+    ]
+
+    def mib(d: dict) -> str:
+        return " ".join(f"{s}:{b / 2**20:.0f}" for s, b in d.items()) or "-"
+
     for k, v in limits.items():
         if "median_ms" in v:
             lines.append(
                 f"| {k} | {v['median_ms']:.1f} [{v['min_ms']:.1f}–{v['max_ms']:.1f}] | "
-                f"{v['tokens_per_s']:.0f} | "
-                f"{' '.join(f'{s}:{b / 2**20:.0f}' for s, b in v['activation_bytes'].items()) or '-'} |"
+                f"{v['tokens_per_s']:.0f} | {mib(v['activation_bytes'])} | "
+                f"{mib(v.get('runtime_after_input_bytes') or {})} |"
             )
         else:
-            lines.append(f"| {k} | {v.get('error')} | | |")
+            lines.append(f"| {k} | {v.get('error')} | | | |")
     return "\n".join(lines)
 
 
@@ -775,28 +898,34 @@ def plot(out: Path, rows, n_list, names) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         return "plot skipped: matplotlib is not installed"
-    fig, axes = plt.subplots(2, len(n_list), figsize=(5 * len(n_list), 7), squeeze=False)
+    libs = [
+        ("pipetrain", "pipetrain", "tab:blue"),
+        ("torch", "torch.distributed.pipelining", "tab:orange"),
+    ]
+    if any(HOSTWAIT in r for r in rows):
+        libs.append((HOSTWAIT, f"{HOSTWAIT} (diagnostic: old host-blocking waits)", "tab:gray"))
+    fig, axes = plt.subplots(2, len(n_list), figsize=(5 * len(n_list), 7.5), squeeze=False)
     for col, n in enumerate(n_list):
         by = {r["schedule"]: r for r in rows if r["microbatches"] == n}
         xs = range(len(names))
-        libs = [("pipetrain", "tab:blue"), ("torch", "tab:orange")]
-        if any("pipetrain-sw" in r for r in by.values()):
-            libs.append(("pipetrain-sw", "tab:green"))
         width = 0.8 / len(libs)
-        for k, (lib, color) in enumerate(libs):
+        for k, (lib, label, color) in enumerate(libs):
             ms = [by.get(s, {}).get(lib, {}).get("median_ms", 0) or 0 for s in names]
             eff = [by.get(s, {}).get(lib, {}).get("efficiency", 0) or 0 for s in names]
             pos = [x + (k - (len(libs) - 1) / 2) * width for x in xs]
-            axes[0][col].bar(pos, ms, width, label=lib, color=color)
-            axes[1][col].bar(pos, eff, width, label=lib, color=color)
+            axes[0][col].bar(pos, ms, width, label=label, color=color)
+            axes[1][col].bar(pos, eff, width, label=label, color=color)
         for ax, title in ((axes[0][col], "step time (ms)"), (axes[1][col], "pipeline efficiency")):
             ax.set_xticks(list(xs), names, rotation=30, ha="right", fontsize=8)
             ax.set_title(f"{title}, {n} micro-batches", fontsize=9)
-            ax.legend(fontsize=8)
         axes[1][col].set_ylim(0, 1.05)
-    fig.tight_layout()
+    # one legend for the figure, below the axes, so it never covers a bar
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(libs), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
     path = out / "gpu_pipeline.png"
     fig.savefig(path, dpi=110)
+    plt.close(fig)
     return f"plot: {path}"
 
 
@@ -832,9 +961,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pg-timeout", type=float, default=120.0, help="process-group timeout (s)")
     p.add_argument("--verbose", action="store_true", help="print tracebacks of failures")
     p.add_argument(
-        "--streamwait-schedules",
-        default="",
-        help="comma list: also run pipetrain with stream-ordered P2P waits (lib pipetrain-sw)",
+        "--hostwait-schedules",
+        default="1f1b,zbv",
+        help=f"comma list: also run pipetrain with its OLD host-blocking NCCL waits (lib "
+        f"{HOSTWAIT}, a diagnostic of the behaviour before the fix; '' for none)",
     )
     args = p.parse_args(argv)
     preset = args.preset or ("h100" if torch.cuda.is_available() else "cpu-smoke")

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Every GPU measurement in one command, for a machine with 2 GPUs (NCCL), from the repository root:
+# Every GPU measurement in one command, for a machine with 2 or 4 GPUs (NCCL), from the repository
+# root:
 #
-#     bash benchmarks/run_gpu_all.sh            # results under $OUT (default ./out/gpu)
+#     bash benchmarks/run_gpu_all.sh            # 2 GPUs; results under $OUT (default ./out/gpu)
+#     NPROC=4 bash benchmarks/run_gpu_all.sh    # 4 GPUs (same model: 4 or 8 stages of 16 layers)
 #
 # 1. gpu_equivalence.py  (torchrun × NPROC): float64 gradients vs unsplit + a 30-step training run
 # 2. split_backward_gpu.py (one GPU): time(I) + time(W) vs time(B) for one block
@@ -10,8 +12,11 @@
 # $OUT; the summary at the end repeats each section's table. Needs no network and no installs:
 # the package is imported from this checkout (PYTHONPATH). Set NPROC to use another GPU count;
 # EQ_ARGS, SPLIT_ARGS, BENCH_ARGS add arguments to a section (e.g. a CPU smoke run:
-#   NPROC=2 PYTHON=.venv/bin/python SPLIT_ARGS="--hidden 256 --heads 4 --seq 128 --reps 5" \
+#   NPROC=4 PYTHON=.venv/bin/python SPLIT_ARGS="--hidden 256 --heads 4 --seq 128 --reps 5" \
 #   bash benchmarks/run_gpu_all.sh   — without CUDA the scripts fall back to gloo and small presets).
+# HOSTWAIT (default "1f1b,zbv"; "" for none): schedules that gpu_pipeline.py also runs as
+# "pipetrain-hostwait", a diagnostic of the OLD runtime's host-blocking NCCL waits (before/after).
+# The equivalence check runs max(8, 2 x NPROC) micro-batches (DualPipeV needs >= 2 x ranks).
 set -u
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$(cd "$(dirname "$0")/.." && pwd)${PYTHONPATH:+:$PYTHONPATH}"
@@ -26,6 +31,7 @@ EQ_S="${EQ_S:-80}"
 SPLIT_S="${SPLIT_S:-60}"
 BENCH_S="${BENCH_S:-300}"
 BUDGET_S="${BUDGET_S:-$((BENCH_S - 65))}"   # gpu_pipeline skips configurations past this
+EQ_MB=$((2 * NPROC > 8 ? 2 * NPROC : 8))
 start=$(date +%s)
 
 section() {  # name, timeout (s), log file, command...
@@ -49,12 +55,13 @@ EOF
 
 TORCHRUN=("$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC")
 section equivalence "$EQ_S" "$OUT/equivalence.log" \
-    "${TORCHRUN[@]}" benchmarks/gpu_equivalence.py --out "$OUT" ${EQ_ARGS:-}
+    "${TORCHRUN[@]}" benchmarks/gpu_equivalence.py --out "$OUT" --microbatches "$EQ_MB" \
+    ${EQ_ARGS:-}
 section split-backward "$SPLIT_S" "$OUT/split_backward.log" \
     "$PY" benchmarks/split_backward_gpu.py --out "$OUT" ${SPLIT_ARGS:-}
 section pipeline "$BENCH_S" "$OUT/pipeline.log" \
     "${TORCHRUN[@]}" benchmarks/gpu_pipeline.py --out "$OUT" --budget-s "$BUDGET_S" \
-    --streamwait-schedules "${STREAMWAIT:-1f1b,zbv}" ${BENCH_ARGS:-}
+    --hostwait-schedules "${HOSTWAIT-1f1b,zbv}" ${BENCH_ARGS:-}
 
 echo
 echo "################ summary ($(($(date +%s) - start))s in all; files in $OUT) ################"
