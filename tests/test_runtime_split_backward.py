@@ -105,3 +105,59 @@ def test_full_backward_returns_input_gradients():
     g = torch.randn(2, 3, dtype=torch.float64)
     (dx,) = backward_full([get_gradient_edge(net(x))], [g], [x])
     assert dx is not None and x.grad is None and net[0].weight.grad is not None
+
+
+def test_cached_plan_matches_fresh_plan_and_structure_changes_replan():
+    from pipetrain.models.gpt import Block, GPTConfig
+    from pipetrain.runtime import split_backward as sb
+
+    cfg = GPTConfig(hidden=16, num_heads=2, seq_len=8)
+
+    def stage():
+        torch.manual_seed(0)
+        return nn.Sequential(Block(cfg), Block(cfg)).double()
+
+    cached, fresh, full = stage(), stage(), stage()
+    sb._PLANS.clear()
+
+    def split(net, x, g, clear):
+        if clear:
+            sb._PLANS.clear()
+        x = x.detach().requires_grad_(x.requires_grad)
+        out = net(x)
+        params = [p for p in net.parameters() if p.requires_grad]
+        inputs = [x] if x.requires_grad else []
+        found, work = backward_input([get_gradient_edge(out)], [g], inputs, params)
+        sb.backward_weight(work)
+        return found
+
+    def check(x, g):
+        misses = sb.plan_stats["misses"]
+        got = split(cached, x, g, clear=False)
+        missed = sb.plan_stats["misses"] - misses
+        want = split(fresh, x, g, clear=True)
+        xr = x.detach().requires_grad_(x.requires_grad)
+        ref = backward_full([get_gradient_edge(full(xr))], [g], [xr] if x.requires_grad else [])
+        for a, b, c in zip(got, want, ref):
+            assert torch.equal(a, b) and torch.allclose(a, c, rtol=1e-10, atol=1e-12)
+        for (n, p), q, r in zip(cached.named_parameters(), fresh.parameters(), full.parameters()):
+            assert (p.grad is None) == (q.grad is None) == (r.grad is None), n
+            if p.grad is not None:
+                assert torch.equal(p.grad, q.grad), n
+                assert torch.allclose(p.grad, r.grad, rtol=1e-10, atol=1e-12), n
+        return missed
+
+    def batch(t=8, need=True):
+        x = torch.randn(2, t, 16, dtype=torch.float64, requires_grad=need)
+        return x, torch.randn(2, t, 16, dtype=torch.float64)
+
+    assert check(*batch()) == 1  # first micro-batch plans
+    for _ in range(3):  # same structure, other values: served from the cache
+        assert check(*batch()) == 0
+    assert check(*batch(t=5)) == 0  # another length, same graph: the plan is structural
+    assert check(*batch(need=False)) == 1  # input needs no gradient (a first stage): new plan
+    for net in (cached, fresh, full):  # a frozen parameter changes the graph: new plan
+        net[0].attn.qkv.weight.requires_grad_(False)
+    assert check(*batch()) == 1
+    assert check(*batch()) == 0
+    assert cached[0].attn.qkv.weight.grad is not None  # accumulated before it was frozen

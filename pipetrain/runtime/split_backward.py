@@ -27,12 +27,23 @@ Limits: a boundary node is re-run in ``W`` for its weight outputs only, which fo
 costs what the weight half costs. A custom ``autograd.Function`` cannot tell which outputs are
 wanted (``ctx.needs_input_grad`` reflects ``requires_grad``, not the engine's plan), so its
 ``backward`` computes everything in ``I`` and again in ``W``: results stay exact, time does not.
-Graph walking is Python, once per (stage, micro-batch); it is linear in the graph size.
+
+Host cost: the plan is a function of the graph's *shape* only (its edges, which nodes are the
+inputs' and the parameters' gradient nodes, which are the roots), and a stage builds the same shape
+for every micro-batch. So each call does one cheap walk (breadth-first from the roots, children in
+``next_functions`` order) that numbers the nodes and writes the shape down as a tuple of those
+numbers; the plan is computed once per distinct shape, in node numbers, and cached under that
+tuple. The tuple encodes the whole reachable graph, so an equal tuple means an identical plan and a
+different graph (another ``requires_grad`` pattern, other control flow; tensor shapes do not matter)
+gets its own plan.
+The engine is entered directly (``torch.autograd.graph._engine_run_backward``, what
+``torch.autograd.grad``/``backward`` call after their argument checks) where every root has a
+gradient tensor; the engine still validates root gradients against the roots' metadata.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict, deque
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -63,74 +74,182 @@ class WeightWork:
         return not self.groups and not self.roots
 
 
-def _children(node: Node) -> list[Node]:
-    return [c for c, _ in node.next_functions if c is not None]
+try:  # the engine entry point behind torch.autograd.grad / backward (skips their checks)
+    from torch.autograd.graph import _engine_run_backward
+except ImportError:  # pragma: no cover - other torch versions
+    _engine_run_backward = None
 
 
-def _parents_of(roots: Sequence[Node]) -> dict[Node, list[Node]]:
-    """Reverse edges of the graph reachable from ``roots`` (every reached node is a key)."""
-    parents: dict[Node, list[Node]] = defaultdict(list)
-    queue = deque(dict.fromkeys(roots))
-    for r in queue:
-        parents[r]
-    while queue:
-        node = queue.popleft()
-        for child in _children(node):
-            if child not in parents:
-                queue.append(child)
+@dataclass(frozen=True)
+class _Plan:
+    """A plan in node numbers (positions in ``_walk`` order) and parameter positions."""
+
+    groups: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]  # (boundary nodes, params)
+    outside_roots: tuple[int, ...]  # positions in ``roots`` of the roots outside P
+    outside_params: tuple[int, ...]  # positions in ``params`` that W reaches from those roots
+
+
+_PLANS: dict[tuple[int, ...], _Plan] = {}
+_PLANS_MAX = 256  # distinct graph shapes kept (a stage normally has one or two)
+plan_stats = {"hits": 0, "misses": 0}
+
+
+def _walk(roots, inputs, params) -> tuple[list[Node], tuple[int, ...]]:
+    """Number the nodes reachable from ``roots`` (breadth-first, children in order) and describe
+    the graph in those numbers: root nodes, then each node's children ending with -1, then the
+    inputs' and the parameters' gradient nodes (-1 where unreached). Equal descriptions mean
+    isomorphic graphs with the inputs, parameters and roots at the same places.
+
+    A leaf tensor's gradient node is its ``AccumulateGrad``, found here as a childless node whose
+    ``variable`` is the tensor (what ``get_gradient_edge`` returns while a graph holds it, at a
+    fraction of the cost)."""
+    index: dict[Node, int] = {}
+    order: list[Node] = []
+    key: list[int] = []
+    for e in roots:
+        n = e.node
+        i = index.get(n)
+        if i is None:
+            i = index[n] = len(order)
+            order.append(n)
+        key.append(i)
+    key.append(-1)
+    leaf_at: dict[int, int] = {}  # id(leaf tensor) -> its AccumulateGrad's number
+    pos = 0
+    while pos < len(order):
+        node = order[pos]
+        children = node.next_functions
+        if not children:
+            var = getattr(node, "variable", None)
+            if var is not None:
+                leaf_at[id(var)] = pos
+        for child, _ in children:
+            if child is not None:
+                i = index.get(child)
+                if i is None:
+                    i = index[child] = len(order)
+                    order.append(child)
+                key.append(i)
+        key.append(-1)
+        pos += 1
+    key.extend(_node_of(x, index, leaf_at) for x in inputs)
+    key.append(-1)
+    key.extend(_node_of(q, index, leaf_at) for q in params)
+    return order, tuple(key)
+
+
+def _node_of(t: torch.Tensor, index: dict[Node, int], leaf_at: dict[int, int]) -> int:
+    """Number of ``t``'s gradient node in the walk, -1 if unreached."""
+    if t.grad_fn is None:
+        return leaf_at.get(id(t), -1)
+    return index.get(get_gradient_edge(t).node, -1)
+
+
+def _compute_plan(key: tuple[int, ...], n_roots: int, n_inputs: int, n_params: int) -> _Plan:
+    """Find ``P``, the boundary groups and the roots outside ``P`` (see the module docstring),
+    from the description ``_walk`` wrote."""
+    root_idx = key[:n_roots]
+    pos = n_roots + 1
+    parents: list[list[int]] = [[] for _ in set(root_idx)]  # roots are numbered 0, 1, ...
+    node = 0
+    while node < len(parents):  # one child list per node; a new child takes the next number
+        while key[pos] != -1:
+            child = key[pos]
+            if child == len(parents):
+                parents.append([])
             parents[child].append(node)
-    return parents
+            pos += 1
+        pos += 1
+        node += 1
+    input_idx = key[pos : pos + n_inputs]
+    param_idx = key[pos + n_inputs + 1 : pos + n_inputs + 1 + n_params]
 
+    def upward(starts, stop):
+        seen, hit = set(starts), set()
+        queue = deque(starts)
+        while queue:
+            for q in parents[queue.popleft()]:
+                if q in stop:
+                    hit.add(q)
+                elif q not in seen:
+                    seen.add(q)
+                    queue.append(q)
+        return seen, hit
 
-def _upward(starts: Sequence[Node], parents: dict[Node, list[Node]], stop: set[Node]):
-    """Nodes reachable from ``starts`` along reverse edges, not entering ``stop`` (returned apart)."""
-    seen, hit = set(starts), set()
-    queue = deque(starts)
-    while queue:
-        for p in parents.get(queue.popleft(), ()):
-            if p in stop:
-                hit.add(p)
-            elif p not in seen:
-                seen.add(p)
-                queue.append(p)
-    return seen, hit
-
-
-def _plan(roots, grads, inputs, params) -> tuple[list[_Group], WeightWork]:
-    """Find ``P``, the boundary groups and the roots outside ``P`` (see the module docstring)."""
-    parents = _parents_of([e.node for e in roots])
-    input_nodes = [n for n in (get_gradient_edge(x).node for x in inputs) if n in parents]
-    on_path, _ = _upward(input_nodes, parents, set()) if input_nodes else (set(), set())
-    by_node: dict[Node, _Group] = {}
-    groups: list[_Group] = []
-    root_nodes = {e.node for e in roots}
-    outside_params: list[torch.Tensor] = []
-    for p in params:
-        node = get_gradient_edge(p).node
-        if node not in parents:
-            continue  # not used by this micro-batch's forward
-        region, boundary = _upward([node], parents, on_path)
+    starts = [i for i in input_idx if i >= 0]
+    on_path, _ = upward(starts, set()) if starts else (set(), set())
+    root_nodes = set(root_idx)
+    by_node: dict[int, list] = {}
+    groups: list[list] = []  # [boundary nodes, param positions]
+    outside_params: list[int] = []
+    for j, pnode in enumerate(param_idx):
+        if pnode < 0:
+            continue  # not used by this forward
+        region, boundary = upward([pnode], on_path)
         if region & root_nodes:
-            outside_params.append(p)
+            outside_params.append(j)
         if not boundary:
             continue
         merged = {id(by_node[b]): by_node[b] for b in boundary if b in by_node}
-        group = _Group(nodes=[b for b in boundary if b not in by_node], params=[p])
+        group = [sorted(b for b in boundary if b not in by_node), [j]]
         for other in merged.values():
-            group.nodes += other.nodes
-            group.params += other.params
+            group[0] += other[0]
+            group[1] += other[1]
             groups.remove(other)
         groups.append(group)
-        for b in group.nodes:
+        for b in group[0]:
             by_node[b] = group
-    outside = [(e, g) for e, g in zip(roots, grads) if e.node not in on_path]
+    outside = tuple(k for k, r in enumerate(root_idx) if r not in on_path)
+    return _Plan(
+        groups=tuple((tuple(g[0]), tuple(g[1])) for g in groups),
+        outside_roots=outside if outside_params else (),
+        outside_params=tuple(outside_params),
+    )
+
+
+def _plan(roots, grads, inputs, params) -> tuple[list[_Group], WeightWork]:
+    """The plan for this graph (cached by its shape), bound to this micro-batch's nodes."""
+    order, key = _walk(roots, inputs, params)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan_stats["misses"] += 1
+        plan = _compute_plan(key, len(roots), len(inputs), len(params))
+        if len(_PLANS) >= _PLANS_MAX:
+            del _PLANS[next(iter(_PLANS))]
+        _PLANS[key] = plan
+    else:
+        plan_stats["hits"] += 1
+    groups = [
+        _Group(nodes=[order[i] for i in nodes], params=[params[j] for j in ps])
+        for nodes, ps in plan.groups
+    ]
     work = WeightWork(
         groups=groups,
-        roots=[e for e, _ in outside] if outside_params else [],
-        root_grads=[g for _, g in outside] if outside_params else [],
-        root_params=outside_params,
+        roots=[roots[k] for k in plan.outside_roots],
+        root_grads=[grads[k] for k in plan.outside_roots],
+        root_params=[params[j] for j in plan.outside_params],
     )
     return groups, work
+
+
+def _run(roots, grads, inputs, *, retain_graph: bool, accumulate: bool):
+    """``torch.autograd.backward`` (``accumulate``) or ``grad`` (allow_unused), entered directly
+    at the engine when every root gradient is a tensor."""
+    if _engine_run_backward is None or not all(isinstance(g, torch.Tensor) for g in grads):
+        if accumulate:
+            return torch.autograd.backward(roots, grads, retain_graph=retain_graph, inputs=inputs)
+        return torch.autograd.grad(
+            roots, inputs, grads, retain_graph=retain_graph, allow_unused=True
+        )
+    return _engine_run_backward(
+        tuple(roots),
+        tuple(grads),
+        retain_graph,
+        False,
+        tuple(inputs),
+        allow_unreachable=True,
+        accumulate_grad=accumulate,
+    )
 
 
 def backward_input(
@@ -147,13 +266,7 @@ def backward_input(
             handles.append(node.register_prehook(_capture(group, i)))
     try:
         if inputs and roots:
-            found = torch.autograd.grad(
-                list(roots),
-                list(inputs),
-                list(grads),
-                retain_graph=not work.empty,
-                allow_unused=True,
-            )
+            found = _run(roots, grads, inputs, retain_graph=not work.empty, accumulate=False)
         else:
             found = (None,) * len(inputs)
     finally:
@@ -192,14 +305,12 @@ def backward_weight(work: WeightWork) -> None:
                 handles.append(node.register_prehook(_pin(captured)))
         try:
             if edges:
-                torch.autograd.backward(edges, values, retain_graph=True, inputs=group.params)
+                _run(edges, values, group.params, retain_graph=True, accumulate=True)
         finally:
             for h in handles:
                 h.remove()
     if work.roots:
-        torch.autograd.backward(
-            work.roots, work.root_grads, retain_graph=True, inputs=work.root_params
-        )
+        _run(work.roots, work.root_grads, work.root_params, retain_graph=True, accumulate=True)
 
 
 def backward_full(
