@@ -79,7 +79,9 @@ def _add_shape(p: argparse.ArgumentParser, required: bool = True) -> None:
         "-v",
         type=positive_int,
         metavar="V",
-        help="stages (model chunks) per rank; default 2 for interleaved-1f1b, looped-bfs, interleaved-zb, zbv, dualpipev, else 1",
+        help="stages (model chunks) per rank; default 2 for "
+        + ", ".join(f.name for f in FAMILIES.values() if f.default_stages_per_rank == 2)
+        + ", else 1",
     )
     p.add_argument(
         "--group-size",
