@@ -160,6 +160,14 @@ def run_equivalence(rank: int, world: int, names: list[str]) -> list[str]:
     return failures
 
 
+def _recorder(fired: dict, seen: dict, key):
+    def hook(p):
+        fired[key] = fired.get(key, 0) + 1
+        seen[key] = p.grad.clone()
+
+    return hook
+
+
 def run_features(rank: int, world: int) -> dict:
     """Callable stages, eval_step, timeline, hooks, changing batch sizes, nothing left behind."""
     import gc
@@ -171,15 +179,14 @@ def run_features(rank: int, world: int) -> dict:
     out: dict = {}
     num_stages, m = 2 * world, 4
     fired: dict = {}
+    seen: dict = {}  # the gradient each hook saw last
     built: dict = {}
 
     def stage(i):
         built[i] = build_stages(num_stages)[i]
         for n, p in built[i].named_parameters():
             if p.requires_grad:
-                p.register_post_accumulate_grad_hook(
-                    lambda p, k=(i, n): fired.__setitem__(k, fired.get(k, 0) + 1)
-                )
+                p.register_post_accumulate_grad_hook(_recorder(fired, seen, (i, n)))
         return built[i]
 
     pipe = pipetrain.Pipeline(stage, "zbv", m, loss_fn, num_stages=num_stages)
@@ -199,6 +206,15 @@ def run_features(rank: int, world: int) -> dict:
             close(p.grad, ref_grads[(s, n)]) for s in built for n, p in built[s].named_parameters()
         )
         out.setdefault("exact", []).append(ok)
+        # a data-parallel hook sees the step's whole gradient, not a partial sum
+        out.setdefault("hook_saw_whole_grad", []).append(
+            all(
+                torch.equal(seen[(s, n)], p.grad) if p.grad is not None else (s, n) not in seen
+                for s in built
+                for n, p in built[s].named_parameters()
+                if p.requires_grad
+            )
+        )
     gc.collect()
     out["activations_alive"] = sum(r() is not None for r in refs)
     out["leftovers"] = sum(r.leftovers() + len(r.losses) for r in pipe.runners.values())

@@ -14,7 +14,8 @@ def test_features_on_two_ranks():
     for r in (r0, r1):
         assert r["exact"] == [True, True, True]
         assert r["activations_alive"] == 0 and r["leftovers"] == 0
-        assert r["hook_counts"] == [3 * 4], "post-accumulate hooks: once per micro-batch per step"
+        assert r["hook_counts"] == [3], "post-accumulate hooks: once per parameter per step"
+        assert r["hook_saw_whole_grad"] == [True, True, True]
         is_timeline, measured, ranks, spans, computes = r["timeline"]
         assert is_timeline and measured and ranks == 2 and spans == computes
     assert r0["eval_close"] is True and r1["eval_close"] is None

@@ -77,6 +77,8 @@ class Pipeline:
         self.runners = {
             s: StageRunner(s, m, s == self.last_stage, loss_fn) for s, m in self.modules.items()
         }
+        for stage, mb in _last_weight_pieces(self.program.actions[self.rank]).items():
+            self.runners[stage].last_weight_microbatch = mb
         self.arities = self._gather_arities()
         self.transport = Transport(self.rank, group, self.device, timeout)
         self._caches: dict[str, MetaCache] = {}
@@ -175,6 +177,18 @@ class Pipeline:
 
 
 _DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+def _last_weight_pieces(row: Sequence[Action]) -> dict[int, int]:
+    """Per stage, the micro-batch of the last action in ``row`` that makes weight gradients
+    (a B, a W, or the B of an overlapped pair): where ``AccumulateGrad`` hooks should fire."""
+    last: dict[int, int] = {}
+    for action in row:
+        if action.is_compute:
+            for part in action.compute_parts:
+                if part.kind in (OpKind.B, OpKind.W):
+                    last[part.stage] = part.microbatch
+    return last
 
 
 def _require_process_group() -> None:

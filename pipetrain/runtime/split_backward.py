@@ -12,8 +12,9 @@ How (the idea of torch.distributed.pipelining's ``_backward.py``, written afresh
 * ``W`` replays only those nodes: ``torch.autograd.backward`` from ``GradientEdge(node, k)`` with the
   captured gradients and ``inputs=params``. Boundary nodes are grouped by the parameters they reach
   (one call per group), so a call never flows through ``P`` into another group's boundary. Gradients
-  reach ``.grad`` through ``AccumulateGrad``, so post-accumulate-grad hooks fire once per
-  accumulation, as in a plain backward.
+  reach ``.grad`` through ``AccumulateGrad`` in a stage's last backward piece of the step; the
+  earlier pieces add into ``.grad`` directly (``accumulate_quietly``), so post-accumulate-grad
+  hooks fire once per parameter per step and see the step's whole gradient.
 * Output nodes outside ``P`` (an output that depends on parameters only, or every node of a stage
   whose inputs need no gradient, like the first stage) have nothing to split: ``W`` runs them from
   the output gradients. Backward is linear in its incoming gradient, so splitting the roots over
@@ -289,8 +290,23 @@ def _pin(captured: tuple[torch.Tensor | None, ...]):
     return hook
 
 
-def backward_weight(work: WeightWork) -> None:
-    """``W``: accumulate weight gradients into ``.grad``; the caller drops ``work`` afterwards."""
+def accumulate_quietly(
+    params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]
+) -> None:
+    """Add ``grads`` into ``.grad`` without running ``AccumulateGrad`` (so without its hooks).
+
+    A step's every backward piece but a stage's last accumulates this way; the last goes through
+    ``AccumulateGrad``, so post-accumulate-grad hooks — what data-parallel wrappers hang their
+    reductions on — fire once per parameter per step and see the step's whole gradient.
+    """
+    for p, g in zip(params, grads):
+        if g is not None:
+            p.grad = g if p.grad is None else p.grad.add_(g)
+
+
+def backward_weight(work: WeightWork, hooks: bool = True) -> None:
+    """``W``: weight gradients into ``.grad`` (through ``AccumulateGrad`` and its hooks only with
+    ``hooks``); the caller drops ``work`` afterwards."""
     for group in work.groups:
         edges, values, handles = [], [], []
         for i, node in enumerate(group.nodes):
@@ -305,22 +321,38 @@ def backward_weight(work: WeightWork) -> None:
                 handles.append(node.register_prehook(_pin(captured)))
         try:
             if edges:
-                _run(edges, values, group.params, retain_graph=True, accumulate=True)
+                _weights(edges, values, group.params, hooks)
         finally:
             for h in handles:
                 h.remove()
     if work.roots:
-        _run(work.roots, work.root_grads, work.root_params, retain_graph=True, accumulate=True)
+        _weights(work.roots, work.root_grads, work.root_params, hooks)
+
+
+def _weights(roots, grads, params, hooks: bool) -> None:
+    if hooks:
+        _run(roots, grads, params, retain_graph=True, accumulate=True)
+    else:
+        accumulate_quietly(params, _run(roots, grads, params, retain_graph=True, accumulate=False))
 
 
 def backward_full(
     roots: Sequence[GradientEdge],
     grads: Sequence[torch.Tensor],
     inputs: Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor] = (),
+    hooks: bool = True,
 ) -> list[torch.Tensor | None]:
-    """``B``: one ordinary backward; weight gradients accumulate, input gradients are returned."""
+    """``B``: one ordinary backward; weight gradients accumulate (without ``hooks``: quietly, into
+    ``params``' ``.grad``), input gradients are returned."""
     if not roots:
         return [None] * len(inputs)
+    if not hooks:
+        if not inputs and not params:
+            return []
+        found = _run(roots, grads, [*inputs, *params], retain_graph=False, accumulate=False)
+        accumulate_quietly(params, found[len(inputs) :])
+        return list(found[: len(inputs)])
     for x in inputs:
         x.grad = None
     torch.autograd.backward(list(roots), list(grads))

@@ -76,6 +76,9 @@ class StageRunner:
         self.saved: dict[int, _Saved] = {}
         self.weight_work: dict[int, WeightWork] = {}
         self.losses: dict[int, torch.Tensor] = {}
+        #: the micro-batch whose backward piece is this stage's last weight-gradient work in a
+        #: step (set by the pipeline from the program); only that one runs ``.grad`` hooks
+        self.last_weight_microbatch: int | None = None
 
     def forward(
         self, mb: int, args: tuple[torch.Tensor, ...], target: object, weight: float
@@ -122,13 +125,23 @@ class StageRunner:
     def backward(self, mb: int, grads: list[torch.Tensor] | None) -> list[torch.Tensor]:
         """``B``: input gradients (zeros where unused) and weight gradients accumulated."""
         saved = self.saved.pop(mb)
-        found = backward_full(saved.roots, self._root_grads(saved, grads), saved.inputs)
+        root_grads = self._root_grads(saved, grads)
+        hooks = self._is_last_weight_piece(mb)
+        found = backward_full(saved.roots, root_grads, saved.inputs, self._params(), hooks)
         return _fill(found, saved.inputs)
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def _is_last_weight_piece(self, mb: int) -> bool:
+        """The step's last weight piece (or no schedule says which): it accumulates through
+        ``AccumulateGrad``, so hooks fire once and see the whole step's gradient."""
+        return self.last_weight_microbatch is None or mb == self.last_weight_microbatch
 
     def backward_input(self, mb: int, grads: list[torch.Tensor] | None) -> list[torch.Tensor]:
         """``I``: input gradients only; what ``W`` needs is kept until ``backward_weight``."""
         saved = self.saved.pop(mb)
-        params = [p for p in self.module.parameters() if p.requires_grad]
+        params = self._params()
         found, work = backward_input(
             saved.roots, self._root_grads(saved, grads), saved.inputs, params
         )
@@ -137,7 +150,7 @@ class StageRunner:
 
     def backward_weight(self, mb: int) -> None:
         work = self.weight_work.pop(mb)
-        backward_weight(work)
+        backward_weight(work, hooks=self._is_last_weight_piece(mb))
 
     def _root_grads(self, saved: _Saved, grads: list[torch.Tensor] | None) -> list[torch.Tensor]:
         if self.is_last:
