@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import dataclasses
 import functools
 import gc
 import inspect
@@ -56,7 +55,6 @@ import statistics
 import sys
 import time
 import traceback
-from collections import defaultdict
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -66,8 +64,7 @@ import torch.distributed as dist
 
 from pipetrain.models.gpt import GPTConfig, lm_loss, make_stage
 from pipetrain.runtime.pipeline import Pipeline
-from pipetrain.schedule.action import OpKind
-from pipetrain.sim.costs import Costs
+from pipetrain.sim.costs import mean_durations, measured_costs
 from pipetrain.sim.simulate import simulate
 
 GIB = 2**30
@@ -420,60 +417,6 @@ def measure_comm_ms(ctx: Ctx) -> float | None:
 # ---------------------------------------------------------------------------------------------
 
 
-def mean_costs(timelines) -> dict[tuple[OpKind, int], float]:
-    durations: dict[tuple[OpKind, int], list[float]] = defaultdict(list)
-    for tl in timelines:
-        for span in tl.spans:
-            durations[span.action.kind, span.action.stage].append(span.duration)
-    return {k: statistics.fmean(v) for k, v in durations.items()}
-
-
-def has_activation_for_weight() -> bool:
-    """Whether ``Costs`` has the I→W hold field (the memory-model change of issue 4 §2)."""
-    return "activation_for_weight" in {f.name for f in dataclasses.fields(Costs)}
-
-
-NO_AFW = (
-    "pipetrain.sim.costs.Costs has no 'activation_for_weight' field (the memory-model change "
-    "that holds a split backward's size between I and W has not landed in this checkout); "
-    "no I→W-aware memory prediction: see pred_peak_gib_f_only for the F-only model"
-)
-
-
-def costs_from(
-    mean: dict, num_stages: int, comm: float, activation, activation_for_weight=None
-) -> Costs:
-    def col(kind: OpKind) -> list[float | None]:
-        return [mean.get((kind, s)) for s in range(num_stages)]
-
-    f, i, w, b = (col(k) for k in (OpKind.F, OpKind.I, OpKind.W, OpKind.B))
-    pair = col(OpKind.OVERLAP_F_B)
-    for s in range(num_stages):
-        f[s] = f[s] or 0.0
-        if b[s] is None:
-            b[s] = (i[s] or 0.0) + (w[s] or 0.0)
-        i[s] = i[s] if i[s] is not None else b[s] / 2
-        w[s] = w[s] if w[s] is not None else b[s] / 2
-    pairs = (
-        [p if p is not None else 0.0 for p in pair] if any(p is not None for p in pair) else None
-    )
-    extra = {}
-    if activation_for_weight is not None:
-        if not has_activation_for_weight():
-            raise RuntimeError(NO_AFW)
-        extra["activation_for_weight"] = activation_for_weight
-    return Costs(
-        forward=f,
-        backward_input=i,
-        backward_weight=w,
-        backward=b,
-        forward_backward=pairs,
-        comm=comm,
-        activation=activation,
-        **extra,
-    )
-
-
 def measure(ctx: Ctx, pipeline_step, opt, params, base: int) -> tuple[dict, int | None]:
     """Warm up, then time ``pipeline_step`` + the optimizer step; memory above ``base``.
 
@@ -576,11 +519,14 @@ def run_pipetrain(
         timelines.append(pipe.last_timeline)
         opt_step(opt, params)
     if timelines:
-        mean = mean_costs(timelines)
+        mean = mean_durations(timelines)
         acts = limit.get("activation_bytes") or {}
         act = [acts.get(str(s), 0) / GIB for s in range(num_stages)]
-        sim0 = simulate(pipe.program, costs_from(mean, num_stages, 0.0, act))
-        simc = simulate(pipe.program, costs_from(mean, num_stages, comm_ms or 0.0, act))
+        sim0 = simulate(pipe.program, measured_costs(timelines, num_stages, activation=act))
+        simc = simulate(
+            pipe.program,
+            measured_costs(timelines, num_stages, comm=comm_ms or 0.0, activation=act),
+        )
         row.update(
             bubble_measured=statistics.fmean(t.bubble_fraction for t in timelines),
             makespan_measured_ms=statistics.fmean(t.makespan for t in timelines),
@@ -597,10 +543,14 @@ def run_pipetrain(
             row["pred_peak_gib_f_only"] = [r + s for r, s in zip(res, simc.peak_activations)]
             held = limit.get("runtime_after_input_bytes") or {}
             act_w = [held.get(str(s), 0) / GIB for s in range(num_stages)]
-            if not has_activation_for_weight():
-                row["pred_error"] = NO_AFW
-            elif held:
-                costs = costs_from(mean, num_stages, comm_ms or 0.0, act, act_w)
+            if held:
+                costs = measured_costs(
+                    timelines,
+                    num_stages,
+                    comm=comm_ms or 0.0,
+                    activation=act,
+                    activation_for_weight=act_w,
+                )
                 simm = simulate(pipe.program, costs)
                 row["pred_peak_gib"] = [r + s for r, s in zip(res, simm.peak_activations)]
         if ctx.rank == 0 and a.out:
@@ -722,11 +672,7 @@ def main(argv: list[str] | None = None) -> int:
     meta["memory_model"] = (
         "resident before the step + simulated activation peak; activation = one micro-batch's "
         "forward bytes (limit run), activation_for_weight = bytes StageRunner holds after I"
-        if has_activation_for_weight()
-        else NO_AFW
     )
-    if not has_activation_for_weight():
-        log(ctx, f"WARNING: {NO_AFW}")
     comm_ms = guarded(ctx, "comm", lambda: {"ms": measure_comm_ms(ctx)}).get("ms")
     meta["comm_ms_one_way"] = comm_ms
     meta["comm_source"] = "measured ping-pong of one activation between ranks 0 and 1"

@@ -19,7 +19,6 @@ import os
 import subprocess
 import sys
 import time
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from pipetrain.schedule.action import OpKind
 from pipetrain.schedule.registry import FAMILIES, build_schedule, family
 from pipetrain.schedule.timeline import Timeline
-from pipetrain.sim.costs import Costs
+from pipetrain.sim.costs import mean_durations, measured_costs
 
 if TYPE_CHECKING:
     import torch
@@ -305,45 +304,6 @@ class _Progress:
             print(flush=True)
 
 
-def mean_durations(timelines: Sequence[Timeline]) -> dict[tuple[OpKind, int], float]:
-    """Mean span duration per (op kind, stage); an overlapped pair is keyed by its forward's
-    stage, as the simulator reads it."""
-    durations: dict[tuple[OpKind, int], list[float]] = defaultdict(list)
-    for tl in timelines:
-        for span in tl.spans:
-            durations[span.action.kind, span.action.stage].append(span.duration)
-    return {key: fmean(v) for key, v in durations.items()}
-
-
-def measured_costs(timelines: Sequence[Timeline], num_stages: int) -> Costs:
-    """Simulator costs from measured timelines: the mean duration per (kind, stage).
-
-    A kind a stage never ran is filled in so the costs stay consistent (``I``/``W`` as half a
-    ``B``, ``B`` as ``I + W``); it is never used by the program it was measured on.
-    """
-    mean = mean_durations(timelines)
-
-    def per_stage(kind: OpKind) -> list[float | None]:
-        return [mean.get((kind, s)) for s in range(num_stages)]
-
-    f, i, w, b = (per_stage(k) for k in (OpKind.F, OpKind.I, OpKind.W, OpKind.B))
-    pair = per_stage(OpKind.OVERLAP_F_B)
-    for s in range(num_stages):
-        f[s] = f[s] if f[s] is not None else 0.0
-        if b[s] is None:
-            b[s] = (i[s] or 0.0) + (w[s] or 0.0)
-        i[s] = i[s] if i[s] is not None else b[s] / 2
-        w[s] = w[s] if w[s] is not None else b[s] / 2
-    have_pairs = any(p is not None for p in pair)
-    return Costs(
-        forward=f,
-        backward_input=i,
-        backward_weight=w,
-        backward=b,
-        forward_backward=[p if p is not None else 0.0 for p in pair] if have_pairs else None,
-    )
-
-
 def _costs_table(timelines: Sequence[Timeline], num_stages: int) -> str:
     """Mean measured ms per (stage, kind); kinds the schedule never ran are left out."""
     mean = mean_durations(timelines)
@@ -424,4 +384,4 @@ def _pictures(args: argparse.Namespace, step: Timeline, title: str) -> list[str]
     return [*out, f"wrote {path}"]
 
 
-__all__ = ["add_train_arguments", "check_arguments", "measured_costs", "report", "run_train"]
+__all__ = ["add_train_arguments", "check_arguments", "report", "run_train"]

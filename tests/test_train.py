@@ -28,9 +28,9 @@ from pipetrain.models import (  # noqa: E402
     stage_layers,
 )
 from pipetrain.schedule.registry import build_schedule  # noqa: E402
-from pipetrain.sim.costs import Costs  # noqa: E402
+from pipetrain.sim.costs import Costs, measured_costs  # noqa: E402
 from pipetrain.sim.simulate import simulate  # noqa: E402
-from pipetrain.train import add_train_arguments, check_arguments, measured_costs  # noqa: E402
+from pipetrain.train import add_train_arguments, check_arguments  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = GPTConfig(num_layers=6, hidden=32, num_heads=4, seq_len=16)

@@ -10,8 +10,13 @@ communication, activation size 1, held unchanged between a split backward's I an
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from statistics import fmean
+
+from pipetrain.schedule.action import OpKind
+from pipetrain.schedule.timeline import Timeline
 
 Cost = float | Sequence[float]
 
@@ -103,3 +108,53 @@ def _resolve(name: str, value: Cost, num_stages: int) -> tuple[float, ...]:
         if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
             raise ValueError(f"cost {name} must be a finite number >= 0, got {v!r}")
     return tuple(float(v) for v in values)
+
+
+def mean_durations(timelines: Sequence[Timeline]) -> dict[tuple[OpKind, int], float]:
+    """Mean span duration per (op kind, stage); an overlapped pair is keyed by its forward's
+    stage, as the simulator reads it."""
+    durations: dict[tuple[OpKind, int], list[float]] = defaultdict(list)
+    for tl in timelines:
+        for span in tl.spans:
+            durations[span.action.kind, span.action.stage].append(span.duration)
+    return {key: fmean(v) for key, v in durations.items()}
+
+
+def measured_costs(
+    timelines: Sequence[Timeline],
+    num_stages: int,
+    *,
+    comm: Cost = 0.0,
+    activation: Cost = 1.0,
+    activation_for_weight: Cost | None = None,
+) -> Costs:
+    """Simulator costs from measured timelines: the mean duration per (kind, stage).
+
+    This is how "predicted vs measured" closes the loop: simulate the program with the costs its
+    own run measured. A kind a stage never ran is filled in so the costs stay consistent
+    (``I``/``W`` as half a ``B``, ``B`` as ``I + W``); the program it was measured on never uses it.
+    """
+    mean = mean_durations(timelines)
+
+    def per_stage(kind: OpKind) -> list[float | None]:
+        return [mean.get((kind, s)) for s in range(num_stages)]
+
+    f, i, w, b = (per_stage(k) for k in (OpKind.F, OpKind.I, OpKind.W, OpKind.B))
+    pair = per_stage(OpKind.OVERLAP_F_B)
+    for s in range(num_stages):
+        f[s] = f[s] if f[s] is not None else 0.0
+        if b[s] is None:
+            b[s] = (i[s] or 0.0) + (w[s] or 0.0)
+        i[s] = i[s] if i[s] is not None else b[s] / 2
+        w[s] = w[s] if w[s] is not None else b[s] / 2
+    have_pairs = any(p is not None for p in pair)
+    return Costs(
+        forward=f,
+        backward_input=i,
+        backward_weight=w,
+        backward=b,
+        forward_backward=[p if p is not None else 0.0 for p in pair] if have_pairs else None,
+        comm=comm,
+        activation=activation,
+        activation_for_weight=activation_for_weight,
+    )
