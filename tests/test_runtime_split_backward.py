@@ -161,3 +161,19 @@ def test_cached_plan_matches_fresh_plan_and_structure_changes_replan():
     assert check(*batch()) == 1
     assert check(*batch()) == 0
     assert cached[0].attn.qkv.weight.grad is not None  # accumulated before it was frozen
+
+
+def test_quiet_accumulation_never_aliases_an_input_gradient():
+    """``x + b`` with b shaped like x: autograd hands one tensor to both. Accumulating b's share
+    quietly (a step's earlier pieces) must not let a later add_ change x's gradient."""
+    b = torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))
+    found = []
+    for seed in (1, 2):
+        x = torch.randn(4, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+        x.requires_grad_(True)
+        y = x + b
+        g = torch.full((4,), float(seed), dtype=torch.float64)
+        found.append(backward_full([get_gradient_edge(y)], [g], [x], [b], hooks=False)[0])
+    assert torch.equal(found[0], torch.full((4,), 1.0, dtype=torch.float64))
+    assert torch.equal(found[1], torch.full((4,), 2.0, dtype=torch.float64))
+    assert torch.equal(b.grad, torch.full((4,), 3.0, dtype=torch.float64))

@@ -301,7 +301,9 @@ def accumulate_quietly(
     """
     for p, g in zip(params, grads):
         if g is not None:
-            p.grad = g if p.grad is None else p.grad.add_(g)
+            # Never keep autograd's tensor itself: it may also be another output's gradient
+            # (``x + b`` hands the same tensor to x and b), which a later add_ would corrupt.
+            p.grad = g.clone() if p.grad is None else p.grad.add_(g)
 
 
 def backward_weight(work: WeightWork, hooks: bool = True) -> None:
