@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,7 +17,7 @@ from pipetrain.schedule.lower import lower
 from pipetrain.schedule.program import Program
 from pipetrain.schedule.registry import FAMILIES, build_schedule, family
 from pipetrain.schedule.validate import validate
-from pipetrain.sim.costs import Costs
+from pipetrain.sim.costs import MAX_COST, Costs
 from pipetrain.sim.simulate import simulate
 
 PROG = "pipetrain"
@@ -48,8 +47,8 @@ def cost_value(text: str) -> float | tuple[float, ...]:
             f"expected a number >= 0 or a comma-separated list of them, got {text!r}"
         ) from None
     for v in values:
-        if not math.isfinite(v) or v < 0:
-            raise argparse.ArgumentTypeError(f"costs must be finite numbers >= 0, got {v}")
+        if not 0 <= v <= MAX_COST:  # NaN fails too
+            raise argparse.ArgumentTypeError(f"costs must be numbers in [0, {MAX_COST:g}], got {v}")
     return values[0] if len(values) == 1 else tuple(values)
 
 
@@ -87,7 +86,8 @@ def _add_shape(p: argparse.ArgumentParser, required: bool = True) -> None:
         "--group-size",
         type=positive_int,
         metavar="G",
-        help="interleaved-1f1b only: micro-batch group size per virtual stage (default: ranks)",
+        help="interleaved-1f1b only: micro-batch group size per virtual stage (default: the "
+        "smallest legal size, ranks when it divides the micro-batches)",
     )
 
 
@@ -244,8 +244,21 @@ def costs_from(args: argparse.Namespace) -> Costs:
 
 def program_from(args: argparse.Namespace) -> Program:
     if getattr(args, "program", None):
-        if args.schedule:
-            raise UsageError("give either --program FILE or --schedule NAME, not both")
+        shape = [
+            flag
+            for flag, value in (
+                ("--schedule", args.schedule),
+                ("--ranks", args.ranks),
+                ("--microbatches", args.microbatches),
+                ("--stages-per-rank", args.stages_per_rank),
+                ("--group-size", args.group_size),
+            )
+            if value is not None
+        ]
+        if shape:
+            raise UsageError(
+                f"--program FILE carries its own schedule and shape; drop {', '.join(shape)}"
+            )
         from pipetrain.schedule.program_io import load_program
 
         return validate(lower(validate(load_program(args.program))))
@@ -355,10 +368,11 @@ def compare_rows(num_ranks: int, num_microbatches: int, stages_per_rank: int | N
     for fam in FAMILIES.values():
         v = stages_per_rank if (fam.multi_stage and stages_per_rank) else None
         try:
-            program = validate(lower(build_schedule(fam.name, num_ranks, num_microbatches, v)))
-        except ValueError as e:
+            built = build_schedule(fam.name, num_ranks, num_microbatches, v)
+        except ValueError as e:  # the family refuses the shape; a bad program is not hidden
             refused.append((fam.name.value, str(e).splitlines()[0]))
             continue
+        program = validate(lower(built))
         # a chain is one copy of the model: each of its stages is ranks/stages_per_chain of a
         # rank's share (1/v for v stages per rank; 1 for DualPipe's two full copies)
         per_stage = costs.scaled(program.num_ranks / program.placement.stages_per_chain)
@@ -452,3 +466,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except BrokenPipeError:
         return 0
+    except OSError as e:  # an output path that cannot be written
+        print(
+            f"{PROG} {args.command}: error: cannot write {e.filename!r}: {e.strerror}",
+            file=sys.stderr,
+        )
+        return 2

@@ -66,7 +66,13 @@ class _Opt:
 
 
 _OPTIONS = (
-    _Opt(("--schedule", "-s"), str, "zbv", "NAME", f"schedule family: {', '.join(FAMILIES)}"),
+    _Opt(
+        ("--schedule", "-s"),
+        str,
+        "zbv",
+        "NAME",
+        f"schedule family: {', '.join(f.name for f in FAMILIES.values() if f.runnable)}",
+    ),
     _Opt(("--ranks", "-p"), _positive(int), 4, "P", "pipeline ranks = processes launched"),
     _Opt(
         ("--stages-per-rank", "-v"),
@@ -74,7 +80,11 @@ _OPTIONS = (
         None,
         "V",
         "model stages per rank",
-        "the schedule's: 2 for zbv, dualpipev and the interleaved families, else 1",
+        "the schedule's: 2 for "
+        + ", ".join(
+            f.name for f in FAMILIES.values() if f.runnable and f.default_stages_per_rank == 2
+        )
+        + ", else 1",
     ),
     _Opt(("--microbatches", "-m"), _positive(int), 8, "M", "micro-batches per step"),
     _Opt(("--microbatch-size",), _positive(int), 4, "B", "sequences per micro-batch"),
@@ -125,6 +135,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
             choices=_CHOICES.get(opt.dest),
             help=f"{opt.help} (default {default})",
         )
+    # set by the launcher on the processes it starts; users never pass it
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
 
 
 def _argv(args: argparse.Namespace) -> list[str]:
@@ -148,7 +160,12 @@ def check_arguments(args: argparse.Namespace) -> int:
             raise ValueError(f"--{opt.dest} must be one of {', '.join(_CHOICES[opt.dest])}")
         if isinstance(value, int | float) and opt.dest != "seed" and value <= 0:
             raise ValueError(f"{opt.flags[0]} must be > 0, got {value}")
-    family(args.schedule)  # unknown names: the message lists the legal ones
+    if not family(args.schedule).runnable:  # unknown names: family() lists the legal ones
+        runnable = ", ".join(f.name for f in FAMILIES.values() if f.runnable)
+        raise ValueError(
+            f"{args.schedule} is for planning only (two copies of the model); train with one of "
+            f"{runnable}"
+        )
     program = build_schedule(args.schedule, args.ranks, args.microbatches, args.stages_per_rank)
     if args.layers < program.num_stages:
         raise ValueError(
@@ -168,7 +185,7 @@ def run_train(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"pipetrain train: error: {e}", file=sys.stderr)
         return 2
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    if args.worker:
         return _worker(args)
     return _launch(args)
 
@@ -192,7 +209,7 @@ def _launch(args: argparse.Namespace) -> int:
         return 2
     argv = _argv(argparse.Namespace(**{**vars(args), "device": device}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    cmd += ["--nproc-per-node", str(args.ranks), "-m", "pipetrain", "train", *argv]
+    cmd += ["--nproc-per-node", str(args.ranks), "-m", "pipetrain", "train", *argv, "--worker"]
     # one thread per process (they share the cores); setting it also silences torchrun's warning
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     print(

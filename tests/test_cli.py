@@ -103,8 +103,8 @@ def test_compare_ranks_every_applicable_family(capsys) -> None:
         (["simulate", "-s", "nope", "-p", "2", "-m", "2"], "legal schedules: gpipe"),
         (["simulate", "-s", "1f1b", "-p", "0", "-m", "2"], "expected an integer >= 1"),
         (["simulate", "-s", "1f1b", "-p", "2", "-m", "-3"], "expected an integer >= 1"),
-        (["simulate", "-s", "1f1b", "-p", "2", "-m", "2", "-F", "-1"], "finite numbers >= 0"),
-        (["simulate", "-s", "1f1b", "-p", "2", "-m", "2", "-W", "inf"], "finite numbers >= 0"),
+        (["simulate", "-s", "1f1b", "-p", "2", "-m", "2", "-F", "-1"], "numbers in [0, 1e+15]"),
+        (["simulate", "-s", "1f1b", "-p", "2", "-m", "2", "-W", "inf"], "numbers in [0, 1e+15]"),
         (
             ["simulate", "-s", "1f1b", "-p", "2", "-m", "2", "-F", "1,2,3"],
             "one number or one per stage",
@@ -123,6 +123,13 @@ def test_compare_ranks_every_applicable_family(capsys) -> None:
         ),
         (["simulate", "--program", "/no/such/file.csv"], "cannot read program file"),
         (["simulate"], "give --schedule NAME"),
+        (["simulate", "--program", "x.csv", "-p", "3"], "drop --ranks"),
+        (["simulate", "-s", "1f1b", "-p", "2", "-m", "2", "-F", "1e300"], "numbers in [0, 1e+15]"),
+        (
+            ["simulate", "-s", "1f1b", "-p", "2", "-m", "2", "--svg", "/no/dir/x.svg"],
+            "cannot write",
+        ),
+        (["train", "-s", "dualpipe"], "planning only"),
         (
             ["show", "-s", "gpipe", "-p", "2", "-m", "2", "-v", "2"],
             "gpipe needs stages_per_rank = 1, got 2",

@@ -99,5 +99,29 @@ def test_bad_program_files(tmp_path) -> None:
     with pytest.raises(ValueError, match="stage 0 runs on ranks 0 and 1"):
         load_program(tmp_path / "split.csv")
     (tmp_path / "bad.json").write_text("{}")
-    with pytest.raises(ValueError, match="malformed program JSON"):
+    with pytest.raises(ValueError, match="program JSON lacks .num_microbatches."):
         load_program(tmp_path / "bad.json")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[1]", "program JSON is a list"),
+        ("{", "does not parse"),
+        ('{"num_microbatches": "x"}', "'num_microbatches' must be an integer"),
+        (
+            '{"num_microbatches": 1, "rank_of_stage": [0], "actions": [[5]]}',
+            "'actions' must be lists of strings",
+        ),
+        ('{"num_microbatches": 1, "rank_of_stage": [0]}', "lacks 'actions'"),
+    ],
+)
+def test_malformed_json_names_the_field(text, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        from_json(text)
+
+
+def test_csv_blank_lines() -> None:
+    assert from_csv("0F0,0B0\n\n\n").num_ranks == 1  # trailing blank lines are not ranks
+    with pytest.raises(ValueError, match=r"line 1 \(rank 0\) holds no action"):
+        from_csv("\n0F0,0B0\n")

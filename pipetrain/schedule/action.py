@@ -52,7 +52,8 @@ class Action:
     def __post_init__(self) -> None:
         if (self.kind is OpKind.OVERLAP_F_B) != bool(self.parts):
             raise ValueError(
-                f"only OVERLAP_F_B actions have parts, got {self.kind} with {self.parts}"
+                f"{self.kind} with parts {self.parts}: an OVERLAP_F_B action needs its two parts "
+                "(use overlap(forward, backward)) and other kinds have none"
             )
 
     @property

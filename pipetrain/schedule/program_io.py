@@ -44,9 +44,16 @@ def from_csv(text: str, name: str = "csv") -> Program:
             rows.append([parse_action(c) for c in cells if _is_action_cell(c)])
         except ValueError as e:
             raise ValueError(f"line {line_no} (rank {line_no - 1}): {e}") from None
+    while rows and not rows[-1]:  # trailing blank lines
+        rows.pop()
     if not rows:
         raise ValueError(
             "program file is empty: expected one line of comma-separated actions per rank"
+        )
+    empty = [i for i, row in enumerate(rows) if not row]
+    if empty:
+        raise ValueError(
+            f"line {empty[0] + 1} (rank {empty[0]}) holds no action; every rank runs at least one"
         )
     return _infer_program(rows, name)
 
@@ -109,29 +116,54 @@ def to_json(program: Program) -> str:
 
 
 def from_json(text: str) -> Program:
+    """Read ``to_json``'s format; ``ValueError`` names the field that is missing or wrong."""
+    expected = (
+        "expected an object with name (text), num_microbatches (integer >= 1), rank_of_stage "
+        "(list of ranks), chain_length (optional integer) and actions (one list of action "
+        "strings per rank)"
+    )
     try:
         data = json.loads(text)
-        ranks = data["rank_of_stage"]
-        rows = [[parse_action(a) for a in row] for row in data["actions"]]
-        num_ranks = len(rows)
-        rank_of_stage = tuple(int(r) for r in ranks)
-        chain_length = data.get("chain_length")
-        kind = (
-            PlacementKind.BIDIRECTIONAL
-            if chain_length and rank_of_stage == bidirectional(num_ranks).rank_of_stage
-            else infer_kind(rank_of_stage, num_ranks)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"program JSON does not parse ({e}); {expected}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"program JSON is a {type(data).__name__}; {expected}")
+
+    def field(key: str, ok, what: str):
+        if key not in data:
+            raise ValueError(f"program JSON lacks {key!r}; {expected}")
+        if not ok(data[key]):
+            raise ValueError(f"program JSON field {key!r} must be {what}, got {data[key]!r}")
+        return data[key]
+
+    def int_list(v) -> bool:
+        return isinstance(v, list) and all(isinstance(x, int) for x in v)
+
+    def action_rows(v) -> bool:
+        return isinstance(v, list) and all(
+            isinstance(row, list) and all(isinstance(a, str) for a in row) for row in v
         )
-        placement = Placement(rank_of_stage, num_ranks, kind, chain_length)
-        return Program(
-            placement,
-            int(data["num_microbatches"]),
-            tuple(map(tuple, rows)),
-            str(data.get("name", "json")),
-        )
-    except (KeyError, TypeError, json.JSONDecodeError) as e:
+
+    num_microbatches = field("num_microbatches", lambda v: isinstance(v, int), "an integer")
+    rank_of_stage = tuple(field("rank_of_stage", int_list, "a list of integer ranks"))
+    rows = [
+        [parse_action(a) for a in row] for row in field("actions", action_rows, "lists of strings")
+    ]
+    chain_length = data.get("chain_length")
+    if chain_length is not None and not isinstance(chain_length, int):
         raise ValueError(
-            f"malformed program JSON ({e}); expected keys name, num_microbatches, rank_of_stage, actions"
-        ) from None
+            f"program JSON field 'chain_length' must be an integer, got {chain_length!r}"
+        )
+    num_ranks = len(rows)
+    kind = (
+        PlacementKind.BIDIRECTIONAL
+        if chain_length and rank_of_stage == bidirectional(num_ranks).rank_of_stage
+        else infer_kind(rank_of_stage, num_ranks)
+    )
+    placement = Placement(rank_of_stage, num_ranks, kind, chain_length)
+    return Program(
+        placement, num_microbatches, tuple(map(tuple, rows)), str(data.get("name", "json"))
+    )
 
 
 def save_program(program: Program, path: str | Path) -> None:

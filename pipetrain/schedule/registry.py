@@ -47,6 +47,8 @@ class Family:
     default_stages_per_rank: int
     builder: Callable[..., Program]
     takes_group_size: bool = False
+    #: whether ``pipetrain.Pipeline`` runs it (DualPipe's two model copies it does not)
+    runnable: bool = True
 
     @property
     def multi_stage(self) -> bool:
@@ -146,6 +148,7 @@ FAMILIES: dict[ScheduleName, Family] = {
             stages_per_rank=(2,),
             default_stages_per_rank=2,
             builder=build_dualpipe,
+            runnable=False,
         ),
     )
 }

@@ -9,7 +9,6 @@ communication, activation size 1, held unchanged between a split backward's I an
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -64,7 +63,10 @@ class Costs:
         ):
             value = getattr(self, name)
             if value is not None and not isinstance(value, int | float):
-                raise ValueError(f"cost {name}: give one number here, not one per stage")
+                raise ValueError(
+                    f"cost {name}: compare scales one number per cost to every family's stages; "
+                    "give one number here (per-stage lists work with simulate)"
+                )
             values[name] = None if value is None else value * (1.0 if name == "comm" else factor)
         return Costs(**values)
 
@@ -105,9 +107,13 @@ def _resolve(name: str, value: Cost, num_stages: int) -> tuple[float, ...]:
             f"cost {name} has {len(values)} values; give one number or one per stage ({num_stages})"
         )
     for v in values:
-        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
-            raise ValueError(f"cost {name} must be a finite number >= 0, got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= MAX_COST:
+            raise ValueError(f"cost {name} must be a number in [0, {MAX_COST:g}], got {v!r}")
     return tuple(float(v) for v in values)
+
+
+#: larger costs would overflow when a timeline adds up 10^6 of them
+MAX_COST = 1e15
 
 
 def mean_durations(timelines: Sequence[Timeline]) -> dict[tuple[OpKind, int], float]:
