@@ -214,12 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "train", help="train a small GPT with a pipeline schedule (launches the processes itself)"
     )
-    try:
-        from pipetrain.train import add_train_arguments
-    except ImportError:  # pragma: no cover - the training app is optional at import time
-        pass
-    else:
-        add_train_arguments(p)
+    from pipetrain.train import add_train_arguments  # no torch at import: --help stays fast
+
+    add_train_arguments(p)
 
     p = sub.add_parser("demo", help="the main job with its defaults (what `make demo` runs)")
     p.add_argument("--out", default="out", metavar="DIR", help="where pictures go (default out/)")

@@ -384,21 +384,13 @@ def report(
 
 
 def _pictures(args: argparse.Namespace, step: Timeline, title: str) -> list[str]:
-    out: list[str] = []
-    try:
-        from pipetrain.render.text import render_text
-    except ImportError:
-        pass
-    else:
-        out += ["", f"{title} — measured step (ms)", render_text(step)]
-    try:
-        from pipetrain.render.svg import render_svg
-    except ImportError:
-        return [*out, "(no SVG renderer available)"]
+    from pipetrain.render.svg import render_svg
+    from pipetrain.render.text import render_text
+
     path = Path(args.svg)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(render_svg(step, title=f"{title} — measured (ms)"))
-    return [*out, f"wrote {path}"]
+    return ["", f"{title} — measured step (ms)", render_text(step), f"wrote {path}"]
 
 
 __all__ = ["add_train_arguments", "check_arguments", "report", "run_train"]

@@ -54,7 +54,7 @@ def produces(action: Action) -> tuple[Key, ...]:
             case OpKind.W:
                 out.append((Token.WEIGHT_GRAD, s, j))
             case _:
-                raise AssertionError(f"not a compute part: {a}")
+                raise TypeError(f"not a compute part: {a}")
     return tuple(out)
 
 
@@ -74,7 +74,7 @@ def requires(action: Action, stages_per_chain: int) -> tuple[Key, ...]:
             case OpKind.W:
                 out.append((Token.INPUT_GRAD, s, j))
             case _:
-                raise AssertionError(f"not a compute part: {a}")
+                raise TypeError(f"not a compute part: {a}")
     return tuple(out)
 
 
@@ -102,7 +102,7 @@ def transfer(key: Key) -> tuple[Action, Action]:
         return Action(OpKind.SEND_F, s, j), Action(OpKind.RECV_F, s + 1, j)
     if token is Token.INPUT_GRAD:
         return Action(OpKind.SEND_B, s, j), Action(OpKind.RECV_B, s - 1, j)
-    raise AssertionError(f"weight gradients never travel: {key}")
+    raise TypeError(f"weight gradients never travel: {key}")
 
 
 def comm_key(action: Action) -> Key:
@@ -118,7 +118,7 @@ def comm_key(action: Action) -> Key:
         case OpKind.RECV_B:
             return (Token.INPUT_GRAD, s + 1, j)
         case _:
-            raise AssertionError(f"not a communication action: {action}")
+            raise TypeError(f"not a communication action: {action}")
 
 
 def peer(action: Action) -> Action:

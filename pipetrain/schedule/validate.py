@@ -81,7 +81,7 @@ def _placement_error(program: Program, rank: int, step: int, action: Action) -> 
                 program,
                 [(rank, step)],
             )
-    raise AssertionError(f"rank {rank} step {step}: {action} is placed correctly")
+    raise RuntimeError(f"internal: rank {rank} step {step}: {action} passed every placement check")
 
 
 def _check_counts(program: Program) -> None:

@@ -44,7 +44,7 @@ def duration(action: Action, costs: StageCosts) -> float:
                 return pair
             return sum(duration(p, costs) for p in action.parts)
         case _:
-            raise AssertionError(f"communication has no duration of its own: {action}")
+            raise TypeError(f"communication has no duration of its own: {action}")
 
 
 def simulate(program: Program, costs: Costs | None = None) -> Timeline:

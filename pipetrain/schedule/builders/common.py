@@ -16,13 +16,6 @@ def require_positive(**counts: int) -> None:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
-def require_stages_per_rank(family: str, stages_per_rank: int, legal: Sequence[int]) -> None:
-    if stages_per_rank not in legal:
-        raise ValueError(
-            f"{family} takes stages_per_rank in {{{', '.join(map(str, legal))}}}, got {stages_per_rank}"
-        )
-
-
 def F(stage: int, microbatch: int) -> Action:
     return Action(OpKind.F, stage, microbatch)
 
