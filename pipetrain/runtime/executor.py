@@ -19,6 +19,7 @@ import torch
 from pipetrain.runtime.p2p import Pending, TensorMeta, Transport, recv_buffer, wire
 from pipetrain.runtime.stage import StageRunner, leaves
 from pipetrain.runtime.timing import Recorder
+from pipetrain.schedule import deps
 from pipetrain.schedule.action import Action, OpKind
 from pipetrain.schedule.placement import Placement
 
@@ -111,14 +112,28 @@ class Executor:
                 for part in action.parts:
                     self.dispatch(part)
             case OpKind.SEND_F:
-                self.send(action, self.outbox_f.pop((s, j)), self.placement.rank(s + 1))
+                self.send(action, self.outbox_f.pop((s, j)), self._peer_rank(action))
             case OpKind.RECV_F:
                 self.recv_f(action)
             case OpKind.SEND_B:
-                self.send(action, self.outbox_b.pop((s, j)), self.placement.rank(s - 1))
+                self.send(action, self.outbox_b.pop((s, j)), self._peer_rank(action))
             case OpKind.RECV_B:
                 metas = tuple(self.runners[s].grad_metas(j))
-                self.recv(action, self.placement.rank(s + 1), metas, self.grads)
+                self.recv(action, self._peer_rank(action), metas, self.grads)
+
+    # Where values go is the dependency rule's to say (``schedule.deps``), not this module's.
+    def _peer_rank(self, action: Action) -> int:
+        return self.placement.rank(deps.peer(action).stage)
+
+    def _next_stage(self, stage: int) -> int | None:
+        """The stage that consumes ``stage``'s output (None: the last stage)."""
+        key = (deps.Token.ACTIVATION, stage, 0)
+        return deps.consumer_stage(key, self.placement.stages_per_chain)
+
+    def _previous_stage(self, stage: int) -> int | None:
+        """The stage that consumes ``stage``'s input gradient (None: the first stage)."""
+        key = (deps.Token.INPUT_GRAD, stage, 0)
+        return deps.consumer_stage(key, self.placement.stages_per_chain)
 
     def resolve_inputs(self, action: Action) -> None:
         """Wait for the received values ``action`` reads, so its own span excludes the wait."""
@@ -134,7 +149,8 @@ class Executor:
                     self.grads[key] = self._take(pending)
 
     def forward(self, s: int, j: int) -> None:
-        args = self.data.inputs[j] if s == 0 else self._take(self.acts.pop((s, j)))
+        first = self._previous_stage(s) is None
+        args = self.data.inputs[j] if first else self._take(self.acts.pop((s, j)))
         self._check_arity(s, len(args), "receives")
         runner = self.runners[s]
         if self.train:
@@ -145,9 +161,11 @@ class Executor:
             if not self.train:
                 self.results[j] = outputs
             return
-        self._check_arity(s + 1, len(outputs), "would receive")
-        if self.placement.rank(s + 1) == self.rank:
-            self.acts[(s + 1, j)] = leaves(outputs)
+        nxt = self._next_stage(s)
+        assert nxt is not None, f"stage {s} is not the last, so its output has a consumer"
+        self._check_arity(nxt, len(outputs), "would receive")
+        if self.placement.rank(nxt) == self.rank:
+            self.acts[(nxt, j)] = leaves(outputs)
         else:
             self.outbox_f[(s, j)] = outputs
 
@@ -159,10 +177,11 @@ class Executor:
             found = runner.backward(j, grads)
         else:
             found = runner.backward_input(j, grads)
-        if s == 0:
+        prev = self._previous_stage(s)
+        if prev is None:
             return
-        if self.placement.rank(s - 1) == self.rank:
-            self.grads[(s - 1, j)] = found
+        if self.placement.rank(prev) == self.rank:
+            self.grads[(prev, j)] = found
         else:
             self.outbox_b[(s, j)] = found
 
@@ -175,7 +194,7 @@ class Executor:
         self._batch += [("send", owner, w) for w in wires]
 
     def recv_f(self, action: Action) -> None:
-        key, peer = (action.stage, action.microbatch), self.placement.rank(action.stage - 1)
+        key, peer = (action.stage, action.microbatch), self._peer_rank(action)
         if self.discover:
             self.cache.received[key] = self.transport.recv_meta(action, peer)
         metas = self.cache.received.get(key)

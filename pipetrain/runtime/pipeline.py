@@ -25,6 +25,7 @@ from pipetrain.runtime.executor import Executor, MetaCache, StepData
 from pipetrain.runtime.p2p import Transport
 from pipetrain.runtime.stage import StageRunner, arity
 from pipetrain.runtime.timing import Recorder, gather_timeline
+from pipetrain.schedule import deps
 from pipetrain.schedule.action import Action, OpKind
 from pipetrain.schedule.lower import lower
 from pipetrain.schedule.program import Program
@@ -185,9 +186,9 @@ def _last_weight_pieces(row: Sequence[Action]) -> dict[int, int]:
     last: dict[int, int] = {}
     for action in row:
         if action.is_compute:
-            for part in action.compute_parts:
-                if part.kind in (OpKind.B, OpKind.W):
-                    last[part.stage] = part.microbatch
+            for token, stage, microbatch in deps.produces(action):
+                if token is deps.Token.WEIGHT_GRAD:
+                    last[stage] = microbatch
     return last
 
 
