@@ -210,11 +210,13 @@ def _compute_plan(key: tuple[int, ...], n_roots: int, n_inputs: int, n_params: i
 
 def _plan(roots, grads, inputs, params) -> tuple[list[_Group], WeightWork]:
     """The plan for this graph (cached by its shape), bound to this micro-batch's nodes."""
-    order, key = _walk(roots, inputs, params)
+    order, description = _walk(roots, inputs, params)
+    # the counts first: -1 both ends a section and marks an unreached input or parameter
+    key = (len(roots), len(inputs), len(params), *description)
     plan = _PLANS.get(key)
     if plan is None:
         plan_stats["misses"] += 1
-        plan = _compute_plan(key, len(roots), len(inputs), len(params))
+        plan = _compute_plan(description, len(roots), len(inputs), len(params))
         if len(_PLANS) >= _PLANS_MAX:
             del _PLANS[next(iter(_PLANS))]
         _PLANS[key] = plan
