@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from pipetrain.schedule.action import Action
 
-_DTYPES = (
+DTYPES = (  # what travels between stages; a dtype's code is its position
     torch.float64,
     torch.float32,
     torch.float16,
@@ -44,7 +44,7 @@ _DTYPES = (
     torch.complex64,
     torch.complex128,
 )
-_CODE = {d: i for i, d in enumerate(_DTYPES)}
+DTYPE_CODE = {d: i for i, d in enumerate(DTYPES)}
 META_LEN = 256
 
 
@@ -70,9 +70,9 @@ def encode(metas: tuple[TensorMeta, ...], device: torch.device) -> torch.Tensor:
     """Pack metadata into ``META_LEN`` int64s: count, then (dtype, requires_grad, ndim, dims…)."""
     flat = [len(metas)]
     for m in metas:
-        if m.dtype not in _CODE:
-            raise TypeError(f"cannot send a {m.dtype} tensor between stages; legal: {_DTYPES}")
-        flat += [_CODE[m.dtype], int(m.requires_grad), len(m.shape), *m.shape]
+        if m.dtype not in DTYPE_CODE:
+            raise TypeError(f"cannot send a {m.dtype} tensor between stages; legal: {DTYPES}")
+        flat += [DTYPE_CODE[m.dtype], int(m.requires_grad), len(m.shape), *m.shape]
     if len(flat) > META_LEN:
         raise ValueError(
             f"a stage output of {len(metas)} tensors needs {len(flat)} metadata words; "
@@ -88,7 +88,7 @@ def decode(buffer: torch.Tensor) -> tuple[TensorMeta, ...]:
     metas, i = [], 1
     for _ in range(flat[0]):
         code, rg, ndim = flat[i : i + 3]
-        metas.append(TensorMeta(tuple(flat[i + 3 : i + 3 + ndim]), _DTYPES[code], bool(rg)))
+        metas.append(TensorMeta(tuple(flat[i + 3 : i + 3 + ndim]), DTYPES[code], bool(rg)))
         i += 3 + ndim
     return tuple(metas)
 

@@ -22,7 +22,7 @@ from torch import nn
 
 from pipetrain.runtime import microbatch
 from pipetrain.runtime.executor import Executor, MetaCache, StepData
-from pipetrain.runtime.p2p import Transport
+from pipetrain.runtime.p2p import DTYPE_CODE, DTYPES, Transport
 from pipetrain.runtime.stage import StageRunner, arity
 from pipetrain.runtime.timing import Recorder, gather_timeline
 from pipetrain.schedule import deps
@@ -153,7 +153,7 @@ class Pipeline:
             losses = self.runners[self.last_stage].losses
             dtype = losses[0].dtype
             value[0] = sum(w * losses.pop(j).double() for j, w in enumerate(weights))
-            value[1] = _DTYPES.index(dtype) if dtype in _DTYPES else 0
+            value[1] = DTYPE_CODE.get(dtype, DTYPE_CODE[torch.float64])
         if self.world_size > 1:
             src = (
                 self.last_rank
@@ -162,7 +162,7 @@ class Pipeline:
             )
             work = dist.broadcast(value, src, group=self.group, async_op=True)
             self.transport.wait_work(work, "the loss broadcast", self.last_rank)
-        return value[0].to(_DTYPES[int(value[1].item())])
+        return value[0].to(DTYPES[int(value[1].item())])
 
     def _gather_arities(self) -> list[tuple[int, float]]:
         mine = {s: arity(m) for s, m in self.modules.items()}
@@ -175,9 +175,6 @@ class Pipeline:
         for part in everyone:
             table.update(part or {})
         return [table[s] for s in range(self.placement.num_stages)]
-
-
-_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
 def _last_weight_pieces(row: Sequence[Action]) -> dict[int, int]:
