@@ -17,6 +17,7 @@ from pipetrain.schedule.lower import lower
 from pipetrain.schedule.program import Program
 from pipetrain.schedule.registry import FAMILIES, build_schedule, family
 from pipetrain.schedule.validate import validate
+from pipetrain.sim.compare import compare, format_comparison, summary
 from pipetrain.sim.costs import MAX_COST, Costs
 from pipetrain.sim.simulate import simulate
 
@@ -91,9 +92,11 @@ def _add_shape(p: argparse.ArgumentParser, required: bool = True) -> None:
     )
 
 
-def _add_costs(p: argparse.ArgumentParser) -> None:
+def _add_costs(p: argparse.ArgumentParser, per_rank: bool = False) -> None:
     g = p.add_argument_group(
-        "costs (time units per stage; one number, or a comma-separated list with one per stage)"
+        "costs (time units for one rank's share of the model; one number each)"
+        if per_rank
+        else "costs (time units per stage; one number, or a comma-separated list with one per stage)"
     )
     g.add_argument(
         "--forward",
@@ -158,8 +161,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser("schedules", help="list every schedule with its constraints")
+    _add_show(sub.add_parser("show", help="print a schedule's program grid"))
+    _add_simulate(sub.add_parser("simulate", help="simulate one step: timeline, bubble, memory"))
+    _add_compare(
+        sub.add_parser("compare", help="every schedule that accepts the shape, best first")
+    )
+    train = sub.add_parser(
+        "train", help="train a small GPT with a pipeline schedule (launches the processes itself)"
+    )
+    from pipetrain.train import add_train_arguments  # no torch at import: --help stays fast
 
-    p = sub.add_parser("show", help="print a schedule's program grid")
+    add_train_arguments(train)
+    demo = sub.add_parser("demo", help="the main job with its defaults (what `make demo` runs)")
+    demo.add_argument(
+        "--out", default="out", metavar="DIR", help="where pictures go (default out/)"
+    )
+    demo.add_argument(
+        "--plan-only", action="store_true", help="only compare schedules and draw one; no training"
+    )
+    return parser
+
+
+def _add_show(p: argparse.ArgumentParser) -> None:
     _add_shape(p)
     p.add_argument(
         "--lowered", action="store_true", help="include the SEND/RECV actions lowering adds"
@@ -168,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--save", metavar="FILE", help="also write the program (.json, else torch-compatible CSV)"
     )
 
-    p = sub.add_parser("simulate", help="simulate one step: timeline, bubble, memory")
+
+def _add_simulate(p: argparse.ArgumentParser) -> None:
     _add_shape(p, required=False)
     p.add_argument(
         "--program",
@@ -189,7 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="terminal timeline width (default 100)",
     )
 
-    p = sub.add_parser("compare", help="every schedule that accepts the shape, best first")
+
+def _add_compare(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--ranks", "-p", type=positive_int, required=True, metavar="P", help="pipeline ranks (GPUs)"
     )
@@ -206,24 +231,10 @@ def build_parser() -> argparse.ArgumentParser:
         "-v",
         type=positive_int,
         metavar="V",
-        help="stages per rank for the looped families (default 2)",
+        help="stages per rank for the families that take several (default 2)",
     )
-    _add_costs(p)
+    _add_costs(p, per_rank=True)
     p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
-
-    p = sub.add_parser(
-        "train", help="train a small GPT with a pipeline schedule (launches the processes itself)"
-    )
-    from pipetrain.train import add_train_arguments  # no torch at import: --help stays fast
-
-    add_train_arguments(p)
-
-    p = sub.add_parser("demo", help="the main job with its defaults (what `make demo` runs)")
-    p.add_argument("--out", default="out", metavar="DIR", help="where pictures go (default out/)")
-    p.add_argument(
-        "--plan-only", action="store_true", help="only compare schedules and draw one; no training"
-    )
-    return parser
 
 
 def costs_from(args: argparse.Namespace) -> Costs:
@@ -307,7 +318,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
         write_trace(timeline, args.trace)
     if args.json:
-        print(json.dumps(_summary(program, timeline), indent=1))
+        print(json.dumps(summary(program, timeline), indent=1))
         return 0
     from pipetrain.render import render_text
 
@@ -329,23 +340,6 @@ def _title(program: Program) -> str:
     )
 
 
-def _summary(program: Program, timeline) -> dict[str, object]:
-    return {
-        "schedule": program.name,
-        "ranks": program.num_ranks,
-        "stages": program.num_stages,
-        "stages_per_rank": program.placement.stages_per_rank,
-        "microbatches": program.num_microbatches,
-        "p2p_transfers": _transfers(program),
-        **timeline.summary(),
-    }
-
-
-def _transfers(program: Program) -> int:
-    counts = lower(program).count()
-    return counts.get("SEND_F", 0) + counts.get("SEND_B", 0)
-
-
 def _summary_text(timeline) -> str:
     peaks = ", ".join(f"{p:g}" for p in timeline.peak_activations)
     return (
@@ -354,66 +348,26 @@ def _summary_text(timeline) -> str:
     )
 
 
-def compare_rows(num_ranks: int, num_microbatches: int, stages_per_rank: int | None, costs: Costs):
-    """Simulate every family that accepts the shape; return (rows, refusals).
-
-    ``costs`` describe one rank's share of the model, so families compare on the same model: with
-    v stages per rank each stage costs 1/v of it and holds 1/v of its activations (communication
-    latency stays per transfer). Peaks are then in units of one rank's share, as DESIGN.md uses.
-    """
-    rows, refused = [], []
-    for fam in FAMILIES.values():
-        v = stages_per_rank if (fam.multi_stage and stages_per_rank) else None
-        try:
-            built = build_schedule(fam.name, num_ranks, num_microbatches, v)
-        except ValueError as e:  # the family refuses the shape; a bad program is not hidden
-            refused.append((fam.name.value, str(e).splitlines()[0]))
-            continue
-        program = validate(lower(built))
-        # a chain is one copy of the model: each of its stages is ranks/stages_per_chain of a
-        # rank's share (1/v for v stages per rank; 1 for DualPipe's two full copies)
-        per_stage = costs.scaled(program.num_ranks / program.placement.stages_per_chain)
-        rows.append(_summary(program, simulate(program, per_stage)))
-    rows.sort(key=lambda r: (r["makespan"], max(x["peak_activations"] for x in r["per_rank"])))
-    return rows, refused
-
-
 def cmd_compare(args: argparse.Namespace) -> int:
-    rows, refused = compare_rows(
-        args.ranks, args.microbatches, args.stages_per_rank, costs_from(args)
-    )
+    result = compare(args.ranks, args.microbatches, args.stages_per_rank, costs_from(args))
     if args.json:
-        print(json.dumps(rows, indent=1))
+        print(json.dumps(list(result.rows), indent=1))
         return 0
     print(
         f"{args.ranks} ranks, {args.microbatches} micro-batches, best first; costs and peaks are per "
         "rank's share of the model (with v stages per rank, a stage costs 1/v)"
     )
-    print(format_compare(rows))
-    for name, why in refused:
+    print(format_comparison(result.rows))
+    for name, why in result.refused:
         print(f"  not applicable: {name}: {why}")
     return 0
-
-
-def format_compare(rows: Sequence[dict]) -> str:
-    header = f"{'schedule':<17}{'v':>2}{'makespan':>10}{'span':>9}{'bubble':>8}{'peak':>6}  {'p2p':>6}  peak per rank"
-    lines = [header, "-" * len(header)]
-    for r in rows:
-        peaks = [x["peak_activations"] for x in r["per_rank"]]
-        per = " ".join(f"{p:g}" for p in peaks[:16]) + (" …" if len(peaks) > 16 else "")
-        lines.append(
-            f"{r['schedule']:<17}{r['stages_per_rank']:>2}{r['makespan']:>10g}{r['span']:>9g}"
-            f"{100 * r['bubble_fraction']:>7.1f}%{max(peaks):>6g}  {r['p2p_transfers']:>6}  {per}"
-        )
-    return "\n".join(lines)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print("$ pipetrain compare --ranks 4 --microbatches 8")
-    rows, _ = compare_rows(4, 8, None, Costs())
-    print(format_compare(rows))
+    print(format_comparison(compare(4, 8, None, Costs()).rows))
     from pipetrain.render import render_svg, render_text
 
     program = validate(lower(build_schedule("zbv", 4, 8)))
