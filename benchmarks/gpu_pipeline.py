@@ -49,7 +49,6 @@ import copy
 import functools
 import gc
 import inspect
-import json
 import os
 import statistics
 import sys
@@ -61,6 +60,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from gpu_report import HOSTWAIT, plot, short, table, write_json  # beside this script
 
 from pipetrain.models.gpt import GPTConfig, lm_loss, make_stage
 from pipetrain.runtime.pipeline import Pipeline
@@ -68,7 +68,6 @@ from pipetrain.sim.costs import mean_durations, measured_costs
 from pipetrain.sim.simulate import simulate
 
 GIB = 2**30
-HOSTWAIT = "pipetrain-hostwait"  # diagnostic: the runtime's OLD host-blocking NCCL waits
 
 
 @dataclass(frozen=True)
@@ -740,139 +739,6 @@ def main(argv: list[str] | None = None) -> int:
     dist.barrier()
     dist.destroy_process_group()
     return 0
-
-
-def short(res: dict) -> str:
-    if "error" in res:
-        return "error"
-    if "skipped" in res:
-        return "skipped: " + res["skipped"]
-    return f"{res['median_ms']:.2f} ms, eff {res.get('efficiency', float('nan')):.3f}"
-
-
-def write_json(out: Path, meta, limits, rows) -> None:
-    data = {
-        "meta": meta,
-        "limits": [dict(v, key=list(k)) for k, v in limits.items()],
-        "rows": rows,
-    }
-    tmp = out / "gpu_pipeline.json.tmp"
-    tmp.write_text(json.dumps(data, indent=1))
-    tmp.replace(out / "gpu_pipeline.json")
-
-
-def fmt(v, spec: str = ".3f") -> str:
-    return "-" if v is None else format(v, spec)
-
-
-def table(meta, limits, rows) -> str:
-    head = (
-        "| schedule | mb | lib | step ms med [min–max] | tok/s | TFLOP/s/GPU | eff | "
-        "bubble meas | bubble sim (0 / comm) | peak GiB per rank | pred GiB | pt/torch |"
-    )
-    lines = [
-        f"## gpu_pipeline: {meta['device']} × {meta['world']}, torch {meta['torch']}, "
-        f"{meta['model']}, micro-batch {meta['microbatch_size']}, optimizer {meta['optimizer']}",
-        f"comm (one activation, one way): {fmt(meta.get('comm_ms_one_way'))} ms; "
-        f"FLOPs/token = {meta['flops_formula']}; eff = {meta['efficiency']}",
-        "",
-        head,
-        "|---" * (head.count("|") - 1) + "|",
-    ]
-    for r in rows:
-        for lib in ("pipetrain", "torch", HOSTWAIT):
-            res = r.get(lib)
-            if res is None:
-                if lib == "pipetrain" and "skipped" in r:
-                    lines.append(
-                        f"| {r['schedule']} | {r['microbatches']} | both | {r['skipped']} |"
-                    )
-                continue
-            if "median_ms" not in res:
-                why = res.get("error") or res.get("skipped") or "?"
-                lines.append(f"| {r['schedule']} | {r['microbatches']} | {lib} | {why} |")
-                continue
-            peaks = res.get("peak_gib")
-            pred = res.get("pred_peak_gib")
-            pred_missing = "-"
-            if res.get("pred_error") and res.get("pred_peak_gib_f_only"):
-                f_only = "/".join(f"{p:.2f}" for p in res["pred_peak_gib_f_only"])
-                pred_missing = f"{f_only} (F-only: no Costs.activation_for_weight)"
-            ratio = None
-            if lib != "torch" and "median_ms" in r.get("torch", {}):
-                ratio = res["median_ms"] / r["torch"]["median_ms"]
-            lines.append(
-                f"| {r['schedule']} | {r['microbatches']} | {lib} | "
-                f"{res['median_ms']:.1f} [{res['min_ms']:.1f}–{res['max_ms']:.1f}] | "
-                f"{res['tokens_per_s']:.0f} | {res['tflops_per_gpu']:.3g} | "
-                f"{fmt(res.get('efficiency'))} | {fmt(res.get('bubble_measured'))} | "
-                f"{fmt(res.get('bubble_sim_comm0'))} / {fmt(res.get('bubble_sim_comm'))} | "
-                f"{'/'.join(f'{p:.2f}' for p in peaks) if peaks else '-'} | "
-                f"{'/'.join(f'{p:.2f}' for p in pred) if pred else pred_missing} | "
-                f"{fmt(ratio) if ratio is not None else ''} |"
-            )
-    lines += [
-        "",
-        "act = one micro-batch's forward (limit run); after I = what pipetrain's StageRunner "
-        "holds after I, before W (retained graph + gradients captured for W); MiB per stage",
-        "",
-        "| limit (layout, v, mb) | step ms med [min–max] | tok/s | act MiB/stage | "
-        "after I MiB/stage |",
-        "|---|---|---|---|---|",
-    ]
-
-    def mib(d: dict) -> str:
-        return " ".join(f"{s}:{b / 2**20:.0f}" for s, b in d.items()) or "-"
-
-    for k, v in limits.items():
-        if "median_ms" in v:
-            lines.append(
-                f"| {k} | {v['median_ms']:.1f} [{v['min_ms']:.1f}–{v['max_ms']:.1f}] | "
-                f"{v['tokens_per_s']:.0f} | {mib(v['activation_bytes'])} | "
-                f"{mib(v.get('runtime_after_input_bytes') or {})} |"
-            )
-        else:
-            lines.append(f"| {k} | {v.get('error')} | | | |")
-    return "\n".join(lines)
-
-
-def plot(out: Path, rows, n_list, names) -> str:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "plot skipped: matplotlib is not installed"
-    libs = [
-        ("pipetrain", "pipetrain", "tab:blue"),
-        ("torch", "torch.distributed.pipelining", "tab:orange"),
-    ]
-    if any(HOSTWAIT in r for r in rows):
-        libs.append((HOSTWAIT, f"{HOSTWAIT} (diagnostic: old host-blocking waits)", "tab:gray"))
-    fig, axes = plt.subplots(2, len(n_list), figsize=(5 * len(n_list), 7.5), squeeze=False)
-    for col, n in enumerate(n_list):
-        by = {r["schedule"]: r for r in rows if r["microbatches"] == n}
-        xs = range(len(names))
-        width = 0.8 / len(libs)
-        for k, (lib, label, color) in enumerate(libs):
-            ms = [by.get(s, {}).get(lib, {}).get("median_ms", 0) or 0 for s in names]
-            eff = [by.get(s, {}).get(lib, {}).get("efficiency", 0) or 0 for s in names]
-            pos = [x + (k - (len(libs) - 1) / 2) * width for x in xs]
-            axes[0][col].bar(pos, ms, width, label=label, color=color)
-            axes[1][col].bar(pos, eff, width, label=label, color=color)
-        for ax, title in ((axes[0][col], "step time (ms)"), (axes[1][col], "pipeline efficiency")):
-            ax.set_xticks(list(xs), names, rotation=30, ha="right", fontsize=8)
-            ax.set_title(f"{title}, {n} micro-batches", fontsize=9)
-        axes[1][col].set_ylim(0, 1.05)
-    # one legend for the figure, below the axes, so it never covers a bar
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=len(libs), fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
-    path = out / "gpu_pipeline.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return f"plot: {path}"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
