@@ -301,11 +301,19 @@ def accumulate_quietly(
     ``AccumulateGrad``, so post-accumulate-grad hooks — what data-parallel wrappers hang their
     reductions on — fire once per parameter per step and see the step's whole gradient.
     """
+    into, adds = [], []
     for p, g in zip(params, grads):
-        if g is not None:
+        if g is None:
+            continue
+        if p.grad is None:
             # Never keep autograd's tensor itself: it may also be another output's gradient
             # (``x + b`` hands the same tensor to x and b), which a later add_ would corrupt.
-            p.grad = g.clone() if p.grad is None else p.grad.add_(g)
+            p.grad = g.clone()
+        else:
+            into.append(p.grad)
+            adds.append(g)
+    if into:
+        torch._foreach_add_(into, adds)  # one launch loop in C++, not one Python call per weight
 
 
 def backward_weight(work: WeightWork, hooks: bool = True) -> None:
