@@ -45,371 +45,39 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import functools
-import gc
 import inspect
-import os
 import statistics
 import sys
 import time
 import traceback
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from gpu_limit import measure_comm_ms, measure_limit
 from gpu_report import HOSTWAIT, plot, short, table, write_json  # beside this script
+from gpu_setup import (
+    FAMILIES,
+    GIB,
+    PRESETS,
+    Ctx,
+    Family,
+    flops_per_token,
+    local_stages,
+    log,
+    make_optimizer,
+    opt_step,
+    slowest,
+    stats,
+    time_steps,
+)
 
-from pipetrain.models.gpt import GPTConfig, lm_loss, make_stage
+from pipetrain.models.gpt import lm_loss
 from pipetrain.runtime.pipeline import Pipeline
 from pipetrain.sim.costs import mean_durations, measured_costs
 from pipetrain.sim.simulate import simulate
-
-GIB = 2**30
-
-
-@dataclass(frozen=True)
-class Family:
-    torch_class: str
-    stages_per_rank: int
-    layout: str  # "one", "loop", "v"
-
-
-FAMILIES = {
-    "gpipe": Family("ScheduleGPipe", 1, "one"),
-    "1f1b": Family("Schedule1F1B", 1, "one"),
-    "interleaved-1f1b": Family("ScheduleInterleaved1F1B", 2, "loop"),
-    "looped-bfs": Family("ScheduleLoopedBFS", 2, "loop"),
-    "interleaved-zb": Family("ScheduleInterleavedZeroBubble", 2, "loop"),
-    "zbv": Family("ScheduleZBVZeroBubble", 2, "v"),
-    "dualpipev": Family("ScheduleDualPipeV", 2, "v"),
-}
-
-PRESETS = {
-    # the issue's reference shape: 16 layers × hidden 2048, seq 1024, micro-batch 4, bf16
-    "h100": dict(
-        vocab=8192,
-        seq=1024,
-        layers=16,
-        hidden=2048,
-        heads=16,
-        mb_size=4,
-        dtype="bfloat16",
-        microbatches="16,8",
-        steps=10,
-        warmup=3,
-        timeline_steps=2,
-        limit_steps=6,
-        budget_s=300.0,
-    ),
-    "cpu-smoke": dict(
-        vocab=256,
-        seq=64,
-        layers=8,
-        hidden=64,
-        heads=4,
-        mb_size=2,
-        dtype="float32",
-        microbatches="",  # 2 × ranks, so the V schedules (micro-batches >= stages) all run
-        steps=3,
-        warmup=1,
-        timeline_steps=1,
-        limit_steps=2,
-        budget_s=100.0,
-    ),
-}
-
-
-def local_stages(layout: str, rank: int, world: int, v: int) -> list[int]:
-    if layout == "one":
-        return [rank]
-    if layout == "loop":
-        return [rank + c * world for c in range(v)]
-    return [rank, 2 * world - 1 - rank]  # V: rank r holds r and 2p−1−r
-
-
-# ---------------------------------------------------------------------------------------------
-# process setup, collectives that every rank calls in the same order
-# ---------------------------------------------------------------------------------------------
-
-
-class Ctx:
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
-        self.cuda = torch.cuda.is_available() and args.device != "cpu"
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        if self.cuda:
-            torch.cuda.set_device(local)
-            self.device = torch.device("cuda", local)
-            dist.init_process_group(
-                "nccl", timeout=timedelta(seconds=args.pg_timeout), device_id=self.device
-            )
-        else:
-            torch.set_num_threads(1)
-            self.device = torch.device("cpu")
-            dist.init_process_group("gloo", timeout=timedelta(seconds=args.pg_timeout))
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.dtype = getattr(torch, args.dtype)
-        self.cfg = GPTConfig(
-            vocab_size=args.vocab,
-            seq_len=args.seq,
-            num_layers=args.layers,
-            hidden=args.hidden,
-            num_heads=args.heads,
-        )
-        self.t0 = time.perf_counter()
-        self._masters: dict[tuple[int, int], torch.nn.Module] = {}
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-
-    def barrier(self) -> None:
-        dist.barrier()
-
-    def gather(self, obj) -> list:
-        out: list = [None] * self.world
-        dist.all_gather_object(out, obj)
-        return out
-
-    def agree(self, obj):
-        """Rank 0's value on every rank (decisions that all ranks must take together)."""
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.t0
-
-    def stage(self, num_stages: int, s: int) -> torch.nn.Module:
-        """A fresh copy of stage ``s`` of ``num_stages`` on this device (one seeded master each)."""
-        key = (num_stages, s)
-        if key not in self._masters:
-            self._masters[key] = make_stage(self.cfg, s, num_stages, seed=0).to(self.dtype)
-        return copy.deepcopy(self._masters[key]).to(self.device)
-
-    def batch(self, n: int):
-        g = torch.Generator().manual_seed(1234 + n)
-        shape = (n * self.args.mb_size, self.cfg.seq_len)
-        x = torch.randint(0, self.cfg.vocab_size, shape, generator=g)
-        y = torch.randint(0, self.cfg.vocab_size, shape, generator=g)
-        return x.to(self.device), y.to(self.device)
-
-    def mem_reset(self) -> int:
-        gc.collect()
-        if not self.cuda:
-            return 0
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        return torch.cuda.memory_allocated(self.device)
-
-    def mem_peak(self) -> int | None:
-        return torch.cuda.max_memory_allocated(self.device) if self.cuda else None
-
-    def mem_now(self) -> int | None:
-        return torch.cuda.memory_allocated(self.device) if self.cuda else None
-
-
-def log(ctx: Ctx, msg: str) -> None:
-    if ctx.rank == 0:
-        print(f"[{ctx.elapsed():7.1f}s] {msg}", flush=True)
-
-
-def make_optimizer(ctx: Ctx, params):
-    params = [p for p in params if p.requires_grad]
-    if ctx.args.optimizer == "none":
-        return None
-    if ctx.args.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=1e-4, foreach=True)
-    return torch.optim.AdamW(params, lr=1e-4, foreach=True)
-
-
-def opt_step(opt, params) -> None:
-    if opt is not None:
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-    else:
-        for p in params:
-            p.grad = None
-
-
-def time_steps(ctx: Ctx, fn, count: int) -> list[float]:
-    """Per-step wall times (s) on this rank: barrier, synchronize, step, synchronize."""
-    times = []
-    for _ in range(count):
-        ctx.barrier()
-        ctx.sync()
-        t = time.perf_counter()
-        fn()
-        ctx.sync()
-        times.append(time.perf_counter() - t)
-    return times
-
-
-def slowest(ctx: Ctx, times: list[float]) -> list[float]:
-    """Per step, the slowest rank's time (collective)."""
-    everyone = ctx.gather(times)
-    return [max(ts) for ts in zip(*everyone)]
-
-
-def stats(times: list[float]) -> dict:
-    return {
-        "median_ms": 1e3 * statistics.median(times),
-        "min_ms": 1e3 * min(times),
-        "max_ms": 1e3 * max(times),
-        "all_ms": [round(1e3 * t, 3) for t in times],
-    }
-
-
-# ---------------------------------------------------------------------------------------------
-# model arithmetic
-# ---------------------------------------------------------------------------------------------
-
-
-def flops_per_token(cfg: GPTConfig) -> float:
-    h, L = cfg.hidden, cfg.num_layers
-    block = 4 * h * h + 4 * h + 2 * cfg.mlp_ratio * h * h + (cfg.mlp_ratio + 1) * h + 4 * h
-    params = L * block + 2 * h + h * cfg.vocab_size  # blocks + final LN + head (no embeddings)
-    return 6 * params + 12 * L * cfg.seq_len * h
-
-
-# ---------------------------------------------------------------------------------------------
-# the physical limit and a P2P estimate
-# ---------------------------------------------------------------------------------------------
-
-
-def measure_limit(ctx: Ctx, layout: str, v: int, n: int) -> dict:
-    num_stages = v * ctx.world
-    mine = local_stages(layout, ctx.rank, ctx.world, v)
-    base = ctx.mem_reset()
-    mods = {s: ctx.stage(num_stages, s) for s in mine}
-    params = [p for m in mods.values() for p in m.parameters()]
-    opt = make_optimizer(ctx, params)
-    x, y = ctx.batch(n)
-    xs, ys = x.chunk(n), y.chunk(n)
-    b, t, h = ctx.args.mb_size, ctx.cfg.seq_len, ctx.cfg.hidden
-    gen = torch.Generator(device=ctx.device).manual_seed(7)
-    hid = torch.randn(b, t, h, device=ctx.device, dtype=ctx.dtype, generator=gen)
-    gout = torch.randn(b, t, h, device=ctx.device, dtype=ctx.dtype, generator=gen) * 1e-3
-    act: dict[int, int] = {}
-    held = measure_held(ctx, mods, num_stages, xs[0], ys[0], hid, gout, 1.0 / n)
-
-    def step() -> None:
-        for j in range(n):
-            for s in mine:
-                inp = xs[j] if s == 0 else hid.detach().requires_grad_()
-                before = ctx.mem_now() if j == 0 and s not in act else None
-                out = mods[s](inp)
-                if s == num_stages - 1:
-                    loss = lm_loss(out, ys[j]) / n
-                    if before is not None:
-                        act[s] = ctx.mem_now() - before
-                    loss.backward()
-                else:
-                    if before is not None:
-                        act[s] = ctx.mem_now() - before
-                    out.backward(gout)
-                del out
-        opt_step(opt, params)
-
-    for _ in range(ctx.args.limit_warmup):
-        step()
-    times = slowest(ctx, time_steps(ctx, step, ctx.args.limit_steps))
-    peak = (ctx.mem_peak() or 0) - base if ctx.cuda else None
-    acts: dict[int, int] = {}
-    for part in ctx.gather(act):
-        acts.update(part)
-    after_f: dict[int, int] = {}
-    after_i: dict[int, int] = {}
-    for part in ctx.gather(held):
-        for k, (f_bytes, i_bytes) in part.items():
-            if f_bytes is not None:
-                after_f[k], after_i[k] = f_bytes, i_bytes
-    out = stats(times)
-    out.update(
-        layout=layout,
-        stages_per_rank=v,
-        microbatches=n,
-        tokens_per_s=n * b * t / (out["median_ms"] / 1e3),
-        activation_bytes={str(k): v for k, v in sorted(acts.items())},
-        runtime_after_forward_bytes={str(k): v for k, v in sorted(after_f.items())},
-        runtime_after_input_bytes={str(k): v for k, v in sorted(after_i.items())},
-        peak_gib_rank0=None if peak is None else peak / GIB,
-    )
-    return out
-
-
-def measure_held(
-    ctx: Ctx, mods: dict, num_stages: int, x0, y0, hid, gout, weight: float
-) -> dict[int, tuple[int | None, int | None]]:
-    """Per local stage: bytes the runtime holds for one micro-batch after its F and after its I.
-
-    One micro-batch through pipetrain's own ``StageRunner`` (the object the runtime keeps per
-    stage; its ``backward_input``/``backward_weight`` are ``pipetrain.runtime.split_backward``'s),
-    measured as ``memory_allocated`` minus the value before F. As in the runtime, the received
-    input and the received output gradient are fresh buffers allocated after that point, the
-    stage's outputs and the input gradients are dropped once produced (the runtime sends them and
-    keeps only gradient edges), so after F the graph's saved tensors remain, and after I (before
-    W) the retained graph plus the ``WeightWork`` with the gradients captured for W. W then runs
-    and the parameters' ``.grad`` are restored, so the limit run starts as it would have.
-    ``(None, None)`` per stage without CUDA (no allocator statistics).
-    """
-    from pipetrain.runtime.stage import StageRunner
-
-    held: dict[int, tuple[int | None, int | None]] = {}
-    for s, mod in mods.items():
-        last = s == num_stages - 1
-        runner = StageRunner(s, mod, last, lm_loss)
-        grads_before = [p.grad for p in mod.parameters()]
-        gc.collect()
-        before = ctx.mem_now()
-        inp = x0 if s == 0 else hid.clone().requires_grad_()  # the receive buffer
-        outputs = runner.forward(0, (inp,), y0, weight)
-        del outputs, inp  # sent and released; the graph keeps what it saved
-        after_f = ctx.mem_now()
-        received = None if last else [gout.clone()]  # the gradient's receive buffer
-        input_grads = runner.backward_input(0, received)
-        del input_grads, received  # sent and released
-        after_i = ctx.mem_now()
-        runner.backward_weight(0)
-        if runner.leftovers():
-            raise RuntimeError(f"stage {s}: StageRunner kept {runner.leftovers()} micro-batches")
-        for p, g in zip(mod.parameters(), grads_before):
-            p.grad = g
-        held[s] = (
-            (None, None) if before is None else (after_f - before, after_i - before)  # type: ignore[operator]
-        )
-    return held
-
-
-def measure_comm_ms(ctx: Ctx) -> float | None:
-    """One-way time of one activation between ranks 0 and 1 (ping-pong, blocking send/recv)."""
-    if ctx.world < 2:
-        return None
-    shape = (ctx.args.mb_size, ctx.cfg.seq_len, ctx.cfg.hidden)
-    buf = torch.zeros(shape, dtype=ctx.dtype, device=ctx.device)
-    reps = 10
-
-    def ping(count: int) -> None:
-        for _ in range(count):
-            if ctx.rank == 0:
-                dist.send(buf, 1)
-                dist.recv(buf, 1)
-            elif ctx.rank == 1:
-                dist.recv(buf, 0)
-                dist.send(buf, 0)
-
-    ping(3)
-    ctx.barrier()
-    ctx.sync()
-    t = time.perf_counter()
-    ping(reps)
-    ctx.sync()
-    ms = (time.perf_counter() - t) * 1e3 / (2 * reps)
-    return ctx.agree(ms)
-
 
 # ---------------------------------------------------------------------------------------------
 # the two libraries

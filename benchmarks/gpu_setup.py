@@ -1,0 +1,226 @@
+"""Set-up shared by ``gpu_pipeline.py``'s parts: the schedule families and presets, the process
+context (device, process group, seeded stage copies, batches, memory readings) and step timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from pipetrain.models.gpt import GPTConfig, make_stage
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Family:
+    torch_class: str
+    stages_per_rank: int
+    layout: str  # "one", "loop", "v"
+
+
+FAMILIES = {
+    "gpipe": Family("ScheduleGPipe", 1, "one"),
+    "1f1b": Family("Schedule1F1B", 1, "one"),
+    "interleaved-1f1b": Family("ScheduleInterleaved1F1B", 2, "loop"),
+    "looped-bfs": Family("ScheduleLoopedBFS", 2, "loop"),
+    "interleaved-zb": Family("ScheduleInterleavedZeroBubble", 2, "loop"),
+    "zbv": Family("ScheduleZBVZeroBubble", 2, "v"),
+    "dualpipev": Family("ScheduleDualPipeV", 2, "v"),
+}
+
+PRESETS = {
+    # the issue's reference shape: 16 layers × hidden 2048, seq 1024, micro-batch 4, bf16
+    "h100": dict(
+        vocab=8192,
+        seq=1024,
+        layers=16,
+        hidden=2048,
+        heads=16,
+        mb_size=4,
+        dtype="bfloat16",
+        microbatches="16,8",
+        steps=10,
+        warmup=3,
+        timeline_steps=2,
+        limit_steps=6,
+        budget_s=300.0,
+    ),
+    "cpu-smoke": dict(
+        vocab=256,
+        seq=64,
+        layers=8,
+        hidden=64,
+        heads=4,
+        mb_size=2,
+        dtype="float32",
+        microbatches="",  # 2 × ranks, so the V schedules (micro-batches >= stages) all run
+        steps=3,
+        warmup=1,
+        timeline_steps=1,
+        limit_steps=2,
+        budget_s=100.0,
+    ),
+}
+
+
+def local_stages(layout: str, rank: int, world: int, v: int) -> list[int]:
+    if layout == "one":
+        return [rank]
+    if layout == "loop":
+        return [rank + c * world for c in range(v)]
+    return [rank, 2 * world - 1 - rank]  # V: rank r holds r and 2p−1−r
+
+
+# ---------------------------------------------------------------------------------------------
+# process setup, collectives that every rank calls in the same order
+# ---------------------------------------------------------------------------------------------
+
+
+class Ctx:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.cuda = torch.cuda.is_available() and args.device != "cpu"
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if self.cuda:
+            torch.cuda.set_device(local)
+            self.device = torch.device("cuda", local)
+            dist.init_process_group(
+                "nccl", timeout=timedelta(seconds=args.pg_timeout), device_id=self.device
+            )
+        else:
+            torch.set_num_threads(1)
+            self.device = torch.device("cpu")
+            dist.init_process_group("gloo", timeout=timedelta(seconds=args.pg_timeout))
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.dtype = getattr(torch, args.dtype)
+        self.cfg = GPTConfig(
+            vocab_size=args.vocab,
+            seq_len=args.seq,
+            num_layers=args.layers,
+            hidden=args.hidden,
+            num_heads=args.heads,
+        )
+        self.t0 = time.perf_counter()
+        self._masters: dict[tuple[int, int], torch.nn.Module] = {}
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def gather(self, obj) -> list:
+        out: list = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+    def agree(self, obj):
+        """Rank 0's value on every rank (decisions that all ranks must take together)."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def stage(self, num_stages: int, s: int) -> torch.nn.Module:
+        """A fresh copy of stage ``s`` of ``num_stages`` on this device (one seeded master each)."""
+        key = (num_stages, s)
+        if key not in self._masters:
+            self._masters[key] = make_stage(self.cfg, s, num_stages, seed=0).to(self.dtype)
+        return copy.deepcopy(self._masters[key]).to(self.device)
+
+    def batch(self, n: int):
+        g = torch.Generator().manual_seed(1234 + n)
+        shape = (n * self.args.mb_size, self.cfg.seq_len)
+        x = torch.randint(0, self.cfg.vocab_size, shape, generator=g)
+        y = torch.randint(0, self.cfg.vocab_size, shape, generator=g)
+        return x.to(self.device), y.to(self.device)
+
+    def mem_reset(self) -> int:
+        gc.collect()
+        if not self.cuda:
+            return 0
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return torch.cuda.memory_allocated(self.device)
+
+    def mem_peak(self) -> int | None:
+        return torch.cuda.max_memory_allocated(self.device) if self.cuda else None
+
+    def mem_now(self) -> int | None:
+        return torch.cuda.memory_allocated(self.device) if self.cuda else None
+
+
+def log(ctx: Ctx, msg: str) -> None:
+    if ctx.rank == 0:
+        print(f"[{ctx.elapsed():7.1f}s] {msg}", flush=True)
+
+
+def make_optimizer(ctx: Ctx, params):
+    params = [p for p in params if p.requires_grad]
+    if ctx.args.optimizer == "none":
+        return None
+    if ctx.args.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=1e-4, foreach=True)
+    return torch.optim.AdamW(params, lr=1e-4, foreach=True)
+
+
+def opt_step(opt, params) -> None:
+    if opt is not None:
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    else:
+        for p in params:
+            p.grad = None
+
+
+def time_steps(ctx: Ctx, fn, count: int) -> list[float]:
+    """Per-step wall times (s) on this rank: barrier, synchronize, step, synchronize."""
+    times = []
+    for _ in range(count):
+        ctx.barrier()
+        ctx.sync()
+        t = time.perf_counter()
+        fn()
+        ctx.sync()
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def slowest(ctx: Ctx, times: list[float]) -> list[float]:
+    """Per step, the slowest rank's time (collective)."""
+    everyone = ctx.gather(times)
+    return [max(ts) for ts in zip(*everyone)]
+
+
+def stats(times: list[float]) -> dict:
+    return {
+        "median_ms": 1e3 * statistics.median(times),
+        "min_ms": 1e3 * min(times),
+        "max_ms": 1e3 * max(times),
+        "all_ms": [round(1e3 * t, 3) for t in times],
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# model arithmetic
+# ---------------------------------------------------------------------------------------------
+
+
+def flops_per_token(cfg: GPTConfig) -> float:
+    h, L = cfg.hidden, cfg.num_layers
+    block = 4 * h * h + 4 * h + 2 * cfg.mlp_ratio * h * h + (cfg.mlp_ratio + 1) * h + 4 * h
+    params = L * block + 2 * h + h * cfg.vocab_size  # blocks + final LN + head (no embeddings)
+    return 6 * params + 12 * L * cfg.seq_len * h
