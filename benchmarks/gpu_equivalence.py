@@ -51,7 +51,13 @@ def sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
+def split_name(name: str) -> tuple[str, bool]:
+    """``dualpipev+overlap``: the schedule, run with ``Pipeline(overlap_pairs=True)``."""
+    return name.removesuffix("+overlap"), name.endswith("+overlap")
+
+
 def equivalence(name: str, n: int, device, rank: int, world: int) -> dict:
+    name, overlap = split_name(name)
     v = V[name]
     cfg = GPTConfig(vocab_size=256, seq_len=32, num_layers=2 * v * world, hidden=64, num_heads=4)
     num_stages = v * world
@@ -67,6 +73,7 @@ def equivalence(name: str, n: int, device, rank: int, world: int) -> dict:
         num_stages=num_stages,
         device=device,
         timeout=timedelta(seconds=60),
+        overlap_pairs=overlap,
     )
     loss = pipe.step(x, y)
     mine = {
@@ -104,6 +111,7 @@ def equivalence(name: str, n: int, device, rank: int, world: int) -> dict:
 
 
 def training(name: str, n: int, steps: int, device, world: int, big: bool) -> dict:
+    name, overlap = split_name(name)
     v = V[name]
     if big:
         cfg = GPTConfig(vocab_size=256, seq_len=256, num_layers=8, hidden=512, num_heads=8)
@@ -121,6 +129,7 @@ def training(name: str, n: int, steps: int, device, world: int, big: bool) -> di
         num_stages=num_stages,
         device=device,
         timeout=timedelta(seconds=60),
+        overlap_pairs=overlap,
     )
     params = list(pipe.parameters())
     opt = torch.optim.AdamW(params, lr=1e-3, foreach=True)
@@ -163,7 +172,11 @@ def guarded(fn) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--schedules", default="1f1b,interleaved-1f1b,zbv,dualpipev")
+    p.add_argument(
+        "--schedules",
+        default="1f1b,interleaved-1f1b,zbv,dualpipev,dualpipev+overlap",
+        help="comma list; NAME+overlap runs NAME with Pipeline(overlap_pairs=True)",
+    )
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--train-steps", type=int, default=30)
     p.add_argument("--device", choices=("auto", "cpu"), default="auto")

@@ -57,7 +57,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from gpu_limit import measure_comm_ms, measure_limit
-from gpu_report import HOSTWAIT, plot, short, table, write_json  # beside this script
+from gpu_report import HOSTWAIT, OVERLAP, plot, short, table, write_json  # beside this script
 from gpu_setup import (
     FAMILIES,
     GIB,
@@ -154,7 +154,14 @@ def host_blocking_waits():
 
 
 def run_pipetrain(
-    ctx: Ctx, name: str, fam: Family, n: int, limit: dict, comm_ms, host_wait: bool = False
+    ctx: Ctx,
+    name: str,
+    fam: Family,
+    n: int,
+    limit: dict,
+    comm_ms,
+    host_wait: bool = False,
+    overlap: bool = False,
 ) -> dict:
     if host_wait:
         with host_blocking_waits():
@@ -171,6 +178,7 @@ def run_pipetrain(
         num_stages=num_stages,
         device=ctx.device,
         timeout=timedelta(seconds=a.op_timeout),
+        overlap_pairs=overlap,
     )
     expect = local_stages(fam.layout, ctx.rank, ctx.world, fam.stages_per_rank)
     got = sorted(pipe.placement.stages_of_rank(ctx.rank))
@@ -374,10 +382,21 @@ def main(argv: list[str] | None = None) -> int:
             index += 1
             if name in args.hostwait_schedules.split(","):
                 order += (HOSTWAIT,)
+            if name in args.overlap_schedules.split(","):
+                order += (OVERLAP,)
             for lib in order:
                 if lib.startswith("pipetrain"):
-                    hw = lib == HOSTWAIT
-                    fn = functools.partial(run_pipetrain, ctx, name, fam, n, limit, comm_ms, hw)
+                    fn = functools.partial(
+                        run_pipetrain,
+                        ctx,
+                        name,
+                        fam,
+                        n,
+                        limit,
+                        comm_ms,
+                        host_wait=lib == HOSTWAIT,
+                        overlap=lib == OVERLAP,
+                    )
                 else:
                     fn = functools.partial(run_torch, ctx, name, fam, n)
                 res = guarded(ctx, f"{name} n={n} {lib}", fn)
@@ -445,6 +464,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="1f1b,zbv",
         help=f"comma list: also run pipetrain with its OLD host-blocking NCCL waits (lib "
         f"{HOSTWAIT}, a diagnostic of the behaviour before the fix; '' for none)",
+    )
+    p.add_argument(
+        "--overlap-schedules",
+        default="dualpipev",
+        help=f"comma list: also run pipetrain with Pipeline(overlap_pairs=True) (lib {OVERLAP}: "
+        "each F&B pair's forward on a side CUDA stream); '' for none",
     )
     args = p.parse_args(argv)
     preset = args.preset or ("h100" if torch.cuda.is_available() else "cpu-smoke")

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 HOSTWAIT = "pipetrain-hostwait"  # diagnostic: the runtime's OLD host-blocking NCCL waits
+OVERLAP = "pipetrain-overlap"  # Pipeline(overlap_pairs=True): F&B pairs on two CUDA streams
 
 
 def short(res: dict) -> str:
@@ -50,7 +51,7 @@ def table(meta, limits, rows) -> str:
         "|---" * (head.count("|") - 1) + "|",
     ]
     for r in rows:
-        for lib in ("pipetrain", "torch", HOSTWAIT):
+        for lib in ("pipetrain", "torch", HOSTWAIT, OVERLAP):
             res = r.get(lib)
             if res is None:
                 if lib == "pipetrain" and "skipped" in r:
@@ -120,6 +121,8 @@ def plot(out: Path, rows, n_list, names) -> str:
     ]
     if any(HOSTWAIT in r for r in rows):
         libs.append((HOSTWAIT, f"{HOSTWAIT} (diagnostic: old host-blocking waits)", "tab:gray"))
+    if any(OVERLAP in r for r in rows):
+        libs.append((OVERLAP, f"{OVERLAP} (F&B pairs on two streams)", "tab:green"))
     fig, axes = plt.subplots(2, len(n_list), figsize=(5 * len(n_list), 7.5), squeeze=False)
     for col, n in enumerate(n_list):
         by = {r["schedule"]: r for r in rows if r["microbatches"] == n}

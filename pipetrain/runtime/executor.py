@@ -54,8 +54,10 @@ class Executor:
         runners: dict[int, StageRunner],
         transport: Transport,
         arities: list[tuple[int, float]],
+        side_stream: torch.cuda.Stream | None = None,
     ) -> None:
         self.rank = rank
+        self.side_stream = side_stream
         self.placement = placement
         self.runners = runners
         self.transport = transport
@@ -108,9 +110,7 @@ class Executor:
             case OpKind.W:
                 self.runners[s].backward_weight(j)
             case OpKind.OVERLAP_F_B:
-                # Correctness first: the forward part, then the backward part, on one stream.
-                for part in action.parts:
-                    self.dispatch(part)
+                self.overlapped(action)
             case OpKind.SEND_F:
                 self.send(action, self.outbox_f.pop((s, j)), self._peer_rank(action))
             case OpKind.RECV_F:
@@ -120,6 +120,27 @@ class Executor:
             case OpKind.RECV_B:
                 metas = tuple(self.runners[s].grad_metas(j))
                 self.recv(action, self._peer_rank(action), metas, self.grads)
+
+    def overlapped(self, action: Action) -> None:
+        """An F&B pair: one after the other, or with a side stream (CUDA) the forward on it while
+        the backward runs on the current stream (DualPipe's overlap).
+
+        The side stream first waits for the current one (received inputs are ordered there), and
+        the current one waits for it at the end, so whatever follows — sends, the next stage —
+        sees the forward's outputs. Autograd runs the forward's backward later on the stream it
+        was recorded on and synchronises with the caller's, as torch documents.
+        """
+        forward, backward = action.parts
+        if self.side_stream is None:
+            self.dispatch(forward)
+            self.dispatch(backward)
+            return
+        main = torch.cuda.current_stream()
+        self.side_stream.wait_stream(main)
+        with torch.cuda.stream(self.side_stream):
+            self.dispatch(forward)
+        self.dispatch(backward)
+        main.wait_stream(self.side_stream)
 
     # Where values go is the dependency rule's to say (``schedule.deps``), not this module's.
     def _peer_rank(self, action: Action) -> int:

@@ -42,6 +42,8 @@ class Pipeline:
     ``stage_index -> nn.Module`` with ``num_stages=`` (each rank builds only its own).
     ``schedule``: a registry name (with ``stages_per_rank=`` where it applies) or a ``Program``.
     ``timeout``: how long any wait on a peer may take before it fails naming rank, action, peer.
+    ``overlap_pairs``: on CUDA, run an overlapped F&B pair's forward on a side stream while its
+    backward runs (DualPipe's overlap; off: one after the other). Ignored on CPU.
     """
 
     def __init__(
@@ -56,6 +58,7 @@ class Pipeline:
         group=None,
         device: torch.device | str | None = None,
         timeout: timedelta = timedelta(minutes=10),
+        overlap_pairs: bool = False,
     ) -> None:
         _require_process_group()
         if loss_fn is None:
@@ -82,6 +85,9 @@ class Pipeline:
             self.runners[stage].last_weight_microbatch = mb
         self.arities = self._gather_arities()
         self.transport = Transport(self.rank, group, self.device, timeout)
+        self.side_stream = (
+            torch.cuda.Stream(self.device) if overlap_pairs and self.device.type == "cuda" else None
+        )
         self._caches: dict[str, MetaCache] = {}
         self._eval_program: Program | None = None
         self.last_timeline: Timeline | None = None
@@ -136,7 +142,9 @@ class Pipeline:
             cache = self._caches[mode] = MetaCache(signature=signature)
         recorder = Recorder(self.rank, self.device, timeline)
         recorder.begin(self.group)
-        executor = Executor(self.rank, self.placement, self.runners, self.transport, self.arities)
+        executor = Executor(
+            self.rank, self.placement, self.runners, self.transport, self.arities, self.side_stream
+        )
         data = StepData(mbs.inputs, mbs.targets, mbs.weights)
         executor.run(rows, data, cache, recorder, train=mode == "train", discover=discover)
         executor.check_empty()
