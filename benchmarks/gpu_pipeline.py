@@ -467,7 +467,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--overlap-schedules",
-        default="dualpipev",
+        default="",
         help=f"comma list: also run pipetrain with Pipeline(overlap_pairs=True) (lib {OVERLAP}: "
         "each F&B pair's forward on a side CUDA stream); '' for none",
     )
