@@ -104,9 +104,15 @@ def bidirectional(num_ranks: int) -> Placement:
     return Placement(tuple(down + down[::-1]), num_ranks, PlacementKind.BIDIRECTIONAL, num_ranks)
 
 
-def infer_kind(rank_of_stage: tuple[int, ...], num_ranks: int) -> PlacementKind:
+def infer_kind(
+    rank_of_stage: tuple[int, ...], num_ranks: int, chain_length: int | None = None
+) -> PlacementKind:
     """Name a map that matches one of the published layouts (for programs loaded from files)."""
     num_stages = len(rank_of_stage)
+    if chain_length and chain_length != num_stages:
+        if rank_of_stage == bidirectional(num_ranks).rank_of_stage:
+            return PlacementKind.BIDIRECTIONAL
+        return PlacementKind.EXPLICIT
     if num_stages % num_ranks == 0:
         v = num_stages // num_ranks
         if rank_of_stage == looped(num_ranks, v).rank_of_stage:

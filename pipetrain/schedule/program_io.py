@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 
 from pipetrain.schedule.action import Action, format_action, parse_action
-from pipetrain.schedule.placement import Placement, PlacementKind, bidirectional, infer_kind
+from pipetrain.schedule.placement import Placement, infer_kind
 from pipetrain.schedule.program import Program
 
 _TORCH_HOUSEKEEPING = re.compile(r"\d+(UNSHARD|RESHARD|REDUCE_GRAD)")
@@ -80,11 +80,7 @@ def _infer_program(rows: list[list[Action]], name: str) -> Program:
         raise ValueError(f"program file runs no compute for stages {missing or [0]}")
     rank_of_stage = tuple(stage_rank[s] for s in range(num_stages))
     chain_length = _infer_chain_length(stages_of_mb, num_stages)
-    kind = (
-        PlacementKind.BIDIRECTIONAL
-        if chain_length and rank_of_stage == bidirectional(len(rows)).rank_of_stage
-        else infer_kind(rank_of_stage, len(rows))
-    )
+    kind = infer_kind(rank_of_stage, len(rows), chain_length)
     placement = Placement(rank_of_stage, len(rows), kind, chain_length)
     return Program(placement, num_microbatches, tuple(tuple(r) for r in rows), name)
 
@@ -155,11 +151,7 @@ def from_json(text: str) -> Program:
             f"program JSON field 'chain_length' must be an integer, got {chain_length!r}"
         )
     num_ranks = len(rows)
-    kind = (
-        PlacementKind.BIDIRECTIONAL
-        if chain_length and rank_of_stage == bidirectional(num_ranks).rank_of_stage
-        else infer_kind(rank_of_stage, num_ranks)
-    )
+    kind = infer_kind(rank_of_stage, num_ranks, chain_length)
     placement = Placement(rank_of_stage, num_ranks, kind, chain_length)
     return Program(
         placement, num_microbatches, tuple(map(tuple, rows)), str(data.get("name", "json"))

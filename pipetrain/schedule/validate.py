@@ -96,15 +96,18 @@ def _check_counts(program: Program) -> None:
                     tally[p.kind][p.stage * m + p.microbatch] += 1
     expected = _expected_cells(program)
     ok = all(
-        (f == 1 and ((b == 1 and i == w == 0) or (b == 0 and i == w == 1)))
-        if wanted
-        else f == b == i == w == 0
+        _complete(f, b, i, w) if wanted else f == b == i == w == 0
         for wanted, f, b, i, w in zip(
             expected, tally[OpKind.F], tally[OpKind.B], tally[OpKind.I], tally[OpKind.W]
         )
     )
     if not ok:
         _counts_error(program, expected)
+
+
+def _complete(f: int, b: int, i: int, w: int) -> bool:
+    """One (stage, micro-batch) runs one F and either one B or one I and one W."""
+    return f == 1 and ((b == 1 and i == w == 0) or (b == 0 and i == w == 1))
 
 
 def _expected_cells(program: Program) -> list[bool]:
@@ -143,9 +146,7 @@ def _counts_error(program: Program, expected: list[bool]) -> None:
                         cells,
                     )
                 continue
-            ok_full = n[OpKind.B] == 1 and n[OpKind.I] == n[OpKind.W] == 0
-            ok_split = n[OpKind.B] == 0 and n[OpKind.I] == n[OpKind.W] == 1
-            if n[OpKind.F] != 1 or not (ok_full or ok_split):
+            if not _complete(n[OpKind.F], n[OpKind.B], n[OpKind.I], n[OpKind.W]):
                 raise ScheduleError(
                     f"stage {stage} micro-batch {mb} needs exactly one F and either one B or one I "
                     f"and one W; found {found}",
@@ -198,7 +199,7 @@ def _check_pairing(program: Program, tags: list[list[int]] | None) -> None:
             for transfers in rule.transfers.values()
             for t in transfers
         }
-        chains = microbatch_chains(program) if placement.num_chains > 1 else (0,) * m
+        chains = microbatch_chains(program)
         needed = {b + j * rule.stride for b, c in bases for j in range(m) if chains[j] == c}
         sent = [tag >> 1 for row in tags for tag in row if tag >= 0 and tag & 1]
         received = [tag >> 1 for row in tags for tag in row if tag >= 0 and not tag & 1]
