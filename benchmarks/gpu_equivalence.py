@@ -56,6 +56,21 @@ def split_name(name: str) -> tuple[str, bool]:
     return name.removesuffix("+overlap"), name.endswith("+overlap")
 
 
+def pipeline(make, name: str, n: int, v: int, device, overlap: bool) -> Pipeline:
+    """A Pipeline of ``make(stage)`` modules, v stages per rank, on this process group."""
+    return Pipeline(
+        make,
+        name,
+        n,
+        lm_loss,
+        stages_per_rank=v,
+        num_stages=v * dist.get_world_size(),
+        device=device,
+        timeout=timedelta(seconds=60),
+        overlap_pairs=overlap,
+    )
+
+
 def equivalence(name: str, n: int, device, rank: int, world: int) -> dict:
     name, overlap = split_name(name)
     v = V[name]
@@ -64,16 +79,8 @@ def equivalence(name: str, n: int, device, rank: int, world: int) -> dict:
     gen = torch.Generator().manual_seed(5)
     x = torch.randint(0, 256, (2 * n, cfg.seq_len), generator=gen).to(device)
     y = torch.randint(0, 256, (2 * n, cfg.seq_len), generator=gen).to(device)
-    pipe = Pipeline(
-        lambda s: make_stage(cfg, s, num_stages, seed=3).double(),
-        name,
-        n,
-        lm_loss,
-        stages_per_rank=v,
-        num_stages=num_stages,
-        device=device,
-        timeout=timedelta(seconds=60),
-        overlap_pairs=overlap,
+    pipe = pipeline(
+        lambda s: make_stage(cfg, s, num_stages, seed=3).double(), name, n, v, device, overlap
     )
     loss = pipe.step(x, y)
     mine = {
@@ -120,17 +127,7 @@ def training(name: str, n: int, steps: int, device, world: int, big: bool) -> di
         cfg = GPTConfig(vocab_size=256, seq_len=32, num_layers=2 * v * world, hidden=32)
         mb = 2
     num_stages = v * world
-    pipe = Pipeline(
-        lambda s: make_stage(cfg, s, num_stages, seed=0),
-        name,
-        n,
-        lm_loss,
-        stages_per_rank=v,
-        num_stages=num_stages,
-        device=device,
-        timeout=timedelta(seconds=60),
-        overlap_pairs=overlap,
-    )
+    pipe = pipeline(lambda s: make_stage(cfg, s, num_stages, seed=0), name, n, v, device, overlap)
     params = list(pipe.parameters())
     opt = torch.optim.AdamW(params, lr=1e-3, foreach=True)
     data = batches(corpus_tensor(1 << 16), n * mb, cfg.seq_len, seed=0)
