@@ -150,14 +150,19 @@ def _stand_in_stages(schedules: object, cls: type, ranks: int, stages_per_rank: 
     ]
 
 
-def time_torch(
-    torch_name: str, ranks: int, microbatches: int, clock: Callable[[], float]
-) -> Timing:
+def _torch_schedule_inputs(torch_name: str, ranks: int):
+    """torch's schedules module, the class, whether it is single-stage, and stand-in stages."""
     import torch.distributed.pipelining.schedules as S
 
     cls = S.get_schedule_class(torch_name)
     single = issubclass(cls, S.PipelineScheduleSingle)
-    stages = _stand_in_stages(S, cls, ranks, 1 if single else 2)
+    return S, cls, single, _stand_in_stages(S, cls, ranks, 1 if single else 2)
+
+
+def time_torch(
+    torch_name: str, ranks: int, microbatches: int, clock: Callable[[], float]
+) -> Timing:
+    S, cls, single, stages = _torch_schedule_inputs(torch_name, ranks)
     num_stages = stages[0].num_stages
 
     def no_lowering(self: object, actions: object, format: str = "compute_only") -> None:
@@ -217,11 +222,7 @@ def time_torch_constructor(
     torch_name: str, ranks: int, microbatches: int, clock: Callable[[], float]
 ) -> Timing:
     """torch's unmodified constructor: what a rank pays before its schedule can run."""
-    import torch.distributed.pipelining.schedules as S
-
-    cls = S.get_schedule_class(torch_name)
-    single = issubclass(cls, S.PipelineScheduleSingle)
-    stages = _stand_in_stages(S, cls, ranks, 1 if single else 2)
+    _, cls, single, stages = _torch_schedule_inputs(torch_name, ranks)
     timing = Timing()
     previous = signal.signal(signal.SIGALRM, _on_alarm)
     signal.setitimer(signal.ITIMER_REAL, TORCH_STEP_LIMIT_S)

@@ -107,13 +107,15 @@ def _walk(roots, inputs, params) -> tuple[list[Node], tuple[int, ...]]:
     index: dict[Node, int] = {}
     order: list[Node] = []
     key: list[int] = []
-    for e in roots:
-        n = e.node
-        i = index.get(n)
+
+    def number(node: Node) -> int:
+        i = index.get(node)
         if i is None:
-            i = index[n] = len(order)
-            order.append(n)
-        key.append(i)
+            i = index[node] = len(order)
+            order.append(node)
+        return i
+
+    key.extend(number(e.node) for e in roots)
     key.append(-1)
     leaf_at: dict[int, int] = {}  # id(leaf tensor) -> its AccumulateGrad's number
     pos = 0
@@ -124,13 +126,7 @@ def _walk(roots, inputs, params) -> tuple[list[Node], tuple[int, ...]]:
             var = getattr(node, "variable", None)
             if var is not None:
                 leaf_at[id(var)] = pos
-        for child, _ in children:
-            if child is not None:
-                i = index.get(child)
-                if i is None:
-                    i = index[child] = len(order)
-                    order.append(child)
-                key.append(i)
+        key.extend(number(child) for child, _ in children if child is not None)
         key.append(-1)
         pos += 1
     key.extend(_node_of(x, index, leaf_at) for x in inputs)
