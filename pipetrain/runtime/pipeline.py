@@ -140,6 +140,8 @@ class Pipeline:
         discover = cache is None or cache.signature != signature
         if discover:
             cache = self._caches[mode] = MetaCache(signature=signature)
+        for runner in self.runners.values():
+            runner.begin_step()
         recorder = Recorder(self.rank, self.device, timeline)
         recorder.begin(self.group)
         executor = Executor(

@@ -107,27 +107,28 @@ def _walk(roots, inputs, params) -> tuple[list[Node], tuple[int, ...]]:
     index: dict[Node, int] = {}
     order: list[Node] = []
     key: list[int] = []
-
-    def number(node: Node) -> int:
-        i = index.get(node)
-        if i is None:
-            i = index[node] = len(order)
-            order.append(node)
-        return i
-
-    key.extend(number(e.node) for e in roots)
+    for edge in roots:
+        index.setdefault(edge.node, len(index))
+        key.append(index[edge.node])
+    order.extend(index)  # dicts keep insertion order: numbers are positions
     key.append(-1)
+    append = key.append  # the loop below is the per-micro-batch host cost of I: kept tight
     leaf_at: dict[int, int] = {}  # id(leaf tensor) -> its AccumulateGrad's number
     pos = 0
     while pos < len(order):
-        node = order[pos]
-        children = node.next_functions
+        children = order[pos].next_functions
         if not children:
-            var = getattr(node, "variable", None)
+            var = getattr(order[pos], "variable", None)
             if var is not None:
                 leaf_at[id(var)] = pos
-        key.extend(number(child) for child, _ in children if child is not None)
-        key.append(-1)
+        for child, _ in children:
+            if child is not None:
+                i = index.get(child)
+                if i is None:
+                    i = index[child] = len(order)
+                    order.append(child)
+                append(i)
+        append(-1)
         pos += 1
     key.extend(_node_of(x, index, leaf_at) for x in inputs)
     key.append(-1)
