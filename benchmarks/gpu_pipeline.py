@@ -204,6 +204,7 @@ def run_pipetrain(
         )
         row.update(
             bubble_measured=statistics.fmean(t.bubble_fraction for t in timelines),
+            bubble_host_bound=host_bound_fraction(timelines),
             makespan_measured_ms=statistics.fmean(t.makespan for t in timelines),
             bubble_sim_comm0=sim0.bubble_fraction,
             bubble_sim_comm=simc.bubble_fraction,
@@ -231,6 +232,17 @@ def run_pipetrain(
         if ctx.rank == 0 and a.out:
             save_timeline_text(ctx, name, n, timelines[-1], simc)
     return row
+
+
+def host_bound_fraction(timelines) -> float | None:
+    """The part of the measured bubble when devices waited for their hosts to issue the next
+    action (``Timeline.host_bound_idle``), as a fraction of ranks × makespan like the bubble."""
+    parts = [
+        sum(t.host_bound_idle) / (t.num_ranks * t.makespan)
+        for t in timelines
+        if t.host_bound_idle is not None and t.makespan > 0
+    ]
+    return statistics.fmean(parts) if parts else None
 
 
 def save_timeline_text(ctx: Ctx, name: str, n: int, measured, simulated) -> None:

@@ -36,10 +36,16 @@ def fmt(v, spec: str = ".3f") -> str:
     return "-" if v is None else format(v, spec)
 
 
+def host_part(res: dict) -> str:
+    """`` (0.012)``: the measured bubble's host-bound part, where it was measured."""
+    value = res.get("bubble_host_bound")
+    return f" ({fmt(value)})" if value is not None else ""
+
+
 def table(meta, limits, rows) -> str:
     head = (
         "| schedule | mb | lib | step ms med [min–max] | tok/s | TFLOP/s/GPU | eff | "
-        "bubble meas | bubble sim (0 / comm) | peak GiB per rank | pred GiB | pt/torch |"
+        "bubble meas (host-bound) | bubble sim (0 / comm) | peak GiB per rank | pred GiB | pt/torch |"
     )
     lines = [
         f"## gpu_pipeline: {meta['device']} × {meta['world']}, torch {meta['torch']}, "
@@ -76,7 +82,8 @@ def table(meta, limits, rows) -> str:
                 f"| {r['schedule']} | {r['microbatches']} | {lib} | "
                 f"{res['median_ms']:.1f} [{res['min_ms']:.1f}–{res['max_ms']:.1f}] | "
                 f"{res['tokens_per_s']:.0f} | {res['tflops_per_gpu']:.3g} | "
-                f"{fmt(res.get('efficiency'))} | {fmt(res.get('bubble_measured'))} | "
+                f"{fmt(res.get('efficiency'))} | {fmt(res.get('bubble_measured'))}"
+                f"{host_part(res)} | "
                 f"{fmt(res.get('bubble_sim_comm0'))} / {fmt(res.get('bubble_sim_comm'))} | "
                 f"{'/'.join(f'{p:.2f}' for p in peaks) if peaks else '-'} | "
                 f"{'/'.join(f'{p:.2f}' for p in pred) if pred else pred_missing} | "

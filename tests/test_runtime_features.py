@@ -19,3 +19,26 @@ def test_features_on_two_ranks():
         is_timeline, measured, ranks, spans, computes = r["timeline"]
         assert is_timeline and measured and ranks == 2 and spans == computes
     assert r0["eval_close"] is True and r1["eval_close"] is None
+
+
+def test_host_bound_idle_counts_only_gaps_the_host_caused():
+    """An idle gap is the host's up to when it began issuing the next action; the rest (and
+    every gap before an action issued in time) is waiting for inputs."""
+    import torch
+
+    from pipetrain.runtime.timing import Recorder
+    from pipetrain.schedule.action import Action, OpKind
+    from pipetrain.schedule.timeline import Span
+
+    rec = Recorder(0, torch.device("cpu"), enabled=True)
+    assert rec.host_bound_idle([]) is None  # CPU: issuing an action is running it
+    rec.cuda = True  # the arithmetic alone, without a device: (start, end, host issue) in ms
+    timed = [(0.0, 1.0, 0.0), (3.0, 4.0, 2.0), (5.0, 6.0, 4.5), (6.5, 7.0, 3.0), (8.0, 9.0, 9.5)]
+    spans, rec._marks = [], []
+    for mb, (start, end, issued) in enumerate(timed):
+        action = Action(OpKind.F, 0, mb)
+        spans.append(Span(0, action, start, end))
+        rec._marks.append((action, None, None, issued / 1e3))
+    # gaps: 1→3 host until 2 (1.0); 4→5 host until 4.5 (0.5); 6→6.5 issued early (0);
+    # 7→8 issued after it ended (clocks a little apart): the whole gap counts (1.0)
+    assert rec.host_bound_idle(spans) == pytest.approx(2.5)

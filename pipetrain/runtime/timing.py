@@ -4,6 +4,12 @@ CPU runs read ``time.perf_counter`` around each action; CUDA runs record events 
 inside the step; one ``synchronize`` at the end to read them). Times are milliseconds from this
 rank's start mark, taken right after a barrier, so ranks' clocks line up to within one barrier
 exit. Every rank's spans are gathered so each rank holds the whole ``Timeline``.
+
+CUDA runs also note the host clock when each action's issue begins, on the device clock's axis (the
+start mark is recorded on an idle device, right after a ``synchronize``). An idle gap before an
+action that the host had not begun issuing yet is the host's doing, not the schedule's: its sum
+per rank is ``Timeline.host_bound_idle``, the part of a measured bubble the simulator does not
+model (Python and kernel-launch overhead when actions are short).
 """
 
 from __future__ import annotations
@@ -24,14 +30,18 @@ class Recorder:
         self.rank = rank
         self.enabled = enabled
         self.cuda = enabled and device.type == "cuda"
-        self._marks: list[tuple[Action, object, object]] = []
+        self._marks: list[tuple[Action, object, object, float]] = []
         self._origin: object = None
+        self._host_origin = 0.0
 
     def begin(self, group) -> None:
         if not self.enabled:
             return
         if dist.is_initialized() and dist.get_world_size(group) > 1:
             dist.barrier(group=group)
+        if self.cuda:
+            torch.cuda.synchronize()  # the origin event then runs at once: one axis for both clocks
+        self._host_origin = time.perf_counter()
         self._origin = self._now()
 
     def _now(self) -> object:
@@ -41,12 +51,12 @@ class Recorder:
             return event
         return time.perf_counter()
 
-    def start(self) -> object:
-        return self._now() if self.enabled else None
+    def start(self) -> tuple[object, float] | None:
+        return (self._now(), time.perf_counter()) if self.enabled else None
 
-    def stop(self, action: Action, started: object) -> None:
-        if self.enabled:
-            self._marks.append((action, started, self._now()))
+    def stop(self, action: Action, started: tuple[object, float] | None) -> None:
+        if started is not None:
+            self._marks.append((action, started[0], self._now(), started[1]))
 
     def spans(self) -> list[Span]:
         """This rank's spans in milliseconds since ``begin``."""
@@ -55,30 +65,46 @@ class Recorder:
             origin = self._origin
             return [
                 Span(self.rank, a, origin.elapsed_time(s), origin.elapsed_time(e))
-                for a, s, e in self._marks
+                for a, s, e, _ in self._marks
             ]
         return [
             Span(self.rank, a, (s - self._origin) * 1e3, (e - self._origin) * 1e3)
-            for a, s, e in self._marks
+            for a, s, e, _ in self._marks
         ]
+
+    def host_bound_idle(self, spans: list[Span]) -> float | None:
+        """Idle time (ms) before actions the host had not begun issuing when the device fell
+        idle; ``None`` on CPU, where issuing is running. ``spans`` are this rank's, in order."""
+        if not self.cuda:
+            return None
+        total, prev_end = 0.0, None
+        for span, (*_, host) in zip(spans, self._marks):
+            if prev_end is not None and span.start > prev_end:
+                issued = (host - self._host_origin) * 1e3
+                total += min(span.start, max(issued, prev_end)) - prev_end
+            prev_end = span.end
+        return total
 
 
 def gather_timeline(
     recorder: Recorder, group, num_ranks: int, num_stages: int, name: str
 ) -> Timeline:
     """All ranks' spans as one measured ``Timeline`` (a collective: every rank calls it)."""
-    mine = recorder.spans()
+    spans = recorder.spans()
+    mine = (spans, recorder.host_bound_idle(spans))
     if num_ranks > 1:
-        everyone: list[list[Span] | None] = [None] * num_ranks
+        everyone: list[tuple | None] = [None] * num_ranks
         dist.all_gather_object(everyone, mine, group=group)
-        spans = [s for rank_spans in everyone for s in rank_spans or ()]
     else:
-        spans = mine
+        everyone = [mine]
+    spans = [s for rank_spans, _ in everyone for s in rank_spans]
     spans.sort(key=lambda s: (s.start, s.rank))
+    idle = tuple(host for _, host in everyone)
     return Timeline(
         num_ranks=num_ranks,
         spans=tuple(spans),
         activation_size=(1.0,) * num_stages,
         name=name,
         measured=True,
+        host_bound_idle=None if None in idle else idle,
     )

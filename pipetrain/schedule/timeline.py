@@ -58,7 +58,9 @@ class Timeline:
     ``activation_size[s]`` weighs one micro-batch's activation on stage ``s``;
     ``weight_activation_size[s]`` what it weighs between its ``I`` and ``W`` (``None``: the same).
     ``measured`` says whether the spans came from a real run (clocks or CUDA events) or the
-    simulator.
+    simulator. ``host_bound_idle[r]`` (measured GPU runs only) is the part of rank ``r``'s idle
+    time between actions that its device spent waiting for the host to issue the next action, as
+    opposed to waiting for inputs from other ranks: the simulator models the second, not the first.
     """
 
     num_ranks: int
@@ -67,6 +69,7 @@ class Timeline:
     name: str = ""
     measured: bool = False
     weight_activation_size: tuple[float, ...] | None = None
+    host_bound_idle: tuple[float, ...] | None = None
 
     @cached_property
     def start(self) -> float:
