@@ -27,6 +27,9 @@ gradients captured for W), measured per stage in the limit run (``measure_held``
 ``pipetrain-hostwait`` rows (``--hostwait-schedules``, default 1f1b,zbv) are a diagnostic of the
 OLD runtime: pipetrain again with its NCCL waits patched back to the host-blocking
 ``work.wait(timeout)`` of before the fix, so one run shows that fix's before and after.
+``pipetrain-onegroup`` rows (``--onegroup-schedules``) are the same kind of diagnostic for the
+second NCCL group: pipetrain with every transfer on the one group, where a pair's sends queue
+behind its receives (``pipetrain.runtime.p2p``).
 
 The physical limit: every rank runs its own stages of the same layout with no pipeline and no
 communication — for each micro-batch, forward and ordinary backward of each local stage (random
@@ -57,7 +60,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from gpu_limit import measure_comm_ms, measure_limit
-from gpu_report import HOSTWAIT, OVERLAP, plot, short, table, write_json  # beside this script
+from gpu_report import (  # beside this script
+    HOSTWAIT,
+    ONEGROUP,
+    OVERLAP,
+    plot,
+    short,
+    table,
+    write_json,
+)
 from gpu_setup import (
     FAMILIES,
     GIB,
@@ -153,6 +164,21 @@ def host_blocking_waits():
         p2p.Transport.wait_work = fixed
 
 
+@contextlib.contextmanager
+def one_group():
+    """Diagnostic for the ``pipetrain-onegroup`` rows: the runtime without its second NCCL group
+    (transfers both ways between two ranks on one communicator, so on one stream in posting order,
+    as before the change that added the group); put back afterwards."""
+    from pipetrain.runtime import pipeline
+
+    fixed = pipeline._reverse_group
+    pipeline._reverse_group = lambda group: None
+    try:
+        yield
+    finally:
+        pipeline._reverse_group = fixed
+
+
 def run_pipetrain(
     ctx: Ctx,
     name: str,
@@ -162,9 +188,13 @@ def run_pipetrain(
     comm_ms,
     host_wait: bool = False,
     overlap: bool = False,
+    onegroup: bool = False,
 ) -> dict:
     if host_wait:
         with host_blocking_waits():
+            return run_pipetrain(ctx, name, fam, n, limit, comm_ms)
+    if onegroup:
+        with one_group():
             return run_pipetrain(ctx, name, fam, n, limit, comm_ms)
     a = ctx.args
     num_stages = fam.stages_per_rank * ctx.world
@@ -394,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
             index += 1
             if name in args.hostwait_schedules.split(","):
                 order += (HOSTWAIT,)
+            if name in args.onegroup_schedules.split(","):
+                order += (ONEGROUP,)
             if name in args.overlap_schedules.split(","):
                 order += (OVERLAP,)
             for lib in order:
@@ -408,6 +440,7 @@ def main(argv: list[str] | None = None) -> int:
                         comm_ms,
                         host_wait=lib == HOSTWAIT,
                         overlap=lib == OVERLAP,
+                        onegroup=lib == ONEGROUP,
                     )
                 else:
                     fn = functools.partial(run_torch, ctx, name, fam, n)
@@ -476,6 +509,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="1f1b,zbv",
         help=f"comma list: also run pipetrain with its OLD host-blocking NCCL waits (lib "
         f"{HOSTWAIT}, a diagnostic of the behaviour before the fix; '' for none)",
+    )
+    p.add_argument(
+        "--onegroup-schedules",
+        default="",
+        help=f"comma list: also run pipetrain with both directions on one NCCL group (lib "
+        f"{ONEGROUP}, a diagnostic of the behaviour before the second group; '' for none)",
     )
     p.add_argument(
         "--overlap-schedules",

@@ -11,6 +11,7 @@ from pathlib import Path
 
 HOSTWAIT = "pipetrain-hostwait"  # diagnostic: the runtime's OLD host-blocking NCCL waits
 OVERLAP = "pipetrain-overlap"  # Pipeline(overlap_pairs=True): F&B pairs on two CUDA streams
+ONEGROUP = "pipetrain-onegroup"  # diagnostic: both directions of a pair on one NCCL communicator
 
 
 def short(res: dict) -> str:
@@ -57,7 +58,7 @@ def table(meta, limits, rows) -> str:
         "|---" * (head.count("|") - 1) + "|",
     ]
     for r in rows:
-        for lib in ("pipetrain", "torch", HOSTWAIT, OVERLAP):
+        for lib in ("pipetrain", "torch", HOSTWAIT, ONEGROUP, OVERLAP):
             res = r.get(lib)
             if res is None:
                 if lib == "pipetrain" and "skipped" in r:
@@ -128,6 +129,8 @@ def plot(out: Path, rows, n_list, names) -> str:
     ]
     if any(HOSTWAIT in r for r in rows):
         libs.append((HOSTWAIT, f"{HOSTWAIT} (diagnostic: old host-blocking waits)", "tab:gray"))
+    if any(ONEGROUP in r for r in rows):
+        libs.append((ONEGROUP, f"{ONEGROUP} (diagnostic: one communicator per pair)", "tab:olive"))
     if any(OVERLAP in r for r in rows):
         libs.append((OVERLAP, f"{OVERLAP} (F&B pairs on two streams)", "tab:green"))
     fig, axes = plt.subplots(2, len(n_list), figsize=(5 * len(n_list), 7.5), squeeze=False)

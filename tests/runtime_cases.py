@@ -134,10 +134,19 @@ def legal_microbatches(name: str, world: int) -> list[int]:
     return legal
 
 
-def run_equivalence(rank: int, world: int, names: list[str]) -> list[str]:
-    """Every schedule × legal micro-batch counts: two steps, loss and gradients vs reference."""
+def run_equivalence(rank: int, world: int, names: list[str], two_groups: bool = False) -> list[str]:
+    """Every schedule × legal micro-batch counts: two steps, loss and gradients vs reference.
+
+    ``two_groups``: transfers to lower ranks on a second gloo group, as the runtime does on NCCL
+    (gloo alone would not need it: this checks both ends pick the same group for each transfer).
+    """
+    import torch.distributed as dist
+
     import pipetrain
+    from pipetrain.runtime.p2p import Transport
     from pipetrain.schedule.registry import family
+
+    reverse = dist.new_group(list(range(world))) if two_groups else None
 
     failures = []
     for name in names:
@@ -146,6 +155,10 @@ def run_equivalence(rank: int, world: int, names: list[str]) -> list[str]:
             num_stages = world * v
             stages = build_stages(num_stages)
             pipe = pipetrain.Pipeline(stages, schedule=name, num_microbatches=m, loss_fn=loss_fn)
+            if reverse is not None:
+                pipe.transport = Transport(
+                    rank, None, pipe.device, pipe.timeout, reverse_group=reverse
+                )
             inputs, y = batch(2 * m + 1)
             losses = [pipe.step(inputs, y) for _ in range(2)]
             ref_loss, ref_grads = reference(num_stages, inputs, y, steps=2)

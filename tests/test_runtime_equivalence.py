@@ -18,3 +18,12 @@ def test_every_schedule_matches_unsplit_training(world):
     failures = launch(world, run_equivalence, NAMES, timeout=150)
     problems = [f for rank_failures in failures for f in rank_failures]
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.slow
+def test_transfers_split_by_direction_over_two_groups():
+    """The NCCL layout (a second group for transfers to lower ranks) on gloo: still exact."""
+    names = ["1f1b", "interleaved-zb", "zbv", "dualpipev"]
+    failures = launch(4, run_equivalence, names, True, timeout=150)
+    problems = [f for rank_failures in failures for f in rank_failures]
+    assert not problems, "\n".join(problems)

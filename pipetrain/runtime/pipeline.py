@@ -84,7 +84,9 @@ class Pipeline:
         for stage, mb in _last_weight_pieces(self.program.actions[self.rank]).items():
             self.runners[stage].last_weight_microbatch = mb
         self.arities = self._gather_arities()
-        self.transport = Transport(self.rank, group, self.device, timeout)
+        self.transport = Transport(
+            self.rank, group, self.device, timeout, reverse_group=_reverse_group(group)
+        )
         self.side_stream = (
             torch.cuda.Stream(self.device) if overlap_pairs and self.device.type == "cuda" else None
         )
@@ -206,6 +208,16 @@ def _require_process_group() -> None:
             "torch.distributed.init_process_group('gloo' or 'nccl', ...) (or launch with "
             "torchrun) before building or stepping a Pipeline"
         )
+
+
+def _reverse_group(group):
+    """A second group of the same ranks for transfers to lower ranks, where the backend runs a
+    pair's operations on one stream in order (NCCL; see ``p2p``); ``None`` elsewhere (gloo
+    matches by tag and never holds a send behind a receive)."""
+    if dist.get_world_size(group) < 2 or dist.get_backend(group) != "nccl":
+        return None
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    return dist.new_group(ranks, backend="nccl", use_local_synchronization=True)
 
 
 def _default_device() -> torch.device:
