@@ -61,10 +61,11 @@ def measure_limit(ctx: Ctx, layout: str, v: int, n: int) -> dict:
         acts.update(part)
     after_f: dict[int, int] = {}
     after_i: dict[int, int] = {}
+    transient: dict[int, int] = {}
     for part in ctx.gather(held):
-        for k, (f_bytes, i_bytes) in part.items():
+        for k, (f_bytes, i_bytes, t_bytes) in part.items():
             if f_bytes is not None:
-                after_f[k], after_i[k] = f_bytes, i_bytes
+                after_f[k], after_i[k], transient[k] = f_bytes, i_bytes, t_bytes
     out = stats(times)
     out.update(
         layout=layout,
@@ -74,6 +75,7 @@ def measure_limit(ctx: Ctx, layout: str, v: int, n: int) -> dict:
         activation_bytes={str(k): v for k, v in sorted(acts.items())},
         runtime_after_forward_bytes={str(k): v for k, v in sorted(after_f.items())},
         runtime_after_input_bytes={str(k): v for k, v in sorted(after_i.items())},
+        transient_bytes={str(k): v for k, v in sorted(transient.items())},
         peak_gib_rank0=None if peak is None else peak / GIB,
     )
     return out
@@ -81,8 +83,10 @@ def measure_limit(ctx: Ctx, layout: str, v: int, n: int) -> dict:
 
 def measure_held(
     ctx: Ctx, mods: dict, num_stages: int, x0, y0, hid, gout, weight: float
-) -> dict[int, tuple[int | None, int | None]]:
-    """Per local stage: bytes the runtime holds for one micro-batch after its F and after its I.
+) -> dict[int, tuple[int | None, int | None, int | None]]:
+    """Per local stage: bytes the runtime holds for one micro-batch after its F and after its I,
+    and the transient: how far the allocator's peak during that F, I and W rose above the larger
+    of the two (workspace no schedule keeps: e.g. the last stage's float32 logits in the loss).
 
     One micro-batch through pipetrain's own ``StageRunner`` (the object the runtime keeps per
     stage; its ``backward_input``/``backward_weight`` are ``pipetrain.runtime.split_backward``'s),
@@ -92,17 +96,19 @@ def measure_held(
     keeps only gradient edges), so after F the graph's saved tensors remain, and after I (before
     W) the retained graph plus the ``WeightWork`` with the gradients captured for W. W then runs
     and the parameters' ``.grad`` are restored, so the limit run starts as it would have.
-    ``(None, None)`` per stage without CUDA (no allocator statistics).
+    ``(None, None, None)`` per stage without CUDA (no allocator statistics).
     """
     from pipetrain.runtime.stage import StageRunner
 
-    held: dict[int, tuple[int | None, int | None]] = {}
+    held: dict[int, tuple[int | None, int | None, int | None]] = {}
     for s, mod in mods.items():
         last = s == num_stages - 1
         runner = StageRunner(s, mod, last, lm_loss)
         grads_before = [p.grad for p in mod.parameters()]
         gc.collect()
         before = ctx.mem_now()
+        if ctx.cuda:
+            torch.cuda.reset_peak_memory_stats(ctx.device)
         inp = x0 if s == 0 else hid.clone().requires_grad_()  # the receive buffer
         outputs = runner.forward(0, (inp,), y0, weight)
         del outputs, inp  # sent and released; the graph keeps what it saved
@@ -112,13 +118,16 @@ def measure_held(
         del input_grads, received  # sent and released
         after_i = ctx.mem_now()
         runner.backward_weight(0)
+        peak = ctx.mem_peak()
         if runner.leftovers():
             raise RuntimeError(f"stage {s}: StageRunner kept {runner.leftovers()} micro-batches")
         for p, g in zip(mod.parameters(), grads_before):
             p.grad = g
-        held[s] = (
-            (None, None) if before is None else (after_f - before, after_i - before)  # type: ignore[operator]
-        )
+        if before is None or peak is None:
+            held[s] = (None, None, None)
+        else:
+            f_bytes, i_bytes = after_f - before, after_i - before  # type: ignore[operator]
+            held[s] = (f_bytes, i_bytes, max(0, peak - before - max(f_bytes, i_bytes)))
     return held
 
 
