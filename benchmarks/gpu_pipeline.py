@@ -53,6 +53,7 @@ import argparse
 import contextlib
 import functools
 import inspect
+import json
 import statistics
 import sys
 import time
@@ -302,6 +303,13 @@ def save_timeline_text(ctx: Ctx, name: str, n: int, measured, simulated) -> None
     with open(Path(ctx.args.out) / "timelines.txt", "a") as f:
         f.write(f"==== {name} n={n} (measured, then simulated from measured costs) ====\n")
         f.write(text + "\n")
+    # the spans themselves, for looking at where a measured step departs from its simulation
+    spans = {
+        kind: [[sp.rank, str(sp.action), round(sp.start, 4), round(sp.end, 4)] for sp in t.spans]
+        for kind, t in (("measured", measured), ("simulated", simulated))
+    }
+    with open(Path(ctx.args.out) / "spans.jsonl", "a") as f:
+        f.write(json.dumps({"schedule": name, "microbatches": n, **spans}) + "\n")
 
 
 def gathered_gib(ctx: Ctx, value: int | None) -> list[float] | None:
