@@ -32,7 +32,9 @@ OLD runtime: pipetrain again with its NCCL waits patched back to the host-blocki
 ``work.wait(timeout)`` of before the fix, so one run shows that fix's before and after.
 ``pipetrain-onegroup`` rows (``--onegroup-schedules``) are the same kind of diagnostic for the
 second NCCL group: pipetrain with every transfer on the one group, where a pair's sends queue
-behind its receives (``pipetrain.runtime.p2p``).
+behind its receives (``pipetrain.runtime.p2p``). ``pipetrain-batched`` rows
+(``--batched-schedules``) keep the two groups but post each run of transfers as one NCCL batch per
+group, which completes as a whole, as before transfers were posted one by one.
 
 The physical limit: every rank runs its own stages of the same layout with no pipeline and no
 communication — for each micro-batch, forward and ordinary backward of each local stage (random
@@ -65,6 +67,7 @@ import torch
 import torch.distributed as dist
 from gpu_limit import measure_comm_ms, measure_limit
 from gpu_report import (  # beside this script
+    BATCHED,
     HOSTWAIT,
     ONEGROUP,
     OVERLAP,
@@ -183,6 +186,48 @@ def one_group():
         pipeline._reverse_group = fixed
 
 
+@contextlib.contextmanager
+def batched_transfers():
+    """Diagnostic for the ``pipetrain-batched`` rows: ``Transport.post`` as it was before
+    transfers on two groups were posted one by one (one batch per group); put back afterwards."""
+    from pipetrain.runtime import p2p
+
+    fixed = p2p.Transport.post
+
+    def old_post(self, ops) -> None:
+        batches: dict[int, list] = {}
+        groups = {}
+        for op in ops:
+            group = self._group_of(op[0], op[1].peer)
+            groups[id(group)] = group
+            batches.setdefault(id(group), []).append(op)
+        for key, batch in batches.items():
+            group = groups[key]
+            works = dist.batch_isend_irecv(
+                [
+                    dist.P2POp(
+                        dist.isend if kind == "send" else dist.irecv,
+                        t,
+                        self._global(o.peer),
+                        group,
+                    )
+                    for kind, o, t in batch
+                ]
+            )
+            if len(works) != len(batch):
+                works = [works[-1]] * len(batch)
+            for (kind, owner, _), work in zip(batch, works):
+                owner.works.append(work)
+                if kind == "send" and (not self._sends or self._sends[-1] is not owner):
+                    self._sends.append(owner)
+
+    p2p.Transport.post = old_post
+    try:
+        yield
+    finally:
+        p2p.Transport.post = fixed
+
+
 def run_pipetrain(
     ctx: Ctx,
     name: str,
@@ -193,12 +238,16 @@ def run_pipetrain(
     host_wait: bool = False,
     overlap: bool = False,
     onegroup: bool = False,
+    batched: bool = False,
 ) -> dict:
     if host_wait:
         with host_blocking_waits():
             return run_pipetrain(ctx, name, fam, n, limit, comm_ms)
     if onegroup:
         with one_group():
+            return run_pipetrain(ctx, name, fam, n, limit, comm_ms)
+    if batched:
+        with batched_transfers():
             return run_pipetrain(ctx, name, fam, n, limit, comm_ms)
     a = ctx.args
     num_stages = fam.stages_per_rank * ctx.world
@@ -448,6 +497,8 @@ def main(argv: list[str] | None = None) -> int:
                 order += (HOSTWAIT,)
             if name in args.onegroup_schedules.split(","):
                 order += (ONEGROUP,)
+            if name in args.batched_schedules.split(","):
+                order += (BATCHED,)
             if name in args.overlap_schedules.split(","):
                 order += (OVERLAP,)
             for lib in order:
@@ -463,6 +514,7 @@ def main(argv: list[str] | None = None) -> int:
                         host_wait=lib == HOSTWAIT,
                         overlap=lib == OVERLAP,
                         onegroup=lib == ONEGROUP,
+                        batched=lib == BATCHED,
                     )
                 else:
                     fn = functools.partial(run_torch, ctx, name, fam, n)
@@ -537,6 +589,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="",
         help=f"comma list: also run pipetrain with both directions on one NCCL group (lib "
         f"{ONEGROUP}, a diagnostic of the behaviour before the second group; '' for none)",
+    )
+    p.add_argument(
+        "--batched-schedules",
+        default="",
+        help=f"comma list: also run pipetrain with each run of transfers as one NCCL batch per "
+        f"group (lib {BATCHED}, a diagnostic of the behaviour before one-by-one posting)",
     )
     p.add_argument(
         "--overlap-schedules",

@@ -12,6 +12,7 @@ from pathlib import Path
 HOSTWAIT = "pipetrain-hostwait"  # diagnostic: the runtime's OLD host-blocking NCCL waits
 OVERLAP = "pipetrain-overlap"  # Pipeline(overlap_pairs=True): F&B pairs on two CUDA streams
 ONEGROUP = "pipetrain-onegroup"  # diagnostic: both directions of a pair on one NCCL communicator
+BATCHED = "pipetrain-batched"  # diagnostic: two groups, but each run of transfers one NCCL batch
 
 
 def short(res: dict) -> str:
@@ -58,7 +59,7 @@ def table(meta, limits, rows) -> str:
         "|---" * (head.count("|") - 1) + "|",
     ]
     for r in rows:
-        for lib in ("pipetrain", "torch", HOSTWAIT, ONEGROUP, OVERLAP):
+        for lib in ("pipetrain", "torch", HOSTWAIT, ONEGROUP, BATCHED, OVERLAP):
             res = r.get(lib)
             if res is None:
                 if lib == "pipetrain" and "skipped" in r:
@@ -131,6 +132,8 @@ def plot(out: Path, rows, n_list, names) -> str:
         libs.append((HOSTWAIT, f"{HOSTWAIT} (diagnostic: old host-blocking waits)", "tab:gray"))
     if any(ONEGROUP in r for r in rows):
         libs.append((ONEGROUP, f"{ONEGROUP} (diagnostic: one communicator per pair)", "tab:olive"))
+    if any(BATCHED in r for r in rows):
+        libs.append((BATCHED, f"{BATCHED} (diagnostic: batched transfers)", "tab:brown"))
     if any(OVERLAP in r for r in rows):
         libs.append((OVERLAP, f"{OVERLAP} (F&B pairs on two streams)", "tab:green"))
     fig, axes = plt.subplots(2, len(n_list), figsize=(5 * len(n_list), 7.5), squeeze=False)

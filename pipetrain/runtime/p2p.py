@@ -1,9 +1,10 @@
 """Point-to-point transfers: tensor metadata, batched isend/irecv, and waits that time out.
 
 The lowered program fixes the order of transfers per pair of ranks (``schedule.lower``); this
-module only posts them. A run of consecutive SEND/RECV actions becomes one
-``dist.batch_isend_irecv``; receives are waited right before the compute that needs them and sends
-are polled and dropped as they complete (so a sent activation's memory goes as soon as it can).
+module only posts them. A run of consecutive SEND/RECV actions is posted together (one
+``dist.batch_isend_irecv`` on a single group, one by one on two: below); receives are waited right
+before the compute that needs them and sends are polled and dropped as they complete (so a sent
+activation's memory goes as soon as it can).
 
 Shapes are discovered, never declared: while discovering (the first step, or a step whose input
 shapes changed) every forward transfer is preceded by a fixed-size int64 metadata message, and the
@@ -19,7 +20,13 @@ a rank's outputs wait a round trip for its next inputs, which the simulator does
 which measured up to 16 points of extra bubble on 4 × H200. So transfers to a higher rank and
 transfers to a lower rank go through two process groups (``Transport(reverse_group=...)``): two
 communicators, two streams, each still in the lowered order, so neither direction waits on the
-other.
+other. With the directions apart, each transfer is also posted on its own rather than as one
+``batch_isend_irecv``: NCCL completes a batch as one group, so a receive needed now, batched with
+receives posted early for later actions, was waited for until the latest of them arrived (4 × H200:
+DualPipeV's inputs arrived ~5 ms after they were produced). One stream per direction and peer
+carries only sends or only receives, in the lowered order, so posting one by one cannot deadlock;
+on one shared group (``reverse_group`` absent) runs of transfers stay batched, which is what
+makes opposite transfers between two ranks safe there.
 
 Bool tensors travel as uint8 (gloo has no bool), and every wait is bounded so a rank that died
 mid-step yields an error naming the waiting rank, the action and the peer, not a hang. On CPU
@@ -157,26 +164,31 @@ class Transport:
         return self.group if to_higher else self.reverse_group
 
     def post(self, ops: list[tuple[str, Pending, torch.Tensor]]) -> None:
-        """Post ("send"|"recv", owner, tensor) ops, one batch per group; each owner collects its
-        works."""
-        batches: dict[int, list[tuple[str, Pending, torch.Tensor]]] = {}
-        groups = {}
-        for op in ops:
-            group = self._group_of(op[0], op[1].peer)
-            groups[id(group)] = group
-            batches.setdefault(id(group), []).append(op)
-        for key, batch in batches.items():
-            self._post_batch(batch, groups[key])
-
-    def _post_batch(self, ops: list[tuple[str, Pending, torch.Tensor]], group) -> None:
-        p2p = [
-            dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, self._global(o.peer), group)
-            for kind, o, t in ops
-        ]
-        works = dist.batch_isend_irecv(p2p)
-        # A backend may coalesce the batch into a single work; then every owner waits on it.
-        if len(works) != len(ops):
-            works = [works[-1]] * len(ops)
+        """Post ("send"|"recv", owner, tensor) ops: one by one on two groups, as one batch on
+        one (see the module docstring); each owner collects its works."""
+        if not ops:
+            return
+        if self.reverse_group is self.group:
+            p2p = [
+                dist.P2POp(
+                    dist.isend if kind == "send" else dist.irecv,
+                    t,
+                    self._global(o.peer),
+                    self.group,
+                )
+                for kind, o, t in ops
+            ]
+            works = dist.batch_isend_irecv(p2p)
+            # A backend may coalesce the batch into a single work; then every owner waits on it.
+            if len(works) != len(ops):
+                works = [works[-1]] * len(ops)
+        else:
+            works = [
+                (dist.isend if kind == "send" else dist.irecv)(
+                    t, self._global(o.peer), self._group_of(kind, o.peer)
+                )
+                for kind, o, t in ops
+            ]
         for (kind, owner, _), work in zip(ops, works):
             owner.works.append(work)
             if kind == "send" and (not self._sends or self._sends[-1] is not owner):
