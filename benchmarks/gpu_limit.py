@@ -87,6 +87,8 @@ def measure_held(
     """Per local stage: bytes the runtime holds for one micro-batch after its F and after its I,
     and the transient: how far the allocator's peak during that F, I and W rose above the larger
     of the two (workspace no schedule keeps: e.g. the last stage's float32 logits in the loss).
+    ``.grad`` is allocated first, as it is in every step of a run after the first, so the
+    transient does not count the gradients' first allocation.
 
     One micro-batch through pipetrain's own ``StageRunner`` (the object the runtime keeps per
     stage; its ``backward_input``/``backward_weight`` are ``pipetrain.runtime.split_backward``'s),
@@ -105,6 +107,9 @@ def measure_held(
         last = s == num_stages - 1
         runner = StageRunner(s, mod, last, lm_loss)
         grads_before = [p.grad for p in mod.parameters()]
+        for p in mod.parameters():  # as in a run's steps: .grad exists (else W allocates it)
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
         gc.collect()
         before = ctx.mem_now()
         if ctx.cuda:

@@ -22,10 +22,11 @@ of one activation (ping-pong between ranks 0 and 1), and the predicted peak memo
 before the step + the simulator's activation peak, with ``activation`` = the bytes one
 micro-batch's forward allocated in the limit run and ``activation_for_weight`` = the bytes
 pipetrain's ``StageRunner`` still holds after that micro-batch's I, before its W (retained graph +
-gradients captured for W), measured per stage in the limit run (``measure_held``), plus the
-largest transient of the rank's stages (how far one micro-batch's F, I and W alone took the
-allocator's peak above what they hold: workspace such as the loss's float32 logits, which no
-activation count covers; ``pred_peak_gib_no_transient`` keeps the prediction without it).
+gradients captured for W), measured per stage in the limit run (``measure_held``). The JSON also
+has ``pred_peak_gib_with_transient``: that plus the largest transient of the rank's stages (how far
+one micro-batch's F, I and W alone took the allocator's peak above what they hold: workspace such
+as the loss's float32 logits, which no activation count covers) — an upper bound, since the
+peak's moment need not run the stage with the largest transient.
 
 ``pipetrain-hostwait`` rows (``--hostwait-schedules``, default 1f1b,zbv) are a diagnostic of the
 OLD runtime: pipetrain again with its NCCL waits patched back to the host-blocking
@@ -311,17 +312,15 @@ def run_pipetrain(
                     activation_for_weight=act_w,
                 )
                 simm = simulate(pipe.program, costs)
-                row["pred_peak_gib_no_transient"] = [
-                    r + s for r, s in zip(res, simm.peak_activations)
-                ]
+                row["pred_peak_gib"] = [r + s for r, s in zip(res, simm.peak_activations)]
                 trans = limit.get("transient_bytes") or {}
                 worst = [
                     max((trans.get(str(s), 0) for s in pipe.placement.stages_of_rank(r)), default=0)
                     / GIB
                     for r in range(ctx.world)
                 ]
-                row["pred_peak_gib"] = [
-                    r + s + t for r, s, t in zip(res, simm.peak_activations, worst)
+                row["pred_peak_gib_with_transient"] = [
+                    p + t for p, t in zip(row["pred_peak_gib"], worst)
                 ]
         if ctx.rank == 0 and a.out:
             save_timeline_text(ctx, name, n, timelines[-1], simc)
