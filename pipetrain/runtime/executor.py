@@ -3,9 +3,9 @@
 It owns the values in flight between actions, keyed by (stage, micro-batch): activations waiting
 for their ``F`` (received, or handed over by a local previous stage), outputs waiting for their
 ``SEND_F``, output gradients waiting for their ``B``/``I``, input gradients waiting for their
-``SEND_B``. Consecutive SEND/RECV actions are posted as one batch just before the next compute
-action (receives posted at their position in the program, waited only by the compute that reads
-them). Every entry is popped by the action that consumes it, so a step that completes leaves all
+``SEND_B``. Consecutive SEND/RECV actions are posted together (``p2p.Transport.post``) just
+before the next compute action (receives posted at their position in the program, waited only by
+the compute that reads them). Every entry is popped by the action that consumes it, so a step that completes leaves all
 of them empty — ``check_empty`` holds the runtime to that.
 """
 
