@@ -155,21 +155,27 @@ class CompiledRule:
 
     Value ``(token, stage, microbatch)`` is the integer ``microbatch · stride + token · S + stage``
     (S stages, ``stride`` = 3S): distinct for every micro-batch, negative ones included, so no
-    micro-batch count is needed. Tables are keyed by ``(kind, stage)`` and hold the answer for
+    micro-batch count is needed. Tables are indexed ``[kind][stage]`` and hold the answer for
     micro-batch 0; add ``microbatch · stride`` for another micro-batch. Plain compute kinds only:
     an overlapped pair is looked up through its ``compute_parts``.
+
+    One dict per op kind, not one keyed by (kind, stage): a hot loop then looks an action up with
+    two cheap subscripts instead of building and hashing a tuple per action. Every kind has a
+    dict (empty where the table has nothing to say), so ``table[kind].get(stage)`` is None for any
+    kind or stage the rule does not cover.
     """
 
     placement: Placement
     stride: int
-    #: (kind, stage) -> ((value, producer's rank, token, stage), ...) the action needs
-    needs: dict[tuple[OpKind, int], tuple[tuple[int, int, Token, int], ...]]
-    #: (kind, stage) -> values the action produces
-    makes: dict[tuple[OpKind, int], tuple[int, ...]]
-    #: (kind, stage) -> the transfers of the produced values that cross ranks
-    transfers: dict[tuple[OpKind, int], tuple[Transfer, ...]]
-    #: (kind, stage) of a SEND/RECV -> the value it moves; absent when that value cannot exist
-    moves: dict[tuple[OpKind, int], int]
+    #: [kind][stage] -> ((value, producer's rank, token, stage), ...) the action needs
+    needs: dict[OpKind, dict[int, tuple[tuple[int, int, Token, int], ...]]]
+    #: [kind][stage] -> the values the action produces that some action needs: what a loop must
+    #: record. A weight gradient is produced but needed by none, so it is left out.
+    awaited: dict[OpKind, dict[int, tuple[int, ...]]]
+    #: [kind][stage] -> the transfers of the produced values that cross ranks
+    transfers: dict[OpKind, dict[int, tuple[Transfer, ...]]]
+    #: [kind][stage] of a SEND/RECV -> the value it moves; absent when that value cannot exist
+    moves: dict[OpKind, dict[int, int]]
 
     def value(self, key: Key) -> int:
         token, stage, microbatch = key
@@ -192,17 +198,23 @@ def compile_rule(placement: Placement) -> CompiledRule:
         assert key[2] == 0 and 0 <= key[1] < num_stages, key  # micro-batch 0, a real stage
         return key[0] * num_stages + key[1]
 
-    needs, makes, transfers, moves = {}, {}, {}, {}
+    needs, awaited, transfers, moves = ({kind: {} for kind in OpKind} for _ in range(4))
+    needed = {  # every value some action needs, at micro-batch 0
+        value(k)
+        for stage in range(num_stages)
+        for kind in _PLAIN_COMPUTE
+        for k in requires(Action(kind, stage, 0), placement.stages_per_chain)
+    }
     for stage in range(num_stages):
         for kind in _PLAIN_COMPUTE:
             action = Action(kind, stage, 0)
-            needs[kind, stage] = tuple(
+            needs[kind][stage] = tuple(
                 (value(k), rank_of_stage[k[1]], k[0], k[1])
                 for k in requires(action, placement.stages_per_chain)
             )
             made = produces(action)
-            makes[kind, stage] = tuple(value(k) for k in made)
-            transfers[kind, stage] = tuple(
+            awaited[kind][stage] = tuple(value(k) for k in made if value(k) in needed)
+            transfers[kind][stage] = tuple(
                 Transfer(
                     value(k),
                     *transfer(k),
@@ -214,5 +226,5 @@ def compile_rule(placement: Placement) -> CompiledRule:
         for kind in COMM_KINDS:
             key = comm_key(Action(kind, stage, 0))
             if 0 <= key[1] < num_stages:
-                moves[kind, stage] = value(key)
-    return CompiledRule(placement, stride, needs, makes, transfers, moves)
+                moves[kind][stage] = value(key)
+    return CompiledRule(placement, stride, needs, awaited, transfers, moves)

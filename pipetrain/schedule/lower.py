@@ -2,9 +2,9 @@
 
 The one pass today, ``inject_comms``, adds a SEND/RECV pair for every value that crosses ranks
 (``deps.crosses_ranks``). It first runs the program in dependency order with unit durations
-(``execute``), which yields one global, time-ordered sequence of every rank's actions; each value
-produced for another rank becomes a SEND right after its producer and the matching RECV on the
-receiver at the same instant, adjacent in that sequence. Hence:
+(``execute.run``), which yields one global, time-ordered sequence of every rank's actions; each
+value produced for another rank becomes a SEND right after its producer and the matching RECV on
+the receiver at the same instant, adjacent in that sequence. Hence:
 
 * every SEND follows its producer and every RECV precedes its consumer, and receives sit where the
   unit-time run says the value arrives — early, so the runtime can post them ahead of need;
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from pipetrain.schedule import deps
 from pipetrain.schedule.action import Action
-from pipetrain.schedule.execute import execute
+from pipetrain.schedule.execute import run
 from pipetrain.schedule.program import Program, ScheduleError
 
 
@@ -42,25 +42,46 @@ def inject_comms(program: Program) -> Program:
     """Add SEND/RECV actions for every cross-rank dependency (see the module docstring)."""
     if program.is_lowered:
         raise ScheduleError("program already carries SEND/RECV actions; lower a compute-only one")
-    transfers_of = deps.compile_rule(program.placement).transfers
-    # Entries sort by (time, 0 = transfer before 1 = compute, rank, execution order); the running
-    # count as fourth field makes every entry distinct, so the sort never compares actions.
-    entries: list[tuple[float, int, int, int, Action, Action | None, int]] = []
-    for span in execute(program, _unit):
-        rank, action = span.rank, span.action
-        entries.append((span.start, 1, rank, len(entries), action, None, rank))
-        for part in action.compute_parts:
-            for t in transfers_of[part.kind, part.stage]:  # templates at micro-batch 0
-                send = Action(t.send.kind, t.send.stage, part.microbatch)
-                recv = Action(t.recv.kind, t.recv.stage, part.microbatch)
-                entries.append((span.end, 0, rank, len(entries), send, recv, t.recv_rank))
-    entries.sort()
-    rows: list[list[Action]] = [[] for _ in range(program.num_ranks)]
-    for _, _, rank, _, action, recv, recv_rank in entries:
-        rows[rank].append(action)
-        if recv is not None:
-            rows[recv_rank].append(recv)
-    return program.with_actions(rows)
+    # what each (kind, stage) at micro-batch 0 sends: (send kind, stage, recv kind, stage, rank)
+    transfers_of = {
+        kind: {
+            stage: tuple(
+                (t.send.kind, t.send.stage, t.recv.kind, t.recv.stage, t.recv_rank)
+                for t in transfers
+            )
+            for stage, transfers in of_stage.items()
+        }
+        for kind, of_stage in deps.compile_rule(program.placement).transfers.items()
+    }
+    # The global order sorts by (time, 0 = transfer before 1 = compute, producer's rank, execution
+    # order). Each rank's row is that order restricted to the row, so each row is sorted on its
+    # own, by one number: unit durations make every time an integer, so (time, flag, rank) packs
+    # into ``(2·time + flag)·ranks + rank``, and the sort is stable, which keeps execution order.
+    num_ranks = program.num_ranks
+    keys: list[list[float]] = [[] for _ in range(num_ranks)]
+    rows: list[list[Action]] = [[] for _ in range(num_ranks)]
+    unit_run = run(program, _unit)
+    for rank in range(num_ranks):
+        own_keys, own_row = keys[rank], rows[rank]
+        for action, start, end in zip(
+            unit_run.rows[rank], unit_run.starts[rank], unit_run.ends[rank]
+        ):
+            own_keys.append((2 * start + 1) * num_ranks + rank)
+            own_row.append(action)
+            sent = 2 * end * num_ranks + rank
+            for part in action.parts or (action,):
+                mb = part.microbatch
+                for send, send_stage, recv, recv_stage, recv_rank in transfers_of[part.kind][
+                    part.stage
+                ]:
+                    own_keys.append(sent)
+                    own_row.append(Action(send, send_stage, mb))
+                    keys[recv_rank].append(sent)
+                    rows[recv_rank].append(Action(recv, recv_stage, mb))
+    return program.with_actions(
+        [row[i] for i in sorted(range(len(row)), key=row_keys.__getitem__)]
+        for row, row_keys in zip(rows, keys)
+    )
 
 
 PASSES: tuple[Pass, ...] = (Pass("inject_comms", inject_comms),)

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 
-from pipetrain.schedule.action import COMM_KINDS, Action
+from pipetrain.schedule.action import COMM_KINDS, COMPUTE_KINDS, Action
 from pipetrain.schedule.placement import Placement
+
+_kind = attrgetter("kind")
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,8 +50,9 @@ class Program:
     @property
     def is_lowered(self) -> bool:
         """True when the program carries its own SEND/RECV actions."""
-        # a set of each row's kinds: this runs on every lower() and validate() of 10^5 actions
-        return any(not COMM_KINDS.isdisjoint({a.kind for a in row}) for row in self.actions)
+        # each row's kinds read in C (``map``), stopping at the first SEND/RECV: this runs on
+        # every lower() and validate() of 10^5 actions
+        return any(not COMM_KINDS.isdisjoint(map(_kind, row)) for row in self.actions)
 
     def compute_only(self) -> Program:
         """The same program with its communication actions removed."""
@@ -118,13 +122,20 @@ def microbatch_chains(program: Program) -> tuple[int, ...]:
     placement, m = program.placement, program.num_microbatches
     if placement.num_chains == 1:
         return (0,) * m
+    chain_of = {stage: placement.chain(stage) for stage in range(placement.num_stages)}
     seen: list[set[int]] = [set() for _ in range(m)]
     for row in program.actions:
         for action in row:
-            if action.is_compute:
-                for p in action.compute_parts:
-                    if 0 <= p.microbatch < m and 0 <= p.stage < placement.num_stages:
-                        seen[p.microbatch].add(placement.chain(p.stage))
+            if action.parts:
+                parts = action.parts
+            elif action.kind in COMPUTE_KINDS:
+                parts = (action,)
+            else:
+                continue
+            for p in parts:
+                chain = chain_of.get(p.stage)  # None: a stage the placement lacks
+                if chain is not None and 0 <= p.microbatch < m:
+                    seen[p.microbatch].add(chain)
     bad = [j for j, chains in enumerate(seen) if len(chains) != 1]
     if bad:
         j = bad[0]

@@ -19,25 +19,33 @@ for.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from itertools import chain
+from operator import add, attrgetter
 
 from pipetrain.schedule import deps
-from pipetrain.schedule.action import COMM_KINDS, SEND_KINDS, Action, OpKind
-from pipetrain.schedule.execute import describe_key, execute
+from pipetrain.schedule.action import SEND_KINDS, Action, OpKind
+from pipetrain.schedule.execute import describe_key, run
 from pipetrain.schedule.program import Program, ScheduleError, microbatch_chains
 
 
 def validate(program: Program) -> Program:
     """Raise ``ScheduleError`` if ``program`` is malformed or cannot run; return it otherwise."""
     _check_placement(program)
-    _check_counts(program)
+    chains = _check_counts(program)
     if program.is_lowered:
-        tags = _comm_tags(program)
-        _check_pairing(program, tags)
-        _execute_lowered(program, tags)
+        scans = _scan_lowered(program)
+        _check_pairing(program, scans, chains)
+        _execute_lowered(program, scans)
     else:
-        execute(program, lambda _: 1.0)
+        run(program, _unit)
     return program
+
+
+def _unit(_: Action) -> float:
+    return 1.0
 
 
 def _cells(program: Program):
@@ -46,11 +54,29 @@ def _cells(program: Program):
             yield rank, step, action
 
 
+_stage = attrgetter("stage")
+_microbatch = attrgetter("microbatch")
+_parts = attrgetter("parts")
+
+
 def _check_placement(program: Program) -> None:
-    # A quick scan finds the first bad cell; _placement_error then says exactly what is wrong.
+    # A quick scan finds the first bad row; the per-cell loop then finds its first bad cell and
+    # _placement_error says exactly what is wrong. The quick scan reads columns through ``map``
+    # (C speed): every action's and every overlapped pair's part's stage lives on the row's rank
+    # and its micro-batch is in range. (The cell loop checks a pair by its parts only, so a row
+    # the quick scan doubts may still pass.)
     rank_of = dict(enumerate(program.placement.rank_of_stage))  # .get: no wrap-around at -1
+    stages_of_rank: list[set[int]] = [set() for _ in program.actions]
+    for stage, rank in rank_of.items():
+        stages_of_rank[rank].add(stage)
     m = program.num_microbatches
     for rank, row in enumerate(program.actions):
+        cells = [*row, *chain.from_iterable(map(_parts, row))] if any(map(_parts, row)) else row
+        microbatches = set(map(_microbatch, cells))
+        if stages_of_rank[rank].issuperset(map(_stage, cells)) and (
+            not microbatches or (min(microbatches) >= 0 and max(microbatches) < m)
+        ):
+            continue
         for step, action in enumerate(row):
             for part in action.compute_parts:  # a comm action is its own single part
                 if rank_of.get(part.stage) != rank or not 0 <= part.microbatch < m:
@@ -84,25 +110,32 @@ def _placement_error(program: Program, rank: int, step: int, action: Action) -> 
     raise RuntimeError(f"internal: rank {rank} step {step}: {action} passed every placement check")
 
 
-def _check_counts(program: Program) -> None:
+def _check_counts(program: Program) -> tuple[int, ...]:
+    """Raise unless every (stage, micro-batch) that must run runs completely (``_complete``) and
+    no other does; return each micro-batch's chain (``microbatch_chains``), for pairing."""
     # Tally per kind in flat lists (stage and micro-batch are in range: placement came first);
     # only a failure pays for _counts_error's per-cell bookkeeping.
     m = program.num_microbatches
     tally = {k: [0] * (program.num_stages * m) for k in (OpKind.F, OpKind.B, OpKind.I, OpKind.W)}
     for row in program.actions:
         for action in row:
-            if action.is_compute:
-                for p in action.compute_parts:
+            if action.parts:
+                for p in action.parts:
                     tally[p.kind][p.stage * m + p.microbatch] += 1
-    expected = _expected_cells(program)
-    ok = all(
-        _complete(f, b, i, w) if wanted else f == b == i == w == 0
-        for wanted, f, b, i, w in zip(
-            expected, tally[OpKind.F], tally[OpKind.B], tally[OpKind.I], tally[OpKind.W]
-        )
-    )
-    if not ok:
+            else:
+                cells = tally.get(action.kind)  # None: a SEND or RECV
+                if cells is not None:
+                    cells[action.stage * m + action.microbatch] += 1
+    chains = microbatch_chains(program)
+    expected = _expected_cells(program, chains)
+    # Cell by cell, ``_complete`` where expected and nothing elsewhere, as whole-list comparisons
+    # (C loops): counts are never negative, so F = wanted, B + I = wanted and I = W say exactly
+    # that (wanted: 1 where expected, else 0).
+    wanted = [int(cell) for cell in expected] if False in expected else [1] * len(expected)
+    f, b, i, w = (tally[k] for k in (OpKind.F, OpKind.B, OpKind.I, OpKind.W))
+    if not (f == wanted and i == w and list(map(add, b, i)) == wanted):
         _counts_error(program, expected)
+    return chains
 
 
 def _complete(f: int, b: int, i: int, w: int) -> bool:
@@ -110,13 +143,12 @@ def _complete(f: int, b: int, i: int, w: int) -> bool:
     return f == 1 and ((b == 1 and i == w == 0) or (b == 0 and i == w == 1))
 
 
-def _expected_cells(program: Program) -> list[bool]:
+def _expected_cells(program: Program, chains: tuple[int, ...]) -> list[bool]:
     """For each (stage, micro-batch), flattened as stage·m + micro-batch: must it run? With one
     chain every cell must; with several, a micro-batch runs on its chain's stages only."""
     m, placement = program.num_microbatches, program.placement
     if placement.num_chains == 1:
         return [True] * (program.num_stages * m)
-    chains = microbatch_chains(program)
     return [
         placement.chain(stage) == chains[j] for stage in range(program.num_stages) for j in range(m)
     ]
@@ -157,53 +189,179 @@ def _counts_error(program: Program, expected: list[bool]) -> None:
 
 # Pairing and execution of a lowered program work on *tags*: a SEND or RECV of value v (a
 # ``deps.compile_rule`` integer) is ``2·v + 1`` for the SEND and ``2·v`` for the RECV, so the
-# counterpart of a tag is ``tag ^ 1``. Compute actions get the tag -1.
-_COMPUTE = -1
+# counterpart of a tag is ``tag ^ 1``.
+#
+# Execution splits in two. What a rank checks on its own — a compute action's inputs were computed
+# or received earlier on the rank, a SEND's value was computed before its batch is posted — depends
+# on that row alone, so one pass per row (``_scan_row``) finds the first such failure and the
+# row's batches. What ranks wait for — each batch's counterparts — is then played batch by batch,
+# and a rank that reaches its row's first failure raises it there: the same failure, in the same
+# order, as playing every action.
 
 
-def _comm_tags(program: Program) -> list[list[int]] | None:
-    """Each cell's tag, or None if a SEND/RECV moves a value that cannot exist (e.g. RECV_F on
+@dataclass(frozen=True, slots=True)
+class _RowScan:
+    """One rank's row of a lowered program, read on its own.
+
+    Integers, in lists and tuples of integers only: a row holds ~10^4 batches, and the garbage
+    collector stops tracking a tuple of integers, while every tracked object that lives on makes
+    it walk the program's ~10^5 actions again sooner.
+    """
+
+    #: tags of the row's SEND/RECV actions, in row order
+    tags: list[int]
+    #: each batch's tags, up to the row's first failure; the last batch is an empty one at the
+    #: row's end, where a rank arrives once its last real batch completes
+    batches: list[tuple[int, ...]]
+    #: the step at which each batch starts (the last: ``len(row)``)
+    first_steps: list[int]
+    #: the batch at whose arrival the row's first own failure is raised (-1: none), and the error
+    failing_batch: int
+    failure: Callable[[], ScheduleError] | None
+
+
+def _scan_lowered(program: Program) -> list[_RowScan] | None:
+    """Each row's scan, or None if a SEND/RECV moves a value that cannot exist (e.g. RECV_F on
     stage 0); placement has been checked, so every stage is in range."""
     rule = deps.compile_rule(program.placement)
-    moves, stride = rule.moves, rule.stride
-    if not all(key in moves for row in program.actions for key in _comm_cells(row)):
-        return None
-    return [
-        [
-            2 * (moves[a.kind, a.stage] + a.microbatch * stride) + (a.kind in SEND_KINDS)
-            if a.kind in COMM_KINDS
-            else _COMPUTE
-            for a in row
-        ]
-        for row in program.actions
-    ]
+    # The rule's tables as the scan reads them, at micro-batch 0: a SEND/RECV's tag, and a
+    # compute action's (values needed, values made).
+    tag_of = {
+        kind: {stage: 2 * value + (kind in SEND_KINDS) for stage, value in values.items()}
+        for kind, values in rule.moves.items()
+    }
+    plan_of = {
+        kind: {
+            stage: (tuple(need[0] for need in needs), rule.awaited[kind][stage])
+            for stage, needs in needs_of_stage.items()
+        }
+        for kind, needs_of_stage in rule.needs.items()
+    }
+    scans = []
+    for rank, row in enumerate(program.actions):
+        scan = _scan_row(program, rank, row, tag_of, plan_of, rule.stride)
+        if scan is None:
+            return None
+        scans.append(scan)
+    return scans
 
 
-def _comm_cells(row: Sequence[Action]) -> list[tuple[OpKind, int]]:
-    return [(a.kind, a.stage) for a in row if a.kind in COMM_KINDS]
+def _scan_row(
+    program: Program,
+    rank: int,
+    row: Sequence[Action],
+    tag_of: dict[OpKind, dict[int, int]],
+    plan_of: dict[OpKind, dict[int, tuple[tuple[int, ...], tuple[int, ...]]]],
+    stride: int,
+) -> _RowScan | None:
+    """Tags, batches and the first failure of one row (tables at micro-batch 0, see the caller)."""
+    tag_stride = 2 * stride
+    tags: list[int] = []
+    batches: list[tuple[int, ...]] = []
+    first_steps: list[int] = []
+    batch: list[int] = []  # tags of the open batch (the run of SEND/RECV actions just read)
+    landing: list[int] = []  # values the open batch receives: here once it completes
+    mine: set[int] = set()  # values computed or received on this rank so far
+    failing_batch, failure = -1, None
+    for step, action in enumerate(row):
+        if action.parts:
+            plan = _pair_plan(action, plan_of, stride)
+            shift = 0  # the pair's plan holds its parts' own values
+        else:
+            tag = tag_of[action.kind].get(action.stage)
+            if tag is not None:  # a SEND or RECV
+                tag += action.microbatch * tag_stride
+                tags.append(tag)
+                if failure is not None:
+                    continue  # past the row's first failure only the tags count (pairing)
+                if not batch:
+                    first_steps.append(step)
+                batch.append(tag)
+                if not tag & 1:
+                    landing.append(tag >> 1)
+                elif tag >> 1 not in mine:
+                    failing_batch = len(first_steps) - 1
+                    failure = partial(_unsent_error, program, rank, step)
+                continue
+            plan = plan_of[action.kind].get(action.stage)
+            if plan is None:
+                return None  # a SEND/RECV of a value that cannot exist
+            shift = action.microbatch * stride
+        if failure is not None:
+            continue
+        if batch:  # the batch before this action completes before it
+            batches.append(tuple(batch))
+            batch.clear()
+            mine.update(landing)
+            landing.clear()
+        needs, awaited = plan
+        for value in needs:
+            if value + shift not in mine:
+                # nothing later can bring it: local values come from earlier actions
+                failing_batch = len(first_steps)  # the rank gets here after the batch before
+                failure = partial(_missing_input, program, rank, step, mine)
+                break
+        else:
+            for value in awaited:
+                mine.add(value + shift)
+    if batch:
+        batches.append(tuple(batch))
+    first_steps.append(len(row))  # the empty last batch
+    batches.append(())
+    return _RowScan(tags, batches, first_steps, failing_batch, failure)
 
 
-def _check_pairing(program: Program, tags: list[list[int]] | None) -> None:
+def _pair_plan(
+    pair: Action,
+    plan_of: dict[OpKind, dict[int, tuple[tuple[int, ...], tuple[int, ...]]]],
+    stride: int,
+) -> tuple[list[int], list[int]]:
+    """An overlapped pair's (values needed, values made), each part's shifted to its micro-batch:
+    every part's inputs must be here before the pair starts."""
+    needs: list[int] = []
+    awaited: list[int] = []
+    for part in pair.parts:
+        part_needs, part_awaited = plan_of[part.kind][part.stage]
+        shift = part.microbatch * stride
+        for value in part_needs:
+            needs.append(value + shift)
+        for value in part_awaited:
+            awaited.append(value + shift)
+    return needs, awaited
+
+
+def _check_pairing(program: Program, scans: list[_RowScan] | None, chains: tuple[int, ...]) -> None:
     """Each crossing value has one SEND and one RECV; nothing else travels.
 
     Fast path: the sent values and the received values must each equal the set of crossing
-    values, without repeats. Counts have been checked, so every (stage, micro-batch) has its F and
-    its B or I: the crossing values are every micro-batch of each crossing (token, stage) in the
-    rule's transfer tables. Otherwise ``_pairing_error`` names the culprit.
+    values, without repeats — as tags, every tag moved must be one of the crossing values' SEND
+    and RECV tags, and there must be as many as those. Counts have been checked, so every
+    (stage, micro-batch) has its F and its B or I: the crossing values are every micro-batch of
+    each crossing (token, stage) in the rule's transfer tables. Otherwise ``_pairing_error`` names
+    the culprit.
     """
-    if tags is not None:
+    if scans is not None:
         rule = deps.compile_rule(program.placement)
         placement, m = program.placement, program.num_microbatches
         bases = {
             (t.value, placement.chain(t.send.stage))
-            for transfers in rule.transfers.values()
+            for transfers_of_stage in rule.transfers.values()
+            for transfers in transfers_of_stage.values()
             for t in transfers
         }
-        chains = microbatch_chains(program)
-        needed = {b + j * rule.stride for b, c in bases for j in range(m) if chains[j] == c}
-        sent = [tag >> 1 for row in tags for tag in row if tag >= 0 and tag & 1]
-        received = [tag >> 1 for row in tags for tag in row if tag >= 0 and not tag & 1]
-        if all(len(v) == len(needed) and set(v) == needed for v in (sent, received)):
+        # whole sets and lengths are compared (C loops), never one tag at a time
+        offsets = {
+            c: [2 * j * rule.stride for j in range(m) if chains[j] == c]
+            for c in range(placement.num_chains)
+        }
+        needed: set[int] = set()
+        for base, c in bases:
+            needed.update([2 * base + offset for offset in offsets[c]])
+            needed.update([2 * base + 1 + offset for offset in offsets[c]])
+        posted: set[int] = set()
+        for scan in scans:
+            posted.update(scan.tags)
+        if sum(len(scan.tags) for scan in scans) == len(needed) and posted == needed:
             return
     _pairing_error(program)
 
@@ -249,67 +407,54 @@ def _comm_name(is_send: bool, key: deps.Key) -> str:
     return str(send if is_send else recv)
 
 
-def _execute_lowered(program: Program, tags: list[list[int]]) -> None:
+def _execute_lowered(program: Program, scans: list[_RowScan]) -> None:
     """Blocking batched P2P: post a run of comms, wait until every counterpart is posted.
 
-    A SEND and its RECV share the value they move (``deps.comm_key``), so "counterpart posted" is
-    a set lookup on tags (see ``_comm_tags``).
+    Pairing has been checked, so each tag is posted once, by one rank. A rank that arrives at its
+    row's failing batch (``_RowScan.failing_batch``) raises the row's first own failure.
     """
-    rule = deps.compile_rule(program.placement)
-    needs_of, makes_of, stride = rule.needs, rule.makes, rule.stride
     rows = program.actions
-    have: list[set[int]] = [set() for _ in rows]  # values computed or received on each rank
     posted: set[int] = set()
     waiting: dict[int, list[int]] = {}  # counterpart tag -> ranks parked on it
-    pos = [0] * len(rows)
+    next_batch = [0] * len(rows)
     work = list(range(len(rows) - 1, -1, -1))
     while work:
         rank = work.pop()
-        row, row_tags, mine, step = rows[rank], tags[rank], have[rank], pos[rank]
-        while step < len(row):
-            if row_tags[step] == _COMPUTE:
-                parts = row[step].compute_parts
-                for part in parts:
-                    shift = part.microbatch * stride
-                    for need in needs_of[part.kind, part.stage]:
-                        if need[0] + shift not in mine:  # need[0]: the value at micro-batch 0
-                            # nothing later can bring it: local values come from earlier actions
-                            raise _missing_input(program, rank, step, mine)
-                for part in parts:
-                    shift = part.microbatch * stride
-                    for base in makes_of[part.kind, part.stage]:
-                        mine.add(base + shift)
-                step += 1
-                continue
-            # a run of SEND/RECV actions is one batch: post them all, then wait for their peers
-            end = step + 1
-            while end < len(row) and row_tags[end] != _COMPUTE:
-                end += 1
-            batch = row_tags[step:end]
-            for i, tag in enumerate(batch):
-                if tag in posted:
-                    continue
-                if tag & 1 and tag >> 1 not in mine:
-                    raise ScheduleError(
-                        f"rank {rank} step {step + i}: {row[step + i]} sends a value "
-                        "not yet computed here",
-                        program,
-                        [(rank, step + i)],
-                    )
-                posted.add(tag)
-                if tag in waiting:
-                    work.extend(waiting.pop(tag))
-            unmatched = [tag ^ 1 for tag in batch if tag ^ 1 not in posted]
-            if unmatched:
-                waiting.setdefault(unmatched[0], []).append(rank)
+        scan = scans[rank]
+        batches, b, failing_batch = scan.batches, next_batch[rank], scan.failing_batch
+        while b < len(batches):
+            if b == failing_batch:
+                raise scan.failure()
+            # Post every tag, then wait on the first whose counterpart is missing. One loop does
+            # both: a batch never holds a tag and its counterpart (they live on different ranks).
+            unmatched = None
+            for tag in batches[b]:
+                if tag not in posted:
+                    posted.add(tag)
+                    if tag in waiting:
+                        work.extend(waiting.pop(tag))
+                if unmatched is None and tag ^ 1 not in posted:
+                    unmatched = tag ^ 1
+            if unmatched is not None:
+                waiting.setdefault(unmatched, []).append(rank)
                 break
-            for tag in batch:
-                if not tag & 1:  # a receive: the value is here now
-                    mine.add(tag >> 1)
-            step = end
-        pos[rank] = step
+            b += 1  # every counterpart is posted: the batch completes
+        next_batch[rank] = b
+    pos = [
+        scan.first_steps[b] if b < len(scan.batches) else len(row)
+        for scan, b, row in zip(scans, next_batch, rows)
+    ]
     if any(p < len(r) for p, r in zip(pos, rows)):
         raise _lowered_deadlock(program, pos, posted)
+
+
+def _unsent_error(program: Program, rank: int, step: int) -> ScheduleError:
+    return ScheduleError(
+        f"rank {rank} step {step}: {program.actions[rank][step]} sends a value "
+        "not yet computed here",
+        program,
+        [(rank, step)],
+    )
 
 
 def _missing_input(program: Program, rank: int, step: int, have: set[int]) -> ScheduleError:

@@ -50,22 +50,9 @@ def duration(action: Action, costs: StageCosts) -> float:
 def simulate(program: Program, costs: Costs | None = None) -> Timeline:
     """Predict the timeline of one step of ``program``; raises ``ScheduleError`` on deadlock."""
     sc = (costs or Costs()).per_stage(program.num_stages)
-    # A plain action's duration depends on (kind, stage) only: look it up rather than re-derive
-    # it per action (an overlapped pair is not in the table and asks ``duration``).
-    table = {
-        (kind, stage): duration(Action(kind, stage, 0), sc)
-        for kind in (OpKind.F, OpKind.B, OpKind.I, OpKind.W)
-        for stage in range(program.num_stages)
-    }
-
-    def action_duration(action: Action) -> float:
-        found = table.get((action.kind, action.stage))
-        return duration(action, sc) if found is None else found
-
-    if any(sc.comm):
-        spans = execute(program, action_duration, lambda key: sc.comm[key[1]])
-    else:  # no latency anywhere: spare the event loop a call per cross-rank dependency
-        spans = execute(program, action_duration)
+    # The event loop asks a plain action's duration and a value's latency once per stage (they
+    # depend on kind and stage only), so neither costs a call per action.
+    spans = execute(program, lambda action: duration(action, sc), lambda key: sc.comm[key[1]])
     return Timeline(
         num_ranks=program.num_ranks,
         spans=tuple(spans),

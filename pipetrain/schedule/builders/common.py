@@ -16,20 +16,25 @@ def require_positive(**counts: int) -> None:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
+# The kinds as module constants: reading a member off the enum class costs as much as making the
+# action, and builders make one action per (stage, micro-batch, kind).
+_F, _B, _I, _W = OpKind.F, OpKind.B, OpKind.I, OpKind.W
+
+
 def F(stage: int, microbatch: int) -> Action:
-    return Action(OpKind.F, stage, microbatch)
+    return Action(_F, stage, microbatch)
 
 
 def B(stage: int, microbatch: int) -> Action:
-    return Action(OpKind.B, stage, microbatch)
+    return Action(_B, stage, microbatch)
 
 
 def I(stage: int, microbatch: int) -> Action:
-    return Action(OpKind.I, stage, microbatch)
+    return Action(_I, stage, microbatch)
 
 
 def W(stage: int, microbatch: int) -> Action:
-    return Action(OpKind.W, stage, microbatch)
+    return Action(_W, stage, microbatch)
 
 
 def make_program(

@@ -29,8 +29,8 @@ only depth-first group, g = m (Megatron refuses; torch does the same via one rou
 
 from __future__ import annotations
 
-from pipetrain.schedule.action import Action
-from pipetrain.schedule.builders.common import B, F, I, W, make_program, require_positive
+from pipetrain.schedule.action import Action, OpKind
+from pipetrain.schedule.builders.common import B, F, make_program, require_positive
 from pipetrain.schedule.placement import looped
 from pipetrain.schedule.program import Program
 
@@ -164,9 +164,11 @@ def build_looped_bfs(num_ranks: int, num_microbatches: int, stages_per_rank: int
     return make_program("looped-bfs", looped(p, v), m, rows)
 
 
+_KINDS = {"F": OpKind.F, "B": OpKind.B, "I": OpKind.I, "W": OpKind.W}
+
+
 def _actions(order: list[tuple[str, Slot]], num_ranks: int, rank: int) -> list[Action]:
-    make = {"F": F, "B": B, "I": I, "W": W}
-    return [make[kind](chunk * num_ranks + rank, j) for kind, (chunk, j) in order]
+    return [Action(_KINDS[kind], chunk * num_ranks + rank, j) for kind, (chunk, j) in order]
 
 
 def zero_bubble_warmup(

@@ -23,12 +23,12 @@ it valid (in the same per-rank order) and the phase counts need no other cap.
 
 from __future__ import annotations
 
-from pipetrain.schedule.action import Action
-from pipetrain.schedule.builders.common import F, I, W, make_program, require_positive
+from pipetrain.schedule.action import Action, OpKind
+from pipetrain.schedule.builders.common import make_program, require_positive
 from pipetrain.schedule.placement import v_shape
 from pipetrain.schedule.program import Program
 
-_MAKERS = {"F": F, "I": I, "W": W}
+_KINDS = {"F": OpKind.F, "I": OpKind.I, "W": OpKind.W}
 
 
 class _Row:
@@ -37,14 +37,14 @@ class _Row:
     def __init__(self, stages: tuple[int, int], num_microbatches: int) -> None:
         self.stages = stages
         self.num_microbatches = num_microbatches
-        self.done = {(kind, chunk): 0 for kind in _MAKERS for chunk in (0, 1)}
+        self.done = {(kind, chunk): 0 for kind in _KINDS for chunk in (0, 1)}
         self.actions: list[Action] = []
 
     def add(self, kind: str, chunk: int) -> None:
         microbatch = self.done[kind, chunk]
-        self.done[kind, chunk] += 1
+        self.done[kind, chunk] = microbatch + 1
         if microbatch < self.num_microbatches:  # padding micro-batch: leave it out
-            self.actions.append(_MAKERS[kind](self.stages[chunk], microbatch))
+            self.actions.append(Action(_KINDS[kind], self.stages[chunk], microbatch))
 
     def count(self, kind: str, chunk: int) -> int:
         return self.done[kind, chunk]
@@ -91,6 +91,6 @@ def _zbv_row(p: int, m: int, rank: int, stages: tuple[int, int]) -> list[Action]
     for chunk in (1, 0):
         while row.count("W", chunk) < row.count("I", chunk):
             row.add("W", chunk)
-    for kind in _MAKERS:
+    for kind in _KINDS:
         assert row.count(kind, 0) == row.count(kind, 1) == num_laid_out, (rank, row.done)
     return row.actions
