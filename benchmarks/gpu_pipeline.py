@@ -35,7 +35,8 @@ OLD runtime: pipetrain again with its NCCL waits patched back to the host-blocki
 second NCCL group: pipetrain with every transfer on the one group, where a pair's sends queue
 behind its receives (``pipetrain.runtime.p2p``). ``pipetrain-batched`` rows
 (``--batched-schedules``) keep the two groups but post each run of transfers as one NCCL batch per
-group, which completes as a whole, as before transfers were posted one by one.
+group, which completes as a whole, as before transfers were posted one by one. The three
+diagnostics live in ``gpu_diagnostics.py``.
 
 The physical limit: every rank runs its own stages of the same layout with no pipeline and no
 communication — for each micro-batch, forward and ordinary backward of each local stage (random
@@ -53,10 +54,8 @@ Every failure becomes an error row and the run goes on; a time budget skips what
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import inspect
-import json
 import statistics
 import sys
 import time
@@ -66,13 +65,16 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from gpu_diagnostics import DIAGNOSTICS
 from gpu_limit import measure_comm_ms, measure_limit
 from gpu_report import (  # beside this script
     BATCHED,
     HOSTWAIT,
     ONEGROUP,
     OVERLAP,
+    host_bound_fraction,
     plot,
+    save_timeline_text,
     short,
     table,
     write_json,
@@ -136,99 +138,6 @@ def measure(ctx: Ctx, pipeline_step, opt, params, base: int) -> tuple[dict, int 
     return row, resident
 
 
-@contextlib.contextmanager
-def host_blocking_waits():
-    """Diagnostic of the OLD runtime behaviour, for the ``pipetrain-hostwait`` rows only.
-
-    Before commit ded2659 ``Transport.wait_work`` passed its timeout to ``Work.wait`` on every
-    backend; on NCCL that makes ProcessGroupNCCL block the host thread, polling until the transfer
-    lands (a host sync per receive), so the host can no longer queue work ahead of the GPU. The
-    runtime now waits without a timeout on CUDA (the wait only orders the compute stream). This
-    restores the old host-blocking wait for one measurement and puts the fix back afterwards, so
-    one run shows the before (``pipetrain-hostwait``) and after (``pipetrain``) of that change.
-    """
-    from pipetrain.runtime import p2p
-
-    fixed = p2p.Transport.wait_work
-
-    def old_wait_work(self, work, what: str, peer: int) -> None:
-        try:
-            ok = work.wait(self.timeout)  # host-blocking on NCCL: the pre-fix code, verbatim
-        except RuntimeError as e:
-            raise p2p.PipelineTimeoutError(
-                f"rank {self.rank}: {what} waited on rank {peer} and failed within "
-                f"{self.timeout.total_seconds():g} s (did rank {peer} fail or stop?): {e}"
-            ) from e
-        if ok is False:
-            raise p2p.PipelineTimeoutError(
-                f"rank {self.rank}: {what} waited on rank {peer} for more than "
-                f"{self.timeout.total_seconds():g} s"
-            )
-
-    p2p.Transport.wait_work = old_wait_work
-    try:
-        yield
-    finally:
-        p2p.Transport.wait_work = fixed
-
-
-@contextlib.contextmanager
-def one_group():
-    """Diagnostic for the ``pipetrain-onegroup`` rows: the runtime without its second NCCL group
-    (transfers both ways between two ranks on one communicator, so on one stream in posting order,
-    as before the change that added the group); put back afterwards."""
-    from pipetrain.runtime import pipeline
-
-    fixed = pipeline._reverse_group
-    pipeline._reverse_group = lambda group: None
-    try:
-        yield
-    finally:
-        pipeline._reverse_group = fixed
-
-
-@contextlib.contextmanager
-def batched_transfers():
-    """Diagnostic for the ``pipetrain-batched`` rows: ``Transport.post`` as it was before
-    transfers on two groups were posted one by one (one batch per group); put back afterwards."""
-    from pipetrain.runtime import p2p
-
-    fixed = p2p.Transport.post
-
-    def old_post(self, ops) -> None:
-        batches: dict[int, list] = {}
-        groups = {}
-        for op in ops:
-            group = self._group_of(op[0], op[1].peer)
-            groups[id(group)] = group
-            batches.setdefault(id(group), []).append(op)
-        for key, batch in batches.items():
-            group = groups[key]
-            works = dist.batch_isend_irecv(
-                [
-                    dist.P2POp(
-                        dist.isend if kind == "send" else dist.irecv,
-                        t,
-                        self._global(o.peer),
-                        group,
-                    )
-                    for kind, o, t in batch
-                ]
-            )
-            if len(works) != len(batch):
-                works = [works[-1]] * len(batch)
-            for (kind, owner, _), work in zip(batch, works):
-                owner.works.append(work)
-                if kind == "send" and (not self._sends or self._sends[-1] is not owner):
-                    self._sends.append(owner)
-
-    p2p.Transport.post = old_post
-    try:
-        yield
-    finally:
-        p2p.Transport.post = fixed
-
-
 def run_pipetrain(
     ctx: Ctx,
     name: str,
@@ -236,20 +145,13 @@ def run_pipetrain(
     n: int,
     limit: dict,
     comm_ms,
-    host_wait: bool = False,
-    overlap: bool = False,
-    onegroup: bool = False,
-    batched: bool = False,
+    lib: str = "pipetrain",
 ) -> dict:
-    if host_wait:
-        with host_blocking_waits():
+    """One configuration of pipetrain; ``lib`` names a variant (``gpu_diagnostics``, OVERLAP)."""
+    if lib in DIAGNOSTICS:
+        with DIAGNOSTICS[lib]():
             return run_pipetrain(ctx, name, fam, n, limit, comm_ms)
-    if onegroup:
-        with one_group():
-            return run_pipetrain(ctx, name, fam, n, limit, comm_ms)
-    if batched:
-        with batched_transfers():
-            return run_pipetrain(ctx, name, fam, n, limit, comm_ms)
+    overlap = lib == OVERLAP
     a = ctx.args
     num_stages = fam.stages_per_rank * ctx.world
     base = ctx.mem_reset()
@@ -325,39 +227,6 @@ def run_pipetrain(
         if ctx.rank == 0 and a.out:
             save_timeline_text(ctx, name, n, timelines[-1], simc)
     return row
-
-
-def host_bound_fraction(timelines) -> float | None:
-    """The part of the measured bubble when devices waited for their hosts to issue the next
-    action (``Timeline.host_bound_idle``), as a fraction of ranks × makespan like the bubble."""
-    parts = [
-        sum(t.host_bound_idle) / (t.num_ranks * t.makespan)
-        for t in timelines
-        if t.host_bound_idle is not None and t.makespan > 0
-    ]
-    return statistics.fmean(parts) if parts else None
-
-
-def save_timeline_text(ctx: Ctx, name: str, n: int, measured, simulated) -> None:
-    """The measured and simulated step as text (appended to one file: few files come back)."""
-    try:
-        from pipetrain.render.text import render_text
-    except ImportError:
-        return
-    try:
-        text = render_text(measured, color=False) + "\n" + render_text(simulated, color=False)
-    except Exception:
-        return
-    with open(Path(ctx.args.out) / "timelines.txt", "a") as f:
-        f.write(f"==== {name} n={n} (measured, then simulated from measured costs) ====\n")
-        f.write(text + "\n")
-    # the spans themselves, for looking at where a measured step departs from its simulation
-    spans = {
-        kind: [[sp.rank, str(sp.action), round(sp.start, 4), round(sp.end, 4)] for sp in t.spans]
-        for kind, t in (("measured", measured), ("simulated", simulated))
-    }
-    with open(Path(ctx.args.out) / "spans.jsonl", "a") as f:
-        f.write(json.dumps({"schedule": name, "microbatches": n, **spans}) + "\n")
 
 
 def gathered_gib(ctx: Ctx, value: int | None) -> list[float] | None:
@@ -502,19 +371,7 @@ def main(argv: list[str] | None = None) -> int:
                 order += (OVERLAP,)
             for lib in order:
                 if lib.startswith("pipetrain"):
-                    fn = functools.partial(
-                        run_pipetrain,
-                        ctx,
-                        name,
-                        fam,
-                        n,
-                        limit,
-                        comm_ms,
-                        host_wait=lib == HOSTWAIT,
-                        overlap=lib == OVERLAP,
-                        onegroup=lib == ONEGROUP,
-                        batched=lib == BATCHED,
-                    )
+                    fn = functools.partial(run_pipetrain, ctx, name, fam, n, limit, comm_ms, lib)
                 else:
                     fn = functools.partial(run_torch, ctx, name, fam, n)
                 res = guarded(ctx, f"{name} n={n} {lib}", fn)

@@ -7,6 +7,7 @@ measurement logic.
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 HOSTWAIT = "pipetrain-hostwait"  # diagnostic: the runtime's OLD host-blocking NCCL waits
@@ -159,3 +160,37 @@ def plot(out: Path, rows, n_list, names) -> str:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return f"plot: {path}"
+
+
+def host_bound_fraction(timelines) -> float | None:
+    """The part of the measured bubble when devices waited for their hosts to issue the next
+    action (``Timeline.host_bound_idle``), as a fraction of ranks × makespan like the bubble."""
+    parts = [
+        sum(t.host_bound_idle) / (t.num_ranks * t.makespan)
+        for t in timelines
+        if t.host_bound_idle is not None and t.makespan > 0
+    ]
+    return statistics.fmean(parts) if parts else None
+
+
+def save_timeline_text(ctx, name: str, n: int, measured, simulated) -> None:
+    """The measured and simulated step as text (appended to one file: few files come back), and
+    their spans as JSON lines; ``ctx`` is ``gpu_setup.Ctx`` (files go to ``ctx.args.out``)."""
+    try:
+        from pipetrain.render.text import render_text
+    except ImportError:
+        return
+    try:
+        text = render_text(measured, color=False) + "\n" + render_text(simulated, color=False)
+    except Exception:
+        return
+    with open(Path(ctx.args.out) / "timelines.txt", "a") as f:
+        f.write(f"==== {name} n={n} (measured, then simulated from measured costs) ====\n")
+        f.write(text + "\n")
+    # the spans themselves, for looking at where a measured step departs from its simulation
+    spans = {
+        kind: [[sp.rank, str(sp.action), round(sp.start, 4), round(sp.end, 4)] for sp in t.spans]
+        for kind, t in (("measured", measured), ("simulated", simulated))
+    }
+    with open(Path(ctx.args.out) / "spans.jsonl", "a") as f:
+        f.write(json.dumps({"schedule": name, "microbatches": n, **spans}) + "\n")
