@@ -23,9 +23,10 @@ import time
 from pathlib import Path
 
 import torch
+from split_backward_gpu import block_arguments, make  # beside this script
 from torch.autograd.graph import get_gradient_edge
 
-from pipetrain.models.gpt import Block, GPTConfig
+from pipetrain.models.gpt import GPTConfig
 from pipetrain.runtime import split_backward as sb
 
 
@@ -44,21 +45,15 @@ def host_ms(fn, reps: int, cuda: bool) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--reps", type=int, default=30)
+    block_arguments(p, reps=30)
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     cfg = GPTConfig(hidden=a.hidden, num_heads=a.heads, seq_len=a.seq, num_layers=1)
-    block = Block(cfg).to(device=dev, dtype=dtype)
+    block, x, g = make(cfg, dev, dtype, a.batch)
     params = [q for q in block.parameters() if q.requires_grad]
-    x = torch.randn(a.batch, a.seq, a.hidden, device=dev, dtype=dtype)
-    g = torch.randn_like(x)
     result: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu"}
 
     # one bare engine call: y = 2 * t, grad of t

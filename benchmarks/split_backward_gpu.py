@@ -149,13 +149,18 @@ def max_rel_error(a: dict, b: dict) -> tuple[float, str]:
     return worst, where
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def block_arguments(p: argparse.ArgumentParser, reps: int) -> None:
+    """The block's shape and the repetitions (shared with ``host_profile_gpu.py``)."""
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--reps", type=int, default=40)
+    p.add_argument("--reps", type=int, default=reps)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    block_arguments(p, reps=40)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--dtype", default=None, help="default bfloat16 on GPU, float32 on CPU")
     p.add_argument("--out", default=None, help="folder for split_backward.json")
