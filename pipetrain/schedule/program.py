@@ -54,6 +54,12 @@ class Program:
         # every lower() and validate() of 10^5 actions
         return any(not COMM_KINDS.isdisjoint(map(_kind, row)) for row in self.actions)
 
+    def cells(self) -> Iterable[tuple[int, int, Action]]:
+        """(rank, step, action) for every action, rank by rank."""
+        for rank, row in enumerate(self.actions):
+            for step, action in enumerate(row):
+                yield rank, step, action
+
     def compute_only(self) -> Program:
         """The same program with its communication actions removed."""
         rows = tuple(tuple(a for a in row if a.is_compute) for row in self.actions)
