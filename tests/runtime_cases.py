@@ -134,11 +134,18 @@ def legal_microbatches(name: str, world: int) -> list[int]:
     return legal
 
 
-def run_equivalence(rank: int, world: int, names: list[str], two_groups: bool = False) -> list[str]:
+def run_equivalence(
+    rank: int,
+    world: int,
+    names: list[str],
+    two_groups: bool = False,
+    defer_weight_grads: bool = False,
+) -> list[str]:
     """Every schedule × legal micro-batch counts: two steps, loss and gradients vs reference.
 
     ``two_groups``: transfers to lower ranks on a second gloo group, as the runtime does on NCCL
     (gloo alone would not need it: this checks both ends pick the same group for each transfer).
+    ``defer_weight_grads``: the Pipeline option of that name (I/W split by deferred linear GEMMs).
     """
     import torch.distributed as dist
 
@@ -154,7 +161,13 @@ def run_equivalence(rank: int, world: int, names: list[str], two_groups: bool = 
         for m in legal_microbatches(name, world):
             num_stages = world * v
             stages = build_stages(num_stages)
-            pipe = pipetrain.Pipeline(stages, schedule=name, num_microbatches=m, loss_fn=loss_fn)
+            pipe = pipetrain.Pipeline(
+                stages,
+                schedule=name,
+                num_microbatches=m,
+                loss_fn=loss_fn,
+                defer_weight_grads=defer_weight_grads,
+            )
             if reverse is not None:
                 pipe.transport = Transport(
                     rank, None, pipe.device, pipe.timeout, reverse_group=reverse
@@ -181,7 +194,7 @@ def _recorder(fired: dict, seen: dict, key):
     return hook
 
 
-def run_features(rank: int, world: int) -> dict:
+def run_features(rank: int, world: int, defer_weight_grads: bool = False) -> dict:
     """Callable stages, eval_step, timeline, hooks, changing batch sizes, nothing left behind."""
     import gc
     import weakref
@@ -202,7 +215,9 @@ def run_features(rank: int, world: int) -> dict:
                 p.register_post_accumulate_grad_hook(_recorder(fired, seen, (i, n)))
         return built[i]
 
-    pipe = pipetrain.Pipeline(stage, "zbv", m, loss_fn, num_stages=num_stages)
+    pipe = pipetrain.Pipeline(
+        stage, "zbv", m, loss_fn, num_stages=num_stages, defer_weight_grads=defer_weight_grads
+    )
     out["local_stages"] = sorted(built)
     refs = []
     orig = built[min(built)].forward

@@ -27,3 +27,14 @@ def test_transfers_split_by_direction_over_two_groups():
     failures = launch(4, run_equivalence, names, True, timeout=150)
     problems = [f for rank_failures in failures for f in rank_failures]
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_deferred_weight_grads_match_unsplit_training(world):
+    """``Pipeline(defer_weight_grads=True)``: the model's tied linear, frozen bias and
+    parameter-free stage through I/W split by deferred GEMMs, B and overlapped pairs alike."""
+    names = ["1f1b", "zb-h1", "zb-h2", "interleaved-zb", "zbv", "dualpipev"]
+    failures = launch(world, run_equivalence, names, False, True, timeout=150)
+    problems = [f for rank_failures in failures for f in rank_failures]
+    assert not problems, "\n".join(problems)

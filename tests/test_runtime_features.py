@@ -8,8 +8,9 @@ from runtime_harness import launch
 
 
 @pytest.mark.slow
-def test_features_on_two_ranks():
-    r0, r1 = launch(2, run_features, timeout=90)
+@pytest.mark.parametrize("defer", [False, True], ids=["graph-replay", "deferred-wgrad"])
+def test_features_on_two_ranks(defer):
+    r0, r1 = launch(2, run_features, defer, timeout=90)
     assert r0["local_stages"] == [0, 3] and r1["local_stages"] == [1, 2]  # built only locally
     for r in (r0, r1):
         assert r["exact"] == [True, True, True]

@@ -44,6 +44,10 @@ class Pipeline:
     ``timeout``: how long any wait on a peer may take before it fails naming rank, action, peer.
     ``overlap_pairs``: on CUDA, run an overlapped F&B pair's forward on a side stream while its
     backward runs (DualPipe's overlap; off: one after the other). Ignored on CPU.
+    ``defer_weight_grads``: split I/W the zero-bubble paper's way — the stages' plain
+    ``nn.Linear`` layers become ``DeferredLinear`` (same parameters and state dict), ``I`` is the
+    whole backward but their weight GEMMs, ``W`` is those GEMMs (``runtime.deferred_wgrad``);
+    off: ``split_backward``'s graph replay, which splits any module. Either way exact.
     """
 
     def __init__(
@@ -59,6 +63,7 @@ class Pipeline:
         device: torch.device | str | None = None,
         timeout: timedelta = timedelta(minutes=10),
         overlap_pairs: bool = False,
+        defer_weight_grads: bool = False,
     ) -> None:
         _require_process_group()
         if loss_fn is None:
@@ -79,7 +84,8 @@ class Pipeline:
         self.last_rank = self.placement.rank(self.last_stage)
         self.modules = _local_modules(stages, self.placement.stages_of_rank(self.rank), self.device)
         self.runners = {
-            s: StageRunner(s, m, s == self.last_stage, loss_fn) for s, m in self.modules.items()
+            s: StageRunner(s, m, s == self.last_stage, loss_fn, defer_weight_grads)
+            for s, m in self.modules.items()
         }
         for stage, mb in _last_weight_pieces(self.program.actions[self.rank]).items():
             self.runners[stage].last_weight_microbatch = mb

@@ -232,7 +232,7 @@ def _plan(roots, grads, inputs, params) -> tuple[list[_Group], WeightWork]:
     return groups, work
 
 
-def _run(roots, grads, inputs, *, retain_graph: bool, accumulate: bool):
+def run_engine(roots, grads, inputs, *, retain_graph: bool, accumulate: bool):
     """``torch.autograd.backward`` (``accumulate``) or ``grad`` (allow_unused), entered directly
     at the engine when every root gradient is a tensor."""
     if _engine_run_backward is None or not all(isinstance(g, torch.Tensor) for g in grads):
@@ -266,7 +266,7 @@ def backward_input(
             handles.append(node.register_prehook(_capture(group, i)))
     try:
         if inputs and roots:
-            found = _run(roots, grads, inputs, retain_graph=not work.empty, accumulate=False)
+            found = run_engine(roots, grads, inputs, retain_graph=not work.empty, accumulate=False)
         else:
             found = (None,) * len(inputs)
     finally:
@@ -340,9 +340,11 @@ def backward_weight(work: WeightWork, hooks: bool = True) -> None:
 
 def _weights(roots, grads, params, hooks: bool) -> None:
     if hooks:
-        _run(roots, grads, params, retain_graph=True, accumulate=True)
+        run_engine(roots, grads, params, retain_graph=True, accumulate=True)
     else:
-        accumulate_quietly(params, _run(roots, grads, params, retain_graph=True, accumulate=False))
+        accumulate_quietly(
+            params, run_engine(roots, grads, params, retain_graph=True, accumulate=False)
+        )
 
 
 def backward_full(
@@ -359,7 +361,7 @@ def backward_full(
     if not hooks:
         if not inputs and not params:
             return []
-        found = _run(roots, grads, [*inputs, *params], retain_graph=False, accumulate=False)
+        found = run_engine(roots, grads, [*inputs, *params], retain_graph=False, accumulate=False)
         accumulate_quietly(params, found[len(inputs) :])
         return list(found[: len(inputs)])
     for x in inputs:

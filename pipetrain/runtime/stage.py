@@ -5,7 +5,9 @@ the input leaves (to read their gradients), the gradient edges of its outputs (n
 tensors themselves: an activation that was sent can be freed while its graph stays — Megatron's
 ``deallocate_pipeline_outputs`` without touching ``.data``), and after ``I`` the work for ``W``.
 Each piece pops what it consumed, so after a micro-batch's last piece nothing of it is left.
-Communication and ordering belong to the executor; the split itself to ``split_backward``.
+Communication and ordering belong to the executor; the split itself to ``split_backward`` (any
+module: graph replay) or, with ``defer_weight_grads``, to ``deferred_wgrad`` (linear layers' weight
+GEMMs deferred, the zero-bubble paper's way).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from pipetrain.runtime import deferred_wgrad
 from pipetrain.runtime.p2p import TensorMeta
 from pipetrain.runtime.split_backward import (
     WeightWork,
@@ -64,17 +67,28 @@ def _grad_dtype(t: torch.Tensor) -> bool:
 
 
 class StageRunner:
-    """Runs stage ``index`` (``module``); the last stage also applies ``loss_fn``."""
+    """Runs stage ``index`` (``module``); the last stage also applies ``loss_fn``.
+
+    ``defer_weight_grads``: split ``I``/``W`` with ``deferred_wgrad`` (the module's plain
+    ``nn.Linear`` layers become ``DeferredLinear``) instead of ``split_backward``'s graph replay."""
 
     def __init__(
-        self, index: int, module: nn.Module, is_last: bool, loss_fn: Callable | None
+        self,
+        index: int,
+        module: nn.Module,
+        is_last: bool,
+        loss_fn: Callable | None,
+        defer_weight_grads: bool = False,
     ) -> None:
         self.index = index
         self.module = module
         self.is_last = is_last
         self.loss_fn = loss_fn
+        self.defer_weight_grads = defer_weight_grads
+        if defer_weight_grads:
+            deferred_wgrad.defer_linear_weight_grads(module)
         self.saved: dict[int, _Saved] = {}
-        self.weight_work: dict[int, WeightWork] = {}
+        self.weight_work: dict[int, WeightWork | deferred_wgrad.DeferredWork] = {}
         self.losses: dict[int, torch.Tensor] = {}
         #: the micro-batch whose backward piece is this stage's last weight-gradient work in a
         #: step (set by the pipeline from the program); only that one runs ``.grad`` hooks
@@ -146,15 +160,23 @@ class StageRunner:
     def backward_input(self, mb: int, grads: list[torch.Tensor] | None) -> list[torch.Tensor]:
         """``I``: input gradients only; what ``W`` needs is kept until ``backward_weight``."""
         saved = self.saved.pop(mb)
-        found, work = backward_input(
-            saved.roots, self._root_grads(saved, grads), saved.inputs, self.params
-        )
+        root_grads = self._root_grads(saved, grads)
+        if self.defer_weight_grads:
+            found, work = deferred_wgrad.backward_input(
+                saved.roots, root_grads, saved.inputs, self.params, self._is_last_weight_piece(mb)
+            )
+        else:
+            found, work = backward_input(saved.roots, root_grads, saved.inputs, self.params)
         self.weight_work[mb] = work
         return _fill(found, saved.inputs)
 
     def backward_weight(self, mb: int) -> None:
         work = self.weight_work.pop(mb)
-        backward_weight(work, hooks=self._is_last_weight_piece(mb))
+        hooks = self._is_last_weight_piece(mb)
+        if isinstance(work, deferred_wgrad.DeferredWork):
+            deferred_wgrad.backward_weight(work, hooks)
+        else:
+            backward_weight(work, hooks)
 
     def _root_grads(self, saved: _Saved, grads: list[torch.Tensor] | None) -> list[torch.Tensor]:
         if self.is_last:

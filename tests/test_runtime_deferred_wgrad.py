@@ -1,0 +1,130 @@
+"""Deferred weight gradients in one process: I then W equals one backward, I leaves the linear
+layers' weight GEMMs to W, the graph is freed after I, hooks fire once on the last piece."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import weakref
+
+import torch
+from torch import nn
+from torch.autograd.graph import get_gradient_edge
+
+from pipetrain.runtime.deferred_wgrad import (
+    DeferredLinear,
+    backward_input,
+    backward_weight,
+    defer_linear_weight_grads,
+)
+
+
+class Net(nn.Module):
+    """LayerNorm + embedding (finished in I), a linear used twice, a weight also used outside its
+    linear, a frozen bias, and an ``nn.Linear`` subclass that must be left alone."""
+
+    class Scaled(nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * 0.5
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(4)
+        self.emb = nn.Embedding(5, 4)
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 3)
+        self.c = Net.Scaled(3, 3)
+        self.b.bias.requires_grad_(False)
+
+    def forward(self, x, ids, keep=None):
+        h = self.ln(x) + self.emb(ids)
+        t = torch.tanh(self.a(h))
+        if keep is not None:
+            keep.append(weakref.ref(t))  # saved by tanh's backward only
+        h = self.a(t * 2.0)
+        return self.c(self.b(h) + h[..., :3] * self.b.weight[0, :3])
+
+
+def setup():
+    torch.manual_seed(0)
+    net = Net().double()
+    ref = copy.deepcopy(net)
+    x = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
+    ids = torch.randint(0, 5, (2, 3))
+    g = torch.randn(2, 3, 3, dtype=torch.float64)
+    xr = x.detach().requires_grad_()
+    ref(xr, ids).backward(g)
+    return net, ref, x, ids, g, xr.grad
+
+
+def test_swaps_plain_linears_only_and_keeps_parameters():
+    net = Net()
+    before = {k: v.data_ptr() for k, v in net.state_dict().items()}
+    assert defer_linear_weight_grads(net) == 2
+    assert type(net.a) is DeferredLinear and isinstance(net.a, nn.Linear)
+    assert type(net.c) is Net.Scaled
+    assert {k: v.data_ptr() for k, v in net.state_dict().items()} == before
+
+
+def test_outside_input_gradient_phase_it_is_nn_linear():
+    net, ref, x, ids, g, _ = setup()
+    defer_linear_weight_grads(net)
+    net(x, ids).backward(g)
+    for (n, p), q in zip(net.named_parameters(), ref.parameters()):
+        assert (p.grad is None) == (q.grad is None), n
+        if q.grad is not None:
+            assert torch.allclose(p.grad, q.grad, rtol=1e-12, atol=0), n
+
+
+def test_input_then_weight_equals_full_backward_and_frees_the_graph():
+    net, ref, x, ids, g, dx_ref = setup()
+    defer_linear_weight_grads(net)
+    fired: dict[str, int] = {}
+    for n, p in net.named_parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(
+                lambda p, n=n: fired.__setitem__(n, fired.get(n, 0) + 1)
+            )
+    params = [p for p in net.parameters() if p.requires_grad]
+    keep: list = []
+    out = net(x, ids, keep)
+    (dx,), work = backward_input([get_gradient_edge(out)], [g], [x], params, hold=False)
+    del out
+    gc.collect()
+    assert keep[0]() is None, "I must free the graph: W needs only the stashed X and dY"
+    assert torch.allclose(dx, dx_ref, rtol=1e-12, atol=0)
+    assert net.a.weight.grad is None and net.a.bias.grad is None, "a's GEMMs belong to W"
+    assert net.ln.weight.grad is not None and net.emb.weight.grad is not None
+    assert net.b.weight.grad is not None, "b.weight's use outside its linear is finished in I"
+    assert len(work.entries) == 3 and not work.held  # a twice, b once (c is not deferred)
+    backward_weight(work, hooks=False)
+    assert not fired, "quiet pieces run no AccumulateGrad hooks"
+    for (n, p), q in zip(net.named_parameters(), ref.parameters()):
+        if q.grad is None:
+            assert p.grad is None, n
+        else:
+            assert torch.allclose(p.grad, q.grad, rtol=1e-12, atol=0), n
+
+
+def test_last_piece_holds_its_gradients_for_one_pass_through_accumulate_grad():
+    net, ref, x, ids, g, _ = setup()
+    defer_linear_weight_grads(net)
+    seen: dict[str, torch.Tensor] = {}
+    for n, p in net.named_parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(lambda p, n=n: seen.__setitem__(n, p.grad.clone()))
+    params = [p for p in net.parameters() if p.requires_grad]
+    for hold in (False, True):  # two micro-batches: the second is the step's last weight piece
+        out = net(x, ids)
+        _, work = backward_input([get_gradient_edge(out)], [g * 0.5], [x], params, hold=hold)
+        if hold:  # what I computed stays out of .grad until W passes it to AccumulateGrad
+            names = {id(p): n for n, p in net.named_parameters()}
+            held = sorted(names[id(p)] for p, _ in work.held)
+            assert held == ["b.weight", "c.bias", "c.weight", "emb.weight", "ln.bias", "ln.weight"]
+        backward_weight(work, hooks=hold)
+    trainable = {n for n, p in net.named_parameters() if p.requires_grad}
+    assert set(seen) == trainable, "every trainable parameter's hook fired on the last piece"
+    for (n, p), q in zip(net.named_parameters(), ref.parameters()):
+        if q.grad is not None:
+            assert torch.equal(seen[n], p.grad), f"{n}: the hook saw a partial gradient"
+            assert torch.allclose(p.grad, q.grad, rtol=1e-12, atol=0), n
