@@ -51,12 +51,17 @@ def sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def split_name(name: str) -> tuple[str, bool]:
-    """``dualpipev+overlap``: the schedule, run with ``Pipeline(overlap_pairs=True)``."""
-    return name.removesuffix("+overlap"), name.endswith("+overlap")
+def split_name(name: str) -> tuple[str, dict]:
+    """``dualpipev+overlap``: the schedule, run with ``Pipeline(overlap_pairs=True)``;
+    ``zbv+deferw``: with ``Pipeline(defer_weight_grads=True)`` (suffixes combine)."""
+    options = {}
+    for suffix, option in (("+deferw", "defer_weight_grads"), ("+overlap", "overlap_pairs")):
+        if name.endswith(suffix):
+            name, options[option] = name.removesuffix(suffix), True
+    return name, options
 
 
-def pipeline(make, name: str, n: int, v: int, device, overlap: bool) -> Pipeline:
+def pipeline(make, name: str, n: int, v: int, device, options: dict) -> Pipeline:
     """A Pipeline of ``make(stage)`` modules, v stages per rank, on this process group."""
     return Pipeline(
         make,
@@ -67,12 +72,12 @@ def pipeline(make, name: str, n: int, v: int, device, overlap: bool) -> Pipeline
         num_stages=v * dist.get_world_size(),
         device=device,
         timeout=timedelta(seconds=60),
-        overlap_pairs=overlap,
+        **options,
     )
 
 
 def equivalence(name: str, n: int, device, rank: int, world: int) -> dict:
-    name, overlap = split_name(name)
+    name, options = split_name(name)
     v = V[name]
     cfg = GPTConfig(vocab_size=256, seq_len=32, num_layers=2 * v * world, hidden=64, num_heads=4)
     num_stages = v * world
@@ -80,7 +85,7 @@ def equivalence(name: str, n: int, device, rank: int, world: int) -> dict:
     x = torch.randint(0, 256, (2 * n, cfg.seq_len), generator=gen).to(device)
     y = torch.randint(0, 256, (2 * n, cfg.seq_len), generator=gen).to(device)
     pipe = pipeline(
-        lambda s: make_stage(cfg, s, num_stages, seed=3).double(), name, n, v, device, overlap
+        lambda s: make_stage(cfg, s, num_stages, seed=3).double(), name, n, v, device, options
     )
     loss = pipe.step(x, y)
     mine = {
@@ -118,7 +123,7 @@ def equivalence(name: str, n: int, device, rank: int, world: int) -> dict:
 
 
 def training(name: str, n: int, steps: int, device, world: int, big: bool) -> dict:
-    name, overlap = split_name(name)
+    name, options = split_name(name)
     v = V[name]
     if big:
         cfg = GPTConfig(vocab_size=256, seq_len=256, num_layers=8, hidden=512, num_heads=8)
@@ -127,7 +132,7 @@ def training(name: str, n: int, steps: int, device, world: int, big: bool) -> di
         cfg = GPTConfig(vocab_size=256, seq_len=32, num_layers=2 * v * world, hidden=32)
         mb = 2
     num_stages = v * world
-    pipe = pipeline(lambda s: make_stage(cfg, s, num_stages, seed=0), name, n, v, device, overlap)
+    pipe = pipeline(lambda s: make_stage(cfg, s, num_stages, seed=0), name, n, v, device, options)
     params = list(pipe.parameters())
     opt = torch.optim.AdamW(params, lr=1e-3, foreach=True)
     data = batches(corpus_tensor(1 << 16), n * mb, cfg.seq_len, seed=0)
@@ -171,8 +176,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--schedules",
-        default="1f1b,interleaved-1f1b,zbv,dualpipev,dualpipev+overlap",
-        help="comma list; NAME+overlap runs NAME with Pipeline(overlap_pairs=True)",
+        default="1f1b,interleaved-1f1b,zbv,dualpipev,dualpipev+overlap,zbv+deferw,"
+        "interleaved-zb+deferw,dualpipev+deferw",
+        help="comma list; NAME+overlap runs NAME with Pipeline(overlap_pairs=True), NAME+deferw "
+        "with Pipeline(defer_weight_grads=True)",
     )
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--train-steps", type=int, default=30)

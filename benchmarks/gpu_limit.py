@@ -4,6 +4,7 @@ communication), the bytes a stage holds after F and after I, and a one-way P2P t
 
 from __future__ import annotations
 
+import copy
 import gc
 import time
 
@@ -33,6 +34,9 @@ def measure_limit(ctx: Ctx, layout: str, v: int, n: int) -> dict:
     gout = torch.randn(b, t, h, device=ctx.device, dtype=ctx.dtype, generator=gen) * 1e-3
     act: dict[int, int] = {}
     held = measure_held(ctx, mods, num_stages, xs[0], ys[0], hid, gout, 1.0 / n)
+    copies = {s: copy.deepcopy(m) for s, m in mods.items()}  # deferral changes module classes
+    held_deferred = measure_held(ctx, copies, num_stages, xs[0], ys[0], hid, gout, 1.0 / n, True)
+    del copies
 
     def step() -> None:
         for j in range(n):
@@ -66,6 +70,12 @@ def measure_limit(ctx: Ctx, layout: str, v: int, n: int) -> dict:
         for k, (f_bytes, i_bytes, t_bytes) in part.items():
             if f_bytes is not None:
                 after_f[k], after_i[k], transient[k] = f_bytes, i_bytes, t_bytes
+    after_i_d: dict[int, int] = {}
+    transient_d: dict[int, int] = {}
+    for part in ctx.gather(held_deferred):
+        for k, (f_bytes, i_bytes, t_bytes) in part.items():
+            if f_bytes is not None:
+                after_i_d[k], transient_d[k] = i_bytes, t_bytes
     out = stats(times)
     out.update(
         layout=layout,
@@ -76,13 +86,23 @@ def measure_limit(ctx: Ctx, layout: str, v: int, n: int) -> dict:
         runtime_after_forward_bytes={str(k): v for k, v in sorted(after_f.items())},
         runtime_after_input_bytes={str(k): v for k, v in sorted(after_i.items())},
         transient_bytes={str(k): v for k, v in sorted(transient.items())},
+        deferred_after_input_bytes={str(k): v for k, v in sorted(after_i_d.items())},
+        deferred_transient_bytes={str(k): v for k, v in sorted(transient_d.items())},
         peak_gib_rank0=None if peak is None else peak / GIB,
     )
     return out
 
 
 def measure_held(
-    ctx: Ctx, mods: dict, num_stages: int, x0, y0, hid, gout, weight: float
+    ctx: Ctx,
+    mods: dict,
+    num_stages: int,
+    x0,
+    y0,
+    hid,
+    gout,
+    weight: float,
+    defer_weight_grads: bool = False,
 ) -> dict[int, tuple[int | None, int | None, int | None]]:
     """Per local stage: bytes the runtime holds for one micro-batch after its F and after its I,
     and the transient: how far the allocator's peak during that F, I and W rose above the larger
@@ -99,13 +119,20 @@ def measure_held(
     W) the retained graph plus the ``WeightWork`` with the gradients captured for W. W then runs
     and the parameters' ``.grad`` are restored, so the limit run starts as it would have.
     ``(None, None, None)`` per stage without CUDA (no allocator statistics).
+
+    ``defer_weight_grads``: the same through ``Pipeline(defer_weight_grads=True)``'s split (after I
+    it holds the linears' inputs and output gradients; the graph is gone). It turns the modules'
+    linears into ``DeferredLinear``: pass copies. The micro-batch is measured as one that is not
+    the step's last weight piece (that one also holds its other parameters' gradients for
+    ``AccumulateGrad``).
     """
     from pipetrain.runtime.stage import StageRunner
 
     held: dict[int, tuple[int | None, int | None, int | None]] = {}
     for s, mod in mods.items():
         last = s == num_stages - 1
-        runner = StageRunner(s, mod, last, lm_loss)
+        runner = StageRunner(s, mod, last, lm_loss, defer_weight_grads)
+        runner.last_weight_microbatch = -1  # micro-batch 0 is not the step's last weight piece
         grads_before = [p.grad for p in mod.parameters()]
         for p in mod.parameters():  # as in a run's steps: .grad exists (else W allocates it)
             if p.requires_grad and p.grad is None:

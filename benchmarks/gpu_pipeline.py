@@ -69,6 +69,7 @@ from gpu_diagnostics import DIAGNOSTICS
 from gpu_limit import measure_comm_ms, measure_limit
 from gpu_report import (  # beside this script
     BATCHED,
+    DEFERRED,
     HOSTWAIT,
     ONEGROUP,
     OVERLAP,
@@ -152,6 +153,7 @@ def run_pipetrain(
         with DIAGNOSTICS[lib]():
             return run_pipetrain(ctx, name, fam, n, limit, comm_ms)
     overlap = lib == OVERLAP
+    deferred = lib == DEFERRED
     a = ctx.args
     num_stages = fam.stages_per_rank * ctx.world
     base = ctx.mem_reset()
@@ -165,6 +167,7 @@ def run_pipetrain(
         device=ctx.device,
         timeout=timedelta(seconds=a.op_timeout),
         overlap_pairs=overlap,
+        defer_weight_grads=deferred,
     )
     expect = local_stages(fam.layout, ctx.rank, ctx.world, fam.stages_per_rank)
     got = sorted(pipe.placement.stages_of_rank(ctx.rank))
@@ -203,7 +206,10 @@ def run_pipetrain(
         if res and acts:
             # the F-only model (every activation held at its F size until its last backward)
             row["pred_peak_gib_f_only"] = [r + s for r, s in zip(res, simc.peak_activations)]
-            held = limit.get("runtime_after_input_bytes") or {}
+            held = (
+                limit.get("deferred_after_input_bytes" if deferred else "runtime_after_input_bytes")
+                or {}
+            )
             act_w = [held.get(str(s), 0) / GIB for s in range(num_stages)]
             if held:
                 costs = measured_costs(
@@ -215,7 +221,8 @@ def run_pipetrain(
                 )
                 simm = simulate(pipe.program, costs)
                 row["pred_peak_gib"] = [r + s for r, s in zip(res, simm.peak_activations)]
-                trans = limit.get("transient_bytes") or {}
+                trans = limit.get("deferred_transient_bytes" if deferred else "transient_bytes")
+                trans = trans or {}
                 worst = [
                     max((trans.get(str(s), 0) for s in pipe.placement.stages_of_rank(r)), default=0)
                     / GIB
@@ -369,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
                 order += (BATCHED,)
             if name in args.overlap_schedules.split(","):
                 order += (OVERLAP,)
+            if name in args.deferred_schedules.split(","):
+                order += (DEFERRED,)
             for lib in order:
                 if lib.startswith("pipetrain"):
                     fn = functools.partial(run_pipetrain, ctx, name, fam, n, limit, comm_ms, lib)
@@ -451,6 +460,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="",
         help=f"comma list: also run pipetrain with each run of transfers as one NCCL batch per "
         f"group (lib {BATCHED}, a diagnostic of the behaviour before one-by-one posting)",
+    )
+    p.add_argument(
+        "--deferred-schedules",
+        default="",
+        help=f"comma list: also run pipetrain with Pipeline(defer_weight_grads=True) (lib "
+        f"{DEFERRED}: I/W split by deferring the linear layers' weight GEMMs); '' for none",
     )
     p.add_argument(
         "--overlap-schedules",

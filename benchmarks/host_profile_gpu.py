@@ -23,10 +23,11 @@ import time
 from pathlib import Path
 
 import torch
-from split_backward_gpu import block_arguments, make  # beside this script
+from split_backward_gpu import block_arguments, deferred_copy, make  # beside this script
 from torch.autograd.graph import get_gradient_edge
 
 from pipetrain.models.gpt import GPTConfig
+from pipetrain.runtime import deferred_wgrad as dw
 from pipetrain.runtime import split_backward as sb
 
 
@@ -54,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = GPTConfig(hidden=a.hidden, num_heads=a.heads, seq_len=a.seq, num_layers=1)
     block, x, g = make(cfg, dev, dtype, a.batch)
     params = [q for q in block.parameters() if q.requires_grad]
+    dblock = deferred_copy(block)  # Id / Wd: Pipeline(defer_weight_grads=True)'s split
+    dparams = [q for q in dblock.parameters() if q.requires_grad]
     result: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu"}
 
     # one bare engine call: y = 2 * t, grad of t
@@ -82,7 +85,20 @@ def main(argv: list[str] | None = None) -> int:
         sb.backward_weight(state["work"], hooks=False)
         state.pop("work")
 
-    pieces = {"F": fwd, "B": b, "I": i, "W": w}
+    def fwd_d():
+        xi = x.detach().requires_grad_()
+        out = dblock(xi)
+        state.update(xi=xi, roots=[get_gradient_edge(out)])
+
+    def i_d():
+        roots, xi = state["roots"], state["xi"]
+        state["work"] = dw.backward_input(roots, [g], [xi], dparams, hold=False)[1]
+
+    def w_d():
+        dw.backward_weight(state["work"], hooks=False)
+        state.pop("work")
+
+    pieces = {"F": fwd, "B": b, "I": i, "W": w, "Fd": fwd_d, "Id": i_d, "Wd": w_d}
     # Bursts of back-to-back micro-batches behind one long sleep kernel: the GPU never catches
     # up, and timing skips each burst's first micro-batch (a host that just woke up from a
     # synchronize runs slow: clocks, caches), so these are a busy host's launch costs.
@@ -92,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.synchronize()
             torch.cuda._sleep(1_000_000_000)
         for r in range(6):
-            for name in ("F", "B", "F", "I", "W"):
+            for name in ("F", "B", "F", "I", "W", "Fd", "Id", "Wd"):
                 t0 = time.perf_counter()
                 pieces[name]()
                 if burst and r:
@@ -103,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     result["profile"] = {}
-    for seq in (("F", "B"), ("F", "I", "W")):
+    for seq in (("F", "B"), ("F", "I", "W"), ("Fd", "Id", "Wd")):
         for name in seq:
             if cuda:
                 torch.cuda.synchronize()

@@ -15,11 +15,16 @@ functions, the ones the runtime uses. Two timings, medians over many repetitions
 
 Host (CPU) time to issue each piece is reported too. Correctness: I + W gradients (weights and
 input) against B's, relative error in bf16 on the big block and in float64 on a small one.
+
+Both ways of splitting are measured: ``split_backward``'s graph replay (rows ``gpu`` and
+``exposed``) and ``deferred_wgrad``'s deferred linear GEMMs (``Pipeline(defer_weight_grads=True)``;
+rows ``gpu-deferred`` and ``exposed-deferred``, on a copy of the block with the same weights).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import sys
@@ -30,7 +35,19 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 
 from pipetrain.models.gpt import Block, GPTConfig
+from pipetrain.runtime import deferred_wgrad
 from pipetrain.runtime.split_backward import backward_full, backward_input, backward_weight
+
+
+def deferred_copy(block):
+    """The block with its linears deferred (``Pipeline(defer_weight_grads=True)``'s split)."""
+    out = copy.deepcopy(block)
+    deferred_wgrad.defer_linear_weight_grads(out)
+    return out
+
+
+def is_deferred(block) -> bool:
+    return any(isinstance(m, deferred_wgrad.DeferredLinear) for m in block.modules())
 
 
 def make(cfg: GPTConfig, device, dtype, batch: int, seed: int = 0):
@@ -60,9 +77,14 @@ def run_b(block, x, g, marks):
 def run_iw(block, x, g, marks, params):
     xi, roots = forward(block, x)
     marks("start")
-    found, work = backward_input(roots, [g], [xi], params)
-    marks("i")
-    backward_weight(work)
+    if is_deferred(block):
+        found, work = deferred_wgrad.backward_input(roots, [g], [xi], params, hold=False)
+        marks("i")
+        deferred_wgrad.backward_weight(work, hooks=False)
+    else:
+        found, work = backward_input(roots, [g], [xi], params)
+        marks("i")
+        backward_weight(work)
     marks("w")
     del work
     return found
@@ -178,15 +200,27 @@ def main(argv: list[str] | None = None) -> int:
     # correctness: float64 small block, then the big block in its own dtype
     small = GPTConfig(hidden=64, num_heads=4, seq_len=16, num_layers=1)
     blk, x, g = make(small, device, torch.float64, 2)
-    err64, where64 = max_rel_error(grads_of(blk, x, g, True), grads_of(blk, x, g, False))
+    ref64 = grads_of(blk, x, g, False)
+    err64, where64 = max_rel_error(grads_of(blk, x, g, True), ref64)
+    err64d, where64d = max_rel_error(grads_of(deferred_copy(blk), x, g, True), ref64)
     blk, x, g = make(cfg, device, dtype, a.batch)
-    err, where = max_rel_error(grads_of(blk, x, g, True), grads_of(blk, x, g, False))
+    dblk = deferred_copy(blk)
+    ref = grads_of(blk, x, g, False)
+    err, where = max_rel_error(grads_of(blk, x, g, True), ref)
+    errd, whered = max_rel_error(grads_of(dblk, x, g, True), ref)
     result.update(rel_err_float64=err64, rel_err_float64_at=where64, rel_err=err, rel_err_at=where)
+    result.update(
+        deferred_rel_err_float64=err64d,
+        deferred_rel_err_float64_at=where64d,
+        deferred_rel_err=errd,
+        deferred_rel_err_at=whered,
+    )
 
     for mode, busy in (("gpu", True), ("exposed", False)):
         if mode == "gpu" and not cuda:
             continue
         result[mode] = bench(blk, x, g, a.reps, a.warmup, cuda, busy)
+        result[mode + "-deferred"] = bench(dblk, x, g, a.reps, a.warmup, cuda, busy)
 
     lines = [
         "",
@@ -195,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         "| timing | B ms | I ms | W ms | (I+W)/B | host B ms | host I ms | host W ms |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for mode in ("gpu", "exposed"):
+    for mode in ("gpu", "gpu-deferred", "exposed", "exposed-deferred"):
         r = result.get(mode)
         if r:
             lines.append(
@@ -203,12 +237,16 @@ def main(argv: list[str] | None = None) -> int:
                 f"**{r['ratio']:.3f}** | {r['host_b_ms']:.3f} | {r['host_i_ms']:.3f} | "
                 f"{r['host_w_ms']:.3f} |"
             )
-    ok64 = err64 <= 1e-12
-    lines.append(
-        f"I+W vs B gradients: float64 small block max rel err {err64:.2e} ({where64}) "
-        f"{'OK' if ok64 else 'FAIL'}; {str(dtype).removeprefix('torch.')} big block "
-        f"{err:.2e} ({where})"
-    )
+    ok64 = max(err64, err64d) <= 1e-12
+    for label, e64, w64, e, w in (
+        ("graph replay", err64, where64, err, where),
+        ("deferred", err64d, where64d, errd, whered),
+    ):
+        lines.append(
+            f"I+W vs B gradients ({label}): float64 small block max rel err {e64:.2e} ({w64}) "
+            f"{'OK' if e64 <= 1e-12 else 'FAIL'}; {str(dtype).removeprefix('torch.')} big block "
+            f"{e:.2e} ({w})"
+        )
     head = result.get("gpu") or result.get("exposed")
     lines.append(
         f"target (I+W) <= 1.1 × B on device time: {head['ratio']:.3f} "
