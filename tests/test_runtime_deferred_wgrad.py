@@ -99,6 +99,9 @@ def test_input_then_weight_equals_full_backward_and_frees_the_graph():
     assert len(work.entries) == 3 and not work.held  # a twice, b once (c is not deferred)
     backward_weight(work, hooks=False)
     assert not fired, "quiet pieces run no AccumulateGrad hooks"
+    assert all(p.grad is None or p.grad.grad_fn is None for p in params), (
+        "W recorded autograd history into .grad (it would hold every stashed tensor)"
+    )
     for (n, p), q in zip(net.named_parameters(), ref.parameters()):
         if q.grad is None:
             assert p.grad is None, n
@@ -122,6 +125,7 @@ def test_last_piece_holds_its_gradients_for_one_pass_through_accumulate_grad():
             held = sorted(names[id(p)] for p, _ in work.held)
             assert held == ["b.weight", "c.bias", "c.weight", "emb.weight", "ln.bias", "ln.weight"]
         backward_weight(work, hooks=hold)
+    assert all(p.grad.grad_fn is None and not p.grad.requires_grad for p in params)
     trainable = {n for n, p in net.named_parameters() if p.requires_grad}
     assert set(seen) == trainable, "every trainable parameter's hook fired on the last piece"
     for (n, p), q in zip(net.named_parameters(), ref.parameters()):

@@ -81,7 +81,8 @@ class _LinearFunction(torch.autograd.Function):
         stash = _collecting
         if stash is not None and (need_w or need_b):
             w, b = ctx.params
-            stash.append((w if need_w else None, b if need_b else None, x, grad_out))
+            # detached: the saved input carries its grad_fn, and W must record no history
+            stash.append((w if need_w else None, b if need_b else None, x.detach(), grad_out))
             return grad_x, None, None
         dy, xs = _rows(grad_out), _rows(x)
         grad_w = dy.t().mm(xs) if need_w else None
@@ -142,9 +143,11 @@ def backward_input(
     return list(found[:n]), work
 
 
+@torch.no_grad()
 def backward_weight(work: DeferredWork, hooks: bool) -> None:
     """``W``: the stashed GEMMs into ``.grad`` (through ``AccumulateGrad`` and its hooks only with
-    ``hooks``, together with the gradients ``I`` held back)."""
+    ``hooks``, together with the gradients ``I`` held back). Under ``no_grad``: ``.grad`` must get
+    no autograd history (it would keep every micro-batch's stashed tensors alive)."""
     if not hooks:
         for weight, bias, x, dy in work.entries:
             dy2 = _rows(dy)
