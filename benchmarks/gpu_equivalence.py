@@ -53,11 +53,14 @@ def sync(device) -> None:
 
 def split_name(name: str) -> tuple[str, dict]:
     """``dualpipev+overlap``: the schedule, run with ``Pipeline(overlap_pairs=True)``;
-    ``zbv+deferw``: with ``Pipeline(defer_weight_grads=True)`` (suffixes combine)."""
+    ``zbv+replayw``: with ``Pipeline(defer_weight_grads=False)`` (suffixes combine)."""
     options = {}
-    for suffix, option in (("+deferw", "defer_weight_grads"), ("+overlap", "overlap_pairs")):
+    for suffix, option, value in (
+        ("+replayw", "defer_weight_grads", False),
+        ("+overlap", "overlap_pairs", True),
+    ):
         if name.endswith(suffix):
-            name, options[option] = name.removesuffix(suffix), True
+            name, options[option] = name.removesuffix(suffix), value
     return name, options
 
 
@@ -176,10 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--schedules",
-        default="1f1b,interleaved-1f1b,zbv,dualpipev,dualpipev+overlap,zbv+deferw,"
-        "interleaved-zb+deferw,dualpipev+deferw",
-        help="comma list; NAME+overlap runs NAME with Pipeline(overlap_pairs=True), NAME+deferw "
-        "with Pipeline(defer_weight_grads=True)",
+        default="1f1b,interleaved-1f1b,zbv,dualpipev,dualpipev+overlap,zbv+replayw",
+        help="comma list; NAME+overlap runs NAME with Pipeline(overlap_pairs=True), NAME+replayw "
+        "with Pipeline(defer_weight_grads=False)",
     )
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--train-steps", type=int, default=30)

@@ -33,10 +33,8 @@ def measure_limit(ctx: Ctx, layout: str, v: int, n: int) -> dict:
     hid = torch.randn(b, t, h, device=ctx.device, dtype=ctx.dtype, generator=gen)
     gout = torch.randn(b, t, h, device=ctx.device, dtype=ctx.dtype, generator=gen) * 1e-3
     act: dict[int, int] = {}
-    held = measure_held(ctx, mods, num_stages, xs[0], ys[0], hid, gout, 1.0 / n)
-    copies = {s: copy.deepcopy(m) for s, m in mods.items()}  # deferral changes module classes
-    held_deferred = measure_held(ctx, copies, num_stages, xs[0], ys[0], hid, gout, 1.0 / n, True)
-    del copies
+    held = measure_held(ctx, mods, num_stages, xs[0], ys[0], hid, gout, 1.0 / n, None)
+    held_replay = measure_held(ctx, mods, num_stages, xs[0], ys[0], hid, gout, 1.0 / n, False)
 
     def step() -> None:
         for j in range(n):
@@ -70,12 +68,12 @@ def measure_limit(ctx: Ctx, layout: str, v: int, n: int) -> dict:
         for k, (f_bytes, i_bytes, t_bytes) in part.items():
             if f_bytes is not None:
                 after_f[k], after_i[k], transient[k] = f_bytes, i_bytes, t_bytes
-    after_i_d: dict[int, int] = {}
-    transient_d: dict[int, int] = {}
-    for part in ctx.gather(held_deferred):
+    after_i_r: dict[int, int] = {}
+    transient_r: dict[int, int] = {}
+    for part in ctx.gather(held_replay):
         for k, (f_bytes, i_bytes, t_bytes) in part.items():
             if f_bytes is not None:
-                after_i_d[k], transient_d[k] = i_bytes, t_bytes
+                after_i_r[k], transient_r[k] = i_bytes, t_bytes
     out = stats(times)
     out.update(
         layout=layout,
@@ -86,8 +84,8 @@ def measure_limit(ctx: Ctx, layout: str, v: int, n: int) -> dict:
         runtime_after_forward_bytes={str(k): v for k, v in sorted(after_f.items())},
         runtime_after_input_bytes={str(k): v for k, v in sorted(after_i.items())},
         transient_bytes={str(k): v for k, v in sorted(transient.items())},
-        deferred_after_input_bytes={str(k): v for k, v in sorted(after_i_d.items())},
-        deferred_transient_bytes={str(k): v for k, v in sorted(transient_d.items())},
+        replay_after_input_bytes={str(k): v for k, v in sorted(after_i_r.items())},
+        replay_transient_bytes={str(k): v for k, v in sorted(transient_r.items())},
         peak_gib_rank0=None if peak is None else peak / GIB,
     )
     return out
@@ -102,7 +100,7 @@ def measure_held(
     hid,
     gout,
     weight: float,
-    defer_weight_grads: bool = False,
+    defer_weight_grads: bool | None = None,
 ) -> dict[int, tuple[int | None, int | None, int | None]]:
     """Per local stage: bytes the runtime holds for one micro-batch after its F and after its I,
     and the transient: how far the allocator's peak during that F, I and W rose above the larger
@@ -111,29 +109,28 @@ def measure_held(
     transient does not count the gradients' first allocation.
 
     One micro-batch through pipetrain's own ``StageRunner`` (the object the runtime keeps per
-    stage; its ``backward_input``/``backward_weight`` are ``pipetrain.runtime.split_backward``'s),
+    stage, with the runtime's I/W split),
     measured as ``memory_allocated`` minus the value before F. As in the runtime, the received
     input and the received output gradient are fresh buffers allocated after that point, the
     stage's outputs and the input gradients are dropped once produced (the runtime sends them and
     keeps only gradient edges), so after F the graph's saved tensors remain, and after I (before
-    W) the retained graph plus the ``WeightWork`` with the gradients captured for W. W then runs
-    and the parameters' ``.grad`` are restored, so the limit run starts as it would have.
-    ``(None, None, None)`` per stage without CUDA (no allocator statistics).
+    W) what W still needs. ``(None, None, None)`` per stage without CUDA (no allocator statistics).
 
-    ``defer_weight_grads``: the same through ``Pipeline(defer_weight_grads=True)``'s split (after I
-    it holds the linears' inputs and output gradients; the graph is gone). It turns the modules'
-    linears into ``DeferredLinear``: pass copies. The micro-batch is measured as one that is not
+    ``defer_weight_grads`` as ``Pipeline``'s (default: deferred linear weight GEMMs on these
+    stages, so after I they hold the linears' inputs and output gradients and the graph is gone;
+    ``False``: graph replay). Measured on deep copies of ``mods`` (deferral changes module classes,
+    and the limit run times plain ``nn.Linear``). The micro-batch is measured as one that is not
     the step's last weight piece (that one also holds its other parameters' gradients for
     ``AccumulateGrad``).
     """
     from pipetrain.runtime.stage import StageRunner
 
     held: dict[int, tuple[int | None, int | None, int | None]] = {}
-    for s, mod in mods.items():
+    for s, original in mods.items():
+        mod = copy.deepcopy(original)
         last = s == num_stages - 1
         runner = StageRunner(s, mod, last, lm_loss, defer_weight_grads)
         runner.last_weight_microbatch = -1  # micro-batch 0 is not the step's last weight piece
-        grads_before = [p.grad for p in mod.parameters()]
         for p in mod.parameters():  # as in a run's steps: .grad exists (else W allocates it)
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -153,8 +150,7 @@ def measure_held(
         peak = ctx.mem_peak()
         if runner.leftovers():
             raise RuntimeError(f"stage {s}: StageRunner kept {runner.leftovers()} micro-batches")
-        for p, g in zip(mod.parameters(), grads_before):
-            p.grad = g
+        del runner, mod
         if before is None or peak is None:
             held[s] = (None, None, None)
         else:

@@ -69,10 +69,10 @@ from gpu_diagnostics import DIAGNOSTICS
 from gpu_limit import measure_comm_ms, measure_limit
 from gpu_report import (  # beside this script
     BATCHED,
-    DEFERRED,
     HOSTWAIT,
     ONEGROUP,
     OVERLAP,
+    REPLAY,
     host_bound_fraction,
     plot,
     save_timeline_text,
@@ -153,7 +153,7 @@ def run_pipetrain(
         with DIAGNOSTICS[lib]():
             return run_pipetrain(ctx, name, fam, n, limit, comm_ms)
     overlap = lib == OVERLAP
-    deferred = lib == DEFERRED
+    replay = lib == REPLAY
     a = ctx.args
     num_stages = fam.stages_per_rank * ctx.world
     base = ctx.mem_reset()
@@ -167,7 +167,7 @@ def run_pipetrain(
         device=ctx.device,
         timeout=timedelta(seconds=a.op_timeout),
         overlap_pairs=overlap,
-        defer_weight_grads=deferred,
+        defer_weight_grads=False if replay else None,
     )
     expect = local_stages(fam.layout, ctx.rank, ctx.world, fam.stages_per_rank)
     got = sorted(pipe.placement.stages_of_rank(ctx.rank))
@@ -207,7 +207,7 @@ def run_pipetrain(
             # the F-only model (every activation held at its F size until its last backward)
             row["pred_peak_gib_f_only"] = [r + s for r, s in zip(res, simc.peak_activations)]
             held = (
-                limit.get("deferred_after_input_bytes" if deferred else "runtime_after_input_bytes")
+                limit.get("replay_after_input_bytes" if replay else "runtime_after_input_bytes")
                 or {}
             )
             act_w = [held.get(str(s), 0) / GIB for s in range(num_stages)]
@@ -221,7 +221,7 @@ def run_pipetrain(
                 )
                 simm = simulate(pipe.program, costs)
                 row["pred_peak_gib"] = [r + s for r, s in zip(res, simm.peak_activations)]
-                trans = limit.get("deferred_transient_bytes" if deferred else "transient_bytes")
+                trans = limit.get("replay_transient_bytes" if replay else "transient_bytes")
                 trans = trans or {}
                 worst = [
                     max((trans.get(str(s), 0) for s in pipe.placement.stages_of_rank(r)), default=0)
@@ -376,8 +376,8 @@ def main(argv: list[str] | None = None) -> int:
                 order += (BATCHED,)
             if name in args.overlap_schedules.split(","):
                 order += (OVERLAP,)
-            if name in args.deferred_schedules.split(","):
-                order += (DEFERRED,)
+            if name in args.replay_schedules.split(","):
+                order += (REPLAY,)
             for lib in order:
                 if lib.startswith("pipetrain"):
                     fn = functools.partial(run_pipetrain, ctx, name, fam, n, limit, comm_ms, lib)
@@ -462,10 +462,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         f"group (lib {BATCHED}, a diagnostic of the behaviour before one-by-one posting)",
     )
     p.add_argument(
-        "--deferred-schedules",
+        "--replay-schedules",
         default="",
-        help=f"comma list: also run pipetrain with Pipeline(defer_weight_grads=True) (lib "
-        f"{DEFERRED}: I/W split by deferring the linear layers' weight GEMMs); '' for none",
+        help=f"comma list: also run pipetrain with Pipeline(defer_weight_grads=False) (lib "
+        f"{REPLAY}, a diagnostic: I/W split by graph replay, as before deferred weight GEMMs)",
     )
     p.add_argument(
         "--overlap-schedules",

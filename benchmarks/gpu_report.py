@@ -14,7 +14,7 @@ HOSTWAIT = "pipetrain-hostwait"  # diagnostic: the runtime's OLD host-blocking N
 OVERLAP = "pipetrain-overlap"  # Pipeline(overlap_pairs=True): F&B pairs on two CUDA streams
 ONEGROUP = "pipetrain-onegroup"  # diagnostic: both directions of a pair on one NCCL communicator
 BATCHED = "pipetrain-batched"  # diagnostic: two groups, but each run of transfers one NCCL batch
-DEFERRED = "pipetrain-deferw"  # Pipeline(defer_weight_grads=True): W = the linears' weight GEMMs
+REPLAY = "pipetrain-replayw"  # diagnostic: Pipeline(defer_weight_grads=False), graph-replay I/W
 
 
 def short(res: dict) -> str:
@@ -61,7 +61,7 @@ def table(meta, limits, rows) -> str:
         "|---" * (head.count("|") - 1) + "|",
     ]
     for r in rows:
-        for lib in ("pipetrain", "torch", DEFERRED, HOSTWAIT, ONEGROUP, BATCHED, OVERLAP):
+        for lib in ("pipetrain", "torch", REPLAY, HOSTWAIT, ONEGROUP, BATCHED, OVERLAP):
             res = r.get(lib)
             if res is None:
                 if lib == "pipetrain" and "skipped" in r:
@@ -130,8 +130,8 @@ def plot(out: Path, rows, n_list, names) -> str:
         ("pipetrain", "pipetrain", "tab:blue"),
         ("torch", "torch.distributed.pipelining", "tab:orange"),
     ]
-    if any(DEFERRED in r for r in rows):
-        libs.append((DEFERRED, f"{DEFERRED} (linear weight GEMMs deferred to W)", "tab:purple"))
+    if any(REPLAY in r for r in rows):
+        libs.append((REPLAY, f"{REPLAY} (diagnostic: graph-replay W)", "tab:purple"))
     if any(HOSTWAIT in r for r in rows):
         libs.append((HOSTWAIT, f"{HOSTWAIT} (diagnostic: old host-blocking waits)", "tab:gray"))
     if any(ONEGROUP in r for r in rows):

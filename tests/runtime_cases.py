@@ -145,7 +145,8 @@ def run_equivalence(
 
     ``two_groups``: transfers to lower ranks on a second gloo group, as the runtime does on NCCL
     (gloo alone would not need it: this checks both ends pick the same group for each transfer).
-    ``defer_weight_grads``: the Pipeline option of that name (I/W split by deferred linear GEMMs).
+    ``defer_weight_grads``: the Pipeline option of that name (True: I/W split by deferred linear
+    GEMMs; False: graph replay; this model's stages would default to deferral).
     """
     import torch.distributed as dist
 
@@ -194,7 +195,7 @@ def _recorder(fired: dict, seen: dict, key):
     return hook
 
 
-def run_features(rank: int, world: int, defer_weight_grads: bool = False) -> dict:
+def run_features(rank: int, world: int, defer_weight_grads: bool | None = False) -> dict:
     """Callable stages, eval_step, timeline, hooks, changing batch sizes, nothing left behind."""
     import gc
     import weakref
@@ -219,6 +220,7 @@ def run_features(rank: int, world: int, defer_weight_grads: bool = False) -> dic
         stage, "zbv", m, loss_fn, num_stages=num_stages, defer_weight_grads=defer_weight_grads
     )
     out["local_stages"] = sorted(built)
+    out["deferred"] = {s: r.defer_weight_grads for s, r in pipe.runners.items()}
     refs = []
     orig = built[min(built)].forward
     built[min(built)].forward = lambda h, mask: (lambda r: (refs.append(weakref.ref(r[0])), r)[1])(

@@ -1,5 +1,6 @@
 """Deferred weight gradients in one process: I then W equals one backward, I leaves the linear
-layers' weight GEMMs to W, the graph is freed after I, hooks fire once on the last piece."""
+layers' weight GEMMs to W, the graph is freed after I, hooks fire once on the last piece, a quiet B
+adds into ``.grad`` directly, autocast works, and which stages defer by default."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ from torch.autograd.graph import get_gradient_edge
 
 from pipetrain.runtime.deferred_wgrad import (
     DeferredLinear,
+    backward_full_quietly,
     backward_input,
     backward_weight,
     defer_linear_weight_grads,
+    worth_deferring,
 )
 
 
@@ -132,3 +135,55 @@ def test_last_piece_holds_its_gradients_for_one_pass_through_accumulate_grad():
         if q.grad is not None:
             assert torch.equal(seen[n], p.grad), f"{n}: the hook saw a partial gradient"
             assert torch.allclose(p.grad, q.grad, rtol=1e-12, atol=0), n
+
+
+def test_quiet_full_backward_adds_weight_gradients_straight_into_grad():
+    net, ref, x, ids, g, dx_ref = setup()
+    ref(x.detach().requires_grad_(), ids).backward(g)  # the reference accumulates two passes
+    defer_linear_weight_grads(net)
+    params = [p for p in net.parameters() if p.requires_grad]
+    for _ in range(2):
+        out = net(x, ids)
+        (dx,) = backward_full_quietly([get_gradient_edge(out)], [g], [x], params)
+        assert torch.allclose(dx, dx_ref, rtol=1e-12, atol=0)
+    for (n, p), q in zip(net.named_parameters(), ref.parameters()):
+        if q.grad is None:
+            assert p.grad is None, n
+        else:
+            assert p.grad.grad_fn is None, n
+            assert torch.allclose(p.grad, q.grad, rtol=1e-12, atol=0), n
+
+
+def test_under_autocast_it_casts_like_autocast_and_keeps_grad_dtypes():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    ref = copy.deepcopy(net)
+    defer_linear_weight_grads(net)
+    x = torch.randn(3, 8)
+    g = torch.randn(3, 4, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = ref(x)
+        out = net(x)
+    expected.backward(g)
+    assert out.dtype == expected.dtype == torch.bfloat16 and torch.equal(out, expected)
+    params = list(net.parameters())
+    _, work = backward_input([get_gradient_edge(out)], [g], [], params, hold=False)
+    backward_weight(work, hooks=False)
+    for (n, p), q in zip(net.named_parameters(), ref.parameters()):
+        assert p.grad.dtype == torch.float32, n
+        assert torch.allclose(p.grad, q.grad, rtol=1e-2, atol=1e-3), n
+
+
+def test_stages_mostly_made_of_linears_are_worth_deferring():
+    from pipetrain.models.gpt import GPTConfig, make_stage
+
+    cfg = GPTConfig(num_layers=4, hidden=32, num_heads=4)
+    assert all(worth_deferring(make_stage(cfg, s, 4)) for s in range(4))
+    assert not worth_deferring(Net())  # 32 of 72 trainable elements in plain linears
+    conv = nn.Sequential(nn.Conv2d(3, 64, 3), nn.Flatten(), nn.Linear(4, 2))
+    assert not worth_deferring(conv)
+    assert not worth_deferring(nn.Sequential(nn.Tanh()))  # nothing to train
+    frozen = nn.Sequential(nn.Linear(64, 64), nn.Embedding(100, 8))
+    assert worth_deferring(frozen)
+    frozen[0].requires_grad_(False)
+    assert not worth_deferring(frozen)

@@ -8,10 +8,15 @@ from runtime_harness import launch
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("defer", [False, True], ids=["graph-replay", "deferred-wgrad"])
+@pytest.mark.parametrize("defer", [False, None], ids=["graph-replay", "default"])
 def test_features_on_two_ranks(defer):
     r0, r1 = launch(2, run_features, defer, timeout=90)
     assert r0["local_stages"] == [0, 3] and r1["local_stages"] == [1, 2]  # built only locally
+    # by default the linear stages defer their weight GEMMs; the parameter-free one cannot
+    expected = (
+        {0: True, 3: True, 1: False, 2: True} if defer is None else dict.fromkeys(range(4), False)
+    )
+    assert {**r0["deferred"], **r1["deferred"]} == expected
     for r in (r0, r1):
         assert r["exact"] == [True, True, True]
         assert r["activations_alive"] == 0 and r["leftovers"] == 0

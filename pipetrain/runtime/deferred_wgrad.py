@@ -14,8 +14,9 @@ passed it), and it is where almost all of ``W``'s work is. Here:
 * ``defer_linear_weight_grads(module)`` turns the module's plain ``nn.Linear`` layers into
   ``DeferredLinear`` (same parameters, same state dict, still ``isinstance(m, nn.Linear)``); its
   backward computes ``dX`` and, while a stage's ``I`` is collecting (``backward_input`` below),
-  records ``(weight, bias, X, dY)`` instead of computing ``dW`` and ``db``. Outside ``I`` (a full
-  ``B``, plain ``loss.backward()``) it computes everything, as ``nn.Linear`` does.
+  records ``(weight, bias, X, dY)`` instead of computing ``dW`` and ``db``. Outside a stage's
+  backward (plain ``loss.backward()``) it computes everything, as ``nn.Linear`` does. Under
+  autocast it casts as autocast would and saves the casts; ``.grad`` keeps the parameter's dtype.
 * ``backward_input`` is one engine call for the stage inputs' *and every parameter's* gradient
   (LayerNorms, embeddings, anything not deferred are finished in ``I``, as in the paper); the graph
   is freed right after, so between ``I`` and ``W`` a micro-batch holds only the stashed ``X`` and
@@ -25,11 +26,19 @@ passed it), and it is where almost all of ``W``'s work is. Here:
   the micro-batch's gradients (the deferred ones and those its ``I`` held back) through
   ``AccumulateGrad`` with one ``torch.autograd.backward`` on the parameters, so post-accumulate-grad
   hooks fire once per parameter per step and see the step's whole gradient, as with ``B``.
+* ``backward_full_quietly`` is a ``B`` that is not the step's last weight piece: the deferred
+  linears add ``dW`` straight into ``.grad`` (one ``addmm_`` where plain autograd runs a GEMM into
+  a temporary, then ``AccumulateGrad``'s add — Megatron-LM's gradient-accumulation fusion), so the
+  1F1B family and DualPipeV's pairs gain too.
+
+Which stages defer (``worth_deferring``): those whose plain ``nn.Linear`` layers hold at least half
+of the trainable parameter elements. Elsewhere (convolutions, custom layers, ``nn.Linear``
+subclasses) ``I`` would be the whole backward and ``W`` next to nothing, leaving a zero-bubble
+schedule no work to fill its bubbles with: such stages keep the graph-replay split.
 
 Exact: every gradient is the sum of the same terms unsplit training computes (a weight used by
-several linears, or by a linear and another op, gets each use's term). Not for modules run under
-autocast (``DeferredLinear`` then falls back to ``F.linear``, and the engine computes that layer's
-weight gradient in ``I``: still exact, just not deferred) or traced by ``torch.compile``.
+several linears, or by a linear and another op, gets each use's term). Not for modules traced by
+``torch.compile`` (the mode is Python state the trace would not see).
 """
 
 from __future__ import annotations
@@ -44,10 +53,13 @@ from torch.autograd.graph import GradientEdge
 
 from pipetrain.runtime.split_backward import accumulate_quietly, run_engine
 
-#: the stash of the ``I`` being run, or ``None`` (then ``DeferredLinear`` computes everything).
-#: A module global, not thread-local: on CUDA the engine runs backward functions on its own
-#: device threads while the calling thread waits.
-_collecting: list | None = None
+#: What ``DeferredLinear``'s backward does with ``dW``/``db``: ``None`` — return them, as
+#: ``nn.Linear`` does; a list — the stash of the ``I`` being run; ``_ACCUMULATE`` — add them into
+#: ``.grad`` at once (a quiet ``B``: one ``addmm_`` instead of a GEMM, a temporary and an add, the
+#: gradient-accumulation fusion of Megatron-LM). A module global, not thread-local: on CUDA the
+#: engine runs backward functions on its own device threads while the calling thread waits.
+_ACCUMULATE = object()
+_mode: list | object | None = None
 
 
 @dataclass
@@ -65,24 +77,38 @@ class DeferredWork:
 
 
 class _LinearFunction(torch.autograd.Function):
-    """``F.linear`` whose backward defers ``dW``/``db`` while a stage's ``I`` is collecting."""
+    """``F.linear`` whose backward defers ``dW``/``db`` while a stage's ``I`` is collecting, or adds
+    them straight into ``.grad`` during a quiet ``B`` (see ``_mode``)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(x, weight)
         ctx.params = (weight, bias)
-        return F.linear(x, weight, bias)
+        device = x.device.type
+        if torch.is_autocast_enabled(device):  # cast as autocast would, and save the casts
+            dtype = torch.get_autocast_dtype(device)
+            x, weight = x.to(dtype), weight.to(dtype)
+            bias = bias.to(dtype) if bias is not None else None
+            with torch.autocast(device, enabled=False):
+                out = F.linear(x, weight, bias)
+        else:
+            out = F.linear(x, weight, bias)
+        ctx.save_for_backward(x, weight)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad
         grad_x = grad_out.matmul(weight) if need_x else None
-        stash = _collecting
-        if stash is not None and (need_w or need_b):
+        mode = _mode
+        if mode is not None and (need_w or need_b):
             w, b = ctx.params
             # detached: the saved input carries its grad_fn, and W must record no history
-            stash.append((w if need_w else None, b if need_b else None, x.detach(), grad_out))
+            entry = (w if need_w else None, b if need_b else None, x.detach(), grad_out)
+            if mode is _ACCUMULATE:
+                _accumulate(*entry)
+            else:
+                mode.append(entry)
             return grad_x, None, None
         dy, xs = _rows(grad_out), _rows(x)
         grad_w = dy.t().mm(xs) if need_w else None
@@ -100,9 +126,25 @@ class DeferredLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         wants = self.weight.requires_grad or (self.bias is not None and self.bias.requires_grad)
-        if not (wants and torch.is_grad_enabled()) or torch.is_autocast_enabled(x.device.type):
+        if not (wants and torch.is_grad_enabled()):
             return F.linear(x, self.weight, self.bias)
         return _LinearFunction.apply(x, self.weight, self.bias)
+
+
+def worth_deferring(module: nn.Module) -> bool:
+    """Whether plain ``nn.Linear`` layers hold at least half of ``module``'s trainable parameter
+    elements (each parameter counted once), so deferring their weight GEMMs leaves ``W`` the bulk
+    of the weight-gradient work."""
+    trainable = {id(p): p.numel() for p in module.parameters() if p.requires_grad}
+    in_linears = {
+        id(p): p.numel()
+        for m in module.modules()
+        if type(m) in (nn.Linear, DeferredLinear)
+        for p in m.parameters(recurse=False)
+        if p.requires_grad
+    }
+    total = sum(trainable.values())
+    return total > 0 and 2 * sum(in_linears.values()) >= total
 
 
 def defer_linear_weight_grads(module: nn.Module) -> int:
@@ -126,15 +168,10 @@ def backward_input(
     """``I``: the inputs' gradients (returned) and every parameter gradient but the deferred
     linears' (accumulated quietly into ``.grad``, or kept in the work with ``hold`` for the
     step's last weight piece); the graph is freed."""
-    global _collecting
     work = DeferredWork()
     if not roots or not (inputs or params):
         return [None] * len(inputs), work
-    _collecting = work.entries
-    try:
-        found = run_engine(roots, grads, [*inputs, *params], retain_graph=False, accumulate=False)
-    finally:
-        _collecting = None
+    found = _run_in_mode(work.entries, roots, grads, [*inputs, *params])
     n = len(inputs)
     if hold:
         work.held = [(p, g) for p, g in zip(params, found[n:]) if g is not None]
@@ -143,18 +180,50 @@ def backward_input(
     return list(found[:n]), work
 
 
+def backward_full_quietly(
+    roots: Sequence[GradientEdge],
+    grads: Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor],
+) -> list[torch.Tensor | None]:
+    """A ``B`` that is not the step's last weight piece: one engine call, the deferred linears
+    adding their weight gradients straight into ``.grad``, every other parameter gradient added
+    quietly (``accumulate_quietly``); returns the inputs' gradients."""
+    if not roots or not (inputs or params):
+        return [None] * len(inputs)
+    found = _run_in_mode(_ACCUMULATE, roots, grads, [*inputs, *params])
+    n = len(inputs)
+    accumulate_quietly(params, found[n:])
+    return list(found[:n])
+
+
+def _run_in_mode(mode, roots, grads, wanted):
+    global _mode
+    _mode = mode
+    try:
+        return run_engine(roots, grads, wanted, retain_graph=False, accumulate=False)
+    finally:
+        _mode = None
+
+
+@torch.no_grad()
+def _accumulate(weight, bias, x, dy) -> None:
+    """One deferred linear use's ``dW``/``db`` into ``.grad`` (no autograd history)."""
+    dy2 = _rows(dy)
+    if weight is not None:
+        _add_into(weight, dy2.t(), _rows(x))
+    if bias is not None:
+        _add_into(bias, dy2.sum(0), None)
+
+
 @torch.no_grad()
 def backward_weight(work: DeferredWork, hooks: bool) -> None:
     """``W``: the stashed GEMMs into ``.grad`` (through ``AccumulateGrad`` and its hooks only with
     ``hooks``, together with the gradients ``I`` held back). Under ``no_grad``: ``.grad`` must get
     no autograd history (it would keep every micro-batch's stashed tensors alive)."""
     if not hooks:
-        for weight, bias, x, dy in work.entries:
-            dy2 = _rows(dy)
-            if weight is not None:
-                _add_into(weight, dy2.t(), _rows(x))
-            if bias is not None:
-                _add_into(bias, dy2.sum(0), None)
+        for entry in work.entries:
+            _accumulate(*entry)
         return
     total: dict[int, list] = {}  # id(param) -> [param, gradient]; a tied weight sums its uses
     for weight, bias, x, dy in work.entries:
@@ -171,16 +240,19 @@ def backward_weight(work: DeferredWork, hooks: bool) -> None:
 
 
 def _add_into(p: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None) -> None:
-    """``p.grad += a @ b`` (or ``+= a`` without ``b``) in one kernel where ``.grad`` exists."""
+    """``p.grad += a @ b`` (or ``+= a`` without ``b``) in one kernel where ``.grad`` exists and
+    the dtypes agree (under autocast the GEMM runs in the autocast dtype, ``.grad`` keeps the
+    parameter's)."""
     if p.grad is None:
-        p.grad = a.mm(b) if b is not None else a  # fresh tensors, nobody else's
-    elif b is not None:
+        p.grad = (a.mm(b) if b is not None else a).to(p.dtype)  # fresh: nobody else's tensor
+    elif b is not None and a.dtype == p.grad.dtype:
         p.grad.addmm_(a, b)
     else:
-        p.grad.add_(a)
+        p.grad.add_(a.mm(b) if b is not None else a)
 
 
 def _sum_into(total: dict[int, list], p: torch.Tensor, g: torch.Tensor) -> None:
+    g = g.to(p.dtype)
     slot = total.get(id(p))
     if slot is None:
         total[id(p)] = [p, g]

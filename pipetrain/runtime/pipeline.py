@@ -45,9 +45,12 @@ class Pipeline:
     ``overlap_pairs``: on CUDA, run an overlapped F&B pair's forward on a side stream while its
     backward runs (DualPipe's overlap; off: one after the other). Ignored on CPU.
     ``defer_weight_grads``: split I/W the zero-bubble paper's way — the stages' plain
-    ``nn.Linear`` layers become ``DeferredLinear`` (same parameters and state dict), ``I`` is the
-    whole backward but their weight GEMMs, ``W`` is those GEMMs (``runtime.deferred_wgrad``);
-    off: ``split_backward``'s graph replay, which splits any module. Either way exact.
+    ``nn.Linear`` layers become ``DeferredLinear`` (same parameters and state dict, still
+    ``nn.Linear``), ``I`` is the whole backward but their weight GEMMs, ``W`` is those GEMMs, and
+    a ``B`` adds them straight into ``.grad`` (``runtime.deferred_wgrad``). ``False``:
+    ``split_backward``'s graph replay, which splits any module and leaves modules untouched.
+    ``None`` (default): per stage, on where plain linears hold at least half of its trainable
+    parameters. Either way exact.
     """
 
     def __init__(
@@ -63,7 +66,7 @@ class Pipeline:
         device: torch.device | str | None = None,
         timeout: timedelta = timedelta(minutes=10),
         overlap_pairs: bool = False,
-        defer_weight_grads: bool = False,
+        defer_weight_grads: bool | None = None,
     ) -> None:
         _require_process_group()
         if loss_fn is None:

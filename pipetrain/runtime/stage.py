@@ -70,7 +70,8 @@ class StageRunner:
     """Runs stage ``index`` (``module``); the last stage also applies ``loss_fn``.
 
     ``defer_weight_grads``: split ``I``/``W`` with ``deferred_wgrad`` (the module's plain
-    ``nn.Linear`` layers become ``DeferredLinear``) instead of ``split_backward``'s graph replay."""
+    ``nn.Linear`` layers become ``DeferredLinear``; quiet ``B`` pieces fuse their accumulation)
+    instead of ``split_backward``'s graph replay; ``None``: where ``worth_deferring``."""
 
     def __init__(
         self,
@@ -78,12 +79,14 @@ class StageRunner:
         module: nn.Module,
         is_last: bool,
         loss_fn: Callable | None,
-        defer_weight_grads: bool = False,
+        defer_weight_grads: bool | None = None,
     ) -> None:
         self.index = index
         self.module = module
         self.is_last = is_last
         self.loss_fn = loss_fn
+        if defer_weight_grads is None:
+            defer_weight_grads = deferred_wgrad.worth_deferring(module)
         self.defer_weight_grads = defer_weight_grads
         if defer_weight_grads:
             deferred_wgrad.defer_linear_weight_grads(module)
@@ -149,7 +152,12 @@ class StageRunner:
         saved = self.saved.pop(mb)
         root_grads = self._root_grads(saved, grads)
         hooks = self._is_last_weight_piece(mb)
-        found = backward_full(saved.roots, root_grads, saved.inputs, self.params, hooks)
+        if self.defer_weight_grads and not hooks:
+            found = deferred_wgrad.backward_full_quietly(
+                saved.roots, root_grads, saved.inputs, self.params
+            )
+        else:
+            found = backward_full(saved.roots, root_grads, saved.inputs, self.params, hooks)
         return _fill(found, saved.inputs)
 
     def _is_last_weight_piece(self, mb: int) -> bool:
