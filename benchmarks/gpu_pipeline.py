@@ -21,12 +21,17 @@ measured mean F/B/I/W/pair time per stage with comm = 0 and with comm = a measur
 of one activation (ping-pong between ranks 0 and 1), and the predicted peak memory: resident state
 before the step + the simulator's activation peak, with ``activation`` = the bytes one
 micro-batch's forward allocated in the limit run and ``activation_for_weight`` = the bytes
-pipetrain's ``StageRunner`` still holds after that micro-batch's I, before its W (retained graph +
-gradients captured for W), measured per stage in the limit run (``measure_held``). The JSON also
-has ``pred_peak_gib_with_transient``: that plus the largest transient of the rank's stages (how far
-one micro-batch's F, I and W alone took the allocator's peak above what they hold: workspace such
-as the loss's float32 logits, which no activation count covers) — an upper bound, since the
-peak's moment need not run the stage with the largest transient.
+pipetrain's ``StageRunner`` still holds after that micro-batch's I, before its W (by default the
+deferred linears' inputs and output gradients; with graph replay the retained graph + gradients
+captured for W), measured per stage in the limit run (``measure_held``). "pred GiB + workspace"
+(``pred_peak_gib_with_transient``) adds the largest transient of the rank's stages (how far one
+micro-batch's F, I and W alone took the allocator's peak above what they hold: workspace such as
+the loss's float32 logits, which no activation count covers) — an upper bound, since the peak's
+moment need not run the stage with the largest transient.
+
+``pipetrain`` rows run ``Pipeline``'s defaults (on this GPT: deferred linear weight GEMMs, see
+``pipetrain.runtime.deferred_wgrad``); ``pipetrain-replayw`` rows (``--replay-schedules``) run
+``defer_weight_grads=False``, the graph-replay split every stage had before.
 
 ``pipetrain-hostwait`` rows (``--hostwait-schedules``, default 1f1b,zbv) are a diagnostic of the
 OLD runtime: pipetrain again with its NCCL waits patched back to the host-blocking

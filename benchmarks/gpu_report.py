@@ -49,7 +49,8 @@ def host_part(res: dict) -> str:
 def table(meta, limits, rows) -> str:
     head = (
         "| schedule | mb | lib | step ms med [min–max] | tok/s | TFLOP/s/GPU | eff | "
-        "bubble meas (host-bound) | bubble sim (0 / comm) | peak GiB per rank | pred GiB | pt/torch |"
+        "bubble meas (host-bound) | bubble sim (0 / comm) | peak GiB per rank | pred GiB | "
+        "pred GiB + workspace | pt/torch |"
     )
     lines = [
         f"## gpu_pipeline: {meta['device']} × {meta['world']}, torch {meta['torch']}, "
@@ -75,6 +76,7 @@ def table(meta, limits, rows) -> str:
                 continue
             peaks = res.get("peak_gib")
             pred = res.get("pred_peak_gib")
+            work = res.get("pred_peak_gib_with_transient")
             pred_missing = "-"
             if res.get("pred_error") and res.get("pred_peak_gib_f_only"):
                 f_only = "/".join(f"{p:.2f}" for p in res["pred_peak_gib_f_only"])
@@ -91,12 +93,15 @@ def table(meta, limits, rows) -> str:
                 f"{fmt(res.get('bubble_sim_comm0'))} / {fmt(res.get('bubble_sim_comm'))} | "
                 f"{'/'.join(f'{p:.2f}' for p in peaks) if peaks else '-'} | "
                 f"{'/'.join(f'{p:.2f}' for p in pred) if pred else pred_missing} | "
+                f"{'/'.join(f'{p:.2f}' for p in work) if work else '-'} | "
                 f"{fmt(ratio) if ratio is not None else ''} |"
             )
     lines += [
         "",
         "act = one micro-batch's forward (limit run); after I = what pipetrain's StageRunner "
-        "holds after I, before W (retained graph + gradients captured for W); MiB per stage",
+        "holds after I, before W (by default the linears' stashed inputs and output gradients; "
+        "graph replay: the retained graph + gradients captured for W); MiB per stage; "
+        "pred + workspace adds each rank's largest one-micro-batch workspace (transient)",
         "",
         "| limit (layout, v, mb) | step ms med [min–max] | tok/s | act MiB/stage | "
         "after I MiB/stage |",
