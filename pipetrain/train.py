@@ -111,6 +111,14 @@ _OPTIONS = (
         "cuda needs a GPU per rank (NCCL); cpu runs gloo; auto picks cuda when there are enough GPUs",
     ),
     _Opt(
+        ("--weight-grads",),
+        str,
+        "auto",
+        "{auto,deferred,replay}",
+        "how I/W split the backward: deferred linear weight GEMMs (the zero-bubble paper's way), "
+        "graph replay (any module), or auto (deferred on stages made mostly of linears)",
+    ),
+    _Opt(
         ("--timeout",),
         _positive(float),
         300.0,
@@ -118,7 +126,13 @@ _OPTIONS = (
         "how long a rank waits on a peer before failing",
     ),
 )
-_CHOICES = {"dtype": ("float32", "bfloat16", "float64"), "device": ("auto", "cpu", "cuda")}
+_CHOICES = {
+    "dtype": ("float32", "bfloat16", "float64"),
+    "device": ("auto", "cpu", "cuda"),
+    "weight_grads": ("auto", "deferred", "replay"),
+}
+#: ``--weight-grads`` → ``Pipeline(defer_weight_grads=...)``
+_DEFER = {"auto": None, "deferred": True, "replay": False}
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -267,6 +281,7 @@ def _train(args: argparse.Namespace, rank: int, device: torch.device) -> int:
         stages_per_rank=args.stages_per_rank,
         device=device,
         timeout=timedelta(seconds=args.timeout),
+        defer_weight_grads=_DEFER[args.weight_grads],
     )
     opt = torch.optim.AdamW(pipe.parameters(), lr=args.lr, betas=(0.9, 0.95))
     data = batches(

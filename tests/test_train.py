@@ -165,10 +165,12 @@ def test_measured_costs_round_trip_through_the_simulator(name: str) -> None:
     assert again.bubble_fraction == pytest.approx(timeline.bubble_fraction)
 
 
-def test_train_smoke_two_processes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("weight_grads", ["auto", "replay"])
+def test_train_smoke_two_processes(tmp_path: Path, weight_grads: str) -> None:
     pytest.importorskip("pipetrain.runtime.pipeline")
     svg = tmp_path / "step.svg"
     cmd = [sys.executable, "-m", "pipetrain", "train", "--ranks", "2", "--schedule", "zbv"]
+    cmd += ["--weight-grads", weight_grads]
     cmd += ["--steps", "5", "--layers", "4", "--hidden", "16", "--heads", "2", "--seq-len", "16"]
     cmd += ["--microbatches", "4", "--microbatch-size", "2", "--svg", str(svg), "--timeout", "60"]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
@@ -183,3 +185,11 @@ def test_train_refuses_bad_input_with_exit_2() -> None:
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "legal schedules" in done.stderr
+
+
+def test_train_refuses_an_unknown_weight_gradient_split_with_exit_2() -> None:
+    cmd = [sys.executable, "-m", "pipetrain", "train", "--weight-grads", "later"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "auto" in done.stderr and "deferred" in done.stderr and "replay" in done.stderr
+    assert "Traceback" not in done.stderr
