@@ -65,7 +65,6 @@ import statistics
 import sys
 import time
 import traceback
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -95,6 +94,7 @@ from gpu_setup import (
     local_stages,
     log,
     make_optimizer,
+    make_pipeline,
     opt_step,
     slowest,
     stats,
@@ -102,7 +102,6 @@ from gpu_setup import (
 )
 
 from pipetrain.models.gpt import lm_loss
-from pipetrain.runtime.pipeline import Pipeline
 from pipetrain.sim.costs import mean_durations, measured_costs
 from pipetrain.sim.simulate import simulate
 
@@ -162,15 +161,11 @@ def run_pipetrain(
     a = ctx.args
     num_stages = fam.stages_per_rank * ctx.world
     base = ctx.mem_reset()
-    pipe = Pipeline(
-        lambda s: ctx.stage(num_stages, s),
+    pipe = make_pipeline(
+        ctx,
         name,
         n,
-        lm_loss,
-        stages_per_rank=fam.stages_per_rank,
-        num_stages=num_stages,
-        device=ctx.device,
-        timeout=timedelta(seconds=a.op_timeout),
+        a.op_timeout,
         overlap_pairs=overlap,
         defer_weight_grads=False if replay else None,
     )

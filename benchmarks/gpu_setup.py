@@ -16,7 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from pipetrain.models.gpt import GPTConfig, make_stage
+from pipetrain.models.gpt import GPTConfig, lm_loss, make_stage
 
 GIB = 2**30
 
@@ -166,6 +166,26 @@ class Ctx:
 def log(ctx: Ctx, msg: str) -> None:
     if ctx.rank == 0:
         print(f"[{ctx.elapsed():7.1f}s] {msg}", flush=True)
+
+
+def make_pipeline(ctx: Ctx, name: str, n: int, timeout_s: float, **options):
+    """pipetrain's ``Pipeline`` of schedule ``name`` over ``n`` micro-batches, each rank building
+    its own stages (``ctx.stage``); ``options`` go to ``Pipeline`` (``overlap_pairs=`` …)."""
+    from pipetrain.runtime.pipeline import Pipeline
+
+    fam = FAMILIES[name]
+    num_stages = fam.stages_per_rank * ctx.world
+    return Pipeline(
+        lambda s: ctx.stage(num_stages, s),
+        name,
+        n,
+        lm_loss,
+        stages_per_rank=fam.stages_per_rank,
+        num_stages=num_stages,
+        device=ctx.device,
+        timeout=timedelta(seconds=timeout_s),
+        **options,
+    )
 
 
 def make_optimizer(ctx: Ctx, params):

@@ -26,15 +26,11 @@ import json
 import shutil
 import sys
 import tempfile
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from gpu_setup import FAMILIES, PRESETS, Ctx, make_optimizer, opt_step  # beside this script
-
-from pipetrain.models.gpt import lm_loss
-from pipetrain.runtime.pipeline import Pipeline
+from gpu_setup import FAMILIES, PRESETS, Ctx, make_optimizer, make_pipeline, opt_step
 
 KINDS = ("gemm", "attention", "nccl", "other")
 
@@ -116,18 +112,7 @@ def device_kernels(prof) -> list[tuple[str, float, float]]:
 def profile_schedule(ctx: Ctx, name: str, n: int, args) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
-    fam = FAMILIES[name]
-    num_stages = fam.stages_per_rank * ctx.world
-    pipe = Pipeline(
-        lambda s: ctx.stage(num_stages, s),
-        name,
-        n,
-        lm_loss,
-        stages_per_rank=fam.stages_per_rank,
-        num_stages=num_stages,
-        device=ctx.device,
-        timeout=timedelta(seconds=60),
-    )
+    pipe = make_pipeline(ctx, name, n, 60.0)
     params = list(pipe.parameters())
     opt = make_optimizer(ctx, params)
     x, y = ctx.batch(n)
