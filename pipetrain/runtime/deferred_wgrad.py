@@ -71,10 +71,6 @@ class DeferredWork:
     entries: list[tuple] = field(default_factory=list)
     held: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
-    @property
-    def empty(self) -> bool:
-        return not self.entries and not self.held
-
 
 class _LinearFunction(torch.autograd.Function):
     """``F.linear`` whose backward defers ``dW``/``db`` while a stage's ``I`` is collecting, or adds
