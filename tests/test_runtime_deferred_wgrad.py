@@ -18,6 +18,7 @@ from pipetrain.runtime.deferred_wgrad import (
     backward_input,
     backward_weight,
     defer_linear_weight_grads,
+    restore_linear_weight_grads,
     worth_deferring,
 )
 
@@ -187,3 +188,14 @@ def test_stages_mostly_made_of_linears_are_worth_deferring():
     assert worth_deferring(frozen)
     frozen[0].requires_grad_(False)
     assert not worth_deferring(frozen)
+
+
+def test_the_stage_option_decides_and_undoes_an_earlier_deferral():
+    from pipetrain.runtime.stage import StageRunner
+
+    net = Net()
+    StageRunner(0, net, False, None, defer_weight_grads=True)
+    assert type(net.a) is DeferredLinear and type(net.c) is Net.Scaled
+    StageRunner(0, net, False, None, defer_weight_grads=False)
+    assert type(net.a) is nn.Linear and type(net.b) is nn.Linear and type(net.c) is Net.Scaled
+    assert restore_linear_weight_grads(net) == 0

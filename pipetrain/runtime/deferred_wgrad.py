@@ -154,6 +154,18 @@ def defer_linear_weight_grads(module: nn.Module) -> int:
     return count
 
 
+def restore_linear_weight_grads(module: nn.Module) -> int:
+    """Undo ``defer_linear_weight_grads``: every ``DeferredLinear`` in ``module`` becomes a plain
+    ``nn.Linear`` again (a stage split by graph replay must not carry a custom backward, which
+    that split would run in both halves); returns how many."""
+    count = 0
+    for m in module.modules():
+        if type(m) is DeferredLinear:
+            m.__class__ = nn.Linear
+            count += 1
+    return count
+
+
 def backward_input(
     roots: Sequence[GradientEdge],
     grads: Sequence[torch.Tensor],

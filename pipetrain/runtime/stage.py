@@ -90,6 +90,8 @@ class StageRunner:
         self.defer_weight_grads = defer_weight_grads
         if defer_weight_grads:
             deferred_wgrad.defer_linear_weight_grads(module)
+        else:  # a module an earlier Pipeline deferred: graph replay wants plain linears
+            deferred_wgrad.restore_linear_weight_grads(module)
         self.saved: dict[int, _Saved] = {}
         self.weight_work: dict[int, WeightWork | deferred_wgrad.DeferredWork] = {}
         self.losses: dict[int, torch.Tensor] = {}
