@@ -43,6 +43,7 @@ several linears, or by a linear and another op, gets each use's term). Not for m
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -51,7 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.graph import GradientEdge
 
-from pipetrain.runtime.split_backward import accumulate_quietly, run_engine
+from pipetrain.runtime.split_backward import accumulate_quietly, backward_full, run_engine
 
 #: What ``DeferredLinear``'s backward does with ``dW``/``db``: ``None`` — return them, as
 #: ``nn.Linear`` does; a list — the stash of the ``I`` being run; ``_ACCUMULATE`` — add them into
@@ -179,7 +180,8 @@ def backward_input(
     work = DeferredWork()
     if not roots or not (inputs or params):
         return [None] * len(inputs), work
-    found = _run_in_mode(work.entries, roots, grads, [*inputs, *params])
+    with _in_mode(work.entries):
+        found = run_engine(roots, grads, [*inputs, *params], retain_graph=False, accumulate=False)
     n = len(inputs)
     if hold:
         work.held = [(p, g) for p, g in zip(params, found[n:]) if g is not None]
@@ -194,22 +196,18 @@ def backward_full_quietly(
     inputs: Sequence[torch.Tensor],
     params: Sequence[torch.Tensor],
 ) -> list[torch.Tensor | None]:
-    """A ``B`` that is not the step's last weight piece: one engine call, the deferred linears
-    adding their weight gradients straight into ``.grad``, every other parameter gradient added
-    quietly (``accumulate_quietly``); returns the inputs' gradients."""
-    if not roots or not (inputs or params):
-        return [None] * len(inputs)
-    found = _run_in_mode(_ACCUMULATE, roots, grads, [*inputs, *params])
-    n = len(inputs)
-    accumulate_quietly(params, found[n:])
-    return list(found[:n])
+    """A ``B`` that is not the step's last weight piece: ``split_backward.backward_full``'s quiet
+    ``B`` with the deferred linears adding their weight gradients straight into ``.grad``."""
+    with _in_mode(_ACCUMULATE):
+        return backward_full(roots, grads, inputs, params, hooks=False)
 
 
-def _run_in_mode(mode, roots, grads, wanted):
+@contextlib.contextmanager
+def _in_mode(mode):
     global _mode
     _mode = mode
     try:
-        return run_engine(roots, grads, wanted, retain_graph=False, accumulate=False)
+        yield
     finally:
         _mode = None
 
