@@ -48,7 +48,8 @@ class Pipeline:
     ``nn.Linear`` layers become ``DeferredLinear`` (same parameters and state dict, still
     ``nn.Linear``), ``I`` is the whole backward but their weight GEMMs, ``W`` is those GEMMs, and
     a ``B`` adds them straight into ``.grad`` (``runtime.deferred_wgrad``). ``False``:
-    ``split_backward``'s graph replay, which splits any module and leaves modules untouched.
+    ``split_backward``'s graph replay, which splits any module (a ``DeferredLinear`` an earlier
+    ``Pipeline`` made becomes a plain ``nn.Linear`` again).
     ``None`` (default): per stage, on where plain linears hold at least half of its trainable
     parameters. Either way exact.
     """
