@@ -152,6 +152,13 @@ def _add_costs(p: argparse.ArgumentParser, per_rank: bool = False) -> None:
         metavar="AW",
         help="activation held between a split backward's I and W (default A)",
     )
+    g.add_argument(
+        "--workspace",
+        type=cost_value,
+        default=0.0,
+        metavar="WS",
+        help="memory an action uses only while it runs, in activation units (default 0)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -247,6 +254,7 @@ def costs_from(args: argparse.Namespace) -> Costs:
         comm=args.comm,
         activation=args.activation,
         activation_for_weight=args.activation_for_weight,
+        workspace=args.workspace,
     )
 
 

@@ -147,3 +147,26 @@ def test_activation_held_between_input_and_weight_gradients() -> None:
     )
     # the curve always returns to zero
     assert all(curve[-1][1] == 0 for curve in heavier.memory)
+
+
+def test_workspace_counts_only_while_an_action_runs() -> None:
+    """A stage's workspace rides on top of what is held, during that stage's actions alone."""
+    program = build_schedule("1f1b", 2, 4)
+    base = simulate(program)
+    both = simulate(program, Costs(workspace=0.5))
+    last = simulate(program, Costs(workspace=[0.0, 0.75]))
+    first = simulate(program, Costs(workspace=[0.75, 0.0]))
+    # the peak is reached as an F starts, so its workspace adds to it
+    assert both.peak_activations == tuple(p + 0.5 for p in base.peak_activations)
+    assert last.peak_activations == (base.peak_activations[0], base.peak_activations[1] + 0.75)
+    assert all(curve[-1][1] == 0 for curve in both.memory)  # freed when each action ends
+
+    def held(tl, rank, t):
+        return [h for time, h in tl.memory[rank] if time <= t][-1]
+
+    # rank 0 idles from the end of its second F (t=2) until the first B arrives (t=4)
+    assert held(first, 0, 3.0) == held(base, 0, 3.0) == 2
+    assert held(first, 0, 1.5) == held(base, 0, 1.5) + 0.75  # during its second F
+    assert base.makespan == both.makespan  # memory only: times are untouched
+    with pytest.raises(ValueError, match="workspace"):
+        Costs(workspace=-1).per_stage(2)

@@ -14,7 +14,10 @@ Metrics, as the ZB paper (Qi et al. 2024, §2) uses them:
   between a split backward's ``I`` and ``W`` it weighs ``weight_activation_size`` instead (what
   ``W`` still needs: by default the same, measured it is the retained graph plus the gradients
   captured for ``W``);
-  an overlapped pair allocates its forward at its start and frees its backward at its end.
+  an overlapped pair allocates its forward at its start and frees its backward at its end;
+  where a ``workspace_size`` is given, each action also uses its stage's workspace while it runs
+  (an overlapped pair: the larger of its two stages'), so ``peak_activations`` is the peak of
+  held activations plus the running action's temporaries.
 """
 
 from __future__ import annotations
@@ -56,7 +59,8 @@ class Timeline:
     """Spans of compute actions (communication is latency on the dependencies, not a span).
 
     ``activation_size[s]`` weighs one micro-batch's activation on stage ``s``;
-    ``weight_activation_size[s]`` what it weighs between its ``I`` and ``W`` (``None``: the same).
+    ``weight_activation_size[s]`` what it weighs between its ``I`` and ``W`` (``None``: the same);
+    ``workspace_size[s]`` what an action of stage ``s`` uses only while it runs (``None``: none).
     ``measured`` says whether the spans came from a real run (clocks or CUDA events) or the
     simulator. ``host_bound_idle[r]`` (measured GPU runs only) is the part of rank ``r``'s idle
     time between actions that its device spent waiting for the host to issue the next action, as
@@ -70,6 +74,7 @@ class Timeline:
     measured: bool = False
     weight_activation_size: tuple[float, ...] | None = None
     host_bound_idle: tuple[float, ...] | None = None
+    workspace_size: tuple[float, ...] | None = None
 
     @cached_property
     def start(self) -> float:
@@ -117,6 +122,7 @@ class Timeline:
                 rank_spans,
                 self.activation_size,
                 self.weight_activation_size or self.activation_size,
+                self.workspace_size,
             )
             for rank_spans in _by_rank(self.spans, self.num_ranks)
         )
@@ -167,9 +173,10 @@ def _activation_curve(
     spans: Sequence[Span],
     activation_size: Sequence[float],
     weight_activation_size: Sequence[float],
+    workspace_size: Sequence[float] | None = None,
 ) -> tuple[tuple[float, float], ...]:
     """Allocate at the start of F; between I and W hold the weight-gradient size; free at the end
-    of the last backward piece of (stage, mb)."""
+    of the last backward piece of (stage, mb); each action's workspace for its span alone."""
     parts = [(s, p) for s in spans for p in s.action.compute_parts]
     split = {(p.stage, p.microbatch) for _, p in parts if p.kind is OpKind.W}
     events: list[tuple[float, int, float]] = []  # (time, order, delta): frees sort before allocs
@@ -184,6 +191,11 @@ def _activation_curve(
             change = weight_activation_size[p.stage] - activation_size[p.stage]
             if change:
                 events.append((s.end, 0 if change < 0 else 1, change))
+    if workspace_size is not None:
+        for s in spans:
+            used = max(workspace_size[p.stage] for p in s.action.compute_parts)
+            if used:
+                events += [(s.start, 1, used), (s.end, 0, -used)]
     if not events:
         return ((0.0, 0.0),)
     events.sort(key=itemgetter(0, 1))

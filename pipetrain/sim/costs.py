@@ -4,7 +4,8 @@ Every cost is one number for all stages or a sequence with one value per stage (
 chunk as placed: with two stages per rank each is its own chunk). Defaults follow the papers'
 unit model: forward = input-gradient = weight-gradient = 1, full backward = input + weight,
 an overlapped F&B pair = its forward + its backward (no overlap gain unless measured), no
-communication, activation size 1, held unchanged between a split backward's I and W.
+communication, activation size 1, held unchanged between a split backward's I and W, no
+workspace.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class StageCosts:
     comm: tuple[float, ...]
     activation: tuple[float, ...]
     activation_for_weight: tuple[float, ...]
+    workspace: tuple[float, ...]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +48,9 @@ class Costs:
     activation: Cost = 1.0
     #: what a stage holds between a split backward's I and W (default: ``activation``)
     activation_for_weight: Cost | None = None
+    #: memory a stage's action uses only while it runs, on top of what is held (temporaries no
+    #: activation count covers, e.g. a loss's float32 logits); same unit as ``activation``
+    workspace: Cost = 0.0
 
     def scaled(self, factor: float) -> Costs:
         """Every time and size multiplied by ``factor`` (e.g. 1/v to split a rank's share of the
@@ -60,6 +65,7 @@ class Costs:
             "comm",
             "activation",
             "activation_for_weight",
+            "workspace",
         ):
             value = getattr(self, name)
             if value is not None and not isinstance(value, int | float):
@@ -97,6 +103,7 @@ class Costs:
             activation_for_weight=activation
             if self.activation_for_weight is None
             else _resolve("activation_for_weight", self.activation_for_weight, num_stages),
+            workspace=_resolve("workspace", self.workspace, num_stages),
         )
 
 
@@ -133,6 +140,7 @@ def measured_costs(
     comm: Cost = 0.0,
     activation: Cost = 1.0,
     activation_for_weight: Cost | None = None,
+    workspace: Cost = 0.0,
 ) -> Costs:
     """Simulator costs from measured timelines: the mean duration per (kind, stage).
 
@@ -163,4 +171,5 @@ def measured_costs(
         comm=comm,
         activation=activation,
         activation_for_weight=activation_for_weight,
+        workspace=workspace,
     )

@@ -58,5 +58,6 @@ def simulate(program: Program, costs: Costs | None = None) -> Timeline:
         spans=tuple(spans),
         activation_size=sc.activation,
         weight_activation_size=sc.activation_for_weight,
+        workspace_size=sc.workspace if any(sc.workspace) else None,
         name=program.name,
     )
