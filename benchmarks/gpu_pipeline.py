@@ -24,10 +24,10 @@ micro-batch's forward allocated in the limit run and ``activation_for_weight`` =
 pipetrain's ``StageRunner`` still holds after that micro-batch's I, before its W (by default the
 deferred linears' inputs and output gradients; with graph replay the retained graph + gradients
 captured for W), measured per stage in the limit run (``measure_held``). "pred GiB + workspace"
-(``pred_peak_gib_with_transient``) adds the largest transient of the rank's stages (how far one
-micro-batch's F, I and W alone took the allocator's peak above what they hold: workspace such as
-the loss's float32 logits, which no activation count covers) — an upper bound, since the peak's
-moment need not run the stage with the largest transient.
+(``pred_peak_gib_with_workspace``) also gives the simulator each stage's workspace
+(``Costs.workspace``: how far one micro-batch's F, I and W alone took the allocator's peak above
+what they hold, e.g. the loss's float32 logits), held only while that stage's actions run
+(``gpu_memory.py``).
 
 ``pipetrain`` rows run ``Pipeline``'s defaults (on this GPT: deferred linear weight GEMMs, see
 ``pipetrain.runtime.deferred_wgrad``); ``pipetrain-replayw`` rows (``--replay-schedules``) run
@@ -71,6 +71,7 @@ import torch
 import torch.distributed as dist
 from gpu_diagnostics import DIAGNOSTICS
 from gpu_limit import measure_comm_ms, measure_limit
+from gpu_memory import predicted_peaks
 from gpu_report import (  # beside this script
     BATCHED,
     HOSTWAIT,
@@ -206,31 +207,7 @@ def run_pipetrain(
         if res and acts:
             # the F-only model (every activation held at its F size until its last backward)
             row["pred_peak_gib_f_only"] = [r + s for r, s in zip(res, simc.peak_activations)]
-            held = (
-                limit.get("replay_after_input_bytes" if replay else "runtime_after_input_bytes")
-                or {}
-            )
-            act_w = [held.get(str(s), 0) / GIB for s in range(num_stages)]
-            if held:
-                costs = measured_costs(
-                    timelines,
-                    num_stages,
-                    comm=comm_ms or 0.0,
-                    activation=act,
-                    activation_for_weight=act_w,
-                )
-                simm = simulate(pipe.program, costs)
-                row["pred_peak_gib"] = [r + s for r, s in zip(res, simm.peak_activations)]
-                trans = limit.get("replay_transient_bytes" if replay else "transient_bytes")
-                trans = trans or {}
-                worst = [
-                    max((trans.get(str(s), 0) for s in pipe.placement.stages_of_rank(r)), default=0)
-                    / GIB
-                    for r in range(ctx.world)
-                ]
-                row["pred_peak_gib_with_transient"] = [
-                    p + t for p, t in zip(row["pred_peak_gib"], worst)
-                ]
+            row.update(predicted_peaks(pipe.program, mean, res, limit, comm_ms or 0.0, replay))
         if ctx.rank == 0 and a.out:
             save_timeline_text(ctx, name, n, timelines[-1], simc)
     return row

@@ -76,7 +76,10 @@ def table(meta, limits, rows) -> str:
                 continue
             peaks = res.get("peak_gib")
             pred = res.get("pred_peak_gib")
-            work = res.get("pred_peak_gib_with_transient")
+            # the simulated workspace model; runs before it saved an additive upper bound
+            work = res.get("pred_peak_gib_with_workspace") or res.get(
+                "pred_peak_gib_with_transient"
+            )
             pred_missing = "-"
             if res.get("pred_error") and res.get("pred_peak_gib_f_only"):
                 f_only = "/".join(f"{p:.2f}" for p in res["pred_peak_gib_f_only"])
@@ -101,7 +104,8 @@ def table(meta, limits, rows) -> str:
         "act = one micro-batch's forward (limit run); after I = what pipetrain's StageRunner "
         "holds after I, before W (by default the linears' stashed inputs and output gradients; "
         "graph replay: the retained graph + gradients captured for W); MiB per stage; "
-        "pred + workspace adds each rank's largest one-micro-batch workspace (transient)",
+        "pred + workspace also places each action's measured workspace (transient) on the "
+        "simulated timeline",
         "",
         "| limit (layout, v, mb) | step ms med [min–max] | tok/s | act MiB/stage | "
         "after I MiB/stage |",

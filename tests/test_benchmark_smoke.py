@@ -7,7 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "schedule_build.py"
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "schedule_build.py"
 
 
 def test_quick_benchmark_prints_a_table_and_writes_json(tmp_path: Path) -> None:
@@ -26,3 +27,24 @@ def test_quick_benchmark_prints_a_table_and_writes_json(tmp_path: Path) -> None:
         assert (case["ranks"], case["microbatches"]) == (8, 64)
         assert set(case["pipetrain"]["phases"]) == {"build", "lower", "validate", "simulate"}
         assert case["torch"] is None
+
+
+def test_memory_model_predicts_the_saved_gpu_runs_within_ten_percent() -> None:
+    """The simulator's memory model (activations + per-action workspace) against the peaks that
+    4 × H100 run 3 measured (docs/results), re-predicted from each row's measured action times."""
+    bench = SCRIPT.parent
+    runs = [ROOT / "docs/results/h100x4-run3" / r / "gpu_pipeline.json" for r in ("p2", "p4")]
+    done = subprocess.run(
+        [sys.executable, str(bench / "memory_model_check.py"), *map(str, runs)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        cwd=bench,
+    )
+    rows = [line.split("|") for line in done.stdout.splitlines()[2:]]
+    assert len(rows) == 28, done.stdout  # (5 families + 2 replayw rows) × 2 counts × 2 and 4 ranks
+    for cells in rows:
+        gap_activations, gap_workspace = (float(cells[i].strip().rstrip("%")) for i in (7, 9))
+        assert abs(gap_workspace) <= 10.0, cells
+        assert abs(gap_workspace) <= abs(gap_activations), cells

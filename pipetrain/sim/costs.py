@@ -145,10 +145,30 @@ def measured_costs(
     """Simulator costs from measured timelines: the mean duration per (kind, stage).
 
     This is how "predicted vs measured" closes the loop: simulate the program with the costs its
-    own run measured. A kind a stage never ran is filled in so the costs stay consistent
-    (``I``/``W`` as half a ``B``, ``B`` as ``I + W``); the program it was measured on never uses it.
+    own run measured (``costs_from_means`` says how missing kinds are filled in).
     """
-    mean = mean_durations(timelines)
+    return costs_from_means(
+        mean_durations(timelines),
+        num_stages,
+        comm=comm,
+        activation=activation,
+        activation_for_weight=activation_for_weight,
+        workspace=workspace,
+    )
+
+
+def costs_from_means(
+    mean: dict[tuple[OpKind, int], float],
+    num_stages: int,
+    *,
+    comm: Cost = 0.0,
+    activation: Cost = 1.0,
+    activation_for_weight: Cost | None = None,
+    workspace: Cost = 0.0,
+) -> Costs:
+    """Costs from mean durations per (kind, stage) (``mean_durations``, or a saved run's). A kind
+    a stage never ran is filled in so the costs stay consistent (``I``/``W`` as half a ``B``,
+    ``B`` as ``I + W``); the program it was measured on never uses it."""
 
     def per_stage(kind: OpKind) -> list[float | None]:
         return [mean.get((kind, s)) for s in range(num_stages)]
