@@ -133,28 +133,14 @@ def mean_durations(timelines: Sequence[Timeline]) -> dict[tuple[OpKind, int], fl
     return {key: fmean(v) for key, v in durations.items()}
 
 
-def measured_costs(
-    timelines: Sequence[Timeline],
-    num_stages: int,
-    *,
-    comm: Cost = 0.0,
-    activation: Cost = 1.0,
-    activation_for_weight: Cost | None = None,
-    workspace: Cost = 0.0,
-) -> Costs:
+def measured_costs(timelines: Sequence[Timeline], num_stages: int, **sizes: Cost | None) -> Costs:
     """Simulator costs from measured timelines: the mean duration per (kind, stage).
 
     This is how "predicted vs measured" closes the loop: simulate the program with the costs its
-    own run measured (``costs_from_means`` says how missing kinds are filled in).
+    own run measured. ``sizes`` (``comm``, ``activation``, ``activation_for_weight``,
+    ``workspace``) and the filling-in of missing kinds are ``costs_from_means``'s.
     """
-    return costs_from_means(
-        mean_durations(timelines),
-        num_stages,
-        comm=comm,
-        activation=activation,
-        activation_for_weight=activation_for_weight,
-        workspace=workspace,
-    )
+    return costs_from_means(mean_durations(timelines), num_stages, **sizes)
 
 
 def costs_from_means(
