@@ -7,7 +7,7 @@ Per schedule: (1) a float64 GPT on the device, one ``Pipeline.step``; rank 0 gat
 rank's stage gradients (keyed by global layer, so the union is the whole model's) and compares
 loss and every gradient with the unsplit model's ``lm_loss(model(x), y).backward()`` on rank 0:
 largest relative error (‖g − g_ref‖ / ‖g_ref‖), which must be ≤ 1e-10. (2) ``--train-steps`` of
-AdamW in float32 on the repository's byte corpus (``pipetrain.models.data``), tokens/s over the
+AdamW in float32 on the repository's byte corpus (``pipetrain.app.models.data``), tokens/s over the
 steps after the first, and whether the loss went down (mean of the last 5 < mean of the first 5).
 A failing schedule becomes an error row; the others still run.
 """
@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pipetrain.models.data import batches, corpus_tensor
-from pipetrain.models.gpt import GPTConfig, build_gpt, lm_loss, make_stage
+from pipetrain.app.models.data import batches, corpus_tensor
+from pipetrain.app.models.gpt import GPTConfig, build_gpt, lm_loss, make_stage
 from pipetrain.runtime.pipeline import Pipeline
 
 V = {"1f1b": 1, "zb-h1": 1, "interleaved-1f1b": 2, "interleaved-zb": 2, "zbv": 2, "dualpipev": 2}

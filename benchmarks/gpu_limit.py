@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from gpu_setup import GIB, Ctx, local_stages, make_optimizer, opt_step, slowest, stats, time_steps
 
-from pipetrain.models.gpt import lm_loss
+from pipetrain.app.models.gpt import lm_loss
 
 # ---------------------------------------------------------------------------------------------
 # the physical limit and a P2P estimate

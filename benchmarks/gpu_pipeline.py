@@ -5,7 +5,7 @@
     torchrun --nproc-per-node 4 benchmarks/gpu_pipeline.py --preset cpu-smoke   # CPU, gloo
 
 Per configuration (schedule family × micro-batch count) both libraries train the same GPT
-(``pipetrain.models.gpt``; stages deep-copied from one seeded master, so the weights are equal and
+(``pipetrain.app.models.gpt``; stages deep-copied from one seeded master, so the weights are equal and
 nothing is shared) on the same ranks, micro-batch size and count, with the same optimizer step
 (AdamW foreach, ``zero_grad(set_to_none=False)``). The libraries alternate: pipetrain first on even
 configurations, torch first on odd ones. Each runs warm-up steps, then timed steps
@@ -102,7 +102,7 @@ from gpu_setup import (
     time_steps,
 )
 
-from pipetrain.models.gpt import lm_loss
+from pipetrain.app.models.gpt import lm_loss
 from pipetrain.sim.costs import mean_durations, measured_costs
 from pipetrain.sim.simulate import simulate
 

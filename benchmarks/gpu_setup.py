@@ -16,7 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from pipetrain.models.gpt import GPTConfig, lm_loss, make_stage
+from pipetrain.app.models.gpt import GPTConfig, lm_loss, make_stage
 
 GIB = 2**30
 

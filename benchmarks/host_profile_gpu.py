@@ -26,7 +26,7 @@ import torch
 from split_backward_gpu import block_arguments, deferred_copy, make  # beside this script
 from torch.autograd.graph import get_gradient_edge
 
-from pipetrain.models.gpt import GPTConfig
+from pipetrain.app.models.gpt import GPTConfig
 from pipetrain.runtime import deferred_wgrad as dw
 from pipetrain.runtime import split_backward as sb
 

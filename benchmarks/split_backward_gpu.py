@@ -2,7 +2,7 @@
 
     python benchmarks/split_backward_gpu.py [--out DIR]            # one GPU (CPU works, slowly)
 
-One ``Block`` from ``pipetrain.models.gpt`` (bf16, hidden 2048, sequence 1024, batch 4 by
+One ``Block`` from ``pipetrain.app.models.gpt`` (bf16, hidden 2048, sequence 1024, batch 4 by
 default). Each repetition runs a fresh forward, then either ``B`` (``backward_full``) or ``I``
 (``backward_input``) followed by ``W`` (``backward_weight``) — pipetrain's split-backward
 functions, the ones the runtime uses. Two timings, medians over many repetitions:
@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-from pipetrain.models.gpt import Block, GPTConfig
+from pipetrain.app.models.gpt import Block, GPTConfig
 from pipetrain.runtime import deferred_wgrad
 from pipetrain.runtime.split_backward import backward_full, backward_input, backward_weight
 

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
-from pipetrain.models.gpt import Block, GPTConfig
+from pipetrain.app.models.gpt import Block, GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULE = "pipetrain/runtime/split_backward.py"

@@ -176,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser(
         "train", help="train a small GPT with a pipeline schedule (launches the processes itself)"
     )
-    from pipetrain.train import add_train_arguments  # no torch at import: --help stays fast
+    from pipetrain.app.train import add_train_arguments  # no torch at import: --help stays fast
 
     add_train_arguments(train)
     demo = sub.add_parser("demo", help="the main job with its defaults (what `make demo` runs)")
@@ -388,7 +388,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"wrote {svg}")
     if args.plan_only:
         return 0
-    from pipetrain.train import add_train_arguments, run_train
+    from pipetrain.app.train import add_train_arguments, run_train
 
     parser = argparse.ArgumentParser(prog=f"{PROG} train")
     add_train_arguments(parser)
@@ -397,7 +397,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from pipetrain.train import run_train
+    from pipetrain.app.train import run_train
 
     return run_train(args)
 

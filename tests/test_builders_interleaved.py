@@ -145,7 +145,7 @@ def test_schedule_table_is_megatrons():
 
 
 def test_unit_cost_makespan_57_and_peaks():
-    # SCHEDULES.md: p = 4, m = 8, v = 2, chunk F = I = W = 1 (B = 2), no communication: 57.
+    # docs/schedules.md: p = 4, m = 8, v = 2, chunk F = I = W = 1 (B = 2), no communication: 57.
     timeline = simulate(build_interleaved_1f1b(4, 8, 2))
     assert timeline.makespan == 57
     assert timeline.peak_activations == (11, 9, 7, 5)  # warm-up 2(p - r - 1) + (v - 1) g, + 1

@@ -1,7 +1,7 @@
 """Builder invariants for the split-backward families: zb-h1, zb-h2, zbv, dualpipev.
 
 Sweeps (ranks 1–16, micro-batches 1–64) check that every program validates, is complete, and
-meets its memory bound; unit-cost simulation pins the published facts (SCHEDULES.md; Qi et al.
+meets its memory bound; unit-cost simulation pins the published facts (docs/schedules.md; Qi et al.
 2024 Table 2; DeepSeek-V3 §3.2.1). ZBV and DualPipeV are also compared with
 torch.distributed.pipelining's own orders when torch is installed.
 """

@@ -1,4 +1,4 @@
-"""Layer rules: schedule, sim and render import only the standard library (DESIGN.md)."""
+"""Layer rules: schedule, sim and render import only the standard library (docs/design.md)."""
 
 from __future__ import annotations
 

@@ -176,7 +176,7 @@ def test_under_autocast_it_casts_like_autocast_and_keeps_grad_dtypes():
 
 
 def test_stages_mostly_made_of_linears_are_worth_deferring():
-    from pipetrain.models.gpt import GPTConfig, make_stage
+    from pipetrain.app.models.gpt import GPTConfig, make_stage
 
     cfg = GPTConfig(num_layers=4, hidden=32, num_heads=4)
     assert all(worth_deferring(make_stage(cfg, s, 4)) for s in range(4))

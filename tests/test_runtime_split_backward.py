@@ -108,7 +108,7 @@ def test_full_backward_returns_input_gradients():
 
 
 def test_cached_plan_matches_fresh_plan_and_structure_changes_replan():
-    from pipetrain.models.gpt import Block, GPTConfig
+    from pipetrain.app.models.gpt import Block, GPTConfig
     from pipetrain.runtime import split_backward as sb
 
     cfg = GPTConfig(hidden=16, num_heads=2, seq_len=8)

@@ -1,4 +1,4 @@
-"""The simulator against the published results (SCHEDULES.md, ZB paper Table 2)."""
+"""The simulator against the published results (docs/schedules.md, ZB paper Table 2)."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ SPLIT = {ScheduleName.ZB_H1, ScheduleName.ZB_H2, ScheduleName.INTERLEAVED_ZB, Sc
 
 
 def peak_bound(name: ScheduleName, p: int, v: int, m: int) -> int:
-    """Published peak activations per rank, in stage units (SCHEDULES.md)."""
+    """Published peak activations per rank, in stage units (docs/schedules.md)."""
     match name:
         case ScheduleName.GPIPE | ScheduleName.LOOPED_BFS:
             return m * v

@@ -16,7 +16,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from pipetrain.models import (  # noqa: E402
+from pipetrain.app.models import (  # noqa: E402
     GPTConfig,
     batches,
     build_gpt,
@@ -27,10 +27,10 @@ from pipetrain.models import (  # noqa: E402
     split_gpt,
     stage_layers,
 )
+from pipetrain.app.train import add_train_arguments, check_arguments  # noqa: E402
 from pipetrain.schedule.registry import build_schedule  # noqa: E402
 from pipetrain.sim.costs import Costs, measured_costs  # noqa: E402
 from pipetrain.sim.simulate import simulate  # noqa: E402
-from pipetrain.train import add_train_arguments, check_arguments  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = GPTConfig(num_layers=6, hidden=32, num_heads=4, seq_len=16)

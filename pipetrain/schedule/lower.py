@@ -14,7 +14,7 @@ the receiver at the same instant, adjacent in that sequence. Hence:
   action of that order is always runnable — and so also with batched P2P.
 
 A program that cannot run raises ``ScheduleError`` naming who waits on whom (d9d injects comms
-the same way, DESIGN.md habit 1).
+the same way, docs/design.md habit 1).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 Costs describe one rank's share of the model, so families compare like for like: a chain (one
 copy of the model) of S stages over p ranks gives each stage p/S of a rank's share — 1/v with v
 stages per rank, 1 for DualPipe's two full copies. Communication latency stays per transfer.
-Peaks are then in units of one rank's share of the activations, as DESIGN.md counts them.
+Peaks are then in units of one rank's share of the activations, as docs/design.md counts them.
 """
 
 from __future__ import annotations

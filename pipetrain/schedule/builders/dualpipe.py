@@ -17,7 +17,7 @@ builder takes DualPipeV's row for V-rank h and renames its two chunks:
   is down-chain stage p − 1 − h.
 
 Constraints as DualPipe's: p even, m even, m >= 2p. Bubble (p/2 − 1)(FB + B − 3W); peak
-activations p + 1 chunk-units on every rank (SCHEDULES.md).
+activations p + 1 chunk-units on every rank (docs/schedules.md).
 """
 
 from __future__ import annotations

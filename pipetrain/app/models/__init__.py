@@ -1,11 +1,11 @@
 """Models to train with pipetrain: a small GPT cut into pipeline stages, and its dataset.
 
-This package imports torch (it is application code, like ``pipetrain.train``); the planning
+This package imports torch (it is application code, like ``pipetrain.app.train``); the planning
 packages never import it.
 """
 
-from pipetrain.models.data import VOCAB_SIZE, batches, corpus_tensor, make_corpus
-from pipetrain.models.gpt import (
+from pipetrain.app.models.data import VOCAB_SIZE, batches, corpus_tensor, make_corpus
+from pipetrain.app.models.gpt import (
     GPTConfig,
     GPTStage,
     build_gpt,

@@ -264,7 +264,7 @@ def _train(args: argparse.Namespace, rank: int, device: torch.device) -> int:
 
     import torch
 
-    from pipetrain.models import GPTConfig, batches, corpus_tensor, lm_loss, make_stage
+    from pipetrain.app.models import GPTConfig, batches, corpus_tensor, lm_loss, make_stage
     from pipetrain.runtime.pipeline import Pipeline
 
     num_stages = check_arguments(args)
