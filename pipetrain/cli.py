@@ -299,7 +299,7 @@ def grid_in_bands(program: Program, width: int) -> str:
     starts = list(range(0, num_steps, per_band))
     if len(starts) > MAX_BANDS:
         starts = [*starts[: MAX_BANDS - 1], starts[-1]]
-    bands = []
+    bands: list[tuple[int, str]] = []
     for lo in starts:
         hi = min(num_steps, lo + per_band)
         if bands and lo != bands[-1][0] + per_band:

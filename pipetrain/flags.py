@@ -15,7 +15,7 @@ import shutil
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from pipetrain.schedule.registry import FAMILIES
+from pipetrain.schedule.registry import FAMILIES, family
 
 #: dest → the flag that sets it, in the order a command line spells a shape
 SHAPE_FLAGS: dict[str, str] = {
@@ -153,7 +153,7 @@ def add_stages_per_rank(
     parser: argparse.ArgumentParser, families: Iterable[str] = tuple(FAMILIES)
 ) -> None:
     """``--stages-per-rank/-v``; the help names the families (of ``families``) that default to 2."""
-    two = ", ".join(n for n in families if FAMILIES[n].default_stages_per_rank == 2)
+    two = ", ".join(n for n in families if family(n).default_stages_per_rank == 2)
     parser.add_argument(
         "--stages-per-rank",
         "-v",

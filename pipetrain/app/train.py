@@ -62,7 +62,7 @@ class _Opt:
 
 
 #: the demo's shape: what ``pipetrain train`` runs without flags
-DEFAULT_SHAPE = {"schedule": "zbv", "ranks": 4, "microbatches": 8}
+DEFAULT_SCHEDULE, DEFAULT_RANKS, DEFAULT_MICROBATCHES = "zbv", 4, 8
 _OPTIONS = (
     _Opt(("--microbatch-size",), positive_int, 4, "B", "sequences per micro-batch"),
     _Opt(("--steps",), positive_int, 150, "N", "optimizer steps"),
@@ -115,10 +115,10 @@ _DEFER = {"auto": None, "deferred": True, "replay": False}
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``train`` flags (each with its unit and default in the help) to ``parser``."""
     runnable = [f.name for f in FAMILIES.values() if f.runnable]
-    add_schedule(parser, runnable, default=DEFAULT_SHAPE["schedule"])
-    add_ranks(parser, default=DEFAULT_SHAPE["ranks"], help="pipeline ranks = processes launched")
+    add_schedule(parser, runnable, default=DEFAULT_SCHEDULE)
+    add_ranks(parser, default=DEFAULT_RANKS, help="pipeline ranks = processes launched")
     add_stages_per_rank(parser, runnable)
-    add_microbatches(parser, default=DEFAULT_SHAPE["microbatches"])
+    add_microbatches(parser, default=DEFAULT_MICROBATCHES)
     for opt in _OPTIONS:
         shown = f"{opt.default:g}" if isinstance(opt.default, float) else opt.default
         default = opt.default_text or shown
@@ -194,7 +194,7 @@ def _resolve_device(args: argparse.Namespace) -> str:
         raise ValueError(f"--device cuda needs {args.ranks} GPUs (one per rank); found {gpus}")
     if args.device == "auto":
         return "cuda" if gpus >= args.ranks else "cpu"
-    return args.device
+    return str(args.device)
 
 
 def _launch(args: argparse.Namespace) -> int:

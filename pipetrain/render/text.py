@@ -184,8 +184,11 @@ def _label(action: Action, rank: int, chunks: dict[tuple[int, int], int] | None,
 def _ansi(fill: str) -> str:
     """The xterm-256 background (and readable foreground) escape nearest to ``#rrggbb``."""
     levels = (0, 95, 135, 175, 215, 255)
-    rgb = (int(fill[i : i + 2], 16) for i in (1, 3, 5))
-    r, g, b = (min(range(6), key=lambda i, v=v: abs(levels[i] - v)) for v in rgb)
+
+    def nearest(value: int) -> int:
+        return min(range(6), key=lambda i: abs(levels[i] - value))
+
+    r, g, b = (nearest(int(fill[i : i + 2], 16)) for i in (1, 3, 5))
     fg = 16 if text_colour(fill) == "#000000" else 231
     return f"\x1b[48;5;{16 + 36 * r + 6 * g + b};38;5;{fg}m"
 
