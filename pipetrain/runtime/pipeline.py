@@ -1,8 +1,8 @@
 """``Pipeline``: the one-line API that runs any pipetrain program on torch.distributed.
 
-    pipe = Pipeline(stages, schedule="zbv", num_microbatches=8, loss_fn=loss_fn)
-    loss = pipe.step(inputs, targets)             # every rank, same arguments
-    opt = torch.optim.AdamW(pipe.parameters())    # this rank's stages only
+    with Pipeline(stages, schedule="zbv", num_microbatches=8, loss_fn=loss_fn) as pipe:
+        opt = torch.optim.AdamW(pipe.parameters())    # this rank's stages only
+        loss = pipe.step(inputs, targets)             # every rank, same arguments
 
 Construction checks everything it can before any transfer (stage count, world size, process
 group, module types) and raises ``ValueError`` naming the legal values; it then lowers and
@@ -44,12 +44,10 @@ class Pipeline:
     ``timeout``: how long any wait on a peer may take before it fails naming rank, action, peer.
     ``overlap_pairs``: on CUDA, run an overlapped F&B pair's forward on a side stream while its
     backward runs (DualPipe's overlap; off: one after the other). Ignored on CPU.
-    ``defer_weight_grads``: split I/W the zero-bubble paper's way — the stages' plain
-    ``nn.Linear`` layers become ``DeferredLinear`` (same parameters and state dict, still
-    ``nn.Linear``), ``I`` is the whole backward but their weight GEMMs, ``W`` is those GEMMs, and
-    a ``B`` adds them straight into ``.grad`` (``runtime.deferred_wgrad``). ``False``:
-    ``split_backward``'s graph replay, which splits any module (a ``DeferredLinear`` an earlier
-    ``Pipeline`` made becomes a plain ``nn.Linear`` again).
+    ``defer_weight_grads``: split I/W the zero-bubble paper's way — while a stage runs, its plain
+    ``nn.Linear`` layers' weight GEMMs are left out of ``I`` and run as ``W``, and a ``B`` adds
+    them straight into ``.grad`` (``runtime.deferred_wgrad``; the modules themselves are never
+    changed). ``False``: ``split_backward``'s graph replay, which splits any module.
     ``None`` (default): per stage, on where plain linears hold at least half of its trainable
     parameters. Either way exact.
     """
@@ -94,8 +92,9 @@ class Pipeline:
         for stage, mb in _last_weight_pieces(self.program.actions[self.rank]).items():
             self.runners[stage].last_weight_microbatch = mb
         self.arities = self._gather_arities()
+        self._reverse_group = _reverse_group(group)
         self.transport = Transport(
-            self.rank, group, self.device, timeout, reverse_group=_reverse_group(group)
+            self.rank, group, self.device, timeout, reverse_group=self._reverse_group
         )
         self.side_stream = (
             torch.cuda.Stream(self.device) if overlap_pairs and self.device.type == "cuda" else None
@@ -103,6 +102,32 @@ class Pipeline:
         self._caches: dict[str, MetaCache] = {}
         self._eval_program: Program | None = None
         self.last_timeline: Timeline | None = None
+        self.closed = False
+
+    def close(self) -> None:
+        """Finish what is in flight and let go of everything this pipeline made: transfers still
+        posted, the second process group it created (NCCL), each stage's held state. The stage
+        modules stay as they were given (trained in place, never altered). Idempotent; a closed
+        pipeline refuses to step. ``with Pipeline(...) as pipe:`` closes on the way out."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.transport.drain()
+        finally:
+            for runner in self.runners.values():
+                runner.release()
+            if self._reverse_group is not None and dist.is_initialized():
+                dist.destroy_process_group(self._reverse_group)
+            self._reverse_group = None
+            self.side_stream = None
+            self._caches.clear()
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """This rank's stage parameters, each once (for the optimizer)."""
@@ -138,6 +163,8 @@ class Pipeline:
 
     def _split(self, inputs, targets) -> microbatch.MicroBatches:
         _require_process_group()
+        if self.closed:
+            raise RuntimeError("this Pipeline was closed; build a new one to keep training")
         xs = tuple(x.to(self.device) for x in microbatch.as_tuple(inputs, "inputs"))
         ys = targets
         if isinstance(targets, torch.Tensor):

@@ -5,9 +5,9 @@ the input leaves (to read their gradients), the gradient edges of its outputs (n
 tensors themselves: an activation that was sent can be freed while its graph stays — Megatron's
 ``deallocate_pipeline_outputs`` without touching ``.data``), and after ``I`` the work for ``W``.
 Each piece pops what it consumed, so after a micro-batch's last piece nothing of it is left.
-Communication and ordering belong to the executor; the split itself to ``split_backward`` (any
-module: graph replay) or, with ``defer_weight_grads``, to ``deferred_wgrad`` (linear layers' weight
-GEMMs deferred, the zero-bubble paper's way).
+Communication and ordering belong to the executor; the split itself to the stage's
+``BackwardSplit`` (``backward_split``): ``split_backward``'s graph replay (any module) or
+``deferred_wgrad``'s deferred linear weight GEMMs (the zero-bubble paper's way).
 """
 
 from __future__ import annotations
@@ -19,16 +19,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from pipetrain.runtime import deferred_wgrad
+from pipetrain.runtime.backward_split import BackwardSplit, choose_split
 from pipetrain.runtime.p2p import TensorMeta
-from pipetrain.runtime.split_backward import (
-    WeightWork,
-    backward_full,
-    backward_input,
-    backward_weight,
-)
+from pipetrain.runtime.torch_compat import GradientEdge, get_gradient_edge
 
 
 @dataclass
@@ -70,8 +64,9 @@ class StageRunner:
     """Runs stage ``index`` (``module``); the last stage also applies ``loss_fn``.
 
     ``defer_weight_grads``: split ``I``/``W`` with ``deferred_wgrad`` (the module's plain
-    ``nn.Linear`` layers become ``DeferredLinear``; quiet ``B`` pieces fuse their accumulation)
-    instead of ``split_backward``'s graph replay; ``None``: where ``worth_deferring``."""
+    ``nn.Linear`` layers' weight GEMMs deferred while the stage runs; quiet ``B`` pieces fuse
+    their accumulation) instead of ``split_backward``'s graph replay; ``None``: where
+    ``worth_deferring``. ``split``: a ``BackwardSplit`` of the caller's instead."""
 
     def __init__(
         self,
@@ -80,20 +75,16 @@ class StageRunner:
         is_last: bool,
         loss_fn: Callable | None,
         defer_weight_grads: bool | None = None,
+        split: BackwardSplit | None = None,
     ) -> None:
         self.index = index
         self.module = module
         self.is_last = is_last
         self.loss_fn = loss_fn
-        if defer_weight_grads is None:
-            defer_weight_grads = deferred_wgrad.worth_deferring(module)
-        self.defer_weight_grads = defer_weight_grads
-        if defer_weight_grads:
-            deferred_wgrad.defer_linear_weight_grads(module)
-        else:  # a module an earlier Pipeline deferred: graph replay wants plain linears
-            deferred_wgrad.restore_linear_weight_grads(module)
+        self.split = split if split is not None else choose_split(module, defer_weight_grads)
+        self.defer_weight_grads = self.split.defers_linear_weights
         self.saved: dict[int, _Saved] = {}
-        self.weight_work: dict[int, WeightWork | deferred_wgrad.DeferredWork] = {}
+        self.weight_work: dict[int, object] = {}
         self.losses: dict[int, torch.Tensor] = {}
         #: the micro-batch whose backward piece is this stage's last weight-gradient work in a
         #: step (set by the pipeline from the program); only that one runs ``.grad`` hooks
@@ -133,7 +124,7 @@ class StageRunner:
         return ()
 
     def call(self, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        out = self.module(*args)
+        out = self.split.call(self.module, args)
         outputs = out if isinstance(out, tuple) else (out,)
         for i, o in enumerate(outputs):
             if not isinstance(o, torch.Tensor):
@@ -154,12 +145,7 @@ class StageRunner:
         saved = self.saved.pop(mb)
         root_grads = self._root_grads(saved, grads)
         hooks = self._is_last_weight_piece(mb)
-        if self.defer_weight_grads and not hooks:
-            found = deferred_wgrad.backward_full_quietly(
-                saved.roots, root_grads, saved.inputs, self.params
-            )
-        else:
-            found = backward_full(saved.roots, root_grads, saved.inputs, self.params, hooks)
+        found = self.split.backward_full(saved.roots, root_grads, saved.inputs, self.params, hooks)
         return _fill(found, saved.inputs)
 
     def _is_last_weight_piece(self, mb: int) -> bool:
@@ -171,22 +157,15 @@ class StageRunner:
         """``I``: input gradients only; what ``W`` needs is kept until ``backward_weight``."""
         saved = self.saved.pop(mb)
         root_grads = self._root_grads(saved, grads)
-        if self.defer_weight_grads:
-            found, work = deferred_wgrad.backward_input(
-                saved.roots, root_grads, saved.inputs, self.params, self._is_last_weight_piece(mb)
-            )
-        else:
-            found, work = backward_input(saved.roots, root_grads, saved.inputs, self.params)
+        found, work = self.split.backward_input(
+            saved.roots, root_grads, saved.inputs, self.params, self._is_last_weight_piece(mb)
+        )
         self.weight_work[mb] = work
         return _fill(found, saved.inputs)
 
     def backward_weight(self, mb: int) -> None:
         work = self.weight_work.pop(mb)
-        hooks = self._is_last_weight_piece(mb)
-        if isinstance(work, deferred_wgrad.DeferredWork):
-            deferred_wgrad.backward_weight(work, hooks)
-        else:
-            backward_weight(work, hooks)
+        self.split.backward_weight(work, self._is_last_weight_piece(mb))
 
     def _root_grads(self, saved: _Saved, grads: list[torch.Tensor] | None) -> list[torch.Tensor]:
         if self.is_last:
@@ -195,6 +174,12 @@ class StageRunner:
             ]
         assert grads is not None and len(grads) == len(saved.roots), "gradient count mismatch"
         return grads
+
+    def release(self) -> None:
+        """Drop every micro-batch's held state (a step that failed part-way, or ``close``)."""
+        self.saved.clear()
+        self.weight_work.clear()
+        self.losses.clear()
 
     def leftovers(self) -> int:
         return len(self.saved) + len(self.weight_work)
