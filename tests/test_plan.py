@@ -12,7 +12,13 @@ from hypothesis import strategies as st
 from pipetrain.cli import main
 from pipetrain.planner import CostsFileError, ModelCosts, NoPlanFits, parse_costs, plan, search
 from pipetrain.planner.costs_file import LayerCost, load_costs, save_costs
-from pipetrain.planner.partition import blocks_uniform_cut, bounds, min_max_cut, uniform_cut
+from pipetrain.planner.partition import (
+    blocks_uniform_cut,
+    bounds,
+    even_min_max_cut,
+    min_max_cut,
+    uniform_cut,
+)
 from pipetrain.planner.search import simulate_plan, stage_costs
 from pipetrain.schedule.registry import build_schedule
 
@@ -114,8 +120,11 @@ def test_min_max_cut_is_optimal_and_keeps_every_layer(weights, k, back, cap) -> 
     def limit(stage, first, end):  # position-dependent memory-like cap
         return sum(weights[first:end]) + stage <= cap
 
-    for lim in (None, limit):
-        cut = min_max_cut(weights, k, lim, from_the_back=back)
+    for lim, even in ((None, False), (limit, False), (None, True), (limit, True)):
+        if even:
+            cut = even_min_max_cut(weights, k, lim)
+        else:
+            cut = min_max_cut(weights, k, lim, from_the_back=back)
         best = brute_force_best(weights, k, lim)
         if cut is None:
             assert best is None

@@ -80,6 +80,53 @@ def min_max_cut(
     return _greedy(prefix, num_stages, sums[lo], limit)
 
 
+def even_min_max_cut(
+    weights: Sequence[float], num_stages: int, limit: Limit | None = None
+) -> tuple[int, ...] | None:
+    """An optimal min-max cut (same bottleneck as ``min_max_cut``) that spreads the rest evenly:
+    each stage in turn ends where its sum comes closest to an equal share of what is left, among
+    the ends from which the later stages can still finish within the bottleneck and ``limit``.
+
+    The front- and back-filled optimal cuts load every non-bottleneck stage up to the bottleneck
+    on one side and leave single layers on the other; this one keeps the stages that need not be
+    at the bottleneck near the mean, which fill and drain faster and hold less."""
+    best = min_max_cut(weights, num_stages, limit)
+    if best is None:
+        return None
+    n = len(weights)
+    prefix = [0.0, *accumulate(weights)]
+    bound = max(prefix[b] - prefix[a] for a, b in bounds(best))
+
+    def ok(stage: int, first: int, end: int) -> bool:
+        return prefix[end] - prefix[first] <= bound and (limit is None or limit(stage, first, end))
+
+    # can[s][j]: stages s.. can hold layers j.. (each at least one layer, within bound and limit)
+    can = [[False] * (n + 1) for _ in range(num_stages + 1)]
+    can[num_stages][n] = True
+    for stage in range(num_stages - 1, -1, -1):
+        nxt, row = can[stage + 1], can[stage]
+        for first in range(n):
+            end = first + 1
+            while end <= n and ok(stage, first, end):
+                if nxt[end]:
+                    row[first] = True
+                    break
+                end += 1
+    cut, first = [], 0
+    for stage in range(num_stages):
+        share = (prefix[n] - prefix[first]) / (num_stages - stage)
+        ends = []
+        end = first + 1
+        while end <= n and ok(stage, first, end):
+            if can[stage + 1][end]:
+                ends.append(end)
+            end += 1
+        end = min(ends, key=lambda e: (abs(prefix[e] - prefix[first] - share), e))
+        cut.append(end - first)
+        first = end
+    return tuple(cut)
+
+
 def _greedy(
     prefix: Sequence[float], num_stages: int, bound: float, limit: Limit | None
 ) -> tuple[int, ...] | None:

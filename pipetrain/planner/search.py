@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from pipetrain.planner.costs_file import ModelCosts
-from pipetrain.planner.partition import bounds, min_max_cut, uniform_cut
+from pipetrain.planner.partition import bounds, even_min_max_cut, min_max_cut, uniform_cut
 from pipetrain.schedule.action import OpKind
 from pipetrain.schedule.program import Program
 from pipetrain.schedule.registry import FAMILIES, Family, build_schedule, family
@@ -86,7 +86,7 @@ class Plan:
 class Candidate:
     plan: Plan
     timeline: Timeline
-    #: how its boundaries were found: balanced, balanced-back, uniform, memory, memory-back
+    #: how its boundaries were found: balanced(-back, -even), uniform, memory(-back, -even)
     cut_by: str
 
 
@@ -296,6 +296,7 @@ def _candidates(
     for cut, how in (
         (min_max_cut(time, chain), "balanced"),
         (min_max_cut(time, chain, from_the_back=True), "balanced-back"),
+        (even_min_max_cut(time, chain), "balanced-even"),
         (uniform_cut(costs.num_layers, chain), "uniform"),
     ):
         if cut is not None:
@@ -311,12 +312,15 @@ def _candidates(
     for _ in range(_MEMORY_ROUNDS):
         inflight = _inflight(reference.timeline, program)
         tried = []
-        for back in (False, True):
-            limit = _memory_limit(costs, program, inflight, memory_gib, scale)
-            cut = min_max_cut(time, chain, limit, from_the_back=back)
+        limit = _memory_limit(costs, program, inflight, memory_gib, scale)
+        for cut, how in (
+            (min_max_cut(time, chain, limit), "memory"),
+            (min_max_cut(time, chain, limit, from_the_back=True), "memory-back"),
+            (even_min_max_cut(time, chain, limit), "memory-even"),
+        ):
             if cut is not None and cut not in cuts:
-                cuts[cut] = "memory-back" if back else "memory"
-                tried.append(_evaluate(costs, program, name, v, cut, cuts[cut], memory_gib))
+                cuts[cut] = how
+                tried.append(_evaluate(costs, program, name, v, cut, how, memory_gib))
         done += tried
         if not tried or any(c.plan.fits for c in tried):
             break
