@@ -27,6 +27,7 @@ from pipetrain.flags import (
     shape_flags_given,
     width_of,
 )
+from pipetrain.planner.command import add_plan_arguments, run_plan
 from pipetrain.schedule.lower import lower
 from pipetrain.schedule.program import Program, format_grid
 from pipetrain.schedule.registry import FAMILIES, build_schedule, family
@@ -144,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_simulate(sub.add_parser("simulate", help="simulate one step: timeline, bubble, memory"))
     _add_compare(
         sub.add_parser("compare", help="every schedule that accepts the shape, best first")
+    )
+    add_plan_arguments(
+        sub.add_parser("plan", help="pick schedule, micro-batches and cut from a costs file")
     )
     train = sub.add_parser(
         "train", help="train a small GPT with a pipeline schedule (launches the processes itself)"
@@ -441,6 +445,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "compare": cmd_compare,
     "demo": cmd_demo,
     "train": cmd_train,
+    "plan": run_plan,
 }
 
 

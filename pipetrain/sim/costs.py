@@ -35,6 +35,7 @@ class StageCosts:
     activation: tuple[float, ...]
     activation_for_weight: tuple[float, ...]
     workspace: tuple[float, ...]
+    static: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,6 +52,9 @@ class Costs:
     #: memory a stage's action uses only while it runs, on top of what is held (temporaries no
     #: activation count covers, e.g. a loss's float32 logits); same unit as ``activation``
     workspace: Cost = 0.0
+    #: memory a stage holds for the whole step whatever runs (parameters, gradients, optimizer
+    #: state); same unit as ``activation``; ``rank_peak_memory`` adds it to the held activations
+    static: Cost = 0.0
 
     def scaled(self, factor: float) -> Costs:
         """Every time and size multiplied by ``factor`` (e.g. 1/v to split a rank's share of the
@@ -66,6 +70,7 @@ class Costs:
             "activation",
             "activation_for_weight",
             "workspace",
+            "static",
         ):
             value = getattr(self, name)
             if value is not None and not isinstance(value, int | float):
@@ -104,6 +109,7 @@ class Costs:
             if self.activation_for_weight is None
             else _resolve("activation_for_weight", self.activation_for_weight, num_stages),
             workspace=_resolve("workspace", self.workspace, num_stages),
+            static=_resolve("static", self.static, num_stages),
         )
 
 
@@ -117,6 +123,17 @@ def _resolve(name: str, value: Cost, num_stages: int) -> tuple[float, ...]:
         if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= MAX_COST:
             raise ValueError(f"cost {name} must be a number in [0, {MAX_COST:g}], got {v!r}")
     return tuple(float(v) for v in values)
+
+
+def rank_peak_memory(
+    timeline: Timeline, costs: StageCosts, rank_of_stage: Sequence[int]
+) -> tuple[float, ...]:
+    """Per rank: the static memory of its stages plus its peak of held activations (and running
+    workspace) over the step, as the timeline accounts them; the planner's memory model."""
+    static = [0.0] * timeline.num_ranks
+    for stage, rank in enumerate(rank_of_stage):
+        static[rank] += costs.static[stage] if costs.static else 0.0
+    return tuple(s + a for s, a in zip(static, timeline.peak_activations))
 
 
 #: larger costs would overflow when a timeline adds up 10^6 of them
