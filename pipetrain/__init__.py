@@ -13,14 +13,21 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
+    from pipetrain.runtime.layers import split
     from pipetrain.runtime.pipeline import Pipeline
 
-__all__ = ["Pipeline", "__version__"]
+__all__ = ["Pipeline", "__version__", "split"]
+
+# Loaded on first use (they import torch): name -> module that defines it.
+_LAZY = {
+    "Pipeline": "pipetrain.runtime.pipeline",
+    "split": "pipetrain.runtime.layers",
+}
 
 
 def __getattr__(name: str) -> Any:
-    if name == "Pipeline":
-        from pipetrain.runtime.pipeline import Pipeline
+    if name in _LAZY:
+        import importlib
 
-        return Pipeline
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'pipetrain' has no attribute {name!r}")

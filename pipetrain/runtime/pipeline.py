@@ -13,6 +13,7 @@ trained in place (``module.to(device)``), so the caller's references see gradien
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 
@@ -20,7 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipetrain.runtime import microbatch
+from pipetrain.runtime import grad_norm, losses, microbatch
+from pipetrain.runtime import tied as tied_weights
 from pipetrain.runtime.executor import Executor, MetaCache, StepData
 from pipetrain.runtime.p2p import DTYPE_CODE, DTYPES, Transport
 from pipetrain.runtime.stage import StageRunner, arity
@@ -50,6 +52,13 @@ class Pipeline:
     changed). ``False``: ``split_backward``'s graph replay, which splits any module.
     ``None`` (default): per stage, on where plain linears hold at least half of its trainable
     parameters. Either way exact.
+    ``loss_reduction``: what ``loss_fn`` returns for a micro-batch — ``"mean"`` over its rows,
+    its ``"sum"``, or its sum over tokens whose target is not ``ignore_index`` (``"token_mean"``:
+    divided by the whole batch's count); default ``loss_fn.loss_reduction`` or ``"mean"``
+    (``runtime.losses``).
+    ``tied``: sets of parameter names shared by several stages (``[("embed.weight",
+    "head.weight")]``); their gradients are summed across stages once per step (``runtime.tied``;
+    ``pipetrain.split`` detects ties in the list it cuts).
     """
 
     def __init__(
@@ -66,10 +75,21 @@ class Pipeline:
         timeout: timedelta = timedelta(minutes=10),
         overlap_pairs: bool = False,
         defer_weight_grads: bool | None = None,
+        loss_reduction: str | None = None,
+        ignore_index: int | None = None,
+        tied: Sequence[Sequence[str]] = (),
     ) -> None:
         _require_process_group()
         if loss_fn is None:
             raise ValueError("loss_fn is required: loss_fn(last_stage_output, targets) -> scalar")
+        self.loss_reduction, self.ignore_index = losses.resolve(
+            loss_fn, loss_reduction, ignore_index
+        )
+        #: data-parallel replicas of this pipeline (set by a data-parallel wrapper): the token
+        #: count of ``"token_mean"`` is summed over it
+        self.data_parallel_group = None
+        #: groups whose ranks hold different gradient shards (FSDP): the norm is summed over them
+        self.norm_groups: list = []
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -93,6 +113,8 @@ class Pipeline:
             self.runners[stage].last_weight_microbatch = mb
         self.arities = self._gather_arities()
         self._reverse_group = _reverse_group(group)
+        self.tied_sets = tied_weights.build(tied, self.modules, group, self.rank, self.world_size)
+        self.tied_grads = tied_weights.TiedGrads(self.tied_sets, self.runners)
         self.transport = Transport(
             self.rank, group, self.device, timeout, reverse_group=self._reverse_group
         )
@@ -144,9 +166,42 @@ class Pipeline:
         Gradients accumulate into ``.grad`` (zero them as with any torch training loop).
         """
         mbs = self._split(inputs, targets)
+        weights = losses.weights(
+            self.loss_reduction,
+            mbs.weights,
+            targets,
+            self.ignore_index,
+            self.data_parallel_group,
+        )
+        mbs = dataclasses.replace(mbs, weights=weights)
         rows = self.program.actions[self.rank]
+        self.tied_grads.begin_step()
         self._execute(rows, mbs, "train", timeline, self.program.name)
+        self.tied_grads.end_step()
         return self._agree_on_loss(mbs.weights)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip every rank's gradients by the norm of the whole pipeline's (a tied parameter
+        counted once), like ``torch.nn.utils.clip_grad_norm_`` on the unsplit model; returns
+        that norm on every rank (collective: every rank calls it)."""
+        counted, scaled = self._grads_for_norm()
+        total = grad_norm.global_norm(
+            counted, float(norm_type), [self.group, *self.norm_groups], self.device
+        )
+        grad_norm.clip_(scaled, total, max_norm)
+        return total
+
+    def _grads_for_norm(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(gradients this rank counts in the norm, gradients it scales): a tied parameter is
+        counted by its first owner, one replica, and scaled everywhere."""
+        skip = set()
+        for t in self.tied_sets:
+            for i, p in enumerate(t.local):
+                if i > 0 or self.rank != t.first_owner:
+                    skip.add(id(p))
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        counted = [p.grad for p in self.parameters() if p.grad is not None and id(p) not in skip]
+        return counted, grads
 
     def eval_step(self, inputs):
         """Forward only; the last stage's outputs (merged) on the rank that holds it, else None."""

@@ -89,6 +89,9 @@ class StageRunner:
         #: the micro-batch whose backward piece is this stage's last weight-gradient work in a
         #: step (set by the pipeline from the program); only that one runs ``.grad`` hooks
         self.last_weight_microbatch: int | None = None
+        #: ids of parameters whose hooks this stage never fires (tied ones: ``runtime.tied``
+        #: sums their gradient after the step, then fires their hooks once)
+        self.quiet_params: set[int] = set()
         self.params: list[torch.Tensor] = []
         self.begin_step()
 
@@ -144,8 +147,9 @@ class StageRunner:
         """``B``: input gradients (zeros where unused) and weight gradients accumulated."""
         saved = self.saved.pop(mb)
         root_grads = self._root_grads(saved, grads)
-        hooks = self._is_last_weight_piece(mb)
+        hooks, fire = self._hook_plan(mb)
         found = self.split.backward_full(saved.roots, root_grads, saved.inputs, self.params, hooks)
+        fire_hooks(fire)
         return _fill(found, saved.inputs)
 
     def _is_last_weight_piece(self, mb: int) -> bool:
@@ -153,19 +157,32 @@ class StageRunner:
         ``AccumulateGrad``, so hooks fire once and see the whole step's gradient."""
         return self.last_weight_microbatch is None or mb == self.last_weight_microbatch
 
+    def _hook_plan(self, mb: int) -> tuple[bool, list[torch.Tensor]]:
+        """(accumulate through ``AccumulateGrad``, parameters whose hooks to fire afterwards):
+        with quiet parameters the step's last piece accumulates quietly, then fires the others'
+        hooks once (``fire_hooks``)."""
+        if not self._is_last_weight_piece(mb):
+            return False, []
+        if not self.quiet_params:
+            return True, []
+        return False, [p for p in self.params if id(p) not in self.quiet_params]
+
     def backward_input(self, mb: int, grads: list[torch.Tensor] | None) -> list[torch.Tensor]:
         """``I``: input gradients only; what ``W`` needs is kept until ``backward_weight``."""
         saved = self.saved.pop(mb)
         root_grads = self._root_grads(saved, grads)
+        hold = self._is_last_weight_piece(mb) and not self.quiet_params
         found, work = self.split.backward_input(
-            saved.roots, root_grads, saved.inputs, self.params, self._is_last_weight_piece(mb)
+            saved.roots, root_grads, saved.inputs, self.params, hold
         )
         self.weight_work[mb] = work
         return _fill(found, saved.inputs)
 
     def backward_weight(self, mb: int) -> None:
         work = self.weight_work.pop(mb)
-        self.split.backward_weight(work, self._is_last_weight_piece(mb))
+        hooks, fire = self._hook_plan(mb)
+        self.split.backward_weight(work, hooks)
+        fire_hooks(fire)
 
     def _root_grads(self, saved: _Saved, grads: list[torch.Tensor] | None) -> list[torch.Tensor]:
         if self.is_last:
@@ -183,6 +200,14 @@ class StageRunner:
 
     def leftovers(self) -> int:
         return len(self.saved) + len(self.weight_work)
+
+
+def fire_hooks(params: list[torch.Tensor]) -> None:
+    """Run post-accumulate-grad hooks of ``params`` once, adding nothing: ``AccumulateGrad`` of a
+    zero gradient (only where a gradient exists; an unused parameter's hooks never fire)."""
+    ready = [p for p in params if p.grad is not None]
+    if ready:
+        torch.autograd.backward(ready, [torch.zeros_like(p.grad) for p in ready])
 
 
 def _device(tensors: tuple[torch.Tensor, ...]) -> torch.device:

@@ -1,0 +1,49 @@
+"""The global gradient norm of a pipeline, and clipping by it like the unsplit model.
+
+``torch.nn.utils.clip_grad_norm_`` on one rank's parameters sees only that rank's stages: each
+rank would clip by its own, smaller norm. Here each rank reduces its gradients to one number (the
+sum of squares for ``p = 2``, in general ``Σ|g|^p``; the maximum for ``inf``), the ranks combine
+those over the pipeline group (and a data-parallel group whose members hold *different* shards,
+e.g. FSDP; DDP replicas hold equal gradients and must not be summed), and every rank scales by
+``max_norm / (norm + 1e-6)`` clamped to 1 — torch's formula. A tied parameter (``runtime.tied``)
+counts once: only its first owner counts it, one replica.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+
+def local_total(grads: Iterable[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """This rank's share: ``Σ|g|^p`` (float64), or ``max|g|`` for ``p = inf``."""
+    total = torch.zeros((), dtype=torch.float64)
+    for g in grads:
+        n = torch.linalg.vector_norm(g.detach(), norm_type).to(torch.float64).cpu()
+        total = torch.maximum(total, n) if math.isinf(norm_type) else total + n**norm_type
+    return total
+
+
+def global_norm(
+    grads: list[torch.Tensor], norm_type: float, groups: list, device: torch.device
+) -> torch.Tensor:
+    """The norm over every rank of each group in ``groups`` (``None``: the default group)."""
+    value = local_total(grads, norm_type).to(device)
+    op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+    for group in groups:  # None is the default (world) group
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(value, op=op, group=group)
+    return value if math.isinf(norm_type) else value ** (1.0 / norm_type)
+
+
+@torch.no_grad()
+def clip_(grads: list[torch.Tensor], total_norm: torch.Tensor, max_norm: float) -> None:
+    """Scale ``grads`` in place by ``min(1, max_norm / (total_norm + 1e-6))`` (torch's rule)."""
+    if not grads:
+        return
+    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.device, g.dtype))

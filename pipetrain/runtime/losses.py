@@ -1,0 +1,101 @@
+"""Losses exact whatever their reduction: how each micro-batch's loss is weighted.
+
+A step splits a batch into micro-batches and backpropagates ``w_j · loss_j`` for each; the
+weights make the sum equal the unsplit batch's loss, so the gradients equal unsplit training's.
+Which weights depends on what ``loss_fn`` returns — the ``loss_reduction`` contract:
+
+* ``"mean"`` — the mean over the micro-batch's rows (``mse_loss``, a per-sample loss): weight
+  ``n_j / N`` (rows in the micro-batch over rows in the batch), ``Σ_j (n_j/N)·mean_j = mean``.
+* ``"sum"`` — the sum over the micro-batch (``reduction='sum'``): weight 1, the batch's sum.
+* ``"token_mean"`` — the sum over the micro-batch's counted tokens (target elements that are not
+  ``ignore_index``): weight ``1 / T`` with ``T`` the count over the whole batch — every
+  micro-batch, and every data-parallel replica when a count group is given — so the result is
+  the global token mean a padded language-model loss means. (Per-micro-batch token means
+  weighted by rows are off whenever micro-batches hold different numbers of real tokens.)
+
+``TokenCrossEntropy`` is the built-in ``"token_mean"`` loss; a ``loss_fn`` with a
+``loss_reduction`` attribute states its own contract, so ``Pipeline`` needs no argument for it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+REDUCTIONS = ("mean", "sum", "token_mean")
+
+
+class TokenCrossEntropy:
+    """Cross-entropy summed over tokens whose target is not ``ignore_index``; ``Pipeline``
+    divides by the global token count (``loss_reduction = "token_mean"``).
+
+    ``logits``: ``(..., vocab)``; ``targets``: ``(...)`` class indices, already aligned with the
+    logits (shift them for next-token prediction before the step)."""
+
+    loss_reduction = "token_mean"
+
+    def __init__(self, ignore_index: int = -100) -> None:
+        self.ignore_index = ignore_index
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]),
+            targets.reshape(-1),
+            ignore_index=self.ignore_index,
+            reduction="sum",
+        )
+
+
+def resolve(loss_fn, loss_reduction: str | None, ignore_index: int | None) -> tuple[str, int]:
+    """The reduction (argument, else ``loss_fn.loss_reduction``, else ``"mean"``) and the
+    ``ignore_index`` (argument, else ``loss_fn.ignore_index``, else -100)."""
+    reduction = loss_reduction or getattr(loss_fn, "loss_reduction", "mean")
+    if reduction not in REDUCTIONS:
+        raise ValueError(
+            f"loss_reduction={reduction!r}; legal values are {', '.join(REDUCTIONS)} "
+            "(what loss_fn returns for a micro-batch: its mean over rows, its sum, or its sum "
+            "over counted tokens)"
+        )
+    if ignore_index is None:
+        ignore_index = getattr(loss_fn, "ignore_index", -100)
+    return reduction, ignore_index
+
+
+def counted_tokens(targets: object, ignore_index: int) -> torch.Tensor:
+    """Target elements that are not ``ignore_index`` (the first tensor of a tuple of targets)."""
+    if isinstance(targets, (tuple, list)):
+        targets = targets[0] if targets else None
+    if not isinstance(targets, torch.Tensor):
+        raise ValueError(
+            "loss_reduction='token_mean' counts target tokens: pass targets as a tensor of class "
+            f"indices (or a tuple whose first item is one), not {type(targets).__name__}"
+        )
+    return (targets != ignore_index).sum().to(torch.float64)
+
+
+def weights(
+    reduction: str,
+    row_weights: tuple[float, ...],
+    targets: object,
+    ignore_index: int,
+    count_group=None,
+) -> tuple[float, ...]:
+    """The micro-batch weights for ``reduction``; ``targets`` is the whole batch's.
+
+    ``count_group``: a process group over which the token count is summed (the data-parallel
+    replicas of this pipeline stage; collective: each member calls this once per step)."""
+    if reduction == "mean":
+        return row_weights
+    if reduction == "sum":
+        return (1.0,) * len(row_weights)
+    count = counted_tokens(targets, ignore_index)
+    if count_group is not None and dist.get_world_size(count_group) > 1:
+        dist.all_reduce(count, group=count_group)
+    total = float(count.item())
+    if total == 0:
+        raise ValueError(
+            f"loss_reduction='token_mean': every target is ignore_index={ignore_index}, so no "
+            "token is counted and the mean is undefined"
+        )
+    return (1.0 / total,) * len(row_weights)

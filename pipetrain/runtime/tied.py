@@ -1,0 +1,206 @@
+"""Tied weights: one parameter used by several stages (GPT-2's token embedding and LM head).
+
+Unsplit, autograd sums the gradients of every use of a shared weight. Cut into stages, each use
+sits on a stage — the same ``Parameter`` object where the stages share a rank (V placements put
+the first and the last stage on rank 0), one replica per rank otherwise — and each stage sees only
+its own uses. So pipetrain, once per step, after the rank's last backward piece:
+
+* sums the local replicas' gradients, then all-reduces that sum over a process group of the
+  owning ranks (made here, with ``new_group``; none where one rank owns them all),
+* writes the total into every replica's ``.grad`` (added to what ``.grad`` held before the step,
+  so gradient accumulation across steps stays exact), and
+* fires the replicas' post-accumulate-grad hooks once — the stages never fire them (``quiet``):
+  a data-parallel wrapper's hook sees the whole gradient, once per step (the Megatron-LM way of
+  summing embedding gradients across the first and last stage, Shoeybi et al. 2019 / Narayanan
+  et al. 2021, with the hooks held back until the sum is known).
+
+Replicas start equal: construction broadcasts the first owner's value to the others. Since they
+then get equal gradients, any deterministic optimizer keeps them equal.
+
+Tied sets come from three places, merged by name: ``Pipeline(tied=[("embed.weight",
+"head.weight")])`` (global names as the stages name their parameters: ``pipetrain.split``'s
+stages use the model's names), ``split``'s detection (one ``Parameter`` object in two stages of
+the list it cut: ``Stage.tied_names``), and one ``Parameter`` object in two of this rank's stages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipetrain.runtime.stage import fire_hooks
+
+
+@dataclass
+class TiedSet:
+    """One tied parameter: its names, this rank's replicas (distinct objects) and the group."""
+
+    names: tuple[str, ...]
+    owners: tuple[int, ...]  # pipeline-group ranks holding a replica
+    local: list[nn.Parameter]
+    group: object = None  # a process group of the owners (None: a single owner)
+
+    @property
+    def first_owner(self) -> int:
+        return self.owners[0]
+
+
+def named_parameters_everywhere(modules: Mapping[int, nn.Module]) -> dict[str, nn.Parameter]:
+    """Every local parameter by every name it has (shared ones under each of their names)."""
+    out: dict[str, nn.Parameter] = {}
+    for module in modules.values():
+        for name, p in module.named_parameters(remove_duplicate=False):
+            if name in out and out[name] is not p:
+                raise ValueError(
+                    f"two different parameters are named {name!r} on this rank; stage parameter "
+                    "names must be global (pipetrain.split keeps each layer's model name)"
+                )
+            out[name] = p
+    return out
+
+
+def shared_across(modules: Sequence[nn.Module]) -> list[tuple[str, ...]]:
+    """Names of each parameter object that appears in more than one of ``modules``."""
+    seen: dict[int, list[tuple[int, str]]] = {}
+    for s, module in enumerate(modules):
+        for name, p in module.named_parameters(remove_duplicate=False):
+            seen.setdefault(id(p), []).append((s, name))
+    return [
+        tuple(sorted({n for _, n in uses}))
+        for uses in seen.values()
+        if len({s for s, _ in uses}) > 1
+    ]
+
+
+def merge(sets: Iterable[Sequence[str]]) -> list[tuple[str, ...]]:
+    """Union of overlapping name sets, each sorted, in a deterministic order."""
+    merged: list[set[str]] = []
+    for names in sets:
+        names = set(names)
+        if len(names) < 2:
+            raise ValueError(f"a tied set needs at least two names, got {sorted(names)}")
+        overlapping = [m for m in merged if m & names]
+        for m in overlapping:
+            names |= m
+            merged.remove(m)
+        merged.append(names)
+    return sorted(tuple(sorted(m)) for m in merged)
+
+
+def build(
+    declared: Iterable[Sequence[str]],
+    modules: Mapping[int, nn.Module],
+    group,
+    rank: int,
+    world: int,
+) -> list[TiedSet]:
+    """The tied sets of the whole pipeline, with this rank's replicas and the owners' groups.
+
+    Collective over the pipeline group: every rank must call it (``Pipeline`` does)."""
+    local_sets = list(declared)
+    local_sets += [names for m in modules.values() for names in getattr(m, "tied_names", ())]
+    local_sets += shared_across(list(modules.values()))
+    by_name = named_parameters_everywhere(modules)
+    mine = {"sets": [tuple(s) for s in local_sets], "names": sorted(by_name)}
+    everyone: list = [None] * world
+    if world > 1:
+        dist.all_gather_object(everyone, mine, group=group)
+    else:
+        everyone = [mine]
+    sets = (
+        merge(s for part in everyone for s in part["sets"])
+        if any(part["sets"] for part in everyone)
+        else []
+    )
+    held = [set(part["names"]) for part in everyone]
+    known = set().union(*held)
+    out = []
+    for names in sets:
+        missing = [n for n in names if n not in known]
+        if missing:
+            raise ValueError(
+                f"tied parameter {missing[0]!r} is not a parameter of any stage; tied names are "
+                f"the stages' parameter names, e.g. {sorted(known)[:3]}"
+            )
+        owners = tuple(r for r in range(world) if held[r] & set(names))
+        local: list[nn.Parameter] = []
+        for n in names:
+            p = by_name.get(n)
+            if p is not None and all(p is not q for q in local):
+                local.append(p)
+        shapes = {tuple(p.shape) for p in local}
+        if len(shapes) > 1:
+            raise ValueError(f"tied parameters {names} have different shapes {sorted(shapes)}")
+        out.append(TiedSet(names, owners, local, _owners_group(group, owners)))
+    for tied in out:
+        _make_equal(tied, rank, group)
+    return out
+
+
+def _owners_group(group, owners: tuple[int, ...]):
+    """A process group of the owning ranks (global numbering), made only by its members."""
+    if len(owners) < 2:
+        return None
+    ranks = [_global(group, r) for r in owners]
+    if dist.get_rank() not in ranks:
+        return None
+    return dist.new_group(ranks, use_local_synchronization=True)
+
+
+def _global(group, rank: int) -> int:
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+@torch.no_grad()
+def _make_equal(tied: TiedSet, rank: int, group) -> None:
+    """Replicas start equal: the first owner's first replica, broadcast to the others."""
+    if not tied.local:
+        return
+    source = tied.local[0]
+    if tied.group is not None:
+        value = source.detach().clone()
+        dist.broadcast(value, _global(group, tied.first_owner), group=tied.group)
+        source.copy_(value)
+    for p in tied.local[1:]:
+        p.copy_(source)
+
+
+class TiedGrads:
+    """Per step: hold the tied replicas' ``.grad`` aside, then sum, reduce and write it back."""
+
+    def __init__(self, sets: list[TiedSet], runners) -> None:
+        self.sets = [t for t in sets if t.local]
+        ids = {id(p) for t in self.sets for p in t.local}
+        for runner in runners.values():
+            runner.quiet_params = {id(p) for p in runner.module.parameters() if id(p) in ids}
+        self._before: list[list[torch.Tensor | None]] = []
+
+    @property
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for t in self.sets for p in t.local]
+
+    def begin_step(self) -> None:
+        self._before = []
+        for t in self.sets:
+            self._before.append([p.grad for p in t.local])
+            for p in t.local:
+                p.grad = None
+
+    @torch.no_grad()
+    def end_step(self) -> None:
+        """Sum this step's gradient over the replicas and owners; fire hooks once each."""
+        for t, before in zip(self.sets, self._before):
+            step = [p.grad for p in t.local if p.grad is not None]
+            total = step[0].clone() if step else torch.zeros_like(t.local[0])
+            for g in step[1:]:
+                total += g
+            if t.group is not None:
+                dist.all_reduce(total, group=t.group)
+            for p, old in zip(t.local, before):
+                p.grad = total.clone() if old is None else old + total
+        self._before = []
+        fire_hooks(self.parameters)

@@ -1,0 +1,201 @@
+"""A tiny float64 language model as a list of layers, and per-rank cases for the training tests.
+
+The model is GPT-2 shaped where it matters: a token embedding whose weight the LM head reuses
+(one ``Parameter`` in the first and the last layer: a tied weight across stages), blocks that
+take an ``attention_mask`` side input, and a padded next-token loss (``ignore_index``) whose rows
+hold different numbers of real tokens. The reference is the same layer list run unsplit in one
+process; every rank computes it and compares its own parameters by global name.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB, WIDTH, SEQ = 11, 6, 5
+IGNORE = -100
+
+
+class Embed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(VOCAB, WIDTH, dtype=torch.float64) * 0.5)
+
+    def forward(self, tokens):
+        return F.embedding(tokens, self.weight)
+
+
+class Block(nn.Module):
+    """A residual block; the mask (a side input) zeroes padded positions' updates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH, dtype=torch.float64)
+
+    def forward(self, h, attention_mask=None):
+        update = torch.tanh(self.lin(h))
+        if attention_mask is not None:
+            update = update * attention_mask.unsqueeze(-1)
+        return h + update
+
+
+class Head(nn.Module):
+    def __init__(self, embed: Embed | None) -> None:
+        super().__init__()
+        if embed is None:
+            self.weight = nn.Parameter(torch.randn(VOCAB, WIDTH, dtype=torch.float64) * 0.5)
+        else:
+            self.weight = embed.weight  # tied: the same Parameter object
+
+    def forward(self, h):
+        return h @ self.weight.t()
+
+
+def layer_count(num_stages: int) -> int:
+    return num_stages + 1
+
+
+def stage_counts(num_stages: int) -> list[int]:
+    return [2] + [1] * (num_stages - 1)
+
+
+def build_layers(num_layers: int, tie: bool = True, seed: int = 0) -> dict[str, nn.Module]:
+    """``embed``, ``blocks.<i>`` and ``head`` (names as in a model's state dict)."""
+    torch.manual_seed(seed)
+    embed = Embed()
+    layers: dict[str, nn.Module] = {"embed": embed}
+    for i in range(num_layers - 2):
+        layers[f"blocks.{i}"] = Block()
+    layers["head"] = Head(embed if tie else None)
+    return layers
+
+
+def batch(rows: int, seed: int = 0):
+    """Tokens, shifted targets padded with ``IGNORE`` (a different amount per row), a mask."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (rows, SEQ), generator=g)
+    targets = torch.randint(0, VOCAB, (rows, SEQ), generator=g)
+    lengths = torch.randint(1, SEQ + 1, (rows,), generator=g)
+    pad = torch.arange(SEQ)[None, :] >= lengths[:, None]
+    targets[pad] = IGNORE
+    mask = (~pad).to(torch.float64)
+    return tokens, targets, mask
+
+
+def run_unsplit(layers, tokens, mask=None):
+    h = tokens
+    for name, layer in layers.items():
+        h = layer(h, attention_mask=mask) if name.startswith("blocks") and mask is not None else (
+            layer(h)
+        )
+    return h
+
+
+def reference_loss(logits, targets, reduction: str):
+    flat = logits.reshape(-1, VOCAB), targets.reshape(-1)
+    if reduction == "token_mean":
+        return F.cross_entropy(*flat, ignore_index=IGNORE)
+    return F.cross_entropy(*flat, ignore_index=IGNORE, reduction="sum")
+
+
+def sum_loss(logits, targets):
+    return F.cross_entropy(
+        logits.reshape(-1, VOCAB), targets.reshape(-1), ignore_index=IGNORE, reduction="sum"
+    )
+
+
+def close(a, b, rtol=1e-10) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return bool((a - b).norm() <= rtol * b.norm() + 1e-14)
+
+
+def legal_microbatches(name: str, world: int) -> int:
+    from pipetrain.schedule.registry import build_schedule
+
+    for m in range(2, 4 * world + 4):
+        try:
+            build_schedule(name, world, m)
+            return m
+        except ValueError:
+            continue
+    raise AssertionError(f"no micro-batch count for {name}")
+
+
+def run_losses_tied_clipping(rank: int, world: int, cases: list) -> list[str]:
+    """Per (schedule, reduction, defer, side): two steps, loss and every gradient against the
+    unsplit model (tied embedding/head), hooks once per step with the whole gradient, then
+    ``clip_grad_norm_`` against torch's on the unsplit model."""
+    import pipetrain
+    from pipetrain.runtime.losses import TokenCrossEntropy
+    from pipetrain.schedule.registry import family
+
+    failures = []
+    for name, reduction, defer, side in cases:
+        v = family(name).default_stages_per_rank
+        num_stages = world * v
+        m = legal_microbatches(name, world)
+        layers = build_layers(layer_count(num_stages))
+        stages = pipetrain.split(layers, stage_counts(num_stages))
+        fired: dict[str, int] = {}
+        seen: dict[str, torch.Tensor] = {}
+        loss_fn = TokenCrossEntropy(IGNORE) if reduction == "token_mean" else sum_loss
+        pipe = pipetrain.Pipeline(
+            stages,
+            name,
+            m,
+            loss_fn,
+            loss_reduction=None if reduction == "token_mean" else reduction,
+            defer_weight_grads=defer,
+        )
+        local = {}
+        for s in pipe.modules.values():
+            for n, p in s.named_parameters(remove_duplicate=False):
+                local[n] = p
+        for n, p in local.items():
+            if n != "head.weight" or "embed.weight" not in local:
+
+                def hook(q, n=n):
+                    fired[n] = fired.get(n, 0) + 1
+                    seen[n] = q.grad.clone()
+
+                p.register_post_accumulate_grad_hook(hook)
+        tokens, targets, mask = batch(2 * m + 1, seed=m)
+        kwargs = {"side": {"attention_mask": mask}} if side else {}
+        losses = [pipe.step(tokens, targets, **kwargs) for _ in range(2)]
+        case = f"{name} ranks={world} m={m} {reduction} defer={defer} side={side}"
+        ref_layers = build_layers(layer_count(num_stages))
+        for _ in range(2):
+            ref_loss = reference_loss(
+                run_unsplit(ref_layers, tokens, mask if side else None), targets, reduction
+            )
+            ref_loss.backward()
+        ref = {
+            n: p
+            for layer_name, layer in ref_layers.items()
+            for n, p in (
+                (f"{layer_name}.{k}", q) for k, q in layer.named_parameters(remove_duplicate=False)
+            )
+        }
+        for i, loss in enumerate(losses):
+            if not close(loss, ref_loss.detach()):
+                failures.append(f"{case}: step {i} loss {loss.item()} != {ref_loss.item()}")
+        for n, p in local.items():
+            if not close(p.grad, ref[n].grad):
+                failures.append(f"{case}: {n} gradient differs")
+        counts = sorted(set(fired.values()))
+        if counts != [2]:
+            failures.append(f"{case}: hooks fired {fired}, expected twice each (once per step)")
+        for n, g in seen.items():
+            if not torch.equal(g, local[n].grad):
+                failures.append(f"{case}: {n}'s hook saw a partial gradient")
+        norm = pipe.clip_grad_norm_(0.5)
+        ref_params = list({id(p): p for p in ref.values()}.values())
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref_params, 0.5)
+        if not close(norm, ref_norm):
+            failures.append(f"{case}: norm {norm.item()} != unsplit {ref_norm.item()}")
+        for n, p in local.items():
+            if not close(p.grad, ref[n].grad):
+                failures.append(f"{case}: {n} clipped gradient differs")
+    return failures
