@@ -58,6 +58,7 @@ import inspect
 import json
 import logging
 import os
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -265,7 +266,37 @@ def run_pipetrain(ctx: Ctx, masters: Masters, shape: Shape, name: str, n: int) -
     opt = make_optimizer(ctx, params)
     x, y = shape.batch(ctx, n)
     row, _ = measure(ctx, lambda: pipe.step(x, y), opt, params, base)
+    timelines = []
+    for _ in range(ctx.args.timeline_steps):  # after the timed steps: recording costs time
+        pipe.step(x, y, timeline=True)
+        timelines.append(pipe.last_timeline)
+        opt_step(opt, params)
+    if timelines:
+        row["bubble_measured"] = statistics.fmean(t.bubble_fraction for t in timelines)
+        row["makespan_measured_ms"] = statistics.fmean(t.makespan for t in timelines)
+    row.update(profiled(ctx, PIPETRAIN, shape, name, n, lambda: pipe.step(x, y), opt, params))
     return row
+
+
+def profiled(ctx: Ctx, lib: str, shape: Shape, name: str, n: int, step, opt, params) -> dict:
+    """With ``--profile lib:schedule``: one more step (optimizer included) under torch.profiler,
+    its trace written by the first and the last rank as ``trace-….json.gz`` beside the JSON."""
+    if f"{lib}:{name}" not in ctx.args.profile.split(","):
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.cuda else [])
+    ctx.barrier()
+    ctx.sync()
+    with profile(activities=activities) as prof:
+        step()
+        opt_step(opt, params)
+        ctx.sync()
+    if not ctx.args.out or ctx.rank not in (0, ctx.world - 1):
+        return {}
+    path = Path(ctx.args.out) / f"trace-{shape.name}-{name}-{n}-{lib}-r{ctx.rank}.json.gz"
+    prof.export_chrome_trace(str(path))
+    return {"trace": path.name}
 
 
 def run_torch(ctx: Ctx, masters: Masters, shape: Shape, name: str, n: int) -> dict:
@@ -290,6 +321,9 @@ def run_torch(ctx: Ctx, masters: Masters, shape: Shape, name: str, n: int) -> di
     if "return_outputs" in inspect.signature(sched.step).parameters:
         kwargs["return_outputs"] = False
     row, _ = measure(ctx, lambda: sched.step(*args, **kwargs), opt, params, base)
+    row.update(
+        profiled(ctx, TORCH, shape, name, n, lambda: sched.step(*args, **kwargs), opt, params)
+    )
     return row
 
 
@@ -399,6 +433,8 @@ def run_megatron(
 
         row, _ = measure(ctx, step, opt, params, base)
         row["function"] = fb.__name__
+        lib = MEGATRON if sync else MEGATRON_NOSYNC
+        row.update(profiled(ctx, lib, shape, name, n, step, opt, params))
         return row
     finally:
         parallel_state.destroy_model_parallel()
@@ -449,8 +485,13 @@ def run_deepspeed(ctx: Ctx, masters: Masters, shape: Shape, name: str, n: int) -
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=opt, config=config)
     x, y = shape.batch(ctx, n)
     pairs = list(zip(x.chunk(n), y.chunk(n)))
-    # train_batch steps the optimizer itself: nothing more to step after it
-    row, _ = measure(ctx, lambda: engine.train_batch(data_iter=iter(pairs)), None, [], base)
+    # train_batch steps the optimizer itself: nothing more to step after it (opt None)
+
+    def step() -> None:
+        engine.train_batch(data_iter=iter(pairs))
+
+    row, _ = measure(ctx, step, None, [], base)
+    row.update(profiled(ctx, DEEPSPEED, shape, name, n, step, None, []))
     row["stage_layers"] = ctx.gather(list(module.parts))[0]
     return row
 
@@ -629,9 +670,9 @@ def tables(data: dict) -> str:
         lines += [
             f"*{shape}, {n} micro-batches, {meta['world']} ranks*",
             "",
-            "| schedule | lib | step ms med [min–max] | tok/s | TFLOP/s/GPU | eff "
+            "| schedule | lib | step ms med [min–max] | tok/s | TFLOP/s/GPU | eff | bubble meas "
             "| peak GiB per rank | / megatron same | / megatron best | / torch same | / deepspeed |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         order = sorted(
             group,
@@ -640,7 +681,7 @@ def tables(data: dict) -> str:
         for r in order:
             if "median_ms" not in r:
                 why = r.get("error") or r.get("skipped") or "?"
-                lines.append(f"| {r['schedule']} | {r['lib']} | {why} | | | | | | | | |")
+                lines.append(f"| {r['schedule']} | {r['lib']} | {why} | | | | | | | | | |")
                 continue
             same = [x for x in group if x["schedule"] == r["schedule"]]
 
@@ -656,11 +697,12 @@ def tables(data: dict) -> str:
                 f"{r['median_ms'] / ds['median_ms']:.3f}" if ds and r["lib"] == PIPETRAIN else ""
             )
             mem = r.get("peak_total_gib")
-            eff = r.get("efficiency")
+            eff, bubble = r.get("efficiency"), r.get("bubble_measured")
             lines.append(
                 f"| {r['schedule']} | {r['lib']} | {r['median_ms']:.1f} "
                 f"[{r['min_ms']:.1f}–{r['max_ms']:.1f}] | {r['tokens_per_s']:.0f} "
                 f"| {r['tflops_per_gpu']:.0f} | {'' if eff is None else f'{eff:.3f}'} "
+                f"| {'' if bubble is None else f'{bubble:.3f}'} "
                 f"| {'/'.join(f'{m:.2f}' for m in mem) if mem else '-'} | {ratio(MEGATRON)} "
                 f"| {best} | {ratio(TORCH)} | {ds_ratio} |"
             )
@@ -741,6 +783,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--torch-schedules", default="1f1b,interleaved-1f1b", help="families torch also runs"
+    )
+    p.add_argument(
+        "--timeline-steps",
+        type=int,
+        default=1,
+        help="pipetrain steps recorded with timeline=True after the timed ones (measured bubble)",
+    )
+    p.add_argument(
+        "--profile",
+        default="",
+        help="comma list of lib:schedule (e.g. megatron:interleaved-1f1b) to trace one step of",
     )
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--warmup", type=int, default=None)
