@@ -45,6 +45,11 @@ micro-batch, random activations in and gradients out, then the same optimizer st
 rank's median. Peak memory per rank: ``max_memory_allocated`` over the timed steps (optimizer
 step included) above what was allocated before the library's modules were built.
 
+Diagnostics after the timed steps, never inside them: ``--timeline-steps`` pipetrain steps
+recorded with ``timeline=True`` (the measured bubble fraction), and ``--profile lib:schedule,…``
+one step of each named row under torch.profiler (``trace-<shape>-<schedule>-<n>-<lib>-r<rank>
+.json.gz`` from the first and the last rank).
+
 Any failure becomes an error row with the error's first line and the run goes on; a time budget
 skips what would not fit.
 """
