@@ -410,10 +410,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     )
     svg = out / "zbv_simulated.svg"
     svg.write_text(render_svg(timeline, title=_title(program)))
-    print(
-        f"\n$ {PROG} simulate zbv --ranks 4 --microbatches 8 -F 0.5 -I 0.5 -W 0.5 --activation 0.5"
-    )
-    print(f"{_title(program)} (the table's zbv row: each of a rank's 2 stages costs 1/2)")
+    print(f"\n$ {PROG} simulate zbv -p 4 -m 8 -F .5 -I .5 -W .5 --activation .5")
+    print(f"{_title(program)} (the table's zbv row)")
     print(render_text(timeline, width=width_of(args)))
     print(_summary_text(timeline))
     print(f"wrote {svg}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -389,7 +390,8 @@ def _pictures(args: argparse.Namespace, step: Timeline, title: str) -> list[str]
     path = Path(args.svg)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(render_svg(step, title=f"{title} — measured (ms)"))
-    return ["", f"{title} — measured step (ms)", render_text(step), f"wrote {path}"]
+    width = shutil.get_terminal_size().columns
+    return ["", f"{title} — measured step (ms)", render_text(step, width), f"wrote {path}"]
 
 
 __all__ = ["add_train_arguments", "check_arguments", "report", "run_train"]
