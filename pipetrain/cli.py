@@ -139,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Pipeline-parallel schedules: build, check, simulate, draw and train.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    sub.add_parser("schedules", help="list every schedule with its constraints")
+    add_width(sub.add_parser("schedules", help="list every schedule with its constraints"))
     _add_show(sub.add_parser("show", help="print a schedule's program grid"))
     _add_simulate(sub.add_parser("simulate", help="simulate one step: timeline, bubble, memory"))
     _add_compare(
@@ -249,11 +249,21 @@ def require_torch(command: str) -> None:
         ) from None
 
 
-def cmd_schedules(_: argparse.Namespace) -> int:
-    width = max(len(n) for n in FAMILIES)
+def cmd_schedules(args: argparse.Namespace) -> int:
+    name_w = max(len(n) for n in FAMILIES)
+    indent = " " * (name_w + 2)
     for fam in FAMILIES.values():
-        print(f"{fam.name:<{width}}  {fam.summary}")
-        print(f"{'':<{width}}  constraints: {fam.constraints}")
+        text = f"{fam.summary}\nconstraints: {fam.constraints}"
+        lines = [
+            line
+            for para in text.splitlines()
+            for line in textwrap.wrap(
+                para, max(40, width_of(args) - len(indent)), break_on_hyphens=False
+            )
+        ]
+        print(f"{fam.name:<{name_w}}  {lines[0]}")
+        for line in lines[1:]:
+            print(indent + line)
     return 0
 
 

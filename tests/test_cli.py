@@ -37,6 +37,8 @@ def test_schedules_lists_every_family(capsys) -> None:
     ):
         assert name in out
     assert out.count("constraints:") == len(FAMILIES)
+    code, out, _ = run(capsys, "schedules", "--width", "80")
+    assert all(len(line) <= 80 for line in out.splitlines())
 
 
 def test_show_prints_the_grid(capsys) -> None:
