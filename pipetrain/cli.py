@@ -239,14 +239,12 @@ def program_from(args: argparse.Namespace) -> Program:
     return validate(lower(program))
 
 
-def require_torch(command: str) -> None:
-    """Refuse a command that needs torch with one line saying what to install."""
+def require_torch(instead: str = "") -> None:
+    """Refuse a command that needs torch with one line saying what to install (and ``instead``)."""
     try:
         import torch  # noqa: F401
     except ImportError as e:
-        raise UsageError(
-            f"`{PROG} {command}` needs PyTorch ({e}); install it: {TORCH_HINT}"
-        ) from None
+        raise UsageError(f"needs PyTorch ({e}); install it: {TORCH_HINT}{instead}") from None
 
 
 def cmd_schedules(args: argparse.Namespace) -> int:
@@ -404,7 +402,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     if not args.plan_only:
-        require_torch("demo")  # refuse before printing anything
+        require_torch("; or plan without it: pipetrain demo --plan-only")  # before any output
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     costs = Costs()
@@ -436,7 +434,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    require_torch("train")
+    require_torch()
     from pipetrain.app.train import run_train
 
     return run_train(args)
