@@ -232,7 +232,9 @@ def program_from(args: argparse.Namespace) -> Program:
 
         return validate(lower(validate(load_program(args.program))))
     if not (args.schedule and args.ranks and args.microbatches):
-        raise UsageError("give --schedule NAME --ranks P --microbatches M, or --program FILE")
+        raise UsageError(
+            "give SCHEDULE (or --schedule NAME) --ranks P --microbatches M, or --program FILE"
+        )
     program = build_schedule(
         args.schedule, args.ranks, args.microbatches, args.stages_per_rank, args.group_size
     )
