@@ -55,7 +55,6 @@ class _Opt:
     default: Any
     metavar: str
     help: str
-    default_text: str = ""
 
     @property
     def dest(self) -> str:
@@ -121,8 +120,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add_stages_per_rank(parser, runnable)
     add_microbatches(parser, default=DEFAULT_MICROBATCHES)
     for opt in _OPTIONS:
-        shown = f"{opt.default:g}" if isinstance(opt.default, float) else opt.default
-        default = opt.default_text or shown
+        default = f"{opt.default:g}" if isinstance(opt.default, float) else opt.default
         parser.add_argument(
             *opt.flags,
             dest=opt.dest,
