@@ -318,8 +318,9 @@ def grid_in_bands(program: Program, width: int) -> str:
         band = [row[lo:hi] for row in rows]
         band_cell = max((len(str(a)) for row in band for a in row), default=2) + 2
         header = " " * label + "".join(f"{s:<{band_cell}}" for s in range(lo, hi))
-        more = " …" if hi < num_steps else ""
-        lines = [header.rstrip(), *(line + more for line in format_grid(band).splitlines()[1:])]
+        drawn = format_grid(band).splitlines()[1:]
+        lines = [header.rstrip()]
+        lines += [line + (" …" if len(row) > hi else "") for line, row in zip(drawn, rows)]
         bands.append((lo, "\n".join(lines)))
     return "\n\n".join(text for _, text in bands)
 
