@@ -140,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Pipeline-parallel schedules: build, check, simulate, draw and train.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    sub.add_parser("schedules", help="list every schedule with its constraints")
+    add_width(sub.add_parser("schedules", help="list every schedule with its constraints"))
     _add_show(sub.add_parser("show", help="print a schedule's program grid"))
     _add_simulate(sub.add_parser("simulate", help="simulate one step: timeline, bubble, memory"))
     _add_compare(
@@ -236,28 +236,38 @@ def program_from(args: argparse.Namespace) -> Program:
 
         return validate(lower(validate(load_program(args.program))))
     if not (args.schedule and args.ranks and args.microbatches):
-        raise UsageError("give --schedule NAME --ranks P --microbatches M, or --program FILE")
+        raise UsageError(
+            "give SCHEDULE (or --schedule NAME) --ranks P --microbatches M, or --program FILE"
+        )
     program = build_schedule(
         args.schedule, args.ranks, args.microbatches, args.stages_per_rank, args.group_size
     )
     return validate(lower(program))
 
 
-def require_torch(command: str) -> None:
-    """Refuse a command that needs torch with one line saying what to install."""
+def require_torch(instead: str = "") -> None:
+    """Refuse a command that needs torch with one line saying what to install (and ``instead``)."""
     try:
         import torch  # noqa: F401
     except ImportError as e:
-        raise UsageError(
-            f"`{PROG} {command}` needs PyTorch ({e}); install it: {TORCH_HINT}"
-        ) from None
+        raise UsageError(f"needs PyTorch ({e}); install it: {TORCH_HINT}{instead}") from None
 
 
-def cmd_schedules(_: argparse.Namespace) -> int:
-    width = max(len(n) for n in FAMILIES)
+def cmd_schedules(args: argparse.Namespace) -> int:
+    name_w = max(len(n) for n in FAMILIES)
+    indent = " " * (name_w + 2)
     for fam in FAMILIES.values():
-        print(f"{fam.name:<{width}}  {fam.summary}")
-        print(f"{'':<{width}}  constraints: {fam.constraints}")
+        text = f"{fam.summary}\nconstraints: {fam.constraints}"
+        lines = [
+            line
+            for para in text.splitlines()
+            for line in textwrap.wrap(
+                para, max(40, width_of(args) - len(indent)), break_on_hyphens=False
+            )
+        ]
+        print(f"{fam.name:<{name_w}}  {lines[0]}")
+        for line in lines[1:]:
+            print(indent + line)
     return 0
 
 
@@ -312,8 +322,9 @@ def grid_in_bands(program: Program, width: int) -> str:
         band = [row[lo:hi] for row in rows]
         band_cell = max((len(str(a)) for row in band for a in row), default=2) + 2
         header = " " * label + "".join(f"{s:<{band_cell}}" for s in range(lo, hi))
-        more = " …" if hi < num_steps else ""
-        lines = [header.rstrip(), *(line + more for line in format_grid(band).splitlines()[1:])]
+        drawn = format_grid(band).splitlines()[1:]
+        lines = [header.rstrip()]
+        lines += [line + (" …" if len(row) > hi else "") for line, row in zip(drawn, rows)]
         bands.append((lo, "\n".join(lines)))
     return "\n\n".join(text for _, text in bands)
 
@@ -398,7 +409,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     if not args.plan_only:
-        require_torch("demo")  # refuse before printing anything
+        require_torch("; or plan without it: pipetrain demo --plan-only")  # before any output
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     costs = Costs()
@@ -414,10 +425,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     )
     svg = out / "zbv_simulated.svg"
     svg.write_text(render_svg(timeline, title=_title(program)))
-    print(
-        f"\n$ {PROG} simulate zbv --ranks 4 --microbatches 8 -F 0.5 -I 0.5 -W 0.5 --activation 0.5"
-    )
-    print(f"{_title(program)} (the table's zbv row: each of a rank's 2 stages costs 1/2)")
+    print(f"\n$ {PROG} simulate zbv -p 4 -m 8 -F .5 -I .5 -W .5 --activation .5")
+    print(f"{_title(program)} (the table's zbv row)")
     print(render_text(timeline, width=width_of(args)))
     print(_summary_text(timeline))
     print(f"wrote {svg}")
@@ -432,7 +441,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    require_torch("train")
+    require_torch()
     from pipetrain.app.train import run_train
 
     return run_train(args)

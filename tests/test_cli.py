@@ -37,6 +37,8 @@ def test_schedules_lists_every_family(capsys) -> None:
     ):
         assert name in out
     assert out.count("constraints:") == len(FAMILIES)
+    code, out, _ = run(capsys, "schedules", "--width", "80")
+    assert all(len(line) <= 80 for line in out.splitlines())
 
 
 def test_show_prints_the_grid(capsys) -> None:
@@ -208,7 +210,7 @@ def test_compare_ranks_every_applicable_family(capsys) -> None:
             "microbatch_group_size in",
         ),
         (["simulate", "--program", "/no/such/file.csv"], "cannot read program file"),
-        (["simulate"], "give --schedule NAME"),
+        (["simulate"], "give SCHEDULE (or --schedule NAME)"),
         (["simulate", "--program", "x.csv", "-p", "3"], "drop --ranks"),
         (["simulate", "-s", "1f1b", "-p", "2", "-m", "2", "-F", "1e300"], "numbers in [0, 1e+15]"),
         (

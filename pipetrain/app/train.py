@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -54,7 +55,6 @@ class _Opt:
     default: Any
     metavar: str
     help: str
-    default_text: str = ""
 
     @property
     def dest(self) -> str:
@@ -120,8 +120,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add_stages_per_rank(parser, runnable)
     add_microbatches(parser, default=DEFAULT_MICROBATCHES)
     for opt in _OPTIONS:
-        shown = f"{opt.default:g}" if isinstance(opt.default, float) else opt.default
-        default = opt.default_text or shown
+        default = f"{opt.default:g}" if isinstance(opt.default, float) else opt.default
         parser.add_argument(
             *opt.flags,
             dest=opt.dest,
@@ -389,7 +388,8 @@ def _pictures(args: argparse.Namespace, step: Timeline, title: str) -> list[str]
     path = Path(args.svg)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(render_svg(step, title=f"{title} — measured (ms)"))
-    return ["", f"{title} — measured step (ms)", render_text(step), f"wrote {path}"]
+    width = shutil.get_terminal_size().columns
+    return ["", f"{title} — measured step (ms)", render_text(step, width), f"wrote {path}"]
 
 
 __all__ = ["add_train_arguments", "check_arguments", "report", "run_train"]

@@ -1,10 +1,12 @@
 """The terminal timeline: one row per rank, time across, a block per span, a time axis, a legend.
 
-Time is scaled so the whole line (rank label, grid, frame) fits ``width`` columns. Each column
-shows the op kind that covers most of it (or a bubble, when idle time dominates), so a timeline
-with thousands of spans still draws as a readable heat map; blocks wide enough get a label from
-``style.labels`` (stage included when a rank holds several stages). Without colour, kinds are told
-apart by fill characters; with colour (ANSI 256-colour backgrounds) by the ``style`` palette.
+Every line (rank label, grid, frame) fits ``width`` columns. Each column shows the op kind that
+covers most of it (or a bubble, when idle time dominates), and a block wide enough carries its
+label (``F3``; lower case ``f3`` for a rank's second chunk, so chunks stay apart without stage
+numbers). When a typical action would be too narrow for its label, time wraps into a few bands,
+one under the other, each with its own axis; a timeline that would need more bands (thousands of
+spans) draws in one, as a heat map. Without colour, kinds are told apart by fill characters; with
+colour (ANSI 256-colour backgrounds) by the ``style`` palette.
 """
 
 from __future__ import annotations
