@@ -14,6 +14,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from statistics import fmean
+from typing import Any
 
 from pipetrain.schedule.action import OpKind
 from pipetrain.schedule.timeline import Timeline
@@ -59,7 +60,7 @@ class Costs:
     def scaled(self, factor: float) -> Costs:
         """Every time and size multiplied by ``factor`` (e.g. 1/v to split a rank's share of the
         model into v stages). Only single-number costs scale; per-stage lists are refused."""
-        values = {}
+        values: dict[str, Any] = {}
         for name in (
             "forward",
             "backward_input",
@@ -150,7 +151,7 @@ def mean_durations(timelines: Sequence[Timeline]) -> dict[tuple[OpKind, int], fl
     return {key: fmean(v) for key, v in durations.items()}
 
 
-def measured_costs(timelines: Sequence[Timeline], num_stages: int, **sizes: Cost | None) -> Costs:
+def measured_costs(timelines: Sequence[Timeline], num_stages: int, **sizes: Any) -> Costs:
     """Simulator costs from measured timelines: the mean duration per (kind, stage).
 
     This is how "predicted vs measured" closes the loop: simulate the program with the costs its
@@ -176,14 +177,20 @@ def costs_from_means(
     def per_stage(kind: OpKind) -> list[float | None]:
         return [mean.get((kind, s)) for s in range(num_stages)]
 
-    f, i, w, b = (per_stage(k) for k in (OpKind.F, OpKind.I, OpKind.W, OpKind.B))
+    f: list[float] = []
+    i: list[float] = []
+    w: list[float] = []
+    b: list[float] = []
+    for forward, input_half, weight_half, backward in zip(
+        *(per_stage(k) for k in (OpKind.F, OpKind.I, OpKind.W, OpKind.B))
+    ):
+        if backward is None:
+            backward = (input_half or 0.0) + (weight_half or 0.0)
+        f.append(forward if forward is not None else 0.0)
+        i.append(input_half if input_half is not None else backward / 2)
+        w.append(weight_half if weight_half is not None else backward / 2)
+        b.append(backward)
     pair = per_stage(OpKind.OVERLAP_F_B)
-    for s in range(num_stages):
-        f[s] = f[s] if f[s] is not None else 0.0
-        if b[s] is None:
-            b[s] = (i[s] or 0.0) + (w[s] or 0.0)
-        i[s] = i[s] if i[s] is not None else b[s] / 2
-        w[s] = w[s] if w[s] is not None else b[s] / 2
     have_pairs = any(p is not None for p in pair)
     return Costs(
         forward=f,
