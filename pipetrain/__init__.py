@@ -13,9 +13,11 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
+    from pipetrain.planner import plan
     from pipetrain.runtime.pipeline import Pipeline
+    from pipetrain.runtime.profile_layers import profile
 
-__all__ = ["Pipeline", "__version__"]
+__all__ = ["Pipeline", "__version__", "plan", "profile"]
 
 
 def __getattr__(name: str) -> Any:
@@ -23,4 +25,12 @@ def __getattr__(name: str) -> Any:
         from pipetrain.runtime.pipeline import Pipeline
 
         return Pipeline
+    if name == "plan":  # pure Python: no torch
+        from pipetrain.planner import plan
+
+        return plan
+    if name == "profile":
+        from pipetrain.runtime.profile_layers import profile
+
+        return profile
     raise AttributeError(f"module 'pipetrain' has no attribute {name!r}")

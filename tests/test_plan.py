@@ -263,3 +263,10 @@ def test_cli_plan_json_text_and_errors(tmp_path, capsys) -> None:
         == 2
     )
     assert "cannot read" in capsys.readouterr().err
+
+
+def test_top_level_plan_is_the_planner() -> None:
+    import pipetrain
+    import pipetrain.planner
+
+    assert pipetrain.plan is pipetrain.planner.plan
