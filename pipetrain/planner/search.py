@@ -354,6 +354,15 @@ def stage_costs(costs: ModelCosts, program: Program, cut: Sequence[int]) -> Cost
         backward=b,
         comm=[costs.layer_comm(e - 1) for _, e in per_stage],
         activation=total("activation"),
+        activation_for_weight=[
+            sum(
+                layer.activation
+                if layer.activation_for_weight is None
+                else layer.activation_for_weight
+                for layer in costs.layers[a:e]
+            )
+            for a, e in per_stage
+        ],
         workspace=[max(layer.workspace for layer in costs.layers[a:e]) for a, e in per_stage],
         static=total("params"),
     )

@@ -20,6 +20,10 @@ so ``I`` and ``W`` are split exactly as a pipeline splits them):
   from this GPU to another one (peer-to-peer, what NCCL's send/recv rides on within a host);
   with one GPU, a device-to-device copy on it (a lower bound); on a CPU, a stated model:
   ``CPU_LATENCY_MS`` plus the bytes at ``CPU_BANDWIDTH`` (gloo over loopback);
+* ``activation_for_weight`` (CUDA only): what the allocator still holds after the layer's ``I``
+  (past the input gradients it returned), i.e. what waits for ``W``: the runtime keeps the
+  retained graph or the deferred GEMMs' inputs and output gradients, which can exceed the
+  forward's activation;
 * ``workspace`` (CUDA only): the allocator's peak during the layer's forward and backward above
   what was allocated before, the activation and the parameters' gradients, i.e. temporaries such
   as a loss's float32 logits.
@@ -143,14 +147,19 @@ def _measure(runner: StageRunner, args, target, clock: _Clock, repeats: int, war
         ]
     runner.backward(0, grads)
     times: dict[str, list[float]] = {k: [] for k in ("forward", "backward", "i", "w")}
-    workspace = 0
+    workspace = for_weight = 0
     for _rep in range(warmup + repeats):
         for split in (False, True):
             runner.begin_step()
             before = _allocated(clock)
-            t, _ = clock.time(lambda: runner.forward(0, args, target, 1.0))
+            t, sent = clock.time(lambda: runner.forward(0, args, target, 1.0))
+            del sent  # a pipeline sends the output and lets it go
             if split:
-                ti, _ = clock.time(lambda: runner.backward_input(0, grads))
+                ti, found = clock.time(lambda: runner.backward_input(0, grads))
+                if clock.cuda:  # what W still needs, past the input gradients just returned
+                    held = torch.cuda.memory_allocated() - before - _nbytes(found)
+                    for_weight = max(for_weight, held)
+                del found
                 tw, _ = clock.time(lambda: runner.backward_weight(0))
                 times["i"].append(ti)
                 times["w"].append(tw)
@@ -176,9 +185,14 @@ def _measure(runner: StageRunner, args, target, clock: _Clock, repeats: int, war
             "backward_weight": med("w"),
             "activation": saved.bytes / GIB,
             "workspace": workspace / GIB,
+            "activation_for_weight": for_weight / GIB if clock.cuda else None,
         },
         outputs,
     )
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
 def _allocated(clock: _Clock) -> int:
