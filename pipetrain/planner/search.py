@@ -40,7 +40,7 @@ DEFAULT_MICROBATCH_FACTORS = (1, 2, 4)
 #: the fitting shapes (family, stages per rank, micro-batches) whose best cut is refined
 REFINE_SHAPES = 3
 #: compute actions the refinement may simulate in all (a few microseconds each)
-REFINE_ACTIONS = 2_000_000
+REFINE_ACTIONS = 1_000_000
 #: rounds of tightening the per-stage memory caps towards the budget
 _MEMORY_ROUNDS = 3
 
