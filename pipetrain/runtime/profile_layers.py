@@ -6,8 +6,12 @@ next one's input). Per layer this measures, with the runtime's own stage code (`
 so ``I`` and ``W`` are split exactly as a pipeline splits them):
 
 * ``forward``, ``backward`` (full), ``backward_input`` and ``backward_weight`` in milliseconds:
-  the median over ``repeats`` runs after ``warmup`` runs, timed with CUDA events on a GPU and
-  ``time.perf_counter`` on a CPU; the last layer's forward and backward include ``loss_fn``, as
+  each timed over ``in_flight`` micro-batches run back to back (as a pipeline's steady state
+  runs them, so the host queues kernels ahead and launch gaps do not count; one at a time with a
+  synchronisation around each over-estimated a 2048-wide block by ~30% on an H200) and divided
+  by their number; the median over ``repeats`` rounds after ``warmup`` rounds, timed with CUDA
+  events on a GPU and ``time.perf_counter`` on a CPU; ``.grad`` is kept between rounds as
+  ``zero_grad(set_to_none=False)`` keeps it, so backward pieces add into it as they do in training; the last layer's forward and backward include ``loss_fn``, as
   the last stage's do in a pipeline;
 * ``activation``: the bytes of the distinct tensors the layer's forward saves for its backward
   (a ``saved_tensors_hooks`` count; parameters excluded, the layer's input included), which is
@@ -20,13 +24,13 @@ so ``I`` and ``W`` are split exactly as a pipeline splits them):
   from this GPU to another one (peer-to-peer, what NCCL's send/recv rides on within a host);
   with one GPU, a device-to-device copy on it (a lower bound); on a CPU, a stated model:
   ``CPU_LATENCY_MS`` plus the bytes at ``CPU_BANDWIDTH`` (gloo over loopback);
-* ``activation_for_weight`` (CUDA only): what the allocator still holds after the layer's ``I``
-  (past the input gradients it returned), i.e. what waits for ``W``: the runtime keeps the
+* ``activation_for_weight`` (CUDA only): what the allocator still holds per micro-batch after
+  the layer's ``I`` pieces (the input gradients they returned let go), i.e. what waits for ``W``: the runtime keeps the
   retained graph or the deferred GEMMs' inputs and output gradients, which can exceed the
   forward's activation;
-* ``workspace`` (CUDA only): the allocator's peak during the layer's forward and backward above
-  what was allocated before, the activation and the parameters' gradients, i.e. temporaries such
-  as a loss's float32 logits.
+* ``workspace`` (CUDA only): the allocator's peak during the layer's forwards and backwards above
+  what was allocated before (gradients included) and the micro-batches' activations, i.e.
+  temporaries such as a loss's float32 logits or a weight gradient on its way into ``.grad``.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ def profile(
     optimizer: str = "adamw",
     repeats: int = 5,
     warmup: int = 2,
+    in_flight: int = 4,
     names: Sequence[str] | None = None,
     path: str | Path | None = None,
     meta: dict | None = None,
@@ -73,8 +78,11 @@ def profile(
         raise ValueError("profile needs at least one layer")
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"unknown optimizer {optimizer!r}; legal: {', '.join(OPTIMIZER_STATES)}")
-    if repeats < 1 or warmup < 0:
-        raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats} and {warmup}")
+    if repeats < 1 or warmup < 0 or in_flight < 1:
+        raise ValueError(
+            f"repeats and in_flight must be >= 1 and warmup >= 0, got {repeats}, {in_flight} "
+            f"and {warmup}"
+        )
     if names is not None and len(names) != len(layers):
         raise ValueError(f"{len(names)} names for {len(layers)} layers")
     inputs = sample_input if isinstance(sample_input, tuple) else (sample_input,)
@@ -86,7 +94,7 @@ def profile(
         is_last = index == len(layers) - 1 and loss_fn is not None
         runner = StageRunner(index, layer, is_last, loss_fn if is_last else None)
         args = leaves(inputs)
-        cost, outputs = _measure(runner, args, target, clock, repeats, warmup)
+        cost, outputs = _measure(runner, args, target, clock, repeats, warmup, in_flight)
         static = _static_bytes(layer, seen, OPTIMIZER_STATES[optimizer])
         comm = _transfer_ms(outputs, clock, repeats) if outputs else 0.0
         name = names[index] if names is not None else f"{index}:{type(layer).__name__}"
@@ -133,7 +141,9 @@ class _Clock:
         return (time.perf_counter() - begin) * 1e3, result
 
 
-def _measure(runner: StageRunner, args, target, clock: _Clock, repeats: int, warmup: int):
+def _measure(
+    runner: StageRunner, args, target, clock: _Clock, repeats: int, warmup: int, in_flight: int
+):
     # What the forward saves, counted once outside the timed runs (the hooks cost host time).
     runner.begin_step()
     saved = _SavedBytes(runner.module)
@@ -146,36 +156,51 @@ def _measure(runner: StageRunner, args, target, clock: _Clock, repeats: int, war
             for m in runner.grad_metas(0)
         ]
     runner.backward(0, grads)
+    # A training loop keeps .grad between steps (zero_grad(set_to_none=False)): later backward
+    # pieces add into it, through temporaries the workspace must count.
+    for p in runner.params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    mbs = range(in_flight)
+
+    def forwards() -> None:
+        for mb in mbs:
+            runner.forward(mb, args, target, 1.0)  # the output is sent and let go
+
+    def run(step) -> None:
+        for mb in mbs:
+            step(mb)
+
     times: dict[str, list[float]] = {k: [] for k in ("forward", "backward", "i", "w")}
     workspace = for_weight = 0
-    for _rep in range(warmup + repeats):
+    for rep in range(warmup + repeats):
         for split in (False, True):
             runner.begin_step()
             before = _allocated(clock)
-            t, sent = clock.time(lambda: runner.forward(0, args, target, 1.0))
-            del sent  # a pipeline sends the output and lets it go
+            t, _ = clock.time(forwards)
             if split:
-                ti, found = clock.time(lambda: runner.backward_input(0, grads))
-                if clock.cuda:  # what W still needs, past the input gradients just returned
-                    held = torch.cuda.memory_allocated() - before - _nbytes(found)
+                ti, _ = clock.time(
+                    lambda: run(lambda mb: _discard(runner.backward_input(mb, grads)))
+                )
+                if clock.cuda:  # what W still needs
+                    held = (torch.cuda.memory_allocated() - before) / in_flight
                     for_weight = max(for_weight, held)
-                del found
-                tw, _ = clock.time(lambda: runner.backward_weight(0))
-                times["i"].append(ti)
-                times["w"].append(tw)
+                tw, _ = clock.time(lambda: run(runner.backward_weight))
             else:
-                tb, _ = clock.time(lambda: runner.backward(0, grads))
-                times["forward"].append(t)
-                times["backward"].append(tb)
+                tb, _ = clock.time(lambda: run(lambda mb: _discard(runner.backward(mb, grads))))
+            if rep >= warmup:
+                if split:
+                    times["i"].append(ti / in_flight)
+                    times["w"].append(tw / in_flight)
+                else:
+                    times["forward"].append(t / in_flight)
+                    times["backward"].append(tb / in_flight)
             if clock.cuda:
-                grad_bytes = sum(p.numel() * p.element_size() for p in runner.params)
-                peak = torch.cuda.max_memory_allocated() - before - saved.bytes - grad_bytes
+                peak = torch.cuda.max_memory_allocated() - before - in_flight * saved.bytes
                 workspace = max(workspace, peak)
-            for p in runner.params:
-                p.grad = None
 
     def med(key: str) -> float:
-        return statistics.median(times[key][warmup:])
+        return statistics.median(times[key])
 
     return (
         {
@@ -189,6 +214,10 @@ def _measure(runner: StageRunner, args, target, clock: _Clock, repeats: int, war
         },
         outputs,
     )
+
+
+def _discard(_: object) -> None:
+    """Input gradients a pipeline would send upstream and let go."""
 
 
 def _nbytes(tensors) -> int:
