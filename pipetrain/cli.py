@@ -149,6 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_arguments(
         sub.add_parser("plan", help="pick schedule, micro-batches and cut from a costs file")
     )
+    from pipetrain.app.profile_model import add_profile_arguments
+
+    add_profile_arguments(
+        sub.add_parser("profile", help="measure the built-in GPT's layers into a costs file")
+    )
     train = sub.add_parser(
         "train", help="train a small GPT with a pipeline schedule (launches the processes itself)"
     )
@@ -447,6 +452,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     return run_train(args)
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    require_torch()
+    from pipetrain.app.profile_model import run_profile
+
+    return run_profile(args)
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "schedules": cmd_schedules,
     "show": cmd_show,
@@ -455,6 +467,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "demo": cmd_demo,
     "train": cmd_train,
     "plan": run_plan,
+    "profile": cmd_profile,
 }
 
 

@@ -263,3 +263,43 @@ def test_cli_plan_json_text_and_errors(tmp_path, capsys) -> None:
         == 2
     )
     assert "cannot read" in capsys.readouterr().err
+
+
+def test_top_level_plan_is_the_planner() -> None:
+    import pipetrain
+    import pipetrain.planner
+
+    assert pipetrain.plan is pipetrain.planner.plan
+
+
+def test_pick_is_near_the_exhaustive_best_cut() -> None:
+    """Against simulating every cut of small models with very uneven layers: one stage per rank
+    exact (on these seeds), several stages per rank within 10% (docs/planning.md)."""
+    import random
+
+    rng = random.Random(1)
+    for _ in range(8):
+        num_layers, ranks = rng.randint(4, 7), rng.choice([2, 3])
+        layers = []
+        for n in range(num_layers):
+            f = rng.uniform(0.2, 3)
+            i, w = f * rng.uniform(0.5, 1.5), f * rng.uniform(0.3, 1.2)
+            layers.append(layer(f"l{n}", f, i, w, rng.uniform(0, 1), 0.0))
+        costs = ModelCosts(layers=tuple(layers), comm=rng.choice([0.0, 0.2]))
+        for name, tolerance in (("1f1b", 1e-9), ("zb-h1", 1e-9), ("zbv", 0.10)):
+            m = 2 * ranks
+            found = search(
+                costs, num_ranks=ranks, memory_gib=1e9, schedules=[name], microbatches=[m]
+            )
+            if not found.candidates:
+                continue
+            pick = found.best.plan
+            program = build_schedule(name, ranks, m, pick.stages_per_rank)
+            chain = program.placement.stages_per_chain
+            best = min(
+                simulate_plan(
+                    costs, program, tuple(b - a for a, b in pairwise((0, *ends, num_layers)))
+                )[0].makespan
+                for ends in combinations(range(1, num_layers), chain - 1)
+            )
+            assert pick.step_ms <= best * (1 + tolerance), (name, pick.stage_layers)

@@ -14,7 +14,8 @@ gradients, optimizer state). ``backward`` may stand in for the ``backward_input`
 given with the pair, it is the fused backward's own time. ``comm`` is the cross-rank transfer of
 one activation, overridable per layer (the transfer of that layer's output). Optional per layer:
 ``workspace`` (GiB used only while the layer's own forward or backward runs, e.g. a loss's float32
-logits). Optional top level: ``meta`` (free-form provenance: model, device, dtype, batch shape).
+logits) and ``activation_for_weight`` (GiB still held between a split backward's input half and
+its weight half; default ``activation``). Optional top level: ``meta`` (free-form provenance: model, device, dtype, batch shape).
 
 Anything else is refused with the field's path, so a typo never silently becomes a default.
 """
@@ -31,7 +32,7 @@ from typing import Any
 VERSION = 1
 
 _LAYER_NUMBERS = ("forward", "backward_input", "backward_weight", "backward", "activation")
-_LAYER_OPTIONAL = ("comm", "workspace")
+_LAYER_OPTIONAL = ("comm", "workspace", "activation_for_weight")
 _LAYER_KEYS = ("name", *_LAYER_NUMBERS, "params", *_LAYER_OPTIONAL)
 _TOP_KEYS = ("version", "layers", "comm", "meta")
 
@@ -55,6 +56,8 @@ class LayerCost:
     #: transfer of this layer's output to another rank; ``None``: the file's ``comm``
     comm: float | None = None
     workspace: float = 0.0
+    #: held between ``backward_input`` and ``backward_weight``; ``None``: ``activation``
+    activation_for_weight: float | None = None
 
     @property
     def split_backward(self) -> bool:
@@ -100,6 +103,8 @@ class ModelCosts:
                 entry["comm"] = layer.comm
             if layer.workspace:
                 entry["workspace"] = layer.workspace
+            if layer.activation_for_weight is not None:
+                entry["activation_for_weight"] = layer.activation_for_weight
             layers.append(entry)
         out: dict[str, Any] = {"version": VERSION, "layers": layers, "comm": self.comm}
         if self.meta:
@@ -176,6 +181,7 @@ def _layer(raw: object, where: str, fail) -> LayerCost:
         params=need("params"),
         comm=maybe("comm"),
         workspace=maybe("workspace") or 0.0,
+        activation_for_weight=maybe("activation_for_weight"),
     )
 
 

@@ -127,6 +127,55 @@ def even_min_max_cut(
     return tuple(cut)
 
 
+def rank_balanced_cut(
+    weights: Sequence[float],
+    start: tuple[int, ...],
+    rank_of_stage: Sequence[int],
+    pair_moves_up_to: int = 32,
+) -> tuple[int, ...]:
+    """A cut whose busiest *rank* is as light as a local search finds, for placements with
+    several stages per rank (rank ``rank_of_stage[s]`` runs stage ``s``; a chain shorter than
+    ``rank_of_stage`` repeats, as DualPipe's two copies do).
+
+    With one stage per rank this is the min-max problem above; with several, a rank's load is a
+    sum over distant stages and no interval search applies, so this descends from ``start`` on
+    (largest rank load, sum of squared rank loads) by moving one boundary one layer, or two
+    boundaries for chains up to ``pair_moves_up_to`` stages, until no move improves."""
+    prefix = [0.0, *accumulate(weights)]
+    chain = len(start)
+    num_ranks = max(rank_of_stage) + 1
+
+    def score(cut: tuple[int, ...]) -> tuple[float, float]:
+        blocks = [prefix[b] - prefix[a] for a, b in bounds(cut)]
+        load = [0.0] * num_ranks
+        for stage, rank in enumerate(rank_of_stage):
+            load[rank] += blocks[stage % chain]
+        return max(load), sum(x * x for x in load)
+
+    def moves(cut: tuple[int, ...]) -> list[tuple[int, ...]]:
+        out = []
+        for i in range(chain - 1):
+            for give, take in ((i, i + 1), (i + 1, i)):
+                if cut[give] > 1:
+                    moved = list(cut)
+                    moved[give] -= 1
+                    moved[take] += 1
+                    out.append(tuple(moved))
+        return out
+
+    best, best_score = start, score(start)
+    for _ in range(len(weights) * chain):  # each accepted move lowers the score: this bounds it
+        singles = moves(best)
+        tries = singles + (
+            [m2 for m1 in singles for m2 in moves(m1)] if chain <= pair_moves_up_to else []
+        )
+        found = min(tries, key=score, default=best)
+        if score(found) >= best_score:
+            break
+        best, best_score = found, score(found)
+    return best
+
+
 def _greedy(
     prefix: Sequence[float], num_stages: int, bound: float, limit: Limit | None
 ) -> tuple[int, ...] | None:

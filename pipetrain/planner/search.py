@@ -19,7 +19,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from pipetrain.planner.costs_file import ModelCosts
-from pipetrain.planner.partition import bounds, even_min_max_cut, min_max_cut, uniform_cut
+from pipetrain.planner.partition import (
+    bounds,
+    even_min_max_cut,
+    min_max_cut,
+    rank_balanced_cut,
+    uniform_cut,
+)
 from pipetrain.schedule.action import OpKind
 from pipetrain.schedule.program import Program
 from pipetrain.schedule.registry import FAMILIES, Family, build_schedule, family
@@ -31,6 +37,10 @@ from pipetrain.sim.simulate import simulate
 DEFAULT_STAGES_PER_RANK = (1, 2, 3, 4)
 #: micro-batch counts tried (as multiples of the ranks) when none are given
 DEFAULT_MICROBATCH_FACTORS = (1, 2, 4)
+#: the fitting shapes (family, stages per rank, micro-batches) whose best cut is refined
+REFINE_SHAPES = 3
+#: compute actions the refinement may simulate in all (a few microseconds each)
+REFINE_ACTIONS = 1_000_000
 #: rounds of tightening the per-stage memory caps towards the budget
 _MEMORY_ROUNDS = 3
 
@@ -200,6 +210,7 @@ def search(
     counts = microbatch_options(num_ranks, microbatches, global_batch, micro_batch_size)
     families = [family(n) for n in schedules] if schedules else default_families()
     out = Search()
+    programs: dict[tuple[str, int, int], Program] = {}
     for fam in families:
         for v in _stages_per_rank(fam, num_ranks, costs.num_layers, stages_per_rank):
             for m in counts:
@@ -231,6 +242,8 @@ def search(
                     )
                     continue
                 out.candidates += _candidates(costs, program, fam.name, v, memory_gib)
+                programs[fam.name, v, m] = program
+    _refine(out, costs, programs, memory_gib)
     return out
 
 
@@ -301,6 +314,11 @@ def _candidates(
     ):
         if cut is not None:
             cuts.setdefault(cut, how)
+    if program.num_stages > program.num_ranks:  # several stages per rank: balance the ranks
+        even = even_min_max_cut(time, chain) or uniform_cut(costs.num_layers, chain)
+        cuts.setdefault(
+            rank_balanced_cut(time, even, program.placement.rank_of_stage), "rank-balanced"
+        )
     done = [_evaluate(costs, program, name, v, cut, how, memory_gib) for cut, how in cuts.items()]
     if min(done, key=_rank_key).plan.fits:
         return done
@@ -331,6 +349,69 @@ def _candidates(
     return done
 
 
+def _refine(out: Search, costs: ModelCosts, programs, memory_gib: float) -> None:
+    """Hill-climb the best cuts of the fastest fitting shapes with the simulation as the judge:
+    move one boundary by one layer (from the heavier of its two stages first), keep the first
+    move that is faster and fits, repeat until none is or the budget of simulated actions is
+    spent. What the min-max objective cannot see (fill and drain, comm, W filling bubbles,
+    several stages per rank) the simulation can."""
+    starts: dict[tuple[str, int, int], Candidate] = {}
+    for c in sorted(out.fitting, key=_rank_key):
+        key = (c.plan.schedule, c.plan.stages_per_rank, c.plan.microbatches)
+        if key not in starts and len(starts) < REFINE_SHAPES:
+            starts[key] = c
+    budget = REFINE_ACTIONS
+    time = [layer.forward + layer.backward for layer in costs.layers]
+    for (name, v, _), best in starts.items():
+        program = programs[name, v, best.plan.microbatches]
+        size = sum(len(row) for row in program.actions)
+        seen = {best.plan.stage_layers}
+        improved = True
+        while improved:
+            improved = False
+            for cut in _neighbours(best.plan.stage_layers, time):
+                if cut in seen:
+                    continue
+                if budget < size:
+                    return
+                budget -= size
+                seen.add(cut)
+                c = _evaluate(costs, program, name, v, cut, "refined", memory_gib)
+                out.candidates.append(c)
+                if c.plan.fits and _rank_key(c) < _rank_key(best):
+                    best, improved = c, True
+                    break
+
+
+#: longest chain of stages whose two-move neighbourhood the refinement searches
+PAIR_MOVES_UP_TO = 32
+
+
+def _neighbours(cut: tuple[int, ...], time: Sequence[float]):
+    """One-layer moves first; then, for chains up to ``PAIR_MOVES_UP_TO`` stages, two of them
+    (with several stages per rank a rank's load is split over distant stages, so the better
+    cut is often two moves away through a worse one)."""
+    singles = _moves(cut, time)
+    yield from singles
+    if len(cut) <= PAIR_MOVES_UP_TO:
+        for first in singles:
+            yield from _moves(first, time)
+
+
+def _moves(cut: tuple[int, ...], time: Sequence[float]) -> list[tuple[int, ...]]:
+    """Cuts one layer away from ``cut`` (every stage keeping one), the heavier side giving first."""
+    load = [sum(time[a:b]) for a, b in bounds(cut)]
+    scored = []
+    for i in range(len(cut) - 1):
+        for give, take in ((i, i + 1), (i + 1, i)):
+            if cut[give] > 1:
+                moved = list(cut)
+                moved[give] -= 1
+                moved[take] += 1
+                scored.append((load[take] - load[give], tuple(moved)))
+    return [c for _, c in sorted(scored)]
+
+
 def stage_costs(costs: ModelCosts, program: Program, cut: Sequence[int]) -> Costs:
     """Simulator costs of the stages ``cut`` makes: sums over each stage's layers (a stage's
     ``comm`` is its last layer's output transfer, its workspace the largest of its layers')."""
@@ -354,6 +435,15 @@ def stage_costs(costs: ModelCosts, program: Program, cut: Sequence[int]) -> Cost
         backward=b,
         comm=[costs.layer_comm(e - 1) for _, e in per_stage],
         activation=total("activation"),
+        activation_for_weight=[
+            sum(
+                layer.activation
+                if layer.activation_for_weight is None
+                else layer.activation_for_weight
+                for layer in costs.layers[a:e]
+            )
+            for a, e in per_stage
+        ],
         workspace=[max(layer.workspace for layer in costs.layers[a:e]) for a, e in per_stage],
         static=total("params"),
     )
