@@ -50,7 +50,8 @@ bubble).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from itertools import accumulate
 
 from pipetrain.schedule.action import Action, OpKind
 from pipetrain.schedule.builders.common import F, I, W, make_program, require_positive
@@ -94,26 +95,49 @@ def _build(
     ranks = [_Rank(placement.stages_of_rank(r)) for r in range(p)]
     for rank, row in enumerate(ranks):  # step 1: repeat the block, W into the free slots
         row.place_block(offsets(p, rank), m)
-        row.fill_weight_grads()
-    cap = max(row.peak() for row in ranks)
+        row.fill_weight_grads(after=-1)
+    cap = max(max(row.held_per_slot()) for row in ranks)
     steady_start = ranks[0].slot[I(0, 0)]  # the first micro-batch has come back to stage 0
     steady_end = ranks[0].slot[F(0, m - 1)]  # the last micro-batch enters the pipeline
-    slot_of = _SlotIndex(placement, ranks)
+    slots = _Slots(placement, ranks)
     # step 3a: warm-up and cool-down passes, W included, to the earliest slot within the peak
-    for action in slot_of.in_slot_order():
-        if not steady_start <= slot_of[action] <= steady_end:
-            slot_of.move_up(action, cap)
-    # step 3b: the cool-down again with its W taken out and put back into the free slots
+    held = [row.held_per_slot() for row in ranks]
+    for action in slots.in_slot_order():
+        if not steady_start <= slots[action] <= steady_end:
+            slots.move_up(action, lambda row, a, to, now: _fits(held[row], a, to, now, cap))
+    # step 3b: the cool-down again, its W taken out and put back into the free slots
     for row in ranks:
         row.drop_weight_grads(after=steady_end)
-    for action in slot_of.in_slot_order():
-        if slot_of[action] > steady_end:
-            slot_of.move_up(action, cap, refill_after=steady_end)
+    start = []  # per rank: last slot, activations held and W waiting after the steady state
+    for row in ranks:
+        held, waiting = row.state_after(steady_end)
+        start.append((max(row.at), held, len(waiting)))
+    for action in slots.in_slot_order():
+        if slots[action] > steady_end:
+            slots.move_up(
+                action,
+                lambda row, *_: ranks[row].fits_after(steady_end, *start[row], cap),
+                earliest=steady_end + 1,
+            )
     for row in ranks:
         row.fill_weight_grads(after=steady_end)
     # step 2, squeezing, is what executing each rank's passes in slot order does
     rows = [[row.at[t] for t in sorted(row.at)] for row in ranks]
     return make_program(name, placement, m, rows)
+
+
+def _fits(held: list[int], action: Action, to: int, now: int, cap: int) -> bool:
+    """Whether moving ``action`` from slot ``now`` up to ``to`` keeps ``held`` (activations held
+    per slot) within ``cap``; if so, ``held`` is updated. Only an F moved up holds more."""
+    if action.kind is OpKind.F:
+        if max(held[to:now]) + 1 > cap:
+            return False
+        for t in range(to, now):
+            held[t] += 1
+    elif action.kind is OpKind.W:  # freed sooner
+        for t in range(to + 1, now + 1):
+            held[t] -= 1
+    return True
 
 
 class _Rank:
@@ -143,54 +167,82 @@ class _Rank:
             self.put(I(self.chunk1, j), i1 + start)
             self.put(I(self.chunk0, j), i0 + start)
 
+    def held_per_slot(self) -> list[int]:
+        """Activations (chunk-units) held while each slot runs: an F's from its slot on, until
+        the end of its W's slot. The list runs one slot past the last pass."""
+        held = [0] * (max(self.at) + 2)
+        for slot, action in self.at.items():
+            if action.kind is OpKind.F:
+                held[slot] += 1
+            elif action.kind is OpKind.W:
+                held[slot + 1] -= 1
+        return list(accumulate(held))
+
     def drop_weight_grads(self, after: int) -> None:
         for action in [a for a, t in self.slot.items() if t > after and a.kind is OpKind.W]:
             self.take(action)
 
-    def fill_weight_grads(self, after: int = -1) -> None:
-        """Each free slot after ``after`` runs the W of the oldest I still waiting for it."""
-        for slot, action in _with_weight_grads(self.at, after):
+    def state_after(self, slot: int) -> tuple[int, tuple[Action, ...]]:
+        """Activations held after ``slot`` and the W still to place, oldest I first."""
+        held = 0
+        done = {(a.stage, a.microbatch) for a in self.slot if a.kind is OpKind.W}
+        waiting = []
+        for t in sorted(t for t in self.at if t <= slot):
+            action = self.at[t]
+            if action.kind is OpKind.F:
+                held += 1
+            elif action.kind is OpKind.W:
+                held -= 1
+            elif (action.stage, action.microbatch) not in done:
+                waiting.append(W(action.stage, action.microbatch))
+        return held, tuple(waiting)
+
+    def with_weight_grads(
+        self, after: int, waiting: Iterable[Action] = ()
+    ) -> Iterator[tuple[int, Action]]:
+        """The passes after slot ``after`` in slot order, with the W of ``waiting`` and of each
+        I here, oldest first, in the free slots (and after the last pass)."""
+        queue = deque(waiting)
+        last = max(self.at)
+        for slot in range(after + 1, last + 1):
+            action = self.at.get(slot)
+            if action is None:
+                if queue:
+                    yield slot, queue.popleft()
+                continue
+            if action.kind is OpKind.I:
+                queue.append(W(action.stage, action.microbatch))
+            yield slot, action
+        yield from enumerate(queue, start=last + 1)
+
+    def fill_weight_grads(self, after: int) -> None:
+        """Put the W of every I after slot ``after`` (and of those waiting at it) into free slots."""
+        _, waiting = self.state_after(after)
+        for slot, action in list(self.with_weight_grads(after, waiting)):
             if action.kind is OpKind.W:
                 self.put(action, slot)
 
-    def peak(self, refill_after: int | None = None) -> int:
-        """Peak activations (chunk-units): held from an F's slot to the end of its W's slot; with
-        ``refill_after``, the W after that slot are first placed as ``fill_weight_grads`` would."""
-        timeline = (
-            sorted(self.at.items())
-            if refill_after is None
-            else _with_weight_grads(self.at, refill_after)
-        )
-        held = peak = 0
-        for _, action in timeline:  # one pass per slot: a W's free comes before the next F
-            if action.kind is OpKind.F:
+    def fits_after(self, after: int, end: int, held: int, waiting: int, cap: int) -> bool:
+        """Whether the activations held from slot ``after`` to ``end`` (at least the last pass)
+        stay within ``cap`` with the W placed as ``fill_weight_grads`` would, from ``held`` held
+        and ``waiting`` W unplaced after ``after``."""
+        at = self.at
+        for slot in range(after + 1, end + 1):
+            action = at.get(slot)
+            if action is None:
+                if waiting:  # a W: freed before the next slot's F
+                    waiting -= 1
+                    held -= 1
+            elif action.kind is OpKind.F:
                 held += 1
-                peak = max(peak, held)
-            elif action.kind is OpKind.W:
-                held -= 1
-        return peak
+                if held > cap:
+                    return False
+            elif action.kind is OpKind.I:
+                waiting += 1
+        return True
 
 
-def _with_weight_grads(at: dict[int, Action], after: int) -> Iterable[tuple[int, Action]]:
-    """``at``'s passes in slot order with, in each free slot after ``after``, the W of the oldest
-    I whose W is not placed yet (the passes' own W up to ``after`` stay where they are)."""
-    placed = {(a.stage, a.microbatch) for a in at.values() if a.kind is OpKind.W}
-    waiting: deque[Action] = deque()
-    last = max(at)
-    slot = 0
-    for slot in range(last + 1):
-        action = at.get(slot)
-        if action is not None:
-            if action.kind is OpKind.I and (action.stage, action.microbatch) not in placed:
-                waiting.append(W(action.stage, action.microbatch))
-            yield slot, action
-        elif slot > after and waiting:
-            yield slot, waiting.popleft()
-    for slot, action in enumerate(waiting, start=last + 1):
-        yield slot, action
-
-
-class _SlotIndex:
+class _Slots:
     """Every rank's slots, for moving passes up to the earliest slot their inputs allow."""
 
     def __init__(self, placement: Placement, ranks: list[_Rank]) -> None:
@@ -219,17 +271,22 @@ class _SlotIndex:
             needs.append(Action(action.kind, stage, j - 1))
         return max((self[n] + 1 for n in needs), default=0)
 
-    def move_up(self, action: Action, cap: int, refill_after: int | None = None) -> None:
-        """Move ``action`` to the earliest free slot before its own, after its inputs, where its
-        rank's peak stays within ``cap``; leave it where it is if there is none."""
-        row = self.ranks[self.placement.rank(action.stage)]
-        start = self.ready(action)
+    def move_up(
+        self,
+        action: Action,
+        fits: Callable[[int, Action, int, int], bool],
+        earliest: int = 0,
+    ) -> None:
+        """Move ``action`` to the earliest free slot from ``earliest`` on, after its inputs and
+        before its own, where ``fits(rank, action, slot, own slot)`` (the memory check) holds."""
+        rank = self.placement.rank(action.stage)
+        row = self.ranks[rank]
         current = row.take(action)
-        for slot in range(start, current):
+        for slot in range(max(self.ready(action), earliest), current):
             if slot in row.at:
                 continue
             row.put(action, slot)
-            if row.peak(refill_after) <= cap:
+            if fits(rank, action, slot, current):
                 return
             row.take(action)
         row.put(action, current)
