@@ -1,20 +1,15 @@
-"""V-Half and V-Min: V schedules with controllable memory (Qi et al., "Pipeline Parallelism with
-Controllable Memory", NeurIPS 2024, arXiv 2405.15362).
+"""V-Half and V-Min: V schedules with controllable memory (Qi, Wan, Amar, Lin, "Pipeline
+Parallelism with Controllable Memory", NeurIPS 2024, arXiv 2405.15362).
 
-The paper builds a schedule from a **building block** — where each pass of one micro-batch runs —
-repeated every ``T`` (§3, Fig. 2): here the block of one micro-batch is four passes per rank, the
-forwards and input-gradient backwards of its two V chunks (rank r holds chunk 0 = stage r and
-chunk 1 = stage 2p − 1 − r), and with unit passes the block repeats every ``T = 6`` slots, the
-work of one micro-batch on one rank (2 chunks × F, I, W). The weight-gradient passes W are not
-placed by the block: they fill each rank's free slots, oldest first.
-
-**Lifespan.** A stage's activation lives ``l`` slots, from its F to its W; in the steady state the
-block repeats ``⌈l / T⌉``-ish times within that span, so a rank holds about the sum over its
-stages of ``l / T`` micro-batches' activations (§3.1). 1F1B's block keeps rank 0's activation for
-about 2p of its own stage times, the whole round trip, which is where its p comes from. The V
-blocks shorten the lifespans by offsetting the passes so that the long lifespan of one chunk is
-paired with the short one of the other (§4.1, Fig. 3), with these offsets (slots, rank r,
-p ranks; Appendix, the reference implementation's stable patterns):
+The paper builds a schedule in four steps — building block, repeating, squeezing, reordering —
+and designs V-shaped building blocks whose memory it controls (its Fig. 4 draws the full V-Min,
+V-Half and V-ZB schedules). The **building block** is where each pass of one micro-batch runs.
+Here it is four passes per rank: the forward and the input-gradient backward (I) of each of the
+rank's two V chunks (rank r holds chunk 0 = stage r and chunk 1 = stage 2p − 1 − r). With unit
+passes it **repeats** every ``INTERVAL = 6`` slots, one micro-batch's work on one rank
+(2 chunks × F, I, W); the weight-gradient passes W are not part of the block and fill each rank's
+free slots, oldest I first. The offsets (slots, rank r, p ranks), as the authors' reference
+implementation (sail-sg/zero-bubble-pipeline-parallelism) lays out its stable patterns:
 
 =======  ============  ================  =====================  ===================
 block    F chunk 0     F chunk 1         I chunk 1              I chunk 0
@@ -23,24 +18,32 @@ V-Min    r             2p − 1 − r        2p + g + r             4p − 1 + g
 V-Half   2r            3p − 2 − r        3p − 1 + g + 2r        6p − 2 + g − r
 =======  ============  ================  =====================  ===================
 
-with a gap ``g`` (V-Min: 2 when p % 3 == 0, V-Half: 3 when p is even, else 0) that keeps the four
-offsets distinct modulo T, so repeated blocks never collide. V-Min's lifespans are 4p + g − 2r
-and 2r + g + 1 slots (about 4p per rank, a third of 1F1B's 12p in these half-stage slots); V-Half
-runs its forwards two slots apart, giving 6p + g − 3r − 2 and 3r + g + 1 (about 6p, a half).
-The published peaks, in micro-batches of a rank's share (two chunk-units each): V-Min
-``⌊(p + 4) / 3⌋``, V-Half ``⌊(p + 2) / 2⌋``, against 1F1B's p. At F = I = W the bubble
-(longest rank span − work) is about 4p chunk-slots for V-Min and 3p for V-Half against 1F1B's
-6(p − 1): bubble rates ≈ 2p/3m and p/2m against p/m (Table 1 and the authors' summary table).
+with a gap ``g`` (V-Min: 2 when p % 3 == 0; V-Half: 3 when p is even; else 0) that keeps a rank's
+four offsets distinct modulo 6, so that repeated blocks never collide.
 
-Building a program follows the paper's three steps (§3, Fig. 2):
+**Lifespan.** A stage's activation lives from its F to its W; a block repeated every T holds about
+``lifespan / T`` micro-batches of it at once, so a rank's peak is set by the sum of its stages'
+lifespans (weighted by activation size). 1F1B's block keeps rank 0's activation — two chunk-units,
+a whole rank's share — for the round trip down and back, about 6p slots: 12p unit-slots, peak p
+shares. V-Min's chunk-0 and chunk-1 lifespans (F to I) on rank r are 4p − 1 + g − 2r and 2r + 1 + g,
+a total of 4p + 2g on every rank: a third of 1F1B's, and balanced. V-Half spaces its chunk-0
+forwards and chunk-1 backwards two slots apart: 6p − 2 + g − 3r and 3r + 1 + g, total 6p − 1 + 2g,
+a half. The authors' summary table states the peaks as ``⌊(p + 4)/3⌋`` (V-Min) and
+``⌊(p + 2)/2⌋`` (V-Half) micro-batches of a rank's share against 1F1B's p, and the bubble rates at
+F = I = W as about 2p/3m and p/2m against p/m; here that is 2⌊(p + 4)/3⌋ and 2⌊(p + 2)/2⌋
+chunk-units, and a bubble (longest rank span − 6m) within 2/3 and 1/2 of 1F1B's 6(p − 1) (the
+tests check both by simulation).
+
+Building a program follows the four steps:
 
 1. **repeat** the block: micro-batch j's passes at ``offset + 6j``, then W into free slots;
 2. **squeeze**: a rank runs its passes in slot order as soon as their inputs are ready (the
    simulator and the runtime both execute that way, so the order is all the program records);
-3. **reorder** the warm-up and cool-down: each pass outside the steady state moves to the earliest
-   free slot after its inputs where its rank stays within the block's peak memory; then, in the
-   cool-down, the W are taken out, the F and I moved up the same way, and the W put back into
-   the free slots (the reference implementation's two greedy passes, ``zbv_greedy``).
+3. **reorder** the warm-up and cool-down, where memory is below the steady state's peak: each
+   pass outside the steady state moves to the earliest free slot after its inputs where its rank
+   stays within the block's peak; then, in the cool-down, the W are taken out, the F and I moved
+   up the same way, and the W put back into the free slots (as the reference implementation's
+   two greedy passes do).
 
 Any p >= 1 and m >= 1 build: no dependency crosses micro-batches, so a schedule with fewer
 micro-batches than the block is deep simply never reaches its steady state (lower peak, larger
