@@ -105,9 +105,8 @@ def _build(
     slots = _Slots(placement, ranks)
     # step 3a: warm-up and cool-down passes, W included, to the earliest slot within the peak
     held = [row.held_per_slot() for row in ranks]
-    for action in slots.in_slot_order():
-        if not steady_start <= slots[action] <= steady_end:
-            slots.move_up(action, lambda row, a, to, now: _fits(held[row], a, to, now, cap))
+    for action in slots.in_slot_order(lambda t: not steady_start <= t <= steady_end):
+        slots.move_up(action, lambda row, a, to, now: _fits(held[row], a, to, now, cap))
     # step 3b: the cool-down again, its W taken out and put back into the free slots
     for row in ranks:
         row.drop_weight_grads(after=steady_end)
@@ -115,13 +114,12 @@ def _build(
     for row in ranks:
         held, waiting = row.state_after(steady_end)
         start.append((max(row.at), held, len(waiting)))
-    for action in slots.in_slot_order():
-        if slots[action] > steady_end:
-            slots.move_up(
-                action,
-                lambda row, *_: ranks[row].fits_after(steady_end, *start[row], cap),
-                earliest=steady_end + 1,
-            )
+    for action in slots.in_slot_order(lambda t: t > steady_end):
+        slots.move_up(
+            action,
+            lambda row, *_: ranks[row].fits_after(steady_end, *start[row], cap),
+            earliest=steady_end + 1,
+        )
     for row in ranks:
         row.fill_weight_grads(after=steady_end)
     # step 2, squeezing, is what executing each rank's passes in slot order does
@@ -185,20 +183,25 @@ class _Rank:
         for action in [a for a, t in self.slot.items() if t > after and a.kind is OpKind.W]:
             self.take(action)
 
-    def state_after(self, slot: int) -> tuple[int, tuple[Action, ...]]:
-        """Activations held after ``slot`` and the W still to place, oldest I first."""
+    def state_after(self, slot: int) -> tuple[int, list[Action]]:
+        """Activations held after ``slot`` and the W still to place there, oldest I first."""
         held = 0
-        done = {(a.stage, a.microbatch) for a in self.slot if a.kind is OpKind.W}
-        waiting = []
-        for t in sorted(t for t in self.at if t <= slot):
-            action = self.at[t]
+        waiting: list[Action] = []
+        placed = set()
+        for t in range(slot + 1):
+            action = self.at.get(t)
+            if action is None:
+                continue
             if action.kind is OpKind.F:
                 held += 1
-            elif action.kind is OpKind.W:
+            elif action.kind is OpKind.I:
+                waiting.append(action)
+            else:
                 held -= 1
-            elif (action.stage, action.microbatch) not in done:
-                waiting.append(W(action.stage, action.microbatch))
-        return held, tuple(waiting)
+                placed.add((action.stage, action.microbatch))
+        return held, [
+            W(a.stage, a.microbatch) for a in waiting if (a.stage, a.microbatch) not in placed
+        ]
 
     def with_weight_grads(
         self, after: int, waiting: Iterable[Action] = ()
@@ -255,9 +258,12 @@ class _Slots:
     def __getitem__(self, action: Action) -> int:
         return self.ranks[self.placement.rank(action.stage)].slot[action]
 
-    def in_slot_order(self) -> list[Action]:
-        every = [(t, r, a) for r, row in enumerate(self.ranks) for a, t in row.slot.items()]
-        return [a for _, _, a in sorted(every, key=lambda e: (e[0], e[1]))]
+    def in_slot_order(self, keep: Callable[[int], bool]) -> list[Action]:
+        """The passes whose slot ``keep`` accepts, by slot, then rank."""
+        kept = [
+            (t, r, a) for r, row in enumerate(self.ranks) for a, t in row.slot.items() if keep(t)
+        ]
+        return [a for _, _, a in sorted(kept, key=lambda e: (e[0], e[1]))]
 
     def ready(self, action: Action) -> int:
         """The first slot after every pass ``action`` needs (same-kind passes keep their order)."""
