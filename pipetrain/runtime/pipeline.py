@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipetrain.runtime import microbatch
+from pipetrain.runtime.data_parallel import DataParallel, check_wrapping, mesh_groups
 from pipetrain.runtime.executor import Executor, MetaCache, StepData
 from pipetrain.runtime.p2p import DTYPE_CODE, DTYPES, Transport
 from pipetrain.runtime.stage import StageRunner, arity
@@ -52,6 +53,10 @@ class Pipeline:
     ``Pipeline`` made becomes a plain ``nn.Linear`` again).
     ``None`` (default): per stage, on where plain linears hold at least half of its trainable
     parameters. Either way exact.
+    ``mesh`` and ``data_parallel``: a ``DeviceMesh`` with dimensions ``("dp", "pp")`` (instead of
+    ``group``) and ``"ddp"`` or ``"fsdp"``: each ``pp`` row of the mesh runs the pipeline, each
+    ``dp`` column holds DDP or FSDP2 replicas of its stages, each replica steps on its own shard
+    of the global batch, and gradients are reduced once per step (``runtime.data_parallel``).
     """
 
     def __init__(
@@ -68,10 +73,22 @@ class Pipeline:
         timeout: timedelta = timedelta(minutes=10),
         overlap_pairs: bool = False,
         defer_weight_grads: bool | None = None,
+        mesh=None,
+        data_parallel: str | None = None,
     ) -> None:
         _require_process_group()
         if loss_fn is None:
             raise ValueError("loss_fn is required: loss_fn(last_stage_output, targets) -> scalar")
+        dp_group = dp_mesh = None
+        if (mesh is None) != (data_parallel is None):
+            raise ValueError(
+                "mesh= and data_parallel= go together: a ('dp', 'pp') DeviceMesh and 'ddp' or "
+                "'fsdp'"
+            )
+        if mesh is not None:
+            if group is not None:
+                raise ValueError("pass either group= or mesh= (whose 'pp' dimension is the group)")
+            group, dp_group, dp_mesh = mesh_groups(mesh)
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -87,12 +104,19 @@ class Pipeline:
         self.last_stage = self.placement.num_stages - 1
         self.last_rank = self.placement.rank(self.last_stage)
         self.modules = _local_modules(stages, self.placement.stages_of_rank(self.rank), self.device)
+        check_wrapping(self.modules, data_parallel)
+        self.data_parallel = (
+            DataParallel(data_parallel, self.modules, dp_group, dp_mesh, self.device)
+            if data_parallel is not None
+            else None
+        )
         self.runners = {
             s: StageRunner(s, m, s == self.last_stage, loss_fn, defer_weight_grads)
             for s, m in self.modules.items()
         }
         for stage, mb in _last_weight_pieces(self.program.actions[self.rank]).items():
             self.runners[stage].last_weight_microbatch = mb
+        self._last_uses = _last_uses(self.program.actions[self.rank])
         self.arities = self._gather_arities()
         self.transport = Transport(
             self.rank, group, self.device, timeout, reverse_group=_reverse_group(group)
@@ -119,9 +143,14 @@ class Pipeline:
         Gradients accumulate into ``.grad`` (zero them as with any torch training loop).
         """
         mbs = self._split(inputs, targets)
+        if self.data_parallel is not None:
+            self.data_parallel.check_batch(mbs.batch_size)
         rows = self.program.actions[self.rank]
         self._execute(rows, mbs, "train", timeline, self.program.name)
-        return self._agree_on_loss(mbs.weights)
+        loss = self._agree_on_loss(mbs.weights)
+        if self.data_parallel is not None:
+            loss = self.data_parallel.mean_loss(loss)
+        return loss
 
     def eval_step(self, inputs):
         """Forward only; the last stage's outputs (merged) on the rank that holds it, else None."""
@@ -152,21 +181,41 @@ class Pipeline:
         discover = cache is None or cache.signature != signature
         if discover:
             cache = self._caches[mode] = MetaCache(signature=signature)
+        if self.data_parallel is not None:
+            self.data_parallel.begin()
         for runner in self.runners.values():
             runner.begin_step()
         recorder = Recorder(self.rank, self.device, timeline)
         recorder.begin(self.group)
+        after = self._sync_after if self.data_parallel is not None and mode == "train" else None
         executor = Executor(
-            self.rank, self.placement, self.runners, self.transport, self.arities, self.side_stream
+            self.rank,
+            self.placement,
+            self.runners,
+            self.transport,
+            self.arities,
+            self.side_stream,
+            after,
         )
         data = StepData(mbs.inputs, mbs.targets, mbs.weights)
         executor.run(rows, data, cache, recorder, train=mode == "train", discover=discover)
+        if self.data_parallel is not None:
+            if mode == "train":
+                self.data_parallel.finish_all()
+            else:
+                self.data_parallel.end_eval()
         executor.check_empty()
         if timeline:
             self.last_timeline = gather_timeline(
                 recorder, self.group, self.world_size, self.placement.num_stages, name
             )
         return executor.results
+
+    def _sync_after(self, action: Action) -> None:
+        """After a stage's last compute action of the step: its data-parallel gradient sync, so
+        the reduction overlaps the rest of the row (on CUDA)."""
+        for stage in self._last_uses.get(action, ()):
+            self.data_parallel.finish(stage)
 
     def _agree_on_loss(self, weights: tuple[float, ...]) -> torch.Tensor:
         """Σ_j w_j · loss_j from the last stage, broadcast so every rank returns the same value."""
@@ -209,6 +258,18 @@ def _last_weight_pieces(row: Sequence[Action]) -> dict[int, int]:
                 if token is deps.Token.WEIGHT_GRAD:
                     last[stage] = microbatch
     return last
+
+
+def _last_uses(row: Sequence[Action]) -> dict[Action, tuple[int, ...]]:
+    """The stages whose last compute action in ``row`` each action is."""
+    last: dict[int, Action] = {}
+    for action in row:
+        for part in action.compute_parts:
+            last[part.stage] = action
+    uses: dict[Action, tuple[int, ...]] = {}
+    for stage, action in sorted(last.items()):
+        uses[action] = (*uses.get(action, ()), stage)
+    return uses
 
 
 def _require_process_group() -> None:
