@@ -214,6 +214,10 @@ def _fsdp_post_backward(module) -> None:
     module.set_requires_gradient_sync(True)
     state = fully_shard.state(module)
     for inner in state._state_ctx.all_states:
-        for group in inner._fsdp_param_groups:
+        groups = getattr(inner, "_fsdp_param_groups", None)  # torch >= 2.12: a list
+        if groups is None:
+            single = getattr(inner, "_fsdp_param_group", None)
+            groups = [single] if single is not None else []
+        for group in groups:
             group.post_backward()
     state._root_post_backward_final_callback()
