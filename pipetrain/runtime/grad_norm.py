@@ -22,6 +22,8 @@ def local_total(grads: Iterable[torch.Tensor], norm_type: float) -> torch.Tensor
     """This rank's share: ``Σ|g|^p`` (float64), or ``max|g|`` for ``p = inf``."""
     total = torch.zeros((), dtype=torch.float64)
     for g in grads:
+        if hasattr(g, "to_local"):  # an FSDP2 shard (DTensor): this rank's part only
+            g = g.to_local()
         n = torch.linalg.vector_norm(g.detach(), norm_type).to(torch.float64).cpu()
         total = torch.maximum(total, n) if math.isinf(norm_type) else total + n**norm_type
     return total

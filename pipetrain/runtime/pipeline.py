@@ -23,6 +23,7 @@ from torch import nn
 
 from pipetrain.runtime import grad_norm, losses, microbatch
 from pipetrain.runtime import tied as tied_weights
+from pipetrain.runtime.data_parallel import DataParallel, check_wrapping, mesh_groups
 from pipetrain.runtime.executor import Executor, MetaCache, StepData
 from pipetrain.runtime.p2p import DTYPE_CODE, DTYPES, Transport
 from pipetrain.runtime.stage import StageRunner, arity
@@ -59,6 +60,10 @@ class Pipeline:
     ``tied``: sets of parameter names shared by several stages (``[("embed.weight",
     "head.weight")]``); their gradients are summed across stages once per step (``runtime.tied``;
     ``pipetrain.split`` detects ties in the list it cuts).
+    ``mesh`` and ``data_parallel``: a ``DeviceMesh`` with dimensions ``("dp", "pp")`` (instead of
+    ``group``) and ``"ddp"`` or ``"fsdp"``: each ``pp`` row of the mesh runs the pipeline, each
+    ``dp`` column holds DDP or FSDP2 replicas of its stages, each replica steps on its own shard
+    of the global batch, and gradients are reduced once per step (``runtime.data_parallel``).
     """
 
     def __init__(
@@ -78,6 +83,8 @@ class Pipeline:
         loss_reduction: str | None = None,
         ignore_index: int | None = None,
         tied: Sequence[Sequence[str]] = (),
+        mesh=None,
+        data_parallel: str | None = None,
     ) -> None:
         _require_process_group()
         if loss_fn is None:
@@ -90,6 +97,25 @@ class Pipeline:
         self.data_parallel_group = None
         #: groups whose ranks hold different gradient shards (FSDP): the norm is summed over them
         self.norm_groups: list = []
+        dp_group = dp_mesh = None
+        if (mesh is None) != (data_parallel is None):
+            raise ValueError(
+                "mesh= and data_parallel= go together: a ('dp', 'pp') DeviceMesh and 'ddp' or "
+                "'fsdp'"
+            )
+        if mesh is not None:
+            if group is not None:
+                raise ValueError("pass either group= or mesh= (whose 'pp' dimension is the group)")
+            group, dp_group, dp_mesh = mesh_groups(mesh)
+            self.data_parallel_group = dp_group
+            if data_parallel == "fsdp":
+                self.norm_groups = [dp_group]
+            if tied:
+                raise ValueError(
+                    "tied= with data_parallel= is not supported yet (the tied sum and the "
+                    "replicas' gradient hooks are not ordered); untie the weights or run without "
+                    "data parallelism"
+                )
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -105,12 +131,19 @@ class Pipeline:
         self.last_stage = self.placement.num_stages - 1
         self.last_rank = self.placement.rank(self.last_stage)
         self.modules = _local_modules(stages, self.placement.stages_of_rank(self.rank), self.device)
+        check_wrapping(self.modules, data_parallel)
+        self.data_parallel = (
+            DataParallel(data_parallel, self.modules, dp_group, dp_mesh, self.device)
+            if data_parallel is not None
+            else None
+        )
         self.runners = {
             s: StageRunner(s, m, s == self.last_stage, loss_fn, defer_weight_grads)
             for s, m in self.modules.items()
         }
         for stage, mb in _last_weight_pieces(self.program.actions[self.rank]).items():
             self.runners[stage].last_weight_microbatch = mb
+        self._last_uses = _last_uses(self.program.actions[self.rank])
         self.arities = self._gather_arities()
         self._reverse_group = _reverse_group(group)
         self.tied_sets = tied_weights.build(tied, self.modules, group, self.rank, self.world_size)
@@ -166,6 +199,8 @@ class Pipeline:
         Gradients accumulate into ``.grad`` (zero them as with any torch training loop).
         """
         mbs = self._split(inputs, targets)
+        if self.data_parallel is not None:
+            self.data_parallel.check_batch(mbs.batch_size)
         weights = losses.weights(
             self.loss_reduction,
             mbs.weights,
@@ -173,12 +208,19 @@ class Pipeline:
             self.ignore_index,
             self.data_parallel_group,
         )
+        if self.data_parallel is not None and self.loss_reduction != "mean":
+            # DDP and FSDP2 average gradients over the replicas; a sum (or a mean over the
+            # global token count) must not be divided by their number, so it is multiplied back.
+            weights = tuple(w * self.data_parallel.size for w in weights)
         mbs = dataclasses.replace(mbs, weights=weights)
         rows = self.program.actions[self.rank]
         self.tied_grads.begin_step()
         self._execute(rows, mbs, "train", timeline, self.program.name)
         self.tied_grads.end_step()
-        return self._agree_on_loss(mbs.weights)
+        loss = self._agree_on_loss(mbs.weights)
+        if self.data_parallel is not None:
+            loss = self.data_parallel.mean_loss(loss)
+        return loss
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip every rank's gradients by the norm of the whole pipeline's (a tied parameter
@@ -234,21 +276,41 @@ class Pipeline:
         discover = cache is None or cache.signature != signature
         if discover:
             cache = self._caches[mode] = MetaCache(signature=signature)
+        if self.data_parallel is not None:
+            self.data_parallel.begin()
         for runner in self.runners.values():
             runner.begin_step()
         recorder = Recorder(self.rank, self.device, timeline)
         recorder.begin(self.group)
+        after = self._sync_after if self.data_parallel is not None and mode == "train" else None
         executor = Executor(
-            self.rank, self.placement, self.runners, self.transport, self.arities, self.side_stream
+            self.rank,
+            self.placement,
+            self.runners,
+            self.transport,
+            self.arities,
+            self.side_stream,
+            after,
         )
         data = StepData(mbs.inputs, mbs.targets, mbs.weights)
         executor.run(rows, data, cache, recorder, train=mode == "train", discover=discover)
+        if self.data_parallel is not None:
+            if mode == "train":
+                self.data_parallel.finish_all()
+            else:
+                self.data_parallel.end_eval()
         executor.check_empty()
         if timeline:
             self.last_timeline = gather_timeline(
                 recorder, self.group, self.world_size, self.placement.num_stages, name
             )
         return executor.results
+
+    def _sync_after(self, action: Action) -> None:
+        """After a stage's last compute action of the step: its data-parallel gradient sync, so
+        the reduction overlaps the rest of the row (on CUDA)."""
+        for stage in self._last_uses.get(action, ()):
+            self.data_parallel.finish(stage)
 
     def _agree_on_loss(self, weights: tuple[float, ...]) -> torch.Tensor:
         """Σ_j w_j · loss_j from the last stage, broadcast so every rank returns the same value."""
@@ -291,6 +353,18 @@ def _last_weight_pieces(row: Sequence[Action]) -> dict[int, int]:
                 if token is deps.Token.WEIGHT_GRAD:
                     last[stage] = microbatch
     return last
+
+
+def _last_uses(row: Sequence[Action]) -> dict[Action, tuple[int, ...]]:
+    """The stages whose last compute action in ``row`` each action is."""
+    last: dict[int, Action] = {}
+    for action in row:
+        for part in action.compute_parts:
+            last[part.stage] = action
+    uses: dict[Action, tuple[int, ...]] = {}
+    for stage, action in sorted(last.items()):
+        uses[action] = (*uses.get(action, ()), stage)
+    return uses
 
 
 def _require_process_group() -> None:
