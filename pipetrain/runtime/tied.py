@@ -49,18 +49,20 @@ class TiedSet:
         return self.owners[0]
 
 
-def named_parameters_everywhere(modules: Mapping[int, nn.Module]) -> dict[str, nn.Parameter]:
-    """Every local parameter by every name it has (shared ones under each of their names)."""
+def named_parameters_everywhere(
+    modules: Mapping[int, nn.Module],
+) -> tuple[dict[str, nn.Parameter], set[str]]:
+    """Every local parameter by every name it has (shared ones under each of their names), and
+    the names that two different parameters of this rank's stages carry (hand-cut stages often
+    reuse local names; such a name cannot be tied)."""
     out: dict[str, nn.Parameter] = {}
+    ambiguous: set[str] = set()
     for module in modules.values():
         for name, p in module.named_parameters(remove_duplicate=False):
             if name in out and out[name] is not p:
-                raise ValueError(
-                    f"two different parameters are named {name!r} on this rank; stage parameter "
-                    "names must be global (pipetrain.split keeps each layer's model name)"
-                )
+                ambiguous.add(name)
             out[name] = p
-    return out
+    return out, ambiguous
 
 
 def shared_across(modules: Sequence[nn.Module]) -> list[tuple[str, ...]]:
@@ -104,7 +106,7 @@ def build(
     local_sets = list(declared)
     local_sets += [names for m in modules.values() for names in getattr(m, "tied_names", ())]
     local_sets += shared_across(list(modules.values()))
-    by_name = named_parameters_everywhere(modules)
+    by_name, ambiguous = named_parameters_everywhere(modules)
     mine = {"sets": [tuple(s) for s in local_sets], "names": sorted(by_name)}
     everyone: list = [None] * world
     if world > 1:
@@ -125,6 +127,13 @@ def build(
             raise ValueError(
                 f"tied parameter {missing[0]!r} is not a parameter of any stage; tied names are "
                 f"the stages' parameter names, e.g. {sorted(known)[:3]}"
+            )
+        unclear = sorted(ambiguous & set(names))
+        if unclear:
+            raise ValueError(
+                f"two different parameters are named {unclear[0]!r} on this rank, so it cannot "
+                "be tied; stage parameter names must be global (pipetrain.split keeps each "
+                "layer's model name)"
             )
         owners = tuple(r for r in range(world) if held[r] & set(names))
         local: list[nn.Parameter] = []
