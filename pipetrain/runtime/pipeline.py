@@ -149,7 +149,7 @@ class Pipeline:
         self._execute(rows, mbs, "train", timeline, self.program.name)
         loss = self._agree_on_loss(mbs.weights)
         if self.data_parallel is not None:
-            loss = self.data_parallel.mean_loss(loss)
+            loss = self.data_parallel.global_loss(loss)
         return loss
 
     def eval_step(self, inputs):
