@@ -156,7 +156,14 @@ def run_data_parallel(rank: int, world: int, cases: list[tuple[str, str, bool]])
         x, y = global_batch(2 * local)
         mine = slice(replica * local, (replica + 1) * local)
         losses = [pipe.step(x[mine], y[mine]) for _ in range(steps)]
+        out = pipe.eval_step(x[mine])  # forward only: gathers (FSDP), keeps the gradients
         ref_loss, ref_grads = reference(num_stages, x, y, steps)
+        if out is not None:
+            h = x[mine]
+            for m_ in build_stages(num_stages):
+                h = m_(h)
+            if not _close(out, h.detach()):
+                failures.append(f"{case}: eval_step output differs")
         for i, loss in enumerate(losses):
             if not _close(loss, ref_loss):
                 failures.append(f"{case}: step {i} loss {loss.item()} != {ref_loss.item()}")

@@ -153,10 +153,11 @@ class DataParallel:
                 "returned loss weigh replicas equally)"
             )
 
-    def begin(self) -> None:
-        """Before the step's first forward: FSDP gathers its parameters, sync and reshard off."""
+    def begin(self, train: bool = True) -> None:
+        """Before the step's first forward: FSDP gathers its parameters, sync and reshard off
+        (for a forward-only pass, only the gathering)."""
         self._finished.clear()
-        if self.kind == "ddp":
+        if self.kind == "ddp" and train:
             # Gradients accumulated by earlier steps are synced already: set them aside, so the
             # reduction sees this step's alone (a summed reduction would count them again).
             self._held = {}
@@ -165,6 +166,7 @@ class DataParallel:
                 for p, _ in held:
                     p.grad = None
                 self._held[s] = held
+        if self.kind != "fsdp":
             return
         for module in self.wrappers.values():
             for m in _fsdp_modules(module):

@@ -182,7 +182,7 @@ class Pipeline:
         if discover:
             cache = self._caches[mode] = MetaCache(signature=signature)
         if self.data_parallel is not None:
-            self.data_parallel.begin()
+            self.data_parallel.begin(train=mode == "train")
         for runner in self.runners.values():
             runner.begin_step()
         recorder = Recorder(self.rank, self.device, timeline)
