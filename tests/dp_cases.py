@@ -49,6 +49,10 @@ def loss_fn(out, y):
     return nn.functional.mse_loss(out, y)
 
 
+def half_loss(out, y):
+    return loss_fn(out, y) / 2
+
+
 def global_batch(rows: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, WIDTH, generator=g, dtype=torch.float64)
@@ -86,6 +90,8 @@ def _count_syncs(pipe, counts: dict) -> None:
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     for s, ddp in pipe.data_parallel.wrappers.items():
+        if pipe.data_parallel.reduction != "mean":
+            continue  # its own hook is registered
 
         def hook(group, bucket, s=s):
             counts[s] = counts.get(s, 0) + 1
@@ -98,9 +104,11 @@ def run_data_parallel(rank: int, world: int, cases: list[tuple[str, str, bool]])
     """Each (kind, schedule, defer_weight_grads): two steps on a 2 × 2 mesh against the unsplit
     model on the global batch; returns failures and the number of reductions per stage."""
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
     import pipetrain
+    from pipetrain.runtime.data_parallel import DataParallel
     from pipetrain.schedule.registry import family
 
     reduce_scatters = {"n": 0}
@@ -117,19 +125,30 @@ def run_data_parallel(rank: int, world: int, cases: list[tuple[str, str, bool]])
     failures: list[str] = []
     syncs: dict[str, object] = {}
     m, steps, local = 4, 2, 9
-    for kind, name, defer in cases:
-        case = f"{kind} {name} defer={defer}"
+    for variant, name, defer in cases:
+        case = f"{variant} {name} defer={defer}"
+        kind = variant.split("-")[0]
         num_stages = 2 * family(name).default_stages_per_rank
         stages = build_stages(num_stages)
+        if variant == "fsdp-nested":  # the caller shards a layer inside each stage first
+            for stage in stages:
+                fully_shard(stage.a, mesh=mesh["dp"])
+        # "-sum": the replicas' gradients and losses are summed, each replica's loss is its
+        # mean over half the global batch divided by the 2 replicas
+        loss = half_loss if variant.endswith("-sum") else loss_fn
         pipe = pipetrain.Pipeline(
             stages,
             name,
             m,
-            loss_fn,
+            loss,
             mesh=mesh,
             data_parallel=kind,
             defer_weight_grads=defer,
         )
+        if variant.endswith("-sum"):
+            pipe.data_parallel = DataParallel(
+                kind, pipe.modules, mesh.get_group("dp"), mesh["dp"], pipe.device, "sum"
+            )
         counts: dict[int, int] = {}
         if kind == "ddp":
             _count_syncs(pipe, counts)
@@ -137,7 +156,14 @@ def run_data_parallel(rank: int, world: int, cases: list[tuple[str, str, bool]])
         x, y = global_batch(2 * local)
         mine = slice(replica * local, (replica + 1) * local)
         losses = [pipe.step(x[mine], y[mine]) for _ in range(steps)]
+        out = pipe.eval_step(x[mine])  # forward only: gathers (FSDP), keeps the gradients
         ref_loss, ref_grads = reference(num_stages, x, y, steps)
+        if out is not None:
+            h = x[mine]
+            for m_ in build_stages(num_stages):
+                h = m_(h)
+            if not _close(out, h.detach()):
+                failures.append(f"{case}: eval_step output differs")
         for i, loss in enumerate(losses):
             if not _close(loss, ref_loss):
                 failures.append(f"{case}: step {i} loss {loss.item()} != {ref_loss.item()}")

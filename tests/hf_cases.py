@@ -104,6 +104,9 @@ def run_schedules(rank: int, world: int, plans: list[tuple[int, str, list[str]]]
     ids = batch()
     failures = []
     for size, kind, names in plans:
+        if size == "2x2":  # a (dp, pp) mesh: kind is "ddp" or "fsdp"
+            failures += _on_mesh(kind, names)
+            continue
         group = None if size == world else halves[rank // size]
         most = max(2 * family(n).default_stages_per_rank for n in names) * size // 2
         layers = max(most - 3, 1)  # embedding, norm and head are layers too
@@ -127,4 +130,39 @@ def run_schedules(rank: int, world: int, plans: list[tuple[int, str, list[str]]]
                         failures.append(f"{case}: {n} gradient differs")
             if not checked:
                 failures.append(f"{case}: no parameter on rank {rank}")
+    return failures
+
+
+def _on_mesh(data_parallel: str, names: list[str]) -> list[str]:
+    """Llama on a 2 × 2 ("dp", "pp") mesh: each replica steps on half the rows of a global
+    batch; loss and gradients against the unsplit model on the whole batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import pipetrain
+    from pipetrain.hf import causal_lm_layers, causal_lm_loss
+    from pipetrain.schedule.registry import family
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    ids = torch.randint(0, VOCAB, (8, SEQ), generator=torch.Generator().manual_seed(5))
+    mine = ids[4 * mesh.get_local_rank("dp") :][:4]
+    failures = []
+    for name in names:
+        num_stages = 2 * family(name).default_stages_per_rank
+        layers = max(num_stages - 3, 1)
+        ref_loss, ref_grads = reference("llama", layers, ids)
+        model = build("llama", layers)
+        stages = cut(list(causal_lm_layers(model).values()), num_stages)
+        pipe = pipetrain.Pipeline(
+            stages, name, 2, causal_lm_loss, mesh=mesh, data_parallel=data_parallel
+        )
+        loss = pipe.step(mine, mine)
+        case = f"llama {data_parallel} {name} dp=2 pp=2"
+        if not _close(loss, ref_loss):
+            failures.append(f"{case}: loss {loss.item()} != {ref_loss.item()}")
+        local = {id(p) for p in pipe.parameters()}
+        for n, p in model.named_parameters():
+            if id(p) in local:
+                grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                if not _close(grad, ref_grads[n]):
+                    failures.append(f"{case}: {n} gradient differs")
     return failures

@@ -21,6 +21,10 @@ CASES = [
         ("zbv", True),
         ("dualpipev", None),
     ]
+] + [
+    ("fsdp-nested", "zbv", True),  # fully_shard applied inside the stages by the caller
+    ("ddp-sum", "1f1b", None),  # replicas summed, not averaged
+    ("fsdp-sum", "interleaved-1f1b", False),
 ]
 
 
@@ -33,8 +37,9 @@ def results():
 def test_ddp_and_fsdp2_match_unsplit_training_on_the_global_batch(results):
     problems = [f for r in results for f in r["failures"]]
     assert not problems, "\n".join(problems)
-    # mesh ranks 0, 2 are pp rank 0 of replicas 0 and 1
-    assert results[0]["stages"] == results[2]["stages"] == [0, 3]
+    # mesh ranks 0, 2 are pp rank 0 of replicas 0 and 1 (the last case is interleaved-1f1b)
+    assert results[0]["stages"] == results[2]["stages"] == [0, 2]
+    assert results[1]["stages"] == results[3]["stages"] == [1, 3]
 
 
 @pytest.mark.slow
@@ -46,8 +51,10 @@ def test_gradients_are_reduced_once_per_stage_per_step(results):
             local = family(name).default_stages_per_rank
             if kind == "ddp":  # one bucket per stage: one all-reduce per step
                 assert count == dict.fromkeys(count, STEPS) and len(count) == local, name
-            else:  # one reduce-scatter per stage per step
+            elif kind == "fsdp":  # one reduce-scatter per stage per step
                 assert count == STEPS * local, (name, defer)
+            elif kind == "fsdp-nested":  # and one per sharded layer inside it
+                assert count == 2 * STEPS * local, (name, defer)
 
 
 @pytest.mark.slow

@@ -18,11 +18,15 @@ NAMES = [str(n) for n in FAMILIES if n != "dualpipe"]
 
 @pytest.mark.slow
 def test_llama_and_gpt2_match_the_unsplit_model_on_every_schedule():
+    """And Llama under FSDP2 / DDP on a 2 × 2 mesh against the unsplit model on the global
+    batch."""
     plans = [
         (4, "llama", NAMES),
         (2, "llama", NAMES),
         (2, "gpt2", NAMES),
         (4, "gpt2", ["1f1b", "zbv"]),
+        ("2x2", "fsdp", ["1f1b", "zbv"]),  # with data parallel on a (dp, pp) mesh
+        ("2x2", "ddp", ["interleaved-1f1b"]),
     ]
     failures = launch(4, run_schedules, plans, timeout=300)
     problems = [f for rank_failures in failures for f in rank_failures]

@@ -23,10 +23,13 @@ torch.distributed.pipelining's stage (``backward_maybe_with_nosync``, ``perform_
   plain ``loss.backward()`` ends with. Memory is ZeRO-2's during a step (parameters gathered
   from the first forward to the last backward piece), ZeRO-3's between steps.
 
-Both reductions average over the ``dp`` group, so each replica's loss must be the mean over an
-equal share of the global batch: ``check_batch`` refuses unequal local batch sizes before any
-compute, and ``mean_loss`` returns the mean of the replicas' losses, which is then the loss of
-the global batch. Every trainable parameter must get a gradient in every step (a replica
+With ``reduction="mean"`` (the default) both wrappers average over the ``dp`` group, so each
+replica's loss must be the mean over an equal share of the global batch: ``check_batch`` refuses
+unequal local batch sizes before any compute, and ``global_loss`` returns the mean of the
+replicas' losses, which is then the loss of the global batch. With ``reduction="sum"`` (a loss
+already normalised over the global batch, or a summed loss) gradients and losses are summed
+instead: DDP through a comm hook that all-reduces without dividing, FSDP2 with a gradient divide
+factor of 1. Every trainable parameter must get a gradient in every step (a replica
 missing one would leave the others' reduction waiting): one that gets none is an error naming
 it (freeze it with ``requires_grad_(False)``).
 """
@@ -40,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 KINDS = ("ddp", "fsdp")
+REDUCTIONS = ("mean", "sum")
 DIM_NAMES = ("dp", "pp")
 
 
@@ -86,17 +90,27 @@ class DataParallel:
     """
 
     def __init__(
-        self, kind: str, modules: dict[int, nn.Module], dp_group, dp_mesh, device: torch.device
+        self,
+        kind: str,
+        modules: dict[int, nn.Module],
+        dp_group,
+        dp_mesh,
+        device: torch.device,
+        reduction: str = "mean",
     ) -> None:
         if kind not in KINDS:
             raise ValueError(f"data_parallel={kind!r}; legal values: {', '.join(KINDS)}")
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"reduction={reduction!r}; legal values: {', '.join(REDUCTIONS)}")
         self.kind = kind
+        self.reduction = reduction
         self.modules = modules
         self.group = dp_group
         self.size = dist.get_world_size(dp_group)
         self.device = device
         self.wrappers: dict[int, nn.Module] = {}
         self._finished: set[int] = set()
+        self._held: dict[int, list] = {}  # DDP: gradients from earlier steps, per stage
         if kind == "ddp":
             from torch.nn.parallel import DistributedDataParallel
 
@@ -106,6 +120,8 @@ class DataParallel:
                     self.wrappers[s] = DistributedDataParallel(
                         module, device_ids=ids, process_group=dp_group
                     )
+                    if reduction == "sum":
+                        self.wrappers[s].register_comm_hook(dp_group, _all_reduce_sum)
         else:
             from torch.distributed.fsdp import FSDPModule, fully_shard
 
@@ -117,12 +133,15 @@ class DataParallel:
                 self.wrappers[s] = module
                 for m in _fsdp_modules(module):
                     m.set_reshard_after_forward(False, recurse=False)
+                    if reduction == "sum":
+                        m.set_gradient_divide_factor(1.0)
 
     # -- a step ---------------------------------------------------------------------------------
 
     def check_batch(self, rows: int) -> None:
-        """Every replica must step on the same number of rows (the averages assume it)."""
-        if self.size == 1:
+        """Every replica must step on the same number of rows where the replicas are averaged
+        (``reduction="mean"``; a summed loss weighs each row by itself)."""
+        if self.size == 1 or self.reduction == "sum":
             return
         value = torch.tensor([rows, -rows], dtype=torch.float64, device=self.device)
         dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
@@ -134,9 +153,19 @@ class DataParallel:
                 "returned loss weigh replicas equally)"
             )
 
-    def begin(self) -> None:
-        """Before the step's first forward: FSDP gathers its parameters, sync and reshard off."""
+    def begin(self, train: bool = True) -> None:
+        """Before the step's first forward: FSDP gathers its parameters, sync and reshard off
+        (for a forward-only pass, only the gathering)."""
         self._finished.clear()
+        if self.kind == "ddp" and train:
+            # Gradients accumulated by earlier steps are synced already: set them aside, so the
+            # reduction sees this step's alone (a summed reduction would count them again).
+            self._held = {}
+            for s in self.wrappers:
+                held = [(p, p.grad) for p in _trainable(self.modules[s]) if p.grad is not None]
+                for p, _ in held:
+                    p.grad = None
+                self._held[s] = held
         if self.kind != "fsdp":
             return
         for module in self.wrappers.values():
@@ -165,6 +194,8 @@ class DataParallel:
             ddp.reducer.prepare_for_backward([])
             zeros = [p.new_zeros(()).expand_as(p) for p in params]
             torch.autograd.backward(params, zeros)
+            for p, earlier in self._held.pop(stage, ()):
+                p.grad.add_(earlier)
         else:
             _fsdp_post_backward(self.wrappers[stage])
 
@@ -180,13 +211,22 @@ class DataParallel:
                 for m in _fsdp_modules(module):
                     m.reshard()
 
-    def mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The mean of the replicas' losses: the global batch's loss (equal local batches)."""
+    def global_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The global batch's loss: the mean of the replicas' (equal local batches), or their
+        sum with ``reduction="sum"``."""
         if self.size == 1:
             return loss
         value = loss.detach().to(torch.float64).reshape(1).clone()
         dist.all_reduce(value, group=self.group)
-        return (value[0] / self.size).to(loss.dtype)
+        if self.reduction == "mean":
+            value /= self.size
+        return value[0].to(loss.dtype)
+
+
+def _all_reduce_sum(group, bucket):  # no annotations: DDP compares them as objects, not strings
+    """A DDP comm hook: the bucket summed over the group (DDP's default divides by its size)."""
+    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
 
 
 def _trainable(module: nn.Module) -> Iterator[nn.Parameter]:

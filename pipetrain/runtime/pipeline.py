@@ -219,7 +219,7 @@ class Pipeline:
         self.tied_grads.end_step()
         loss = self._agree_on_loss(mbs.weights)
         if self.data_parallel is not None:
-            loss = self.data_parallel.mean_loss(loss)
+            loss = self.data_parallel.global_loss(loss)
         return loss
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -277,7 +277,7 @@ class Pipeline:
         if discover:
             cache = self._caches[mode] = MetaCache(signature=signature)
         if self.data_parallel is not None:
-            self.data_parallel.begin()
+            self.data_parallel.begin(train=mode == "train")
         for runner in self.runners.values():
             runner.begin_step()
         recorder = Recorder(self.rank, self.device, timeline)
