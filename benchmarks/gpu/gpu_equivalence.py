@@ -1,7 +1,7 @@
 """Exact gradients and a short training run on real GPUs, per schedule (issue 3 §3); not a test.
 
-    torchrun --nproc-per-node 2 benchmarks/gpu_equivalence.py [--out DIR]       # NCCL
-    torchrun --nproc-per-node 4 benchmarks/gpu_equivalence.py --device cpu     # gloo smoke
+    torchrun --nproc-per-node 2 benchmarks/gpu/gpu_equivalence.py [--out DIR]       # NCCL
+    torchrun --nproc-per-node 4 benchmarks/gpu/gpu_equivalence.py --device cpu     # gloo smoke
 
 Per schedule: (1) a float64 GPT on the device, one ``Pipeline.step``; rank 0 gathers every
 rank's stage gradients (keyed by global layer, so the union is the whole model's) and compares

@@ -1,8 +1,8 @@
 """pipetrain against torch.distributed.pipelining on real GPUs (issue 4 §1); a benchmark, not a test.
 
-    torchrun --nproc-per-node 2 benchmarks/gpu_pipeline.py --out $OUT            # 2 GPUs, NCCL
-    torchrun --nproc-per-node 4 benchmarks/gpu_pipeline.py --out $OUT            # 4 GPUs, NCCL
-    torchrun --nproc-per-node 4 benchmarks/gpu_pipeline.py --preset cpu-smoke   # CPU, gloo
+    torchrun --nproc-per-node 2 benchmarks/gpu/gpu_pipeline.py --out $OUT            # 2 GPUs, NCCL
+    torchrun --nproc-per-node 4 benchmarks/gpu/gpu_pipeline.py --out $OUT            # 4 GPUs, NCCL
+    torchrun --nproc-per-node 4 benchmarks/gpu/gpu_pipeline.py --preset cpu-smoke   # CPU, gloo
 
 Per configuration (schedule family × micro-batch count) both libraries train the same GPT
 (``pipetrain.app.models.gpt``; stages deep-copied from one seeded master, so the weights are equal and
@@ -31,17 +31,9 @@ what they hold, e.g. the loss's float32 logits), held only while that stage's ac
 
 ``pipetrain`` rows run ``Pipeline``'s defaults (on this GPT: deferred linear weight GEMMs, see
 ``pipetrain.runtime.deferred_wgrad``); ``pipetrain-replayw`` rows (``--replay-schedules``) run
-``defer_weight_grads=False``, the graph-replay split every stage had before.
-
-``pipetrain-hostwait`` rows (``--hostwait-schedules``, default 1f1b,zbv) are a diagnostic of the
-OLD runtime: pipetrain again with its NCCL waits patched back to the host-blocking
-``work.wait(timeout)`` of before the fix, so one run shows that fix's before and after.
-``pipetrain-onegroup`` rows (``--onegroup-schedules``) are the same kind of diagnostic for the
-second NCCL group: pipetrain with every transfer on the one group, where a pair's sends queue
-behind its receives (``pipetrain.runtime.p2p``). ``pipetrain-batched`` rows
-(``--batched-schedules``) keep the two groups but post each run of transfers as one NCCL batch per
-group, which completes as a whole, as before transfers were posted one by one. The three
-diagnostics live in ``gpu_diagnostics.py``.
+``defer_weight_grads=False``, the graph-replay split; ``pipetrain-overlap`` rows
+(``--overlap-schedules``) run ``overlap_pairs=True``. Every row is configured through ``Pipeline``'s
+public arguments.
 
 The physical limit: every rank runs its own stages of the same layout with no pipeline and no
 communication — for each micro-batch, forward and ordinary backward of each local stage (random
@@ -69,13 +61,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from gpu_diagnostics import DIAGNOSTICS
 from gpu_limit import measure_comm_ms, measure_limit
 from gpu_memory import predicted_peaks
 from gpu_report import (  # beside this script
-    BATCHED,
-    HOSTWAIT,
-    ONEGROUP,
     OVERLAP,
     REPLAY,
     host_bound_fraction,
@@ -153,10 +141,7 @@ def run_pipetrain(
     comm_ms,
     lib: str = "pipetrain",
 ) -> dict:
-    """One configuration of pipetrain; ``lib`` names a variant (``gpu_diagnostics``, OVERLAP)."""
-    if lib in DIAGNOSTICS:
-        with DIAGNOSTICS[lib]():
-            return run_pipetrain(ctx, name, fam, n, limit, comm_ms)
+    """One configuration of pipetrain; ``lib`` names a variant (OVERLAP, REPLAY)."""
     overlap = lib == OVERLAP
     replay = lib == REPLAY
     a = ctx.args
@@ -345,12 +330,6 @@ def main(argv: list[str] | None = None) -> int:
             limit = limits[key]
             order = ("pipetrain", "torch") if index % 2 == 0 else ("torch", "pipetrain")
             index += 1
-            if name in args.hostwait_schedules.split(","):
-                order += (HOSTWAIT,)
-            if name in args.onegroup_schedules.split(","):
-                order += (ONEGROUP,)
-            if name in args.batched_schedules.split(","):
-                order += (BATCHED,)
             if name in args.overlap_schedules.split(","):
                 order += (OVERLAP,)
             if name in args.replay_schedules.split(","):
@@ -420,24 +399,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--op-timeout", type=float, default=60.0, help="pipetrain wait timeout (s)")
     p.add_argument("--pg-timeout", type=float, default=120.0, help="process-group timeout (s)")
     p.add_argument("--verbose", action="store_true", help="print tracebacks of failures")
-    p.add_argument(
-        "--hostwait-schedules",
-        default="1f1b,zbv",
-        help=f"comma list: also run pipetrain with its OLD host-blocking NCCL waits (lib "
-        f"{HOSTWAIT}, a diagnostic of the behaviour before the fix; '' for none)",
-    )
-    p.add_argument(
-        "--onegroup-schedules",
-        default="",
-        help=f"comma list: also run pipetrain with both directions on one NCCL group (lib "
-        f"{ONEGROUP}, a diagnostic of the behaviour before the second group; '' for none)",
-    )
-    p.add_argument(
-        "--batched-schedules",
-        default="",
-        help=f"comma list: also run pipetrain with each run of transfers as one NCCL batch per "
-        f"group (lib {BATCHED}, a diagnostic of the behaviour before one-by-one posting)",
-    )
     p.add_argument(
         "--replay-schedules",
         default="",

@@ -10,11 +10,8 @@ import json
 import statistics
 from pathlib import Path
 
-HOSTWAIT = "pipetrain-hostwait"  # diagnostic: the runtime's OLD host-blocking NCCL waits
 OVERLAP = "pipetrain-overlap"  # Pipeline(overlap_pairs=True): F&B pairs on two CUDA streams
-ONEGROUP = "pipetrain-onegroup"  # diagnostic: both directions of a pair on one NCCL communicator
-BATCHED = "pipetrain-batched"  # diagnostic: two groups, but each run of transfers one NCCL batch
-REPLAY = "pipetrain-replayw"  # diagnostic: Pipeline(defer_weight_grads=False), graph-replay I/W
+REPLAY = "pipetrain-replayw"  # Pipeline(defer_weight_grads=False): graph-replay I/W
 
 
 def short(res: dict) -> str:
@@ -62,7 +59,7 @@ def table(meta, limits, rows) -> str:
         "|---" * (head.count("|") - 1) + "|",
     ]
     for r in rows:
-        for lib in ("pipetrain", "torch", REPLAY, HOSTWAIT, ONEGROUP, BATCHED, OVERLAP):
+        for lib in ("pipetrain", "torch", REPLAY, OVERLAP):
             res = r.get(lib)
             if res is None:
                 if lib == "pipetrain" and "skipped" in r:
@@ -140,13 +137,7 @@ def plot(out: Path, rows, n_list, names) -> str:
         ("torch", "torch.distributed.pipelining", "tab:orange"),
     ]
     if any(REPLAY in r for r in rows):
-        libs.append((REPLAY, f"{REPLAY} (diagnostic: graph-replay W)", "tab:purple"))
-    if any(HOSTWAIT in r for r in rows):
-        libs.append((HOSTWAIT, f"{HOSTWAIT} (diagnostic: old host-blocking waits)", "tab:gray"))
-    if any(ONEGROUP in r for r in rows):
-        libs.append((ONEGROUP, f"{ONEGROUP} (diagnostic: one communicator per pair)", "tab:olive"))
-    if any(BATCHED in r for r in rows):
-        libs.append((BATCHED, f"{BATCHED} (diagnostic: batched transfers)", "tab:brown"))
+        libs.append((REPLAY, f"{REPLAY} (graph-replay W)", "tab:purple"))
     if any(OVERLAP in r for r in rows):
         libs.append((OVERLAP, f"{OVERLAP} (F&B pairs on two streams)", "tab:green"))
     fig, axes = plt.subplots(2, len(n_list), figsize=(5 * len(n_list), 7.5), squeeze=False)

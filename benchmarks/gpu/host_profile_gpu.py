@@ -1,6 +1,6 @@
 """Where the host time of ``B``, ``I`` and ``W`` goes, for one transformer block on a GPU.
 
-    python benchmarks/host_profile_gpu.py [--out DIR]
+    python benchmarks/gpu/host_profile_gpu.py [--out DIR]
 
 A diagnostic, not a target: the split backward's device time is already that of ``B``
 (``split_backward_gpu.py``), but with few layers per stage the host issues a block's ``I`` and

@@ -1,8 +1,8 @@
 """Re-predict the peak memory of a saved ``gpu_pipeline.json`` with today's memory model.
 
-    python benchmarks/memory_model_check.py docs/results/h100x4-run3/p4/gpu_pipeline.json [...]
+    python benchmarks/gpu/memory_model_check.py docs/results/h100x4-2026-11-26-run3/p4/gpu_pipeline.json [...]
 
-For every pipetrain row (and diagnostic variant) the program is rebuilt from its name, rank count
+For every pipetrain row (and variant row) the program is rebuilt from its name, rank count
 and micro-batch count, simulated from the row's measured mean action times, and the peak memory
 per rank predicted as ``gpu_pipeline.py`` does now (``gpu_memory.predicted_peaks``): activations
 alone, and with each stage's measured workspace on the simulated timeline. Prints the largest gap

@@ -1,6 +1,6 @@
 """Where each rank's device time goes in pipetrain's steps, from torch.profiler; a diagnostic.
 
-    torchrun --nproc-per-node 2 benchmarks/profile_pipeline_gpu.py --out OUT \
+    torchrun --nproc-per-node 2 benchmarks/gpu/profile_pipeline_gpu.py --out OUT \
         --schedules 1f1b,interleaved-1f1b --microbatches 16 [--trace-rank 1]
 
 Same model, stages and optimizer as ``gpu_pipeline.py`` (its presets). Per schedule: warm-up steps,

@@ -2,8 +2,8 @@
 # Every GPU measurement in one command, for a machine with 2 or 4 GPUs (NCCL), from the repository
 # root:
 #
-#     bash benchmarks/run_gpu_all.sh            # 2 GPUs; results under $OUT (default ./out/gpu)
-#     NPROC=4 bash benchmarks/run_gpu_all.sh    # 4 GPUs (same model: 4 or 8 stages of 16 layers)
+#     bash benchmarks/gpu/run_gpu_all.sh            # 2 GPUs; results under $OUT (default ./out/gpu)
+#     NPROC=4 bash benchmarks/gpu/run_gpu_all.sh    # 4 GPUs (same model: 4 or 8 stages of 16 layers)
 #
 # 1. gpu_equivalence.py  (torchrun × NPROC): float64 gradients vs unsplit + a 30-step training run
 # 2. split_backward_gpu.py (one GPU): time(I) + time(W) vs time(B) for one block
@@ -13,15 +13,13 @@
 # the package is imported from this checkout (PYTHONPATH). Set NPROC to use another GPU count;
 # EQ_ARGS, SPLIT_ARGS, BENCH_ARGS add arguments to a section (e.g. a CPU smoke run:
 #   NPROC=4 PYTHON=.venv/bin/python SPLIT_ARGS="--hidden 256 --heads 4 --seq 128 --reps 5" \
-#   bash benchmarks/run_gpu_all.sh   — without CUDA the scripts fall back to gloo and small presets).
-# HOSTWAIT (default "1f1b,zbv"; "" for none): schedules that gpu_pipeline.py also runs as
-# "pipetrain-hostwait", a diagnostic of the OLD runtime's host-blocking NCCL waits (before/after).
+#   bash benchmarks/gpu/run_gpu_all.sh   — without CUDA the scripts fall back to gloo and small presets).
 # The equivalence check runs max(8, 2 x NPROC) micro-batches (DualPipeV needs >= 2 x ranks).
 set -u
 export PYTHONUNBUFFERED=1
-export PYTHONPATH="$(cd "$(dirname "$0")/.." && pwd)${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$(cd "$(dirname "$0")/../.." && pwd)${PYTHONPATH:+:$PYTHONPATH}"
 export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-3}"
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT="${OUT:-./out/gpu}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python}"
@@ -55,13 +53,13 @@ EOF
 
 TORCHRUN=("$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC")
 section equivalence "$EQ_S" "$OUT/equivalence.log" \
-    "${TORCHRUN[@]}" benchmarks/gpu_equivalence.py --out "$OUT" --microbatches "$EQ_MB" \
+    "${TORCHRUN[@]}" benchmarks/gpu/gpu_equivalence.py --out "$OUT" --microbatches "$EQ_MB" \
     ${EQ_ARGS:-}
 section split-backward "$SPLIT_S" "$OUT/split_backward.log" \
-    "$PY" benchmarks/split_backward_gpu.py --out "$OUT" ${SPLIT_ARGS:-}
+    "$PY" benchmarks/gpu/split_backward_gpu.py --out "$OUT" ${SPLIT_ARGS:-}
 section pipeline "$BENCH_S" "$OUT/pipeline.log" \
-    "${TORCHRUN[@]}" benchmarks/gpu_pipeline.py --out "$OUT" --budget-s "$BUDGET_S" \
-    --hostwait-schedules "${HOSTWAIT-1f1b,zbv}" ${BENCH_ARGS:-}
+    "${TORCHRUN[@]}" benchmarks/gpu/gpu_pipeline.py --out "$OUT" --budget-s "$BUDGET_S" \
+    ${BENCH_ARGS:-}
 
 echo
 echo "################ summary ($(($(date +%s) - start))s in all; files in $OUT) ################"

@@ -1,6 +1,6 @@
 """time(I) + time(W) against time(B) for one transformer block (issue 3 §2); a benchmark.
 
-    python benchmarks/split_backward_gpu.py [--out DIR]            # one GPU (CPU works, slowly)
+    python benchmarks/gpu/split_backward_gpu.py [--out DIR]            # one GPU (CPU works, slowly)
 
 One ``Block`` from ``pipetrain.app.models.gpt`` (bf16, hidden 2048, sequence 1024, batch 4 by
 default). Each repetition runs a fresh forward, then either ``B`` (``backward_full``) or ``I``
