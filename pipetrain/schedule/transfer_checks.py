@@ -45,16 +45,15 @@ class _RowScan:
 
     Integers, in lists and tuples of integers only: a row holds ~10^4 batches, and the garbage
     collector stops tracking a tuple of integers, while every tracked object that lives on makes
-    it walk the program's ~10^5 actions again sooner.
+    it walk the program's ~10^5 actions again sooner. For the same reason a batch holds plain
+    ``(post, counterpart)`` pairs, not ``deps.Post`` records.
     """
 
     #: ids of the row's SEND/RECV posts, in row order
     posts: list[int]
-    #: each batch's post ids, up to the row's first failure; the last batch is an empty one at the
-    #: row's end, where a rank arrives once its last real batch completes
-    batches: list[tuple[int, ...]]
-    #: each batch's counterpart ids, in the same order: what the batch waits for
-    counterparts: list[tuple[int, ...]]
+    #: each batch's (post id, counterpart id) pairs, up to the row's first failure; the last batch
+    #: is an empty one at the row's end, where a rank arrives once its last real batch completes
+    batches: list[tuple[tuple[int, int], ...]]
     #: the step at which each batch starts (the last: ``len(row)``)
     first_steps: list[int]
     #: the batch at whose arrival the row's first own failure is raised (-1: none), and the error
@@ -93,11 +92,9 @@ def _scan_row(
     """Posts, batches and the first failure of one row (``steps`` at micro-batch 0)."""
     stride, post_stride, posts_of = rule.stride, rule.post_stride, rule.posts
     posts: list[int] = []
-    batches: list[tuple[int, ...]] = []
-    counterparts: list[tuple[int, ...]] = []
+    batches: list[tuple[tuple[int, int], ...]] = []
     first_steps: list[int] = []
-    batch: list[int] = []  # post ids of the open batch (the run of SEND/RECV actions just read)
-    waits: list[int] = []  # their counterparts
+    batch: list[tuple[int, int]] = []  # the open batch (the run of SEND/RECV actions just read)
     landing: list[int] = []  # values the open batch receives: here once it completes
     mine: set[int] = set()  # values computed or received on this rank so far
     pair_steps: dict[tuple[object, ...], _Step] = {}  # by ``pair_shape``
@@ -114,15 +111,16 @@ def _scan_row(
             post = posts_of[action.kind].get(action.stage)
             if post is not None:  # a SEND or RECV
                 post_id, counterpart, value, is_send = post
-                post_shift = action.microbatch * post_stride
-                posts.append(post_id + post_shift)
+                microbatch = action.microbatch
+                shift = microbatch * post_stride
+                post_id += shift
+                posts.append(post_id)
                 if failure is not None:
                     continue  # past the row's first failure only the posts count (pairing)
                 if not batch:
                     first_steps.append(index)
-                batch.append(post_id + post_shift)
-                waits.append(counterpart + post_shift)
-                value += action.microbatch * stride
+                batch.append((post_id, counterpart + shift))
+                value += microbatch * stride
                 if not is_send:
                     landing.append(value)
                 elif value not in mine:
@@ -136,9 +134,7 @@ def _scan_row(
             continue
         if batch:  # the batch before this action completes before it
             batches.append(tuple(batch))
-            counterparts.append(tuple(waits))
             batch.clear()
-            waits.clear()
             mine.update(landing)
             landing.clear()
         needs, made = step
@@ -154,11 +150,9 @@ def _scan_row(
                 mine.add(value + shift)
     if batch:
         batches.append(tuple(batch))
-        counterparts.append(tuple(waits))
     first_steps.append(len(row))  # the empty last batch
     batches.append(())
-    counterparts.append(())
-    return _RowScan(posts, batches, counterparts, first_steps, failing_batch, failure)
+    return _RowScan(posts, batches, first_steps, failing_batch, failure)
 
 
 def _pair_step(pair: Action, steps: dict[OpKind, dict[int, _Step]], stride: int) -> _Step:
@@ -269,8 +263,7 @@ def execute_lowered(program: Program, scans: list[_RowScan]) -> None:
     while work:
         rank = work.pop()
         scan = scans[rank]
-        batches, counterparts = scan.batches, scan.counterparts
-        b, failing_batch = next_batch[rank], scan.failing_batch
+        batches, b, failing_batch = scan.batches, next_batch[rank], scan.failing_batch
         while b < len(batches):
             if b == failing_batch:
                 assert scan.failure is not None
@@ -278,7 +271,7 @@ def execute_lowered(program: Program, scans: list[_RowScan]) -> None:
             # Post everything, then wait on the first post whose counterpart is missing. One loop
             # does both: a batch never holds both halves of a transfer (they live on two ranks).
             unmatched = None
-            for post, counterpart in zip(batches[b], counterparts[b]):
+            for post, counterpart in batches[b]:
                 if post not in posted:
                     posted.add(post)
                     if post in waiting:
