@@ -87,6 +87,15 @@ def test_gpt_stages_cut_by_a_plan_hold_the_unsplit_weights() -> None:
 def test_cli_profile_writes_a_costs_file_the_planner_reads(tmp_path, capsys) -> None:
     from pipetrain.cli import main
 
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny layers on a shared box: thread hand-offs dominate
+    try:
+        _cli_profile(tmp_path, capsys, main)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _cli_profile(tmp_path, capsys, main) -> None:
     out = tmp_path / "gpt.json"
     args = ["--layers", "2", "--hidden", "8", "--heads", "2", "--vocab", "32", "--seq-len", "8"]
     assert main(["profile", "--out", str(out), *args, "--repeats", "1", "--device", "cpu"]) == 0

@@ -2,14 +2,16 @@
 candidate simulated, the fastest per micro-batch that fits the memory budget chosen.
 
 Why this search is enough (docs/planning.md states it in full): for a given schedule shape
-(family, stages per rank ``v``, micro-batches ``M``) the step time of every pipeline schedule is
-at least ``M`` times the heaviest rank's per-micro-batch work, and the steady state of the
-schedules in the registry runs at that rate, so the cut that minimises the heaviest stage
-(``partition.min_max_cut``, exact) is the one to beat; the simulation then judges it against the
-other optimal cut (filled from the back), the uniform cut, and, when they do not fit, the
-time-balanced cuts under a per-stage memory cap derived from the simulated in-flight counts.
-The memory model is the simulator's (``sim.costs.rank_peak_memory``): static memory of a rank's
-stages plus its peak of held activations over the simulated step.
+(family, stages per rank ``v``, micro-batches ``M``) the step of every schedule is at least ``M``
+times the busiest stage's forward + backward, and the steady state of the registry's families
+runs at that pace, so the cuts that minimise the busiest stage (``partition.min_max_cut``, exact;
+filled from the front, from the back, and evenly) are the ones to beat; with several stages per
+rank a rank-balanced cut joins them, the uniform cut always does, and when the fastest does not
+fit, the same exact search runs under per-stage memory caps derived from the simulated in-flight
+counts. The simulation judges them all, then refines the best cuts of the fastest shapes by
+moving boundaries one layer at a time (``_refine``). The memory model is the simulator's
+(``sim.costs.rank_peak_memory``): static memory of a rank's stages plus its peak of held
+activations over the simulated step.
 """
 
 from __future__ import annotations
