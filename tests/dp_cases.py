@@ -49,8 +49,33 @@ def loss_fn(out, y):
     return nn.functional.mse_loss(out, y)
 
 
-def half_loss(out, y):
-    return loss_fn(out, y) / 2
+def sum_loss(out, y):
+    return nn.functional.mse_loss(out, y, reduction="sum")
+
+
+def token_loss(out, y):
+    """Cross entropy summed over the targets that are not ``IGNORE`` (``"token_mean"``)."""
+    return nn.functional.cross_entropy(out, y, ignore_index=IGNORE, reduction="sum")
+
+
+IGNORE = -100
+#: variant suffix -> (loss for a micro-batch, Pipeline's loss_reduction, the unsplit loss)
+LOSSES = {
+    "": (loss_fn, "mean", loss_fn),
+    "sum": (sum_loss, "sum", sum_loss),
+    "tokens": (
+        token_loss,
+        "token_mean",
+        lambda out, y: nn.functional.cross_entropy(out, y, ignore_index=IGNORE),
+    ),
+}
+
+
+def class_targets(y):
+    """Class targets from ``y`` with about a third of them ``IGNORE`` (a padded batch)."""
+    t = (y[:, 0] > 0).long()
+    t[y[:, 1] > 0.4] = IGNORE
+    return t
 
 
 def global_batch(rows: int, seed: int = 0):
@@ -60,13 +85,13 @@ def global_batch(rows: int, seed: int = 0):
     return x, y
 
 
-def reference(num_stages: int, x, y, steps: int):
+def reference(num_stages: int, x, y, steps: int, loss_of=loss_fn):
     stages = build_stages(num_stages)
     for _ in range(steps):
         h = x
         for m in stages:
             h = m(h)
-        loss = loss_fn(h, y)
+        loss = loss_of(h, y)
         loss.backward()
     grads = {(s, n): p.grad for s, m in enumerate(stages) for n, p in m.named_parameters()}
     return loss.detach(), grads
@@ -108,7 +133,6 @@ def run_data_parallel(rank: int, world: int, cases: list[tuple[str, str, bool]])
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
     import pipetrain
-    from pipetrain.runtime.data_parallel import DataParallel
     from pipetrain.schedule.registry import family
 
     reduce_scatters = {"n": 0}
@@ -133,9 +157,10 @@ def run_data_parallel(rank: int, world: int, cases: list[tuple[str, str, bool]])
         if variant == "fsdp-nested":  # the caller shards a layer inside each stage first
             for stage in stages:
                 fully_shard(stage.a, mesh=mesh["dp"])
-        # "-sum": the replicas' gradients and losses are summed, each replica's loss is its
-        # mean over half the global batch divided by the 2 replicas
-        loss = half_loss if variant.endswith("-sum") else loss_fn
+        # "-sum": a summed loss; "-tokens": cross entropy over the tokens that are not
+        # ignored, normalised by their count over the whole global batch (both replicas)
+        suffix = variant.split("-")[1] if variant.count("-") else ""
+        loss, reduction, unsplit_loss = LOSSES.get(suffix, LOSSES[""])
         pipe = pipetrain.Pipeline(
             stages,
             name,
@@ -144,20 +169,20 @@ def run_data_parallel(rank: int, world: int, cases: list[tuple[str, str, bool]])
             mesh=mesh,
             data_parallel=kind,
             defer_weight_grads=defer,
+            loss_reduction=reduction,
+            ignore_index=IGNORE if suffix == "tokens" else None,
         )
-        if variant.endswith("-sum"):
-            pipe.data_parallel = DataParallel(
-                kind, pipe.modules, mesh.get_group("dp"), mesh["dp"], pipe.device, "sum"
-            )
         counts: dict[int, int] = {}
         if kind == "ddp":
             _count_syncs(pipe, counts)
         reduce_scatters["n"] = 0
         x, y = global_batch(2 * local)
+        if suffix == "tokens":
+            y = class_targets(y)
         mine = slice(replica * local, (replica + 1) * local)
         losses = [pipe.step(x[mine], y[mine]) for _ in range(steps)]
         out = pipe.eval_step(x[mine])  # forward only: gathers (FSDP), keeps the gradients
-        ref_loss, ref_grads = reference(num_stages, x, y, steps)
+        ref_loss, ref_grads = reference(num_stages, x, y, steps, unsplit_loss)
         if out is not None:
             h = x[mine]
             for m_ in build_stages(num_stages):

@@ -23,7 +23,9 @@ CASES = [
     ]
 ] + [
     ("fsdp-nested", "zbv", True),  # fully_shard applied inside the stages by the caller
-    ("ddp-sum", "1f1b", None),  # replicas summed, not averaged
+    ("ddp-tokens", "zbv", True),  # "token_mean": the count spans both replicas
+    ("fsdp-tokens", "1f1b", None),
+    ("ddp-sum", "1f1b", None),  # loss_reduction="sum": replicas summed, not averaged
     ("fsdp-sum", "interleaved-1f1b", False),
 ]
 

@@ -133,7 +133,15 @@ class Pipeline:
         self.modules = _local_modules(stages, self.placement.stages_of_rank(self.rank), self.device)
         check_wrapping(self.modules, data_parallel)
         self.data_parallel = (
-            DataParallel(data_parallel, self.modules, dp_group, dp_mesh, self.device)
+            DataParallel(
+                data_parallel,
+                self.modules,
+                dp_group,
+                dp_mesh,
+                self.device,
+                # a sum, or a mean over the global token count, adds the replicas' gradients
+                reduction="mean" if self.loss_reduction == "mean" else "sum",
+            )
             if data_parallel is not None
             else None
         )
@@ -208,10 +216,6 @@ class Pipeline:
             self.ignore_index,
             self.data_parallel_group,
         )
-        if self.data_parallel is not None and self.loss_reduction != "mean":
-            # DDP and FSDP2 average gradients over the replicas; a sum (or a mean over the
-            # global token count) must not be divided by their number, so it is multiplied back.
-            weights = tuple(w * self.data_parallel.size for w in weights)
         mbs = dataclasses.replace(mbs, weights=weights)
         rows = self.program.actions[self.rank]
         self.tied_grads.begin_step()
