@@ -13,6 +13,7 @@ trained in place (``module.to(device)``), so the caller's references see gradien
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 
@@ -21,7 +22,9 @@ import torch.distributed as dist
 from torch import nn
 
 from pipetrain.runtime import microbatch
+from pipetrain.runtime.agreement import Agreement, pipeline_prefix
 from pipetrain.runtime.executor import Executor, MetaCache, StepData
+from pipetrain.runtime.failures import Failures, OwnedGroup, posts_failures, stops_on_failure
 from pipetrain.runtime.p2p import DTYPE_CODE, DTYPES, Transport
 from pipetrain.runtime.stage import StageRunner, arity
 from pipetrain.runtime.timing import Recorder, gather_timeline
@@ -52,6 +55,7 @@ class Pipeline:
     parameters. Either way exact.
     """
 
+    @posts_failures
     def __init__(
         self,
         stages: Stages,
@@ -73,6 +77,10 @@ class Pipeline:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        self.failures = Failures(
+            group, self.rank, self.world_size, pipeline_prefix(group, self.rank)
+        )
+        self.agreement = Agreement(group, self.rank, self.world_size, timeout, self.failures)
         self.loss_fn = loss_fn
         self.timeout = timeout
         self.device = torch.device(device) if device is not None else _default_device()
@@ -91,10 +99,21 @@ class Pipeline:
         }
         for stage, mb in _last_weight_pieces(self.program.actions[self.rank]).items():
             self.runners[stage].last_weight_microbatch = mb
-        self.arities = self._gather_arities()
+        self.arities = self.agreement.construction(
+            self.program, {s: arity(m) for s, m in self.modules.items()}
+        )
+        # On gloo, transfers and the loss go through a group of this pipeline's own, which it can
+        # close on failure (``failures``) and destroys on close or at interpreter exit.
+        self._owned = OwnedGroup.transfer_group(group, timeout)
+        self._release_at_exit = weakref.finalize(self, self._owned.release)
         self._reverse_group = _reverse_group(group)
         self.transport = Transport(
-            self.rank, group, self.device, timeout, reverse_group=self._reverse_group
+            self.rank,
+            self._owned.group or group,
+            self.device,
+            timeout,
+            reverse_group=self._reverse_group,
+            failures=self.failures,
         )
         self.side_stream = (
             torch.cuda.Stream(self.device) if overlap_pairs and self.device.type == "cuda" else None
@@ -120,8 +139,25 @@ class Pipeline:
             if self._reverse_group is not None and dist.is_initialized():
                 dist.destroy_process_group(self._reverse_group)
             self._reverse_group = None
+            self.transport.forget_groups()
+            self._release_at_exit()
             self.side_stream = None
             self._caches.clear()
+
+    def _stop_after(self, error: BaseException) -> None:
+        """A step failed here: tell the peers (notice, then close this pipeline's group, so their
+        waits end now) and refuse further steps."""
+        if self.closed:
+            return
+        origin = getattr(error, "origin", self.rank)
+        self.failures.post(origin, f"{type(error).__name__}: {error}")
+        self.closed = True
+        self._failure = f"{type(error).__name__}: {error}"
+        for runner in self.runners.values():
+            runner.release()
+        self.transport.abandon()
+        self.transport.forget_groups()  # the last reference: destroying the group closes it
+        self._release_at_exit()
 
     def __enter__(self) -> Pipeline:
         return self
@@ -138,6 +174,7 @@ class Pipeline:
                     seen.add(id(p))
                     yield p
 
+    @stops_on_failure
     def step(self, inputs, targets, timeline: bool = False) -> torch.Tensor:
         """One training step; returns the micro-batch-weighted mean loss on every rank.
 
@@ -148,6 +185,7 @@ class Pipeline:
         self._execute(rows, mbs, "train", timeline, self.program.name)
         return self._agree_on_loss(mbs.weights)
 
+    @stops_on_failure
     def eval_step(self, inputs):
         """Forward only; the last stage's outputs (merged) on the rank that holds it, else None."""
         if self._eval_program is None:
@@ -164,7 +202,8 @@ class Pipeline:
     def _split(self, inputs, targets) -> microbatch.MicroBatches:
         _require_process_group()
         if self.closed:
-            raise RuntimeError("this Pipeline was closed; build a new one to keep training")
+            why = f" after a failure ({self._failure})" if getattr(self, "_failure", None) else ""
+            raise RuntimeError(f"this Pipeline was closed{why}; build a new one to keep training")
         xs = tuple(x.to(self.device) for x in microbatch.as_tuple(inputs, "inputs"))
         ys = targets
         if isinstance(targets, torch.Tensor):
@@ -179,6 +218,7 @@ class Pipeline:
         discover = cache is None or cache.signature != signature
         if discover:
             cache = self._caches[mode] = MetaCache(signature=signature)
+        self.agreement.step(mode, mbs.inputs, mbs.targets, mbs.batch_size)
         for runner in self.runners.values():
             runner.begin_step()
         recorder = Recorder(self.rank, self.device, timeline)
@@ -204,26 +244,11 @@ class Pipeline:
             value[0] = sum(w * losses.pop(j).double() for j, w in enumerate(weights))
             value[1] = DTYPE_CODE.get(dtype, DTYPE_CODE[torch.float64])
         if self.world_size > 1:
-            src = (
-                self.last_rank
-                if self.group is None
-                else dist.get_global_rank(self.group, self.last_rank)
-            )
-            work = dist.broadcast(value, src, group=self.group, async_op=True)
+            group = self.transport.group
+            src = self.last_rank if group is None else dist.get_global_rank(group, self.last_rank)
+            work = dist.broadcast(value, src, group=group, async_op=True)
             self.transport.wait_work(work, "the loss broadcast", self.last_rank)
         return value[0].to(DTYPES[int(value[1].item())])
-
-    def _gather_arities(self) -> list[tuple[int, float]]:
-        mine = {s: arity(m) for s, m in self.modules.items()}
-        everyone: list[dict | None] = [None] * self.world_size
-        if self.world_size > 1:
-            dist.all_gather_object(everyone, mine, group=self.group)
-        else:
-            everyone = [mine]
-        table: dict[int, tuple[int, float]] = {}
-        for part in everyone:
-            table.update(part or {})
-        return [table[s] for s in range(self.placement.num_stages)]
 
 
 def _last_weight_pieces(row: Sequence[Action]) -> dict[int, int]:

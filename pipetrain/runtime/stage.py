@@ -109,7 +109,14 @@ class StageRunner:
             edges = [get_gradient_edge(o) for o in roots]
             self.saved[mb] = _Saved(need, edges, _metas(roots), _device(outputs))
             return outputs
-        loss = self.loss_fn(outputs[0] if len(outputs) == 1 else outputs, target)
+        output = outputs[0] if len(outputs) == 1 else outputs
+        try:
+            loss = self.loss_fn(output, target)
+        except Exception as e:
+            raise ValueError(
+                f"loss_fn failed on stage {self.index} micro-batch {mb}: the last stage's output "
+                f"is {_describe(output)}, the target {_describe(target)}: {type(e).__name__}: {e}"
+            ) from e
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise ValueError(
@@ -195,3 +202,11 @@ def _metas(tensors: list[torch.Tensor]) -> list[TensorMeta]:
 
 def _fill(found: list[torch.Tensor | None], inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.zeros_like(x) if g is None else g for g, x in zip(found, inputs)]
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+    if isinstance(value, (tuple, list)):
+        return "(" + ", ".join(_describe(v) for v in value) + ")"
+    return type(value).__name__
