@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -207,9 +208,9 @@ class Executor:
                 if isinstance(pending, Pending):
                     self.acts[key] = self._take(pending)
             elif part.kind in (OpKind.B, OpKind.I):
-                pending = self.grads.get(key)
-                if isinstance(pending, Pending):
-                    self.grads[key] = self._take(pending)
+                waiting = self.grads.get(key)
+                if isinstance(waiting, Pending):
+                    self.grads[key] = self._take(waiting)
 
     def forward(self, s: int, j: int) -> None:
         first = self._previous_stage(s) is None
@@ -317,13 +318,13 @@ class Executor:
 
     def check_empty(self) -> None:
         """After a complete step nothing of it may remain (internal invariant)."""
-        left = {
+        tables: dict[str, dict[Key, Any]] = {
             "activations": self.acts,
             "outbox_f": self.outbox_f,
             "grads": self.grads,
             "outbox_b": self.outbox_b,
         }
-        left = {k: sorted(v) for k, v in left.items() if v}
+        left = {k: sorted(v) for k, v in tables.items() if v}
         stages = {s: r.leftovers() for s, r in self.runners.items() if r.leftovers()}
         assert not left and not stages, f"step left state behind: {left} {stages}"
 

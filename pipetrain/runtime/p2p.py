@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -188,7 +189,7 @@ class Transport:
             if kind == "send" and (not self._sends or self._sends[-1] is not owner):
                 self._sends.append(owner)
 
-    def _post(self, ops: list[tuple[str, Pending, torch.Tensor]]) -> list:
+    def _post(self, ops: list[tuple[str, Pending, torch.Tensor]]) -> list[Any]:
         if self.reverse_group is self.group:
             p2p = [
                 dist.P2POp(
@@ -199,18 +200,15 @@ class Transport:
                 )
                 for kind, o, t in ops
             ]
-            works = dist.batch_isend_irecv(p2p)
+            batch: list[Any] = dist.batch_isend_irecv(p2p)
             # A backend may coalesce the batch into a single work; then every owner waits on it.
-            if len(works) != len(ops):
-                works = [works[-1]] * len(ops)
-        else:
-            works = [
-                (dist.isend if kind == "send" else dist.irecv)(
-                    t, self._global(o.peer), self._group_of(kind, o.peer)
-                )
-                for kind, o, t in ops
-            ]
-        return works
+            return batch if len(batch) == len(ops) else [batch[-1]] * len(ops)
+        return [
+            (dist.isend if kind == "send" else dist.irecv)(
+                t, self._global(o.peer), self._group_of(kind, o.peer)
+            )
+            for kind, o, t in ops
+        ]
 
     def abandon(self) -> None:
         """Drop every transfer in flight without waiting (a failed step): nothing of this

@@ -16,6 +16,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -216,7 +217,7 @@ class Pipeline:
         signature = (mbs.batch_size, *((tuple(x.shape), x.dtype) for x in mbs.inputs[0]))
         cache = self._caches.get(mode)
         discover = cache is None or cache.signature != signature
-        if discover:
+        if cache is None or discover:
             cache = self._caches[mode] = MetaCache(signature=signature)
         self.agreement.step(mode, mbs.inputs, mbs.targets, mbs.batch_size)
         for runner in self.runners.values():
@@ -351,7 +352,10 @@ def _resolve_program(schedule, num_microbatches, total, world, stages_per_rank) 
 def _local_modules(stages: Stages, mine: tuple[int, ...], device) -> dict[int, nn.Module]:
     out = {}
     for s in mine:
-        module = stages[s] if isinstance(stages, (Sequence, nn.Module)) else stages(s)
+        if isinstance(stages, (Sequence, nn.Module)):  # nn.Sequential / nn.ModuleList index too
+            module = cast(Any, stages)[s]
+        else:
+            module = stages(s)
         if not isinstance(module, nn.Module):
             raise TypeError(f"stage {s} is a {type(module).__name__}, not an nn.Module")
         out[s] = module.to(device)

@@ -41,7 +41,7 @@ def arity(module: nn.Module) -> tuple[int, float]:
         sig = inspect.signature(module.forward)
     except (TypeError, ValueError):
         return 0, math.inf
-    lo, hi = 0, 0
+    lo, hi = 0, 0.0
     for p in sig.parameters.values():
         if p.kind is p.VAR_POSITIONAL:
             hi = math.inf
@@ -110,6 +110,8 @@ class StageRunner:
             self.saved[mb] = _Saved(need, edges, _metas(roots), _device(outputs))
             return outputs
         output = outputs[0] if len(outputs) == 1 else outputs
+        if self.loss_fn is None:
+            raise ValueError(f"stage {self.index} is the last stage and needs a loss_fn")
         try:
             loss = self.loss_fn(output, target)
         except Exception as e:
