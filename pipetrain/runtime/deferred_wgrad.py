@@ -131,7 +131,7 @@ def _plain_linear(m: nn.Module) -> bool:
 
 def plain_linears(module: nn.Module) -> list[nn.Linear]:
     """The plain ``nn.Linear`` layers in ``module`` (each once)."""
-    return [m for m in module.modules() if _plain_linear(m)]  # type: ignore[misc]
+    return [m for m in module.modules() if isinstance(m, nn.Linear) and _plain_linear(m)]
 
 
 def worth_deferring(module: nn.Module) -> bool:

@@ -41,7 +41,7 @@ def arity(module: nn.Module) -> tuple[int, float]:
         sig = inspect.signature(module.forward)
     except (TypeError, ValueError):
         return 0, math.inf
-    lo, hi = 0, 0
+    lo, hi = 0, 0.0
     for p in sig.parameters.values():
         if p.kind is p.VAR_POSITIONAL:
             hi = math.inf
@@ -112,7 +112,16 @@ class StageRunner:
             edges = [get_gradient_edge(o) for o in roots]
             self.saved[mb] = _Saved(need, edges, _metas(roots), _device(outputs))
             return outputs
-        loss = self.loss_fn(outputs[0] if len(outputs) == 1 else outputs, target)
+        output = outputs[0] if len(outputs) == 1 else outputs
+        if self.loss_fn is None:
+            raise ValueError(f"stage {self.index} is the last stage and needs a loss_fn")
+        try:
+            loss = self.loss_fn(output, target)
+        except Exception as e:
+            raise ValueError(
+                f"loss_fn failed on stage {self.index} micro-batch {mb}: the last stage's output "
+                f"is {_describe(output)}, the target {_describe(target)}: {type(e).__name__}: {e}"
+            ) from e
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise ValueError(
@@ -220,3 +229,11 @@ def _metas(tensors: list[torch.Tensor]) -> list[TensorMeta]:
 
 def _fill(found: list[torch.Tensor | None], inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.zeros_like(x) if g is None else g for g, x in zip(found, inputs)]
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+    if isinstance(value, (tuple, list)):
+        return "(" + ", ".join(_describe(v) for v in value) + ")"
+    return type(value).__name__
