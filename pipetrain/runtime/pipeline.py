@@ -354,6 +354,7 @@ class Pipeline:
     def _sync_after(self, action: Action) -> None:
         """After a stage's last compute action of the step: its data-parallel gradient sync, so
         the reduction overlaps the rest of the row (on CUDA)."""
+        assert self.data_parallel is not None  # only installed with data parallel
         for stage in self._last_uses.get(action, ()):
             self.data_parallel.finish(stage)
 

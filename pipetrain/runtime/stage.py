@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -211,12 +211,12 @@ class StageRunner:
         return len(self.saved) + len(self.weight_work)
 
 
-def fire_hooks(params: list[torch.Tensor]) -> None:
+def fire_hooks(params: Sequence[torch.Tensor]) -> None:
     """Run post-accumulate-grad hooks of ``params`` once, adding nothing: ``AccumulateGrad`` of a
     zero gradient (only where a gradient exists; an unused parameter's hooks never fire)."""
     ready = [p for p in params if p.grad is not None]
     if ready:
-        torch.autograd.backward(ready, [torch.zeros_like(p.grad) for p in ready])
+        torch.autograd.backward(ready, [torch.zeros_like(p) for p in ready])
 
 
 def _device(tensors: tuple[torch.Tensor, ...]) -> torch.device:
