@@ -223,7 +223,7 @@ class Pipeline:
         for runner in self.runners.values():
             runner.begin_step()
         recorder = Recorder(self.rank, self.device, timeline)
-        recorder.begin(self.group)
+        recorder.begin(self.transport.group)  # the pipeline's own group: its timeout holds
         executor = Executor(
             self.rank, self.placement, self.runners, self.transport, self.arities, self.side_stream
         )
@@ -232,7 +232,11 @@ class Pipeline:
         executor.check_empty()
         if timeline:
             self.last_timeline = gather_timeline(
-                recorder, self.group, self.world_size, self.placement.num_stages, name
+                recorder,
+                self.transport.group,
+                self.world_size,
+                self.placement.num_stages,
+                name,
             )
         return executor.results
 
