@@ -326,7 +326,7 @@ class Pipeline:
         for runner in self.runners.values():
             runner.begin_step()
         recorder = Recorder(self.rank, self.device, timeline)
-        recorder.begin(self.group)
+        recorder.begin(self.transport.group)  # the pipeline's own group: its timeout holds
         after = self._sync_after if self.data_parallel is not None and mode == "train" else None
         executor = Executor(
             self.rank,
@@ -347,7 +347,11 @@ class Pipeline:
         executor.check_empty()
         if timeline:
             self.last_timeline = gather_timeline(
-                recorder, self.group, self.world_size, self.placement.num_stages, name
+                recorder,
+                self.transport.group,
+                self.world_size,
+                self.placement.num_stages,
+                name,
             )
         return executor.results
 
