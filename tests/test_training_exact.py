@@ -12,17 +12,17 @@ from training_cases import run_losses_tied_clipping
 CASES = {
     2: [
         ("gpipe", "sum", None, False),
-        ("1f1b", "token_mean", None, False),
-        ("interleaved-1f1b", "token_mean", False, False),
+        ("1f1b", "token_mean", None, True),
+        ("interleaved-1f1b", "token_mean", False, True),
         ("zb-h1", "token_mean", True, False),
-        ("zbv", "token_mean", False, False),
+        ("zbv", "token_mean", False, True),
         ("zbv", "sum", True, False),
-        ("dualpipev", "token_mean", None, False),
+        ("dualpipev", "token_mean", None, True),
     ],
     4: [
         ("1f1b", "token_mean", None, False),
-        ("interleaved-zb", "sum", False, False),
-        ("zbv", "token_mean", True, False),
+        ("interleaved-zb", "sum", False, True),
+        ("zbv", "token_mean", True, True),
         ("dualpipev", "token_mean", False, False),
     ],
 }

@@ -72,22 +72,25 @@ def build_layers(num_layers: int, tie: bool = True, seed: int = 0) -> dict[str, 
 
 
 def batch(rows: int, seed: int = 0):
-    """Tokens, shifted targets padded with ``IGNORE`` (a different amount per row), a mask."""
+    """Tokens, shifted targets padded with ``IGNORE`` (a different amount per row), and a mask
+    that zeroes block updates at other positions than the padding (so it changes the loss)."""
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, VOCAB, (rows, SEQ), generator=g)
     targets = torch.randint(0, VOCAB, (rows, SEQ), generator=g)
     lengths = torch.randint(1, SEQ + 1, (rows,), generator=g)
     pad = torch.arange(SEQ)[None, :] >= lengths[:, None]
     targets[pad] = IGNORE
-    mask = (~pad).to(torch.float64)
+    mask = (torch.rand(rows, SEQ, generator=g) > 0.3).to(torch.float64)  # not the padding
     return tokens, targets, mask
 
 
 def run_unsplit(layers, tokens, mask=None):
     h = tokens
     for name, layer in layers.items():
-        h = layer(h, attention_mask=mask) if name.startswith("blocks") and mask is not None else (
-            layer(h)
+        h = (
+            layer(h, attention_mask=mask)
+            if name.startswith("blocks") and mask is not None
+            else (layer(h))
         )
     return h
 
@@ -123,6 +126,14 @@ def legal_microbatches(name: str, world: int) -> int:
     raise AssertionError(f"no micro-batch count for {name}")
 
 
+def _recorder(fired: dict, seen: dict, name: str):
+    def hook(p):
+        fired[name] = fired.get(name, 0) + 1
+        seen[name] = p.grad.clone()
+
+    return hook
+
+
 def run_losses_tied_clipping(rank: int, world: int, cases: list) -> list[str]:
     """Per (schedule, reduction, defer, side): two steps, loss and every gradient against the
     unsplit model (tied embedding/head), hooks once per step with the whole gradient, then
@@ -155,12 +166,7 @@ def run_losses_tied_clipping(rank: int, world: int, cases: list) -> list[str]:
                 local[n] = p
         for n, p in local.items():
             if n != "head.weight" or "embed.weight" not in local:
-
-                def hook(q, n=n):
-                    fired[n] = fired.get(n, 0) + 1
-                    seen[n] = q.grad.clone()
-
-                p.register_post_accumulate_grad_hook(hook)
+                p.register_post_accumulate_grad_hook(_recorder(fired, seen, n))
         tokens, targets, mask = batch(2 * m + 1, seed=m)
         kwargs = {"side": {"attention_mask": mask}} if side else {}
         losses = [pipe.step(tokens, targets, **kwargs) for _ in range(2)]

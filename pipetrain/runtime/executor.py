@@ -33,6 +33,7 @@ class StepData:
     inputs: tuple[tuple[torch.Tensor, ...], ...]
     targets: tuple[object, ...]
     weights: tuple[float, ...]
+    side: tuple[dict[str, object], ...] = ()  # per micro-batch (``runtime.side_inputs``)
 
 
 @dataclass
@@ -174,10 +175,11 @@ class Executor:
         args = self.data.inputs[j] if first else self._take(self.acts.pop((s, j)))
         self._check_arity(s, len(args), "receives")
         runner = self.runners[s]
+        side = self.data.side[j] if self.data.side else None
         if self.train:
-            outputs = runner.forward(j, args, self.data.targets[j], self.data.weights[j])
+            outputs = runner.forward(j, args, self.data.targets[j], self.data.weights[j], side)
         else:
-            outputs = runner.call(args)
+            outputs = runner.call(args, side)
         if runner.is_last:
             if not self.train:
                 self.results[j] = outputs

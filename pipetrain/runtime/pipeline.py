@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipetrain.runtime import grad_norm, losses, microbatch
+from pipetrain.runtime import grad_norm, losses, microbatch, side_inputs
 from pipetrain.runtime import tied as tied_weights
 from pipetrain.runtime.executor import Executor, MetaCache, StepData
 from pipetrain.runtime.p2p import DTYPE_CODE, DTYPES, Transport
@@ -124,6 +124,8 @@ class Pipeline:
         )
         self._caches: dict[str, MetaCache] = {}
         self._eval_program: Program | None = None
+        self._side: tuple[dict, ...] = ()
+        self._side_keywords_all: list | None = None
         self.last_timeline: Timeline | None = None
 
     def parameters(self) -> Iterator[nn.Parameter]:
@@ -135,12 +137,14 @@ class Pipeline:
                     seen.add(id(p))
                     yield p
 
-    def step(self, inputs, targets, timeline: bool = False) -> torch.Tensor:
-        """One training step; returns the micro-batch-weighted mean loss on every rank.
+    def step(self, inputs, targets, timeline: bool = False, *, side=None) -> torch.Tensor:
+        """One training step; returns the batch's loss (per ``loss_reduction``) on every rank.
 
         Gradients accumulate into ``.grad`` (zero them as with any torch training loop).
+        ``side``: side inputs by name (an attention mask...), given to the stages whose forward
+        takes them, split per micro-batch where batched (``runtime.side_inputs``).
         """
-        mbs = self._split(inputs, targets)
+        mbs = self._split(inputs, targets, side)
         weights = losses.weights(
             self.loss_reduction,
             mbs.weights,
@@ -178,11 +182,11 @@ class Pipeline:
         counted = [p.grad for p in self.parameters() if p.grad is not None and id(p) not in skip]
         return counted, grads
 
-    def eval_step(self, inputs):
+    def eval_step(self, inputs, *, side=None):
         """Forward only; the last stage's outputs (merged) on the rank that holds it, else None."""
         if self._eval_program is None:
             self._eval_program = _forward_only(self.program)
-        mbs = self._split(inputs, None)
+        mbs = self._split(inputs, None, side)
         rows = self._eval_program.actions[self.rank]
         with torch.no_grad():
             results = self._execute(rows, mbs, "eval", False, self.program.name)
@@ -191,7 +195,7 @@ class Pipeline:
         outs = [results[j] for j in range(self.num_microbatches)]
         return microbatch.merge(outs, single=len(outs[0]) == 1)
 
-    def _split(self, inputs, targets) -> microbatch.MicroBatches:
+    def _split(self, inputs, targets, side=None) -> microbatch.MicroBatches:
         _require_process_group()
         xs = tuple(x.to(self.device) for x in microbatch.as_tuple(inputs, "inputs"))
         ys = targets
@@ -199,7 +203,24 @@ class Pipeline:
             ys = targets.to(self.device)
         elif isinstance(targets, (tuple, list)):
             ys = tuple(t.to(self.device) for t in microbatch.as_tuple(targets, "targets"))
-        return microbatch.split(xs, ys, self.num_microbatches)
+        mbs = microbatch.split(xs, ys, self.num_microbatches)
+        self._side = ()
+        if side:
+            side_inputs.check(side, self._side_keywords())
+            self._side = side_inputs.split(side, mbs.batch_size, self.num_microbatches, self.device)
+        return mbs
+
+    def _side_keywords(self) -> list:
+        """Every stage's side-input names (gathered from all ranks on first use)."""
+        if self._side_keywords_all is None:
+            mine = [r.side_keywords for r in self.runners.values()]
+            everyone: list = [None] * self.world_size
+            if self.world_size > 1:
+                dist.all_gather_object(everyone, mine, group=self.group)
+            else:
+                everyone = [mine]
+            self._side_keywords_all = [k for part in everyone for k in part]
+        return self._side_keywords_all
 
     def _execute(self, rows, mbs, mode: str, timeline: bool, name: str):
         signature = (mbs.batch_size, *((tuple(x.shape), x.dtype) for x in mbs.inputs[0]))
@@ -214,7 +235,7 @@ class Pipeline:
         executor = Executor(
             self.rank, self.placement, self.runners, self.transport, self.arities, self.side_stream
         )
-        data = StepData(mbs.inputs, mbs.targets, mbs.weights)
+        data = StepData(mbs.inputs, mbs.targets, mbs.weights, self._side)
         executor.run(rows, data, cache, recorder, train=mode == "train", discover=discover)
         executor.check_empty()
         if timeline:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from pipetrain.runtime import deferred_wgrad
+from pipetrain.runtime import deferred_wgrad, side_inputs
 from pipetrain.runtime.p2p import TensorMeta
 from pipetrain.runtime.split_backward import (
     WeightWork,
@@ -102,6 +102,7 @@ class StageRunner:
         #: sums their gradient after the step, then fires their hooks once)
         self.quiet_params: set[int] = set()
         self.params: list[torch.Tensor] = []
+        self.side_keywords = side_inputs.keywords(module)
         self.begin_step()
 
     def begin_step(self) -> None:
@@ -111,10 +112,15 @@ class StageRunner:
         self.params = [p for p in self.module.parameters() if p.requires_grad]
 
     def forward(
-        self, mb: int, args: tuple[torch.Tensor, ...], target: object, weight: float
+        self,
+        mb: int,
+        args: tuple[torch.Tensor, ...],
+        target: object,
+        weight: float,
+        side: dict | None = None,
     ) -> tuple[torch.Tensor, ...]:
         """Run the module; keep what backward needs. Returns the outputs (empty on the last stage)."""
-        outputs = self.call(args)
+        outputs = self.call(args, side)
         need = [a for a in args if a.requires_grad]
         if not self.is_last:
             roots = [o for o in outputs if o.requires_grad]
@@ -135,14 +141,19 @@ class StageRunner:
         self.saved[mb] = _Saved(need, edges, _metas(roots), scaled.device)
         return ()
 
-    def call(self, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        out = self.module(*args)
+    def call(self, args: tuple[torch.Tensor, ...], side: dict | None = None):
+        """The module on ``args`` and the side inputs it takes (``runtime.side_inputs``)."""
+        if side:
+            out = self.module(*args, **side_inputs.select(side, self.side_keywords))
+        else:
+            out = self.module(*args)
         outputs = out if isinstance(out, tuple) else (out,)
         for i, o in enumerate(outputs):
             if not isinstance(o, torch.Tensor):
                 raise TypeError(
                     f"stage {self.index} returned {type(o).__name__} at output {i}; stages must "
-                    "return a tensor or a tuple of tensors"
+                    "return a tensor or a tuple of tensors (pass masks, position ids and other "
+                    "constants as side inputs: pipe.step(..., side={name: value}))"
                 )
         # An output that is an input leaf would alias the next stage's graph into this one.
         ids = {id(a) for a in args}
