@@ -13,15 +13,27 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
+    from pipetrain.runtime.checkpoint import load_checkpoint, save_checkpoint
     from pipetrain.runtime.layers import split
+    from pipetrain.runtime.losses import TokenCrossEntropy
     from pipetrain.runtime.pipeline import Pipeline
 
-__all__ = ["Pipeline", "__version__", "split"]
+__all__ = [
+    "Pipeline",
+    "TokenCrossEntropy",
+    "__version__",
+    "load_checkpoint",
+    "save_checkpoint",
+    "split",
+]
 
 # Loaded on first use (they import torch): name -> module that defines it.
 _LAZY = {
     "Pipeline": "pipetrain.runtime.pipeline",
     "split": "pipetrain.runtime.layers",
+    "TokenCrossEntropy": "pipetrain.runtime.losses",
+    "save_checkpoint": "pipetrain.runtime.checkpoint",
+    "load_checkpoint": "pipetrain.runtime.checkpoint",
 }
 
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipetrain.runtime import grad_norm, losses, microbatch, side_inputs
+from pipetrain.runtime import checkpoint, grad_norm, losses, microbatch, side_inputs
 from pipetrain.runtime import tied as tied_weights
 from pipetrain.runtime.executor import Executor, MetaCache, StepData
 from pipetrain.runtime.p2p import DTYPE_CODE, DTYPES, Transport
@@ -136,6 +136,16 @@ class Pipeline:
                 if id(p) not in seen:
                     seen.add(id(p))
                     yield p
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters and buffers by global name (``runtime.checkpoint``): the union
+        over the ranks is the unsplit model's state dict."""
+        return checkpoint.model_state(self.modules[s] for s in sorted(self.modules))
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy this rank's tensors from ``state`` (a whole model's, or any ranks' union);
+        a missing name is a ``KeyError`` naming it, a shape mismatch a ``ValueError``."""
+        checkpoint.load_model_state([self.modules[s] for s in sorted(self.modules)], state)
 
     def step(self, inputs, targets, timeline: bool = False, *, side=None) -> torch.Tensor:
         """One training step; returns the batch's loss (per ``loss_reduction``) on every rank.
