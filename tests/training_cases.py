@@ -108,6 +108,15 @@ def sum_loss(logits, targets):
     )
 
 
+def by_name(layers: dict[str, nn.Module]) -> dict[str, nn.Parameter]:
+    """Every parameter of a layer dict by its global name (a tied one under both names)."""
+    return {
+        f"{layer_name}.{k}": q
+        for layer_name, layer in layers.items()
+        for k, q in layer.named_parameters(remove_duplicate=False)
+    }
+
+
 def close(a, b, rtol=1e-10) -> bool:
     if a is None or b is None:
         return a is None and b is None
@@ -177,13 +186,7 @@ def run_losses_tied_clipping(rank: int, world: int, cases: list) -> list[str]:
                 run_unsplit(ref_layers, tokens, mask if side else None), targets, reduction
             )
             ref_loss.backward()
-        ref = {
-            n: p
-            for layer_name, layer in ref_layers.items()
-            for n, p in (
-                (f"{layer_name}.{k}", q) for k, q in layer.named_parameters(remove_duplicate=False)
-            )
-        }
+        ref = by_name(ref_layers)
         for i, loss in enumerate(losses):
             if not close(loss, ref_loss.detach()):
                 failures.append(f"{case}: step {i} loss {loss.item()} != {ref_loss.item()}")
@@ -314,3 +317,106 @@ def _load_partial(model, bigger) -> None:
     from pipetrain.runtime.checkpoint import load_model_state
 
     load_model_state([bigger], model.state_dict())
+
+
+class CheckpointedBlock(Block):
+    """A block whose update runs under ``torch.utils.checkpoint``; counts its forward runs."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.runs = 0
+
+    def update(self, h, attention_mask):
+        self.runs += 1
+        out = torch.tanh(self.lin(h))
+        return out * attention_mask.unsqueeze(-1)
+
+    def forward(self, h, attention_mask=None):
+        from torch.utils.checkpoint import checkpoint
+
+        return h + checkpoint(self.update, h, attention_mask, use_reentrant=self.reentrant)
+
+
+def checkpointed_layers(num_layers: int, reentrant: bool = False) -> dict[str, nn.Module]:
+    layers = build_layers(num_layers)
+    torch.manual_seed(5)
+    for name in layers:
+        if name.startswith("blocks"):
+            layers[name] = CheckpointedBlock(reentrant)
+    return layers
+
+
+def run_activation_checkpointing(rank: int, world: int) -> dict:
+    """Exactness and forward runs per micro-batch of a checkpointed block, per schedule and
+    weight-gradient split; then ``use_reentrant=True`` refused at the first step."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    import pipetrain
+    from pipetrain.runtime.losses import TokenCrossEntropy
+
+    out: dict = {"exact": [], "runs": {}}
+    for name, defer in [("1f1b", False), ("zbv", False), ("zbv", True), ("dualpipev", False)]:
+        num_stages = 2 * world if name != "1f1b" else world
+        m = 4
+        layers = checkpointed_layers(layer_count(num_stages))
+        pipe = pipetrain.Pipeline(
+            pipetrain.split(layers, stage_counts(num_stages)),
+            name,
+            m,
+            TokenCrossEntropy(IGNORE),
+            defer_weight_grads=defer,
+        )
+        tokens, targets, mask = batch(8, seed=3)
+        loss = pipe.step(tokens, targets, side={"attention_mask": mask})
+        ref_layers = checkpointed_layers(layer_count(num_stages))
+        ref_loss = reference_loss(run_unsplit(ref_layers, tokens, mask), targets, "token_mean")
+        ref_loss.backward()
+        ok = close(loss, ref_loss.detach())
+        ref = by_name(ref_layers)
+        for s in pipe.modules.values():
+            for n, p in s.named_parameters():
+                ok &= close(p.grad, ref[n].grad)
+        out["exact"].append((name, defer, ok))
+        blocks = [
+            b
+            for s in pipe.modules.values()
+            for b in s.modules()
+            if isinstance(b, CheckpointedBlock)
+        ]
+        if blocks:
+            out["runs"][f"{name} defer={defer}"] = sum(b.runs for b in blocks) / (len(blocks) * m)
+    group = dist.new_group(list(range(world)))
+    pipe = pipetrain.Pipeline(
+        pipetrain.split(checkpointed_layers(layer_count(world), True), stage_counts(world)),
+        "1f1b",
+        2,
+        TokenCrossEntropy(IGNORE),
+        group=group,
+        timeout=timedelta(seconds=3),
+    )
+    tokens, targets, mask = batch(4)
+    try:
+        pipe.step(tokens, targets, side={"attention_mask": mask})
+        out["reentrant"] = "no error"
+    except Exception as e:  # the test checks the type and message
+        out["reentrant"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def run_two_ranks(rank: int, world: int, cases: list) -> dict:
+    """Everything the 2-rank tests check, in one launch (the refused reentrant case last)."""
+    return {
+        "exact": run_losses_tied_clipping(rank, world, cases),
+        "activation_checkpointing": run_activation_checkpointing(rank, world),
+    }
+
+
+def run_four_ranks(rank: int, world: int, cases: list, path: str) -> dict:
+    """Everything the 4-rank tests check, in one launch."""
+    return {
+        "exact": run_losses_tied_clipping(rank, world, cases),
+        "checkpoints": run_checkpoints(rank, world, path),
+    }

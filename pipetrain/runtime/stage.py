@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from pipetrain.runtime import deferred_wgrad, side_inputs
+from pipetrain.runtime import activation_checkpoint, deferred_wgrad, side_inputs
 from pipetrain.runtime.p2p import TensorMeta
 from pipetrain.runtime.split_backward import (
     WeightWork,
@@ -103,6 +103,7 @@ class StageRunner:
         self.quiet_params: set[int] = set()
         self.params: list[torch.Tensor] = []
         self.side_keywords = side_inputs.keywords(module)
+        self.graph_checked = False
         self.begin_step()
 
     def begin_step(self) -> None:
@@ -125,6 +126,7 @@ class StageRunner:
         if not self.is_last:
             roots = [o for o in outputs if o.requires_grad]
             edges = [get_gradient_edge(o) for o in roots]
+            self._check_graph_once(edges)
             self.saved[mb] = _Saved(need, edges, _metas(roots), _device(outputs))
             return outputs
         loss = self.loss_fn(outputs[0] if len(outputs) == 1 else outputs, target)
@@ -138,8 +140,16 @@ class StageRunner:
         scaled = (loss * weight).reshape(())
         roots = [scaled] if scaled.requires_grad else []
         edges = [get_gradient_edge(r) for r in roots]
+        self._check_graph_once(edges)
         self.saved[mb] = _Saved(need, edges, _metas(roots), scaled.device)
         return ()
+
+    def _check_graph_once(self, edges: list[GradientEdge]) -> None:
+        """On the stage's first forward: refuse what its graph holds that pipetrain cannot run
+        exactly (``activation_checkpoint.refuse_reentrant``)."""
+        if not self.graph_checked:
+            activation_checkpoint.refuse_reentrant((e.node for e in edges), self.index)
+            self.graph_checked = True
 
     def call(self, args: tuple[torch.Tensor, ...], side: dict | None = None):
         """The module on ``args`` and the side inputs it takes (``runtime.side_inputs``)."""
