@@ -144,19 +144,22 @@ def _recorder(fired: dict, seen: dict, name: str):
 
 
 def run_losses_tied_clipping(rank: int, world: int, cases: list) -> list[str]:
-    """Per (schedule, reduction, defer, side): two steps, loss and every gradient against the
-    unsplit model (tied embedding/head), hooks once per step with the whole gradient, then
-    ``clip_grad_norm_`` against torch's on the unsplit model."""
+    """Per (schedule, reduction, defer, side, declared): two steps, loss and every gradient
+    against the unsplit model (tied embedding/head), hooks once per step with the whole
+    gradient, then ``clip_grad_norm_`` against torch's on the unsplit model.
+
+    ``declared``: the layers are built untied (the head with its own random weight) and the tie
+    is declared by name, ``Pipeline(tied=...)``: construction makes the replicas equal."""
     import pipetrain
     from pipetrain.runtime.losses import TokenCrossEntropy
     from pipetrain.schedule.registry import family
 
     failures = []
-    for name, reduction, defer, side in cases:
+    for name, reduction, defer, side, declared in cases:
         v = family(name).default_stages_per_rank
         num_stages = world * v
         m = legal_microbatches(name, world)
-        layers = build_layers(layer_count(num_stages))
+        layers = build_layers(layer_count(num_stages), tie=not declared)
         stages = pipetrain.split(layers, stage_counts(num_stages))
         fired: dict[str, int] = {}
         seen: dict[str, torch.Tensor] = {}
@@ -168,18 +171,19 @@ def run_losses_tied_clipping(rank: int, world: int, cases: list) -> list[str]:
             loss_fn,
             loss_reduction=None if reduction == "token_mean" else reduction,
             defer_weight_grads=defer,
+            tied=[("embed.weight", "head.weight")] if declared else (),
         )
         local = {}
         for s in pipe.modules.values():
             for n, p in s.named_parameters(remove_duplicate=False):
                 local[n] = p
         for n, p in local.items():
-            if n != "head.weight" or "embed.weight" not in local:
+            if n != "head.weight" or local.get("embed.weight") is not p:
                 p.register_post_accumulate_grad_hook(_recorder(fired, seen, n))
         tokens, targets, mask = batch(2 * m + 1, seed=m)
         kwargs = {"side": {"attention_mask": mask}} if side else {}
         losses = [pipe.step(tokens, targets, **kwargs) for _ in range(2)]
-        case = f"{name} ranks={world} m={m} {reduction} defer={defer} side={side}"
+        case = f"{name} ranks={world} m={m} {reduction} defer={defer} side={side} {declared=}"
         ref_layers = build_layers(layer_count(num_stages))
         for _ in range(2):
             ref_loss = reference_loss(
