@@ -236,9 +236,7 @@ def _pipeline(group, schedule: str, counts: list[int]):
     from pipetrain.runtime.losses import TokenCrossEntropy
 
     stages = pipetrain.split(build_layers(CKPT_LAYERS, tie=False, seed=7), counts)
-    pipe = pipetrain.Pipeline(
-        stages, schedule, CKPT_MB, TokenCrossEntropy(IGNORE), group=group, defer_weight_grads=False
-    )
+    pipe = pipetrain.Pipeline(stages, schedule, CKPT_MB, TokenCrossEntropy(IGNORE), group=group)
     return pipe, _adamw(pipe.parameters())
 
 
@@ -253,9 +251,10 @@ def run_checkpoints(rank: int, world: int, path: str) -> dict:
     run), at pp=2 again (ranks 2, 3), at pp=4 (1f1b, another cut) and in the plain model; every
     run's final parameters by name (the test compares them bit for bit).
 
-    The model is untied and its linears use graph replay: then each parameter's gradient is
-    summed in the same order whatever the cut, so runs can agree bit for bit (a tied weight's
-    two halves are summed in an order that depends on where the cut puts them)."""
+    The model is untied (the blocks' stages defer their weight GEMMs, the others use graph
+    replay: the default): then each parameter's gradient is summed in the same order whatever
+    the cut, so runs can agree bit for bit (a tied weight's two halves are summed in an order
+    that depends on where the cut puts them: docs/training.md)."""
     import torch.distributed as dist
 
     import pipetrain
