@@ -60,6 +60,19 @@ def test_losses_tied_weights_clipping_and_side_inputs_match_unsplit_training(wor
 
 
 @pytest.mark.slow
+def test_bad_training_input_is_refused_on_every_rank_and_eval_takes_side_inputs(two_ranks):
+    r0, r1 = (r["refusals"] for r in two_ranks)
+    assert r0 == {**r1, "eval_close": r0["eval_close"]}, "every rank refuses alike"
+    assert "ValueError" in r0["reduction"] and "mean, sum, token_mean" in r0["reduction"]
+    assert "'nope.weight' is not a parameter of any stage" in r0["tied_name"]
+    assert "'attn_mask' is taken by no stage" in r0["side_name"]
+    assert "attention_mask" in r0["side_name"]
+    assert "'attention_mask' requires a gradient" in r0["side_grad"]
+    assert "no token is counted" in r0["no_tokens"]
+    assert r0["eval_close"] is None and r1["eval_close"] is True
+
+
+@pytest.mark.slow
 def test_activation_checkpointing_is_exact_and_reentrant_is_refused(two_ranks):
     r0, r1 = (r["activation_checkpointing"] for r in two_ranks)
     for r in (r0, r1):

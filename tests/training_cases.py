@@ -211,6 +211,10 @@ def run_losses_tied_clipping(rank: int, world: int, cases: list) -> list[str]:
         for n, p in local.items():
             if not close(p.grad, ref[n].grad):
                 failures.append(f"{case}: {n} clipped gradient differs")
+        inf_norm = pipe.clip_grad_norm_(1e9, float("inf"))
+        ref_inf = torch.nn.utils.clip_grad_norm_(ref_params, 1e9, float("inf"))
+        if not close(inf_norm, ref_inf):
+            failures.append(f"{case}: inf-norm {inf_norm.item()} != unsplit {ref_inf.item()}")
     return failures
 
 
@@ -409,10 +413,49 @@ def run_activation_checkpointing(rank: int, world: int) -> dict:
     return out
 
 
+def run_refusals_and_eval(rank: int, world: int) -> dict:
+    """Bad training input refused the same way on every rank (no rank left waiting), and
+    ``eval_step`` with side inputs against the unsplit model."""
+    import pipetrain
+    from pipetrain.runtime.losses import TokenCrossEntropy
+
+    def error_of(fn) -> str:
+        try:
+            fn()
+        except Exception as e:  # the test checks type and message
+            return f"{type(e).__name__}: {e}"
+        return "no error"
+
+    def pipe(**kwargs):
+        layers = build_layers(layer_count(world))
+        loss = kwargs.pop("loss_fn", TokenCrossEntropy(IGNORE))
+        return pipetrain.Pipeline(
+            pipetrain.split(layers, stage_counts(world)), "1f1b", 2, loss, **kwargs
+        )
+
+    tokens, targets, mask = batch(4)
+    good = pipe()
+    out = {
+        "reduction": error_of(lambda: pipe(loss_reduction="median")),
+        "tied_name": error_of(lambda: pipe(tied=[("embed.weight", "nope.weight")])),
+        "side_name": error_of(lambda: good.step(tokens, targets, side={"attn_mask": mask})),
+        "side_grad": error_of(
+            lambda: good.step(tokens, targets, side={"attention_mask": mask.requires_grad_()})
+        ),
+        "no_tokens": error_of(lambda: good.step(tokens, torch.full_like(targets, IGNORE))),
+    }
+    mask = mask.detach()
+    result = good.eval_step(tokens, side={"attention_mask": mask})
+    expected = run_unsplit(build_layers(layer_count(world)), tokens, mask).detach()
+    out["eval_close"] = None if result is None else close(result, expected)
+    return out
+
+
 def run_two_ranks(rank: int, world: int, cases: list) -> dict:
     """Everything the 2-rank tests check, in one launch (the refused reentrant case last)."""
     return {
         "exact": run_losses_tied_clipping(rank, world, cases),
+        "refusals": run_refusals_and_eval(rank, world),
         "activation_checkpointing": run_activation_checkpointing(rank, world),
     }
 
