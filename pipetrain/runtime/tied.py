@@ -49,18 +49,19 @@ class TiedSet:
         return self.owners[0]
 
 
-def named_parameters_everywhere(modules: Mapping[int, nn.Module]) -> dict[str, nn.Parameter]:
-    """Every local parameter by every name it has (shared ones under each of their names)."""
+def named_parameters_everywhere(
+    modules: Mapping[int, nn.Module],
+) -> tuple[dict[str, nn.Parameter], set[str]]:
+    """Every local parameter by every name it has (shared ones under each of their names), and
+    the names two different local parameters have (hand-cut stages often repeat names)."""
     out: dict[str, nn.Parameter] = {}
+    ambiguous: set[str] = set()
     for module in modules.values():
         for name, p in module.named_parameters(remove_duplicate=False):
             if name in out and out[name] is not p:
-                raise ValueError(
-                    f"two different parameters are named {name!r} on this rank; stage parameter "
-                    "names must be global (pipetrain.split keeps each layer's model name)"
-                )
+                ambiguous.add(name)
             out[name] = p
-    return out
+    return out, ambiguous
 
 
 def shared_across(modules: Sequence[nn.Module]) -> list[tuple[str, ...]]:
@@ -100,11 +101,13 @@ def build(
 ) -> list[TiedSet]:
     """The tied sets of the whole pipeline, with this rank's replicas and the owners' groups.
 
-    Collective over the pipeline group: every rank must call it (``Pipeline`` does)."""
-    local_sets = list(declared)
+    Collective over the pipeline group: every rank must call it (``Pipeline`` does). Sets named
+    by global names (declared, or found by ``split``) are resolved by name on every rank; one
+    object in two of this rank's stages is a set of its own, found by identity (its names may
+    be local ones that other ranks reuse for other parameters)."""
+    local_sets = [tuple(s) for s in declared]
     local_sets += [names for m in modules.values() for names in getattr(m, "tied_names", ())]
-    local_sets += shared_across(list(modules.values()))
-    by_name = named_parameters_everywhere(modules)
+    by_name, ambiguous = named_parameters_everywhere(modules)
     mine = {"sets": [tuple(s) for s in local_sets], "names": sorted(by_name)}
     everyone: list = [None] * world
     if world > 1:
@@ -127,6 +130,12 @@ def build(
                 f"the stages' parameter names, e.g. {sorted(known)[:3]}"
             )
         owners = tuple(r for r in range(world) if held[r] & set(names))
+        unclear = sorted(ambiguous & set(names))
+        if unclear:
+            raise ValueError(
+                f"tied parameter name {unclear[0]!r} names two different parameters on rank "
+                f"{rank}; tied names must be global (pipetrain.split keeps the model's names)"
+            )
         local: list[nn.Parameter] = []
         for n in names:
             p = by_name.get(n)
@@ -136,9 +145,25 @@ def build(
         if len(shapes) > 1:
             raise ValueError(f"tied parameters {names} have different shapes {sorted(shapes)}")
         out.append(TiedSet(names, owners, local, _owners_group(group, owners)))
+    covered = {id(p) for t in out for p in t.local}
+    for p in _objects_shared_across(modules):
+        if id(p) not in covered:
+            names = sorted({n for n, q in by_name.items() if q is p})
+            out.append(TiedSet(tuple(names), (rank,), [p]))
     for tied in out:
         _make_equal(tied, rank, group)
     return out
+
+
+def _objects_shared_across(modules: Mapping[int, nn.Module]) -> list[nn.Parameter]:
+    """Parameter objects that appear in more than one of ``modules``."""
+    stages_of: dict[int, set[int]] = {}
+    objects: dict[int, nn.Parameter] = {}
+    for s, module in modules.items():
+        for p in module.parameters():
+            stages_of.setdefault(id(p), set()).add(s)
+            objects[id(p)] = p
+    return [objects[i] for i, stages in stages_of.items() if len(stages) > 1]
 
 
 def _owners_group(group, owners: tuple[int, ...]):
