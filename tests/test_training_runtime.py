@@ -73,6 +73,12 @@ def test_bad_training_input_is_refused_on_every_rank_and_eval_takes_side_inputs(
 
 
 @pytest.mark.slow
+def test_one_parameter_in_two_hand_cut_stages_on_one_rank_is_tied(two_ranks):
+    for r in two_ranks:
+        assert r["hand_cut_tie"] == {"exact": True, "hook_counts": [2], "whole": True}
+
+
+@pytest.mark.slow
 def test_activation_checkpointing_is_exact_and_reentrant_is_refused(two_ranks):
     r0, r1 = (r["activation_checkpointing"] for r in two_ranks)
     for r in (r0, r1):

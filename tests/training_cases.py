@@ -451,11 +451,51 @@ def run_refusals_and_eval(rank: int, world: int) -> dict:
     return out
 
 
+def run_hand_cut_tie(rank: int, world: int) -> dict:
+    """Hand-cut stages (local names that repeat across stages) on zbv: the embedding/head
+    ``Parameter`` sits in stages 0 and 3, both on rank 0, found by identity; exact, and its hook
+    fires once per step with the whole gradient."""
+    import pipetrain
+    from pipetrain.runtime.losses import TokenCrossEntropy
+
+    def stages_of(layers):
+        blocks = [layers[f"blocks.{i}"] for i in range(4)]
+        return [
+            nn.Sequential(layers["embed"], blocks[0]),
+            nn.Sequential(blocks[1]),
+            nn.Sequential(blocks[2]),
+            nn.Sequential(blocks[3], layers["head"]),
+        ]
+
+    layers = build_layers(6)
+    pipe = pipetrain.Pipeline(stages_of(layers), "zbv", 4, TokenCrossEntropy(IGNORE))
+    fired: dict = {}
+    seen: dict = {}
+    for p in pipe.parameters():  # each once
+        p.register_post_accumulate_grad_hook(_recorder(fired, seen, f"{id(p)}"))
+    tokens, targets, _ = batch(8)
+    losses = [pipe.step(tokens, targets) for _ in range(2)]
+    ref_layers = build_layers(6)
+    for _ in range(2):
+        ref_loss = reference_loss(run_unsplit(ref_layers, tokens), targets, "token_mean")
+        ref_loss.backward()
+    ok = all(close(loss, ref_loss.detach()) for loss in losses)
+    mine, theirs = stages_of(layers), stages_of(ref_layers)
+    for s in pipe.modules:
+        for p, q in zip(mine[s].parameters(), theirs[s].parameters()):
+            ok &= close(p.grad, q.grad)
+    whole = all(
+        torch.equal(seen[f"{id(p)}"], p.grad) for s in pipe.modules.values() for p in s.parameters()
+    )
+    return {"exact": ok, "hook_counts": sorted(set(fired.values())), "whole": whole}
+
+
 def run_two_ranks(rank: int, world: int, cases: list) -> dict:
     """Everything the 2-rank tests check, in one launch (the refused reentrant case last)."""
     return {
         "exact": run_losses_tied_clipping(rank, world, cases),
         "refusals": run_refusals_and_eval(rank, world),
+        "hand_cut_tie": run_hand_cut_tie(rank, world),
         "activation_checkpointing": run_activation_checkpointing(rank, world),
     }
 
