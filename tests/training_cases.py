@@ -250,6 +250,12 @@ def _snapshot(modules) -> dict:
     return {n: t.detach().numpy().copy() for m in modules for n, t in m.state_dict().items()}
 
 
+def _layer_factory(index: int) -> nn.Module:
+    if index == 0:
+        return Embed()
+    return Head(None) if index == CKPT_LAYERS - 1 else Block()
+
+
 def run_checkpoints(rank: int, world: int, path: str) -> dict:
     """Save at pp=2 (zbv, 4 stages) after ``BEFORE`` steps; continue there (the uninterrupted
     run), at pp=2 again (ranks 2, 3), at pp=4 (1f1b, another cut) and in the plain model; every
@@ -279,7 +285,16 @@ def run_checkpoints(rank: int, world: int, path: str) -> dict:
         pipetrain.load_checkpoint(path, pipe, opt)
         _train_pipeline(pipe, opt, range(BEFORE, BEFORE + AFTER))
         out["same_layout"] = _snapshot(pipe.modules.values())
-    pipe, opt = _pipeline(None, "1f1b", [1, 2, 2, 1])  # pp=4, another cut
+    # pp=4, another cut; each rank builds only its own layers, on the meta device first
+    stages = pipetrain.split(
+        _layer_factory,
+        [1, 2, 2, 1],
+        num_layers=CKPT_LAYERS,
+        names=list(build_layers(CKPT_LAYERS, tie=False)),
+        init=lambda index, layer: [p.zero_() for p in layer.parameters()],
+    )
+    pipe = pipetrain.Pipeline(stages, "1f1b", CKPT_MB, TokenCrossEntropy(IGNORE))
+    opt = _adamw(pipe.parameters())
     pipetrain.load_checkpoint(path, pipe, opt)
     _train_pipeline(pipe, opt, range(BEFORE, BEFORE + AFTER))
     out["pp4"] = _snapshot(pipe.modules.values())

@@ -164,14 +164,15 @@ def split(
 ) -> Sequence[nn.Module]:
     """Cut a model given as an ordered list of layers into pipeline stages.
 
-    ``layers``: the layers in call order (a sequence; a mapping name → layer keeps its names), or
+    ``layers``: the layers in call order (a sequence; a mapping name → layer, ``nn.ModuleDict``
+    included, keeps its names), or
     a factory ``index -> nn.Module`` with ``num_layers=`` (each rank then builds only its own
     layers; with ``init=``, under the meta device, materialised on ``device`` and initialised by
     ``init(index, layer)``). ``stage_layers``: how many consecutive layers each stage gets; they
     must sum to the number of layers and each be at least 1. ``names``: the global layer names
     (default ``layers.<index>``), dotted paths allowed (``model.layers.3``).
     """
-    if isinstance(layers, Mapping):
+    if isinstance(layers, (Mapping, nn.ModuleDict)):
         if names is not None:
             raise ValueError("layers is a mapping name -> layer; do not pass names= as well")
         names = list(layers.keys())
