@@ -1,10 +1,11 @@
 """Side inputs: values a stage needs besides the previous stage's output (attention masks,
 position ids), passed by ``pipe.step(..., side={...})`` instead of through every stage's return.
 
-Every rank is given the whole batch's side inputs (like the inputs and targets). A tensor with
-the batch's rows along dim 0 is split into micro-batches exactly like the inputs; any other
-value (a scalar, a non-batched tensor such as a rotary table, ``None``) reaches every micro-batch
-as is. A stage receives the side inputs its ``forward`` names as keyword arguments (all of them
+Every rank is given the whole batch's side inputs (like the inputs and targets). A tensor is
+batched: its dim 0 must be the batch's rows, and it is split into micro-batches exactly like the
+inputs. A tensor every micro-batch needs whole (a rotary table) is wrapped, ``Whole(table)``:
+guessing from its shape would split a table whose length happens to equal the batch size. Any
+other value (a scalar, ``None``) reaches every micro-batch as is. A stage receives the side inputs its ``forward`` names as keyword arguments (all of them
 with ``**kwargs``; ``pipetrain.split``'s stages hand each layer the ones it names).
 
 Side inputs carry no gradient: a side tensor that requires one is refused (its gradient would
@@ -19,6 +20,13 @@ from collections.abc import Mapping
 
 import torch
 from torch import nn
+
+
+class Whole:
+    """A side input every micro-batch gets whole (not split along dim 0)."""
+
+    def __init__(self, value: object) -> None:
+        self.value = value
 
 
 def keywords(module: nn.Module) -> frozenset[str] | None:
@@ -54,7 +62,8 @@ def check(side: Mapping[str, object], accepted: list[frozenset[str] | None]) -> 
                 f"side input {name!r} is taken by no stage's forward; the stages take "
                 f"{sorted(known) or 'no keyword arguments'}"
             )
-        if isinstance(value, torch.Tensor) and value.requires_grad:
+        tensor = value.value if isinstance(value, Whole) else value
+        if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
             raise ValueError(
                 f"side input {name!r} requires a gradient; side inputs carry none (pass it as a "
                 "stage input, or detach it)"
@@ -64,15 +73,25 @@ def check(side: Mapping[str, object], accepted: list[frozenset[str] | None]) -> 
 def split(
     side: Mapping[str, object], batch_size: int, num_microbatches: int, device
 ) -> tuple[dict[str, object], ...]:
-    """Per micro-batch: batched tensors split like the inputs, everything else as is."""
+    """Per micro-batch: tensors split like the inputs, ``Whole`` values and non-tensors as is."""
     per_mb: list[dict[str, object]] = [{} for _ in range(num_microbatches)]
     for name, value in side.items():
         if isinstance(value, torch.Tensor):
-            value = value.to(device)
-            if value.dim() and value.shape[0] == batch_size:
-                for j, piece in enumerate(torch.tensor_split(value, num_microbatches, dim=0)):
-                    per_mb[j][name] = piece
-                continue
+            rows = value.shape[0] if value.dim() else None
+            if rows != batch_size:
+                raise ValueError(
+                    f"side input {name!r} has {rows if rows is not None else 'no'} rows along "
+                    f"dim 0 but the batch has {batch_size}; a side tensor is split like the "
+                    "inputs — wrap one every micro-batch needs whole as side_inputs.Whole(value)"
+                )
+            pieces = torch.tensor_split(value.to(device), num_microbatches, dim=0)
+            for j, piece in enumerate(pieces):
+                per_mb[j][name] = piece
+            continue
+        if isinstance(value, Whole):
+            value = value.value
+            if isinstance(value, torch.Tensor):
+                value = value.to(device)
         for j in range(num_microbatches):
             per_mb[j][name] = value
     return tuple(per_mb)
