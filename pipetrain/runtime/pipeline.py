@@ -166,7 +166,7 @@ class Pipeline:
         rows = self.program.actions[self.rank]
         self.tied_grads.begin_step()
         self._execute(rows, mbs, "train", timeline, self.program.name)
-        self.tied_grads.end_step()
+        self.tied_grads.end_step(self.transport, self.rank)
         return self._agree_on_loss(mbs.weights)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

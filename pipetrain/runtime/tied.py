@@ -216,15 +216,22 @@ class TiedGrads:
                 p.grad = None
 
     @torch.no_grad()
-    def end_step(self) -> None:
-        """Sum this step's gradient over the replicas and owners; fire hooks once each."""
+    def end_step(self, transport=None, rank: int = 0) -> None:
+        """Sum this step's gradient over the replicas and owners; fire hooks once each.
+
+        ``transport``: waits go through its timeout (a dead owner fails naming rank and peer)."""
         for t, before in zip(self.sets, self._before):
             step = [p.grad for p in t.local if p.grad is not None]
             total = step[0].clone() if step else torch.zeros_like(t.local[0])
             for g in step[1:]:
                 total += g
             if t.group is not None:
-                dist.all_reduce(total, group=t.group)
+                work = dist.all_reduce(total, group=t.group, async_op=True)
+                if transport is None:
+                    work.wait()
+                else:
+                    peer = next(r for r in t.owners if r != rank)
+                    transport.wait_work(work, f"the all-reduce of tied {t.names[0]}", peer)
             for p, old in zip(t.local, before):
                 p.grad = total.clone() if old is None else old + total
         self._before = []
