@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test lint typecheck bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,11 +22,16 @@ lint: $(STAMP)
 	$(PY) -m ruff check pipetrain tests $(wildcard benchmarks)
 	$(PY) -m ruff format --check pipetrain tests $(wildcard benchmarks)
 
-test: lint
+# mypy (config in pyproject.toml): strict on schedule, sim and render, basic elsewhere; its cache
+# (.mypy_cache) makes a re-check take a few seconds.
+typecheck: $(STAMP)
+	$(PY) -m mypy
+
+test: lint typecheck
 	$(PY) -m pytest
 
 bench: $(STAMP)
 	$(PY) benchmarks/schedule_build.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .mypy_cache

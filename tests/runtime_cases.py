@@ -322,3 +322,37 @@ def run_errors(rank: int, world: int) -> dict:
     )
     out["arity"] = _error_of(lambda: mismatch.step(inputs, y[:, :1]))
     return out
+
+
+def run_two_pipelines(rank: int, world: int) -> dict:
+    """Two Pipelines in one process, one deferring linear weight GEMMs and one replaying graphs,
+    their steps interleaved: each stays exact, and neither changes the modules it was given."""
+    import pipetrain
+
+    out: dict = {"exact": []}
+    num_stages = 2 * world
+    deferring, replaying = build_stages(num_stages), build_stages(num_stages)
+    kinds_before = [type(m) for stages in (deferring, replaying) for m in _all_modules(stages)]
+    inputs, y = batch(11)
+    ref_loss, ref_grads = reference(num_stages, inputs, y, steps=2)
+    with (
+        pipetrain.Pipeline(deferring, "zbv", 4, loss_fn, defer_weight_grads=True) as a,
+        pipetrain.Pipeline(replaying, "zbv", 5, loss_fn, defer_weight_grads=False) as b,
+    ):
+        out["splits"] = sorted({type(r.split).__name__ for p in (a, b) for r in p.runners.values()})
+        losses = [(a.step(inputs, y), b.step(inputs, y)) for _ in range(2)]
+        for stages, pipe in ((deferring, a), (replaying, b)):
+            ok = all(close(la if pipe is a else lb, ref_loss) for la, lb in losses)
+            for s in pipe.placement.stages_of_rank(rank):
+                ok &= all(close(p.grad, ref_grads[(s, n)]) for n, p in stages[s].named_parameters())
+            out["exact"].append(ok)
+    out["closed_refuses"] = _error_of(lambda: a.step(inputs, y))
+    kinds_after = [type(m) for stages in (deferring, replaying) for m in _all_modules(stages)]
+    out["modules_unchanged"] = kinds_before == kinds_after and not any(
+        "forward" in m.__dict__ for stages in (deferring, replaying) for m in _all_modules(stages)
+    )
+    return out
+
+
+def _all_modules(stages: list[nn.Module]) -> list[nn.Module]:
+    return [m for stage in stages for m in stage.modules()]

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from pipetrain.cli import main
-from pipetrain.schedule.registry import FAMILIES
+from pipetrain.schedule.registry import FAMILIES, build_schedule
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -37,6 +37,8 @@ def test_schedules_lists_every_family(capsys) -> None:
     ):
         assert name in out
     assert out.count("constraints:") == len(FAMILIES)
+    code, out, _ = run(capsys, "schedules", "--width", "80")
+    assert all(len(line) <= 80 for line in out.splitlines())
 
 
 def test_show_prints_the_grid(capsys) -> None:
@@ -45,6 +47,92 @@ def test_show_prints_the_grid(capsys) -> None:
     assert "rank 0" in out and "rank 1" in out and "1B2" in out
     code, out, _ = run(capsys, "show", "-s", "1f1b", "-p", "2", "-m", "3", "--lowered")
     assert "0SEND_F0" in out and "1RECV_F0" in out
+
+
+def test_the_schedule_can_be_named_positionally(capsys) -> None:
+    flag = run(capsys, "show", "--schedule", "zbv", "-p", "2", "-m", "4")
+    positional = run(capsys, "show", "zbv", "-p", "2", "-m", "4")
+    after = run(capsys, "show", "-p", "2", "-m", "4", "zbv")
+    assert flag == positional == after and flag[0] == 0
+    code, out, _ = run(capsys, "simulate", "zb-h1", "-p", "4", "-m", "8", "--json")
+    assert code == 0 and json.loads(out)["schedule"] == "zb-h1"
+    code, _, err = run(capsys, "show", "zbv", "-s", "1f1b", "-p", "2", "-m", "4")
+    assert code == 2 and "given twice (zbv and 1f1b)" in err
+    code, _, err = run(capsys, "show", "-p", "2", "-m", "4")
+    assert code == 2 and "give the schedule" in err and "zbv" in err
+
+
+@pytest.mark.parametrize("width", [60, 100, 140])
+def test_show_fits_the_width_and_keeps_every_step(capsys, width: int) -> None:
+    code, out, _ = run(capsys, "show", "zbv", "-p", "4", "-m", "8", "--width", str(width))
+    assert code == 0
+    assert all(len(line) <= width for line in out.splitlines()), out
+    program = build_schedule("zbv", 4, 8)
+    for row in program.actions:  # every action drawn, in order, across the bands
+        drawn = [cell for line in out.splitlines() if line.startswith(f"rank {row[0].stage}")
+                 for cell in line.split()[2:] if cell != "…"]  # fmt: skip
+        assert drawn == [str(a) for a in row]
+    headers = [line for line in out.splitlines() if line.startswith(" ")]
+    assert [int(n) for line in headers for n in line.split()] == list(
+        range(len(program.actions[0]))
+    )
+
+
+def test_show_windows_a_long_program(capsys) -> None:
+    code, out, _ = run(capsys, "show", "1f1b", "-p", "4", "-m", "200", "--lowered", "--width", "80")
+    assert code == 0
+    assert "not shown; --save FILE writes the whole program" in out
+    assert all(len(line) <= 80 for line in out.splitlines())
+    assert len(out.splitlines()) < 60
+
+
+def test_shapes_read_in_the_singular_too(capsys) -> None:
+    code, out, _ = run(capsys, "simulate", "1f1b", "-p", "1", "-m", "1", "--width", "60")
+    assert code == 0
+    assert out.splitlines()[0] == "1f1b: 1 rank, 1 stage per rank, 1 micro-batch"
+    code, out, _ = run(capsys, "show", "1f1b", "-p", "1", "-m", "1")
+    assert out.splitlines()[0].startswith("1f1b: 1 rank, 1 stage (")
+
+
+def test_compare_says_what_its_units_are(capsys) -> None:
+    code, out, _ = run(capsys, "compare", "-p", "4", "-m", "8", "--width", "80")
+    assert code == 0
+    assert "per rank's share of the model" in " ".join(out.split()) and "1/v" in out
+    assert all(len(line) <= 80 for line in out.splitlines()[:5])
+
+
+def test_demo_draws_the_tables_zbv_row(capsys, tmp_path) -> None:
+    code, out, _ = run(capsys, "demo", "--plan-only", "--out", str(tmp_path), "--width", "100")
+    assert code == 0
+    zbv_row = next(line for line in out.splitlines() if line.startswith("zbv "))
+    makespan = zbv_row.split()[2]
+    assert f"makespan {makespan}   span" in out  # the drawn step is the table's row
+    assert "F0" in out and "f0" in out and "2nd chunk" in out  # blocks keep their labels
+    assert (tmp_path / "zbv_simulated.svg").read_text().startswith("<svg")
+
+
+BLOCK_TORCH = """
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "torch":
+            raise ModuleNotFoundError(f"No module named {name!r}")
+sys.meta_path.insert(0, Block())
+import pipetrain.cli
+sys.exit(pipetrain.cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("argv", [["train", "--steps", "1"], ["demo", "--out", "{tmp}"]])
+def test_commands_that_need_torch_refuse_in_one_line_without_it(argv, tmp_path) -> None:
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    done = subprocess.run(
+        [sys.executable, "-c", BLOCK_TORCH, *argv], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stderr.count("\n") == 1 and "pip install 'pipetrain[torch]'" in done.stderr
+    assert done.stdout == ""
 
 
 def test_simulate_json_has_the_documented_fields(capsys) -> None:
@@ -122,7 +210,7 @@ def test_compare_ranks_every_applicable_family(capsys) -> None:
             "microbatch_group_size in",
         ),
         (["simulate", "--program", "/no/such/file.csv"], "cannot read program file"),
-        (["simulate"], "give --schedule NAME"),
+        (["simulate"], "give SCHEDULE (or --schedule NAME)"),
         (["simulate", "--program", "x.csv", "-p", "3"], "drop --ranks"),
         (["simulate", "-s", "1f1b", "-p", "2", "-m", "2", "-F", "1e300"], "numbers in [0, 1e+15]"),
         (

@@ -13,7 +13,7 @@ class Block:
             raise ImportError(f"layer rule broken: {name} imported")
 sys.meta_path.insert(0, Block())
 import pkgutil, importlib, pipetrain
-for pkg in ("pipetrain.schedule", "pipetrain.sim", "pipetrain.render"):
+for pkg in ("pipetrain.schedule", "pipetrain.sim", "pipetrain.render", "pipetrain.planner"):
     mod = importlib.import_module(pkg)
     for info in pkgutil.walk_packages(mod.__path__, pkg + "."):
         importlib.import_module(info.name)
@@ -35,7 +35,7 @@ def test_runtime_is_the_only_torch_importer() -> None:
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent / "pipetrain"
-    for layer in ("schedule", "sim", "render"):
+    for layer in ("schedule", "sim", "render", "planner"):
         for path in (root / layer).rglob("*.py"):
             text = path.read_text()
             assert "import torch" not in text, path

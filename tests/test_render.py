@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from pipetrain.render import render_svg, render_text, render_trace, write_trace
 from pipetrain.render.style import fmt
+from pipetrain.render.text import MAX_BANDS
 from pipetrain.schedule.action import Action, OpKind, overlap
 from pipetrain.schedule.timeline import Span, Timeline
 
@@ -121,6 +122,40 @@ def test_text_big_timeline_stays_readable() -> None:
     assert all(len(r) <= 100 for r in rows)
     assert rows[0].count("-") > 10 and rows[0].count("=") > 10
     assert ANSI in render_text(tl, width=100, color=True)
+
+
+def unit_gpipe(num_ranks: int, num_mb: int) -> Timeline:
+    """GPipe-shaped, unit F and B, one stage per rank: every block is 1 time unit long."""
+    spans, free = [], [0.0] * num_ranks
+    for m in range(num_mb):
+        for r in range(num_ranks):
+            start = max(free[r], r + m)
+            spans.append(_span(r, OpKind.F, r, m, start, start + 1))
+            free[r] = start + 1
+    end = max(free)
+    for m in range(num_mb):
+        for r in reversed(range(num_ranks)):
+            start = max(free[r], end + m + (num_ranks - 1 - r))
+            spans.append(_span(r, OpKind.B, r, m, start, start + 1))
+            free[r] = start + 1
+    return Timeline(num_ranks, tuple(spans), (1.0,) * num_ranks, name="unit")
+
+
+def test_text_wraps_time_into_bands_so_narrow_blocks_keep_labels() -> None:
+    tl = unit_gpipe(4, 12)  # 2 × 12 + 3 units of 1: too narrow for "F11" in one 60-column band
+    out = render_text(tl, width=60, color=False)
+    rows = rank_rows(out)
+    assert 1 < len(rows) // 4 <= MAX_BANDS and len(rows) % 4 == 0
+    assert all(len(line) <= 60 for line in out.splitlines())
+    for r in range(4):  # every block labelled, each label in one piece
+        text = "".join(row[row.index("|") + 1 : -1] for row in rows[r::4])
+        for m in range(12):
+            assert f"F{m}" in text and f"B{m}" in text, (r, m, text)
+    one_band = render_text(tl, width=60, color=False, max_bands=1)
+    assert len(rank_rows(one_band)) == 4
+    # the axis continues across bands: the second band starts where the first ended
+    axes = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert float(axes[1][0]) >= float(axes[0][-1]) > float(axes[0][0])
 
 
 def test_text_empty_and_narrow() -> None:
@@ -242,7 +277,7 @@ def test_renderers_never_crash(tl: Timeline, width: int) -> None:
     text = render_text(tl, width=width, color=False)
     if tl.spans and tl.makespan > 0:
         rows = rank_rows(text)
-        assert len(rows) == tl.num_ranks
+        assert len(rows) % tl.num_ranks == 0 and len(rows) <= tl.num_ranks * MAX_BANDS
         assert all(len(r) <= max(width, 30) for r in rows)
     assert len(span_rects(ET.fromstring(render_svg(tl)))) == len(tl.spans)
     xs = [e for e in render_trace(tl)["traceEvents"] if e["ph"] == "X"]

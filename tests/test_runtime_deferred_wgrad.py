@@ -8,19 +8,12 @@ import copy
 import gc
 import weakref
 
+import pytest
 import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
-from pipetrain.runtime.deferred_wgrad import (
-    DeferredLinear,
-    backward_full_quietly,
-    backward_input,
-    backward_weight,
-    defer_linear_weight_grads,
-    restore_linear_weight_grads,
-    worth_deferring,
-)
+from pipetrain.runtime.deferred_wgrad import DeferredLinears, worth_deferring
 
 
 class Net(nn.Module):
@@ -61,19 +54,26 @@ def setup():
     return net, ref, x, ids, g, xr.grad
 
 
-def test_swaps_plain_linears_only_and_keeps_parameters():
+def test_defers_plain_linears_only_and_never_changes_the_module():
     net = Net()
     before = {k: v.data_ptr() for k, v in net.state_dict().items()}
-    assert defer_linear_weight_grads(net) == 2
-    assert type(net.a) is DeferredLinear and isinstance(net.a, nn.Linear)
-    assert type(net.c) is Net.Scaled
+    split = DeferredLinears(net)
+    assert split.linears == [net.a, net.b]  # c is an nn.Linear subclass: left alone
+    with split.deferring():
+        assert "forward" in net.a.__dict__ and "forward" not in net.c.__dict__
+        assert type(net.a) is nn.Linear
+    assert all("forward" not in m.__dict__ for m in net.modules())
+    with pytest.raises(RuntimeError, match="boom"), split.deferring():
+        raise RuntimeError("boom")
+    assert all("forward" not in m.__dict__ for m in net.modules()), "undone on an error too"
     assert {k: v.data_ptr() for k, v in net.state_dict().items()} == before
 
 
 def test_outside_input_gradient_phase_it_is_nn_linear():
     net, ref, x, ids, g, _ = setup()
-    defer_linear_weight_grads(net)
-    net(x, ids).backward(g)
+    with DeferredLinears(net).deferring():
+        out = net(x, ids)
+    out.backward(g)
     for (n, p), q in zip(net.named_parameters(), ref.parameters()):
         assert (p.grad is None) == (q.grad is None), n
         if q.grad is not None:
@@ -82,7 +82,7 @@ def test_outside_input_gradient_phase_it_is_nn_linear():
 
 def test_input_then_weight_equals_full_backward_and_frees_the_graph():
     net, ref, x, ids, g, dx_ref = setup()
-    defer_linear_weight_grads(net)
+    split = DeferredLinears(net)
     fired: dict[str, int] = {}
     for n, p in net.named_parameters():
         if p.requires_grad:
@@ -91,8 +91,9 @@ def test_input_then_weight_equals_full_backward_and_frees_the_graph():
             )
     params = [p for p in net.parameters() if p.requires_grad]
     keep: list = []
-    out = net(x, ids, keep)
-    (dx,), work = backward_input([get_gradient_edge(out)], [g], [x], params, hold=False)
+    with split.deferring():
+        out = net(x, ids, keep)
+    (dx,), work = split.backward_input([get_gradient_edge(out)], [g], [x], params)
     del out
     gc.collect()
     assert keep[0]() is None, "I must free the graph: W needs only the stashed X and dY"
@@ -101,7 +102,7 @@ def test_input_then_weight_equals_full_backward_and_frees_the_graph():
     assert net.ln.weight.grad is not None and net.emb.weight.grad is not None
     assert net.b.weight.grad is not None, "b.weight's use outside its linear is finished in I"
     assert len(work.entries) == 3 and not work.held  # a twice, b once (c is not deferred)
-    backward_weight(work, hooks=False)
+    split.backward_weight(work, hooks=False)
     assert not fired, "quiet pieces run no AccumulateGrad hooks"
     assert all(p.grad is None or p.grad.grad_fn is None for p in params), (
         "W recorded autograd history into .grad (it would hold every stashed tensor)"
@@ -115,20 +116,20 @@ def test_input_then_weight_equals_full_backward_and_frees_the_graph():
 
 def test_last_piece_holds_its_gradients_for_one_pass_through_accumulate_grad():
     net, ref, x, ids, g, _ = setup()
-    defer_linear_weight_grads(net)
+    split = DeferredLinears(net)
     seen: dict[str, torch.Tensor] = {}
     for n, p in net.named_parameters():
         if p.requires_grad:
             p.register_post_accumulate_grad_hook(lambda p, n=n: seen.__setitem__(n, p.grad.clone()))
     params = [p for p in net.parameters() if p.requires_grad]
     for hold in (False, True):  # two micro-batches: the second is the step's last weight piece
-        out = net(x, ids)
-        _, work = backward_input([get_gradient_edge(out)], [g * 0.5], [x], params, hold=hold)
+        out = split.call(net, (x, ids))
+        _, work = split.backward_input([get_gradient_edge(out)], [g * 0.5], [x], params, hold)
         if hold:  # what I computed stays out of .grad until W passes it to AccumulateGrad
             names = {id(p): n for n, p in net.named_parameters()}
             held = sorted(names[id(p)] for p, _ in work.held)
             assert held == ["b.weight", "c.bias", "c.weight", "emb.weight", "ln.bias", "ln.weight"]
-        backward_weight(work, hooks=hold)
+        split.backward_weight(work, hooks=hold)
     assert all(p.grad.grad_fn is None and not p.grad.requires_grad for p in params)
     trainable = {n for n, p in net.named_parameters() if p.requires_grad}
     assert set(seen) == trainable, "every trainable parameter's hook fired on the last piece"
@@ -141,11 +142,11 @@ def test_last_piece_holds_its_gradients_for_one_pass_through_accumulate_grad():
 def test_quiet_full_backward_adds_weight_gradients_straight_into_grad():
     net, ref, x, ids, g, dx_ref = setup()
     ref(x.detach().requires_grad_(), ids).backward(g)  # the reference accumulates two passes
-    defer_linear_weight_grads(net)
+    split = DeferredLinears(net)
     params = [p for p in net.parameters() if p.requires_grad]
     for _ in range(2):
-        out = net(x, ids)
-        (dx,) = backward_full_quietly([get_gradient_edge(out)], [g], [x], params)
+        out = split.call(net, (x, ids))
+        (dx,) = split.backward_full([get_gradient_edge(out)], [g], [x], params, hooks=False)
         assert torch.allclose(dx, dx_ref, rtol=1e-12, atol=0)
     for (n, p), q in zip(net.named_parameters(), ref.parameters()):
         if q.grad is None:
@@ -159,17 +160,17 @@ def test_under_autocast_it_casts_like_autocast_and_keeps_grad_dtypes():
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
     ref = copy.deepcopy(net)
-    defer_linear_weight_grads(net)
+    split = DeferredLinears(net)
     x = torch.randn(3, 8)
     g = torch.randn(3, 4, dtype=torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         expected = ref(x)
-        out = net(x)
+        out = split.call(net, (x,))
     expected.backward(g)
     assert out.dtype == expected.dtype == torch.bfloat16 and torch.equal(out, expected)
     params = list(net.parameters())
-    _, work = backward_input([get_gradient_edge(out)], [g], [], params, hold=False)
-    backward_weight(work, hooks=False)
+    _, work = split.backward_input([get_gradient_edge(out)], [g], [], params)
+    split.backward_weight(work, hooks=False)
     for (n, p), q in zip(net.named_parameters(), ref.parameters()):
         assert p.grad.dtype == torch.float32, n
         assert torch.allclose(p.grad, q.grad, rtol=1e-2, atol=1e-3), n
@@ -190,12 +191,14 @@ def test_stages_mostly_made_of_linears_are_worth_deferring():
     assert not worth_deferring(frozen)
 
 
-def test_the_stage_option_decides_and_undoes_an_earlier_deferral():
+def test_the_stage_option_decides_and_the_module_stays_as_it_was():
+    from pipetrain.runtime.split_backward import GraphReplay
     from pipetrain.runtime.stage import StageRunner
 
     net = Net()
-    StageRunner(0, net, False, None, defer_weight_grads=True)
-    assert type(net.a) is DeferredLinear and type(net.c) is Net.Scaled
-    StageRunner(0, net, False, None, defer_weight_grads=False)
-    assert type(net.a) is nn.Linear and type(net.b) is nn.Linear and type(net.c) is Net.Scaled
-    assert restore_linear_weight_grads(net) == 0
+    deferring = StageRunner(0, net, False, None, defer_weight_grads=True)
+    assert isinstance(deferring.split, DeferredLinears) and deferring.defer_weight_grads
+    replaying = StageRunner(0, net, False, None, defer_weight_grads=False)
+    assert isinstance(replaying.split, GraphReplay) and not replaying.defer_weight_grads
+    assert [type(m) for m in (net.a, net.b, net.c)] == [nn.Linear, nn.Linear, Net.Scaled]
+    assert all("forward" not in m.__dict__ for m in net.modules())

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from runtime_cases import run_features
+from runtime_cases import run_features, run_two_pipelines
 from runtime_harness import launch
 
 
@@ -48,3 +48,12 @@ def test_host_bound_idle_counts_only_gaps_the_host_caused():
     # gaps: 1→3 host until 2 (1.0); 4→5 host until 4.5 (0.5); 6→6.5 issued early (0);
     # 7→8 issued after it ended (clocks a little apart): the whole gap counts (1.0)
     assert rec.host_bound_idle(spans) == pytest.approx(2.5)
+
+
+@pytest.mark.slow
+def test_two_pipelines_in_one_process_do_not_interfere():
+    for r in launch(2, run_two_pipelines, timeout=90):
+        assert r["splits"] == ["DeferredLinears", "GraphReplay"]
+        assert r["exact"] == [True, True]
+        assert r["modules_unchanged"]
+        assert "RuntimeError" in r["closed_refuses"] and "closed" in r["closed_refuses"]

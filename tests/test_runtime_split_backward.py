@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
-from pipetrain.runtime.split_backward import backward_full, backward_input, backward_weight
+from pipetrain.runtime.split_backward import GraphReplay, PlanCache, backward_full
 
 
 def model():
@@ -17,7 +17,7 @@ def model():
     return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
 
 
-def run_split(net, x, g, count, refs=None):
+def run_split(split, net, x, g, count, refs=None):
     x = x.detach().requires_grad_(x.requires_grad)
     h = net[1](net[0](x))
     h.register_hook(lambda grad: count.append(1))
@@ -25,7 +25,7 @@ def run_split(net, x, g, count, refs=None):
     if refs is not None:
         refs += [weakref.ref(x), weakref.ref(h)]
     params = [p for p in net.parameters() if p.requires_grad]
-    found, work = backward_input(
+    found, work = split.backward_input(
         [get_gradient_edge(out)], [g], [x] if x.requires_grad else [], params
     )
     return found, work
@@ -41,11 +41,12 @@ def test_input_then_weight_equals_full_backward_and_skips_repeats():
     for n, p in net.named_parameters():
         p.register_post_accumulate_grad_hook(lambda p, n=n: fired.__setitem__(n, fired[n] + 1))
     count: list[int] = []
-    (dx,), work = run_split(net, x, g, count)
+    split = GraphReplay()
+    (dx,), work = run_split(split, net, x, g, count)
     assert torch.allclose(dx, xr.grad, rtol=1e-12)
     assert all(p.grad is None for p in net.parameters()), "I must not touch weight gradients"
     assert len(count) == 1
-    backward_weight(work)
+    split.backward_weight(work)
     assert len(count) == 1, "W re-ran the input-gradient path"
     for (n, p), q in zip(net.named_parameters(), ref.parameters()):
         assert torch.allclose(p.grad, q.grad, rtol=1e-12), n
@@ -60,9 +61,10 @@ def test_first_stage_puts_everything_in_w_and_frees_the_graph():
     g = torch.randn(2, 3, dtype=torch.float64)
     ref(x).backward(g)
     refs: list[weakref.ref] = []
-    found, work = run_split(net, x, g, [], refs)
+    split = GraphReplay()
+    found, work = run_split(split, net, x, g, [], refs)
     assert found == [] and all(r() is not None for r in refs), "W needs the saved activations"
-    backward_weight(work)
+    split.backward_weight(work)
     del work
     gc.collect()
     assert all(r() is None for r in refs), "the graph outlived W"
@@ -89,13 +91,14 @@ def test_custom_function_and_parameter_free_stage_stay_exact():
     x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
     g = torch.randn(2, 3, dtype=torch.float64)
     out = Square.apply(x, w)
-    (dx,), work = backward_input([get_gradient_edge(out)], [g], [x], [w])
+    split = GraphReplay()
+    (dx,), work = split.backward_input([get_gradient_edge(out)], [g], [x], [w])
     assert w.grad is None
-    backward_weight(work)
+    split.backward_weight(work)
     assert torch.allclose(dx, 2 * x * w * g)
     assert torch.allclose(w.grad, (x * x * g).sum(0))
     y = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
-    (dy,), work = backward_input([get_gradient_edge(y.sin())], [g], [y], [])
+    (dy,), work = split.backward_input([get_gradient_edge(y.sin())], [g], [y], [])
     assert work.empty and torch.allclose(dy, y.cos() * g)
 
 
@@ -109,7 +112,6 @@ def test_full_backward_returns_input_gradients():
 
 def test_cached_plan_matches_fresh_plan_and_structure_changes_replan():
     from pipetrain.app.models.gpt import Block, GPTConfig
-    from pipetrain.runtime import split_backward as sb
 
     cfg = GPTConfig(hidden=16, num_heads=2, seq_len=8)
 
@@ -118,24 +120,22 @@ def test_cached_plan_matches_fresh_plan_and_structure_changes_replan():
         return nn.Sequential(Block(cfg), Block(cfg)).double()
 
     cached, fresh, full = stage(), stage(), stage()
-    sb._PLANS.clear()
+    replay = GraphReplay()
 
-    def split(net, x, g, clear):
-        if clear:
-            sb._PLANS.clear()
+    def split(net, x, g, by):
         x = x.detach().requires_grad_(x.requires_grad)
         out = net(x)
         params = [p for p in net.parameters() if p.requires_grad]
         inputs = [x] if x.requires_grad else []
-        found, work = backward_input([get_gradient_edge(out)], [g], inputs, params)
-        sb.backward_weight(work)
+        found, work = by.backward_input([get_gradient_edge(out)], [g], inputs, params)
+        by.backward_weight(work)
         return found
 
     def check(x, g):
-        misses = sb.plan_stats["misses"]
-        got = split(cached, x, g, clear=False)
-        missed = sb.plan_stats["misses"] - misses
-        want = split(fresh, x, g, clear=True)
+        misses = replay.plans.misses
+        got = split(cached, x, g, replay)
+        missed = replay.plans.misses - misses
+        want = split(fresh, x, g, GraphReplay())  # a fresh cache plans from scratch
         xr = x.detach().requires_grad_(x.requires_grad)
         ref = backward_full([get_gradient_edge(full(xr))], [g], [xr] if x.requires_grad else [])
         for a, b, c in zip(got, want, ref):
@@ -177,3 +177,23 @@ def test_quiet_accumulation_never_aliases_an_input_gradient():
     assert torch.equal(found[0], torch.full((4,), 1.0, dtype=torch.float64))
     assert torch.equal(found[1], torch.full((4,), 2.0, dtype=torch.float64))
     assert torch.equal(b.grad, torch.full((4,), 3.0, dtype=torch.float64))
+
+
+def test_graph_shapes_are_named_records_and_caches_belong_to_their_owner():
+    """The plan cache is per ``GraphReplay`` (one per stage): another one starts empty, and the
+    shape it is keyed by reads as fields, not separators."""
+    from pipetrain.runtime.split_backward import GraphShape, walk
+
+    net = model()
+    x = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
+    out = net(x)
+    params = list(net.parameters())
+    order, shape = walk([get_gradient_edge(out)], [x], params)
+    assert isinstance(shape, GraphShape) and shape.roots == (0,)
+    assert len(shape.children) == len(order) and None not in shape.params
+    assert shape.inputs[0] is not None and not shape.children[shape.inputs[0]]  # x's leaf node
+    first, second = GraphReplay(), GraphReplay()
+    first.backward_weight(first.backward_input([get_gradient_edge(out)], [out], [x], params)[1])
+    assert (first.plans.misses, len(first.plans.plans)) == (1, 1)
+    assert (second.plans.misses, len(second.plans.plans)) == (0, 0)
+    assert isinstance(first.plans, PlanCache) and first.plans is not second.plans

@@ -20,7 +20,14 @@ from pipetrain.schedule.validate import validate
 from pipetrain.sim.costs import Costs
 from pipetrain.sim.simulate import simulate
 
-SPLIT = {ScheduleName.ZB_H1, ScheduleName.ZB_H2, ScheduleName.INTERLEAVED_ZB, ScheduleName.ZBV}
+SPLIT = {
+    ScheduleName.ZB_H1,
+    ScheduleName.ZB_H2,
+    ScheduleName.INTERLEAVED_ZB,
+    ScheduleName.ZBV,
+    ScheduleName.V_HALF,
+    ScheduleName.V_MIN,
+}
 
 
 def peak_bound(name: ScheduleName, p: int, v: int, m: int) -> int:
@@ -46,6 +53,10 @@ def peak_bound(name: ScheduleName, p: int, v: int, m: int) -> int:
             return 2 * p + 1
         case ScheduleName.DUALPIPE:
             return p + 1
+        case ScheduleName.V_HALF:  # Qi et al. 2024 (controllable memory): (p + 2) // 2 shares
+            return 2 * ((p + 2) // 2)
+        case ScheduleName.V_MIN:  # and (p + 4) // 3 shares, two chunk-units each
+            return 2 * ((p + 4) // 3)
     raise AssertionError(name)
 
 

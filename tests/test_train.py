@@ -27,7 +27,7 @@ from pipetrain.app.models import (  # noqa: E402
     split_gpt,
     stage_layers,
 )
-from pipetrain.app.train import add_train_arguments, check_arguments  # noqa: E402
+from pipetrain.app.train import _argv, add_train_arguments, check_arguments  # noqa: E402
 from pipetrain.schedule.registry import build_schedule  # noqa: E402
 from pipetrain.sim.costs import Costs, measured_costs  # noqa: E402
 from pipetrain.sim.simulate import simulate  # noqa: E402
@@ -137,6 +137,28 @@ def _args(*argv: str) -> argparse.Namespace:
 def test_bad_arguments_are_refused_before_launching(argv: tuple[str, ...], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         check_arguments(_args(*argv))
+
+
+def test_train_takes_the_shared_shape_flags_and_relaunches_with_them() -> None:
+    args = _args("zb-h1", "-p", "2", "-m", "4", "--steps", "3")
+    assert (args.schedule, args.ranks, args.microbatches) == ("zb-h1", 2, 4)
+    argv = _argv(args)
+    assert argv[:6] == ["--schedule", "zb-h1", "--ranks", "2", "--microbatches", "4"]
+    assert _args(*argv) == args  # a worker parses back the launcher's arguments
+    with pytest.raises(SystemExit):  # argparse's exit 2: the same validator as every subcommand
+        _args("-p", "0")
+
+
+def test_every_subcommand_shares_one_definition_of_the_shape_flags() -> None:
+    from pipetrain.cli import build_parser
+    from pipetrain.flags import positive_int
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if a.dest == "command").choices
+    for name in ("show", "simulate", "compare", "train"):
+        actions = {a.dest: a for a in commands[name]._actions}
+        for dest in ("ranks", "microbatches", "stages_per_rank"):
+            assert actions[dest].type is positive_int, (name, dest)
 
 
 def test_defaults_are_the_demo() -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -25,6 +26,16 @@ from pathlib import Path
 from statistics import fmean
 from typing import TYPE_CHECKING, Any
 
+from pipetrain.flags import (
+    add_microbatches,
+    add_ranks,
+    add_schedule,
+    add_stages_per_rank,
+    describe_shape,
+    positive_float,
+    positive_int,
+    shape_argv,
+)
 from pipetrain.schedule.action import OpKind
 from pipetrain.schedule.registry import FAMILIES, build_schedule, family
 from pipetrain.schedule.timeline import Timeline
@@ -37,20 +48,6 @@ MEASURED_STEPS = 5  # the last steps run with timeline=True; the median one is r
 LOSS_WINDOW = 5  # first/last steps averaged to say whether the loss went down
 
 
-def _positive(kind: type) -> Any:
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
-        return value
-
-    parse.__name__ = kind.__name__
-    return parse
-
-
 @dataclass(frozen=True)
 class _Opt:
     flags: tuple[str, ...]
@@ -58,42 +55,22 @@ class _Opt:
     default: Any
     metavar: str
     help: str
-    default_text: str = ""
 
     @property
     def dest(self) -> str:
         return self.flags[0].lstrip("-").replace("-", "_")
 
 
+#: the demo's shape: what ``pipetrain train`` runs without flags
+DEFAULT_SCHEDULE, DEFAULT_RANKS, DEFAULT_MICROBATCHES = "zbv", 4, 8
 _OPTIONS = (
-    _Opt(
-        ("--schedule", "-s"),
-        str,
-        "zbv",
-        "NAME",
-        f"schedule family: {', '.join(f.name for f in FAMILIES.values() if f.runnable)}",
-    ),
-    _Opt(("--ranks", "-p"), _positive(int), 4, "P", "pipeline ranks = processes launched"),
-    _Opt(
-        ("--stages-per-rank", "-v"),
-        _positive(int),
-        None,
-        "V",
-        "model stages per rank",
-        "the schedule's: 2 for "
-        + ", ".join(
-            f.name for f in FAMILIES.values() if f.runnable and f.default_stages_per_rank == 2
-        )
-        + ", else 1",
-    ),
-    _Opt(("--microbatches", "-m"), _positive(int), 8, "M", "micro-batches per step"),
-    _Opt(("--microbatch-size",), _positive(int), 4, "B", "sequences per micro-batch"),
-    _Opt(("--steps",), _positive(int), 150, "N", "optimizer steps"),
-    _Opt(("--layers",), _positive(int), 8, "L", "transformer blocks (>= total stages)"),
-    _Opt(("--hidden",), _positive(int), 64, "H", "hidden size (a multiple of --heads)"),
-    _Opt(("--heads",), _positive(int), 4, "N", "attention heads"),
-    _Opt(("--seq-len",), _positive(int), 64, "T", "tokens (bytes) per sequence"),
-    _Opt(("--lr",), _positive(float), 3e-3, "LR", "AdamW learning rate"),
+    _Opt(("--microbatch-size",), positive_int, 4, "B", "sequences per micro-batch"),
+    _Opt(("--steps",), positive_int, 150, "N", "optimizer steps"),
+    _Opt(("--layers",), positive_int, 8, "L", "transformer blocks (>= total stages)"),
+    _Opt(("--hidden",), positive_int, 64, "H", "hidden size (a multiple of --heads)"),
+    _Opt(("--heads",), positive_int, 4, "N", "attention heads"),
+    _Opt(("--seq-len",), positive_int, 64, "T", "tokens (bytes) per sequence"),
+    _Opt(("--lr",), positive_float, 3e-3, "LR", "AdamW learning rate"),
     _Opt(("--seed",), int, 0, "S", "seed for the weights and the batches"),
     _Opt(
         ("--dtype",),
@@ -120,7 +97,7 @@ _OPTIONS = (
     ),
     _Opt(
         ("--timeout",),
-        _positive(float),
+        positive_float,
         300.0,
         "SECONDS",
         "how long a rank waits on a peer before failing",
@@ -137,9 +114,13 @@ _DEFER = {"auto": None, "deferred": True, "replay": False}
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``train`` flags (each with its unit and default in the help) to ``parser``."""
+    runnable = [f.name for f in FAMILIES.values() if f.runnable]
+    add_schedule(parser, runnable, default=DEFAULT_SCHEDULE)
+    add_ranks(parser, default=DEFAULT_RANKS, help="pipeline ranks = processes launched")
+    add_stages_per_rank(parser, runnable)
+    add_microbatches(parser, default=DEFAULT_MICROBATCHES)
     for opt in _OPTIONS:
-        shown = f"{opt.default:g}" if isinstance(opt.default, float) else opt.default
-        default = opt.default_text or shown
+        default = f"{opt.default:g}" if isinstance(opt.default, float) else opt.default
         parser.add_argument(
             *opt.flags,
             dest=opt.dest,
@@ -155,7 +136,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _argv(args: argparse.Namespace) -> list[str]:
     """The flags that reproduce ``args`` (what the launcher passes to every worker)."""
-    out: list[str] = []
+    out = shape_argv(args)
     for opt in _OPTIONS:
         value = getattr(args, opt.dest)
         if value is not None:
@@ -212,7 +193,7 @@ def _resolve_device(args: argparse.Namespace) -> str:
         raise ValueError(f"--device cuda needs {args.ranks} GPUs (one per rank); found {gpus}")
     if args.device == "auto":
         return "cuda" if gpus >= args.ranks else "cpu"
-    return args.device
+    return str(args.device)
 
 
 def _launch(args: argparse.Namespace) -> int:
@@ -368,9 +349,11 @@ def report(
         if last < first
         else "the loss did NOT go down"
     )
-    title = (
-        f"{args.schedule}: {program.num_ranks} ranks × {program.num_stages // program.num_ranks} "
-        f"stages/rank, {program.num_microbatches} micro-batches"
+    title = describe_shape(
+        args.schedule,
+        program.num_ranks,
+        program.placement.stages_per_rank,
+        program.num_microbatches,
     )
     lines = [f"loss {first:.4f} → {last:.4f} (mean of the first vs last {k} steps): {verdict}"]
     if not measured:
@@ -405,7 +388,8 @@ def _pictures(args: argparse.Namespace, step: Timeline, title: str) -> list[str]
     path = Path(args.svg)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(render_svg(step, title=f"{title} — measured (ms)"))
-    return ["", f"{title} — measured step (ms)", render_text(step), f"wrote {path}"]
+    width = shutil.get_terminal_size().columns
+    return ["", f"{title} — measured step (ms)", render_text(step, width), f"wrote {path}"]
 
 
 __all__ = ["add_train_arguments", "check_arguments", "report", "run_train"]

@@ -68,7 +68,7 @@ def nice_step(extent: float, max_ticks: int) -> float:
         return 1.0
     raw = extent / max_ticks
     base = 10 ** math.floor(math.log10(raw))
-    return next(m * base for m in (1, 2, 5, 10) if m * base >= raw)
+    return float(next(m * base for m in (1, 2, 5, 10) if m * base >= raw))
 
 
 def ticks(start: float, end: float, max_ticks: int) -> list[float]:

@@ -1,14 +1,17 @@
 """The terminal timeline: one row per rank, time across, a block per span, a time axis, a legend.
 
-Time is scaled so the whole line (rank label, grid, frame) fits ``width`` columns. Each column
-shows the op kind that covers most of it (or a bubble, when idle time dominates), so a timeline
-with thousands of spans still draws as a readable heat map; blocks wide enough get a label from
-``style.labels`` (stage included when a rank holds several stages). Without colour, kinds are told
-apart by fill characters; with colour (ANSI 256-colour backgrounds) by the ``style`` palette.
+Every line (rank label, grid, frame) fits ``width`` columns. Each column shows the op kind that
+covers most of it (or a bubble, when idle time dominates), and a block wide enough carries its
+label (``F3``; lower case ``f3`` for a rank's second chunk, so chunks stay apart without stage
+numbers). When a typical action would be too narrow for its label, time wraps into a few bands,
+one under the other, each with its own axis; a timeline that would need more bands (thousands of
+spans) draws in one, as a heat map. Without colour, kinds are told apart by fill characters; with
+colour (ANSI 256-colour backgrounds) by the ``style`` palette.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import textwrap
@@ -37,15 +40,21 @@ FILL: dict[OpKind, str] = {
 }
 IDLE = "."
 RESET = "\x1b[0m"
+#: at most this many bands of time, one under the other, before labels give way to a heat map
+MAX_BANDS = 4
 
 Cell = tuple[str, OpKind | None]  # (character, kind drawn under it; None = bubble)
 
 
-def render_text(timeline: Timeline, width: int = 100, color: bool | None = None) -> str:
+def render_text(
+    timeline: Timeline, width: int = 100, color: bool | None = None, max_bands: int = MAX_BANDS
+) -> str:
     """Draw ``timeline`` for a terminal, every line at most ``width`` columns (minimum 30).
 
-    ``color`` True adds ANSI colour, False never does, None colours only when stdout is a TTY and
-    the ``NO_COLOR`` environment variable is unset.
+    When a typical action would get too few columns for its label, time wraps into up to
+    ``max_bands`` bands (each a row per rank and its own axis) so labels stay readable; a timeline
+    that would need more bands is drawn in one, as a heat map. ``color`` True adds ANSI colour,
+    False never does, None colours only when stdout is a TTY and ``NO_COLOR`` is unset.
     """
     colour = _want_colour(color)
     width = max(width, 30)
@@ -54,18 +63,34 @@ def render_text(timeline: Timeline, width: int = 100, color: bool | None = None)
         return "\n".join([*textwrap.wrap(head, width), "(no spans)"])
     label_w = len(f"rank {timeline.num_ranks - 1}")
     cols = width - label_w - 3  # "rank r |" + grid + "|"
-    scale = cols / timeline.makespan
-    rows = _dominant(timeline, cols, scale)
-    _overlay_labels(rows, timeline, scale)
+    bands = _bands_for_labels(timeline, cols, max_bands)
+    scale = bands * cols / timeline.makespan
+    rows = _dominant(timeline, bands * cols, scale)
+    _overlay_labels(rows, timeline, scale, cols)
     lines = textwrap.wrap(head, width)
-    for rank, row in enumerate(rows):
-        lines.append(f"{f'rank {rank}':<{label_w}} |{_paint(row, colour)}|")
-    lines.extend(_axis(timeline, cols, scale, label_w + 2))
+    for band in range(bands):
+        lo, hi = band * cols, (band + 1) * cols
+        if band:
+            lines.append("")
+        for rank, row in enumerate(rows):
+            lines.append(f"{f'rank {rank}':<{label_w}} |{_paint(row[lo:hi], colour)}|")
+        lines.extend(_axis(timeline.start + lo / scale, cols, scale, label_w + 2))
     unit = "ms" if timeline.measured else "time units"
     notes = ["f3 = a rank's 2nd chunk"] if multi_stage(timeline) else []
     notes.append(f"1 column = {1 / scale:.3g} {unit}")
     lines.extend(_legend(kinds_present(timeline), colour, notes, width))
     return "\n".join(lines)
+
+
+def _bands_for_labels(timeline: Timeline, cols: int, max_bands: int) -> int:
+    """How many bands of ``cols`` columns give a median-length action room for its label."""
+    durations = sorted(s.end - s.start for s in timeline.spans if s.end > s.start)
+    if not durations:
+        return 1
+    typical = durations[len(durations) // 2]
+    need = 1 + max(len(str(s.action.microbatch)) for s in timeline.spans)  # "F12": kind + number
+    wanted = math.ceil(timeline.makespan * need / typical / cols - 1e-9)
+    return wanted if 1 <= wanted <= max_bands else 1
 
 
 def _want_colour(color: bool | None) -> bool:
@@ -112,32 +137,40 @@ def _dominant(timeline: Timeline, cols: int, scale: float) -> list[list[Cell]]:
     return rows
 
 
-def _overlay_labels(rows: list[list[Cell]], timeline: Timeline, scale: float) -> None:
-    """Write each span's label at the start of its block and fill the rest of the block."""
+def _overlay_labels(
+    rows: list[list[Cell]], timeline: Timeline, scale: float, band_cols: int
+) -> None:
+    """Write each span's label at the start of its block and fill the rest of the block.
+
+    A label never straddles two bands: a block that starts at a band's end is labelled where it
+    continues, at the start of the next band.
+    """
     chunks = chunk_of(timeline) if multi_stage(timeline) else None
     cols = len(rows[0]) if rows else 0
     for s in timeline.spans:
         first = round((s.start - timeline.start) * scale)
         last = min(cols, round((s.end - timeline.start) * scale))
-        text = _label(s.action, s.rank, chunks, last - first)
         row = rows[s.rank]
-        for i, ch in enumerate(text):
-            row[first + i] = (ch, s.action.kind)
-        for c in range(first + len(text), last):
+        for c in range(first, last):
             row[c] = (FILL[s.action.kind], s.action.kind)
+        band_end = (first // band_cols + 1) * band_cols
+        at = first
+        text = _label(s.action, s.rank, chunks, min(last, band_end) - first)
+        if not text and last > band_end:
+            at = band_end
+            text = _label(s.action, s.rank, chunks, last - band_end)
+        for i, ch in enumerate(text):
+            row[at + i] = (ch, s.action.kind)
 
 
 def _label(action: Action, rank: int, chunks: dict[tuple[int, int], int] | None, room: int) -> str:
     """The longest label that fits a block of ``room`` cells.
 
-    ``F3`` may fill its block (``F3F4`` still reads as two blocks); a stage-prefixed ``1F3`` or a
-    bare ``3`` needs one fill cell after it. With several stages per rank, the short form is
-    lower case for a rank's odd chunks (``f3``), so the chunks stay apart without the prefix.
+    ``F3`` may fill its block (``F3F4`` still reads as two blocks); a bare ``3`` needs one fill
+    cell after it. With several stages per rank, the label is lower case for a rank's odd chunks
+    (``f3``), so the chunks stay apart without a stage number (the legend says so).
     """
     parts = action.compute_parts
-    full = "+".join(str(p) for p in parts)
-    if chunks is not None and len(full) < room:
-        return full
     short = "+".join(
         p.kind.value.lower() + str(p.microbatch)
         if chunks is not None and chunks[(rank, p.stage)] % 2
@@ -153,8 +186,11 @@ def _label(action: Action, rank: int, chunks: dict[tuple[int, int], int] | None,
 def _ansi(fill: str) -> str:
     """The xterm-256 background (and readable foreground) escape nearest to ``#rrggbb``."""
     levels = (0, 95, 135, 175, 215, 255)
-    rgb = (int(fill[i : i + 2], 16) for i in (1, 3, 5))
-    r, g, b = (min(range(6), key=lambda i, v=v: abs(levels[i] - v)) for v in rgb)
+
+    def nearest(value: int) -> int:
+        return min(range(6), key=lambda i: abs(levels[i] - value))
+
+    r, g, b = (nearest(int(fill[i : i + 2], 16)) for i in (1, 3, 5))
     fg = 16 if text_colour(fill) == "#000000" else 231
     return f"\x1b[48;5;{16 + 36 * r + 6 * g + b};38;5;{fg}m"
 
@@ -176,13 +212,14 @@ def _paint(row: list[Cell], colour: bool) -> str:
     return "".join(out)
 
 
-def _axis(timeline: Timeline, cols: int, scale: float, indent: int) -> list[str]:
-    """A tick line under the grid (``+`` at each tick) and the tick values under it."""
+def _axis(start: float, cols: int, scale: float, indent: int) -> list[str]:
+    """A tick line under ``cols`` columns from time ``start`` (``+`` at each tick), values under it."""
+    end = start + cols / scale
     marks = ["-"] * (cols + 1)
     values = [" "] * (indent + cols + 12)
     free_from = 0
-    for t in ticks(timeline.start, timeline.end, max(1, cols // 10)):
-        x = round((t - timeline.start) * scale)
+    for t in ticks(start, end, max(1, cols // 10)):
+        x = round((t - start) * scale)
         marks[min(x, cols)] = "+"
         text = fmt(t)
         pos = indent + x - (len(text) if x >= cols - 1 else 0)

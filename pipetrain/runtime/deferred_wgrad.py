@@ -11,12 +11,16 @@ defers only the linear layers' weight gradients: a linear layer's ``dW = dYᵀ X
 its input ``X`` (saved by the forward anyway) and its output gradient ``dY`` (known once ``I`` has
 passed it), and it is where almost all of ``W``'s work is. Here:
 
-* ``defer_linear_weight_grads(module)`` turns the module's plain ``nn.Linear`` layers into
-  ``DeferredLinear`` (same parameters, same state dict, still ``isinstance(m, nn.Linear)``); its
-  backward computes ``dX`` and, while a stage's ``I`` is collecting (``backward_input`` below),
-  records ``(weight, bias, X, dY)`` instead of computing ``dW`` and ``db``. Outside a stage's
-  backward (plain ``loss.backward()``) it computes everything, as ``nn.Linear`` does. Under
-  autocast it casts as autocast would and saves the casts; ``.grad`` keeps the parameter's dtype.
+* ``DeferredLinears(module)`` (one per stage) finds the module's plain ``nn.Linear`` layers and,
+  only while the stage's own forward runs (``call``), routes each through ``_LinearFunction``: an
+  instance ``forward`` is set for the call and removed after it, so the module's classes, state
+  dict and behaviour outside the pipeline are never changed. Its backward computes ``dX`` and,
+  while the stage's ``I`` is collecting (``backward_input`` below), records
+  ``(weight, bias, X, dY)`` instead of computing ``dW`` and ``db``. Outside a stage's backward
+  (plain ``loss.backward()``) it computes everything, as ``nn.Linear`` does. Under autocast it
+  casts as autocast would and saves the casts; ``.grad`` keeps the parameter's dtype. What the
+  backward does is the ``DeferredLinears`` object's ``mode``, which the graph reaches through
+  the autograd context: nothing is shared between stages or pipelines.
 * ``backward_input`` is one engine call for the stage inputs' *and every parameter's* gradient
   (LayerNorms, embeddings, anything not deferred are finished in ``I``, as in the paper); the graph
   is freed right after, so between ``I`` and ``W`` a micro-batch holds only the stashed ``X`` and
@@ -26,7 +30,7 @@ passed it), and it is where almost all of ``W``'s work is. Here:
   the micro-batch's gradients (the deferred ones and those its ``I`` held back) through
   ``AccumulateGrad`` with one ``torch.autograd.backward`` on the parameters, so post-accumulate-grad
   hooks fire once per parameter per step and see the step's whole gradient, as with ``B``.
-* ``backward_full_quietly`` is a ``B`` that is not the step's last weight piece: the deferred
+* ``backward_full`` without ``hooks`` is a ``B`` that is not the step's last weight piece: the deferred
   linears add ``dW`` straight into ``.grad`` (one ``addmm_`` where plain autograd runs a GEMM into
   a temporary, then ``AccumulateGrad``'s add — Megatron-LM's gradient-accumulation fusion), so the
   1F1B family and DualPipeV's pairs gain too.
@@ -44,23 +48,23 @@ several linears, or by a linear and another op, gets each use's term). Not for m
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.graph import GradientEdge
 
 from pipetrain.runtime.split_backward import accumulate_quietly, backward_full, run_engine
+from pipetrain.runtime.torch_compat import GradientEdge
 
-#: What ``DeferredLinear``'s backward does with ``dW``/``db``: ``None`` — return them, as
-#: ``nn.Linear`` does; a list — the stash of the ``I`` being run; ``_ACCUMULATE`` — add them into
-#: ``.grad`` at once (a quiet ``B``: one ``addmm_`` instead of a GEMM, a temporary and an add, the
-#: gradient-accumulation fusion of Megatron-LM). A module global, not thread-local: on CUDA the
-#: engine runs backward functions on its own device threads while the calling thread waits.
-_ACCUMULATE = object()
-_mode: list | object | None = None
+#: ``DeferredLinears.mode`` during a quiet ``B``: add ``dW``/``db`` into ``.grad`` at once (one
+#: ``addmm_`` instead of a GEMM, a temporary and an add: Megatron-LM's gradient-accumulation
+#: fusion). The other modes: ``None`` — return them, as ``nn.Linear`` does; a list — the stash of
+#: the ``I`` being run.
+ACCUMULATE = "accumulate"
+
+Entry = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]
 
 
 @dataclass
@@ -69,16 +73,17 @@ class DeferredWork:
     parameter that needs no gradient) and, for the step's last weight piece, the gradients its
     ``I`` computed but held back for ``AccumulateGrad``."""
 
-    entries: list[tuple] = field(default_factory=list)
+    entries: list[Entry] = field(default_factory=list)
     held: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
 class _LinearFunction(torch.autograd.Function):
-    """``F.linear`` whose backward defers ``dW``/``db`` while a stage's ``I`` is collecting, or adds
-    them straight into ``.grad`` during a quiet ``B`` (see ``_mode``)."""
+    """``F.linear`` whose backward defers ``dW``/``db`` while its stage's ``I`` is collecting, or
+    adds them straight into ``.grad`` during a quiet ``B`` (the owner's ``mode``)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias):
+    def forward(ctx, owner, x, weight, bias):
+        ctx.owner = owner  # a plain attribute: the graph keeps its stage's DeferredLinears alive
         ctx.params = (weight, bias)
         device = x.device.type
         if torch.is_autocast_enabled(device):  # cast as autocast would, and save the casts
@@ -95,22 +100,22 @@ class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
-        need_x, need_w, need_b = ctx.needs_input_grad
+        _, need_x, need_w, need_b = ctx.needs_input_grad
         grad_x = grad_out.matmul(weight) if need_x else None
-        mode = _mode
+        mode = ctx.owner.mode
         if mode is not None and (need_w or need_b):
             w, b = ctx.params
             # detached: the saved input carries its grad_fn, and W must record no history
             entry = (w if need_w else None, b if need_b else None, x.detach(), grad_out)
-            if mode is _ACCUMULATE:
+            if mode is ACCUMULATE:
                 _accumulate(*entry)
             else:
                 mode.append(entry)
-            return grad_x, None, None
+            return None, grad_x, None, None
         dy, xs = _rows(grad_out), _rows(x)
         grad_w = dy.t().mm(xs) if need_w else None
         grad_b = dy.sum(0) if need_b else None
-        return grad_x, grad_w, grad_b
+        return None, grad_x, grad_w, grad_b
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -118,14 +123,15 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
-class DeferredLinear(nn.Linear):
-    """``nn.Linear`` whose weight gradient ``W`` computes (see the module docstring)."""
+def _plain_linear(m: nn.Module) -> bool:
+    """An ``nn.Linear`` itself (not a subclass, whose ``forward`` may differ) with no instance
+    ``forward`` of its own."""
+    return type(m) is nn.Linear and "forward" not in m.__dict__
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        wants = self.weight.requires_grad or (self.bias is not None and self.bias.requires_grad)
-        if not (wants and torch.is_grad_enabled()):
-            return F.linear(x, self.weight, self.bias)
-        return _LinearFunction.apply(x, self.weight, self.bias)
+
+def plain_linears(module: nn.Module) -> list[nn.Linear]:
+    """The plain ``nn.Linear`` layers in ``module`` (each once)."""
+    return [m for m in module.modules() if _plain_linear(m)]  # type: ignore[misc]
 
 
 def worth_deferring(module: nn.Module) -> bool:
@@ -135,8 +141,7 @@ def worth_deferring(module: nn.Module) -> bool:
     trainable = {id(p): p.numel() for p in module.parameters() if p.requires_grad}
     in_linears = {
         id(p): p.numel()
-        for m in module.modules()
-        if type(m) in (nn.Linear, DeferredLinear)
+        for m in plain_linears(module)
         for p in m.parameters(recurse=False)
         if p.requires_grad
     }
@@ -144,72 +149,116 @@ def worth_deferring(module: nn.Module) -> bool:
     return total > 0 and 2 * sum(in_linears.values()) >= total
 
 
-def defer_linear_weight_grads(module: nn.Module) -> int:
-    """Make every plain ``nn.Linear`` in ``module`` a ``DeferredLinear`` in place; returns how
-    many. Subclasses of ``nn.Linear`` are left alone (their ``forward`` may differ)."""
-    count = 0
-    for m in module.modules():
-        if type(m) is nn.Linear:
-            m.__class__ = DeferredLinear
-            count += 1
-    return count
+class DeferredLinears:
+    """The ``BackwardSplit`` that defers the linear layers' weight GEMMs to ``W`` (module
+    docstring), for the stage ``module``. Holds what its linears' backward does (``mode``)."""
 
+    defers_linear_weights = True
 
-def restore_linear_weight_grads(module: nn.Module) -> int:
-    """Undo ``defer_linear_weight_grads``: every ``DeferredLinear`` in ``module`` becomes a plain
-    ``nn.Linear`` again (a stage split by graph replay must not carry a custom backward, which
-    that split would run in both halves); returns how many."""
-    count = 0
-    for m in module.modules():
-        if type(m) is DeferredLinear:
-            m.__class__ = nn.Linear
-            count += 1
-    return count
+    def __init__(self, module: nn.Module) -> None:
+        self.mode: list[Entry] | str | None = None
+        self.linears = plain_linears(module)
+        self._forwards = [self._deferred_forward(m) for m in self.linears]
 
+    def _deferred_forward(self, linear: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            weight, bias = linear.weight, linear.bias
+            wants = weight.requires_grad or (bias is not None and bias.requires_grad)
+            if not (wants and torch.is_grad_enabled()):
+                return F.linear(x, weight, bias)
+            return _LinearFunction.apply(self, x, weight, bias)
 
-def backward_input(
-    roots: Sequence[GradientEdge],
-    grads: Sequence[torch.Tensor],
-    inputs: Sequence[torch.Tensor],
-    params: Sequence[torch.Tensor],
-    hold: bool,
-) -> tuple[list[torch.Tensor | None], DeferredWork]:
-    """``I``: the inputs' gradients (returned) and every parameter gradient but the deferred
-    linears' (accumulated quietly into ``.grad``, or kept in the work with ``hold`` for the
-    step's last weight piece); the graph is freed."""
-    work = DeferredWork()
-    if not roots or not (inputs or params):
-        return [None] * len(inputs), work
-    with _in_mode(work.entries):
-        found = run_engine(roots, grads, [*inputs, *params], retain_graph=False, accumulate=False)
-    n = len(inputs)
-    if hold:
-        work.held = [(p, g) for p, g in zip(params, found[n:]) if g is not None]
-    else:
-        accumulate_quietly(params, found[n:])
-    return list(found[:n]), work
+        return forward
 
+    @contextlib.contextmanager
+    def deferring(self) -> Iterator[None]:
+        """While inside, the stage's plain linears run ``_LinearFunction`` (an instance
+        ``forward`` shadows the class's; removed on the way out, whatever happens)."""
+        for m, f in zip(self.linears, self._forwards):
+            m.__dict__["forward"] = f
+        try:
+            yield
+        finally:
+            for m in self.linears:
+                m.__dict__.pop("forward", None)
 
-def backward_full_quietly(
-    roots: Sequence[GradientEdge],
-    grads: Sequence[torch.Tensor],
-    inputs: Sequence[torch.Tensor],
-    params: Sequence[torch.Tensor],
-) -> list[torch.Tensor | None]:
-    """A ``B`` that is not the step's last weight piece: ``split_backward.backward_full``'s quiet
-    ``B`` with the deferred linears adding their weight gradients straight into ``.grad``."""
-    with _in_mode(_ACCUMULATE):
-        return backward_full(roots, grads, inputs, params, hooks=False)
+    def call(self, module: nn.Module, args: tuple[torch.Tensor, ...]):
+        with self.deferring():
+            return module(*args)
 
+    def backward_full(
+        self,
+        roots: Sequence[GradientEdge],
+        grads: Sequence[torch.Tensor],
+        inputs: Sequence[torch.Tensor],
+        params: Sequence[torch.Tensor],
+        hooks: bool,
+    ) -> list[torch.Tensor | None]:
+        """``B``. With ``hooks`` (the step's last weight piece) an ordinary backward through
+        ``AccumulateGrad``; without, ``split_backward.backward_full``'s quiet ``B`` with the
+        deferred linears adding their weight gradients straight into ``.grad``."""
+        # Inside ``deferring``: activation checkpointing recomputes the forward during the
+        # backward, and must run the same linears the forward ran (same saved tensors).
+        with self.deferring():
+            if hooks:
+                return backward_full(roots, grads, inputs, params, hooks=True)
+            with self._in_mode(ACCUMULATE):
+                return backward_full(roots, grads, inputs, params, hooks=False)
 
-@contextlib.contextmanager
-def _in_mode(mode):
-    global _mode
-    _mode = mode
-    try:
-        yield
-    finally:
-        _mode = None
+    def backward_input(
+        self,
+        roots: Sequence[GradientEdge],
+        grads: Sequence[torch.Tensor],
+        inputs: Sequence[torch.Tensor],
+        params: Sequence[torch.Tensor],
+        last_piece: bool = False,
+    ) -> tuple[list[torch.Tensor | None], DeferredWork]:
+        """``I``: the inputs' gradients (returned) and every parameter gradient but the deferred
+        linears' (accumulated quietly into ``.grad``, or with ``last_piece`` kept in the work for
+        ``W`` to pass through ``AccumulateGrad``); the graph is freed."""
+        work = DeferredWork()
+        if not roots or not (inputs or params):
+            return [None] * len(inputs), work
+        with self.deferring(), self._in_mode(work.entries):  # deferring: see backward_full
+            found = run_engine(
+                roots, grads, [*inputs, *params], retain_graph=False, accumulate=False
+            )
+        n = len(inputs)
+        if last_piece:
+            work.held = [(p, g) for p, g in zip(params, found[n:]) if g is not None]
+        else:
+            accumulate_quietly(params, found[n:])
+        return list(found[:n]), work
+
+    @torch.no_grad()
+    def backward_weight(self, work: DeferredWork, hooks: bool = True) -> None:
+        """``W``: the stashed GEMMs into ``.grad`` (through ``AccumulateGrad`` and its hooks only
+        with ``hooks``, together with the gradients ``I`` held back). Under ``no_grad``: ``.grad``
+        must get no autograd history (it would keep every micro-batch's stashed tensors alive)."""
+        if not hooks:
+            for entry in work.entries:
+                _accumulate(*entry)
+            return
+        total: dict[int, list] = {}  # id(param) -> [param, gradient]; a tied weight sums its uses
+        for weight, bias, x, dy in work.entries:
+            dy2 = _rows(dy)
+            if weight is not None:
+                _sum_into(total, weight, dy2.t().mm(_rows(x)))
+            if bias is not None:
+                _sum_into(total, bias, dy2.sum(0))
+        for p, g in work.held:
+            _sum_into(total, p, g)
+        if total:
+            params, values = zip(*total.values())
+            torch.autograd.backward(list(params), list(values))
+
+    @contextlib.contextmanager
+    def _in_mode(self, mode: list[Entry] | str) -> Iterator[None]:
+        self.mode = mode
+        try:
+            yield
+        finally:
+            self.mode = None
 
 
 @torch.no_grad()
@@ -220,29 +269,6 @@ def _accumulate(weight, bias, x, dy) -> None:
         _add_into(weight, dy2.t(), _rows(x))
     if bias is not None:
         _add_into(bias, dy2.sum(0), None)
-
-
-@torch.no_grad()
-def backward_weight(work: DeferredWork, hooks: bool) -> None:
-    """``W``: the stashed GEMMs into ``.grad`` (through ``AccumulateGrad`` and its hooks only with
-    ``hooks``, together with the gradients ``I`` held back). Under ``no_grad``: ``.grad`` must get
-    no autograd history (it would keep every micro-batch's stashed tensors alive)."""
-    if not hooks:
-        for entry in work.entries:
-            _accumulate(*entry)
-        return
-    total: dict[int, list] = {}  # id(param) -> [param, gradient]; a tied weight sums its uses
-    for weight, bias, x, dy in work.entries:
-        dy2 = _rows(dy)
-        if weight is not None:
-            _sum_into(total, weight, dy2.t().mm(_rows(x)))
-        if bias is not None:
-            _sum_into(total, bias, dy2.sum(0))
-    for p, g in work.held:
-        _sum_into(total, p, g)
-    if total:
-        params, values = zip(*total.values())
-        torch.autograd.backward(list(params), list(values))
 
 
 def _add_into(p: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None) -> None:

@@ -12,6 +12,7 @@ of them empty — ``check_empty`` holds the runtime to that.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -56,8 +57,12 @@ class Executor:
         transport: Transport,
         arities: list[tuple[int, float]],
         side_stream: torch.cuda.Stream | None = None,
+        after_compute: Callable[[Action], None] | None = None,
     ) -> None:
         self.rank = rank
+        #: called after each compute action, once the transfers posted after it are out (the
+        #: pipeline's data-parallel sync hangs on it)
+        self.after_compute = after_compute
         self.side_stream = side_stream
         self.placement = placement
         self.runners = runners
@@ -81,21 +86,29 @@ class Executor:
     ) -> None:
         """Execute ``actions`` in order; with ``discover``, learn transfer shapes into ``cache``."""
         self.data, self.cache, self.train, self.discover = data, cache, train, discover
+        done = None  # the last compute action, handed to ``after_compute`` once its sends are out
         for action in actions:
             if not action.is_comm:
                 self.flush()
+                self._after(done)
                 self.transport.reap()
                 # Waiting for inputs is idle time, not the action's: the span starts after it.
                 self.resolve_inputs(action)
                 started = recorder.start()
                 self.dispatch(action)
                 recorder.stop(action, started)
+                done = action
             else:
                 self.dispatch(action)
                 if self.discover:
                     self.flush()
         self.flush()
+        self._after(done)
         self.transport.drain()
+
+    def _after(self, action: Action | None) -> None:
+        if action is not None and self.after_compute is not None:
+            self.after_compute(action)
 
     def flush(self) -> None:
         batch, self._batch = self._batch, []

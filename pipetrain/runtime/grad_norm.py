@@ -23,8 +23,10 @@ def local_total(
 ) -> torch.Tensor:
     """This rank's share on ``device``: ``Σ|g|^p`` (float64), or ``max|g|`` for ``p = inf``.
     Per-tensor norms stay on the gradients' device (no host sync per parameter)."""
+    # an FSDP2 shard (DTensor) counts this rank's part only
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
     norms = [
-        torch.linalg.vector_norm(g.detach(), norm_type).to(device, torch.float64) for g in grads
+        torch.linalg.vector_norm(g.detach(), norm_type).to(device, torch.float64) for g in local
     ]
     if not norms:
         return torch.zeros((), dtype=torch.float64, device=device)

@@ -1,8 +1,8 @@
 """``Pipeline``: the one-line API that runs any pipetrain program on torch.distributed.
 
-    pipe = Pipeline(stages, schedule="zbv", num_microbatches=8, loss_fn=loss_fn)
-    loss = pipe.step(inputs, targets)             # every rank, same arguments
-    opt = torch.optim.AdamW(pipe.parameters())    # this rank's stages only
+    with Pipeline(stages, schedule="zbv", num_microbatches=8, loss_fn=loss_fn) as pipe:
+        opt = torch.optim.AdamW(pipe.parameters())    # this rank's stages only
+        loss = pipe.step(inputs, targets)             # every rank, same arguments
 
 Construction checks everything it can before any transfer (stage count, world size, process
 group, module types) and raises ``ValueError`` naming the legal values; it then lowers and
@@ -23,6 +23,7 @@ from torch import nn
 
 from pipetrain.runtime import checkpoint, grad_norm, losses, microbatch, side_inputs
 from pipetrain.runtime import tied as tied_weights
+from pipetrain.runtime.data_parallel import DataParallel, check_wrapping, mesh_groups
 from pipetrain.runtime.executor import Executor, MetaCache, StepData
 from pipetrain.runtime.p2p import DTYPE_CODE, DTYPES, Transport
 from pipetrain.runtime.stage import StageRunner, arity
@@ -46,12 +47,10 @@ class Pipeline:
     ``timeout``: how long any wait on a peer may take before it fails naming rank, action, peer.
     ``overlap_pairs``: on CUDA, run an overlapped F&B pair's forward on a side stream while its
     backward runs (DualPipe's overlap; off: one after the other). Ignored on CPU.
-    ``defer_weight_grads``: split I/W the zero-bubble paper's way — the stages' plain
-    ``nn.Linear`` layers become ``DeferredLinear`` (same parameters and state dict, still
-    ``nn.Linear``), ``I`` is the whole backward but their weight GEMMs, ``W`` is those GEMMs, and
-    a ``B`` adds them straight into ``.grad`` (``runtime.deferred_wgrad``). ``False``:
-    ``split_backward``'s graph replay, which splits any module (a ``DeferredLinear`` an earlier
-    ``Pipeline`` made becomes a plain ``nn.Linear`` again).
+    ``defer_weight_grads``: split I/W the zero-bubble paper's way — while a stage runs, its plain
+    ``nn.Linear`` layers' weight GEMMs are left out of ``I`` and run as ``W``, and a ``B`` adds
+    them straight into ``.grad`` (``runtime.deferred_wgrad``; the modules themselves are never
+    changed). ``False``: ``split_backward``'s graph replay, which splits any module.
     ``None`` (default): per stage, on where plain linears hold at least half of its trainable
     parameters. Either way exact.
     ``loss_reduction``: what ``loss_fn`` returns for a micro-batch — ``"mean"`` over its rows,
@@ -61,6 +60,10 @@ class Pipeline:
     ``tied``: sets of parameter names shared by several stages (``[("embed.weight",
     "head.weight")]``); their gradients are summed across stages once per step (``runtime.tied``;
     ``pipetrain.split`` detects ties in the list it cuts).
+    ``mesh`` and ``data_parallel``: a ``DeviceMesh`` with dimensions ``("dp", "pp")`` (instead of
+    ``group``) and ``"ddp"`` or ``"fsdp"``: each ``pp`` row of the mesh runs the pipeline, each
+    ``dp`` column holds DDP or FSDP2 replicas of its stages, each replica steps on its own shard
+    of the global batch, and gradients are reduced once per step (``runtime.data_parallel``).
     """
 
     def __init__(
@@ -80,6 +83,8 @@ class Pipeline:
         loss_reduction: str | None = None,
         ignore_index: int | None = None,
         tied: Sequence[Sequence[str]] = (),
+        mesh=None,
+        data_parallel: str | None = None,
     ) -> None:
         _require_process_group()
         if loss_fn is None:
@@ -92,6 +97,25 @@ class Pipeline:
         self.data_parallel_group = None
         #: groups whose ranks hold different gradient shards (FSDP): the norm is summed over them
         self.norm_groups: list = []
+        dp_group = dp_mesh = None
+        if (mesh is None) != (data_parallel is None):
+            raise ValueError(
+                "mesh= and data_parallel= go together: a ('dp', 'pp') DeviceMesh and 'ddp' or "
+                "'fsdp'"
+            )
+        if mesh is not None:
+            if group is not None:
+                raise ValueError("pass either group= or mesh= (whose 'pp' dimension is the group)")
+            group, dp_group, dp_mesh = mesh_groups(mesh)
+            self.data_parallel_group = dp_group
+            if data_parallel == "fsdp":
+                self.norm_groups = [dp_group]
+            if tied:
+                raise ValueError(
+                    "tied= with data_parallel= is not supported yet (the tied sum and the "
+                    "replicas' gradient hooks are not ordered); untie the weights or run without "
+                    "data parallelism"
+                )
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -107,17 +131,25 @@ class Pipeline:
         self.last_stage = self.placement.num_stages - 1
         self.last_rank = self.placement.rank(self.last_stage)
         self.modules = _local_modules(stages, self.placement.stages_of_rank(self.rank), self.device)
+        check_wrapping(self.modules, data_parallel)
+        self.data_parallel = (
+            DataParallel(data_parallel, self.modules, dp_group, dp_mesh, self.device)
+            if data_parallel is not None
+            else None
+        )
         self.runners = {
             s: StageRunner(s, m, s == self.last_stage, loss_fn, defer_weight_grads)
             for s, m in self.modules.items()
         }
         for stage, mb in _last_weight_pieces(self.program.actions[self.rank]).items():
             self.runners[stage].last_weight_microbatch = mb
+        self._last_uses = _last_uses(self.program.actions[self.rank])
         self.arities = self._gather_arities()
+        self._reverse_group = _reverse_group(group)
         self.tied_sets = tied_weights.build(tied, self.modules, group, self.rank, self.world_size)
         self.tied_grads = tied_weights.TiedGrads(self.tied_sets, self.runners)
         self.transport = Transport(
-            self.rank, group, self.device, timeout, reverse_group=_reverse_group(group)
+            self.rank, group, self.device, timeout, reverse_group=self._reverse_group
         )
         self.side_stream = (
             torch.cuda.Stream(self.device) if overlap_pairs and self.device.type == "cuda" else None
@@ -127,6 +159,32 @@ class Pipeline:
         self._side: tuple[dict, ...] = ()
         self._side_keywords_all: list | None = None
         self.last_timeline: Timeline | None = None
+        self.closed = False
+
+    def close(self) -> None:
+        """Finish what is in flight and let go of everything this pipeline made: transfers still
+        posted, the second process group it created (NCCL), each stage's held state. The stage
+        modules stay as they were given (trained in place, never altered). Idempotent; a closed
+        pipeline refuses to step. ``with Pipeline(...) as pipe:`` closes on the way out."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.transport.drain()
+        finally:
+            for runner in self.runners.values():
+                runner.release()
+            if self._reverse_group is not None and dist.is_initialized():
+                dist.destroy_process_group(self._reverse_group)
+            self._reverse_group = None
+            self.side_stream = None
+            self._caches.clear()
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """This rank's stage parameters, each once (for the optimizer)."""
@@ -155,6 +213,8 @@ class Pipeline:
         takes them, split per micro-batch where batched (``runtime.side_inputs``).
         """
         mbs = self._split(inputs, targets, side)
+        if self.data_parallel is not None:
+            self.data_parallel.check_batch(mbs.batch_size)
         weights = losses.weights(
             self.loss_reduction,
             mbs.weights,
@@ -162,12 +222,19 @@ class Pipeline:
             self.ignore_index,
             self.data_parallel_group,
         )
+        if self.data_parallel is not None and self.loss_reduction != "mean":
+            # DDP and FSDP2 average gradients over the replicas; a sum (or a mean over the
+            # global token count) must not be divided by their number, so it is multiplied back.
+            weights = tuple(w * self.data_parallel.size for w in weights)
         mbs = dataclasses.replace(mbs, weights=weights)
         rows = self.program.actions[self.rank]
         self.tied_grads.begin_step()
         self._execute(rows, mbs, "train", timeline, self.program.name)
         self.tied_grads.end_step(self.transport, self.rank)
-        return self._agree_on_loss(mbs.weights)
+        loss = self._agree_on_loss(mbs.weights)
+        if self.data_parallel is not None:
+            loss = self.data_parallel.global_loss(loss)
+        return loss
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip every rank's gradients by the norm of the whole pipeline's (a tied parameter
@@ -207,6 +274,8 @@ class Pipeline:
 
     def _split(self, inputs, targets, side=None) -> microbatch.MicroBatches:
         _require_process_group()
+        if self.closed:
+            raise RuntimeError("this Pipeline was closed; build a new one to keep training")
         xs = tuple(x.to(self.device) for x in microbatch.as_tuple(inputs, "inputs"))
         ys = targets
         if isinstance(targets, torch.Tensor):
@@ -238,21 +307,41 @@ class Pipeline:
         discover = cache is None or cache.signature != signature
         if discover:
             cache = self._caches[mode] = MetaCache(signature=signature)
+        if self.data_parallel is not None:
+            self.data_parallel.begin(train=mode == "train")
         for runner in self.runners.values():
             runner.begin_step()
         recorder = Recorder(self.rank, self.device, timeline)
         recorder.begin(self.group)
+        after = self._sync_after if self.data_parallel is not None and mode == "train" else None
         executor = Executor(
-            self.rank, self.placement, self.runners, self.transport, self.arities, self.side_stream
+            self.rank,
+            self.placement,
+            self.runners,
+            self.transport,
+            self.arities,
+            self.side_stream,
+            after,
         )
         data = StepData(mbs.inputs, mbs.targets, mbs.weights, self._side)
         executor.run(rows, data, cache, recorder, train=mode == "train", discover=discover)
+        if self.data_parallel is not None:
+            if mode == "train":
+                self.data_parallel.finish_all()
+            else:
+                self.data_parallel.end_eval()
         executor.check_empty()
         if timeline:
             self.last_timeline = gather_timeline(
                 recorder, self.group, self.world_size, self.placement.num_stages, name
             )
         return executor.results
+
+    def _sync_after(self, action: Action) -> None:
+        """After a stage's last compute action of the step: its data-parallel gradient sync, so
+        the reduction overlaps the rest of the row (on CUDA)."""
+        for stage in self._last_uses.get(action, ()):
+            self.data_parallel.finish(stage)
 
     def _agree_on_loss(self, weights: tuple[float, ...]) -> torch.Tensor:
         """Σ_j w_j · loss_j from the last stage, broadcast so every rank returns the same value."""
@@ -295,6 +384,18 @@ def _last_weight_pieces(row: Sequence[Action]) -> dict[int, int]:
                 if token is deps.Token.WEIGHT_GRAD:
                     last[stage] = microbatch
     return last
+
+
+def _last_uses(row: Sequence[Action]) -> dict[Action, tuple[int, ...]]:
+    """The stages whose last compute action in ``row`` each action is."""
+    last: dict[int, Action] = {}
+    for action in row:
+        for part in action.compute_parts:
+            last[part.stage] = action
+    uses: dict[Action, tuple[int, ...]] = {}
+    for stage, action in sorted(last.items()):
+        uses[action] = (*uses.get(action, ()), stage)
+    return uses
 
 
 def _require_process_group() -> None:

@@ -52,10 +52,9 @@ def check(side: Mapping[str, object], accepted: list[frozenset[str] | None]) -> 
     """Refuse names no stage takes and tensors that need a gradient."""
     if not isinstance(side, Mapping):
         raise TypeError(f"side must be a dict name -> value, not {type(side).__name__}")
-    if any(a is None for a in accepted):
-        known = None
-    else:
-        known = frozenset().union(*accepted)
+    known: frozenset[str] | None = frozenset()
+    for names in accepted:
+        known = None if names is None or known is None else known | names
     for name, value in side.items():
         if known is not None and name not in known:
             raise ValueError(

@@ -32,14 +32,14 @@ wanted (``ctx.needs_input_grad`` reflects ``requires_grad``, not the engine's pl
 Host cost: the plan is a function of the graph's *shape* only (its edges, which nodes are the
 inputs' and the parameters' gradient nodes, which are the roots), and a stage builds the same shape
 for every micro-batch. So each call does one cheap walk (breadth-first from the roots, children in
-``next_functions`` order) that numbers the nodes and writes the shape down as a tuple of those
-numbers; the plan is computed once per distinct shape, in node numbers, and cached under that
-tuple. The tuple encodes the whole reachable graph, so an equal tuple means an identical plan and a
-different graph (another ``requires_grad`` pattern, other control flow; tensor shapes do not matter)
-gets its own plan.
-The engine is entered directly (``torch.autograd.graph._engine_run_backward``, what
-``torch.autograd.grad``/``backward`` call after their argument checks) where every root has a
-gradient tensor; the engine still validates root gradients against the roots' metadata.
+``next_functions`` order) that numbers the nodes and writes the shape down as a ``GraphShape`` of
+those numbers; the plan is computed once per distinct shape, in node numbers, and cached under it
+by the ``GraphReplay`` object (one per stage: nothing is shared between stages or pipelines). The
+shape records the whole reachable graph, so an equal shape means an identical plan and a different
+graph (another ``requires_grad`` pattern, other control flow; tensor shapes do not matter) gets its
+own plan. The engine is entered directly where every root has a gradient tensor
+(``torch_compat.engine_run_backward``); the engine still validates root gradients against the
+roots' metadata.
 """
 
 from __future__ import annotations
@@ -47,9 +47,45 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
-from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+from pipetrain.runtime.torch_compat import (
+    GradientEdge,
+    Node,
+    accumulate_grad_variable,
+    add_lists_,
+    engine_run_backward,
+    get_gradient_edge,
+)
+
+
+class GraphShape(NamedTuple):
+    """A backward graph in node numbers (positions in the walk's breadth-first order).
+
+    Equal shapes mean isomorphic graphs with the roots, inputs and parameters at the same places,
+    so they share a plan."""
+
+    roots: tuple[int, ...]  # each root's node
+    children: tuple[tuple[int, ...], ...]  # per node, its children in ``next_functions`` order
+    inputs: tuple[int | None, ...]  # each input's gradient node; None: this graph never reaches it
+    params: tuple[int | None, ...]  # each parameter's gradient node; None: unused by this forward
+
+
+class GroupPlan(NamedTuple):
+    """Boundary nodes that lead to the same parameters (one engine call in ``W``)."""
+
+    nodes: tuple[int, ...]  # node numbers
+    params: tuple[int, ...]  # positions in the stage's parameter list
+
+
+class Plan(NamedTuple):
+    """What to capture in ``I`` and replay in ``W`` for one graph shape."""
+
+    groups: tuple[GroupPlan, ...]
+    outside_roots: tuple[int, ...]  # positions in ``roots`` of the roots outside P
+    outside_params: tuple[int, ...]  # positions in ``params`` that W reaches from those roots
 
 
 @dataclass
@@ -75,92 +111,63 @@ class WeightWork:
         return not self.groups and not self.roots
 
 
-try:  # the engine entry point behind torch.autograd.grad / backward (skips their checks)
-    from torch.autograd.graph import _engine_run_backward
-except ImportError:  # pragma: no cover - other torch versions
-    _engine_run_backward = None
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """A plan in node numbers (positions in ``_walk`` order) and parameter positions."""
-
-    groups: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]  # (boundary nodes, params)
-    outside_roots: tuple[int, ...]  # positions in ``roots`` of the roots outside P
-    outside_params: tuple[int, ...]  # positions in ``params`` that W reaches from those roots
-
-
-_PLANS: dict[tuple[int, ...], _Plan] = {}
-_PLANS_MAX = 256  # distinct graph shapes kept (a stage normally has one or two)
-plan_stats = {"hits": 0, "misses": 0}
-
-
-def _walk(roots, inputs, params) -> tuple[list[Node], tuple[int, ...]]:
+def walk(roots, inputs, params) -> tuple[list[Node], GraphShape]:
     """Number the nodes reachable from ``roots`` (breadth-first, children in order) and describe
-    the graph in those numbers: root nodes, then each node's children ending with -1, then the
-    inputs' and the parameters' gradient nodes (-1 where unreached). Equal descriptions mean
-    isomorphic graphs with the inputs, parameters and roots at the same places.
+    the graph in those numbers.
 
     A leaf tensor's gradient node is its ``AccumulateGrad``, found here as a childless node whose
     ``variable`` is the tensor (what ``get_gradient_edge`` returns while a graph holds it, at a
     fraction of the cost)."""
     index: dict[Node, int] = {}
-    order: list[Node] = []
-    key: list[int] = []
     for edge in roots:
         index.setdefault(edge.node, len(index))
-        key.append(index[edge.node])
-    order.extend(index)  # dicts keep insertion order: numbers are positions
-    key.append(-1)
-    append = key.append  # the loop below is the per-micro-batch host cost of I: kept tight
+    root_nodes = tuple(index[edge.node] for edge in roots)
+    order: list[Node] = list(index)  # dicts keep insertion order: numbers are positions
+    children: list[tuple[int, ...]] = []
+    add_children = children.append  # the loop below is the per-micro-batch host cost of I
     leaf_at: dict[int, int] = {}  # id(leaf tensor) -> its AccumulateGrad's number
     pos = 0
     while pos < len(order):
-        children = order[pos].next_functions
-        if not children:
-            var = getattr(order[pos], "variable", None)
+        nexts = order[pos].next_functions
+        if not nexts:
+            var = accumulate_grad_variable(order[pos])
             if var is not None:
                 leaf_at[id(var)] = pos
-        for child, _ in children:
+            add_children(())
+            pos += 1
+            continue
+        kids = []
+        for child, _ in nexts:
             if child is not None:
                 i = index.get(child)
                 if i is None:
                     i = index[child] = len(order)
                     order.append(child)
-                append(i)
-        append(-1)
+                kids.append(i)
+        add_children(tuple(kids))
         pos += 1
-    key.extend(_node_of(x, index, leaf_at) for x in inputs)
-    key.append(-1)
-    key.extend(_node_of(q, index, leaf_at) for q in params)
-    return order, tuple(key)
+    shape = GraphShape(
+        roots=root_nodes,
+        children=tuple(children),
+        inputs=tuple(_node_of(x, index, leaf_at) for x in inputs),
+        params=tuple(_node_of(q, index, leaf_at) for q in params),
+    )
+    return order, shape
 
 
-def _node_of(t: torch.Tensor, index: dict[Node, int], leaf_at: dict[int, int]) -> int:
-    """Number of ``t``'s gradient node in the walk, -1 if unreached."""
+def _node_of(t: torch.Tensor, index: dict[Node, int], leaf_at: dict[int, int]) -> int | None:
+    """Number of ``t``'s gradient node in the walk, None if unreached."""
     if t.grad_fn is None:
-        return leaf_at.get(id(t), -1)
-    return index.get(get_gradient_edge(t).node, -1)
+        return leaf_at.get(id(t))
+    return index.get(get_gradient_edge(t).node)
 
 
-def _compute_plan(key: tuple[int, ...], n_roots: int, n_inputs: int, n_params: int) -> _Plan:
-    """Find ``P``, the boundary groups and the roots outside ``P`` (see the module docstring),
-    from the description ``_walk`` wrote."""
-    root_idx = key[:n_roots]
-    pos = n_roots + 1
-    parents: list[list[int]] = [[] for _ in set(root_idx)]  # roots are numbered 0, 1, ...
-    node = 0
-    while node < len(parents):  # one child list per node; a new child takes the next number
-        while key[pos] != -1:
-            child = key[pos]
-            if child == len(parents):
-                parents.append([])
+def compute_plan(shape: GraphShape) -> Plan:
+    """Find ``P``, the boundary groups and the roots outside ``P`` (see the module docstring)."""
+    parents: list[list[int]] = [[] for _ in shape.children]
+    for node, kids in enumerate(shape.children):
+        for child in kids:
             parents[child].append(node)
-            pos += 1
-        pos += 1
-        node += 1
-    input_idx = key[pos : pos + n_inputs]
-    param_idx = key[pos + n_inputs + 1 : pos + n_inputs + 1 + n_params]
 
     def upward(starts, stop):
         seen, hit = set(starts), set()
@@ -174,14 +181,14 @@ def _compute_plan(key: tuple[int, ...], n_roots: int, n_inputs: int, n_params: i
                     queue.append(q)
         return seen, hit
 
-    starts = [i for i in input_idx if i >= 0]
+    starts = [i for i in shape.inputs if i is not None]
     on_path, _ = upward(starts, set()) if starts else (set(), set())
-    root_nodes = set(root_idx)
+    root_nodes = set(shape.roots)
     by_node: dict[int, list] = {}
     groups: list[list] = []  # [boundary nodes, param positions]
     outside_params: list[int] = []
-    for j, pnode in enumerate(param_idx):
-        if pnode < 0:
+    for j, pnode in enumerate(shape.params):
+        if pnode is None:
             continue  # not used by this forward
         region, boundary = upward([pnode], on_path)
         if region & root_nodes:
@@ -197,82 +204,125 @@ def _compute_plan(key: tuple[int, ...], n_roots: int, n_inputs: int, n_params: i
         groups.append(group)
         for b in group[0]:
             by_node[b] = group
-    outside = tuple(k for k, r in enumerate(root_idx) if r not in on_path)
-    return _Plan(
-        groups=tuple((tuple(g[0]), tuple(g[1])) for g in groups),
+    outside = tuple(k for k, r in enumerate(shape.roots) if r not in on_path)
+    return Plan(
+        groups=tuple(GroupPlan(tuple(g[0]), tuple(g[1])) for g in groups),
         outside_roots=outside if outside_params else (),
         outside_params=tuple(outside_params),
     )
 
 
-def _plan(roots, grads, inputs, params) -> tuple[list[_Group], WeightWork]:
-    """The plan for this graph (cached by its shape), bound to this micro-batch's nodes."""
-    order, description = _walk(roots, inputs, params)
-    # the counts first: -1 both ends a section and marks an unreached input or parameter
-    key = (len(roots), len(inputs), len(params), *description)
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan_stats["misses"] += 1
-        plan = _compute_plan(description, len(roots), len(inputs), len(params))
-        if len(_PLANS) >= _PLANS_MAX:
-            del _PLANS[next(iter(_PLANS))]
-        _PLANS[key] = plan
-    else:
-        plan_stats["hits"] += 1
-    groups = [
-        _Group(nodes=[order[i] for i in nodes], params=[params[j] for j in ps])
-        for nodes, ps in plan.groups
-    ]
-    work = WeightWork(
-        groups=groups,
-        roots=[roots[k] for k in plan.outside_roots],
-        root_grads=[grads[k] for k in plan.outside_roots],
-        root_params=[params[j] for j in plan.outside_params],
-    )
-    return groups, work
+@dataclass
+class PlanCache:
+    """Plans by graph shape, for one stage (a stage normally builds one or two shapes)."""
+
+    max_size: int = 256
+    plans: dict[GraphShape, Plan] = field(default_factory=dict)
+    hits: int = 0
+    misses: int = 0
+
+    def get(self, shape: GraphShape) -> Plan:
+        plan = self.plans.get(shape)
+        if plan is not None:
+            self.hits += 1
+            return plan
+        self.misses += 1
+        plan = compute_plan(shape)
+        if len(self.plans) >= self.max_size:
+            del self.plans[next(iter(self.plans))]
+        self.plans[shape] = plan
+        return plan
 
 
 def run_engine(roots, grads, inputs, *, retain_graph: bool, accumulate: bool):
-    """``torch.autograd.backward`` (``accumulate``) or ``grad`` (allow_unused), entered directly
-    at the engine when every root gradient is a tensor."""
-    if _engine_run_backward is None or not all(isinstance(g, torch.Tensor) for g in grads):
-        if accumulate:
-            return torch.autograd.backward(roots, grads, retain_graph=retain_graph, inputs=inputs)
-        return torch.autograd.grad(
-            roots, inputs, grads, retain_graph=retain_graph, allow_unused=True
-        )
-    return _engine_run_backward(
-        tuple(roots),
-        tuple(grads),
-        retain_graph,
-        False,
-        tuple(inputs),
-        allow_unreachable=True,
-        accumulate_grad=accumulate,
+    """One engine call (see ``torch_compat.engine_run_backward``)."""
+    return engine_run_backward(
+        roots, grads, inputs, retain_graph=retain_graph, accumulate=accumulate
     )
 
 
-def backward_input(
-    roots: Sequence[GradientEdge],
-    grads: Sequence[torch.Tensor],
-    inputs: Sequence[torch.Tensor],
-    params: Sequence[torch.Tensor],
-) -> tuple[list[torch.Tensor | None], WeightWork]:
-    """``I``: gradients of ``inputs`` (``None`` where unused) and the work ``W`` will finish."""
-    groups, work = _plan(roots, grads, inputs, params)
-    handles = []
-    for group in groups:
-        for i, node in enumerate(group.nodes):
-            handles.append(node.register_prehook(_capture(group, i)))
-    try:
-        if inputs and roots:
-            found = run_engine(roots, grads, inputs, retain_graph=not work.empty, accumulate=False)
-        else:
-            found = (None,) * len(inputs)
-    finally:
-        for h in handles:
-            h.remove()
-    return list(found), work
+class GraphReplay:
+    """The ``BackwardSplit`` that splits any module by replaying graph nodes (module docstring).
+
+    Holds this stage's plan cache; the module itself is never touched."""
+
+    defers_linear_weights = False
+
+    def __init__(self) -> None:
+        self.plans = PlanCache()
+
+    def call(self, module: torch.nn.Module, args: tuple[torch.Tensor, ...]):
+        return module(*args)
+
+    def backward_full(self, roots, grads, inputs, params, hooks: bool) -> list[torch.Tensor | None]:
+        return backward_full(roots, grads, inputs, params, hooks)
+
+    def backward_input(
+        self,
+        roots: Sequence[GradientEdge],
+        grads: Sequence[torch.Tensor],
+        inputs: Sequence[torch.Tensor],
+        params: Sequence[torch.Tensor],
+        last_piece: bool = False,
+    ) -> tuple[list[torch.Tensor | None], WeightWork]:
+        """``I``: gradients of ``inputs`` (``None`` where unused) and the work ``W`` will finish
+        (``last_piece`` makes no difference here: ``I`` touches no weight gradient)."""
+        groups, work = self._bind(roots, grads, inputs, params)
+        handles = []
+        for group in groups:
+            for i, node in enumerate(group.nodes):
+                handles.append(node.register_prehook(_capture(group, i)))
+        try:
+            if inputs and roots:
+                found = run_engine(
+                    roots, grads, inputs, retain_graph=not work.empty, accumulate=False
+                )
+            else:
+                found = (None,) * len(inputs)
+        finally:
+            for h in handles:
+                h.remove()
+        return list(found), work
+
+    def backward_weight(self, work: WeightWork, hooks: bool = True) -> None:
+        """``W``: weight gradients into ``.grad`` (through ``AccumulateGrad`` and its hooks only
+        with ``hooks``); the caller drops ``work`` afterwards."""
+        for group in work.groups:
+            edges, values, handles = [], [], []
+            for i, node in enumerate(group.nodes):
+                captured = group.captured.get(i)
+                if captured is None:
+                    continue  # no gradient reached this node in I
+                for k, g in enumerate(captured):
+                    if g is not None:
+                        edges.append(GradientEdge(node, k))
+                        values.append(g)
+                if len(group.nodes) > 1:
+                    handles.append(node.register_prehook(_pin(captured)))
+            try:
+                if edges:
+                    _weights(edges, values, group.params, hooks)
+            finally:
+                for h in handles:
+                    h.remove()
+        if work.roots:
+            _weights(work.roots, work.root_grads, work.root_params, hooks)
+
+    def _bind(self, roots, grads, inputs, params) -> tuple[list[_Group], WeightWork]:
+        """The plan for this graph (cached by its shape), bound to this micro-batch's nodes."""
+        order, shape = walk(roots, inputs, params)
+        plan = self.plans.get(shape)
+        groups = [
+            _Group(nodes=[order[i] for i in g.nodes], params=[params[j] for j in g.params])
+            for g in plan.groups
+        ]
+        work = WeightWork(
+            groups=groups,
+            roots=[roots[k] for k in plan.outside_roots],
+            root_grads=[grads[k] for k in plan.outside_roots],
+            root_params=[params[j] for j in plan.outside_params],
+        )
+        return groups, work
 
 
 def _capture(group: _Group, i: int):
@@ -310,32 +360,7 @@ def accumulate_quietly(
             into.append(p.grad)
             adds.append(g)
     if into:
-        torch._foreach_add_(into, adds)  # one launch loop in C++, not one Python call per weight
-
-
-def backward_weight(work: WeightWork, hooks: bool = True) -> None:
-    """``W``: weight gradients into ``.grad`` (through ``AccumulateGrad`` and its hooks only with
-    ``hooks``); the caller drops ``work`` afterwards."""
-    for group in work.groups:
-        edges, values, handles = [], [], []
-        for i, node in enumerate(group.nodes):
-            captured = group.captured.get(i)
-            if captured is None:
-                continue  # no gradient reached this node in I
-            for k, g in enumerate(captured):
-                if g is not None:
-                    edges.append(GradientEdge(node, k))
-                    values.append(g)
-            if len(group.nodes) > 1:
-                handles.append(node.register_prehook(_pin(captured)))
-        try:
-            if edges:
-                _weights(edges, values, group.params, hooks)
-        finally:
-            for h in handles:
-                h.remove()
-    if work.roots:
-        _weights(work.roots, work.root_grads, work.root_params, hooks)
+        add_lists_(into, adds)  # one launch loop in C++, not one Python call per weight
 
 
 def _weights(roots, grads, params, hooks: bool) -> None:

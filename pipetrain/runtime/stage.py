@@ -5,30 +5,26 @@ the input leaves (to read their gradients), the gradient edges of its outputs (n
 tensors themselves: an activation that was sent can be freed while its graph stays — Megatron's
 ``deallocate_pipeline_outputs`` without touching ``.data``), and after ``I`` the work for ``W``.
 Each piece pops what it consumed, so after a micro-batch's last piece nothing of it is left.
-Communication and ordering belong to the executor; the split itself to ``split_backward`` (any
-module: graph replay) or, with ``defer_weight_grads``, to ``deferred_wgrad`` (linear layers' weight
-GEMMs deferred, the zero-bubble paper's way).
+Communication and ordering belong to the executor; the split itself to the stage's
+``BackwardSplit`` (``backward_split``): ``split_backward``'s graph replay (any module) or
+``deferred_wgrad``'s deferred linear weight GEMMs (the zero-bubble paper's way).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from pipetrain.runtime import activation_checkpoint, deferred_wgrad, side_inputs
+from pipetrain.runtime import activation_checkpoint, side_inputs
+from pipetrain.runtime.backward_split import BackwardSplit, choose_split
 from pipetrain.runtime.p2p import TensorMeta
-from pipetrain.runtime.split_backward import (
-    WeightWork,
-    backward_full,
-    backward_input,
-    backward_weight,
-)
+from pipetrain.runtime.torch_compat import GradientEdge, get_gradient_edge
 
 
 @dataclass
@@ -70,8 +66,9 @@ class StageRunner:
     """Runs stage ``index`` (``module``); the last stage also applies ``loss_fn``.
 
     ``defer_weight_grads``: split ``I``/``W`` with ``deferred_wgrad`` (the module's plain
-    ``nn.Linear`` layers become ``DeferredLinear``; quiet ``B`` pieces fuse their accumulation)
-    instead of ``split_backward``'s graph replay; ``None``: where ``worth_deferring``."""
+    ``nn.Linear`` layers' weight GEMMs deferred while the stage runs; quiet ``B`` pieces fuse
+    their accumulation) instead of ``split_backward``'s graph replay; ``None``: where
+    ``worth_deferring``. ``split``: a ``BackwardSplit`` of the caller's instead."""
 
     def __init__(
         self,
@@ -80,20 +77,16 @@ class StageRunner:
         is_last: bool,
         loss_fn: Callable | None,
         defer_weight_grads: bool | None = None,
+        split: BackwardSplit | None = None,
     ) -> None:
         self.index = index
         self.module = module
         self.is_last = is_last
         self.loss_fn = loss_fn
-        if defer_weight_grads is None:
-            defer_weight_grads = deferred_wgrad.worth_deferring(module)
-        self.defer_weight_grads = defer_weight_grads
-        if defer_weight_grads:
-            deferred_wgrad.defer_linear_weight_grads(module)
-        else:  # a module an earlier Pipeline deferred: graph replay wants plain linears
-            deferred_wgrad.restore_linear_weight_grads(module)
+        self.split = split if split is not None else choose_split(module, defer_weight_grads)
+        self.defer_weight_grads = self.split.defers_linear_weights
         self.saved: dict[int, _Saved] = {}
-        self.weight_work: dict[int, WeightWork | deferred_wgrad.DeferredWork] = {}
+        self.weight_work: dict[int, object] = {}
         self.losses: dict[int, torch.Tensor] = {}
         #: the micro-batch whose backward piece is this stage's last weight-gradient work in a
         #: step (set by the pipeline from the program); only that one runs ``.grad`` hooks
@@ -153,10 +146,10 @@ class StageRunner:
 
     def call(self, args: tuple[torch.Tensor, ...], side: dict | None = None):
         """The module on ``args`` and the side inputs it takes (``runtime.side_inputs``)."""
+        module: Callable = self.module
         if side:
-            out = self.module(*args, **side_inputs.select(side, self.side_keywords))
-        else:
-            out = self.module(*args)
+            module = functools.partial(module, **side_inputs.select(side, self.side_keywords))
+        out = self.split.call(module, args)  # type: ignore[arg-type]  # the module, bound to side
         outputs = out if isinstance(out, tuple) else (out,)
         for i, o in enumerate(outputs):
             if not isinstance(o, torch.Tensor):
@@ -178,12 +171,7 @@ class StageRunner:
         saved = self.saved.pop(mb)
         root_grads = self._root_grads(saved, grads)
         hooks, fire = self._hook_plan(mb)
-        if self.defer_weight_grads and not hooks:
-            found = deferred_wgrad.backward_full_quietly(
-                saved.roots, root_grads, saved.inputs, self.params
-            )
-        else:
-            found = backward_full(saved.roots, root_grads, saved.inputs, self.params, hooks)
+        found = self.split.backward_full(saved.roots, root_grads, saved.inputs, self.params, hooks)
         fire_hooks(fire)
         return _fill(found, saved.inputs)
 
@@ -206,23 +194,17 @@ class StageRunner:
         """``I``: input gradients only; what ``W`` needs is kept until ``backward_weight``."""
         saved = self.saved.pop(mb)
         root_grads = self._root_grads(saved, grads)
-        if self.defer_weight_grads:
-            hold = self._is_last_weight_piece(mb) and not self.quiet_params
-            found, work = deferred_wgrad.backward_input(
-                saved.roots, root_grads, saved.inputs, self.params, hold
-            )
-        else:
-            found, work = backward_input(saved.roots, root_grads, saved.inputs, self.params)
+        hold = self._is_last_weight_piece(mb) and not self.quiet_params
+        found, work = self.split.backward_input(
+            saved.roots, root_grads, saved.inputs, self.params, hold
+        )
         self.weight_work[mb] = work
         return _fill(found, saved.inputs)
 
     def backward_weight(self, mb: int) -> None:
         work = self.weight_work.pop(mb)
         hooks, fire = self._hook_plan(mb)
-        if isinstance(work, deferred_wgrad.DeferredWork):
-            deferred_wgrad.backward_weight(work, hooks)
-        else:
-            backward_weight(work, hooks)
+        self.split.backward_weight(work, hooks)
         fire_hooks(fire)
 
     def _root_grads(self, saved: _Saved, grads: list[torch.Tensor] | None) -> list[torch.Tensor]:
@@ -233,16 +215,22 @@ class StageRunner:
         assert grads is not None and len(grads) == len(saved.roots), "gradient count mismatch"
         return grads
 
+    def release(self) -> None:
+        """Drop every micro-batch's held state (a step that failed part-way, or ``close``)."""
+        self.saved.clear()
+        self.weight_work.clear()
+        self.losses.clear()
+
     def leftovers(self) -> int:
         return len(self.saved) + len(self.weight_work)
 
 
-def fire_hooks(params: list[torch.Tensor]) -> None:
+def fire_hooks(params: Sequence[torch.Tensor]) -> None:
     """Run post-accumulate-grad hooks of ``params`` once, adding nothing: ``AccumulateGrad`` of a
     zero gradient (only where a gradient exists; an unused parameter's hooks never fire)."""
     ready = [p for p in params if p.grad is not None]
     if ready:
-        torch.autograd.backward(ready, [torch.zeros_like(p.grad) for p in ready])
+        torch.autograd.backward(ready, [torch.zeros_like(p) for p in ready])
 
 
 def _device(tensors: tuple[torch.Tensor, ...]) -> torch.device:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,7 +43,7 @@ class TiedSet:
     names: tuple[str, ...]
     owners: tuple[int, ...]  # pipeline-group ranks holding a replica
     local: list[nn.Parameter]
-    group: object = None  # a process group of the owners (None: a single owner)
+    group: Any = None  # a process group of the owners (None: a single owner)
 
     @property
     def first_owner(self) -> int:
@@ -53,7 +54,8 @@ def named_parameters_everywhere(
     modules: Mapping[int, nn.Module],
 ) -> tuple[dict[str, nn.Parameter], set[str]]:
     """Every local parameter by every name it has (shared ones under each of their names), and
-    the names two different local parameters have (hand-cut stages often repeat names)."""
+    the names that two different parameters of this rank's stages carry (hand-cut stages often
+    reuse local names; such a name cannot be tied)."""
     out: dict[str, nn.Parameter] = {}
     ambiguous: set[str] = set()
     for module in modules.values():
@@ -80,8 +82,8 @@ def shared_across(modules: Sequence[nn.Module]) -> list[tuple[str, ...]]:
 def merge(sets: Iterable[Sequence[str]]) -> list[tuple[str, ...]]:
     """Union of overlapping name sets, each sorted, in a deterministic order."""
     merged: list[set[str]] = []
-    for names in sets:
-        names = set(names)
+    for given in sets:
+        names = set(given)
         if len(names) < 2:
             raise ValueError(f"a tied set needs at least two names, got {sorted(names)}")
         overlapping = [m for m in merged if m & names]
@@ -129,13 +131,14 @@ def build(
                 f"tied parameter {missing[0]!r} is not a parameter of any stage; tied names are "
                 f"the stages' parameter names, e.g. {sorted(known)[:3]}"
             )
-        owners = tuple(r for r in range(world) if held[r] & set(names))
         unclear = sorted(ambiguous & set(names))
         if unclear:
             raise ValueError(
-                f"tied parameter name {unclear[0]!r} names two different parameters on rank "
-                f"{rank}; tied names must be global (pipetrain.split keeps the model's names)"
+                f"two different parameters are named {unclear[0]!r} on this rank, so it cannot "
+                "be tied; stage parameter names must be global (pipetrain.split keeps each "
+                "layer's model name)"
             )
+        owners = tuple(r for r in range(world) if held[r] & set(names))
         local: list[nn.Parameter] = []
         for n in names:
             p = by_name.get(n)
@@ -148,8 +151,8 @@ def build(
     covered = {id(p) for t in out for p in t.local}
     for p in _objects_shared_across(modules):
         if id(p) not in covered:
-            names = sorted({n for n, q in by_name.items() if q is p})
-            out.append(TiedSet(tuple(names), (rank,), [p]))
+            found = tuple(sorted({n for n, q in by_name.items() if q is p}))
+            out.append(TiedSet(found, (rank,), [p]))
     for tied in out:
         _make_equal(tied, rank, group)
     return out

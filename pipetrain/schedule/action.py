@@ -38,13 +38,18 @@ SEND_KINDS = frozenset({OpKind.SEND_F, OpKind.SEND_B})
 RECV_KINDS = frozenset({OpKind.RECV_F, OpKind.RECV_B})
 
 
-@dataclass(frozen=True, slots=True, init=False)
+@dataclass(slots=True, unsafe_hash=True)
 class Action:
     """One instruction: ``kind`` on ``stage`` for ``microbatch``.
 
     An ``OVERLAP_F_B`` action carries its two parts in ``parts`` (a forward, then a ``B`` or ``I``);
     its own ``stage`` and ``microbatch`` are those of the forward part, so sorting and grids still
     work, but every consumer that cares about meaning must look at ``compute_parts``.
+
+    An action is a value: it is hashed (programs, plans and the runtime key dicts by it), so never
+    assign to a field of one. It is not declared ``frozen`` only for speed: a build and a lowering
+    each make ~10^5 actions, and a frozen dataclass's ``__init__`` (every field through
+    ``object.__setattr__``) costs about twice this one.
     """
 
     kind: OpKind
@@ -52,23 +57,12 @@ class Action:
     microbatch: int
     parts: tuple[Action, ...] = ()
 
-    def __init__(
-        self, kind: OpKind, stage: int, microbatch: int, parts: tuple[Action, ...] = ()
-    ) -> None:
-        if (kind is _OVERLAP_F_B) != bool(parts):
+    def __post_init__(self) -> None:
+        if (self.kind is _OVERLAP_F_B) != bool(self.parts):
             raise ValueError(
-                f"{kind} with parts {parts}: an OVERLAP_F_B action needs its two parts "
+                f"{self.kind} with parts {self.parts}: an OVERLAP_F_B action needs its two parts "
                 "(use overlap(forward, backward)) and other kinds have none"
             )
-        # Written by hand (``init=False``) because a build and a lowering each make ~10^5
-        # actions: a frozen dataclass's generated __init__ sets each field through
-        # ``object.__setattr__`` and then calls __post_init__, twice the cost of setting the four
-        # slots directly through their descriptors, as here. Frozen still holds: assignment
-        # after construction raises ``FrozenInstanceError``.
-        _set_kind(self, kind)
-        _set_stage(self, stage)
-        _set_microbatch(self, microbatch)
-        _set_parts(self, parts)
 
     @property
     def is_compute(self) -> bool:
@@ -88,11 +82,6 @@ class Action:
 
     def __repr__(self) -> str:
         return format_action(self)
-
-
-_set_kind, _set_stage, _set_microbatch, _set_parts = (
-    Action.__dict__[name].__set__ for name in ("kind", "stage", "microbatch", "parts")
-)
 
 
 def overlap(forward: Action, backward: Action) -> Action:

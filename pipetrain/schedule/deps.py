@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import IntEnum
 from functools import lru_cache
+from typing import NamedTuple
 
 from pipetrain.schedule.action import COMM_KINDS, Action, OpKind
 from pipetrain.schedule.placement import Placement
@@ -139,8 +140,16 @@ def peer(action: Action) -> Action:
 _PLAIN_COMPUTE = (OpKind.F, OpKind.B, OpKind.I, OpKind.W)
 
 
-@dataclass(frozen=True, slots=True)
-class Transfer:
+class Need(NamedTuple):
+    """A value an action needs, at micro-batch 0: its integer, and where and what it is."""
+
+    value: int
+    producer_rank: int
+    token: Token
+    stage: int
+
+
+class Transfer(NamedTuple):
     """A cross-rank value, as a template at micro-batch 0: who sends it and who receives it."""
 
     value: int
@@ -149,33 +158,54 @@ class Transfer:
     recv_rank: int
 
 
+class Post(NamedTuple):
+    """A SEND or RECV as the lowered-program checks see it, at micro-batch 0.
+
+    ``id`` names this half of a transfer and ``counterpart`` the other half, as integers distinct
+    for every value and direction; add ``microbatch · CompiledRule.post_stride`` to both for
+    another micro-batch (and ``microbatch · stride`` to ``value``).
+    """
+
+    id: int
+    counterpart: int
+    value: int
+    is_send: bool
+
+
 @dataclass(frozen=True, eq=False)
 class CompiledRule:
-    """The dependency rule for one placement, with values as integers.
+    """The dependency rule for one placement, with values and posts as integers.
 
     Value ``(token, stage, microbatch)`` is the integer ``microbatch · stride + token · S + stage``
     (S stages, ``stride`` = 3S): distinct for every micro-batch, negative ones included, so no
-    micro-batch count is needed. Tables are indexed ``[kind][stage]`` and hold the answer for
-    micro-batch 0; add ``microbatch · stride`` for another micro-batch. Plain compute kinds only:
-    an overlapped pair is looked up through its ``compute_parts``.
+    micro-batch count is needed. A post (one SEND or RECV, ``Post``) of value v is ``2·v + 1``
+    for the SEND and ``2·v`` for the RECV. These two encodings live here only: every other module
+    reads the named records below and shifts them by micro-batch.
 
-    One dict per op kind, not one keyed by (kind, stage): a hot loop then looks an action up with
-    two cheap subscripts instead of building and hashing a tuple per action. Every kind has a
-    dict (empty where the table has nothing to say), so ``table[kind].get(stage)`` is None for any
-    kind or stage the rule does not cover.
+    Tables are indexed ``[kind][stage]`` and hold the answer for micro-batch 0. Plain compute
+    kinds only: an overlapped pair is looked up through its ``compute_parts``. One dict per op
+    kind, not one keyed by (kind, stage): a hot loop then looks an action up with two cheap
+    subscripts instead of building and hashing a tuple per action. Every kind has a dict (empty
+    where the table has nothing to say), so ``table[kind].get(stage)`` is None for any kind or
+    stage the rule does not cover.
     """
 
     placement: Placement
     stride: int
-    #: [kind][stage] -> ((value, producer's rank, token, stage), ...) the action needs
-    needs: dict[OpKind, dict[int, tuple[tuple[int, int, Token, int], ...]]]
+    #: [kind][stage] -> the values the action needs
+    needs: dict[OpKind, dict[int, tuple[Need, ...]]]
     #: [kind][stage] -> the values the action produces that some action needs: what a loop must
     #: record. A weight gradient is produced but needed by none, so it is left out.
     awaited: dict[OpKind, dict[int, tuple[int, ...]]]
     #: [kind][stage] -> the transfers of the produced values that cross ranks
     transfers: dict[OpKind, dict[int, tuple[Transfer, ...]]]
-    #: [kind][stage] of a SEND/RECV -> the value it moves; absent when that value cannot exist
-    moves: dict[OpKind, dict[int, int]]
+    #: [kind][stage] of a SEND/RECV -> its post; absent when the value it moves cannot exist
+    posts: dict[OpKind, dict[int, Post]]
+
+    @property
+    def post_stride(self) -> int:
+        """What a post's ``id`` and ``counterpart`` move by from one micro-batch to the next."""
+        return 2 * self.stride
 
     def value(self, key: Key) -> int:
         token, stage, microbatch = key
@@ -185,6 +215,13 @@ class CompiledRule:
         microbatch, rest = divmod(value, self.stride)
         token, stage = divmod(rest, self.placement.num_stages)
         return (Token(token), stage, microbatch)
+
+    def post_id(self, comm: Action) -> int:
+        """The ``Post.id`` of a SEND or RECV at its own micro-batch."""
+        return 2 * self.value(comm_key(comm)) + (comm.kind in _SEND_KINDS)
+
+
+_SEND_KINDS = (OpKind.SEND_F, OpKind.SEND_B)
 
 
 @lru_cache(maxsize=64)
@@ -198,7 +235,10 @@ def compile_rule(placement: Placement) -> CompiledRule:
         assert key[2] == 0 and 0 <= key[1] < num_stages, key  # micro-batch 0, a real stage
         return key[0] * num_stages + key[1]
 
-    needs, awaited, transfers, moves = ({kind: {} for kind in OpKind} for _ in range(4))
+    needs: dict[OpKind, dict[int, tuple[Need, ...]]] = {kind: {} for kind in OpKind}
+    awaited: dict[OpKind, dict[int, tuple[int, ...]]] = {kind: {} for kind in OpKind}
+    transfers: dict[OpKind, dict[int, tuple[Transfer, ...]]] = {kind: {} for kind in OpKind}
+    posts: dict[OpKind, dict[int, Post]] = {kind: {} for kind in OpKind}
     needed = {  # every value some action needs, at micro-batch 0
         value(k)
         for stage in range(num_stages)
@@ -209,22 +249,25 @@ def compile_rule(placement: Placement) -> CompiledRule:
         for kind in _PLAIN_COMPUTE:
             action = Action(kind, stage, 0)
             needs[kind][stage] = tuple(
-                (value(k), rank_of_stage[k[1]], k[0], k[1])
+                Need(value(k), rank_of_stage[k[1]], k[0], k[1])
                 for k in requires(action, placement.stages_per_chain)
             )
             made = produces(action)
             awaited[kind][stage] = tuple(value(k) for k in made if value(k) in needed)
             transfers[kind][stage] = tuple(
-                Transfer(
-                    value(k),
-                    *transfer(k),
-                    rank_of_stage[consumer_stage(k, placement.stages_per_chain)],
-                )
+                Transfer(value(k), *transfer(k), rank_of_stage[consumer])
                 for k in made
                 if crosses_ranks(k, placement)
+                and (consumer := consumer_stage(k, placement.stages_per_chain)) is not None
             )
         for kind in COMM_KINDS:
             key = comm_key(Action(kind, stage, 0))
             if 0 <= key[1] < num_stages:
-                moves[kind][stage] = value(key)
-    return CompiledRule(placement, stride, needs, awaited, transfers, moves)
+                is_send = kind in _SEND_KINDS
+                recv_post = 2 * value(key)
+                posts[kind][stage] = (
+                    Post(recv_post + 1, recv_post, value(key), True)
+                    if is_send
+                    else Post(recv_post, recv_post + 1, value(key), False)
+                )
+    return CompiledRule(placement, stride, needs, awaited, transfers, posts)

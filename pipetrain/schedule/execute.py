@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import repeat
-from operator import attrgetter
+from typing import NamedTuple
 
 from pipetrain.schedule import deps
 from pipetrain.schedule.action import COMPUTE_KINDS, Action, OpKind
@@ -27,9 +27,39 @@ from pipetrain.schedule.placement import Placement
 from pipetrain.schedule.program import Program, ScheduleError
 from pipetrain.schedule.timeline import Span
 
-#: what a (kind, stage) needs — (value, producer's rank, latency) each —, the values it produces
-#: that others await (``deps.CompiledRule.awaited``), and what it costs
-Plan = tuple[tuple[tuple[int, int, float], ...], tuple[int, ...], float]
+
+class Input(NamedTuple):
+    """A value an action waits for, and what it costs to reach another rank."""
+
+    value: int
+    producer_rank: int
+    latency: float
+
+
+class Plan(NamedTuple):
+    """How the loop runs one (kind, stage) at micro-batch 0, or one overlapped pair."""
+
+    needs: tuple[Input, ...]
+    #: the values it produces that others await (``deps.CompiledRule.awaited``)
+    awaited: tuple[int, ...]
+    cost: float
+
+
+class Stretch(NamedTuple):
+    """Steps ``first`` to ``end`` (exclusive) of ``rank``'s row, run without waiting."""
+
+    rank: int
+    first: int
+    end: int
+
+
+class Wait(NamedTuple):
+    """A rank stuck at ``step`` on ``action``, and what it waits for, in words."""
+
+    rank: int
+    step: int
+    action: Action
+    waits_for: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,8 +73,8 @@ class Run:
     rows: list[list[Action]]
     starts: list[list[float]]
     ends: list[list[float]]
-    #: (rank, first step, end step) for each stretch a rank ran without waiting, in order
-    stretches: list[tuple[int, int, int]]
+    #: each stretch a rank ran without waiting, in order
+    stretches: list[Stretch]
 
     def spans(self) -> list[Span]:
         spans: list[Span] = []
@@ -96,7 +126,7 @@ def run(
     free_at = [0.0] * len(rows)
     starts: list[list[float]] = [[] for _ in rows]
     ends: list[list[float]] = [[] for _ in rows]
-    stretches: list[tuple[int, int, int]] = []
+    stretches: list[Stretch] = []
     work = list(range(len(rows) - 1, -1, -1))
     while work:
         rank = work.pop()
@@ -107,10 +137,9 @@ def run(
             action = row[step]
             if action.parts:
                 plan = pairs.plan(action, produced)
-                shift = 0  # a pair's plan holds its parts' own values
             else:
                 plan = plans[action.kind].get(action.stage)
-                shift = action.microbatch * stride
+            shift = action.microbatch * stride
             if plan is None:  # unvalidated input naming a stage the placement lacks
                 raise _bad_stage(program, rows, rank, step)
             needs, awaited, cost = plan
@@ -137,11 +166,12 @@ def run(
             waiting.setdefault(value + shift, []).append(rank)
             break
         if step > first:
-            stretches.append((rank, first, step))
+            stretches.append(Stretch(rank, first, step))
         pos[rank], free_at[rank] = step, free
     if any(p < len(r) for p, r in zip(pos, rows)):
-        produced_keys = {rule.key(v): t for v, t in produced.items()}
-        raise deadlock_error(program.with_actions(rows), pos, produced_keys)
+        raise deadlock_error(
+            program.with_actions(rows), _stuck_computes(program, rows, pos, produced)
+        )
     return Run(rows, starts, ends, stretches)
 
 
@@ -154,10 +184,10 @@ def _plans(
     plans: dict[OpKind, dict[int, Plan]] = {kind: {} for kind in OpKind}
     for kind, needs_of_stage in rule.needs.items():
         for stage, needs in needs_of_stage.items():
-            plans[kind][stage] = (
+            plans[kind][stage] = Plan(
                 tuple(
-                    (value, producer_rank, latency((token, producer_stage, 0)))
-                    for value, producer_rank, token, producer_stage in needs
+                    Input(need.value, need.producer_rank, latency((need.token, need.stage, 0)))
+                    for need in needs
                 ),
                 rule.awaited[kind][stage],
                 duration(Action(kind, stage, 0)),
@@ -165,10 +195,18 @@ def _plans(
     return plans
 
 
+def pair_shape(pair: Action) -> tuple[object, ...]:
+    """What an overlapped pair's plan depends on: its stage, and each part's kind, stage and
+    micro-batch relative to the pair's. Pairs of one shape share a plan, shifted."""
+    base = pair.microbatch
+    return (pair.stage, *[(p.kind, p.stage, p.microbatch - base) for p in pair.parts])
+
+
 class _PairPlans:
-    """Plans of overlapped pairs, made as the loop meets them: each part's values shifted to its
-    own micro-batch. ``duration`` is asked once per pair shape (the pair's stage and its parts'
-    kinds and stages), since a DualPipe program is mostly pairs."""
+    """Plans of overlapped pairs, made as the loop meets them, one per ``pair_shape`` (a DualPipe
+    program is mostly pairs, of a few shapes): at the pair's micro-batch, each part's values
+    shifted by its micro-batch's offset from the pair's. Every part's inputs must be there before
+    the pair starts."""
 
     def __init__(
         self,
@@ -177,39 +215,37 @@ class _PairPlans:
         duration: Callable[[Action], float],
     ) -> None:
         self.plans, self.stride, self.duration = plans, stride, duration
-        self.costs: dict[tuple[int, tuple[tuple[OpKind, int], ...]], float] = {}
+        self.of_shape: dict[tuple[object, ...], Plan] = {}
 
     def plan(self, pair: Action, produced: dict[int, float]) -> Plan | None:
         """The pair's plan; for a part naming a stage the placement lacks (unvalidated input),
         see ``_bad_part``."""
-        needs: list[tuple[int, int, float]] = []
+        shape = pair_shape(pair)
+        plan = self.of_shape.get(shape)
+        if plan is not None:
+            return plan
+        needs: list[Input] = []
         awaited: list[int] = []
         for part in pair.parts:
-            plan = self.plans[part.kind].get(part.stage)
-            if plan is None:
-                return _bad_part(needs, produced)
-            shift = part.microbatch * self.stride
-            for value, producer_rank, delay in plan[0]:
-                needs.append((value + shift, producer_rank, delay))
-            for value in plan[1]:
-                awaited.append(value + shift)
-        shape = (pair.stage, tuple(map(_kind_and_stage, pair.parts)))
-        cost = self.costs.get(shape)
-        if cost is None:
-            cost = self.costs[shape] = self.duration(pair)
-        return tuple(needs), tuple(awaited), cost
+            part_plan = self.plans[part.kind].get(part.stage)
+            if part_plan is None:
+                return self._bad_part(pair, needs, produced)
+            offset = (part.microbatch - pair.microbatch) * self.stride
+            needs += [Input(need.value + offset, *need[1:]) for need in part_plan.needs]
+            awaited += [value + offset for value in part_plan.awaited]
+        plan = self.of_shape[shape] = Plan(tuple(needs), tuple(awaited), self.duration(pair))
+        return plan
 
-
-_kind_and_stage = attrgetter("kind", "stage")
-
-
-def _bad_part(needs: list[tuple[int, int, float]], produced: dict[int, float]) -> Plan | None:
-    """A pair with a part on a stage the placement lacks. Checked part by part, that fails only
-    once every earlier part's inputs are there: then the answer is None; before, the pair waits on
-    the missing input, so its plan is the earlier parts' needs, and it never runs."""
-    if all(value in produced for value, _, _ in needs):
-        return None
-    return tuple(needs), (), 0.0
+    def _bad_part(
+        self, pair: Action, needs: list[Input], produced: dict[int, float]
+    ) -> Plan | None:
+        """A pair with a part on a stage the placement lacks. Checked part by part, that fails
+        only once every earlier part's inputs are there: then the answer is None; before, the pair
+        waits on the missing input, so its plan is the earlier parts' needs, and it never runs."""
+        shift = pair.microbatch * self.stride
+        if all(need.value + shift in produced for need in needs):
+            return None
+        return Plan(tuple(needs), (), 0.0)
 
 
 def _bad_stage(
@@ -223,27 +259,38 @@ def _bad_stage(
     )
 
 
-def deadlock_error(
-    program: Program, pos: Sequence[int], produced: dict[deps.Key, float]
-) -> ScheduleError:
-    """Describe who waits on whom when no rank can move; ``program`` is compute only."""
-    placement = program.placement
-    lines, marked = [], []
-    for rank, row in enumerate(program.actions):
-        if pos[rank] >= len(row):
-            continue
-        action = row[pos[rank]]
-        missing = [
-            k
-            for k in deps.requires(action, program.placement.stages_per_chain)
-            if k not in produced
-        ]
-        waits = ", ".join(describe_key(k, placement) for k in missing)
-        lines.append(f"  rank {rank} step {pos[rank]}: {action} waits for {waits}")
-        marked.append((rank, pos[rank]))
+def deadlock_error(program: Program, waits: Sequence[Wait]) -> ScheduleError:
+    """No rank can move: say who waits on whom, and mark each stuck cell of ``program``."""
+    lines = [f"  rank {w.rank} step {w.step}: {w.action} waits for {w.waits_for}" for w in waits]
     return ScheduleError(
-        "deadlock: no rank can make progress\n" + "\n".join(lines), program, marked
+        "deadlock: no rank can make progress\n" + "\n".join(lines),
+        program,
+        [(w.rank, w.step) for w in waits],
     )
+
+
+def _stuck_computes(
+    program: Program,
+    rows: Sequence[Sequence[Action]],
+    pos: Sequence[int],
+    produced: dict[int, float],
+) -> list[Wait]:
+    """Each stuck rank's next compute action and the values it lacks."""
+    placement = program.placement
+    rule = deps.compile_rule(placement)
+    produced_keys = {rule.key(value) for value in produced}
+    waits = []
+    for rank, row in enumerate(rows):
+        if pos[rank] < len(row):
+            action = row[pos[rank]]
+            missing = [
+                k
+                for k in deps.requires(action, placement.stages_per_chain)
+                if k not in produced_keys
+            ]
+            where = ", ".join(describe_key(k, placement) for k in missing)
+            waits.append(Wait(rank, pos[rank], action, where))
+    return waits
 
 
 def describe_key(key: deps.Key, placement: Placement) -> str:

@@ -15,7 +15,9 @@ import csv
 import io
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from pipetrain.schedule.action import Action, format_action, parse_action
 from pipetrain.schedule.placement import Placement, infer_kind
@@ -125,17 +127,17 @@ def from_json(text: str) -> Program:
     if not isinstance(data, dict):
         raise ValueError(f"program JSON is a {type(data).__name__}; {expected}")
 
-    def field(key: str, ok, what: str):
+    def field(key: str, ok: Callable[[object], bool], what: str) -> Any:
         if key not in data:
             raise ValueError(f"program JSON lacks {key!r}; {expected}")
         if not ok(data[key]):
             raise ValueError(f"program JSON field {key!r} must be {what}, got {data[key]!r}")
         return data[key]
 
-    def int_list(v) -> bool:
+    def int_list(v: object) -> bool:
         return isinstance(v, list) and all(isinstance(x, int) for x in v)
 
-    def action_rows(v) -> bool:
+    def action_rows(v: object) -> bool:
         return isinstance(v, list) and all(
             isinstance(row, list) and all(isinstance(a, str) for a in row) for row in v
         )

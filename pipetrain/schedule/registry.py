@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
+from pipetrain.schedule.builders.controllable_memory import build_v_half, build_v_min
 from pipetrain.schedule.builders.dualpipe import build_dualpipe
 from pipetrain.schedule.builders.dualpipev import build_dualpipev
 from pipetrain.schedule.builders.gpipe import build_gpipe
@@ -35,6 +36,8 @@ class ScheduleName(StrEnum):
     ZBV = "zbv"
     DUALPIPEV = "dualpipev"
     DUALPIPE = "dualpipe"
+    V_HALF = "v-half"
+    V_MIN = "v-min"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,6 +152,24 @@ FAMILIES: dict[ScheduleName, Family] = {
             default_stages_per_rank=2,
             builder=build_dualpipe,
             runnable=False,
+        ),
+        Family(
+            name=ScheduleName.V_HALF,
+            summary="V-Half: V blocks, half of 1F1B's activations and bubble (Qi et al. 2024, "
+            "controllable memory)",
+            constraints="exactly 2 stages per rank (V placement); any micro-batch count",
+            stages_per_rank=(2,),
+            default_stages_per_rank=2,
+            builder=build_v_half,
+        ),
+        Family(
+            name=ScheduleName.V_MIN,
+            summary="V-Min: V blocks, a third of 1F1B's activations, 2/3 of its bubble (Qi et al. "
+            "2024, controllable memory)",
+            constraints="exactly 2 stages per rank (V placement); any micro-batch count",
+            stages_per_rank=(2,),
+            default_stages_per_rank=2,
+            builder=build_v_min,
         ),
     )
 }

@@ -12,15 +12,16 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import NamedTuple
 
 from pipetrain.schedule import deps
 from pipetrain.schedule.action import SEND_KINDS, Action, OpKind
-from pipetrain.schedule.execute import describe_key
+from pipetrain.schedule.execute import Wait, deadlock_error, describe_key, pair_shape
 from pipetrain.schedule.program import Program, ScheduleError
 
-# Pairing and execution of a lowered program work on *tags*: a SEND or RECV of value v (a
-# ``deps.compile_rule`` integer) is ``2·v + 1`` for the SEND and ``2·v`` for the RECV, so the
-# counterpart of a tag is ``tag ^ 1``.
+# Pairing and execution of a lowered program work on *posts* (``deps.Post``): each SEND and RECV
+# is an integer id, and each knows its counterpart's id; the rule's tables say which, at
+# micro-batch 0.
 #
 # Execution splits in two. What a rank checks on its own — a compute action's inputs were computed
 # or received earlier on the rank, a SEND's value was computed before its batch is posted — depends
@@ -30,20 +31,29 @@ from pipetrain.schedule.program import Program, ScheduleError
 # order, as playing every action.
 
 
+class _Step(NamedTuple):
+    """A compute action's (values needed, values made) at its micro-batch's 0 (add
+    ``microbatch · stride``)."""
+
+    needs: Sequence[int]
+    made: Sequence[int]
+
+
 @dataclass(frozen=True, slots=True)
 class _RowScan:
     """One rank's row of a lowered program, read on its own.
 
     Integers, in lists and tuples of integers only: a row holds ~10^4 batches, and the garbage
     collector stops tracking a tuple of integers, while every tracked object that lives on makes
-    it walk the program's ~10^5 actions again sooner.
+    it walk the program's ~10^5 actions again sooner. For the same reason a batch holds plain
+    ``(post, counterpart)`` pairs, not ``deps.Post`` records.
     """
 
-    #: tags of the row's SEND/RECV actions, in row order
-    tags: list[int]
-    #: each batch's tags, up to the row's first failure; the last batch is an empty one at the
-    #: row's end, where a rank arrives once its last real batch completes
-    batches: list[tuple[int, ...]]
+    #: ids of the row's SEND/RECV posts, in row order
+    posts: list[int]
+    #: each batch's (post id, counterpart id) pairs, up to the row's first failure; the last batch
+    #: is an empty one at the row's end, where a rank arrives once its last real batch completes
+    batches: list[tuple[tuple[int, int], ...]]
     #: the step at which each batch starts (the last: ``len(row)``)
     first_steps: list[int]
     #: the batch at whose arrival the row's first own failure is raised (-1: none), and the error
@@ -55,22 +65,17 @@ def scan_lowered(program: Program) -> list[_RowScan] | None:
     """Each row's scan, or None if a SEND/RECV moves a value that cannot exist (e.g. RECV_F on
     stage 0); placement has been checked, so every stage is in range."""
     rule = deps.compile_rule(program.placement)
-    # The rule's tables as the scan reads them, at micro-batch 0: a SEND/RECV's tag, and a
-    # compute action's (values needed, values made).
-    tag_of = {
-        kind: {stage: 2 * value + (kind in SEND_KINDS) for stage, value in values.items()}
-        for kind, values in rule.moves.items()
-    }
-    plan_of = {
+    # a compute action's needs and made values at micro-batch 0
+    steps = {
         kind: {
-            stage: (tuple(need[0] for need in needs), rule.awaited[kind][stage])
+            stage: _Step(tuple(need.value for need in needs), rule.awaited[kind][stage])
             for stage, needs in needs_of_stage.items()
         }
         for kind, needs_of_stage in rule.needs.items()
     }
     scans = []
     for rank, row in enumerate(program.actions):
-        scan = _scan_row(program, rank, row, tag_of, plan_of, rule.stride)
+        scan = _scan_row(program, rank, row, rule, steps)
         if scan is None:
             return None
         scans.append(scan)
@@ -81,43 +86,50 @@ def _scan_row(
     program: Program,
     rank: int,
     row: Sequence[Action],
-    tag_of: dict[OpKind, dict[int, int]],
-    plan_of: dict[OpKind, dict[int, tuple[tuple[int, ...], tuple[int, ...]]]],
-    stride: int,
+    rule: deps.CompiledRule,
+    steps: dict[OpKind, dict[int, _Step]],
 ) -> _RowScan | None:
-    """Tags, batches and the first failure of one row (tables at micro-batch 0, see the caller)."""
-    tag_stride = 2 * stride
-    tags: list[int] = []
-    batches: list[tuple[int, ...]] = []
+    """Posts, batches and the first failure of one row (``steps`` at micro-batch 0)."""
+    stride, post_stride, posts_of = rule.stride, rule.post_stride, rule.posts
+    posts: list[int] = []
+    batches: list[tuple[tuple[int, int], ...]] = []
     first_steps: list[int] = []
-    batch: list[int] = []  # tags of the open batch (the run of SEND/RECV actions just read)
+    batch: list[tuple[int, int]] = []  # the open batch (the run of SEND/RECV actions just read)
     landing: list[int] = []  # values the open batch receives: here once it completes
     mine: set[int] = set()  # values computed or received on this rank so far
-    failing_batch, failure = -1, None
-    for step, action in enumerate(row):
+    pair_steps: dict[tuple[object, ...], _Step] = {}  # by ``pair_shape``
+    failing_batch: int = -1
+    failure: Callable[[], ScheduleError] | None = None
+    for index, action in enumerate(row):
+        step: _Step | None
         if action.parts:
-            plan = _pair_plan(action, plan_of, stride)
-            shift = 0  # the pair's plan holds its parts' own values
+            shape = pair_shape(action)
+            step = pair_steps.get(shape)
+            if step is None:
+                step = pair_steps[shape] = _pair_step(action, steps, stride)
         else:
-            tag = tag_of[action.kind].get(action.stage)
-            if tag is not None:  # a SEND or RECV
-                tag += action.microbatch * tag_stride
-                tags.append(tag)
+            post = posts_of[action.kind].get(action.stage)
+            if post is not None:  # a SEND or RECV
+                post_id, counterpart, value, is_send = post
+                microbatch = action.microbatch
+                shift = microbatch * post_stride
+                post_id += shift
+                posts.append(post_id)
                 if failure is not None:
-                    continue  # past the row's first failure only the tags count (pairing)
+                    continue  # past the row's first failure only the posts count (pairing)
                 if not batch:
-                    first_steps.append(step)
-                batch.append(tag)
-                if not tag & 1:
-                    landing.append(tag >> 1)
-                elif tag >> 1 not in mine:
+                    first_steps.append(index)
+                batch.append((post_id, counterpart + shift))
+                value += microbatch * stride
+                if not is_send:
+                    landing.append(value)
+                elif value not in mine:
                     failing_batch = len(first_steps) - 1
-                    failure = partial(_unsent_error, program, rank, step)
+                    failure = partial(_unsent_error, program, rank, index)
                 continue
-            plan = plan_of[action.kind].get(action.stage)
-            if plan is None:
+            step = steps[action.kind].get(action.stage)
+            if step is None:
                 return None  # a SEND/RECV of a value that cannot exist
-            shift = action.microbatch * stride
         if failure is not None:
             continue
         if batch:  # the batch before this action completes before it
@@ -125,48 +137,43 @@ def _scan_row(
             batch.clear()
             mine.update(landing)
             landing.clear()
-        needs, awaited = plan
+        needs, made = step
+        shift = action.microbatch * stride
         for value in needs:
             if value + shift not in mine:
                 # nothing later can bring it: local values come from earlier actions
                 failing_batch = len(first_steps)  # the rank gets here after the batch before
-                failure = partial(_missing_input, program, rank, step, mine)
+                failure = partial(_missing_input, program, rank, index, mine)
                 break
         else:
-            for value in awaited:
+            for value in made:
                 mine.add(value + shift)
     if batch:
         batches.append(tuple(batch))
     first_steps.append(len(row))  # the empty last batch
     batches.append(())
-    return _RowScan(tags, batches, first_steps, failing_batch, failure)
+    return _RowScan(posts, batches, first_steps, failing_batch, failure)
 
 
-def _pair_plan(
-    pair: Action,
-    plan_of: dict[OpKind, dict[int, tuple[tuple[int, ...], tuple[int, ...]]]],
-    stride: int,
-) -> tuple[list[int], list[int]]:
-    """An overlapped pair's (values needed, values made), each part's shifted to its micro-batch:
-    every part's inputs must be here before the pair starts."""
+def _pair_step(pair: Action, steps: dict[OpKind, dict[int, _Step]], stride: int) -> _Step:
+    """An overlapped pair's (values needed, values made) at the pair's micro-batch, each part's
+    shifted by its micro-batch's offset: every part's inputs must be here before the pair starts."""
     needs: list[int] = []
-    awaited: list[int] = []
+    made: list[int] = []
     for part in pair.parts:
-        part_needs, part_awaited = plan_of[part.kind][part.stage]
-        shift = part.microbatch * stride
-        for value in part_needs:
-            needs.append(value + shift)
-        for value in part_awaited:
-            awaited.append(value + shift)
-    return needs, awaited
+        part_needs, part_made = steps[part.kind][part.stage]
+        shift = (part.microbatch - pair.microbatch) * stride
+        needs += [value + shift for value in part_needs]
+        made += [value + shift for value in part_made]
+    return _Step(needs, made)
 
 
 def check_pairing(program: Program, scans: list[_RowScan] | None, chains: tuple[int, ...]) -> None:
     """Each crossing value has one SEND and one RECV; nothing else travels.
 
     Fast path: the sent values and the received values must each equal the set of crossing
-    values, without repeats — as tags, every tag moved must be one of the crossing values' SEND
-    and RECV tags, and there must be as many as those. Counts have been checked, so every
+    values, without repeats — as posts, every post must be one of the crossing values' SEND
+    and RECV posts, and there must be as many as those. Counts have been checked, so every
     (stage, micro-batch) has its F and its B or I: the crossing values are every micro-batch of
     each crossing (token, stage) in the rule's transfer tables. Otherwise ``_pairing_error`` names
     the culprit.
@@ -174,25 +181,29 @@ def check_pairing(program: Program, scans: list[_RowScan] | None, chains: tuple[
     if scans is not None:
         rule = deps.compile_rule(program.placement)
         placement, m = program.placement, program.num_microbatches
-        bases = {
-            (t.value, placement.chain(t.send.stage))
+        crossing = {  # each crossing value's SEND and RECV post at micro-batch 0, by chain
+            (
+                rule.posts[t.send.kind][t.send.stage].id,
+                rule.posts[t.recv.kind][t.recv.stage].id,
+                placement.chain(t.send.stage),
+            )
             for transfers_of_stage in rule.transfers.values()
             for transfers in transfers_of_stage.values()
             for t in transfers
         }
-        # whole sets and lengths are compared (C loops), never one tag at a time
-        offsets = {
-            c: [2 * j * rule.stride for j in range(m) if chains[j] == c]
+        # whole sets and lengths are compared (C loops), never one post at a time
+        shifts = {
+            c: [j * rule.post_stride for j in range(m) if chains[j] == c]
             for c in range(placement.num_chains)
         }
         needed: set[int] = set()
-        for base, c in bases:
-            needed.update([2 * base + offset for offset in offsets[c]])
-            needed.update([2 * base + 1 + offset for offset in offsets[c]])
+        for send, recv, c in crossing:
+            needed.update([send + shift for shift in shifts[c]])
+            needed.update([recv + shift for shift in shifts[c]])
         posted: set[int] = set()
         for scan in scans:
-            posted.update(scan.tags)
-        if sum(len(scan.tags) for scan in scans) == len(needed) and posted == needed:
+            posted.update(scan.posts)
+        if sum(len(scan.posts) for scan in scans) == len(needed) and posted == needed:
             return
     _pairing_error(program)
 
@@ -204,9 +215,9 @@ def _pairing_error(program: Program) -> None:
     cell: dict[tuple[bool, deps.Key], tuple[int, int]] = {}
     for rank, step, action in program.cells():
         if action.is_comm:
-            tag = (action.kind in SEND_KINDS, deps.comm_key(action))
-            seen[tag] += 1
-            cell.setdefault(tag, (rank, step))
+            half = (action.kind in SEND_KINDS, deps.comm_key(action))
+            seen[half] += 1
+            cell.setdefault(half, (rank, step))
     needed: set[deps.Key] = set()
     for row in program.actions:
         for action in row:
@@ -241,12 +252,12 @@ def _comm_name(is_send: bool, key: deps.Key) -> str:
 def execute_lowered(program: Program, scans: list[_RowScan]) -> None:
     """Blocking batched P2P: post a run of comms, wait until every counterpart is posted.
 
-    Pairing has been checked, so each tag is posted once, by one rank. A rank that arrives at its
+    Pairing has been checked, so each post is made once, by one rank. A rank that arrives at its
     row's failing batch (``_RowScan.failing_batch``) raises the row's first own failure.
     """
     rows = program.actions
     posted: set[int] = set()
-    waiting: dict[int, list[int]] = {}  # counterpart tag -> ranks parked on it
+    waiting: dict[int, list[int]] = {}  # counterpart id -> ranks parked on it
     next_batch = [0] * len(rows)
     work = list(range(len(rows) - 1, -1, -1))
     while work:
@@ -255,17 +266,18 @@ def execute_lowered(program: Program, scans: list[_RowScan]) -> None:
         batches, b, failing_batch = scan.batches, next_batch[rank], scan.failing_batch
         while b < len(batches):
             if b == failing_batch:
+                assert scan.failure is not None
                 raise scan.failure()
-            # Post every tag, then wait on the first whose counterpart is missing. One loop does
-            # both: a batch never holds a tag and its counterpart (they live on different ranks).
+            # Post everything, then wait on the first post whose counterpart is missing. One loop
+            # does both: a batch never holds both halves of a transfer (they live on two ranks).
             unmatched = None
-            for tag in batches[b]:
-                if tag not in posted:
-                    posted.add(tag)
-                    if tag in waiting:
-                        work.extend(waiting.pop(tag))
-                if unmatched is None and tag ^ 1 not in posted:
-                    unmatched = tag ^ 1
+            for post, counterpart in batches[b]:
+                if post not in posted:
+                    posted.add(post)
+                    if post in waiting:
+                        work.extend(waiting.pop(post))
+                if unmatched is None and counterpart not in posted:
+                    unmatched = counterpart
             if unmatched is not None:
                 waiting.setdefault(unmatched, []).append(rank)
                 break
@@ -276,7 +288,7 @@ def execute_lowered(program: Program, scans: list[_RowScan]) -> None:
         for scan, b, row in zip(scans, next_batch, rows)
     ]
     if any(p < len(r) for p, r in zip(pos, rows)):
-        raise _lowered_deadlock(program, pos, posted)
+        raise deadlock_error(program, _stuck_posts(program, pos, posted))
 
 
 def _unsent_error(program: Program, rank: int, step: int) -> ScheduleError:
@@ -312,22 +324,17 @@ def _batch_at(row: Sequence[Action], start: int) -> tuple[Action, ...]:
     return tuple(row[start:end])
 
 
-def _lowered_deadlock(program: Program, pos: Sequence[int], posted: set[int]) -> ScheduleError:
+def _stuck_posts(program: Program, pos: Sequence[int], posted: set[int]) -> list[Wait]:
+    """Each stuck rank's SEND/RECV actions whose counterpart was never posted."""
     placement = program.placement
     rule = deps.compile_rule(placement)
-    lines, marked = [], []
+    waits = []
     for rank, row in enumerate(program.actions):
         if pos[rank] >= len(row):
             continue
         for i, comm in enumerate(_batch_at(row, pos[rank])):
             other = deps.peer(comm)
-            tag = 2 * rule.value(deps.comm_key(other)) + (other.kind in SEND_KINDS)
-            if tag not in posted:
-                peer_rank = placement.rank(other.stage)
-                lines.append(
-                    f"  rank {rank} step {pos[rank] + i}: {comm} waits for {other} on rank {peer_rank}"
-                )
-                marked.append((rank, pos[rank] + i))
-    return ScheduleError(
-        "deadlock: no rank can make progress\n" + "\n".join(lines), program, marked
-    )
+            if rule.post_id(other) not in posted:
+                where = f"{other} on rank {placement.rank(other.stage)}"
+                waits.append(Wait(rank, pos[rank] + i, comm, where))
+    return waits

@@ -34,6 +34,7 @@ def validate(program: Program) -> Program:
     if program.is_lowered:
         scans = scan_lowered(program)
         check_pairing(program, scans, chains)
+        assert scans is not None, "check_pairing refuses a program whose scan found no value"
         execute_lowered(program, scans)
     else:
         run(program, _unit)

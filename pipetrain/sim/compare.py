@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from pipetrain.schedule.lower import lower
 from pipetrain.schedule.program import Program
@@ -21,7 +22,7 @@ from pipetrain.sim.costs import Costs
 from pipetrain.sim.simulate import simulate
 
 
-def summary(program: Program, timeline: Timeline) -> dict[str, object]:
+def summary(program: Program, timeline: Timeline) -> dict[str, Any]:
     """The JSON-ready headline of one simulated program (``pipetrain simulate --json``)."""
     return {
         "schedule": program.name,
@@ -52,7 +53,8 @@ class Comparison:
 def compare(
     num_ranks: int, num_microbatches: int, stages_per_rank: int | None, costs: Costs
 ) -> Comparison:
-    rows, refused = [], []
+    rows: list[dict[str, Any]] = []
+    refused: list[tuple[str, str]] = []
     for fam in FAMILIES.values():
         v = stages_per_rank if (fam.multi_stage and stages_per_rank) else None
         try:
@@ -67,7 +69,7 @@ def compare(
     return Comparison(tuple(rows), tuple(refused))
 
 
-def format_comparison(rows: Sequence[dict]) -> str:
+def format_comparison(rows: Sequence[dict[str, Any]]) -> str:
     header = (
         f"{'schedule':<17}{'v':>2}{'makespan':>10}{'span':>9}{'bubble':>8}{'peak':>6}  "
         f"{'p2p':>6}  peak per rank"

@@ -14,6 +14,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from statistics import fmean
+from typing import Any
 
 from pipetrain.schedule.action import OpKind
 from pipetrain.schedule.timeline import Timeline
@@ -35,6 +36,7 @@ class StageCosts:
     activation: tuple[float, ...]
     activation_for_weight: tuple[float, ...]
     workspace: tuple[float, ...]
+    static: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,11 +53,14 @@ class Costs:
     #: memory a stage's action uses only while it runs, on top of what is held (temporaries no
     #: activation count covers, e.g. a loss's float32 logits); same unit as ``activation``
     workspace: Cost = 0.0
+    #: memory a stage holds for the whole step whatever runs (parameters, gradients, optimizer
+    #: state); same unit as ``activation``; ``rank_peak_memory`` adds it to the held activations
+    static: Cost = 0.0
 
     def scaled(self, factor: float) -> Costs:
         """Every time and size multiplied by ``factor`` (e.g. 1/v to split a rank's share of the
         model into v stages). Only single-number costs scale; per-stage lists are refused."""
-        values = {}
+        values: dict[str, Any] = {}
         for name in (
             "forward",
             "backward_input",
@@ -66,6 +71,7 @@ class Costs:
             "activation",
             "activation_for_weight",
             "workspace",
+            "static",
         ):
             value = getattr(self, name)
             if value is not None and not isinstance(value, int | float):
@@ -104,6 +110,7 @@ class Costs:
             if self.activation_for_weight is None
             else _resolve("activation_for_weight", self.activation_for_weight, num_stages),
             workspace=_resolve("workspace", self.workspace, num_stages),
+            static=_resolve("static", self.static, num_stages),
         )
 
 
@@ -117,6 +124,17 @@ def _resolve(name: str, value: Cost, num_stages: int) -> tuple[float, ...]:
         if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= MAX_COST:
             raise ValueError(f"cost {name} must be a number in [0, {MAX_COST:g}], got {v!r}")
     return tuple(float(v) for v in values)
+
+
+def rank_peak_memory(
+    timeline: Timeline, costs: StageCosts, rank_of_stage: Sequence[int]
+) -> tuple[float, ...]:
+    """Per rank: the static memory of its stages plus its peak of held activations (and running
+    workspace) over the step, as the timeline accounts them; the planner's memory model."""
+    static = [0.0] * timeline.num_ranks
+    for stage, rank in enumerate(rank_of_stage):
+        static[rank] += costs.static[stage] if costs.static else 0.0
+    return tuple(s + a for s, a in zip(static, timeline.peak_activations))
 
 
 #: larger costs would overflow when a timeline adds up 10^6 of them
@@ -133,7 +151,7 @@ def mean_durations(timelines: Sequence[Timeline]) -> dict[tuple[OpKind, int], fl
     return {key: fmean(v) for key, v in durations.items()}
 
 
-def measured_costs(timelines: Sequence[Timeline], num_stages: int, **sizes: Cost | None) -> Costs:
+def measured_costs(timelines: Sequence[Timeline], num_stages: int, **sizes: Any) -> Costs:
     """Simulator costs from measured timelines: the mean duration per (kind, stage).
 
     This is how "predicted vs measured" closes the loop: simulate the program with the costs its
@@ -159,14 +177,20 @@ def costs_from_means(
     def per_stage(kind: OpKind) -> list[float | None]:
         return [mean.get((kind, s)) for s in range(num_stages)]
 
-    f, i, w, b = (per_stage(k) for k in (OpKind.F, OpKind.I, OpKind.W, OpKind.B))
+    f: list[float] = []
+    i: list[float] = []
+    w: list[float] = []
+    b: list[float] = []
+    for forward, input_half, weight_half, backward in zip(
+        *(per_stage(k) for k in (OpKind.F, OpKind.I, OpKind.W, OpKind.B))
+    ):
+        if backward is None:
+            backward = (input_half or 0.0) + (weight_half or 0.0)
+        f.append(forward if forward is not None else 0.0)
+        i.append(input_half if input_half is not None else backward / 2)
+        w.append(weight_half if weight_half is not None else backward / 2)
+        b.append(backward)
     pair = per_stage(OpKind.OVERLAP_F_B)
-    for s in range(num_stages):
-        f[s] = f[s] if f[s] is not None else 0.0
-        if b[s] is None:
-            b[s] = (i[s] or 0.0) + (w[s] or 0.0)
-        i[s] = i[s] if i[s] is not None else b[s] / 2
-        w[s] = w[s] if w[s] is not None else b[s] / 2
     have_pairs = any(p is not None for p in pair)
     return Costs(
         forward=f,

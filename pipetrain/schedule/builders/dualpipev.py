@@ -35,7 +35,7 @@ from pipetrain.schedule.program import Program
 class _Row:
     """One rank's actions: per-chunk forward and backward counters and the deferred-W queue."""
 
-    def __init__(self, stages: tuple[int, int]) -> None:
+    def __init__(self, stages: tuple[int, ...]) -> None:
         self.stages = stages
         self.next_forward = [0, 0]
         self.next_backward = [0, 0]
@@ -80,7 +80,7 @@ def build_dualpipev(num_ranks: int, num_microbatches: int) -> Program:
     return make_program("dualpipev", placement, m, rows)
 
 
-def dualpipev_row(p: int, m: int, rank: int, stages: tuple[int, int]) -> list[Action]:
+def dualpipev_row(p: int, m: int, rank: int, stages: tuple[int, ...]) -> list[Action]:
     row = _Row(stages)
     step_1 = (p - rank - 1) * 2  # nF0
     step_2 = rank + 1  # nF0F1

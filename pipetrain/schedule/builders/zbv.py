@@ -34,7 +34,7 @@ _KINDS = {"F": OpKind.F, "I": OpKind.I, "W": OpKind.W}
 class _Row:
     """One rank's actions; per-(kind, chunk) micro-batch counters run in increasing order."""
 
-    def __init__(self, stages: tuple[int, int], num_microbatches: int) -> None:
+    def __init__(self, stages: tuple[int, ...], num_microbatches: int) -> None:
         self.stages = stages
         self.num_microbatches = num_microbatches
         self.done = {(kind, chunk): 0 for kind in _KINDS for chunk in (0, 1)}
@@ -58,7 +58,7 @@ def build_zbv(num_ranks: int, num_microbatches: int) -> Program:
     return make_program("zbv", placement, m, rows)
 
 
-def _zbv_row(p: int, m: int, rank: int, stages: tuple[int, int]) -> list[Action]:
+def _zbv_row(p: int, m: int, rank: int, stages: tuple[int, ...]) -> list[Action]:
     num_laid_out = max(m, 2 * p - 1)  # micro-batches the phases are laid out for
     num_warmup = 2 * (p - rank) - 1
     num_interleaved = rank

@@ -1,0 +1,204 @@
+"""Hugging Face causal language models as an ordered list of layers, ready to cut into stages.
+
+    model = LlamaForCausalLM(config)
+    layers = pipetrain.hf.causal_lm_layers(model)      # {"model.embed_tokens": ..., ...}
+    stages = pipetrain.split(layers, [2, 2])            # names kept: HF state-dict keys
+    pipe = Pipeline(stages, "1f1b", 8, pipetrain.hf.causal_lm_loss)
+    pipe.step(input_ids, input_ids)                     # labels are the inputs, shifted inside
+
+A ``transformers`` model runs its layers inside one ``forward`` that computes, once, what every
+layer needs: position ids, the rotary table (Llama family), the causal mask. Cut into stages those
+would have to be threaded through every stage's outputs. Here each decoder layer is wrapped so it
+makes its own from the hidden states it receives — position ids ``0..T-1``, the rotary table from
+the model's own ``rotary_emb`` module and the mask from ``transformers``' own mask functions, the
+sliding-window one where the config gives that layer a window — exactly what the unsplit
+``forward`` computes, recomputed per layer (a small cost next to attention).
+
+Every layer keeps its model name, and a wrapper registers the wrapped layer's children as its own,
+so parameter names are the model's (``model.layers.3.self_attn.q_proj.weight``) and a
+``transformers`` checkpoint loads by name whatever the cut. The modules are the model's own (no
+copies): the model and its layers share parameters.
+
+Supported (model types checked, anything else refused): ``LlamaForCausalLM``, ``Qwen2ForCausalLM``,
+``Qwen3ForCausalLM``, ``MistralForCausalLM`` and ``GPT2LMHeadModel``. Inputs are whole rows of
+token ids: no padding mask, no KV cache (training). ``transformers`` is imported only by this
+module (``pip install pipetrain[hf]``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+#: model types whose forward is exactly embedding → decoder layers → norm → head
+LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED = (*LLAMA_FAMILY, "gpt2")
+IGNORE_INDEX = -100
+
+
+def causal_lm_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """The model's layers in call order, by their names in the model: embedding, decoder layers,
+    final norm, LM head. Each consumes the previous one's output (token ids → hidden states →
+    logits). A ``ValueError`` names the supported model types for any other model."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in SUPPORTED:
+        raise ValueError(
+            f"pipetrain.hf supports causal LMs of model types {', '.join(SUPPORTED)}; got "
+            f"{type(model).__name__} (model_type={model_type!r})"
+        )
+    config = model.config
+    if getattr(config, "add_cross_attention", False):
+        raise ValueError("cross-attention (add_cross_attention=True) is not supported")
+    if model_type == "gpt2":
+        body = model.transformer
+        layers: dict[str, nn.Module] = {"transformer": GPT2Embedding(body)}
+        for i, block in enumerate(body.h):
+            layers[f"transformer.h.{i}"] = GPT2Layer(block, config)
+        layers["transformer.ln_f"] = body.ln_f
+    else:
+        body = model.model
+        layers = {"model.embed_tokens": body.embed_tokens}
+        for i, layer in enumerate(body.layers[: config.num_hidden_layers]):
+            layers[f"model.layers.{i}"] = DecoderLayer(layer, body.rotary_emb, config, i)
+        layers["model.norm"] = body.norm
+    layers["lm_head"] = model.lm_head
+    return layers
+
+
+def tied_weights(model: nn.Module) -> list[tuple[str, str]]:
+    """The parameter pairs the model ties (from ``_tied_weights_keys``), by global name — the
+    model's names, which ``causal_lm_layers`` keeps — where they are one parameter now (a config
+    with ``tie_word_embeddings=False`` ties nothing)."""
+    keys = getattr(model, "_tied_weights_keys", None) or {}
+    if not isinstance(keys, dict):  # transformers 4: a list of tied names, tied to the input side
+        embedding = model.get_input_embeddings()
+        source = next(n for n, m in model.named_modules() if m is embedding) + ".weight"
+        keys = dict.fromkeys(keys, source)
+    pairs = []
+    for target, source in keys.items():
+        try:
+            same = model.get_parameter(target) is model.get_parameter(source)
+        except AttributeError:
+            continue
+        if same:
+            pairs.append((source, target))
+    return pairs
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy: position ``t`` predicts ``labels[:, t + 1]``, mean over every
+    predicted token (as ``transformers`` computes it with ``labels=input_ids``; logits below
+    float32 are upcast first, as there).
+
+    Labels equal to -100 (``ignore_index``) are refused: the pipeline weighs micro-batches by
+    rows, which is the token mean only when every row counts the same number of tokens."""
+    if (labels == IGNORE_INDEX).any():
+        raise ValueError(
+            "labels contain -100 (ignore_index): padded batches need a loss normalised by the "
+            "global token count; causal_lm_loss takes whole rows (every token counted)"
+        )
+    predicted = logits[:, :-1]
+    if predicted.dtype not in (torch.float32, torch.float64):
+        predicted = predicted.float()
+    vocab = predicted.shape[-1]
+    return F.cross_entropy(predicted.reshape(-1, vocab), labels[:, 1:].reshape(-1))
+
+
+class _Adopting(nn.Module):
+    """Registers a ``transformers`` layer's children as its own (same objects, so parameter
+    names drop the wrapper level) and keeps the layer unregistered, to call it."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        if (
+            next(layer.parameters(recurse=False), None) is not None
+            or next(layer.buffers(recurse=False), None) is not None
+        ):
+            raise ValueError(
+                f"{type(layer).__name__} holds parameters or buffers of its own; only layers "
+                "whose state sits in submodules can be wrapped"
+            )
+        for name, child in layer.named_children():
+            self.add_module(name, child)
+        self._wrapped = (layer,)  # a tuple: not registered as a submodule
+        self.train(layer.training)
+
+    @property
+    def wrapped(self) -> nn.Module:
+        return self._wrapped[0]
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.wrapped.training = mode  # the layer reads it (gradient checkpointing)
+        return self
+
+
+class DecoderLayer(_Adopting):
+    """A Llama-family decoder layer that computes its own position ids, rotary table and mask."""
+
+    def __init__(self, layer: nn.Module, rotary_emb: nn.Module, config, index: int) -> None:
+        super().__init__(layer)
+        self.rotary_emb = rotary_emb  # buffers only (non-persistent): no state-dict keys
+        self.config = config
+        kinds = getattr(config, "layer_types", None)
+        if kinds is not None:
+            self.sliding = kinds[index] == "sliding_attention"
+        else:  # Mistral: one window for every layer, or none
+            self.sliding = getattr(config, "sliding_window", None) is not None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import (
+            create_causal_mask,
+            create_sliding_window_causal_mask,
+        )
+
+        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        make_mask = create_sliding_window_causal_mask if self.sliding else create_causal_mask
+        mask = make_mask(
+            config=self.config,
+            inputs_embeds=hidden,
+            attention_mask=None,
+            cache=None,
+            position_ids=positions,
+        )
+        return self.wrapped(
+            hidden,
+            attention_mask=mask,
+            position_ids=positions,
+            position_embeddings=self.rotary_emb(hidden, position_ids=positions),
+        )
+
+
+class GPT2Embedding(nn.Module):
+    """GPT-2's token and position embeddings and their dropout (named as in the model:
+    ``transformer.wte``, ``transformer.wpe``)."""
+
+    def __init__(self, body: nn.Module) -> None:
+        super().__init__()
+        self.wte, self.wpe, self.drop = body.wte, body.wpe, body.drop
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+        return self.drop(self.wte(input_ids) + self.wpe(positions))
+
+
+class GPT2Layer(_Adopting):
+    """A GPT-2 block that builds its own causal mask."""
+
+    def __init__(self, block: nn.Module, config) -> None:
+        super().__init__(block)
+        self.config = config
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+
+        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=hidden,
+            attention_mask=None,
+            cache=None,
+            position_ids=positions,
+        )
+        return self.wrapped(hidden, None, mask)

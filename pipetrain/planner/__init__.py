@@ -1,0 +1,27 @@
+"""Planning from measured costs: the costs file, contiguous layer cuts, and the search over
+schedule, stages per rank, micro-batches and boundaries judged by the simulator (standard
+library only; docs/planning.md)."""
+
+from pipetrain.planner.costs_file import (
+    CostsFileError,
+    LayerCost,
+    ModelCosts,
+    load_costs,
+    parse_costs,
+    save_costs,
+)
+from pipetrain.planner.search import NoPlanFits, Plan, Search, plan, search
+
+__all__ = [
+    "CostsFileError",
+    "LayerCost",
+    "ModelCosts",
+    "NoPlanFits",
+    "Plan",
+    "Search",
+    "load_costs",
+    "parse_costs",
+    "plan",
+    "save_costs",
+    "search",
+]

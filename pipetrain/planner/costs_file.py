@@ -1,0 +1,235 @@
+"""The costs file: what a model's layers cost, measured once, planned from many times.
+
+One JSON object, versioned (docs/planning.md is the reference)::
+
+    {"version": 1,
+     "layers": [{"name": "embed", "forward": 0.41, "backward_input": 0.10,
+                 "backward_weight": 0.52, "activation": 0.25, "params": 3.91}, ...],
+     "comm": 0.09}
+
+Times are milliseconds per micro-batch, memory GiB. ``activation`` is what one micro-batch holds
+from the layer's forward to the end of its last backward piece; ``params`` is static (parameters,
+gradients, optimizer state). ``backward`` may stand in for the ``backward_input`` /
+``backward_weight`` pair (then schedules that split the backward cannot be planned from it);
+given with the pair, it is the fused backward's own time. ``comm`` is the cross-rank transfer of
+one activation, overridable per layer (the transfer of that layer's output). Optional per layer:
+``workspace`` (GiB used only while the layer's own forward or backward runs, e.g. a loss's float32
+logits) and ``activation_for_weight`` (GiB still held between a split backward's input half and
+its weight half; default ``activation``). Optional top level: ``meta`` (free-form provenance: model, device, dtype, batch shape).
+
+Anything else is refused with the field's path, so a typo never silently becomes a default.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+VERSION = 1
+
+_LAYER_NUMBERS = ("forward", "backward_input", "backward_weight", "backward", "activation")
+_LAYER_OPTIONAL = ("comm", "workspace", "activation_for_weight")
+_LAYER_KEYS = ("name", *_LAYER_NUMBERS, "params", *_LAYER_OPTIONAL)
+_TOP_KEYS = ("version", "layers", "comm", "meta")
+
+
+class CostsFileError(ValueError):
+    """A costs file that does not follow the schema; the message names the field."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerCost:
+    """One layer's measured costs (ms per micro-batch; GiB)."""
+
+    name: str
+    forward: float
+    #: ``None`` when the file gave only ``backward``
+    backward_input: float | None
+    backward_weight: float | None
+    backward: float
+    activation: float
+    params: float
+    #: transfer of this layer's output to another rank; ``None``: the file's ``comm``
+    comm: float | None = None
+    workspace: float = 0.0
+    #: held between ``backward_input`` and ``backward_weight``; ``None``: ``activation``
+    activation_for_weight: float | None = None
+
+    @property
+    def split_backward(self) -> bool:
+        return self.backward_input is not None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelCosts:
+    """A validated costs file."""
+
+    layers: tuple[LayerCost, ...]
+    comm: float = 0.0
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise CostsFileError("layers: a model needs at least one layer")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def split_backward(self) -> bool:
+        """Whether every layer has the input/weight pair (needed by zero-bubble schedules)."""
+        return all(layer.split_backward for layer in self.layers)
+
+    def layer_comm(self, index: int) -> float:
+        own = self.layers[index].comm
+        return self.comm if own is None else own
+
+    def to_json(self) -> dict[str, Any]:
+        layers = []
+        for layer in self.layers:
+            entry: dict[str, Any] = {"name": layer.name, "forward": layer.forward}
+            if layer.split_backward:
+                entry["backward_input"] = layer.backward_input
+                entry["backward_weight"] = layer.backward_weight
+            entry["backward"] = layer.backward
+            entry["activation"] = layer.activation
+            entry["params"] = layer.params
+            if layer.comm is not None:
+                entry["comm"] = layer.comm
+            if layer.workspace:
+                entry["workspace"] = layer.workspace
+            if layer.activation_for_weight is not None:
+                entry["activation_for_weight"] = layer.activation_for_weight
+            layers.append(entry)
+        out: dict[str, Any] = {"version": VERSION, "layers": layers, "comm": self.comm}
+        if self.meta:
+            out["meta"] = dict(self.meta)
+        return out
+
+
+def parse_costs(data: object, source: str = "costs") -> ModelCosts:
+    """Validate a decoded costs file; ``CostsFileError`` names the first bad field."""
+
+    def fail(where: str, problem: str) -> CostsFileError:
+        return CostsFileError(f"{source}: {where}: {problem}")
+
+    if not isinstance(data, dict):
+        raise fail("top level", f"expected a JSON object, got {type(data).__name__}")
+    unknown = sorted(set(data) - set(_TOP_KEYS))
+    if unknown:
+        raise fail(unknown[0], f"unknown field; legal fields: {', '.join(_TOP_KEYS)}")
+    if "version" not in data:
+        raise fail("version", f"missing; this reader knows version {VERSION}")
+    if data["version"] != VERSION or isinstance(data["version"], bool):
+        raise fail("version", f"expected {VERSION}, got {data['version']!r}")
+    comm = _number(data.get("comm", 0.0), "comm", fail)
+    meta = data.get("meta", {})
+    if not isinstance(meta, dict):
+        raise fail("meta", f"expected a JSON object, got {type(meta).__name__}")
+    raw_layers = data.get("layers")
+    if not isinstance(raw_layers, list) or not raw_layers:
+        raise fail("layers", "expected a non-empty list of layer objects")
+    return ModelCosts(
+        layers=tuple(_layer(raw, f"layers[{i}]", fail) for i, raw in enumerate(raw_layers)),
+        comm=comm,
+        meta=meta,
+    )
+
+
+def _layer(raw: object, where: str, fail) -> LayerCost:
+    if not isinstance(raw, dict):
+        raise fail(where, f"expected a JSON object, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - set(_LAYER_KEYS))
+    if unknown:
+        raise fail(
+            f"{where}.{unknown[0]}", f"unknown field; legal fields: {', '.join(_LAYER_KEYS)}"
+        )
+    name = raw.get("name", where)
+    if not isinstance(name, str) or not name:
+        raise fail(f"{where}.name", f"expected a non-empty string, got {name!r}")
+
+    def need(key: str) -> float:
+        if key not in raw:
+            raise fail(f"{where}.{key}", "missing")
+        return _number(raw[key], f"{where}.{key}", fail)
+
+    def maybe(key: str) -> float | None:
+        return _number(raw[key], f"{where}.{key}", fail) if key in raw else None
+
+    i, w, b = maybe("backward_input"), maybe("backward_weight"), maybe("backward")
+    if (i is None) != (w is None):
+        missing = "backward_weight" if w is None else "backward_input"
+        raise fail(
+            f"{where}.{missing}", "missing: give backward_input and backward_weight together"
+        )
+    if i is None and b is None:
+        raise fail(
+            f"{where}.backward", "missing: give backward, or backward_input and backward_weight"
+        )
+    return LayerCost(
+        name=name,
+        forward=need("forward"),
+        backward_input=i,
+        backward_weight=w,
+        backward=b if b is not None else i + w,  # type: ignore[operator]
+        activation=need("activation"),
+        params=need("params"),
+        comm=maybe("comm"),
+        workspace=maybe("workspace") or 0.0,
+        activation_for_weight=maybe("activation_for_weight"),
+    )
+
+
+#: larger numbers are not milliseconds or GiB a pipeline could have
+_LARGEST = 1e12
+
+
+def _number(value: object, where: str, fail) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise fail(where, f"expected a number >= 0, got {value!r}")
+    if not (0 <= value <= _LARGEST) or math.isnan(value):
+        raise fail(where, f"expected a finite number in [0, {_LARGEST:g}], got {value!r}")
+    return float(value)
+
+
+def load_costs(path: str | Path) -> ModelCosts:
+    """Read and validate a costs file; ``CostsFileError`` for unreadable or bad files."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise CostsFileError(f"{path}: cannot read: {e.strerror}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CostsFileError(f"{path}: not JSON: {e.msg} at line {e.lineno}") from None
+    return parse_costs(data, str(path))
+
+
+def save_costs(costs: ModelCosts, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(costs.to_json(), indent=1) + "\n")
+
+
+def uniform_costs(
+    names: Sequence[str], *, forward: float = 1.0, backward: float = 2.0, activation: float = 1.0
+) -> ModelCosts:
+    """Equal layers with the I/W pair split evenly (for tests and examples)."""
+    return ModelCosts(
+        layers=tuple(
+            LayerCost(
+                name=n,
+                forward=forward,
+                backward_input=backward / 2,
+                backward_weight=backward / 2,
+                backward=backward,
+                activation=activation,
+                params=0.0,
+            )
+            for n in names
+        )
+    )

@@ -1,0 +1,74 @@
+"""How a stage splits its backward into ``I`` (input gradients) and ``W`` (weight gradients).
+
+The zero-bubble schedules (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024) run a stage's
+backward as two actions, ``I`` then later ``W``; the 1F1B family runs it whole (``B``). A
+``StageRunner`` holds one ``BackwardSplit`` and calls it without asking which it is. Two exist:
+
+* ``split_backward.GraphReplay`` splits any module exactly by replaying graph nodes;
+* ``deferred_wgrad.DeferredLinears`` leaves the plain linear layers' weight GEMMs to ``W`` (the
+  paper's own way: fewer engine calls, less memory between ``I`` and ``W``), for stages whose
+  linears hold most of the parameters.
+
+Each instance belongs to one stage and keeps its state (a plan cache, a mode) on itself, so stages
+and pipelines in one process never see each other's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from pipetrain.runtime.torch_compat import GradientEdge
+
+
+class BackwardSplit(Protocol):
+    """Full, input and weight backward of one stage (every argument in the stage's order)."""
+
+    #: whether ``W`` is the linear layers' deferred GEMMs (reported, never branched on)
+    defers_linear_weights: bool
+
+    def call(self, module: nn.Module, args: tuple[torch.Tensor, ...]) -> Any:
+        """Run the stage's forward so its backward can be split this way."""
+        ...
+
+    def backward_full(
+        self,
+        roots: Sequence[GradientEdge],
+        grads: Sequence[torch.Tensor],
+        inputs: Sequence[torch.Tensor],
+        params: Sequence[torch.Tensor],
+        hooks: bool,
+    ) -> list[torch.Tensor | None]:
+        """``B``: the inputs' gradients; weight gradients into ``.grad`` (through
+        ``AccumulateGrad`` and its hooks only with ``hooks``)."""
+        ...
+
+    def backward_input(
+        self,
+        roots: Sequence[GradientEdge],
+        grads: Sequence[torch.Tensor],
+        inputs: Sequence[torch.Tensor],
+        params: Sequence[torch.Tensor],
+        last_piece: bool = False,
+    ) -> tuple[list[torch.Tensor | None], Any]:
+        """``I``: the inputs' gradients and the work ``backward_weight`` finishes
+        (``last_piece``: this micro-batch's ``W`` is the step's last weight piece)."""
+        ...
+
+    def backward_weight(self, work: Any, hooks: bool = True) -> None:
+        """``W``: finish ``work``'s weight gradients into ``.grad``."""
+        ...
+
+
+def choose_split(module: nn.Module, defer_weight_grads: bool | None) -> BackwardSplit:
+    """``DeferredLinears`` with ``defer_weight_grads`` (``None``: where ``worth_deferring``),
+    else ``GraphReplay``."""
+    from pipetrain.runtime.deferred_wgrad import DeferredLinears, worth_deferring
+    from pipetrain.runtime.split_backward import GraphReplay
+
+    if defer_weight_grads is None:
+        defer_weight_grads = worth_deferring(module)
+    return DeferredLinears(module) if defer_weight_grads else GraphReplay()

@@ -1,0 +1,263 @@
+"""Data parallel on top of the pipeline: DDP or FSDP2 replicas of every stage, synced once a step.
+
+A ``DeviceMesh`` with dimensions ``("dp", "pp")`` lays the ranks out: each ``pp`` row runs the
+pipeline, each ``dp`` column holds replicas of the same stages, each fed its own shard of the
+global batch. What makes this exact is *when* the replicas talk. A stage runs one forward and
+one or two backward pieces (``B``, or ``I`` then ``W``) per micro-batch, and its weight gradients
+are only whole after its last piece of the step; a wrapper that reduces on every backward would
+reduce partial sums (the 0.126 gradient error of FSDP2 on 1F1B in issue 11). So here, as in
+torch.distributed.pipelining's stage (``backward_maybe_with_nosync``, ``perform_reduce_grad``):
+
+* **DDP** (``DistributedDataParallel`` on the ``dp`` group): forwards call the wrapped module
+  directly, so the reducer expects no gradients during the step. After the stage's last
+  backward piece, ``finish`` arms the reducer (``prepare_for_backward``) and runs one backward
+  of zeros into every trainable parameter: ``AccumulateGrad`` adds nothing, fires the reducer's
+  hooks once per parameter, and DDP all-reduces its buckets (its own buckets, comm hooks and
+  averaging) exactly once.
+* **FSDP2** (``fully_shard`` on the ``dp`` mesh): ``begin`` all-gathers every FSDP module of the
+  stage once (``unshard``) and turns gradient sync and resharding off
+  (``set_requires_gradient_sync(False)``, ``set_reshard_after_backward(False)``,
+  ``set_is_last_backward(False)``, and no reshard after forward), so every micro-batch's pieces
+  add into the unsharded parameters' gradients. ``finish`` turns them on and runs each parameter
+  group's ``post_backward`` (reduce-scatter, reshard) and the root's final callback — what a
+  plain ``loss.backward()`` ends with. Memory is ZeRO-2's during a step (parameters gathered
+  from the first forward to the last backward piece), ZeRO-3's between steps.
+
+With ``reduction="mean"`` (the default) both wrappers average over the ``dp`` group, so each
+replica's loss must be the mean over an equal share of the global batch: ``check_batch`` refuses
+unequal local batch sizes before any compute, and ``global_loss`` returns the mean of the
+replicas' losses, which is then the loss of the global batch. With ``reduction="sum"`` (a loss
+already normalised over the global batch, or a summed loss) gradients and losses are summed
+instead: DDP through a comm hook that all-reduces without dividing, FSDP2 with a gradient divide
+factor of 1. Every trainable parameter must get a gradient in every step (a replica
+missing one would leave the others' reduction waiting): one that gets none is an error naming
+it (freeze it with ``requires_grad_(False)``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+KINDS = ("ddp", "fsdp")
+REDUCTIONS = ("mean", "sum")
+DIM_NAMES = ("dp", "pp")
+
+
+def mesh_groups(mesh) -> tuple[object, object, object]:
+    """(pp group, dp group, dp sub-mesh) of a ``("dp", "pp")`` mesh; a clear error otherwise."""
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if sorted(names) != sorted(DIM_NAMES):
+        raise ValueError(
+            f"mesh must be a 2-D DeviceMesh with mesh_dim_names ('dp', 'pp'), got {names or None}; "
+            "e.g. init_device_mesh(device_type, (dp, pp), mesh_dim_names=('dp', 'pp'))"
+        )
+    return mesh.get_group("pp"), mesh.get_group("dp"), mesh["dp"]
+
+
+def check_wrapping(modules: dict[int, nn.Module], kind: str | None) -> None:
+    """Refuse stages wrapped for data parallel where the pipeline would not drive the wrapper."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    for s, module in modules.items():
+        if isinstance(module, DistributedDataParallel):
+            raise ValueError(
+                f"stage {s} is wrapped in DistributedDataParallel, which would all-reduce partial "
+                "gradients on every micro-batch; pass the plain module with "
+                "mesh=..., data_parallel='ddp' and the Pipeline wraps it and syncs once per step"
+            )
+        if kind != "fsdp" and any(isinstance(m, FSDPModule) for m in module.modules()):
+            raise ValueError(
+                f"stage {s} contains fully_shard modules, which would reduce-scatter partial "
+                "gradients on every micro-batch; pass mesh=..., data_parallel='fsdp' so the "
+                "Pipeline syncs and reshards once per step"
+            )
+
+
+class DataParallel:
+    """The replicas of this rank's stages and the once-a-step sync (see the module docstring).
+
+    ``modules``: stage index -> module, already on its device. With ``"ddp"`` each is wrapped in
+    ``DistributedDataParallel`` on ``dp_group`` (kept in ``wrappers``; the stage keeps running the
+    plain module, whose parameter names stay unprefixed). With ``"fsdp"`` each is passed to
+    ``fully_shard`` on ``dp_mesh`` unless it already is an FSDP module (apply ``fully_shard``
+    yourself first for per-layer sharding or a mixed-precision policy); parameters are then
+    sharded ``DTensor``s between steps, and the optimizer must be built after the ``Pipeline``.
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        modules: dict[int, nn.Module],
+        dp_group,
+        dp_mesh,
+        device: torch.device,
+        reduction: str = "mean",
+    ) -> None:
+        if kind not in KINDS:
+            raise ValueError(f"data_parallel={kind!r}; legal values: {', '.join(KINDS)}")
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"reduction={reduction!r}; legal values: {', '.join(REDUCTIONS)}")
+        self.kind = kind
+        self.reduction = reduction
+        self.modules = modules
+        self.group = dp_group
+        self.size = dist.get_world_size(dp_group)
+        self.device = device
+        self.wrappers: dict[int, nn.Module] = {}
+        self._finished: set[int] = set()
+        self._held: dict[int, list] = {}  # DDP: gradients from earlier steps, per stage
+        if kind == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+
+            ids = [device.index] if device.type == "cuda" else None
+            for s, module in modules.items():
+                if any(p.requires_grad for p in module.parameters()):
+                    self.wrappers[s] = DistributedDataParallel(
+                        module, device_ids=ids, process_group=dp_group
+                    )
+                    if reduction == "sum":
+                        self.wrappers[s].register_comm_hook(dp_group, _all_reduce_sum)
+        else:
+            from torch.distributed.fsdp import FSDPModule, fully_shard
+
+            for s, module in modules.items():
+                if not any(p.requires_grad for p in module.parameters()):
+                    continue
+                if not isinstance(module, FSDPModule):
+                    fully_shard(module, mesh=dp_mesh)
+                self.wrappers[s] = module
+                for m in _fsdp_modules(module):
+                    m.set_reshard_after_forward(False, recurse=False)
+                    if reduction == "sum":
+                        m.set_gradient_divide_factor(1.0)
+
+    # -- a step ---------------------------------------------------------------------------------
+
+    def check_batch(self, rows: int) -> None:
+        """Every replica must step on the same number of rows where the replicas are averaged
+        (``reduction="mean"``; a summed loss weighs each row by itself)."""
+        if self.size == 1 or self.reduction == "sum":
+            return
+        value = torch.tensor([rows, -rows], dtype=torch.float64, device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
+        most, fewest = int(value[0].item()), int(-value[1].item())
+        if most != fewest:
+            raise ValueError(
+                f"data-parallel replicas stepped on local batches of {fewest} to {most} rows; "
+                "give every replica the same number of rows (the gradient average and the "
+                "returned loss weigh replicas equally)"
+            )
+
+    def begin(self, train: bool = True) -> None:
+        """Before the step's first forward: FSDP gathers its parameters, sync and reshard off
+        (for a forward-only pass, only the gathering)."""
+        self._finished.clear()
+        if self.kind == "ddp" and train:
+            # Gradients accumulated by earlier steps are synced already: set them aside, so the
+            # reduction sees this step's alone (a summed reduction would count them again).
+            self._held = {}
+            for s in self.wrappers:
+                held = [(p, p.grad) for p in _trainable(self.modules[s]) if p.grad is not None]
+                for p, _ in held:
+                    p.grad = None
+                self._held[s] = held
+        if self.kind != "fsdp":
+            return
+        for module in self.wrappers.values():
+            for m in _fsdp_modules(module):
+                m.unshard()
+            module.set_requires_gradient_sync(False)
+            module.set_reshard_after_backward(False)
+            module.set_is_last_backward(False)
+
+    def finish(self, stage: int) -> None:
+        """After ``stage``'s last backward piece of the step: its one gradient sync."""
+        if stage in self._finished or stage not in self.wrappers:
+            return
+        self._finished.add(stage)
+        module = self.modules[stage]
+        params = [p for p in _trainable(module)]
+        missing = [n for n, p in module.named_parameters() if p.requires_grad and p.grad is None]
+        if missing:
+            raise ValueError(
+                f"stage {stage}: trainable parameter {missing[0]!r} got no gradient this step; "
+                "with data parallel every trainable parameter must be used in every step "
+                "(freeze it with requires_grad_(False))"
+            )
+        if self.kind == "ddp":
+            ddp = self.wrappers[stage]
+            ddp.reducer.prepare_for_backward([])
+            zeros = [p.new_zeros(()).expand_as(p) for p in params]
+            torch.autograd.backward(params, zeros)
+            for p, earlier in self._held.pop(stage, ()):
+                p.grad.add_(earlier)
+        else:
+            _fsdp_post_backward(self.wrappers[stage])
+
+    def finish_all(self) -> None:
+        """Sync every stage not synced yet (in stage order: the same order on every replica)."""
+        for stage in sorted(self.wrappers):
+            self.finish(stage)
+
+    def end_eval(self) -> None:
+        """After a forward-only pass: FSDP frees the gathered parameters again."""
+        if self.kind == "fsdp":
+            for module in self.wrappers.values():
+                for m in _fsdp_modules(module):
+                    m.reshard()
+
+    def global_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The global batch's loss: the mean of the replicas' (equal local batches), or their
+        sum with ``reduction="sum"``."""
+        if self.size == 1:
+            return loss
+        value = loss.detach().to(torch.float64).reshape(1).clone()
+        dist.all_reduce(value, group=self.group)
+        if self.reduction == "mean":
+            value /= self.size
+        return value[0].to(loss.dtype)
+
+
+def _all_reduce_sum(group, bucket):  # no annotations: DDP compares them as objects, not strings
+    """A DDP comm hook: the bucket summed over the group (DDP's default divides by its size)."""
+    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def _trainable(module: nn.Module) -> Iterator[nn.Parameter]:
+    seen: set[int] = set()
+    for p in module.parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            yield p
+
+
+def _fsdp_modules(module: nn.Module) -> list[nn.Module]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+def _fsdp_post_backward(module) -> None:
+    """What the end of ``loss.backward()`` does for an FSDP2 root: reduce-scatter every group's
+    accumulated gradient, reshard, and wait for the reductions (torch.distributed.pipelining's
+    ``perform_reduce_grad`` does the same)."""
+    from torch.distributed.fsdp import fully_shard
+
+    module.set_is_last_backward(True)
+    module.set_reshard_after_backward(True)
+    module.set_requires_gradient_sync(True)
+    state = fully_shard.state(module)
+    for inner in state._state_ctx.all_states:
+        groups = getattr(inner, "_fsdp_param_groups", None)  # torch >= 2.12: a list
+        if groups is None:
+            single = getattr(inner, "_fsdp_param_group", None)
+            groups = [single] if single is not None else []
+        for group in groups:
+            group.post_backward()
+    state._root_post_backward_final_callback()

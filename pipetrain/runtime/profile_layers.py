@@ -1,0 +1,295 @@
+"""The profiler: what each layer of a model costs, measured on the current device, written as a
+costs file (``pipetrain.planner.costs_file``, docs/planning.md) for the planner.
+
+``layers`` is the model as a chain (each layer's output, a tensor or a tuple of tensors, is the
+next one's input). Per layer this measures, with the runtime's own stage code (``StageRunner``,
+so ``I`` and ``W`` are split exactly as a pipeline splits them):
+
+* ``forward``, ``backward`` (full), ``backward_input`` and ``backward_weight`` in milliseconds:
+  each timed over ``in_flight`` micro-batches run back to back (as a pipeline's steady state
+  runs them, so the host queues kernels ahead and launch gaps do not count; one at a time with a
+  synchronisation around each over-estimated a 2048-wide block by ~30% on an H200) and divided
+  by their number; the median over ``repeats`` rounds after ``warmup`` rounds, timed with CUDA
+  events on a GPU and ``time.perf_counter`` on a CPU; ``.grad`` is kept between rounds as
+  ``zero_grad(set_to_none=False)`` keeps it, so backward pieces add into it as they do in training; the last layer's forward and backward include ``loss_fn``, as
+  the last stage's do in a pipeline;
+* ``activation``: the bytes of the distinct tensors the layer's forward saves for its backward
+  (a ``saved_tensors_hooks`` count; parameters excluded, the layer's input included), which is
+  what a micro-batch holds from the layer's forward until its backward ends;
+* ``params``: static memory — parameters, their gradients and the optimizer's state (AdamW and
+  Adam: two states per parameter, SGD with momentum: one, plain SGD: none; torch.optim keeps the
+  states in the parameter's dtype); a parameter shared by several layers counts once, on the
+  first;
+* ``comm``: moving the layer's output to the next rank. With two or more GPUs visible, a copy
+  from this GPU to another one (peer-to-peer, what NCCL's send/recv rides on within a host);
+  with one GPU, a device-to-device copy on it (a lower bound); on a CPU, a stated model:
+  ``CPU_LATENCY_MS`` plus the bytes at ``CPU_BANDWIDTH`` (gloo over loopback);
+* ``activation_for_weight`` (CUDA only): what the allocator still holds per micro-batch after
+  the layer's ``I`` pieces (the input gradients they returned let go), i.e. what waits for ``W``: the runtime keeps the
+  retained graph or the deferred GEMMs' inputs and output gradients, which can exceed the
+  forward's activation;
+* ``workspace`` (CUDA only): the allocator's peak during the layer's forwards and backwards above
+  what was allocated before (gradients included) and the micro-batches' activations, i.e.
+  temporaries such as a loss's float32 logits or a weight gradient on its way into ``.grad``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from pipetrain.planner.costs_file import LayerCost, ModelCosts, save_costs
+from pipetrain.runtime.stage import StageRunner, leaves
+
+GIB = float(1 << 30)
+#: optimizer states per parameter element
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0, "none": 0}
+#: the CPU transfer model: gloo send/recv over loopback
+CPU_LATENCY_MS = 0.05
+CPU_BANDWIDTH = 2e9  # bytes per second
+
+
+def profile(
+    layers: Sequence[nn.Module],
+    sample_input: torch.Tensor | tuple[torch.Tensor, ...],
+    *,
+    loss_fn: Callable | None = None,
+    target: object = None,
+    optimizer: str = "adamw",
+    repeats: int = 5,
+    warmup: int = 2,
+    in_flight: int = 4,
+    names: Sequence[str] | None = None,
+    path: str | Path | None = None,
+    meta: dict | None = None,
+) -> ModelCosts:
+    """Measure every layer (see the module docstring); write the costs file to ``path`` if given.
+
+    ``sample_input`` is one micro-batch, already on the layers' device. With ``loss_fn``, the last
+    layer's output goes through ``loss_fn(output, target)`` and its backward starts from that
+    loss; without, from a random output gradient (as every other layer's does).
+    """
+    if not layers:
+        raise ValueError("profile needs at least one layer")
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"unknown optimizer {optimizer!r}; legal: {', '.join(OPTIMIZER_STATES)}")
+    if repeats < 1 or warmup < 0 or in_flight < 1:
+        raise ValueError(
+            f"repeats and in_flight must be >= 1 and warmup >= 0, got {repeats}, {in_flight} "
+            f"and {warmup}"
+        )
+    if names is not None and len(names) != len(layers):
+        raise ValueError(f"{len(names)} names for {len(layers)} layers")
+    inputs = sample_input if isinstance(sample_input, tuple) else (sample_input,)
+    device = inputs[0].device
+    clock = _Clock(device)
+    seen: set[int] = set()
+    measured = []
+    for index, layer in enumerate(layers):
+        is_last = index == len(layers) - 1 and loss_fn is not None
+        runner = StageRunner(index, layer, is_last, loss_fn if is_last else None)
+        args = leaves(inputs)
+        cost, outputs = _measure(runner, args, target, clock, repeats, warmup, in_flight)
+        static = _static_bytes(layer, seen, OPTIMIZER_STATES[optimizer])
+        comm = _transfer_ms(outputs, clock, repeats) if outputs else 0.0
+        name = names[index] if names is not None else f"{index}:{type(layer).__name__}"
+        measured.append(
+            LayerCost(name=name, params=static / GIB, comm=comm, **cost)  # type: ignore[arg-type]
+        )
+        with torch.no_grad():
+            out = layer(*inputs)
+        inputs = out if isinstance(out, tuple) else (out,)
+    costs = ModelCosts(
+        layers=tuple(measured),
+        comm=max((layer.comm or 0.0) for layer in measured),
+        meta={
+            "device": _device_name(device),
+            "optimizer": optimizer,
+            "repeats": repeats,
+            "comm_method": _comm_method(device),
+            "torch": torch.__version__,
+            **(meta or {}),
+        },
+    )
+    if path is not None:
+        save_costs(costs, path)
+    return costs
+
+
+class _Clock:
+    """Milliseconds of a callable: CUDA events on a GPU, ``perf_counter`` on a CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def time(self, fn: Callable[[], object]) -> tuple[float, object]:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            result = fn()
+            end.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(end), result
+        begin = time.perf_counter()
+        result = fn()
+        return (time.perf_counter() - begin) * 1e3, result
+
+
+def _measure(
+    runner: StageRunner, args, target, clock: _Clock, repeats: int, warmup: int, in_flight: int
+):
+    # What the forward saves, counted once outside the timed runs (the hooks cost host time).
+    runner.begin_step()
+    saved = _SavedBytes(runner.module)
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+        outputs = runner.forward(0, args, target, 1.0)
+    grads = None
+    if not runner.is_last:
+        grads = [
+            torch.randn(m.shape, dtype=m.dtype, device=outputs[0].device)
+            for m in runner.grad_metas(0)
+        ]
+    runner.backward(0, grads)
+    # A training loop keeps .grad between steps (zero_grad(set_to_none=False)): later backward
+    # pieces add into it, through temporaries the workspace must count.
+    for p in runner.params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    mbs = range(in_flight)
+
+    def forwards() -> None:
+        for mb in mbs:
+            runner.forward(mb, args, target, 1.0)  # the output is sent and let go
+
+    def run(step) -> None:
+        for mb in mbs:
+            step(mb)
+
+    times: dict[str, list[float]] = {k: [] for k in ("forward", "backward", "i", "w")}
+    workspace = for_weight = 0
+    for rep in range(warmup + repeats):
+        for split in (False, True):
+            runner.begin_step()
+            before = _allocated(clock)
+            t, _ = clock.time(forwards)
+            if split:
+                ti, _ = clock.time(
+                    lambda: run(lambda mb: _discard(runner.backward_input(mb, grads)))
+                )
+                if clock.cuda:  # what W still needs
+                    held = (torch.cuda.memory_allocated() - before) / in_flight
+                    for_weight = max(for_weight, held)
+                tw, _ = clock.time(lambda: run(runner.backward_weight))
+            else:
+                tb, _ = clock.time(lambda: run(lambda mb: _discard(runner.backward(mb, grads))))
+            if rep >= warmup:
+                if split:
+                    times["i"].append(ti / in_flight)
+                    times["w"].append(tw / in_flight)
+                else:
+                    times["forward"].append(t / in_flight)
+                    times["backward"].append(tb / in_flight)
+            if clock.cuda:
+                peak = torch.cuda.max_memory_allocated() - before - in_flight * saved.bytes
+                workspace = max(workspace, peak)
+
+    def med(key: str) -> float:
+        return statistics.median(times[key])
+
+    return (
+        {
+            "forward": med("forward"),
+            "backward": med("backward"),
+            "backward_input": med("i"),
+            "backward_weight": med("w"),
+            "activation": saved.bytes / GIB,
+            "workspace": workspace / GIB,
+            "activation_for_weight": for_weight / GIB if clock.cuda else None,
+        },
+        outputs,
+    )
+
+
+def _discard(_: object) -> None:
+    """Input gradients a pipeline would send upstream and let go."""
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def _allocated(clock: _Clock) -> int:
+    if not clock.cuda:
+        return 0
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated()
+
+
+class _SavedBytes:
+    """Counts the distinct storages a forward saves for backward, parameters excluded."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        self.seen: set[tuple[int, torch.device]] = set()
+        self.bytes = 0
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), t.device)
+        if storage.data_ptr() not in self.params and key not in self.seen:
+            self.seen.add(key)
+            self.bytes += storage.nbytes()
+        return t
+
+    @staticmethod
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+
+def _static_bytes(layer: nn.Module, seen: set[int], states: int) -> int:
+    total = 0
+    for p in layer.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        size = p.numel() * p.element_size()
+        total += size * (1 + (1 + states if p.requires_grad else 0))
+    return total
+
+
+def _transfer_ms(outputs: tuple[torch.Tensor, ...], clock: _Clock, repeats: int) -> float:
+    nbytes = sum(o.numel() * o.element_size() for o in outputs)
+    if not clock.cuda:
+        return CPU_LATENCY_MS + nbytes / CPU_BANDWIDTH * 1e3
+    here = outputs[0].device
+    there = torch.device("cuda", (here.index or 0) + 1) if torch.cuda.device_count() > 1 else here
+    sources = [o.detach() for o in outputs]
+    dests = [torch.empty_like(o, device=there) for o in sources]
+
+    def copy() -> None:
+        for d, s in zip(dests, sources):
+            d.copy_(s, non_blocking=True)
+
+    copy()
+    times = [clock.time(copy)[0] for _ in range(repeats)]
+    return statistics.median(times)
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return str(device)
+
+
+def _comm_method(device: torch.device) -> str:
+    if device.type != "cuda":
+        return f"model: {CPU_LATENCY_MS} ms + bytes / {CPU_BANDWIDTH:g} B/s"
+    if torch.cuda.device_count() > 1:
+        return "measured: copy to the next GPU (peer-to-peer)"
+    return "measured: device-to-device copy on one GPU (lower bound)"

@@ -1,0 +1,178 @@
+"""Every torch interface the runtime uses that torch does not promise to keep, in one place.
+
+The split backward walks and replays autograd graphs and enters the engine directly; the failure
+paths read the process group's store. Those are private (leading underscore) or undocumented
+attributes, so a torch release may change them without notice. Here each one is named once,
+wrapped in a small function, and listed in ``PRIVATE_APIS`` with the check ``check_private_apis``
+runs: a test calls it, so a torch that changed one fails that test with the API's name, not deep
+inside a step with an ``AttributeError``. Nothing else in ``pipetrain`` touches a private torch name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+__all__ = [
+    "PRIVATE_APIS",
+    "GradientEdge",
+    "Node",
+    "accumulate_grad_variable",
+    "add_lists_",
+    "check_private_apis",
+    "engine_run_backward",
+    "get_gradient_edge",
+    "store_of",
+]
+
+try:  # the engine entry point behind torch.autograd.grad / backward (skips their checks)
+    from torch.autograd.graph import _engine_run_backward
+except ImportError:  # pragma: no cover - other torch versions: the public wrappers below
+    _engine_run_backward = None
+
+
+def engine_run_backward(
+    roots: Sequence[GradientEdge],
+    grads: Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    *,
+    retain_graph: bool,
+    accumulate: bool,
+):
+    """``torch.autograd.backward`` (``accumulate``: into ``.grad``, returns nothing useful) or
+    ``torch.autograd.grad`` (``allow_unused``: a tuple with ``None`` for unreached inputs),
+    entered at the engine itself when every root gradient is a tensor: the public functions'
+    argument checks cost more host time than a small stage's backward kernels take to launch."""
+    if _engine_run_backward is None or not all(isinstance(g, torch.Tensor) for g in grads):
+        if accumulate:
+            return torch.autograd.backward(
+                list(roots), list(grads), retain_graph=retain_graph, inputs=list(inputs)
+            )
+        return torch.autograd.grad(
+            list(roots), list(inputs), list(grads), retain_graph=retain_graph, allow_unused=True
+        )
+    return _engine_run_backward(
+        tuple(roots),
+        tuple(grads),
+        retain_graph,
+        False,
+        tuple(inputs),
+        allow_unreachable=True,
+        accumulate_grad=accumulate,
+    )
+
+
+def accumulate_grad_variable(node: Node) -> torch.Tensor | None:
+    """The leaf tensor of an ``AccumulateGrad`` node (its undocumented ``variable`` attribute), or
+    ``None`` for any other node: what ``get_gradient_edge(leaf).node`` finds, at a fraction of
+    the cost, while the graph is walked anyway."""
+    return getattr(node, "variable", None)
+
+
+def add_lists_(into: list[torch.Tensor], adds: list[torch.Tensor]) -> None:
+    """``into[i] += adds[i]`` for every ``i`` in one C++ loop (``torch._foreach_add_``)."""
+    torch._foreach_add_(into, adds)
+
+
+def store_of(group) -> dist.Store:
+    """The key-value store behind ``group`` (the default group's when ``group`` is ``None``),
+    for exchanges that must honour a timeout of their own (``dist.Store.wait`` takes one; gloo's
+    object collectives ignore the pipeline's)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return c10d._get_default_store() if group is None else c10d._get_process_group_store(group)
+
+
+def _check_engine() -> None:
+    if _engine_run_backward is None:
+        raise AttributeError("torch.autograd.graph._engine_run_backward is missing")
+    x = torch.ones(2, requires_grad=True)
+    y = (x * 3.0).sum()
+    (g,) = engine_run_backward(
+        [get_gradient_edge(y)], [torch.ones(())], [x], retain_graph=False, accumulate=False
+    )
+    if not torch.equal(g, torch.full((2,), 3.0)):
+        raise AssertionError(f"engine_run_backward returned {g}, expected [3, 3]")
+
+
+def _check_variable() -> None:
+    x = torch.ones(2, requires_grad=True)
+    node = get_gradient_edge(x).node
+    if accumulate_grad_variable(node) is not x:
+        raise AssertionError("AccumulateGrad.variable is not the leaf tensor")
+    y = x * 2.0
+    if y.grad_fn is None or accumulate_grad_variable(y.grad_fn) is not None:
+        raise AssertionError("a non-leaf node has a 'variable' attribute")
+
+
+def _check_foreach() -> None:
+    a = [torch.zeros(2), torch.ones(3)]
+    add_lists_(a, [torch.ones(2), torch.ones(3)])
+    if not (torch.equal(a[0], torch.ones(2)) and torch.equal(a[1], torch.full((3,), 2.0))):
+        raise AssertionError("torch._foreach_add_ did not add in place")
+
+
+def _check_prehook() -> None:
+    x = torch.ones(2, requires_grad=True)
+    y = x * 2.0
+    seen = []
+    handle = y.grad_fn.register_prehook(lambda grads: seen.append(grads))
+    y.sum().backward()
+    handle.remove()
+    if len(seen) != 1:
+        raise AssertionError("Node.register_prehook's hook did not run once")
+
+
+def _check_store() -> None:
+    from torch.distributed import distributed_c10d as c10d
+
+    for name in ("_get_default_store", "_get_process_group_store"):
+        if not callable(getattr(c10d, name, None)):
+            raise AttributeError(f"torch.distributed.distributed_c10d.{name} is missing")
+    if not hasattr(dist.Store, "wait") or not hasattr(dist.Store, "add"):
+        raise AttributeError("torch.distributed.Store lacks wait/add")
+    _ = timedelta  # Store.wait takes a list of keys and a timedelta
+
+
+#: (API, what pipetrain uses it for, check). ``check_private_apis`` runs every check.
+PRIVATE_APIS: tuple[tuple[str, str, Callable[[], None]], ...] = (
+    (
+        "torch.autograd.graph._engine_run_backward",
+        "enter the autograd engine without autograd.grad/backward's argument checks",
+        _check_engine,
+    ),
+    (
+        "AccumulateGrad node attribute 'variable'",
+        "find a leaf's gradient node while walking a graph (split_backward)",
+        _check_variable,
+    ),
+    ("torch._foreach_add_", "add many gradients into .grad in one call", _check_foreach),
+    (
+        "torch.autograd.graph.Node.register_prehook",
+        "capture and pin the gradient entering a boundary node (split_backward)",
+        _check_prehook,
+    ),
+    (
+        "torch.distributed.distributed_c10d._get_default_store / _get_process_group_store",
+        "agree across ranks with a timeout (agreement, failure notices)",
+        _check_store,
+    ),
+)
+
+
+def check_private_apis() -> list[str]:
+    """Run every check; returns one line per API that changed (empty: this torch is fine)."""
+    broken = []
+    for name, use, check in PRIVATE_APIS:
+        try:
+            check()
+        except Exception as e:
+            broken.append(
+                f"{name} (used to {use}) changed in torch {torch.__version__}: "
+                f"{type(e).__name__}: {e}"
+            )
+    return broken

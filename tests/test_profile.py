@@ -1,0 +1,107 @@
+"""The profiler on CPU: a costs file that round-trips, positive times, hand-counted bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from pipetrain.planner import load_costs, plan
+from pipetrain.runtime.profile_layers import CPU_BANDWIDTH, CPU_LATENCY_MS, GIB, profile
+
+
+def test_profile_counts_activation_and_static_bytes_by_hand(tmp_path) -> None:
+    torch.manual_seed(0)
+    b, d, h = 8, 16, 32
+    linear = nn.Linear(d, h).double()
+    mlp = nn.Sequential(nn.Linear(h, 2 * h), nn.GELU(), nn.Linear(2 * h, d)).double()
+    path = tmp_path / "costs.json"
+    x = torch.randn(b, d, dtype=torch.float64)
+    costs = profile(
+        [linear, mlp], x, repeats=2, warmup=1, names=["linear", "mlp"], path=path,
+        loss_fn=lambda y, t: ((y - t) ** 2).mean(), target=torch.zeros(b, d, dtype=torch.float64),
+    )  # fmt: skip
+    assert load_costs(path) == costs
+    first, second = costs.layers
+    assert [first.name, second.name] == ["linear", "mlp"]
+    # Linear saves its input; the MLP its input, the GELU's input and the second Linear's input;
+    # the loss (last layer) saves y - t
+    assert first.activation * GIB == 8 * b * d
+    assert second.activation * GIB == 8 * b * (h + 2 * h + 2 * h + d)
+    # AdamW: parameter + gradient + two states, float64
+    params = sum(p.numel() for p in linear.parameters())
+    assert first.params * GIB == 8 * params * 4
+    for layer in costs.layers:
+        assert layer.forward > 0 and layer.backward > 0
+        assert layer.backward_input > 0 and layer.backward_weight > 0
+    assert first.comm == pytest.approx(CPU_LATENCY_MS + 8 * b * h / CPU_BANDWIDTH * 1e3)
+    assert second.comm == 0.0  # the loss is the last layer's output: nothing is sent
+    assert costs.meta["optimizer"] == "adamw" and "model" in costs.meta["comm_method"]
+
+
+def test_profile_chains_tuples_and_feeds_the_planner() -> None:
+    class Pair(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x, y=None):
+            y = x if y is None else y
+            return self.a(x), self.b(y)
+
+    class Sum(nn.Module):
+        def forward(self, x, y):
+            return x + y
+
+    costs = profile(
+        [Pair(), Pair(), Sum()], torch.randn(3, 4), repeats=1, warmup=0, optimizer="sgd"
+    )
+    assert costs.num_layers == 3 and costs.split_backward
+    assert costs.layers[2].params == 0.0
+    pick = plan(costs, num_ranks=2, memory_gib=1.0, schedules=["1f1b"])
+    assert sum(pick.stage_layers) == 3
+
+
+def test_profile_refuses_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="unknown optimizer"):
+        profile([nn.Linear(2, 2)], torch.randn(1, 2), optimizer="lion")
+    with pytest.raises(ValueError, match="at least one layer"):
+        profile([], torch.randn(1, 2))
+
+
+def test_gpt_stages_cut_by_a_plan_hold_the_unsplit_weights() -> None:
+    from pipetrain.app.models.gpt import GPTConfig, build_gpt
+    from pipetrain.app.profile_model import gpt_stage
+
+    cfg = GPTConfig(vocab_size=16, seq_len=8, num_layers=4, hidden=8, num_heads=2)
+    whole = build_gpt(cfg).state_dict()
+    for cut in ((1, 4, 1), (3, 3), (2, 1, 2, 1), (6,)):
+        parts = [gpt_stage(cfg, cut, s).state_dict() for s in range(len(cut))]
+        union = {k: v for part in parts for k, v in part.items()}
+        assert sum(len(p) for p in parts) == len(union) == len(whole)
+        assert all(torch.equal(union[k], v) for k, v in whole.items())
+    with pytest.raises(ValueError, match="summing to 6"):
+        gpt_stage(cfg, (2, 2), 0)
+
+
+def test_cli_profile_writes_a_costs_file_the_planner_reads(tmp_path, capsys) -> None:
+    from pipetrain.cli import main
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny layers on a shared box: thread hand-offs dominate
+    try:
+        _cli_profile(tmp_path, capsys, main)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _cli_profile(tmp_path, capsys, main) -> None:
+    out = tmp_path / "gpt.json"
+    args = ["--layers", "2", "--hidden", "8", "--heads", "2", "--vocab", "32", "--seq-len", "8"]
+    assert main(["profile", "--out", str(out), *args, "--repeats", "1", "--device", "cpu"]) == 0
+    costs = load_costs(out)
+    assert [layer.name for layer in costs.layers] == ["embed", "block0", "block1", "head"]
+    assert costs.meta["model"] == "gpt"
+    assert main(["plan", "--costs", str(out), "--ranks", "2", "--memory-gib", "1", "--json"]) == 0
+    assert main(["profile", "--out", str(out), "--layers", "0"]) == 2
+    assert "--layers must be >= 1" in capsys.readouterr().err

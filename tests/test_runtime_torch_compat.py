@@ -1,0 +1,51 @@
+"""The private torch interfaces the runtime relies on still behave as it expects.
+
+A torch release that changes one fails here, naming the API, instead of deep inside a step."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from pipetrain.runtime import torch_compat
+
+RUNTIME = Path(torch_compat.__file__).parent
+
+
+def test_every_private_torch_api_still_works():
+    broken = torch_compat.check_private_apis()
+    assert not broken, "torch changed APIs pipetrain relies on:\n" + "\n".join(broken)
+
+
+def test_a_changed_api_is_reported_by_name(monkeypatch):
+    monkeypatch.setattr(torch_compat, "_engine_run_backward", None)
+    broken = torch_compat.check_private_apis()
+    assert len(broken) == 1 and "torch.autograd.graph._engine_run_backward" in broken[0]
+
+
+def _private_torch_names(path: Path) -> list[str]:
+    """``torch....._name`` attribute chains and ``from torch... import _name`` in ``path``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch"):
+            found += [f"{node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+            if any(part.startswith("_") for part in (node.module or "").split(".")):
+                found.append(node.module or "")
+        elif isinstance(node, ast.Attribute) and node.attr.startswith("_"):
+            if node.attr.startswith("__"):
+                continue  # torch.__version__ and the like are public
+            base = node.value
+            while isinstance(base, ast.Attribute):
+                base = base.value
+            if isinstance(base, ast.Name) and base.id in ("torch", "dist", "c10d"):
+                found.append(f"{base.id}...{node.attr}")
+    return found
+
+
+@pytest.mark.parametrize(
+    "path", sorted(p for p in RUNTIME.glob("*.py") if p.name != "torch_compat.py"), ids=str
+)
+def test_no_other_runtime_module_touches_private_torch_names(path):
+    assert _private_torch_names(path) == []
