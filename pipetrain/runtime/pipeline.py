@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipetrain.runtime import grad_norm, losses, microbatch
+from pipetrain.runtime import checkpoint, grad_norm, losses, microbatch, side_inputs
 from pipetrain.runtime import tied as tied_weights
 from pipetrain.runtime.agreement import Agreement, pipeline_prefix
 from pipetrain.runtime.data_parallel import DataParallel, check_wrapping, mesh_groups
@@ -184,6 +184,8 @@ class Pipeline:
         )
         self._caches: dict[str, MetaCache] = {}
         self._eval_program: Program | None = None
+        self._side: tuple[dict, ...] = ()
+        self._side_keywords_all: list | None = None
         self.last_timeline: Timeline | None = None
         self.closed = False
 
@@ -238,13 +240,25 @@ class Pipeline:
                     seen.add(id(p))
                     yield p
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters and buffers by global name (``runtime.checkpoint``): the union
+        over the ranks is the unsplit model's state dict."""
+        return checkpoint.model_state(self.modules[s] for s in sorted(self.modules))
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy this rank's tensors from ``state`` (a whole model's, or any ranks' union);
+        a missing name is a ``KeyError`` naming it, a shape mismatch a ``ValueError``."""
+        checkpoint.load_model_state([self.modules[s] for s in sorted(self.modules)], state)
+
     @stops_on_failure
-    def step(self, inputs, targets, timeline: bool = False) -> torch.Tensor:
-        """One training step; returns the micro-batch-weighted mean loss on every rank.
+    def step(self, inputs, targets, timeline: bool = False, *, side=None) -> torch.Tensor:
+        """One training step; returns the batch's loss (per ``loss_reduction``) on every rank.
 
         Gradients accumulate into ``.grad`` (zero them as with any torch training loop).
+        ``side``: side inputs by name (an attention mask...), given to the stages whose forward
+        takes them, split per micro-batch where batched (``runtime.side_inputs``).
         """
-        mbs = self._split(inputs, targets)
+        mbs = self._split(inputs, targets, side)
         if self.data_parallel is not None:
             self.data_parallel.check_batch(mbs.batch_size)
         weights = losses.weights(
@@ -258,7 +272,7 @@ class Pipeline:
         rows = self.program.actions[self.rank]
         self.tied_grads.begin_step()
         self._execute(rows, mbs, "train", timeline, self.program.name)
-        self.tied_grads.end_step()
+        self.tied_grads.end_step(self.transport, self.rank)
         loss = self._agree_on_loss(mbs.weights)
         if self.data_parallel is not None:
             loss = self.data_parallel.global_loss(loss)
@@ -288,11 +302,11 @@ class Pipeline:
         return counted, grads
 
     @stops_on_failure
-    def eval_step(self, inputs):
+    def eval_step(self, inputs, *, side=None):
         """Forward only; the last stage's outputs (merged) on the rank that holds it, else None."""
         if self._eval_program is None:
             self._eval_program = _forward_only(self.program)
-        mbs = self._split(inputs, None)
+        mbs = self._split(inputs, None, side)
         rows = self._eval_program.actions[self.rank]
         with torch.no_grad():
             results = self._execute(rows, mbs, "eval", False, self.program.name)
@@ -301,7 +315,7 @@ class Pipeline:
         outs = [results[j] for j in range(self.num_microbatches)]
         return microbatch.merge(outs, single=len(outs[0]) == 1)
 
-    def _split(self, inputs, targets) -> microbatch.MicroBatches:
+    def _split(self, inputs, targets, side=None) -> microbatch.MicroBatches:
         _require_process_group()
         if self.closed:
             why = f" after a failure ({self._failure})" if getattr(self, "_failure", None) else ""
@@ -312,7 +326,24 @@ class Pipeline:
             ys = targets.to(self.device)
         elif isinstance(targets, (tuple, list)):
             ys = tuple(t.to(self.device) for t in microbatch.as_tuple(targets, "targets"))
-        return microbatch.split(xs, ys, self.num_microbatches)
+        mbs = microbatch.split(xs, ys, self.num_microbatches)
+        self._side = ()
+        if side:
+            side_inputs.check(side, self._side_keywords())
+            self._side = side_inputs.split(side, mbs.batch_size, self.num_microbatches, self.device)
+        return mbs
+
+    def _side_keywords(self) -> list:
+        """Every stage's side-input names (gathered from all ranks on first use)."""
+        if self._side_keywords_all is None:
+            mine = [r.side_keywords for r in self.runners.values()]
+            everyone: list = [None] * self.world_size
+            if self.world_size > 1:
+                dist.all_gather_object(everyone, mine, group=self.group)
+            else:
+                everyone = [mine]
+            self._side_keywords_all = [k for part in everyone for k in part]
+        return self._side_keywords_all
 
     def _execute(self, rows, mbs, mode: str, timeline: bool, name: str):
         signature = (mbs.batch_size, *((tuple(x.shape), x.dtype) for x in mbs.inputs[0]))
@@ -337,7 +368,7 @@ class Pipeline:
             self.side_stream,
             after,
         )
-        data = StepData(mbs.inputs, mbs.targets, mbs.weights)
+        data = StepData(mbs.inputs, mbs.targets, mbs.weights, self._side)
         executor.run(rows, data, cache, recorder, train=mode == "train", discover=discover)
         if self.data_parallel is not None:
             if mode == "train":
