@@ -449,18 +449,18 @@ def run_refusals_and_eval(rank: int, world: int) -> dict:
         )
 
     tokens, targets, mask = batch(4)
-    good = pipe()
+    # a step that fails closes its pipeline (docs/runtime.md): each refusal gets a fresh one
     out = {
         "reduction": error_of(lambda: pipe(loss_reduction="median")),
         "tied_name": error_of(lambda: pipe(tied=[("embed.weight", "nope.weight")])),
-        "side_name": error_of(lambda: good.step(tokens, targets, side={"attn_mask": mask})),
+        "side_name": error_of(lambda: pipe().step(tokens, targets, side={"attn_mask": mask})),
         "side_grad": error_of(
-            lambda: good.step(tokens, targets, side={"attention_mask": mask.requires_grad_()})
+            lambda: pipe().step(tokens, targets, side={"attention_mask": mask.requires_grad_()})
         ),
-        "no_tokens": error_of(lambda: good.step(tokens, torch.full_like(targets, IGNORE))),
+        "no_tokens": error_of(lambda: pipe().step(tokens, torch.full_like(targets, IGNORE))),
     }
     mask = mask.detach()
-    result = good.eval_step(tokens, side={"attention_mask": mask})
+    result = pipe().eval_step(tokens, side={"attention_mask": mask})
     expected = run_unsplit(build_layers(layer_count(world)), tokens, mask).detach()
     out["eval_close"] = None if result is None else close(result, expected)
     return out

@@ -174,6 +174,12 @@ def _owners_group(group, owners: tuple[int, ...]):
     if len(owners) < 2:
         return None
     ranks = [_global(group, r) for r in owners]
+    if group is None:
+        # Every rank of the world builds this pipeline, so all can take part: a group named by
+        # torch's counter. (Local synchronisation names a group by its ranks alone, so a second
+        # pipeline tying over the same ranks would collide with the first.)
+        made = dist.new_group(ranks)
+        return made if dist.get_rank() in ranks else None
     if dist.get_rank() not in ranks:
         return None
     return dist.new_group(ranks, use_local_synchronization=True)
