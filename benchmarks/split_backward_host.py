@@ -5,8 +5,12 @@ so wall time is essentially host overhead: Python graph walking, hook registrati
 engine calls. The runtime's pattern is simulated: a fresh forward per micro-batch, then ``I``,
 then ``W`` (or ``B`` alone), and the graph dropped.
 
-``--baseline REV`` also times the module as it was at git revision ``REV`` (loaded from
-``git show``), so before/after numbers come from one run::
+The split timed is ``split_backward.GraphReplay`` (one per block count, as one per stage in the
+runtime), called through its ``BackwardSplit`` methods as ``StageRunner`` calls it. ``--baseline
+REV`` also times ``split_backward.py`` as it was at git revision ``REV`` (loaded from ``git
+show``): its ``GraphReplay`` where it has one, else (revisions before the ``BackwardSplit``
+protocol) its module-level ``backward_full``/``backward_input``/``backward_weight``, so
+before/after numbers come from one run::
 
     .venv/bin/python benchmarks/split_backward_host.py --baseline HEAD
 
@@ -63,30 +67,58 @@ def load_module(rev: str | None):
     return mod
 
 
+class ModuleFunctions:
+    """A revision before the ``BackwardSplit`` protocol: its module-level functions, called as
+    this benchmark called them then (one plan cache per process, shared by every stage)."""
+
+    def __init__(self, mod) -> None:
+        self.mod = mod
+
+    def call(self, module: nn.Module, args: tuple[torch.Tensor, ...]):
+        return module(*args)
+
+    def backward_full(self, roots, grads, inputs, params, hooks: bool):
+        return self.mod.backward_full(roots, grads, inputs)
+
+    def backward_input(self, roots, grads, inputs, params, last_piece: bool = False):
+        return self.mod.backward_input(roots, grads, inputs, params)
+
+    def backward_weight(self, work, hooks: bool = True) -> None:
+        self.mod.backward_weight(work)
+
+
+def new_split(mod):
+    """A fresh split of ``mod``'s kind for one stage (its own plan cache)."""
+    if hasattr(mod, "GraphReplay"):
+        return mod.GraphReplay()
+    return ModuleFunctions(mod)
+
+
 def stage(blocks: int) -> nn.Module:
     torch.manual_seed(0)
     cfg = GPTConfig(hidden=64, num_heads=4, seq_len=16)
     return nn.Sequential(*(Block(cfg) for _ in range(blocks)))
 
 
-def measure(sb, net: nn.Module, steps: int, warmup: int) -> dict[str, float]:
+def measure(split, net: nn.Module, steps: int, warmup: int) -> dict[str, float]:
+    """Median µs of ``B`` (an ordinary backward: ``hooks``), ``I`` and ``W`` on ``net``."""
     params = [p for p in net.parameters() if p.requires_grad]
     times: dict[str, list[float]] = {"B": [], "I": [], "W": []}
     clock = time.perf_counter
     for step in range(warmup + steps):
         keep = step >= warmup
         x = torch.randn(2, 16, 64, requires_grad=True)
-        out = net(x)
+        out = split.call(net, (x,))
         g = torch.randn_like(out)
         t0 = clock()
-        sb.backward_full([get_gradient_edge(out)], [g], [x])
+        split.backward_full([get_gradient_edge(out)], [g], [x], params, hooks=True)
         t1 = clock()
         x = torch.randn(2, 16, 64, requires_grad=True)
-        out = net(x)
+        out = split.call(net, (x,))
         t2 = clock()
-        _, work = sb.backward_input([get_gradient_edge(out)], [g], [x], params)
+        _, work = split.backward_input([get_gradient_edge(out)], [g], [x], params)
         t3 = clock()
-        sb.backward_weight(work)
+        split.backward_weight(work)
         t4 = clock()
         del work, out
         if keep:
@@ -112,8 +144,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, {args.threads} thread(s), median µs of {args.steps}")
     print(f"{'version':>10} {'blocks':>6} {'B':>8} {'I':>8} {'W':>8} {'I+W':>8}")
     for blocks in (1, 2):
-        for name, sb in versions:
-            r = measure(sb, stage(blocks), args.steps, args.warmup)
+        for name, mod in versions:
+            r = measure(new_split(mod), stage(blocks), args.steps, args.warmup)
             print(
                 f"{name:>10} {blocks:>6} {r['B']:8.0f} {r['I']:8.0f} {r['W']:8.0f} "
                 f"{r['I'] + r['W']:8.0f}"

@@ -8,9 +8,14 @@ A diagnostic, not a target: the split backward's device time is already that of 
 
 * the host cost of one bare autograd engine call on this device (a one-node graph), which each
   ``W`` pays once per parameter group;
-* per piece (``F``, ``B``, ``I``, ``W``), host ms, the number of engine calls, of aten ops and of
-  kernel launches, and the top ops by host time (``torch.profiler``), with the GPU kept busy so
-  the host never waits for it.
+* per piece (``F``, ``B``, ``I``, ``W``; ``Fd``, ``Id``, ``Wd`` with the linears deferred), host
+  ms, the number of engine calls, of aten ops and of kernel launches, and the top ops by host
+  time (``torch.profiler``), with the GPU kept busy so the host never waits for it.
+
+The pieces are a ``BackwardSplit``'s methods on one block, as the runtime's ``StageRunner`` calls
+them for a micro-batch that is not the step's last weight piece: ``split_backward.GraphReplay``
+(``F``, ``B``, ``I``, ``W``) and ``deferred_wgrad.DeferredLinears`` (``Fd``, ``Id``, ``Wd``:
+``Pipeline(defer_weight_grads=True)``'s split).
 """
 
 from __future__ import annotations
@@ -23,12 +28,12 @@ import time
 from pathlib import Path
 
 import torch
-from split_backward_gpu import block_arguments, deferred_copy, make  # beside this script
+from split_backward_gpu import block_arguments, make  # beside this script
 from torch.autograd.graph import get_gradient_edge
 
 from pipetrain.app.models.gpt import GPTConfig
-from pipetrain.runtime import deferred_wgrad as dw
-from pipetrain.runtime import split_backward as sb
+from pipetrain.runtime.deferred_wgrad import DeferredLinears
+from pipetrain.runtime.split_backward import GraphReplay
 
 
 def host_ms(fn, reps: int, cuda: bool) -> float:
@@ -55,8 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = GPTConfig(hidden=a.hidden, num_heads=a.heads, seq_len=a.seq, num_layers=1)
     block, x, g = make(cfg, dev, dtype, a.batch)
     params = [q for q in block.parameters() if q.requires_grad]
-    dblock = deferred_copy(block)  # Id / Wd: Pipeline(defer_weight_grads=True)'s split
-    dparams = [q for q in dblock.parameters() if q.requires_grad]
+    sb = GraphReplay()
+    dw = DeferredLinears(block)  # Fd / Id / Wd: Pipeline(defer_weight_grads=True)'s split
     result: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu"}
 
     # one bare engine call: y = 2 * t, grad of t
@@ -72,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def fwd():
         xi = x.detach().requires_grad_()
-        out = block(xi)
+        out = sb.call(block, (xi,))
         state.update(xi=xi, roots=[get_gradient_edge(out)])
 
     def b():
@@ -87,12 +92,12 @@ def main(argv: list[str] | None = None) -> int:
 
     def fwd_d():
         xi = x.detach().requires_grad_()
-        out = dblock(xi)
+        out = dw.call(block, (xi,))
         state.update(xi=xi, roots=[get_gradient_edge(out)])
 
     def i_d():
         roots, xi = state["roots"], state["xi"]
-        state["work"] = dw.backward_input(roots, [g], [xi], dparams, hold=False)[1]
+        state["work"] = dw.backward_input(roots, [g], [xi], params, last_piece=False)[1]
 
     def w_d():
         dw.backward_weight(state["work"], hooks=False)

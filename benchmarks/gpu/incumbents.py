@@ -73,11 +73,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shared GPU helpers
-
-from gpu_pipeline import guarded, measure
+from gpu_pipeline import guarded, measure  # beside this script
 from gpu_setup import (
     FAMILIES,
     Ctx,
@@ -89,6 +85,7 @@ from gpu_setup import (
     stats,
     time_steps,
 )
+from torch import nn
 
 from pipetrain.app.models.gpt import GPTConfig, GPTStage, lm_loss, make_stage, stage_layers
 

@@ -3,9 +3,10 @@
     python benchmarks/gpu/split_backward_gpu.py [--out DIR]            # one GPU (CPU works, slowly)
 
 One ``Block`` from ``pipetrain.app.models.gpt`` (bf16, hidden 2048, sequence 1024, batch 4 by
-default). Each repetition runs a fresh forward, then either ``B`` (``backward_full``) or ``I``
-(``backward_input``) followed by ``W`` (``backward_weight``) — pipetrain's split-backward
-functions, the ones the runtime uses. Two timings, medians over many repetitions:
+default). Each repetition runs a fresh forward (the split's ``call``), then either ``B``
+(``backward_full``) or ``I`` (``backward_input``) followed by ``W`` (``backward_weight``) — a
+``BackwardSplit``'s methods, called as the runtime's ``StageRunner`` calls them. Two timings,
+medians over many repetitions:
 
 * **gpu**: CUDA events around each piece while the GPU is kept busy by a ``torch.cuda._sleep``
   issued first, so the host enqueues everything before the GPU reaches the events: pure device
@@ -16,38 +17,50 @@ functions, the ones the runtime uses. Two timings, medians over many repetitions
 Host (CPU) time to issue each piece is reported too. Correctness: I + W gradients (weights and
 input) against B's, relative error in bf16 on the big block and in float64 on a small one.
 
-Both ways of splitting are measured: ``split_backward``'s graph replay (rows ``gpu`` and
-``exposed``) and ``deferred_wgrad``'s deferred linear GEMMs (``Pipeline(defer_weight_grads=True)``;
-rows ``gpu-deferred`` and ``exposed-deferred``, on a copy of the block with the same weights).
+Both ways of splitting are measured on the same block: ``split_backward.GraphReplay`` (rows
+``gpu`` and ``exposed``; ``W`` through ``AccumulateGrad``) and ``deferred_wgrad.DeferredLinears``,
+the deferred linear GEMMs (``Pipeline(defer_weight_grads=True)``; rows ``gpu-deferred`` and
+``exposed-deferred``; ``I`` and ``W`` as for a micro-batch that is not the step's last weight
+piece, ``W`` adding straight into ``.grad``). ``B`` is an ordinary backward in both.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch.autograd.graph import get_gradient_edge
 
 from pipetrain.app.models.gpt import Block, GPTConfig
-from pipetrain.runtime import deferred_wgrad
-from pipetrain.runtime.split_backward import backward_full, backward_input, backward_weight
+from pipetrain.runtime.backward_split import BackwardSplit
+from pipetrain.runtime.deferred_wgrad import DeferredLinears
+from pipetrain.runtime.split_backward import GraphReplay
 
 
-def deferred_copy(block):
-    """The block with its linears deferred (``Pipeline(defer_weight_grads=True)``'s split)."""
-    out = copy.deepcopy(block)
-    deferred_wgrad.defer_linear_weight_grads(out)
-    return out
+@dataclass
+class Split:
+    """One way to split the block's backward, and whether its ``W`` goes through
+    ``AccumulateGrad`` (``hooks``; otherwise straight into ``.grad``)."""
+
+    split: BackwardSplit
+    w_hooks: bool
 
 
-def is_deferred(block) -> bool:
-    return any(isinstance(m, deferred_wgrad.DeferredLinear) for m in block.modules())
+def replay() -> Split:
+    """``split_backward``'s graph replay (``Pipeline(defer_weight_grads=False)``)."""
+    return Split(GraphReplay(), w_hooks=True)
+
+
+def deferred(block) -> Split:
+    """The block's linears deferred (``Pipeline(defer_weight_grads=True)``'s split); the block
+    itself is unchanged (the split reroutes its linears only inside ``call``)."""
+    return Split(DeferredLinears(block), w_hooks=False)
 
 
 def make(cfg: GPTConfig, device, dtype, batch: int, seed: int = 0):
@@ -60,31 +73,26 @@ def make(cfg: GPTConfig, device, dtype, batch: int, seed: int = 0):
     return block, x, g
 
 
-def forward(block, x):
+def forward(block, split: Split, x):
     xi = x.detach().requires_grad_()
-    out = block(xi)
+    out = split.split.call(block, (xi,))
     return xi, [get_gradient_edge(out)]
 
 
-def run_b(block, x, g, marks):
-    xi, roots = forward(block, x)
+def run_b(block, split: Split, x, g, marks, params):
+    xi, roots = forward(block, split, x)
     marks("start")
-    found = backward_full(roots, [g], [xi])
+    found = split.split.backward_full(roots, [g], [xi], params, hooks=True)
     marks("b")
     return found
 
 
-def run_iw(block, x, g, marks, params):
-    xi, roots = forward(block, x)
+def run_iw(block, split: Split, x, g, marks, params):
+    xi, roots = forward(block, split, x)
     marks("start")
-    if is_deferred(block):
-        found, work = deferred_wgrad.backward_input(roots, [g], [xi], params, hold=False)
-        marks("i")
-        deferred_wgrad.backward_weight(work, hooks=False)
-    else:
-        found, work = backward_input(roots, [g], [xi], params)
-        marks("i")
-        backward_weight(work)
+    found, work = split.split.backward_input(roots, [g], [xi], params, last_piece=False)
+    marks("i")
+    split.split.backward_weight(work, hooks=split.w_hooks)
     marks("w")
     del work
     return found
@@ -115,7 +123,7 @@ class Marks:
         return out
 
 
-def bench(block, x, g, reps: int, warmup: int, cuda: bool, busy: bool) -> dict:
+def bench(block, split: Split, x, g, reps: int, warmup: int, cuda: bool, busy: bool) -> dict:
     params = [p for p in block.parameters() if p.requires_grad]
     res: dict[str, list[float]] = {k: [] for k in ("b", "i", "w", "host_b", "host_i", "host_w")}
     for r in range(warmup + reps):
@@ -127,9 +135,9 @@ def bench(block, x, g, reps: int, warmup: int, cuda: bool, busy: bool) -> dict:
                     torch.cuda._sleep(100_000_000)  # ~50 ms: the host runs ahead of the GPU
             marks = Marks(cuda)
             if which == "b":
-                run_b(block, x, g, marks)
+                run_b(block, split, x, g, marks, params)
             else:
-                run_iw(block, x, g, marks, params)
+                run_iw(block, split, x, g, marks, params)
             if r < warmup:
                 marks.durations()
                 continue
@@ -149,13 +157,14 @@ def bench(block, x, g, reps: int, warmup: int, cuda: bool, busy: bool) -> dict:
     }
 
 
-def grads_of(block, x, g, split: bool):
+def grads_of(block, split: Split, x, g, whole: bool):
+    """Every gradient (and the input's) from ``B`` (``whole``) or from ``I`` then ``W``."""
     block.zero_grad(set_to_none=True)
     params = [p for p in block.parameters() if p.requires_grad]
-    if split:
-        found = run_iw(block, x, g, lambda _: None, params)
+    if whole:
+        found = run_b(block, split, x, g, lambda _: None, params)
     else:
-        found = run_b(block, x, g, lambda _: None)
+        found = run_iw(block, split, x, g, lambda _: None, params)
     out = {n: p.grad.detach().clone() for n, p in block.named_parameters()}
     out["<input>"] = found[0].detach().clone()
     return out
@@ -200,14 +209,14 @@ def main(argv: list[str] | None = None) -> int:
     # correctness: float64 small block, then the big block in its own dtype
     small = GPTConfig(hidden=64, num_heads=4, seq_len=16, num_layers=1)
     blk, x, g = make(small, device, torch.float64, 2)
-    ref64 = grads_of(blk, x, g, False)
-    err64, where64 = max_rel_error(grads_of(blk, x, g, True), ref64)
-    err64d, where64d = max_rel_error(grads_of(deferred_copy(blk), x, g, True), ref64)
+    ref64 = grads_of(blk, replay(), x, g, whole=True)
+    err64, where64 = max_rel_error(grads_of(blk, replay(), x, g, whole=False), ref64)
+    err64d, where64d = max_rel_error(grads_of(blk, deferred(blk), x, g, whole=False), ref64)
     blk, x, g = make(cfg, device, dtype, a.batch)
-    dblk = deferred_copy(blk)
-    ref = grads_of(blk, x, g, False)
-    err, where = max_rel_error(grads_of(blk, x, g, True), ref)
-    errd, whered = max_rel_error(grads_of(dblk, x, g, True), ref)
+    splits = {"": replay(), "-deferred": deferred(blk)}
+    ref = grads_of(blk, splits[""], x, g, whole=True)
+    err, where = max_rel_error(grads_of(blk, splits[""], x, g, whole=False), ref)
+    errd, whered = max_rel_error(grads_of(blk, splits["-deferred"], x, g, whole=False), ref)
     result.update(rel_err_float64=err64, rel_err_float64_at=where64, rel_err=err, rel_err_at=where)
     result.update(
         deferred_rel_err_float64=err64d,
@@ -219,8 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     for mode, busy in (("gpu", True), ("exposed", False)):
         if mode == "gpu" and not cuda:
             continue
-        result[mode] = bench(blk, x, g, a.reps, a.warmup, cuda, busy)
-        result[mode + "-deferred"] = bench(dblk, x, g, a.reps, a.warmup, cuda, busy)
+        for suffix, split in splits.items():
+            result[mode + suffix] = bench(blk, split, x, g, a.reps, a.warmup, cuda, busy)
 
     lines = [
         "",
