@@ -78,6 +78,21 @@ def check_wrapping(modules: dict[int, nn.Module], kind: str | None) -> None:
             )
 
 
+def check_tied(kind: str | None, tied_names: list[tuple[str, ...]]) -> None:
+    """Refuse tied weights under FSDP2 (on every rank alike: the tied sets are global).
+
+    ``fully_shard`` swaps each stage's parameters for sharded ``DTensor``s of its own, so a
+    parameter two stages share on one rank (V placements) would be sharded twice, and the tied
+    sum would have to run on the shards after the reduce-scatter; neither is done yet."""
+    if kind == "fsdp" and tied_names:
+        raise ValueError(
+            f"tied weights {list(tied_names[0])} with data_parallel='fsdp' are not supported yet "
+            "(fully_shard replaces the stages' parameters with sharded copies, so the tied "
+            "gradient sum has no shared tensor to run on); use data_parallel='ddp', or untie "
+            "the weights"
+        )
+
+
 class DataParallel:
     """The replicas of this rank's stages and the once-a-step sync (see the module docstring).
 
@@ -97,6 +112,7 @@ class DataParallel:
         dp_mesh,
         device: torch.device,
         reduction: str = "mean",
+        tied: frozenset[int] = frozenset(),
     ) -> None:
         if kind not in KINDS:
             raise ValueError(f"data_parallel={kind!r}; legal values: {', '.join(KINDS)}")
@@ -104,6 +120,8 @@ class DataParallel:
             raise ValueError(f"reduction={reduction!r}; legal values: {', '.join(REDUCTIONS)}")
         self.kind = kind
         self.reduction = reduction
+        #: ids of tied parameters: ``runtime.tied`` reduces them over owners × replicas
+        self.tied = tied
         self.modules = modules
         self.group = dp_group
         self.size = dist.get_world_size(dp_group)
@@ -112,13 +130,11 @@ class DataParallel:
         self._finished: set[int] = set()
         self._held: dict[int, list] = {}  # DDP: gradients from earlier steps, per stage
         if kind == "ddp":
-            from torch.nn.parallel import DistributedDataParallel
-
             ids = [device.index] if device.type == "cuda" else None
             for s, module in modules.items():
-                if any(p.requires_grad for p in module.parameters()):
-                    self.wrappers[s] = DistributedDataParallel(
-                        module, device_ids=ids, process_group=dp_group
+                if any(True for _ in self._trainable(module)):
+                    self.wrappers[s] = _ddp_without(
+                        module, tied, device_ids=ids, process_group=dp_group
                     )
                     if reduction == "sum":
                         self.wrappers[s].register_comm_hook(dp_group, _all_reduce_sum)
@@ -162,7 +178,7 @@ class DataParallel:
             # reduction sees this step's alone (a summed reduction would count them again).
             self._held = {}
             for s in self.wrappers:
-                held = [(p, p.grad) for p in _trainable(self.modules[s]) if p.grad is not None]
+                held = [(p, p.grad) for p in self._trainable(self.modules[s]) if p.grad is not None]
                 for p, _ in held:
                     p.grad = None
                 self._held[s] = held
@@ -181,8 +197,12 @@ class DataParallel:
             return
         self._finished.add(stage)
         module = self.modules[stage]
-        params = [p for p in _trainable(module)]
-        missing = [n for n, p in module.named_parameters() if p.requires_grad and p.grad is None]
+        params = list(self._trainable(module))
+        missing = [
+            n
+            for n, p in module.named_parameters()
+            if p.requires_grad and p.grad is None and id(p) not in self.tied
+        ]
         if missing:
             raise ValueError(
                 f"stage {stage}: trainable parameter {missing[0]!r} got no gradient this step; "
@@ -222,6 +242,14 @@ class DataParallel:
             value /= self.size
         return value[0].to(loss.dtype)
 
+    def _trainable(self, module: nn.Module) -> Iterator[nn.Parameter]:
+        """The trainable parameters this wrapper syncs (tied ones are ``runtime.tied``'s)."""
+        seen: set[int] = set(self.tied)
+        for p in module.parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                yield p
+
 
 def _all_reduce_sum(group, bucket):  # no annotations: DDP compares them as objects, not strings
     """A DDP comm hook: the bucket summed over the group (DDP's default divides by its size)."""
@@ -229,12 +257,24 @@ def _all_reduce_sum(group, bucket):  # no annotations: DDP compares them as obje
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
-def _trainable(module: nn.Module) -> Iterator[nn.Parameter]:
-    seen: set[int] = set()
-    for p in module.parameters():
-        if p.requires_grad and id(p) not in seen:
-            seen.add(id(p))
-            yield p
+def _ddp_without(module: nn.Module, ignored: frozenset[int], **kwargs) -> nn.Module:
+    """``DistributedDataParallel`` of ``module`` leaving the parameters ``ignored`` alone (DDP's
+    ``_ddp_params_and_buffers_to_ignore``, set only while DDP reads it, added to the caller's)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    key = "_ddp_params_and_buffers_to_ignore"
+    names = {n for n, p in module.named_parameters(remove_duplicate=False) if id(p) in ignored}
+    if not names:
+        return DistributedDataParallel(module, **kwargs)
+    before = getattr(module, key, None)
+    setattr(module, key, names | set(before or ()))
+    try:
+        return DistributedDataParallel(module, **kwargs)
+    finally:
+        if before is None:
+            delattr(module, key)
+        else:
+            setattr(module, key, before)
 
 
 def _fsdp_modules(module: nn.Module) -> list[nn.Module]:

@@ -23,7 +23,7 @@ from torch import nn
 
 from pipetrain.runtime import grad_norm, losses, microbatch
 from pipetrain.runtime import tied as tied_weights
-from pipetrain.runtime.data_parallel import DataParallel, check_wrapping, mesh_groups
+from pipetrain.runtime.data_parallel import DataParallel, check_tied, check_wrapping, mesh_groups
 from pipetrain.runtime.executor import Executor, MetaCache, StepData
 from pipetrain.runtime.p2p import DTYPE_CODE, DTYPES, Transport
 from pipetrain.runtime.stage import StageRunner, arity
@@ -110,12 +110,6 @@ class Pipeline:
             self.data_parallel_group = dp_group
             if data_parallel == "fsdp":
                 self.norm_groups = [dp_group]
-            if tied:
-                raise ValueError(
-                    "tied= with data_parallel= is not supported yet (the tied sum and the "
-                    "replicas' gradient hooks are not ordered); untie the weights or run without "
-                    "data parallelism"
-                )
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -132,6 +126,11 @@ class Pipeline:
         self.last_rank = self.placement.rank(self.last_stage)
         self.modules = _local_modules(stages, self.placement.stages_of_rank(self.rank), self.device)
         check_wrapping(self.modules, data_parallel)
+        # before data parallel wraps the stages: tied parameters are reduced by runtime.tied
+        self.tied_sets = tied_weights.build(
+            tied, self.modules, group, self.rank, self.world_size, dp_group
+        )
+        check_tied(data_parallel, [t.names for t in self.tied_sets])
         self.data_parallel = (
             DataParallel(
                 data_parallel,
@@ -141,6 +140,7 @@ class Pipeline:
                 self.device,
                 # a sum, or a mean over the global token count, adds the replicas' gradients
                 reduction="mean" if self.loss_reduction == "mean" else "sum",
+                tied=frozenset(id(p) for t in self.tied_sets for p in t.local),
             )
             if data_parallel is not None
             else None
@@ -154,8 +154,10 @@ class Pipeline:
         self._last_uses = _last_uses(self.program.actions[self.rank])
         self.arities = self._gather_arities()
         self._reverse_group = _reverse_group(group)
-        self.tied_sets = tied_weights.build(tied, self.modules, group, self.rank, self.world_size)
-        self.tied_grads = tied_weights.TiedGrads(self.tied_sets, self.runners)
+        averaged = self.data_parallel is not None and self.data_parallel.reduction == "mean"
+        self.tied_grads = tied_weights.TiedGrads(
+            self.tied_sets, self.runners, self.data_parallel.size if averaged else 1
+        )
         self.transport = Transport(
             self.rank, group, self.device, timeout, reverse_group=self._reverse_group
         )

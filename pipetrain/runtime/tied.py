@@ -42,7 +42,8 @@ class TiedSet:
     names: tuple[str, ...]
     owners: tuple[int, ...]  # pipeline-group ranks holding a replica
     local: list[nn.Parameter]
-    group: object = None  # a process group of the owners (None: a single owner)
+    group: object = None  # the owners (× data-parallel replicas) as a group; None: one rank
+    source: int = 0  # the global rank whose value every replica starts from
 
     @property
     def first_owner(self) -> int:
@@ -99,10 +100,16 @@ def build(
     group,
     rank: int,
     world: int,
+    dp_group=None,
 ) -> list[TiedSet]:
     """The tied sets of the whole pipeline, with this rank's replicas and the owners' groups.
 
-    Collective over the pipeline group: every rank must call it (``Pipeline`` does)."""
+    With data parallel (``dp_group``: this rank's replicas of the pipeline), a set's group spans
+    its owners in every replica: one all-reduce then both sums the uses and reduces over the
+    replicas (``TiedGrads(average_over=...)`` divides where the replicas are averaged).
+
+    Collective over the pipeline group and ``dp_group``: every rank must call it (``Pipeline``
+    does)."""
     local_sets = list(declared)
     local_sets += [names for m in modules.values() for names in getattr(m, "tied_names", ())]
     local_sets += shared_across(list(modules.values()))
@@ -144,20 +151,38 @@ def build(
         shapes = {tuple(p.shape) for p in local}
         if len(shapes) > 1:
             raise ValueError(f"tied parameters {names} have different shapes {sorted(shapes)}")
-        out.append(TiedSet(names, owners, local, _owners_group(group, owners)))
-    for tied in out:
-        _make_equal(tied, rank, group)
+        out.append(TiedSet(names, owners, local))
+    # the owners' global ranks, in every data-parallel replica (replica 0's first owner first)
+    mine = [[_global(group, r) for r in t.owners] for t in out]
+    replicas = [mine]
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        replicas = [None] * dist.get_world_size(dp_group)
+        dist.all_gather_object(replicas, mine, group=dp_group)
+    # every rank of the job takes part in this pipeline: all make each group, in one order
+    everyone = world * len(replicas) == dist.get_world_size()
+    for i, tied in enumerate(out):
+        ranks = [r for owners in replicas for r in owners[i]]
+        tied.source = ranks[0]
+        tied.group = _owners_group(ranks, everyone)
+        _make_equal(tied)
     return out
 
 
-def _owners_group(group, owners: tuple[int, ...]):
-    """A process group of the owning ranks (global numbering), made only by its members."""
-    if len(owners) < 2:
+def _owners_group(ranks: list[int], everyone: bool):
+    """A process group of the owning ranks (global numbering).
+
+    Made by every rank of the job where all of them run this pipeline (``new_group``'s default:
+    the group's name comes from a counter every rank advances alike). Otherwise only by its
+    members (``use_local_synchronization``), whose name hashes the ranks with the number of
+    groups a rank has made so far: it requires the members to have made equally many."""
+    if len(ranks) < 2:
         return None
-    ranks = [_global(group, r) for r in owners]
+    if everyone:
+        made = dist.new_group(sorted(ranks))
+        return made if dist.get_rank() in ranks else None
     if dist.get_rank() not in ranks:
         return None
-    return dist.new_group(ranks, use_local_synchronization=True)
+    return dist.new_group(sorted(ranks), use_local_synchronization=True)
 
 
 def _global(group, rank: int) -> int:
@@ -165,14 +190,14 @@ def _global(group, rank: int) -> int:
 
 
 @torch.no_grad()
-def _make_equal(tied: TiedSet, rank: int, group) -> None:
+def _make_equal(tied: TiedSet) -> None:
     """Replicas start equal: the first owner's first replica, broadcast to the others."""
     if not tied.local:
         return
     source = tied.local[0]
     if tied.group is not None:
         value = source.detach().clone()
-        dist.broadcast(value, _global(group, tied.first_owner), group=tied.group)
+        dist.broadcast(value, tied.source, group=tied.group)
         source.copy_(value)
     for p in tied.local[1:]:
         p.copy_(source)
@@ -181,8 +206,10 @@ def _make_equal(tied: TiedSet, rank: int, group) -> None:
 class TiedGrads:
     """Per step: hold the tied replicas' ``.grad`` aside, then sum, reduce and write it back."""
 
-    def __init__(self, sets: list[TiedSet], runners) -> None:
+    def __init__(self, sets: list[TiedSet], runners, average_over: int = 1) -> None:
         self.sets = [t for t in sets if t.local]
+        #: data-parallel replicas averaged (``reduction="mean"``), else 1 (summed)
+        self.average_over = average_over
         ids = {id(p) for t in self.sets for p in t.local}
         for runner in runners.values():
             runner.quiet_params = {id(p) for p in runner.module.parameters() if id(p) in ids}
@@ -209,6 +236,8 @@ class TiedGrads:
                 total += g
             if t.group is not None:
                 dist.all_reduce(total, group=t.group)
+            if self.average_over > 1:
+                total /= self.average_over
             for p, old in zip(t.local, before):
                 p.grad = total.clone() if old is None else old + total
         self._before = []
