@@ -31,6 +31,7 @@ CASES = [
     ("ddp-tied", "1f1b", None),
     ("ddp-tied", "interleaved-1f1b", False),
     ("ddp-tied", "zbv", True),  # both uses on rank 0: one Parameter object
+    ("ddp-tied", "dualpipev", None),
     ("ddp-tied-tokens", "zbv", False),  # "token_mean": summed over the replicas, not averaged
 ]
 

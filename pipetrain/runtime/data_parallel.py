@@ -32,6 +32,10 @@ instead: DDP through a comm hook that all-reduces without dividing, FSDP2 with a
 factor of 1. Every trainable parameter must get a gradient in every step (a replica
 missing one would leave the others' reduction waiting): one that gets none is an error naming
 it (freeze it with ``requires_grad_(False)``).
+
+Tied parameters (``runtime.tied``) are not DDP's: DDP is told to ignore them
+(``_ddp_params_and_buffers_to_ignore``) and the tied sum reduces them over the owners of every
+replica at the end of the step. FSDP2 with tied weights is refused (``check_tied``).
 """
 
 from __future__ import annotations

@@ -17,6 +17,12 @@ its own uses. So pipetrain, once per step, after the rank's last backward piece:
 Replicas start equal: construction broadcasts the first owner's value to the others. Since they
 then get equal gradients, any deterministic optimizer keeps them equal.
 
+Under DDP (``runtime.data_parallel``) the group spans the owners of every data-parallel replica
+and DDP leaves tied parameters alone: the one all-reduce sums the uses and the replicas together
+(divided by the replica count where DDP averages), so each gradient is reduced exactly once, on
+the whole ``.grad``, and no DDP hook fires on a tied parameter. FSDP2 with tied weights is
+refused (``data_parallel.check_tied``).
+
 Tied sets come from three places, merged by name: ``Pipeline(tied=[("embed.weight",
 "head.weight")])`` (global names as the stages name their parameters: ``pipetrain.split``'s
 stages use the model's names), ``split``'s detection (one ``Parameter`` object in two stages of
