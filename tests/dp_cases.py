@@ -151,7 +151,7 @@ def run_data_parallel(rank: int, world: int, cases: list[tuple[str, str, bool]])
     m, steps, local = 4, 2, 9
     for variant, name, defer in cases:
         case = f"{variant} {name} defer={defer}"
-        if variant.startswith("ddp-tied"):
+        if "-tied" in variant:
             syncs[case] = _tied_case(mesh, replica, variant, name, defer, failures)
             continue
         kind = variant.split("-")[0]
@@ -207,7 +207,7 @@ def run_data_parallel(rank: int, world: int, cases: list[tuple[str, str, bool]])
 
 def _tied_case(mesh, replica: int, variant: str, name: str, defer, failures: list) -> dict:
     """GPT-2's tied embedding/head (``training_cases``' model, cut by ``pipetrain.split``) under
-    DDP: two steps, the loss, every gradient and the tied weight's hooks (once per step, whole
+    DDP or FSDP2: two steps, the loss, every gradient and the tied weight's hooks (once per step, whole
     gradient), ``clip_grad_norm_``, an SGD step and one more step, against the unsplit model on
     the global batch. Returns the DDP bucket all-reduces per stage."""
     import torch.nn.functional as F
@@ -237,12 +237,17 @@ def _tied_case(mesh, replica: int, variant: str, name: str, defer, failures: lis
         4,
         TokenCrossEntropy(PAD) if tokens_mean else mean_loss,
         mesh=mesh,
-        data_parallel="ddp",
+        data_parallel=variant.split("-")[0],
         defer_weight_grads=defer,
     )
     counts: dict[int, int] = {}
-    _count_syncs(pipe, counts)
+    if pipe.data_parallel.kind == "ddp":
+        _count_syncs(pipe, counts)
     local = {n: p for m in pipe.modules.values() for n, p in m.named_parameters()}
+    if pipe.data_parallel.kind == "fsdp":  # the tied weight stays whole, the rest is sharded
+        sharded = {n for n, p in local.items() if hasattr(p, "full_tensor")}
+        if sharded != {n for n in local if not n.endswith(("embed.weight", "head.weight"))}:
+            failures.append(f"{case}: sharded parameters {sorted(sharded)}")
     fired: list[torch.Tensor] = []
     for n in ("embed.weight", "head.weight"):
         if n in local:  # one hook per replica object (one object on a V placement's rank 0)
@@ -261,7 +266,7 @@ def _tied_case(mesh, replica: int, variant: str, name: str, defer, failures: lis
         if not _close(loss, ref_loss.detach()):
             failures.append(f"{case}: step {i} loss {loss.item()} != {ref_loss.item()}")
     for n, p in local.items():
-        if not _close(p.grad, ref[n].grad):
+        if not _close(_full(p.grad), ref[n].grad):
             failures.append(f"{case}: {n} gradient differs")
     tied = [local[n] for n in ("embed.weight", "head.weight") if n in local]
     if tied and (len(fired) != 2 or not torch.equal(fired[-1], tied[0].grad)):
@@ -272,12 +277,12 @@ def _tied_case(mesh, replica: int, variant: str, name: str, defer, failures: lis
     if not _close(norm, ref_norm):
         failures.append(f"{case}: norm {norm.item()} != unsplit {ref_norm.item()}")
     for n, p in local.items():
-        if not _close(p.grad, ref[n].grad):
+        if not _close(_full(p.grad), ref[n].grad):
             failures.append(f"{case}: {n} clipped gradient differs")
     torch.optim.SGD(list(pipe.parameters()), lr=0.5).step()
     torch.optim.SGD(ref_params, lr=0.5).step()
     for n, p in local.items():
-        if not _close(p.detach(), ref[n].detach()):
+        if not _close(_full(p.detach()), ref[n].detach()):
             failures.append(f"{case}: {n} differs after clipping and an SGD step")
     # the replicas stayed equal: a third step's loss is the updated unsplit model's
     loss = pipe.step(tokens[mine], targets[mine])
@@ -333,7 +338,9 @@ def _errors(mesh, replica: int) -> dict[str, str]:
     from training_cases import build_layers, layer_count, stage_counts
 
     tied = pipetrain.split(build_layers(layer_count(2)), stage_counts(2))
-    out["tied_fsdp"] = _error_of(lambda: pipe(tied, mesh=mesh, data_parallel="fsdp"))
+    for stage in tied:  # shards the tied weight too
+        fully_shard(stage, mesh=mesh["dp"])
+    out["tied_sharded"] = _error_of(lambda: pipe(tied, mesh=mesh, data_parallel="fsdp"))
     for kind in ("ddp", "fsdp"):
         stages = [Unused().double(), build_stages(2)[1]]
         stages[1].spare = nn.Parameter(torch.ones(2, dtype=torch.float64))

@@ -33,6 +33,10 @@ CASES = [
     ("ddp-tied", "zbv", True),  # both uses on rank 0: one Parameter object
     ("ddp-tied", "dualpipev", None),
     ("ddp-tied-tokens", "zbv", False),  # "token_mean": summed over the replicas, not averaged
+    # ... and under FSDP2, which keeps tied parameters whole (fully_shard's ignored_params)
+    ("fsdp-tied", "1f1b", None),
+    ("fsdp-tied", "interleaved-1f1b", False),
+    ("fsdp-tied", "zbv", True),
 ]
 
 
@@ -77,9 +81,6 @@ def test_what_cannot_be_exact_is_refused(results):
         assert "wrapped in DistributedDataParallel" in e["wrapped_ddp"]
         assert "data_parallel='fsdp'" in e["fsdp_without_mesh"]
         assert "local batches of 9 to 10 rows" in e["unequal_batches"]
-        assert (
-            "tied weights ['embed.weight', 'head.weight'] with data_parallel='fsdp' are not "
-            "supported yet" in e["tied_fsdp"]
-        ), e["tied_fsdp"]
+        assert "ValueError: tied weight 'embed.weight' is a sharded DTensor" in e["tied_sharded"]
         for kind in ("ddp", "fsdp"):
             assert "'spare' got no gradient" in e[f"unused_{kind}"], e[f"unused_{kind}"]

@@ -33,9 +33,10 @@ factor of 1. Every trainable parameter must get a gradient in every step (a repl
 missing one would leave the others' reduction waiting): one that gets none is an error naming
 it (freeze it with ``requires_grad_(False)``).
 
-Tied parameters (``runtime.tied``) are not DDP's: DDP is told to ignore them
+Tied parameters (``runtime.tied``) are not the wrappers': DDP is told to ignore them
 (``_ddp_params_and_buffers_to_ignore``) and the tied sum reduces them over the owners of every
-replica at the end of the step. FSDP2 with tied weights is refused (``check_tied``).
+replica at the end of the step. FSDP2 is told the same (``fully_shard``'s ``ignored_params``): tied parameters stay whole on
+every replica (``runtime.tied`` refuses one a caller's ``fully_shard`` sharded).
 """
 
 from __future__ import annotations
@@ -80,21 +81,6 @@ def check_wrapping(modules: dict[int, nn.Module], kind: str | None) -> None:
                 "gradients on every micro-batch; pass mesh=..., data_parallel='fsdp' so the "
                 "Pipeline syncs and reshards once per step"
             )
-
-
-def check_tied(kind: str | None, tied_names: list[tuple[str, ...]]) -> None:
-    """Refuse tied weights under FSDP2 (on every rank alike: the tied sets are global).
-
-    ``fully_shard`` swaps each stage's parameters for sharded ``DTensor``s of its own, so a
-    parameter two stages share on one rank (V placements) would be sharded twice, and the tied
-    sum would have to run on the shards after the reduce-scatter; neither is done yet."""
-    if kind == "fsdp" and tied_names:
-        raise ValueError(
-            f"tied weights {list(tied_names[0])} with data_parallel='fsdp' are not supported yet "
-            "(fully_shard replaces the stages' parameters with sharded copies, so the tied "
-            "gradient sum has no shared tensor to run on); use data_parallel='ddp', or untie "
-            "the weights"
-        )
 
 
 class DataParallel:
@@ -146,10 +132,11 @@ class DataParallel:
             from torch.distributed.fsdp import FSDPModule, fully_shard
 
             for s, module in modules.items():
-                if not any(p.requires_grad for p in module.parameters()):
+                if not any(True for _ in self._trainable(module)):
                     continue
                 if not isinstance(module, FSDPModule):
-                    fully_shard(module, mesh=dp_mesh)
+                    ignored = {p for p in module.parameters() if id(p) in tied}
+                    fully_shard(module, mesh=dp_mesh, ignored_params=ignored or None)
                 self.wrappers[s] = module
                 for m in _fsdp_modules(module):
                     m.set_reshard_after_forward(False, recurse=False)

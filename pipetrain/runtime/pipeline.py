@@ -23,7 +23,7 @@ from torch import nn
 
 from pipetrain.runtime import grad_norm, losses, microbatch
 from pipetrain.runtime import tied as tied_weights
-from pipetrain.runtime.data_parallel import DataParallel, check_tied, check_wrapping, mesh_groups
+from pipetrain.runtime.data_parallel import DataParallel, check_wrapping, mesh_groups
 from pipetrain.runtime.executor import Executor, MetaCache, StepData
 from pipetrain.runtime.p2p import DTYPE_CODE, DTYPES, Transport
 from pipetrain.runtime.stage import StageRunner, arity
@@ -130,7 +130,6 @@ class Pipeline:
         self.tied_sets = tied_weights.build(
             tied, self.modules, group, self.rank, self.world_size, dp_group
         )
-        check_tied(data_parallel, [t.names for t in self.tied_sets])
         self.data_parallel = (
             DataParallel(
                 data_parallel,
@@ -243,9 +242,12 @@ class Pipeline:
         """(gradients this rank counts in the norm, gradients it scales): a tied parameter is
         counted by its first owner, one replica, and scaled everywhere."""
         skip = set()
+        # a tied parameter is whole on every replica (never sharded): with the norm summed
+        # over the replicas (norm_groups), only the first replica counts it
+        later_replica = bool(self.norm_groups) and dist.get_rank(self.data_parallel_group) > 0
         for t in self.tied_sets:
             for i, p in enumerate(t.local):
-                if i > 0 or self.rank != t.first_owner:
+                if i > 0 or self.rank != t.first_owner or later_replica:
                     skip.add(id(p))
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         counted = [p.grad for p in self.parameters() if p.grad is not None and id(p) not in skip]

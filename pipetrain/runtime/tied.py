@@ -17,11 +17,11 @@ its own uses. So pipetrain, once per step, after the rank's last backward piece:
 Replicas start equal: construction broadcasts the first owner's value to the others. Since they
 then get equal gradients, any deterministic optimizer keeps them equal.
 
-Under DDP (``runtime.data_parallel``) the group spans the owners of every data-parallel replica
-and DDP leaves tied parameters alone: the one all-reduce sums the uses and the replicas together
-(divided by the replica count where DDP averages), so each gradient is reduced exactly once, on
-the whole ``.grad``, and no DDP hook fires on a tied parameter. FSDP2 with tied weights is
-refused (``data_parallel.check_tied``).
+Under data parallel (``runtime.data_parallel``) the group spans the owners of every replica and
+the wrappers leave tied parameters alone (DDP ignores them, FSDP2 keeps them whole, unsharded):
+the one all-reduce sums the uses and the replicas together (divided by the replica count where
+the replicas are averaged), so each gradient is reduced exactly once, on the whole ``.grad``,
+and no wrapper's hook fires on a tied parameter.
 
 Tied sets come from three places, merged by name: ``Pipeline(tied=[("embed.weight",
 "head.weight")])`` (global names as the stages name their parameters: ``pipetrain.split``'s
@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from pipetrain.runtime.stage import fire_hooks
 
@@ -120,7 +121,8 @@ def build(
     local_sets += [names for m in modules.values() for names in getattr(m, "tied_names", ())]
     local_sets += shared_across(list(modules.values()))
     by_name, ambiguous = named_parameters_everywhere(modules)
-    mine = {"sets": [tuple(s) for s in local_sets], "names": sorted(by_name)}
+    sharded = sorted(n for n, p in by_name.items() if isinstance(p, DTensor))
+    mine = {"sets": [tuple(s) for s in local_sets], "names": sorted(by_name), "sharded": sharded}
     everyone: list = [None] * world
     if world > 1:
         dist.all_gather_object(everyone, mine, group=group)
@@ -133,8 +135,16 @@ def build(
     )
     held = [set(part["names"]) for part in everyone]
     known = set().union(*held)
+    sharded = {n for part in everyone for n in part["sharded"]}
     out = []
     for names in sets:
+        if sharded & set(names):
+            raise ValueError(
+                f"tied weight {sorted(sharded & set(names))[0]!r} is a sharded DTensor (a "
+                "fully_shard applied before the Pipeline?); the tied sum needs it whole: pass "
+                "fully_shard(..., ignored_params={the tied parameters}), or let the Pipeline "
+                "shard the stage (data_parallel='fsdp' leaves tied parameters whole)"
+            )
         missing = [n for n in names if n not in known]
         if missing:
             raise ValueError(
