@@ -174,12 +174,16 @@ def build(
     if dp_group is not None and dist.get_world_size(dp_group) > 1:
         replicas = [None] * dist.get_world_size(dp_group)
         dist.all_gather_object(replicas, mine, group=dp_group)
-    # every rank of the job takes part in this pipeline: all make each group, in one order
+    # every rank of the job takes part in this pipeline: all make each owners' group (sets of
+    # several owners are the same on every rank), in one order
     everyone = world * len(replicas) == dist.get_world_size()
     for i, tied in enumerate(out):
         ranks = [r for owners in replicas for r in owners[i]]
         tied.source = ranks[0]
-        tied.group = _owners_group(ranks, everyone)
+        if len(tied.owners) == 1:  # one rank of the pipeline: its replicas are the dp group
+            tied.group = dp_group if len(ranks) > 1 else None
+        else:
+            tied.group = _owners_group(ranks, everyone)
         _make_equal(tied)
     return out
 
