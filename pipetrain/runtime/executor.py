@@ -14,10 +14,19 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from pipetrain.runtime.p2p import Pending, TensorMeta, Transport, recv_buffer, wire
+from pipetrain.runtime.failures import PeerFailedError, StageError
+from pipetrain.runtime.p2p import (
+    Pending,
+    PipelineTimeoutError,
+    TensorMeta,
+    Transport,
+    recv_buffer,
+    wire,
+)
 from pipetrain.runtime.stage import StageRunner, leaves
 from pipetrain.runtime.timing import Recorder
 from pipetrain.schedule import deps
@@ -34,6 +43,7 @@ class StepData:
     inputs: tuple[tuple[torch.Tensor, ...], ...]
     targets: tuple[object, ...]
     weights: tuple[float, ...]
+    side: tuple[dict[str, object], ...] = ()  # per micro-batch (``runtime.side_inputs``)
 
 
 @dataclass
@@ -85,6 +95,13 @@ class Executor:
     ) -> None:
         """Execute ``actions`` in order; with ``discover``, learn transfer shapes into ``cache``."""
         self.data, self.cache, self.train, self.discover = data, cache, train, discover
+        try:
+            self._run(actions, recorder)
+        except BaseException:
+            self.abandon()
+            raise
+
+    def _run(self, actions: tuple[Action, ...], recorder: Recorder) -> None:
         done = None  # the last compute action, handed to ``after_compute`` once its sends are out
         for action in actions:
             if not action.is_comm:
@@ -94,7 +111,7 @@ class Executor:
                 # Waiting for inputs is idle time, not the action's: the span starts after it.
                 self.resolve_inputs(action)
                 started = recorder.start()
-                self.dispatch(action)
+                self.compute(action)
                 recorder.stop(action, started)
                 done = action
             else:
@@ -112,6 +129,33 @@ class Executor:
     def flush(self) -> None:
         batch, self._batch = self._batch, []
         self.transport.post(batch)
+
+    def compute(self, action: Action) -> None:
+        """A compute action; an error inside a stage is re-raised naming stage, micro-batch,
+        action and the tensors it was given."""
+        self._given: tuple[str, tuple[TensorMeta, ...]] | None = None
+        try:
+            self.dispatch(action)
+        except (PeerFailedError, PipelineTimeoutError, StageError):
+            raise
+        except Exception as e:
+            raise StageError(self._describe(action, e)) from e
+
+    def _describe(self, action: Action, error: Exception) -> str:
+        text = (
+            f"rank {self.rank}: stage {action.stage}, micro-batch {action.microbatch}, action "
+            f"{action.kind.name} ({action}) failed: {type(error).__name__}: {error}"
+        )
+        if self._given is not None:
+            what, metas = self._given
+            text += f"; {what}: {_show(metas)}"
+            s = action.stage
+            shapes = any(word in str(error) for word in ("shape", "size"))
+            if shapes and what.startswith("stage") and " received" in what:
+                takes = _first_layer_takes(self.runners[s].module)
+                if takes:
+                    text += f"; stage {s}'s {takes}"
+        return text
 
     def dispatch(self, action: Action) -> None:
         s, j = action.stage, action.microbatch
@@ -178,19 +222,22 @@ class Executor:
                 if isinstance(pending, Pending):
                     self.acts[key] = self._take(pending)
             elif part.kind in (OpKind.B, OpKind.I):
-                pending = self.grads.get(key)
-                if isinstance(pending, Pending):
-                    self.grads[key] = self._take(pending)
+                waiting = self.grads.get(key)
+                if isinstance(waiting, Pending):
+                    self.grads[key] = self._take(waiting)
 
     def forward(self, s: int, j: int) -> None:
         first = self._previous_stage(s) is None
         args = self.data.inputs[j] if first else self._take(self.acts.pop((s, j)))
+        source = "inputs" if first else "activations"
+        self._given = (f"stage {s} received {source}", tuple(TensorMeta.of(a) for a in args))
         self._check_arity(s, len(args), "receives")
         runner = self.runners[s]
+        side = self.data.side[j] if self.data.side else None
         if self.train:
-            outputs = runner.forward(j, args, self.data.targets[j], self.data.weights[j])
+            outputs = runner.forward(j, args, self.data.targets[j], self.data.weights[j], side)
         else:
-            outputs = runner.call(args)
+            outputs = runner.call(args, side)
         if runner.is_last:
             if not self.train:
                 self.results[j] = outputs
@@ -207,6 +254,10 @@ class Executor:
         s, j = action.stage, action.microbatch
         runner = self.runners[s]
         grads = None if runner.is_last else self._take(self.grads.pop((s, j)))
+        if grads is not None:
+            metas = tuple(TensorMeta.of(g) for g in grads)
+            expected = _show(tuple(runner.grad_metas(j)))
+            self._given = (f"output gradients arrived (its outputs were {expected})", metas)
         if action.kind is OpKind.B:
             found = runner.backward(j, grads)
         else:
@@ -274,14 +325,40 @@ class Executor:
                 "inputs (a tuple output is passed as positional arguments)"
             )
 
+    def abandon(self) -> None:
+        """Drop every value in flight (a failed step): no transfer of it may stay referenced."""
+        for table in (self.acts, self.outbox_f, self.grads, self.outbox_b):
+            table.clear()
+        self._batch = []
+
     def check_empty(self) -> None:
         """After a complete step nothing of it may remain (internal invariant)."""
-        left = {
+        tables: dict[str, dict[Key, Any]] = {
             "activations": self.acts,
             "outbox_f": self.outbox_f,
             "grads": self.grads,
             "outbox_b": self.outbox_b,
         }
-        left = {k: sorted(v) for k, v in left.items() if v}
+        left = {k: sorted(v) for k, v in tables.items() if v}
         stages = {s: r.leftovers() for s, r in self.runners.items() if r.leftovers()}
         assert not left and not stages, f"step left state behind: {left} {stages}"
+
+
+def _show(metas: tuple[TensorMeta, ...]) -> str:
+    return (
+        ", ".join(f"{tuple(m.shape)} {str(m.dtype).removeprefix('torch.')}" for m in metas)
+        or "nothing"
+    )
+
+
+def _first_layer_takes(module: torch.nn.Module) -> str | None:
+    """What the stage's first layer with a declared input size takes (a linear's features, a
+    convolution's channels, an embedding's vocabulary), to set beside what arrived."""
+    for m in module.modules():
+        for attr in ("in_features", "in_channels"):
+            size = getattr(m, attr, None)
+            if isinstance(size, int):
+                return (
+                    f"first layer with a declared input size, {type(m).__name__}, has {attr}={size}"
+                )
+    return None

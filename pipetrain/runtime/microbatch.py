@@ -38,9 +38,9 @@ def as_tuple(batch: object, what: str) -> tuple[torch.Tensor, ...]:
 
 
 def batch_size_of(tensors: Sequence[torch.Tensor], what: str) -> int:
-    sizes = {t.shape[0] if t.dim() else None for t in tensors}
-    if None in sizes:
+    if any(t.dim() == 0 for t in tensors):
         raise ValueError(f"{what} must have a batch dimension (dim 0); got a 0-dim tensor")
+    sizes = {int(t.shape[0]) for t in tensors}
     if len(sizes) != 1:
         raise ValueError(f"{what} disagree on the batch size (dim 0): {sorted(sizes)}")
     return sizes.pop()

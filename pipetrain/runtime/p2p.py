@@ -41,10 +41,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from pipetrain.runtime.failures import Failures, closed_connection
 from pipetrain.schedule.action import Action
 
 DTYPES = (  # what travels between stages; a dtype's code is its position
@@ -146,9 +148,16 @@ class Transport:
     ranks."""
 
     def __init__(
-        self, rank: int, group, device: torch.device, timeout: timedelta, reverse_group=None
+        self,
+        rank: int,
+        group,
+        device: torch.device,
+        timeout: timedelta,
+        reverse_group=None,
+        failures: Failures | None = None,
     ) -> None:
         self.rank = rank
+        self.failures = failures
         self.group = group
         self.reverse_group = group if reverse_group is None else reverse_group
         self.device = device
@@ -168,6 +177,19 @@ class Transport:
         one (see the module docstring); each owner collects its works."""
         if not ops:
             return
+        try:
+            works = self._post(ops)
+        except RuntimeError as e:  # gloo refuses at once to send to a peer that closed
+            owner = ops[0][1]
+            raise self._failed(
+                f"{owner.action} posting to rank {owner.peer}", e, owner.peer
+            ) from None
+        for (kind, owner, _), work in zip(ops, works):
+            owner.works.append(work)
+            if kind == "send" and (not self._sends or self._sends[-1] is not owner):
+                self._sends.append(owner)
+
+    def _post(self, ops: list[tuple[str, Pending, torch.Tensor]]) -> list[Any]:
         if self.reverse_group is self.group:
             p2p = [
                 dist.P2POp(
@@ -178,21 +200,26 @@ class Transport:
                 )
                 for kind, o, t in ops
             ]
-            works = dist.batch_isend_irecv(p2p)
+            batch: list[Any] = dist.batch_isend_irecv(p2p)
             # A backend may coalesce the batch into a single work; then every owner waits on it.
-            if len(works) != len(ops):
-                works = [works[-1]] * len(ops)
-        else:
-            works = [
-                (dist.isend if kind == "send" else dist.irecv)(
-                    t, self._global(o.peer), self._group_of(kind, o.peer)
-                )
-                for kind, o, t in ops
-            ]
-        for (kind, owner, _), work in zip(ops, works):
-            owner.works.append(work)
-            if kind == "send" and (not self._sends or self._sends[-1] is not owner):
-                self._sends.append(owner)
+            return batch if len(batch) == len(ops) else [batch[-1]] * len(ops)
+        return [
+            (dist.isend if kind == "send" else dist.irecv)(
+                t, self._global(o.peer), self._group_of(kind, o.peer)
+            )
+            for kind, o, t in ops
+        ]
+
+    def abandon(self) -> None:
+        """Drop every transfer in flight without waiting (a failed step): nothing of this
+        pipeline's may keep its group's connections open."""
+        for pending in self._sends:
+            pending.works.clear()
+        self._sends = []
+
+    def forget_groups(self) -> None:
+        """Let go of the process groups (the pipeline destroys the one it owns)."""
+        self.group = self.reverse_group = None
 
     def reap(self) -> None:
         """Drop sends that completed, releasing their buffers (a sent activation's memory)."""
@@ -205,23 +232,36 @@ class Transport:
             self.wait(s)
 
     def wait(self, pending: Pending) -> None:
-        for w in pending.works:
-            self.wait_work(w, str(pending.action), pending.peer)
+        works, pending.works = pending.works, []
+        while works:
+            self.wait_work(works.pop(0), str(pending.action), pending.peer)
 
     def wait_work(self, work, what: str, peer: int) -> None:
-        """Wait for ``work``; past the timeout, fail naming this rank, ``what`` and ``peer``."""
+        """Wait for ``work``; past the timeout, fail naming this rank, ``what`` and ``peer``; a
+        peer that failed or closed its connection is named as such (``failures``)."""
         try:
             ok = work.wait() if self.device.type == "cuda" else work.wait(self.timeout)
         except RuntimeError as e:
-            raise PipelineTimeoutError(
-                f"rank {self.rank}: {what} waited on rank {peer} and failed within "
-                f"{self.timeout.total_seconds():g} s (did rank {peer} fail or stop?): {e}"
-            ) from e
+            del work  # a failed transfer must not keep this pipeline's connections open
+            raise self._failed(f"{what} waited on rank {peer}", e, peer) from None
         if ok is False:
             raise PipelineTimeoutError(
                 f"rank {self.rank}: {what} waited on rank {peer} for more than "
                 f"{self.timeout.total_seconds():g} s"
             )
+
+    def _failed(self, what: str, error: RuntimeError, peer: int) -> RuntimeError:
+        """The error for a transfer that failed: a peer's failure where one was posted or the
+        peer closed its connection, else a timeout."""
+        closed = closed_connection(error)
+        if self.failures is not None:
+            notices = self.failures.read(timedelta(seconds=1) if closed else timedelta(0))
+            if notices or closed:
+                return self.failures.explain(f"rank {self.rank}: {what}", peer, error, notices)
+        return PipelineTimeoutError(
+            f"rank {self.rank}: {what} and failed within {self.timeout.total_seconds():g} s "
+            f"(did rank {peer} fail or stop?): {error}"
+        )
 
     def recv_meta(self, action: Action, peer: int) -> tuple[TensorMeta, ...]:
         """Blocking receive of a metadata message (shape discovery)."""

@@ -14,17 +14,21 @@ trained in place (``module.to(device)``), so the caller's references see gradien
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipetrain.runtime import grad_norm, losses, microbatch
+from pipetrain.runtime import checkpoint, grad_norm, losses, microbatch, side_inputs
 from pipetrain.runtime import tied as tied_weights
+from pipetrain.runtime.agreement import Agreement, pipeline_prefix
 from pipetrain.runtime.data_parallel import DataParallel, check_wrapping, mesh_groups
 from pipetrain.runtime.executor import Executor, MetaCache, StepData
+from pipetrain.runtime.failures import Failures, OwnedGroup, posts_failures, stops_on_failure
 from pipetrain.runtime.p2p import DTYPE_CODE, DTYPES, Transport
 from pipetrain.runtime.stage import StageRunner, arity
 from pipetrain.runtime.timing import Recorder, gather_timeline
@@ -66,6 +70,7 @@ class Pipeline:
     of the global batch, and gradients are reduced once per step (``runtime.data_parallel``).
     """
 
+    @posts_failures
     def __init__(
         self,
         stages: Stages,
@@ -113,6 +118,10 @@ class Pipeline:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        self.failures = Failures(
+            group, self.rank, self.world_size, pipeline_prefix(group, self.rank)
+        )
+        self.agreement = Agreement(group, self.rank, self.world_size, timeout, self.failures)
         self.loss_fn = loss_fn
         self.timeout = timeout
         self.device = torch.device(device) if device is not None else _default_device()
@@ -151,20 +160,33 @@ class Pipeline:
         for stage, mb in _last_weight_pieces(self.program.actions[self.rank]).items():
             self.runners[stage].last_weight_microbatch = mb
         self._last_uses = _last_uses(self.program.actions[self.rank])
-        self.arities = self._gather_arities()
+        self.arities = self.agreement.construction(
+            self.program, {s: arity(m) for s, m in self.modules.items()}
+        )
+        # On gloo, transfers and the loss go through a group of this pipeline's own, which it can
+        # close on failure (``failures``) and destroys on close or at interpreter exit.
+        self._owned = OwnedGroup.transfer_group(group, timeout)
+        self._release_at_exit = weakref.finalize(self, self._owned.release)
         self._reverse_group = _reverse_group(group)
         averaged = self.data_parallel is not None and self.data_parallel.reduction == "mean"
         self.tied_grads = tied_weights.TiedGrads(
             self.tied_sets, self.runners, self.data_parallel.size if averaged else 1
         )
         self.transport = Transport(
-            self.rank, group, self.device, timeout, reverse_group=self._reverse_group
+            self.rank,
+            self._owned.group or group,
+            self.device,
+            timeout,
+            reverse_group=self._reverse_group,
+            failures=self.failures,
         )
         self.side_stream = (
             torch.cuda.Stream(self.device) if overlap_pairs and self.device.type == "cuda" else None
         )
         self._caches: dict[str, MetaCache] = {}
         self._eval_program: Program | None = None
+        self._side: tuple[dict, ...] = ()
+        self._side_keywords_all: list | None = None
         self.last_timeline: Timeline | None = None
         self.closed = False
 
@@ -184,8 +206,25 @@ class Pipeline:
             if self._reverse_group is not None and dist.is_initialized():
                 dist.destroy_process_group(self._reverse_group)
             self._reverse_group = None
+            self.transport.forget_groups()
+            self._release_at_exit()
             self.side_stream = None
             self._caches.clear()
+
+    def _stop_after(self, error: BaseException) -> None:
+        """A step failed here: tell the peers (notice, then close this pipeline's group, so their
+        waits end now) and refuse further steps."""
+        if self.closed:
+            return
+        origin = getattr(error, "origin", self.rank)
+        self.failures.post(origin, f"{type(error).__name__}: {error}")
+        self.closed = True
+        self._failure = f"{type(error).__name__}: {error}"
+        for runner in self.runners.values():
+            runner.release()
+        self.transport.abandon()
+        self.transport.forget_groups()  # the last reference: destroying the group closes it
+        self._release_at_exit()
 
     def __enter__(self) -> Pipeline:
         return self
@@ -202,12 +241,25 @@ class Pipeline:
                     seen.add(id(p))
                     yield p
 
-    def step(self, inputs, targets, timeline: bool = False) -> torch.Tensor:
-        """One training step; returns the micro-batch-weighted mean loss on every rank.
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters and buffers by global name (``runtime.checkpoint``): the union
+        over the ranks is the unsplit model's state dict."""
+        return checkpoint.model_state(self.modules[s] for s in sorted(self.modules))
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy this rank's tensors from ``state`` (a whole model's, or any ranks' union);
+        a missing name is a ``KeyError`` naming it, a shape mismatch a ``ValueError``."""
+        checkpoint.load_model_state([self.modules[s] for s in sorted(self.modules)], state)
+
+    @stops_on_failure
+    def step(self, inputs, targets, timeline: bool = False, *, side=None) -> torch.Tensor:
+        """One training step; returns the batch's loss (per ``loss_reduction``) on every rank.
 
         Gradients accumulate into ``.grad`` (zero them as with any torch training loop).
+        ``side``: side inputs by name (an attention mask...), given to the stages whose forward
+        takes them, split per micro-batch where batched (``runtime.side_inputs``).
         """
-        mbs = self._split(inputs, targets)
+        mbs = self._split(inputs, targets, side)
         if self.data_parallel is not None:
             self.data_parallel.check_batch(mbs.batch_size)
         weights = losses.weights(
@@ -221,7 +273,7 @@ class Pipeline:
         rows = self.program.actions[self.rank]
         self.tied_grads.begin_step()
         self._execute(rows, mbs, "train", timeline, self.program.name)
-        self.tied_grads.end_step()
+        self.tied_grads.end_step(self.transport, self.rank)
         loss = self._agree_on_loss(mbs.weights)
         if self.data_parallel is not None:
             loss = self.data_parallel.global_loss(loss)
@@ -253,11 +305,12 @@ class Pipeline:
         counted = [p.grad for p in self.parameters() if p.grad is not None and id(p) not in skip]
         return counted, grads
 
-    def eval_step(self, inputs):
+    @stops_on_failure
+    def eval_step(self, inputs, *, side=None):
         """Forward only; the last stage's outputs (merged) on the rank that holds it, else None."""
         if self._eval_program is None:
             self._eval_program = _forward_only(self.program)
-        mbs = self._split(inputs, None)
+        mbs = self._split(inputs, None, side)
         rows = self._eval_program.actions[self.rank]
         with torch.no_grad():
             results = self._execute(rows, mbs, "eval", False, self.program.name)
@@ -266,30 +319,49 @@ class Pipeline:
         outs = [results[j] for j in range(self.num_microbatches)]
         return microbatch.merge(outs, single=len(outs[0]) == 1)
 
-    def _split(self, inputs, targets) -> microbatch.MicroBatches:
+    def _split(self, inputs, targets, side=None) -> microbatch.MicroBatches:
         _require_process_group()
         if self.closed:
-            raise RuntimeError("this Pipeline was closed; build a new one to keep training")
+            why = f" after a failure ({self._failure})" if getattr(self, "_failure", None) else ""
+            raise RuntimeError(f"this Pipeline was closed{why}; build a new one to keep training")
         xs = tuple(x.to(self.device) for x in microbatch.as_tuple(inputs, "inputs"))
         ys = targets
         if isinstance(targets, torch.Tensor):
             ys = targets.to(self.device)
         elif isinstance(targets, (tuple, list)):
             ys = tuple(t.to(self.device) for t in microbatch.as_tuple(targets, "targets"))
-        return microbatch.split(xs, ys, self.num_microbatches)
+        mbs = microbatch.split(xs, ys, self.num_microbatches)
+        self._side = ()
+        if side:
+            side_inputs.check(side, self._side_keywords())
+            self._side = side_inputs.split(side, mbs.batch_size, self.num_microbatches, self.device)
+        return mbs
+
+    def _side_keywords(self) -> list:
+        """Every stage's side-input names (gathered from all ranks on first use)."""
+        if self._side_keywords_all is None:
+            mine = [r.side_keywords for r in self.runners.values()]
+            everyone: list = [None] * self.world_size
+            if self.world_size > 1:
+                dist.all_gather_object(everyone, mine, group=self.group)
+            else:
+                everyone = [mine]
+            self._side_keywords_all = [k for part in everyone for k in part]
+        return self._side_keywords_all
 
     def _execute(self, rows, mbs, mode: str, timeline: bool, name: str):
         signature = (mbs.batch_size, *((tuple(x.shape), x.dtype) for x in mbs.inputs[0]))
         cache = self._caches.get(mode)
         discover = cache is None or cache.signature != signature
-        if discover:
+        if cache is None or discover:
             cache = self._caches[mode] = MetaCache(signature=signature)
+        self.agreement.step(mode, mbs.inputs, mbs.targets, mbs.batch_size)
         if self.data_parallel is not None:
             self.data_parallel.begin(train=mode == "train")
         for runner in self.runners.values():
             runner.begin_step()
         recorder = Recorder(self.rank, self.device, timeline)
-        recorder.begin(self.group)
+        recorder.begin(self.transport.group)  # the pipeline's own group: its timeout holds
         after = self._sync_after if self.data_parallel is not None and mode == "train" else None
         executor = Executor(
             self.rank,
@@ -300,7 +372,7 @@ class Pipeline:
             self.side_stream,
             after,
         )
-        data = StepData(mbs.inputs, mbs.targets, mbs.weights)
+        data = StepData(mbs.inputs, mbs.targets, mbs.weights, self._side)
         executor.run(rows, data, cache, recorder, train=mode == "train", discover=discover)
         if self.data_parallel is not None:
             if mode == "train":
@@ -310,13 +382,18 @@ class Pipeline:
         executor.check_empty()
         if timeline:
             self.last_timeline = gather_timeline(
-                recorder, self.group, self.world_size, self.placement.num_stages, name
+                recorder,
+                self.transport.group,
+                self.world_size,
+                self.placement.num_stages,
+                name,
             )
         return executor.results
 
     def _sync_after(self, action: Action) -> None:
         """After a stage's last compute action of the step: its data-parallel gradient sync, so
         the reduction overlaps the rest of the row (on CUDA)."""
+        assert self.data_parallel is not None  # only installed with data parallel
         for stage in self._last_uses.get(action, ()):
             self.data_parallel.finish(stage)
 
@@ -329,26 +406,11 @@ class Pipeline:
             value[0] = sum(w * losses.pop(j).double() for j, w in enumerate(weights))
             value[1] = DTYPE_CODE.get(dtype, DTYPE_CODE[torch.float64])
         if self.world_size > 1:
-            src = (
-                self.last_rank
-                if self.group is None
-                else dist.get_global_rank(self.group, self.last_rank)
-            )
-            work = dist.broadcast(value, src, group=self.group, async_op=True)
+            group = self.transport.group
+            src = self.last_rank if group is None else dist.get_global_rank(group, self.last_rank)
+            work = dist.broadcast(value, src, group=group, async_op=True)
             self.transport.wait_work(work, "the loss broadcast", self.last_rank)
         return value[0].to(DTYPES[int(value[1].item())])
-
-    def _gather_arities(self) -> list[tuple[int, float]]:
-        mine = {s: arity(m) for s, m in self.modules.items()}
-        everyone: list[dict | None] = [None] * self.world_size
-        if self.world_size > 1:
-            dist.all_gather_object(everyone, mine, group=self.group)
-        else:
-            everyone = [mine]
-        table: dict[int, tuple[int, float]] = {}
-        for part in everyone:
-            table.update(part or {})
-        return [table[s] for s in range(self.placement.num_stages)]
 
 
 def _last_weight_pieces(row: Sequence[Action]) -> dict[int, int]:
@@ -463,7 +525,10 @@ def _resolve_program(schedule, num_microbatches, total, world, stages_per_rank) 
 def _local_modules(stages: Stages, mine: tuple[int, ...], device) -> dict[int, nn.Module]:
     out = {}
     for s in mine:
-        module = stages[s] if isinstance(stages, (Sequence, nn.Module)) else stages(s)
+        if isinstance(stages, (Sequence, nn.Module)):  # nn.Sequential / nn.ModuleList index too
+            module = cast(Any, stages)[s]
+        else:
+            module = stages(s)
         if not isinstance(module, nn.Module):
             raise TypeError(f"stage {s} is a {type(module).__name__}, not an nn.Module")
         out[s] = module.to(device)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,7 +50,7 @@ class TiedSet:
     names: tuple[str, ...]
     owners: tuple[int, ...]  # pipeline-group ranks holding a replica
     local: list[nn.Parameter]
-    group: object = None  # the owners (× data-parallel replicas) as a group; None: one rank
+    group: Any = None  # the owners (× data-parallel replicas) as a group; None: one rank
     source: int = 0  # the global rank whose value every replica starts from
 
     @property
@@ -89,8 +90,8 @@ def shared_across(modules: Sequence[nn.Module]) -> list[tuple[str, ...]]:
 def merge(sets: Iterable[Sequence[str]]) -> list[tuple[str, ...]]:
     """Union of overlapping name sets, each sorted, in a deterministic order."""
     merged: list[set[str]] = []
-    for names in sets:
-        names = set(names)
+    for given in sets:
+        names = set(given)
         if len(names) < 2:
             raise ValueError(f"a tied set needs at least two names, got {sorted(names)}")
         overlapping = [m for m in merged if m & names]
@@ -111,15 +112,17 @@ def build(
 ) -> list[TiedSet]:
     """The tied sets of the whole pipeline, with this rank's replicas and the owners' groups.
 
+    Collective over the pipeline group: every rank must call it (``Pipeline`` does). Sets named
+    by global names (declared, or found by ``split``) are resolved by name on every rank; one
+    object in two of this rank's stages is a set of its own, found by identity (its names may
+    be local ones that other ranks reuse for other parameters).
+
     With data parallel (``dp_group``: this rank's replicas of the pipeline), a set's group spans
     its owners in every replica: one all-reduce then both sums the uses and reduces over the
-    replicas (``TiedGrads(average_over=...)`` divides where the replicas are averaged).
-
-    Collective over the pipeline group and ``dp_group``: every rank must call it (``Pipeline``
-    does)."""
-    local_sets = list(declared)
+    replicas (``TiedGrads(average_over=...)`` divides where the replicas are averaged); a set
+    of one owning rank uses ``dp_group`` itself. Collective over ``dp_group`` too."""
+    local_sets = [tuple(s) for s in declared]
     local_sets += [names for m in modules.values() for names in getattr(m, "tied_names", ())]
-    local_sets += shared_across(list(modules.values()))
     by_name, ambiguous = named_parameters_everywhere(modules)
     sharded = sorted(n for n, p in by_name.items() if isinstance(p, DTensor))
     mine = {"sets": [tuple(s) for s in local_sets], "names": sorted(by_name), "sharded": sharded}
@@ -168,7 +171,13 @@ def build(
         if len(shapes) > 1:
             raise ValueError(f"tied parameters {names} have different shapes {sorted(shapes)}")
         out.append(TiedSet(names, owners, local))
-    # the owners' global ranks, in every data-parallel replica (replica 0's first owner first)
+    covered = {id(p) for t in out for p in t.local}
+    for p in _objects_shared_across(modules):
+        if id(p) not in covered:
+            found = tuple(sorted({n for n, q in by_name.items() if q is p}))
+            out.append(TiedSet(found, (rank,), [p]))
+    # the owners' global ranks, in every data-parallel replica (replica 0's first owner first);
+    # the replicas' pipelines are alike, so their sets are too
     mine = [[_global(group, r) for r in t.owners] for t in out]
     replicas = [mine]
     if dp_group is not None and dist.get_world_size(dp_group) > 1:
@@ -186,6 +195,17 @@ def build(
             tied.group = _owners_group(ranks, everyone)
         _make_equal(tied)
     return out
+
+
+def _objects_shared_across(modules: Mapping[int, nn.Module]) -> list[nn.Parameter]:
+    """Parameter objects that appear in more than one of ``modules``."""
+    stages_of: dict[int, set[int]] = {}
+    objects: dict[int, nn.Parameter] = {}
+    for s, module in modules.items():
+        for p in module.parameters():
+            stages_of.setdefault(id(p), set()).add(s)
+            objects[id(p)] = p
+    return [objects[i] for i, stages in stages_of.items() if len(stages) > 1]
 
 
 def _owners_group(ranks: list[int], everyone: bool):
@@ -247,15 +267,22 @@ class TiedGrads:
                 p.grad = None
 
     @torch.no_grad()
-    def end_step(self) -> None:
-        """Sum this step's gradient over the replicas and owners; fire hooks once each."""
+    def end_step(self, transport=None, rank: int = 0) -> None:
+        """Sum this step's gradient over the replicas and owners; fire hooks once each.
+
+        ``transport``: waits go through its timeout (a dead owner fails naming rank and peer)."""
         for t, before in zip(self.sets, self._before):
             step = [p.grad for p in t.local if p.grad is not None]
             total = step[0].clone() if step else torch.zeros_like(t.local[0])
             for g in step[1:]:
                 total += g
             if t.group is not None:
-                dist.all_reduce(total, group=t.group)
+                work = dist.all_reduce(total, group=t.group, async_op=True)
+                peer = next((r for r in t.owners if r != rank), None)
+                if transport is None or peer is None:
+                    work.wait()
+                else:
+                    transport.wait_work(work, f"the all-reduce of tied {t.names[0]}", peer)
             if self.average_over > 1:
                 total /= self.average_over
             for p, old in zip(t.local, before):

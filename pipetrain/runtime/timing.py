@@ -15,6 +15,7 @@ model (Python and kernel-launch overhead when actions are short).
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -62,14 +63,14 @@ class Recorder:
         """This rank's spans in milliseconds since ``begin``."""
         if self.cuda:
             torch.cuda.synchronize()
-            origin = self._origin
+            origin: Any = self._origin  # a torch.cuda.Event here
             return [
                 Span(self.rank, a, origin.elapsed_time(s), origin.elapsed_time(e))
                 for a, s, e, _ in self._marks
             ]
+        start: Any = self._origin  # a perf_counter reading here
         return [
-            Span(self.rank, a, (s - self._origin) * 1e3, (e - self._origin) * 1e3)
-            for a, s, e, _ in self._marks
+            Span(self.rank, a, (s - start) * 1e3, (e - start) * 1e3) for a, s, e, _ in self._marks
         ]
 
     def host_bound_idle(self, spans: list[Span]) -> float | None:
@@ -93,8 +94,9 @@ def gather_timeline(
     spans = recorder.spans()
     mine = (spans, recorder.host_bound_idle(spans))
     if num_ranks > 1:
-        everyone: list[tuple | None] = [None] * num_ranks
-        dist.all_gather_object(everyone, mine, group=group)
+        gathered: list[Any] = [None] * num_ranks
+        dist.all_gather_object(gathered, mine, group=group)
+        everyone: list[Any] = gathered
     else:
         everyone = [mine]
     spans = [s for rank_spans, _ in everyone for s in rank_spans]

@@ -29,6 +29,7 @@ __all__ = [
     "store_of",
 ]
 
+_engine_run_backward: Callable[..., tuple[torch.Tensor, ...]] | None
 try:  # the engine entry point behind torch.autograd.grad / backward (skips their checks)
     from torch.autograd.graph import _engine_run_backward
 except ImportError:  # pragma: no cover - other torch versions: the public wrappers below
@@ -119,8 +120,11 @@ def _check_foreach() -> None:
 def _check_prehook() -> None:
     x = torch.ones(2, requires_grad=True)
     y = x * 2.0
-    seen = []
-    handle = y.grad_fn.register_prehook(lambda grads: seen.append(grads))
+    seen: list = []
+    node = y.grad_fn
+    if node is None:
+        raise AssertionError("a product of a leaf that needs a gradient has no grad_fn")
+    handle = node.register_prehook(lambda grads: seen.append(grads))
     y.sum().backward()
     handle.remove()
     if len(seen) != 1:

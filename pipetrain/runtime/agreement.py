@@ -1,0 +1,217 @@
+"""Ranks agree on what they run, or are refused together with one message naming the difference.
+
+Every rank must build its ``Pipeline`` from the same arguments and step it with the same batches.
+A rank that differs (another micro-batch count, schedule or stage count; inputs of another shape)
+would otherwise run a different program and wait for transfers that never come, until
+``timeout``. So the ranks exchange a small record of what they are about to run, once when a
+pipeline is built and once at the first step of each new input shape, and compare it field by
+field; the first field that differs is refused on every rank, naming the field, both values and
+the ranks.
+
+The exchange goes through the process group's key-value store: each rank writes its record under
+the pipeline's keys and polls for the others' until ``timeout``, or until a failure notice says a
+peer will never write (``failures``). Object collectives (``all_gather_object``) would not do:
+gloo runs them under the group's own timeout (30 minutes by default), not the pipeline's. A
+pipeline's keys are ``pipetrain/<n>/...`` where ``n`` counts the pipelines this rank built on the
+group (kept in the store, so nothing is process-global here): the ``n``-th pipeline of every rank
+meets the ``n``-th of every other.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+
+import torch
+
+from pipetrain.runtime.failures import Failures, PeerFailedError
+from pipetrain.runtime.p2p import PipelineTimeoutError
+from pipetrain.runtime.torch_compat import store_of
+from pipetrain.schedule.program import Program
+
+
+class RankMismatchError(ValueError):
+    """Ranks were given different arguments (every rank must pass the same)."""
+
+
+def pipeline_prefix(group, rank: int) -> str:
+    """Store-key prefix of this rank's next pipeline on ``group``: ``pipetrain/<n>``."""
+    n = store_of(group).add(f"pipetrain/count/{rank}", 1)
+    return f"pipetrain/{n}"
+
+
+class Agreement:
+    """The exchanges of one pipeline (see the module docstring)."""
+
+    def __init__(
+        self, group, rank: int, world_size: int, timeout: timedelta, failures: Failures
+    ) -> None:
+        self.store = store_of(group)
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = timeout
+        self.failures = failures
+        self.rounds = 0
+        self.steps = 0
+        self.step_records: dict[str, dict] = {}  # per mode, the last shapes all ranks agreed on
+
+    def exchange(self, what: str, record: dict, stepping: dict | None = None) -> list[dict]:
+        """Write ``record``, read every rank's (rank order), refuse the first differing field.
+
+        ``stepping``: this step's shapes; a peer that announced other shapes for this step (it
+        knew its shapes and went on into the step) is refused at once, not after ``timeout``."""
+        self.rounds += 1
+        prefix = f"{self.failures.prefix}/agree/{self.rounds}"
+        self.store.set(f"{prefix}/{self.rank}", json.dumps(record))
+        if self.world_size == 1:
+            return [record]
+        keys = [f"{prefix}/{r}" for r in range(self.world_size)]
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        pause = 0.001
+        while not self.store.check(keys):
+            notices = self.failures.read(timedelta(0))
+            if notices:
+                origin, message = next(iter(notices.values()))
+                error = PeerFailedError(
+                    f"rank {self.rank}: {what}: rank {origin} failed: {message}"
+                )
+                error.origin = origin
+                raise error
+            if stepping is not None:
+                self._refuse_announced(what, stepping)
+            if time.monotonic() >= deadline:
+                missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
+                raise PipelineTimeoutError(
+                    f"rank {self.rank}: {what}: rank(s) {missing} did not arrive within "
+                    f"{self.timeout.total_seconds():g} s (did they fail, stop, or step with "
+                    "inputs of another shape?)"
+                )
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)
+        records = [json.loads(self.store.get(k)) for k in keys]
+        _refuse_differences(what, records)
+        return records
+
+    def construction(self, program: Program, local_arities: dict[int, tuple[int, float]]):
+        """Agree on the program (construction); returns every stage's arity, stage order."""
+        record = {
+            "schedule": program.name,
+            "num_microbatches": program.num_microbatches,
+            "num_stages": program.num_stages,
+            "world_size": program.num_ranks,
+            "placement": [
+                list(program.placement.stages_of_rank(r)) for r in range(self.world_size)
+            ],
+            "program": program_fingerprint(program),
+            "torch": torch.__version__,
+            "*arities": {str(s): [lo, _finite(hi)] for s, (lo, hi) in local_arities.items()},
+        }
+        records = self.exchange("building the Pipeline", record)
+        table: dict[int, tuple[int, float]] = {}
+        for r in records:
+            for s, (lo, hi) in r["*arities"].items():
+                table[int(s)] = (lo, float("inf") if hi is None else hi)
+        return [table[s] for s in range(program.num_stages)]
+
+    def step(self, mode: str, inputs, targets, batch_size: int) -> None:
+        """Before a step: if the inputs' or targets' shapes are new to this rank, agree on them and
+        on a fingerprint of their values (read only then: a step with known shapes costs one
+        comparison of small tuples here, nothing on the device)."""
+        shapes = {
+            "mode": mode,
+            "batch size": batch_size,
+            "input shapes and dtypes per micro-batch": [_metas(x) for x in inputs],
+            "target shapes and dtypes per micro-batch": [_metas(t) for t in targets],
+        }
+        self.steps += 1
+        # One store write per step: a peer whose shapes are new to it finds these shapes here
+        # (see ``exchange``) if this rank thinks nothing changed.
+        self.store.set(self._announce_key(self.rank), json.dumps([self.steps, shapes]))
+        if shapes == self.step_records.get(mode):
+            return
+        record = {
+            **shapes,
+            "input values (fingerprint)": _fingerprint([t for x in inputs for t in x]),
+            "target values (fingerprint)": _fingerprint([t for y in targets for t in _tensors(y)]),
+        }
+        self.exchange(f"the first {mode} step with these shapes", record, shapes)
+        self.step_records[mode] = shapes
+
+    def _announce_key(self, rank: int) -> str:
+        return f"{self.failures.prefix}/step/{rank}"
+
+    def _refuse_announced(self, what: str, shapes: dict) -> None:
+        for r in range(self.world_size):
+            key = self._announce_key(r)
+            if r == self.rank or not self.store.check([key]):
+                continue
+            step, theirs = json.loads(self.store.get(key))
+            if step == self.steps and theirs != shapes:
+                records = [shapes, theirs] if self.rank < r else [theirs, shapes]
+                ranks = sorted((self.rank, r))
+                _refuse_differences(what, records, ranks)
+
+
+def _finite(x: float) -> float | None:
+    return None if x == float("inf") else x
+
+
+def program_fingerprint(program: Program) -> str:
+    """A short hash of every rank's actions: equal programs, equal fingerprints."""
+    text = repr([[str(a) for a in row] for row in program.actions])
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _metas(value) -> object:
+    if isinstance(value, torch.Tensor):
+        return [list(value.shape), str(value.dtype).removeprefix("torch.")]
+    if isinstance(value, (tuple, list)):
+        return [_metas(v) for v in value]
+    return type(value).__name__
+
+
+def _fingerprint(tensors: Sequence[torch.Tensor]) -> list[str]:
+    """Two sums per tensor (plain and position-weighted), read in one transfer: equal inputs give
+    equal sums bit for bit; different inputs almost surely do not (as text: NaN equals NaN)."""
+    if not tensors:
+        return []
+    sums = []
+    for t in tensors:
+        flat = t.detach().reshape(-1).to(torch.float64)
+        weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
+        sums += [flat.sum(), (flat * weights).sum() / max(flat.numel(), 1)]
+    return [repr(v) for v in torch.stack(sums).cpu().tolist()]
+
+
+def _refuse_differences(what: str, records: list[dict], ranks: list[int] | None = None) -> None:
+    """Raise ``RankMismatchError`` for the first field on which some rank differs from the first
+    (``ranks``: whose records they are; default 0, 1, ...; fields starting with ``*`` are per-rank
+    by design)."""
+    ranks = ranks if ranks is not None else list(range(len(records)))
+    first = records[0]
+    for field in first:
+        if field.startswith("*"):
+            continue
+        for r, record in zip(ranks[1:], records[1:]):
+            if record.get(field) != first[field]:
+                raise RankMismatchError(
+                    f"ranks disagree on {field} ({what}): rank {ranks[0]} has "
+                    f"{_short(first[field])}, rank {r} has {_short(record.get(field))}; every rank "
+                    "must pass the same arguments to Pipeline and to each step"
+                )
+
+
+def _short(value: object, limit: int = 160) -> str:
+    text = json.dumps(value) if not isinstance(value, str) else value
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,173 @@
+"""When one rank fails, every rank stops within seconds, naming the rank that failed and why.
+
+A pipeline's ranks wait on each other all the time; a rank that raises (a stage's exception, a
+bad loss, a construction error) would otherwise leave its peers waiting until ``timeout``, then
+reporting a receive timeout with no hint of the cause. So a rank that fails (``Failures.post``)
+
+1. writes a notice — which rank failed first and its message — under the pipeline's keys in the
+   process group's store, then
+2. closes its pipeline-owned transfer group (``Pipeline`` makes one per pipeline on gloo), so every
+   peer blocked on it gets "connection closed" at once instead of waiting out the timeout.
+
+A peer whose wait fails reads the notices (``Failures.explain``) and raises ``PeerFailedError``
+naming the first failing rank and its message, then does the same two steps, so the news travels
+down the pipeline. Where no notice arrives (the failing process died, or took the store with it)
+the error says the peer closed the connection. Notices are read only after a wait has failed:
+nothing of this runs in a healthy step.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from pipetrain.runtime.torch_compat import store_of
+
+
+class PeerFailedError(RuntimeError):
+    """Another rank of the pipeline failed (or closed its connection) first; ``origin`` is the
+    first rank known to have failed."""
+
+    origin: int = -1
+
+
+class StageError(RuntimeError):
+    """A stage raised: the message names rank, action (stage and micro-batch) and what it was
+    given; the stage's own exception is the cause."""
+
+
+class Failures:
+    """The failure notices of one pipeline (store keys under ``prefix``)."""
+
+    def __init__(self, group, rank: int, world_size: int, prefix: str) -> None:
+        self.store = store_of(group)
+        self.rank = rank
+        self.world_size = world_size
+        self.prefix = prefix
+        self.posted = False
+
+    def _key(self, rank: int) -> str:
+        return f"{self.prefix}/failed/{rank}"
+
+    def post(self, origin: int, message: str) -> None:
+        """Say (once) that this rank stops because rank ``origin`` failed with ``message``."""
+        if self.posted:
+            return
+        self.posted = True
+        try:
+            self.store.set(self._key(self.rank), json.dumps([origin, message]))
+        except Exception:  # the store went with a dead rank 0: the closed connection still tells
+            pass
+
+    def read(self, wait: timedelta = timedelta(seconds=1)) -> dict[int, tuple[int, str]]:
+        """Every notice posted within ``wait`` (rank -> (origin, message))."""
+        found: dict[int, tuple[int, str]] = {}
+        deadline = time.monotonic() + wait.total_seconds()
+        while True:
+            for r in range(self.world_size):
+                if r == self.rank or r in found:
+                    continue
+                try:
+                    if self.store.check([self._key(r)]):
+                        origin, message = json.loads(self.store.get(self._key(r)))
+                        found[r] = (origin, message)
+                except Exception:
+                    return found  # the store is gone with its host
+            if found or time.monotonic() >= deadline:
+                return found
+            time.sleep(0.05)
+
+    def explain(
+        self, what: str, peer: int, error: Exception, notices: dict[int, tuple[int, str]]
+    ) -> PeerFailedError:
+        """The error for ``what`` (a wait on rank ``peer``) that failed with ``error``, given the
+        ``notices`` read: the first failing rank and its message, or the closed connection."""
+        if notices:
+            origin, message = min(notices.values(), key=lambda n: n[0] != peer)
+            found = PeerFailedError(f"{what} stopped because rank {origin} failed: {message}")
+            found.origin = origin
+            return found
+        found = PeerFailedError(
+            f"{what}: rank {peer} closed the connection (it failed or exited before saying why; "
+            f"see its log): {error}"
+        )
+        found.origin = peer
+        return found
+
+
+def closed_connection(error: Exception) -> bool:
+    """Whether a transfer failed because the peer closed its end (not a timeout)."""
+    text = str(error).lower()
+    return "connection closed" in text or "connection reset" in text or "broken pipe" in text
+
+
+def destroy_group(group) -> None:
+    """Destroy a process group pipetrain made, if it is still there (idempotent, never raises)."""
+    if group is None or not dist.is_initialized():
+        return
+    try:
+        dist.destroy_process_group(group)
+    except Exception:  # already destroyed (destroy_process_group() of everything, or a failure)
+        pass
+
+
+class OwnedGroup:
+    """A process group a pipeline made for itself, destroyed once (``release``): on close, on a
+    failure (closing its connections tells every peer at once) and at interpreter exit, while
+    Python still runs, so no transfer state of the pipeline's is left for the interpreter's
+    teardown to free."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+
+    @staticmethod
+    def transfer_group(group, timeout: timedelta) -> OwnedGroup:
+        """On gloo with the default group, a new group of all ranks for the pipeline's transfers;
+        elsewhere none. NCCL: another communicator costs device memory, and its failures surface
+        through its own watchdog. A group the caller passed: ``new_group`` would need every rank
+        of the world to call it (or, with local synchronisation, names every group of the same
+        ranks alike, so a second pipeline would meet the first one's rendezvous); there the
+        transfers stay on the caller's group and a failure reaches the peers as a notice they
+        read when their wait ends (``timeout``)."""
+        if group is not None or dist.get_world_size() < 2 or dist.get_backend() != "gloo":
+            return OwnedGroup(None)
+        return OwnedGroup(dist.new_group(timeout=timeout, backend="gloo"))
+
+    def release(self) -> None:
+        group, self.group = self.group, None
+        destroy_group(group)
+
+
+def posts_failures(init):
+    """Construction failing on this rank: post a notice, so peers waiting to agree stop now."""
+
+    @functools.wraps(init)
+    def wrapper(self, *args, **kwargs):
+        try:
+            init(self, *args, **kwargs)
+        except BaseException as e:
+            failures = self.__dict__.get("failures")
+            if failures is not None:
+                origin = getattr(e, "origin", self.rank)
+                failures.post(origin, f"building its Pipeline: {type(e).__name__}: {e}")
+            raise
+
+    return wrapper
+
+
+def stops_on_failure(step):
+    """A step that raises stops the pipeline on every rank (the pipeline's ``_stop_after``)."""
+
+    @functools.wraps(step)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return step(self, *args, **kwargs)
+        except BaseException as e:
+            self._stop_after(e)
+            raise
+
+    return wrapper

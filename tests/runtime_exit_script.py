@@ -1,0 +1,47 @@
+"""The README's example, shaped as a user's script (run by test_runtime_exit.py, one process per
+rank, env:// rendezvous): build, train a few steps, measure one, exit, by the variant in argv[1]:
+``plain`` (no close, no destroy_process_group), ``with`` (context manager), ``destroy``
+(destroy_process_group at the end)."""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import pipetrain
+
+torch.set_num_threads(1)
+variant = sys.argv[1]
+schedule = os.environ.get("PIPETRAIN_SCHEDULE", "zb-h1")
+dist.init_process_group("gloo")
+per_rank = 2 if schedule in ("zbv", "interleaved-1f1b") else 1
+torch.manual_seed(0)
+stages = [
+    nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16))
+    for _ in range(dist.get_world_size() * per_rank)
+]
+x, y = torch.randn(16, 16), torch.randn(16, 16)
+
+
+def train(pipe):
+    for _ in range(3):
+        pipe.step(x, y)
+        with torch.no_grad():
+            for p in pipe.parameters():
+                p -= 0.01 * p.grad
+                p.grad = None
+    pipe.step(x, y, timeline=True)
+    return pipe.last_timeline.bubble_fraction
+
+
+args = (stages, schedule, 8, nn.functional.mse_loss)
+if variant == "with":
+    with pipetrain.Pipeline(*args) as pipe:
+        train(pipe)
+else:
+    pipe = pipetrain.Pipeline(*args)
+    train(pipe)
+    if variant == "destroy":
+        dist.destroy_process_group()

@@ -1,0 +1,69 @@
+"""A finished run exits 0, every time: the README-shaped script run many times as real processes
+(the interpreter's own teardown is what is tested, so no multiprocessing workers)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from runtime_harness import free_port
+
+SCRIPT = Path(__file__).with_name("runtime_exit_script.py")
+RUNS = [  # (ranks, schedule, variant): 12 runs, most of them zb-h1 (where exits died most)
+    *((2, "zb-h1", variant) for variant in ("plain",) * 4 + ("with",) * 2 + ("destroy",) * 2),
+    (2, "zbv", "plain"),
+    (2, "1f1b", "plain"),
+    (4, "zb-h1", "plain"),
+    (4, "zb-h1", "with"),
+]
+
+
+def _run(world: int, schedule: str, variant: str) -> list[tuple[int, str]]:
+    port = str(free_port())
+    procs = []
+    for rank in range(world):
+        env = dict(
+            os.environ,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(rank),
+            PIPETRAIN_SCHEDULE=schedule,
+            OMP_NUM_THREADS="1",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(SCRIPT), variant],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    results = []
+    for p in procs:
+        try:
+            _, err = p.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            _, err = p.communicate()
+        results.append((p.returncode, err[-400:]))
+    return results
+
+
+@pytest.mark.slow
+def test_the_readme_script_exits_zero_every_time():
+    with ThreadPoolExecutor(4) as pool:
+        outcomes = list(pool.map(lambda run: (run, _run(*run)), RUNS))
+    failed = [
+        f"{run}: rank {rank} exit {code}: {err}"
+        for run, results in outcomes
+        for rank, (code, err) in enumerate(results)
+        if code != 0
+    ]
+    assert not failed, "\n".join(failed)
