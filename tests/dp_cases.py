@@ -151,6 +151,9 @@ def run_data_parallel(rank: int, world: int, cases: list[tuple[str, str, bool]])
     m, steps, local = 4, 2, 9
     for variant, name, defer in cases:
         case = f"{variant} {name} defer={defer}"
+        if "-tied" in variant:
+            syncs[case] = _tied_case(mesh, replica, variant, name, defer, failures)
+            continue
         kind = variant.split("-")[0]
         num_stages = 2 * family(name).default_stages_per_rank
         stages = build_stages(num_stages)
@@ -202,6 +205,94 @@ def run_data_parallel(rank: int, world: int, cases: list[tuple[str, str, bool]])
     return out
 
 
+def _tied_case(mesh, replica: int, variant: str, name: str, defer, failures: list) -> dict:
+    """GPT-2's tied embedding/head (``training_cases``' model, cut by ``pipetrain.split``) under
+    DDP or FSDP2: two steps, the loss, every gradient and the tied weight's hooks (once per step, whole
+    gradient), ``clip_grad_norm_``, an SGD step and one more step, against the unsplit model on
+    the global batch. Returns the DDP bucket all-reduces per stage."""
+    import torch.nn.functional as F
+    from training_cases import IGNORE as PAD
+    from training_cases import VOCAB, batch, build_layers, layer_count, run_unsplit, stage_counts
+
+    import pipetrain
+    from pipetrain.runtime.losses import TokenCrossEntropy
+    from pipetrain.schedule.registry import family
+
+    case = f"{variant} {name} defer={defer}"
+    tokens_mean = variant.endswith("tokens")
+    num_stages = 2 * family(name).default_stages_per_rank
+    layers = build_layers(layer_count(num_stages))
+    tokens, targets, _ = batch(16, seed=3)
+    if not tokens_mean:
+        targets = targets.clamp(min=0)  # no padding: a plain mean over every token
+
+    def mean_loss(logits, y):  # with padding: the mean over the tokens that are not PAD
+        return F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1), ignore_index=PAD)
+
+    unsplit_loss = mean_loss
+
+    pipe = pipetrain.Pipeline(
+        pipetrain.split(layers, stage_counts(num_stages)),
+        name,
+        4,
+        TokenCrossEntropy(PAD) if tokens_mean else mean_loss,
+        mesh=mesh,
+        data_parallel=variant.split("-")[0],
+        defer_weight_grads=defer,
+    )
+    counts: dict[int, int] = {}
+    if pipe.data_parallel.kind == "ddp":
+        _count_syncs(pipe, counts)
+    local = {n: p for m in pipe.modules.values() for n, p in m.named_parameters()}
+    if pipe.data_parallel.kind == "fsdp":  # the tied weight stays whole, the rest is sharded
+        sharded = {n for n, p in local.items() if hasattr(p, "full_tensor")}
+        if sharded != {n for n in local if not n.endswith(("embed.weight", "head.weight"))}:
+            failures.append(f"{case}: sharded parameters {sorted(sharded)}")
+    fired: list[torch.Tensor] = []
+    for n in ("embed.weight", "head.weight"):
+        if n in local:  # one hook per replica object (one object on a V placement's rank 0)
+            local[n].register_post_accumulate_grad_hook(lambda q: fired.append(q.grad.clone()))
+            break
+    mine = slice(replica * 8, (replica + 1) * 8)
+    losses = [pipe.step(tokens[mine], targets[mine]) for _ in range(2)]
+
+    ref_layers = build_layers(layer_count(num_stages))
+    ref = {f"{k}.{n}": p for k, m in ref_layers.items() for n, p in m.named_parameters()}
+    ref["head.weight"] = ref["embed.weight"]
+    for _ in range(2):
+        ref_loss = unsplit_loss(run_unsplit(ref_layers, tokens), targets)
+        ref_loss.backward()
+    for i, loss in enumerate(losses):
+        if not _close(loss, ref_loss.detach()):
+            failures.append(f"{case}: step {i} loss {loss.item()} != {ref_loss.item()}")
+    for n, p in local.items():
+        if not _close(_full(p.grad), ref[n].grad):
+            failures.append(f"{case}: {n} gradient differs")
+    tied = [local[n] for n in ("embed.weight", "head.weight") if n in local]
+    if tied and (len(fired) != 2 or not torch.equal(fired[-1], tied[0].grad)):
+        failures.append(f"{case}: tied hook fired {len(fired)} times, or saw a partial gradient")
+    norm = pipe.clip_grad_norm_(0.05)
+    ref_params = list({id(p): p for p in ref.values()}.values())
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref_params, 0.05)
+    if not _close(norm, ref_norm):
+        failures.append(f"{case}: norm {norm.item()} != unsplit {ref_norm.item()}")
+    for n, p in local.items():
+        if not _close(_full(p.grad), ref[n].grad):
+            failures.append(f"{case}: {n} clipped gradient differs")
+    torch.optim.SGD(list(pipe.parameters()), lr=0.5).step()
+    torch.optim.SGD(ref_params, lr=0.5).step()
+    for n, p in local.items():
+        if not _close(_full(p.detach()), ref[n].detach()):
+            failures.append(f"{case}: {n} differs after clipping and an SGD step")
+    # the replicas stayed equal: a third step's loss is the updated unsplit model's
+    loss = pipe.step(tokens[mine], targets[mine])
+    with torch.no_grad():
+        ref_loss = unsplit_loss(run_unsplit(ref_layers, tokens), targets)
+    if not _close(loss, ref_loss):
+        failures.append(f"{case}: loss after the update {loss.item()} != {ref_loss.item()}")
+    return counts
+
+
 def _error_of(fn) -> str:
     try:
         fn()
@@ -244,6 +335,12 @@ def _errors(mesh, replica: int) -> dict[str, str]:
     ddp = pipe(build_stages(2), mesh=mesh, data_parallel="ddp")
     x, y = global_batch(9 + replica)
     out["unequal_batches"] = _error_of(lambda: ddp.step(x, y))
+    from training_cases import build_layers, layer_count, stage_counts
+
+    tied = pipetrain.split(build_layers(layer_count(2)), stage_counts(2))
+    for stage in tied:  # shards the tied weight too
+        fully_shard(stage, mesh=mesh["dp"])
+    out["tied_sharded"] = _error_of(lambda: pipe(tied, mesh=mesh, data_parallel="fsdp"))
     for kind in ("ddp", "fsdp"):
         stages = [Unused().double(), build_stages(2)[1]]
         stages[1].spare = nn.Parameter(torch.ones(2, dtype=torch.float64))

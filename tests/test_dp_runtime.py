@@ -27,6 +27,16 @@ CASES = [
     ("fsdp-tokens", "1f1b", None),
     ("ddp-sum", "1f1b", None),  # loss_reduction="sum": replicas summed, not averaged
     ("fsdp-sum", "interleaved-1f1b", False),
+    # GPT-2's tied embedding/head under DDP (runtime.tied reduces it over owners x replicas)
+    ("ddp-tied", "1f1b", None),
+    ("ddp-tied", "interleaved-1f1b", False),
+    ("ddp-tied", "zbv", True),  # both uses on rank 0: one Parameter object
+    ("ddp-tied", "dualpipev", None),
+    ("ddp-tied-tokens", "zbv", False),  # "token_mean": summed over the replicas, not averaged
+    # ... and under FSDP2, which keeps tied parameters whole (fully_shard's ignored_params)
+    ("fsdp-tied", "1f1b", None),
+    ("fsdp-tied", "interleaved-1f1b", False),
+    ("fsdp-tied", "zbv", True),
 ]
 
 
@@ -57,6 +67,8 @@ def test_gradients_are_reduced_once_per_stage_per_step(results):
                 assert count == STEPS * local, (name, defer)
             elif kind == "fsdp-nested":  # and one per sharded layer inside it
                 assert count == 2 * STEPS * local, (name, defer)
+            elif kind == "ddp-tied":  # three steps; a stage of tied weights alone has no DDP
+                assert set(count.values()) <= {STEPS + 1}, (name, count)
 
 
 @pytest.mark.slow
@@ -69,5 +81,6 @@ def test_what_cannot_be_exact_is_refused(results):
         assert "wrapped in DistributedDataParallel" in e["wrapped_ddp"]
         assert "data_parallel='fsdp'" in e["fsdp_without_mesh"]
         assert "local batches of 9 to 10 rows" in e["unequal_batches"]
+        assert "ValueError: tied weight 'embed.weight' is a sharded DTensor" in e["tied_sharded"]
         for kind in ("ddp", "fsdp"):
             assert "'spare' got no gradient" in e[f"unused_{kind}"], e[f"unused_{kind}"]

@@ -32,6 +32,11 @@ instead: DDP through a comm hook that all-reduces without dividing, FSDP2 with a
 factor of 1. Every trainable parameter must get a gradient in every step (a replica
 missing one would leave the others' reduction waiting): one that gets none is an error naming
 it (freeze it with ``requires_grad_(False)``).
+
+Tied parameters (``runtime.tied``) are not the wrappers': DDP is told to ignore them
+(``_ddp_params_and_buffers_to_ignore``) and the tied sum reduces them over the owners of every
+replica at the end of the step. FSDP2 is told the same (``fully_shard``'s ``ignored_params``): tied parameters stay whole on
+every replica (``runtime.tied`` refuses one a caller's ``fully_shard`` sharded).
 """
 
 from __future__ import annotations
@@ -97,6 +102,7 @@ class DataParallel:
         dp_mesh,
         device: torch.device,
         reduction: str = "mean",
+        tied: frozenset[int] = frozenset(),
     ) -> None:
         if kind not in KINDS:
             raise ValueError(f"data_parallel={kind!r}; legal values: {', '.join(KINDS)}")
@@ -104,6 +110,8 @@ class DataParallel:
             raise ValueError(f"reduction={reduction!r}; legal values: {', '.join(REDUCTIONS)}")
         self.kind = kind
         self.reduction = reduction
+        #: ids of tied parameters: ``runtime.tied`` reduces them over owners × replicas
+        self.tied = tied
         self.modules = modules
         self.group = dp_group
         self.size = dist.get_world_size(dp_group)
@@ -112,13 +120,11 @@ class DataParallel:
         self._finished: set[int] = set()
         self._held: dict[int, list] = {}  # DDP: gradients from earlier steps, per stage
         if kind == "ddp":
-            from torch.nn.parallel import DistributedDataParallel
-
             ids = [device.index] if device.type == "cuda" else None
             for s, module in modules.items():
-                if any(p.requires_grad for p in module.parameters()):
-                    self.wrappers[s] = DistributedDataParallel(
-                        module, device_ids=ids, process_group=dp_group
+                if any(True for _ in self._trainable(module)):
+                    self.wrappers[s] = _ddp_without(
+                        module, tied, device_ids=ids, process_group=dp_group
                     )
                     if reduction == "sum":
                         self.wrappers[s].register_comm_hook(dp_group, _all_reduce_sum)
@@ -126,10 +132,11 @@ class DataParallel:
             from torch.distributed.fsdp import FSDPModule, fully_shard
 
             for s, module in modules.items():
-                if not any(p.requires_grad for p in module.parameters()):
+                if not any(True for _ in self._trainable(module)):
                     continue
                 if not isinstance(module, FSDPModule):
-                    fully_shard(module, mesh=dp_mesh)
+                    ignored = {p for p in module.parameters() if id(p) in tied}
+                    fully_shard(module, mesh=dp_mesh, ignored_params=ignored or None)
                 self.wrappers[s] = module
                 for m in _fsdp_modules(module):
                     m.set_reshard_after_forward(False, recurse=False)
@@ -162,7 +169,7 @@ class DataParallel:
             # reduction sees this step's alone (a summed reduction would count them again).
             self._held = {}
             for s in self.wrappers:
-                held = [(p, p.grad) for p in _trainable(self.modules[s]) if p.grad is not None]
+                held = [(p, p.grad) for p in self._trainable(self.modules[s]) if p.grad is not None]
                 for p, _ in held:
                     p.grad = None
                 self._held[s] = held
@@ -181,8 +188,12 @@ class DataParallel:
             return
         self._finished.add(stage)
         module = self.modules[stage]
-        params = [p for p in _trainable(module)]
-        missing = [n for n, p in module.named_parameters() if p.requires_grad and p.grad is None]
+        params = list(self._trainable(module))
+        missing = [
+            n
+            for n, p in module.named_parameters()
+            if p.requires_grad and p.grad is None and id(p) not in self.tied
+        ]
         if missing:
             raise ValueError(
                 f"stage {stage}: trainable parameter {missing[0]!r} got no gradient this step; "
@@ -222,6 +233,14 @@ class DataParallel:
             value /= self.size
         return value[0].to(loss.dtype)
 
+    def _trainable(self, module: nn.Module) -> Iterator[nn.Parameter]:
+        """The trainable parameters this wrapper syncs (tied ones are ``runtime.tied``'s)."""
+        seen: set[int] = set(self.tied)
+        for p in module.parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                yield p
+
 
 def _all_reduce_sum(group, bucket):  # no annotations: DDP compares them as objects, not strings
     """A DDP comm hook: the bucket summed over the group (DDP's default divides by its size)."""
@@ -229,12 +248,24 @@ def _all_reduce_sum(group, bucket):  # no annotations: DDP compares them as obje
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
-def _trainable(module: nn.Module) -> Iterator[nn.Parameter]:
-    seen: set[int] = set()
-    for p in module.parameters():
-        if p.requires_grad and id(p) not in seen:
-            seen.add(id(p))
-            yield p
+def _ddp_without(module: nn.Module, ignored: frozenset[int], **kwargs) -> nn.Module:
+    """``DistributedDataParallel`` of ``module`` leaving the parameters ``ignored`` alone (DDP's
+    ``_ddp_params_and_buffers_to_ignore``, set only while DDP reads it, added to the caller's)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    key = "_ddp_params_and_buffers_to_ignore"
+    names = {n for n, p in module.named_parameters(remove_duplicate=False) if id(p) in ignored}
+    if not names:
+        return DistributedDataParallel(module, **kwargs)
+    before = getattr(module, key, None)
+    setattr(module, key, names | set(before or ()))
+    try:
+        return DistributedDataParallel(module, **kwargs)
+    finally:
+        if before is None:
+            delattr(module, key)
+        else:
+            setattr(module, key, before)
 
 
 def _fsdp_modules(module: nn.Module) -> list[nn.Module]:

@@ -115,12 +115,6 @@ class Pipeline:
             self.data_parallel_group = dp_group
             if data_parallel == "fsdp":
                 self.norm_groups = [dp_group]
-            if tied:
-                raise ValueError(
-                    "tied= with data_parallel= is not supported yet (the tied sum and the "
-                    "replicas' gradient hooks are not ordered); untie the weights or run without "
-                    "data parallelism"
-                )
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -141,6 +135,10 @@ class Pipeline:
         self.last_rank = self.placement.rank(self.last_stage)
         self.modules = _local_modules(stages, self.placement.stages_of_rank(self.rank), self.device)
         check_wrapping(self.modules, data_parallel)
+        # before data parallel wraps the stages: tied parameters are reduced by runtime.tied
+        self.tied_sets = tied_weights.build(
+            tied, self.modules, group, self.rank, self.world_size, dp_group
+        )
         self.data_parallel = (
             DataParallel(
                 data_parallel,
@@ -150,6 +148,7 @@ class Pipeline:
                 self.device,
                 # a sum, or a mean over the global token count, adds the replicas' gradients
                 reduction="mean" if self.loss_reduction == "mean" else "sum",
+                tied=frozenset(id(p) for t in self.tied_sets for p in t.local),
             )
             if data_parallel is not None
             else None
@@ -169,8 +168,10 @@ class Pipeline:
         self._owned = OwnedGroup.transfer_group(group, timeout)
         self._release_at_exit = weakref.finalize(self, self._owned.release)
         self._reverse_group = _reverse_group(group)
-        self.tied_sets = tied_weights.build(tied, self.modules, group, self.rank, self.world_size)
-        self.tied_grads = tied_weights.TiedGrads(self.tied_sets, self.runners)
+        averaged = self.data_parallel is not None and self.data_parallel.reduction == "mean"
+        self.tied_grads = tied_weights.TiedGrads(
+            self.tied_sets, self.runners, self.data_parallel.size if averaged else 1
+        )
         self.transport = Transport(
             self.rank,
             self._owned.group or group,
@@ -293,9 +294,12 @@ class Pipeline:
         """(gradients this rank counts in the norm, gradients it scales): a tied parameter is
         counted by its first owner, one replica, and scaled everywhere."""
         skip = set()
+        # a tied parameter is whole on every replica (never sharded): with the norm summed
+        # over the replicas (norm_groups), only the first replica counts it
+        later_replica = bool(self.norm_groups) and dist.get_rank(self.data_parallel_group) > 0
         for t in self.tied_sets:
             for i, p in enumerate(t.local):
-                if i > 0 or self.rank != t.first_owner:
+                if i > 0 or self.rank != t.first_owner or later_replica:
                     skip.add(id(p))
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         counted = [p.grad for p in self.parameters() if p.grad is not None and id(p) not in skip]

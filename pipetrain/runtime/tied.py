@@ -17,6 +17,12 @@ its own uses. So pipetrain, once per step, after the rank's last backward piece:
 Replicas start equal: construction broadcasts the first owner's value to the others. Since they
 then get equal gradients, any deterministic optimizer keeps them equal.
 
+Under data parallel (``runtime.data_parallel``) the group spans the owners of every replica and
+the wrappers leave tied parameters alone (DDP ignores them, FSDP2 keeps them whole, unsharded):
+the one all-reduce sums the uses and the replicas together (divided by the replica count where
+the replicas are averaged), so each gradient is reduced exactly once, on the whole ``.grad``,
+and no wrapper's hook fires on a tied parameter.
+
 Tied sets come from three places, merged by name: ``Pipeline(tied=[("embed.weight",
 "head.weight")])`` (global names as the stages name their parameters: ``pipetrain.split``'s
 stages use the model's names), ``split``'s detection (one ``Parameter`` object in two stages of
@@ -32,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from pipetrain.runtime.stage import fire_hooks
 
@@ -43,7 +50,8 @@ class TiedSet:
     names: tuple[str, ...]
     owners: tuple[int, ...]  # pipeline-group ranks holding a replica
     local: list[nn.Parameter]
-    group: Any = None  # a process group of the owners (None: a single owner)
+    group: Any = None  # the owners (× data-parallel replicas) as a group; None: one rank
+    source: int = 0  # the global rank whose value every replica starts from
 
     @property
     def first_owner(self) -> int:
@@ -100,17 +108,24 @@ def build(
     group,
     rank: int,
     world: int,
+    dp_group=None,
 ) -> list[TiedSet]:
     """The tied sets of the whole pipeline, with this rank's replicas and the owners' groups.
 
     Collective over the pipeline group: every rank must call it (``Pipeline`` does). Sets named
     by global names (declared, or found by ``split``) are resolved by name on every rank; one
     object in two of this rank's stages is a set of its own, found by identity (its names may
-    be local ones that other ranks reuse for other parameters)."""
+    be local ones that other ranks reuse for other parameters).
+
+    With data parallel (``dp_group``: this rank's replicas of the pipeline), a set's group spans
+    its owners in every replica: one all-reduce then both sums the uses and reduces over the
+    replicas (``TiedGrads(average_over=...)`` divides where the replicas are averaged); a set
+    of one owning rank uses ``dp_group`` itself. Collective over ``dp_group`` too."""
     local_sets = [tuple(s) for s in declared]
     local_sets += [names for m in modules.values() for names in getattr(m, "tied_names", ())]
     by_name, ambiguous = named_parameters_everywhere(modules)
-    mine = {"sets": [tuple(s) for s in local_sets], "names": sorted(by_name)}
+    sharded = sorted(n for n, p in by_name.items() if isinstance(p, DTensor))
+    mine = {"sets": [tuple(s) for s in local_sets], "names": sorted(by_name), "sharded": sharded}
     everyone: list = [None] * world
     if world > 1:
         dist.all_gather_object(everyone, mine, group=group)
@@ -123,8 +138,16 @@ def build(
     )
     held = [set(part["names"]) for part in everyone]
     known = set().union(*held)
+    sharded = {n for part in everyone for n in part["sharded"]}
     out = []
     for names in sets:
+        if sharded & set(names):
+            raise ValueError(
+                f"tied weight {sorted(sharded & set(names))[0]!r} is a sharded DTensor (a "
+                "fully_shard applied before the Pipeline?); the tied sum needs it whole: pass "
+                "fully_shard(..., ignored_params={the tied parameters}), or let the Pipeline "
+                "shard the stage (data_parallel='fsdp' leaves tied parameters whole)"
+            )
         missing = [n for n in names if n not in known]
         if missing:
             raise ValueError(
@@ -147,14 +170,30 @@ def build(
         shapes = {tuple(p.shape) for p in local}
         if len(shapes) > 1:
             raise ValueError(f"tied parameters {names} have different shapes {sorted(shapes)}")
-        out.append(TiedSet(names, owners, local, _owners_group(group, owners)))
+        out.append(TiedSet(names, owners, local))
     covered = {id(p) for t in out for p in t.local}
     for p in _objects_shared_across(modules):
         if id(p) not in covered:
             found = tuple(sorted({n for n, q in by_name.items() if q is p}))
             out.append(TiedSet(found, (rank,), [p]))
-    for tied in out:
-        _make_equal(tied, rank, group)
+    # the owners' global ranks, in every data-parallel replica (replica 0's first owner first);
+    # the replicas' pipelines are alike, so their sets are too
+    mine = [[_global(group, r) for r in t.owners] for t in out]
+    replicas = [mine]
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        replicas = [None] * dist.get_world_size(dp_group)
+        dist.all_gather_object(replicas, mine, group=dp_group)
+    # every rank of the job takes part in this pipeline: all make each owners' group (sets of
+    # several owners are the same on every rank), in one order
+    everyone = world * len(replicas) == dist.get_world_size()
+    for i, tied in enumerate(out):
+        ranks = [r for owners in replicas for r in owners[i]]
+        tied.source = ranks[0]
+        if len(tied.owners) == 1:  # one rank of the pipeline: its replicas are the dp group
+            tied.group = dp_group if len(ranks) > 1 else None
+        else:
+            tied.group = _owners_group(ranks, everyone)
+        _make_equal(tied)
     return out
 
 
@@ -169,20 +208,21 @@ def _objects_shared_across(modules: Mapping[int, nn.Module]) -> list[nn.Paramete
     return [objects[i] for i, stages in stages_of.items() if len(stages) > 1]
 
 
-def _owners_group(group, owners: tuple[int, ...]):
-    """A process group of the owning ranks (global numbering), made only by its members."""
-    if len(owners) < 2:
+def _owners_group(ranks: list[int], everyone: bool):
+    """A process group of the owning ranks (global numbering).
+
+    Made by every rank of the job where all of them run this pipeline (``new_group``'s default:
+    the group's name comes from a counter every rank advances alike). Otherwise only by its
+    members (``use_local_synchronization``), whose name hashes the ranks with the number of
+    groups a rank has made so far: it requires the members to have made equally many."""
+    if len(ranks) < 2:
         return None
-    ranks = [_global(group, r) for r in owners]
-    if group is None:
-        # Every rank of the world builds this pipeline, so all can take part: a group named by
-        # torch's counter. (Local synchronisation names a group by its ranks alone, so a second
-        # pipeline tying over the same ranks would collide with the first.)
-        made = dist.new_group(ranks)
+    if everyone:
+        made = dist.new_group(sorted(ranks))
         return made if dist.get_rank() in ranks else None
     if dist.get_rank() not in ranks:
         return None
-    return dist.new_group(ranks, use_local_synchronization=True)
+    return dist.new_group(sorted(ranks), use_local_synchronization=True)
 
 
 def _global(group, rank: int) -> int:
@@ -190,14 +230,14 @@ def _global(group, rank: int) -> int:
 
 
 @torch.no_grad()
-def _make_equal(tied: TiedSet, rank: int, group) -> None:
+def _make_equal(tied: TiedSet) -> None:
     """Replicas start equal: the first owner's first replica, broadcast to the others."""
     if not tied.local:
         return
     source = tied.local[0]
     if tied.group is not None:
         value = source.detach().clone()
-        dist.broadcast(value, _global(group, tied.first_owner), group=tied.group)
+        dist.broadcast(value, tied.source, group=tied.group)
         source.copy_(value)
     for p in tied.local[1:]:
         p.copy_(source)
@@ -206,8 +246,10 @@ def _make_equal(tied: TiedSet, rank: int, group) -> None:
 class TiedGrads:
     """Per step: hold the tied replicas' ``.grad`` aside, then sum, reduce and write it back."""
 
-    def __init__(self, sets: list[TiedSet], runners) -> None:
+    def __init__(self, sets: list[TiedSet], runners, average_over: int = 1) -> None:
         self.sets = [t for t in sets if t.local]
+        #: data-parallel replicas averaged (``reduction="mean"``), else 1 (summed)
+        self.average_over = average_over
         ids = {id(p) for t in self.sets for p in t.local}
         for runner in runners.values():
             runner.quiet_params = {id(p) for p in runner.module.parameters() if id(p) in ids}
@@ -236,11 +278,13 @@ class TiedGrads:
                 total += g
             if t.group is not None:
                 work = dist.all_reduce(total, group=t.group, async_op=True)
-                if transport is None:
+                peer = next((r for r in t.owners if r != rank), None)
+                if transport is None or peer is None:
                     work.wait()
                 else:
-                    peer = next(r for r in t.owners if r != rank)
                     transport.wait_work(work, f"the all-reduce of tied {t.names[0]}", peer)
+            if self.average_over > 1:
+                total /= self.average_over
             for p, old in zip(t.local, before):
                 p.grad = total.clone() if old is None else old + total
         self._before = []
