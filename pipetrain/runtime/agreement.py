@@ -63,6 +63,13 @@ class Agreement:
 
         ``stepping``: this step's shapes; a peer that announced other shapes for this step (it
         knew its shapes and went on into the step) is refused at once, not after ``timeout``."""
+        records = self.gather(what, record, stepping)
+        _refuse_differences(what, records)
+        return records
+
+    def gather(self, what: str, record: dict, stepping: dict | None = None) -> list[dict]:
+        """Every rank's ``record`` (JSON-able), rank order, within ``timeout``: the store-based
+        all-gather behind ``exchange``, for records that differ by design (what a rank holds)."""
         self.rounds += 1
         prefix = f"{self.failures.prefix}/agree/{self.rounds}"
         self.store.set(f"{prefix}/{self.rank}", json.dumps(record))
@@ -91,9 +98,7 @@ class Agreement:
                 )
             time.sleep(pause)
             pause = min(2 * pause, 0.05)
-        records = [json.loads(self.store.get(k)) for k in keys]
-        _refuse_differences(what, records)
-        return records
+        return [json.loads(self.store.get(k)) for k in keys]
 
     def construction(self, program: Program, local_arities: dict[int, tuple[int, float]]):
         """Agree on the program (construction); returns every stage's arity, stage order."""

@@ -42,6 +42,7 @@ every replica (``runtime.tied`` refuses one a caller's ``fully_shard`` sharded).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -116,7 +117,7 @@ class DataParallel:
         self.group = dp_group
         self.size = dist.get_world_size(dp_group)
         self.device = device
-        self.wrappers: dict[int, nn.Module] = {}
+        self.wrappers: dict[int, Any] = {}
         self._finished: set[int] = set()
         self._held: dict[int, list] = {}  # DDP: gradients from earlier steps, per stage
         if kind == "ddp":
@@ -248,7 +249,7 @@ def _all_reduce_sum(group, bucket):  # no annotations: DDP compares them as obje
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
-def _ddp_without(module: nn.Module, ignored: frozenset[int], **kwargs) -> nn.Module:
+def _ddp_without(module: nn.Module, ignored: frozenset[int], **kwargs) -> Any:
     """``DistributedDataParallel`` of ``module`` leaving the parameters ``ignored`` alone (DDP's
     ``_ddp_params_and_buffers_to_ignore``, set only while DDP reads it, added to the caller's)."""
     from torch.nn.parallel import DistributedDataParallel
@@ -268,7 +269,7 @@ def _ddp_without(module: nn.Module, ignored: frozenset[int], **kwargs) -> nn.Mod
             setattr(module, key, before)
 
 
-def _fsdp_modules(module: nn.Module) -> list[nn.Module]:
+def _fsdp_modules(module: nn.Module) -> list[Any]:
     from torch.distributed.fsdp import FSDPModule
 
     return [m for m in module.modules() if isinstance(m, FSDPModule)]
@@ -283,7 +284,7 @@ def _fsdp_post_backward(module) -> None:
     module.set_is_last_backward(True)
     module.set_reshard_after_backward(True)
     module.set_requires_gradient_sync(True)
-    state = fully_shard.state(module)
+    state = fully_shard.state(module)  # type: ignore[attr-defined]
     for inner in state._state_ctx.all_states:
         groups = getattr(inner, "_fsdp_param_groups", None)  # torch >= 2.12: a list
         if groups is None:

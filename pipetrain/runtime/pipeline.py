@@ -99,7 +99,7 @@ class Pipeline:
         )
         #: data-parallel replicas of this pipeline (set by a data-parallel wrapper): the token
         #: count of ``"token_mean"`` is summed over it
-        self.data_parallel_group = None
+        self.data_parallel_group: Any = None
         #: groups whose ranks hold different gradient shards (FSDP): the norm is summed over them
         self.norm_groups: list = []
         dp_group = dp_mesh = None
@@ -137,7 +137,13 @@ class Pipeline:
         check_wrapping(self.modules, data_parallel)
         # before data parallel wraps the stages: tied parameters are reduced by runtime.tied
         self.tied_sets = tied_weights.build(
-            tied, self.modules, group, self.rank, self.world_size, dp_group
+            tied,
+            self.modules,
+            group,
+            self.rank,
+            self.world_size,
+            dp_group,
+            gather=lambda record: self.agreement.gather("tied weights", record),
         )
         self.data_parallel = (
             DataParallel(
@@ -168,9 +174,11 @@ class Pipeline:
         self._owned = OwnedGroup.transfer_group(group, timeout)
         self._release_at_exit = weakref.finalize(self, self._owned.release)
         self._reverse_group = _reverse_group(group)
-        averaged = self.data_parallel is not None and self.data_parallel.reduction == "mean"
+        dp = self.data_parallel
         self.tied_grads = tied_weights.TiedGrads(
-            self.tied_sets, self.runners, self.data_parallel.size if averaged else 1
+            self.tied_sets,
+            self.runners,
+            dp.size if dp is not None and dp.reduction == "mean" else 1,
         )
         self.transport = Transport(
             self.rank,

@@ -31,7 +31,7 @@ the list it cut: ``Stage.tied_names``), and one ``Parameter`` object in two of t
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,10 +109,13 @@ def build(
     rank: int,
     world: int,
     dp_group=None,
+    *,
+    gather: Callable[[dict], list[dict]],
 ) -> list[TiedSet]:
     """The tied sets of the whole pipeline, with this rank's replicas and the owners' groups.
 
-    Collective over the pipeline group: every rank must call it (``Pipeline`` does). Sets named
+    Collective over the pipeline group: every rank must call it (``Pipeline`` does, with
+    ``gather`` its agreement's store-based all-gather, which honours the pipeline's timeout). Sets named
     by global names (declared, or found by ``split``) are resolved by name on every rank; one
     object in two of this rank's stages is a set of its own, found by identity (its names may
     be local ones that other ranks reuse for other parameters).
@@ -125,12 +128,12 @@ def build(
     local_sets += [names for m in modules.values() for names in getattr(m, "tied_names", ())]
     by_name, ambiguous = named_parameters_everywhere(modules)
     sharded = sorted(n for n, p in by_name.items() if isinstance(p, DTensor))
-    mine = {"sets": [tuple(s) for s in local_sets], "names": sorted(by_name), "sharded": sharded}
-    everyone: list = [None] * world
-    if world > 1:
-        dist.all_gather_object(everyone, mine, group=group)
-    else:
-        everyone = [mine]
+    mine: dict[str, Any] = {
+        "sets": [list(s) for s in local_sets],
+        "names": sorted(by_name),
+        "sharded": sharded,
+    }
+    everyone: list[dict[str, Any]] = gather(mine) if world > 1 else [mine]
     sets = (
         merge(s for part in everyone for s in part["sets"])
         if any(part["sets"] for part in everyone)
@@ -138,12 +141,12 @@ def build(
     )
     held = [set(part["names"]) for part in everyone]
     known = set().union(*held)
-    sharded = {n for part in everyone for n in part["sharded"]}
+    sharded_anywhere = {n for part in everyone for n in part["sharded"]}
     out = []
     for names in sets:
-        if sharded & set(names):
+        if sharded_anywhere & set(names):
             raise ValueError(
-                f"tied weight {sorted(sharded & set(names))[0]!r} is a sharded DTensor (a "
+                f"tied weight {sorted(sharded_anywhere & set(names))[0]!r} is a sharded DTensor (a "
                 "fully_shard applied before the Pipeline?); the tied sum needs it whole: pass "
                 "fully_shard(..., ignored_params={the tied parameters}), or let the Pipeline "
                 "shard the stage (data_parallel='fsdp' leaves tied parameters whole)"
@@ -178,21 +181,21 @@ def build(
             out.append(TiedSet(found, (rank,), [p]))
     # the owners' global ranks, in every data-parallel replica (replica 0's first owner first);
     # the replicas' pipelines are alike, so their sets are too
-    mine = [[_global(group, r) for r in t.owners] for t in out]
-    replicas = [mine]
+    owner_ranks = [[_global(group, r) for r in t.owners] for t in out]
+    replicas: list[Any] = [owner_ranks]
     if dp_group is not None and dist.get_world_size(dp_group) > 1:
         replicas = [None] * dist.get_world_size(dp_group)
-        dist.all_gather_object(replicas, mine, group=dp_group)
+        dist.all_gather_object(replicas, owner_ranks, group=dp_group)
     # every rank of the job takes part in this pipeline: all make each owners' group (sets of
     # several owners are the same on every rank), in one order
-    everyone = world * len(replicas) == dist.get_world_size()
+    whole_job = world * len(replicas) == dist.get_world_size()
     for i, tied in enumerate(out):
         ranks = [r for owners in replicas for r in owners[i]]
         tied.source = ranks[0]
         if len(tied.owners) == 1:  # one rank of the pipeline: its replicas are the dp group
             tied.group = dp_group if len(ranks) > 1 else None
         else:
-            tied.group = _owners_group(ranks, everyone)
+            tied.group = _owners_group(ranks, whole_job)
         _make_equal(tied)
     return out
 
