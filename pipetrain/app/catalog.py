@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -150,7 +150,7 @@ def _hugging_face(shape: ModelShape) -> LayerModel:
 
     from pipetrain.hf import causal_lm_layers, causal_lm_loss, tied_weights
 
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=shape.vocab,
         hidden_size=shape.hidden,
         intermediate_size=4 * shape.hidden,
@@ -162,6 +162,8 @@ def _hugging_face(shape: ModelShape) -> LayerModel:
         eos_token_id=1,
         tie_word_embeddings=shape.tie_embeddings,
     )
+    config: Any
+    cls: Any
     if shape.model == "llama":
         config, cls = tf.LlamaConfig(**common), tf.LlamaForCausalLM
     elif shape.model == "qwen3":

@@ -26,6 +26,7 @@ torch is imported inside functions only, so ``pipetrain --help`` stays fast.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -303,6 +304,11 @@ def check_arguments(args: argparse.Namespace) -> Layout:
             raise ValueError(f"{opt.flags[0]} must be > 0, got {value}")
     shape = model_shape(args)
     shape.check()
+    if args.model != "gpt" and importlib.util.find_spec("transformers") is None:
+        raise ValueError(
+            f"--model {args.model} needs transformers: pip install 'pipetrain[hf]' (or train "
+            "the built-in model: --model gpt)"
+        )
     if args.vocab < BYTE_VOCAB:
         raise ValueError(f"--vocab {args.vocab}: the tokens are bytes, so it must be >= 256")
     if args.text is not None and not Path(args.text).is_file():
