@@ -14,11 +14,22 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from pipetrain.planner import plan
+    from pipetrain.runtime.checkpoint import load_checkpoint, save_checkpoint
     from pipetrain.runtime.layers import split
+    from pipetrain.runtime.losses import TokenCrossEntropy
     from pipetrain.runtime.pipeline import Pipeline
     from pipetrain.runtime.profile_layers import profile
 
-__all__ = ["Pipeline", "__version__", "plan", "profile", "split"]
+__all__ = [
+    "Pipeline",
+    "TokenCrossEntropy",
+    "__version__",
+    "load_checkpoint",
+    "plan",
+    "profile",
+    "save_checkpoint",
+    "split",
+]
 
 # Loaded on first use: name -> module that defines it (all but ``plan`` import torch).
 _LAZY = {
@@ -26,6 +37,9 @@ _LAZY = {
     "plan": "pipetrain.planner",
     "profile": "pipetrain.runtime.profile_layers",
     "split": "pipetrain.runtime.layers",
+    "TokenCrossEntropy": "pipetrain.runtime.losses",
+    "save_checkpoint": "pipetrain.runtime.checkpoint",
+    "load_checkpoint": "pipetrain.runtime.checkpoint",
 }
 
 

@@ -27,6 +27,8 @@ module (``pip install pipetrain[hf]``).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -37,7 +39,7 @@ SUPPORTED = (*LLAMA_FAMILY, "gpt2")
 IGNORE_INDEX = -100
 
 
-def causal_lm_layers(model: nn.Module) -> dict[str, nn.Module]:
+def causal_lm_layers(model: Any) -> dict[str, nn.Module]:
     """The model's layers in call order, by their names in the model: embedding, decoder layers,
     final norm, LM head. Each consumes the previous one's output (token ids → hidden states →
     logits). A ``ValueError`` names the supported model types for any other model."""
@@ -66,7 +68,7 @@ def causal_lm_layers(model: nn.Module) -> dict[str, nn.Module]:
     return layers
 
 
-def tied_weights(model: nn.Module) -> list[tuple[str, str]]:
+def tied_weights(model: Any) -> list[tuple[str, str]]:
     """The parameter pairs the model ties (from ``_tied_weights_keys``), by global name — the
     model's names, which ``causal_lm_layers`` keeps — where they are one parameter now (a config
     with ``tie_word_embeddings=False`` ties nothing)."""
@@ -174,7 +176,7 @@ class GPT2Embedding(nn.Module):
     """GPT-2's token and position embeddings and their dropout (named as in the model:
     ``transformer.wte``, ``transformer.wpe``)."""
 
-    def __init__(self, body: nn.Module) -> None:
+    def __init__(self, body: Any) -> None:
         super().__init__()
         self.wte, self.wpe, self.drop = body.wte, body.wpe, body.drop
 

@@ -7,6 +7,7 @@ import time
 from datetime import timedelta
 
 import torch
+import torch.distributed
 from torch import nn
 
 TIMEOUT = timedelta(seconds=20)  # far above every bound asserted: a hang shows as a timeout
@@ -73,6 +74,10 @@ def run_contract(rank: int, world: int) -> dict:
             **kw,
         )
 
+    # Ranks start seconds apart on a loaded machine: build once (imports, first groups) and meet,
+    # so each case's seconds measure the refusal, not a peer's late start.
+    build().close()
+    torch.distributed.barrier()
     out = {}
     out["microbatches"] = _outcome(lambda: build(m=5 if rank == last else 4))
     out["schedule"] = _outcome(lambda: build(schedule="gpipe" if rank == last else "1f1b"))

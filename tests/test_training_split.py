@@ -77,9 +77,13 @@ def test_lazy_form_builds_only_the_stage_asked_for_and_materialises_meta_layers(
     assert len(stages) == 3 and built == []
     stage = stages[1]
     assert built == [2, 3] and isinstance(stage, Stage)
-    assert list(stage.state_dict())[0] == "layers.2.lin.weight"
+    assert next(iter(stage.state_dict())) == "layers.2.lin.weight"
     torch.manual_seed(3)
-    assert torch.equal(stage.get_submodule("layers.3").lin.weight, torch.randn(6, 6, dtype=torch.float64))
+    assert torch.equal(
+        stage.get_submodule("layers.3").lin.weight, torch.randn(6, 6, dtype=torch.float64)
+    )
     # the cut does not change a layer's weights: layer 3 alone, built at another cut
     (other,) = pipetrain.split(factory, [3, 1, 1], num_layers=5, init=init)[1:2]
-    assert torch.equal(other.get_submodule("layers.3").lin.weight, stage.get_submodule("layers.3").lin.weight)
+    assert torch.equal(
+        other.get_submodule("layers.3").lin.weight, stage.get_submodule("layers.3").lin.weight
+    )

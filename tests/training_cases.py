@@ -72,22 +72,25 @@ def build_layers(num_layers: int, tie: bool = True, seed: int = 0) -> dict[str, 
 
 
 def batch(rows: int, seed: int = 0):
-    """Tokens, shifted targets padded with ``IGNORE`` (a different amount per row), a mask."""
+    """Tokens, shifted targets padded with ``IGNORE`` (a different amount per row), and a mask
+    that zeroes block updates at other positions than the padding (so it changes the loss)."""
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, VOCAB, (rows, SEQ), generator=g)
     targets = torch.randint(0, VOCAB, (rows, SEQ), generator=g)
     lengths = torch.randint(1, SEQ + 1, (rows,), generator=g)
     pad = torch.arange(SEQ)[None, :] >= lengths[:, None]
     targets[pad] = IGNORE
-    mask = (~pad).to(torch.float64)
+    mask = (torch.rand(rows, SEQ, generator=g) > 0.3).to(torch.float64)  # not the padding
     return tokens, targets, mask
 
 
 def run_unsplit(layers, tokens, mask=None):
     h = tokens
     for name, layer in layers.items():
-        h = layer(h, attention_mask=mask) if name.startswith("blocks") and mask is not None else (
-            layer(h)
+        h = (
+            layer(h, attention_mask=mask)
+            if name.startswith("blocks") and mask is not None
+            else (layer(h))
         )
     return h
 
@@ -103,6 +106,15 @@ def sum_loss(logits, targets):
     return F.cross_entropy(
         logits.reshape(-1, VOCAB), targets.reshape(-1), ignore_index=IGNORE, reduction="sum"
     )
+
+
+def by_name(layers: dict[str, nn.Module]) -> dict[str, nn.Parameter]:
+    """Every parameter of a layer dict by its global name (a tied one under both names)."""
+    return {
+        f"{layer_name}.{k}": q
+        for layer_name, layer in layers.items()
+        for k, q in layer.named_parameters(remove_duplicate=False)
+    }
 
 
 def close(a, b, rtol=1e-10) -> bool:
@@ -123,20 +135,31 @@ def legal_microbatches(name: str, world: int) -> int:
     raise AssertionError(f"no micro-batch count for {name}")
 
 
+def _recorder(fired: dict, seen: dict, name: str):
+    def hook(p):
+        fired[name] = fired.get(name, 0) + 1
+        seen[name] = p.grad.clone()
+
+    return hook
+
+
 def run_losses_tied_clipping(rank: int, world: int, cases: list) -> list[str]:
-    """Per (schedule, reduction, defer, side): two steps, loss and every gradient against the
-    unsplit model (tied embedding/head), hooks once per step with the whole gradient, then
-    ``clip_grad_norm_`` against torch's on the unsplit model."""
+    """Per (schedule, reduction, defer, side, declared): two steps, loss and every gradient
+    against the unsplit model (tied embedding/head), hooks once per step with the whole
+    gradient, then ``clip_grad_norm_`` against torch's on the unsplit model.
+
+    ``declared``: the layers are built untied (the head with its own random weight) and the tie
+    is declared by name, ``Pipeline(tied=...)``: construction makes the replicas equal."""
     import pipetrain
     from pipetrain.runtime.losses import TokenCrossEntropy
     from pipetrain.schedule.registry import family
 
     failures = []
-    for name, reduction, defer, side in cases:
+    for name, reduction, defer, side, declared in cases:
         v = family(name).default_stages_per_rank
         num_stages = world * v
         m = legal_microbatches(name, world)
-        layers = build_layers(layer_count(num_stages))
+        layers = build_layers(layer_count(num_stages), tie=not declared)
         stages = pipetrain.split(layers, stage_counts(num_stages))
         fired: dict[str, int] = {}
         seen: dict[str, torch.Tensor] = {}
@@ -148,36 +171,26 @@ def run_losses_tied_clipping(rank: int, world: int, cases: list) -> list[str]:
             loss_fn,
             loss_reduction=None if reduction == "token_mean" else reduction,
             defer_weight_grads=defer,
+            tied=[("embed.weight", "head.weight")] if declared else (),
         )
         local = {}
         for s in pipe.modules.values():
             for n, p in s.named_parameters(remove_duplicate=False):
                 local[n] = p
         for n, p in local.items():
-            if n != "head.weight" or "embed.weight" not in local:
-
-                def hook(q, n=n):
-                    fired[n] = fired.get(n, 0) + 1
-                    seen[n] = q.grad.clone()
-
-                p.register_post_accumulate_grad_hook(hook)
+            if n != "head.weight" or local.get("embed.weight") is not p:
+                p.register_post_accumulate_grad_hook(_recorder(fired, seen, n))
         tokens, targets, mask = batch(2 * m + 1, seed=m)
         kwargs = {"side": {"attention_mask": mask}} if side else {}
         losses = [pipe.step(tokens, targets, **kwargs) for _ in range(2)]
-        case = f"{name} ranks={world} m={m} {reduction} defer={defer} side={side}"
+        case = f"{name} ranks={world} m={m} {reduction} defer={defer} side={side} {declared=}"
         ref_layers = build_layers(layer_count(num_stages))
         for _ in range(2):
             ref_loss = reference_loss(
                 run_unsplit(ref_layers, tokens, mask if side else None), targets, reduction
             )
             ref_loss.backward()
-        ref = {
-            n: p
-            for layer_name, layer in ref_layers.items()
-            for n, p in (
-                (f"{layer_name}.{k}", q) for k, q in layer.named_parameters(remove_duplicate=False)
-            )
-        }
+        ref = by_name(ref_layers)
         for i, loss in enumerate(losses):
             if not close(loss, ref_loss.detach()):
                 failures.append(f"{case}: step {i} loss {loss.item()} != {ref_loss.item()}")
@@ -198,4 +211,313 @@ def run_losses_tied_clipping(rank: int, world: int, cases: list) -> list[str]:
         for n, p in local.items():
             if not close(p.grad, ref[n].grad):
                 failures.append(f"{case}: {n} clipped gradient differs")
+        inf_norm = pipe.clip_grad_norm_(1e9, float("inf"))
+        ref_inf = torch.nn.utils.clip_grad_norm_(ref_params, 1e9, float("inf"))
+        if not close(inf_norm, ref_inf):
+            failures.append(f"{case}: inf-norm {inf_norm.item()} != unsplit {ref_inf.item()}")
     return failures
+
+
+CKPT_LAYERS = 6  # embed, 4 blocks, head (untied: see run_checkpoints)
+CKPT_MB = 4
+BEFORE, AFTER = 2, 2  # steps before the checkpoint and after it
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=0.05, weight_decay=0.01)
+
+
+def _train_pipeline(pipe, opt, steps: range) -> None:
+    for step in steps:
+        opt.zero_grad()
+        tokens, targets, mask = batch(9, seed=100 + step)
+        pipe.step(tokens, targets, side={"attention_mask": mask})
+        opt.step()
+
+
+def _pipeline(group, schedule: str, counts: list[int]):
+    import pipetrain
+    from pipetrain.runtime.losses import TokenCrossEntropy
+
+    stages = pipetrain.split(build_layers(CKPT_LAYERS, tie=False, seed=7), counts)
+    pipe = pipetrain.Pipeline(stages, schedule, CKPT_MB, TokenCrossEntropy(IGNORE), group=group)
+    return pipe, _adamw(pipe.parameters())
+
+
+def _snapshot(modules) -> dict:
+    """Parameters by name as numpy arrays (tensors would travel back through shared memory
+    that dies with the worker)."""
+    return {n: t.detach().numpy().copy() for m in modules for n, t in m.state_dict().items()}
+
+
+def _layer_factory(index: int) -> nn.Module:
+    if index == 0:
+        return Embed()
+    return Head(None) if index == CKPT_LAYERS - 1 else Block()
+
+
+def run_checkpoints(rank: int, world: int, path: str) -> dict:
+    """Save at pp=2 (zbv, 4 stages) after ``BEFORE`` steps; continue there (the uninterrupted
+    run), at pp=2 again (ranks 2, 3), at pp=4 (1f1b, another cut) and in the plain model; every
+    run's final parameters by name (the test compares them bit for bit).
+
+    The model is untied (the blocks' stages defer their weight GEMMs, the others use graph
+    replay: the default): then each parameter's gradient is summed in the same order whatever
+    the cut, so runs can agree bit for bit (a tied weight's two halves are summed in an order
+    that depends on where the cut puts them: docs/training.md)."""
+    import torch.distributed as dist
+
+    import pipetrain
+    from pipetrain.runtime.losses import TokenCrossEntropy
+
+    out: dict = {}
+    first, second = dist.new_group([0, 1]), dist.new_group([2, 3])
+    if rank < 2:  # the uninterrupted run, checkpointed on the way
+        pipe, opt = _pipeline(first, "zbv", [2, 1, 1, 2])
+        _train_pipeline(pipe, opt, range(BEFORE))
+        pipetrain.save_checkpoint(path, pipe, opt)
+        dist.barrier()
+        _train_pipeline(pipe, opt, range(BEFORE, BEFORE + AFTER))
+        out["uninterrupted"] = _snapshot(pipe.modules.values())
+    else:  # the same layout, resumed
+        dist.barrier()
+        pipe, opt = _pipeline(second, "zbv", [2, 1, 1, 2])
+        pipetrain.load_checkpoint(path, pipe, opt)
+        _train_pipeline(pipe, opt, range(BEFORE, BEFORE + AFTER))
+        out["same_layout"] = _snapshot(pipe.modules.values())
+    # pp=4, another cut; each rank builds only its own layers, on the meta device first
+    stages = pipetrain.split(
+        _layer_factory,
+        [1, 2, 2, 1],
+        num_layers=CKPT_LAYERS,
+        names=list(build_layers(CKPT_LAYERS, tie=False)),
+        init=lambda index, layer: [p.zero_() for p in layer.parameters()],
+    )
+    pipe = pipetrain.Pipeline(stages, "1f1b", CKPT_MB, TokenCrossEntropy(IGNORE))
+    opt = _adamw(pipe.parameters())
+    pipetrain.load_checkpoint(path, pipe, opt)
+    _train_pipeline(pipe, opt, range(BEFORE, BEFORE + AFTER))
+    out["pp4"] = _snapshot(pipe.modules.values())
+    if rank == 0:  # the plain model: micro-batches accumulated by hand, in the same order
+        (model,) = pipetrain.split(build_layers(CKPT_LAYERS, tie=False, seed=99), [CKPT_LAYERS])
+        opt = _adamw(model.parameters())
+        pipetrain.load_checkpoint(path, model, opt)
+        loss_fn = TokenCrossEntropy(IGNORE)
+        for step in range(BEFORE, BEFORE + AFTER):
+            opt.zero_grad()
+            tokens, targets, mask = batch(9, seed=100 + step)
+            count = (targets != IGNORE).sum().item()
+            for x, y, mk in zip(*(torch.tensor_split(t, CKPT_MB) for t in (tokens, targets, mask))):
+                (loss_fn(model(x, attention_mask=mk), y) * (1.0 / count)).backward()
+            opt.step()
+        out["pp1"] = _snapshot([model])
+        out["errors"] = _checkpoint_errors(path)
+    return out
+
+
+def _checkpoint_errors(path: str) -> dict[str, str]:
+    import pipetrain
+
+    def error_of(fn) -> str:
+        try:
+            fn()
+        except Exception as e:  # the test checks type and message
+            return f"{type(e).__name__}: {e}"
+        return "no error"
+
+    (bigger,) = pipetrain.split(build_layers(CKPT_LAYERS + 1, tie=False), [CKPT_LAYERS + 1])
+    (model,) = pipetrain.split(build_layers(CKPT_LAYERS, tie=False), [CKPT_LAYERS])
+    other = nn.Sequential(nn.Linear(2, 2))
+    return {
+        "missing_layer": error_of(lambda: pipetrain.load_checkpoint(path, bigger)),
+        "other_model": error_of(lambda: pipetrain.load_checkpoint(path, other)),
+        "state_dict": error_of(lambda: _load_partial(model, bigger)),
+    }
+
+
+def _load_partial(model, bigger) -> None:
+    from pipetrain.runtime.checkpoint import load_model_state
+
+    load_model_state([bigger], model.state_dict())
+
+
+class CheckpointedBlock(Block):
+    """A block whose update runs under ``torch.utils.checkpoint``; counts its forward runs."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.runs = 0
+
+    def update(self, h, attention_mask):
+        self.runs += 1
+        out = torch.tanh(self.lin(h))
+        return out * attention_mask.unsqueeze(-1)
+
+    def forward(self, h, attention_mask=None):
+        from torch.utils.checkpoint import checkpoint
+
+        return h + checkpoint(self.update, h, attention_mask, use_reentrant=self.reentrant)
+
+
+def checkpointed_layers(num_layers: int, reentrant: bool = False) -> dict[str, nn.Module]:
+    layers = build_layers(num_layers)
+    torch.manual_seed(5)
+    for name in layers:
+        if name.startswith("blocks"):
+            layers[name] = CheckpointedBlock(reentrant)
+    return layers
+
+
+def run_activation_checkpointing(rank: int, world: int) -> dict:
+    """Exactness and forward runs per micro-batch of a checkpointed block, per schedule and
+    weight-gradient split; then ``use_reentrant=True`` refused at the first step."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    import pipetrain
+    from pipetrain.runtime.losses import TokenCrossEntropy
+
+    out: dict = {"exact": [], "runs": {}}
+    for name, defer in [("1f1b", False), ("zbv", False), ("zbv", True), ("dualpipev", False)]:
+        num_stages = 2 * world if name != "1f1b" else world
+        m = 4
+        layers = checkpointed_layers(layer_count(num_stages))
+        pipe = pipetrain.Pipeline(
+            pipetrain.split(layers, stage_counts(num_stages)),
+            name,
+            m,
+            TokenCrossEntropy(IGNORE),
+            defer_weight_grads=defer,
+        )
+        tokens, targets, mask = batch(8, seed=3)
+        loss = pipe.step(tokens, targets, side={"attention_mask": mask})
+        ref_layers = checkpointed_layers(layer_count(num_stages))
+        ref_loss = reference_loss(run_unsplit(ref_layers, tokens, mask), targets, "token_mean")
+        ref_loss.backward()
+        ok = close(loss, ref_loss.detach())
+        ref = by_name(ref_layers)
+        for s in pipe.modules.values():
+            for n, p in s.named_parameters():
+                ok &= close(p.grad, ref[n].grad)
+        out["exact"].append((name, defer, ok))
+        blocks = [
+            b
+            for s in pipe.modules.values()
+            for b in s.modules()
+            if isinstance(b, CheckpointedBlock)
+        ]
+        if blocks:
+            out["runs"][f"{name} defer={defer}"] = sum(b.runs for b in blocks) / (len(blocks) * m)
+    group = dist.new_group(list(range(world)))
+    pipe = pipetrain.Pipeline(
+        pipetrain.split(checkpointed_layers(layer_count(world), True), stage_counts(world)),
+        "1f1b",
+        2,
+        TokenCrossEntropy(IGNORE),
+        group=group,
+        timeout=timedelta(seconds=3),
+    )
+    tokens, targets, mask = batch(4)
+    try:
+        pipe.step(tokens, targets, side={"attention_mask": mask})
+        out["reentrant"] = "no error"
+    except Exception as e:  # the test checks the type and message
+        out["reentrant"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def run_refusals_and_eval(rank: int, world: int) -> dict:
+    """Bad training input refused the same way on every rank (no rank left waiting), and
+    ``eval_step`` with side inputs against the unsplit model."""
+    import pipetrain
+    from pipetrain.runtime.losses import TokenCrossEntropy
+
+    def error_of(fn) -> str:
+        try:
+            fn()
+        except Exception as e:  # the test checks type and message
+            return f"{type(e).__name__}: {e}"
+        return "no error"
+
+    def pipe(**kwargs):
+        layers = build_layers(layer_count(world))
+        loss = kwargs.pop("loss_fn", TokenCrossEntropy(IGNORE))
+        return pipetrain.Pipeline(
+            pipetrain.split(layers, stage_counts(world)), "1f1b", 2, loss, **kwargs
+        )
+
+    tokens, targets, mask = batch(4)
+    good = pipe()
+    out = {
+        "reduction": error_of(lambda: pipe(loss_reduction="median")),
+        "tied_name": error_of(lambda: pipe(tied=[("embed.weight", "nope.weight")])),
+        "side_name": error_of(lambda: good.step(tokens, targets, side={"attn_mask": mask})),
+        "side_grad": error_of(
+            lambda: good.step(tokens, targets, side={"attention_mask": mask.requires_grad_()})
+        ),
+        "no_tokens": error_of(lambda: good.step(tokens, torch.full_like(targets, IGNORE))),
+    }
+    mask = mask.detach()
+    result = good.eval_step(tokens, side={"attention_mask": mask})
+    expected = run_unsplit(build_layers(layer_count(world)), tokens, mask).detach()
+    out["eval_close"] = None if result is None else close(result, expected)
+    return out
+
+
+def run_hand_cut_tie(rank: int, world: int) -> dict:
+    """Hand-cut stages (local names that repeat across stages) on zbv: the embedding/head
+    ``Parameter`` sits in stages 0 and 3, both on rank 0, found by identity; exact, and its hook
+    fires once per step with the whole gradient."""
+    import pipetrain
+    from pipetrain.runtime.losses import TokenCrossEntropy
+
+    def stages_of(layers):
+        blocks = [layers[f"blocks.{i}"] for i in range(4)]
+        return [
+            nn.Sequential(layers["embed"], blocks[0]),
+            nn.Sequential(blocks[1]),
+            nn.Sequential(blocks[2]),
+            nn.Sequential(blocks[3], layers["head"]),
+        ]
+
+    layers = build_layers(6)
+    pipe = pipetrain.Pipeline(stages_of(layers), "zbv", 4, TokenCrossEntropy(IGNORE))
+    fired: dict = {}
+    seen: dict = {}
+    for p in pipe.parameters():  # each once
+        p.register_post_accumulate_grad_hook(_recorder(fired, seen, f"{id(p)}"))
+    tokens, targets, _ = batch(8)
+    losses = [pipe.step(tokens, targets) for _ in range(2)]
+    ref_layers = build_layers(6)
+    for _ in range(2):
+        ref_loss = reference_loss(run_unsplit(ref_layers, tokens), targets, "token_mean")
+        ref_loss.backward()
+    ok = all(close(loss, ref_loss.detach()) for loss in losses)
+    mine, theirs = stages_of(layers), stages_of(ref_layers)
+    for s in pipe.modules:
+        for p, q in zip(mine[s].parameters(), theirs[s].parameters()):
+            ok &= close(p.grad, q.grad)
+    whole = all(
+        torch.equal(seen[f"{id(p)}"], p.grad) for s in pipe.modules.values() for p in s.parameters()
+    )
+    return {"exact": ok, "hook_counts": sorted(set(fired.values())), "whole": whole}
+
+
+def run_two_ranks(rank: int, world: int, cases: list) -> dict:
+    """Everything the 2-rank tests check, in one launch (the refused reentrant case last)."""
+    return {
+        "exact": run_losses_tied_clipping(rank, world, cases),
+        "refusals": run_refusals_and_eval(rank, world),
+        "hand_cut_tie": run_hand_cut_tie(rank, world),
+        "activation_checkpointing": run_activation_checkpointing(rank, world),
+    }
+
+
+def run_four_ranks(rank: int, world: int, cases: list, path: str) -> dict:
+    """Everything the 4-rank tests check, in one launch."""
+    return {
+        "exact": run_losses_tied_clipping(rank, world, cases),
+        "checkpoints": run_checkpoints(rank, world, path),
+    }

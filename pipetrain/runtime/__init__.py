@@ -7,5 +7,10 @@ layers' weight GEMMs left to W; the default on stages made mostly of linears) or
 interface the runtime uses; ``p2p`` moves tensors,
 ``executor`` runs a rank's actions,
 ``microbatch`` splits and weighs batches and ``timing`` measures a step as a ``Timeline``.
+For training jobs (docs/training.md): ``layers`` cuts a layer list into stages (``split``),
+``losses`` weighs micro-batches by the loss's reduction, ``tied`` sums tied weights' gradients,
+``grad_norm`` clips by the global norm, ``checkpoint`` saves and loads by global name,
+``side_inputs`` hands masks and the like to stages, ``activation_checkpoint`` polices
+``torch.utils.checkpoint``.
 Importing this package does not import torch; its modules do.
 """

@@ -197,10 +197,13 @@ class DeferredLinears:
         """``B``. With ``hooks`` (the step's last weight piece) an ordinary backward through
         ``AccumulateGrad``; without, ``split_backward.backward_full``'s quiet ``B`` with the
         deferred linears adding their weight gradients straight into ``.grad``."""
-        if hooks:
-            return backward_full(roots, grads, inputs, params, hooks=True)
-        with self._in_mode(ACCUMULATE):
-            return backward_full(roots, grads, inputs, params, hooks=False)
+        # Inside ``deferring``: activation checkpointing recomputes the forward during the
+        # backward, and must run the same linears the forward ran (same saved tensors).
+        with self.deferring():
+            if hooks:
+                return backward_full(roots, grads, inputs, params, hooks=True)
+            with self._in_mode(ACCUMULATE):
+                return backward_full(roots, grads, inputs, params, hooks=False)
 
     def backward_input(
         self,
@@ -216,7 +219,7 @@ class DeferredLinears:
         work = DeferredWork()
         if not roots or not (inputs or params):
             return [None] * len(inputs), work
-        with self._in_mode(work.entries):
+        with self.deferring(), self._in_mode(work.entries):  # deferring: see backward_full
             found = run_engine(
                 roots, grads, [*inputs, *params], retain_graph=False, accumulate=False
             )

@@ -43,6 +43,7 @@ class StepData:
     inputs: tuple[tuple[torch.Tensor, ...], ...]
     targets: tuple[object, ...]
     weights: tuple[float, ...]
+    side: tuple[dict[str, object], ...] = ()  # per micro-batch (``runtime.side_inputs``)
 
 
 @dataclass
@@ -232,10 +233,11 @@ class Executor:
         self._given = (f"stage {s} received {source}", tuple(TensorMeta.of(a) for a in args))
         self._check_arity(s, len(args), "receives")
         runner = self.runners[s]
+        side = self.data.side[j] if self.data.side else None
         if self.train:
-            outputs = runner.forward(j, args, self.data.targets[j], self.data.weights[j])
+            outputs = runner.forward(j, args, self.data.targets[j], self.data.weights[j], side)
         else:
-            outputs = runner.call(args)
+            outputs = runner.call(args, side)
         if runner.is_last:
             if not self.train:
                 self.results[j] = outputs

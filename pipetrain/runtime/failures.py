@@ -152,7 +152,8 @@ def posts_failures(init):
         except BaseException as e:
             failures = self.__dict__.get("failures")
             if failures is not None:
-                failures.post(self.rank, f"building its Pipeline: {type(e).__name__}: {e}")
+                origin = getattr(e, "origin", self.rank)
+                failures.post(origin, f"building its Pipeline: {type(e).__name__}: {e}")
             raise
 
     return wrapper

@@ -18,22 +18,27 @@ import torch
 import torch.distributed as dist
 
 
-def local_total(grads: Iterable[torch.Tensor], norm_type: float) -> torch.Tensor:
-    """This rank's share: ``Σ|g|^p`` (float64), or ``max|g|`` for ``p = inf``."""
-    total = torch.zeros((), dtype=torch.float64)
-    for g in grads:
-        if hasattr(g, "to_local"):  # an FSDP2 shard (DTensor): this rank's part only
-            g = g.to_local()
-        n = torch.linalg.vector_norm(g.detach(), norm_type).to(torch.float64).cpu()
-        total = torch.maximum(total, n) if math.isinf(norm_type) else total + n**norm_type
-    return total
+def local_total(
+    grads: Iterable[torch.Tensor], norm_type: float, device: torch.device
+) -> torch.Tensor:
+    """This rank's share on ``device``: ``Σ|g|^p`` (float64), or ``max|g|`` for ``p = inf``.
+    Per-tensor norms stay on the gradients' device (no host sync per parameter)."""
+    # an FSDP2 shard (DTensor) counts this rank's part only
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    norms = [
+        torch.linalg.vector_norm(g.detach(), norm_type).to(device, torch.float64) for g in local
+    ]
+    if not norms:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    stacked = torch.stack(norms)
+    return stacked.max() if math.isinf(norm_type) else (stacked**norm_type).sum()
 
 
 def global_norm(
     grads: list[torch.Tensor], norm_type: float, groups: list, device: torch.device
 ) -> torch.Tensor:
     """The norm over every rank of each group in ``groups`` (``None``: the default group)."""
-    value = local_total(grads, norm_type).to(device)
+    value = local_total(grads, norm_type, device)
     op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
     for group in groups:  # None is the default (world) group
         if dist.get_world_size(group) > 1:

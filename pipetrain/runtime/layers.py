@@ -19,11 +19,12 @@ per index and the weights do not depend on the cut either.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
+
+from pipetrain.runtime import side_inputs
 
 LayerFactory = Callable[[int], nn.Module]
 
@@ -39,7 +40,7 @@ class Stage(nn.Module):
             _register(self, name, layer)
         # A plain list (not registered again): the call order, with the keywords each accepts.
         self.chain: list[tuple[nn.Module, frozenset[str] | None]] = [
-            (layer, _keywords(layer)) for _, layer in named_layers
+            (layer, side_inputs.keywords(layer)) for _, layer in named_layers
         ]
         self.layer_names = tuple(name for name, _ in named_layers)
         #: name sets of parameters this stage shares with other stages (``runtime.tied``)
@@ -61,21 +62,6 @@ class Stage(nn.Module):
                 return None
             names |= accepts
         return frozenset(names)
-
-
-def _keywords(layer: nn.Module) -> frozenset[str] | None:
-    """The keyword-capable parameters of ``layer.forward`` (``None`` for ``**kwargs``)."""
-    try:
-        sig = inspect.signature(layer.forward)
-    except (TypeError, ValueError):
-        return frozenset()
-    names = set()
-    for p in sig.parameters.values():
-        if p.kind is p.VAR_KEYWORD:
-            return None
-        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
-            names.add(p.name)
-    return frozenset(names)
 
 
 def _register(root: nn.Module, name: str, layer: nn.Module) -> None:
@@ -178,14 +164,15 @@ def split(
 ) -> Sequence[nn.Module]:
     """Cut a model given as an ordered list of layers into pipeline stages.
 
-    ``layers``: the layers in call order (a sequence; a mapping name → layer keeps its names), or
+    ``layers``: the layers in call order (a sequence; a mapping name → layer, ``nn.ModuleDict``
+    included, keeps its names), or
     a factory ``index -> nn.Module`` with ``num_layers=`` (each rank then builds only its own
     layers; with ``init=``, under the meta device, materialised on ``device`` and initialised by
     ``init(index, layer)``). ``stage_layers``: how many consecutive layers each stage gets; they
     must sum to the number of layers and each be at least 1. ``names``: the global layer names
     (default ``layers.<index>``), dotted paths allowed (``model.layers.3``).
     """
-    if isinstance(layers, Mapping):
+    if isinstance(layers, (Mapping, nn.ModuleDict)):
         if names is not None:
             raise ValueError("layers is a mapping name -> layer; do not pass names= as well")
         names = list(layers.keys())

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipetrain.runtime import grad_norm, losses, microbatch
+from pipetrain.runtime import checkpoint, grad_norm, losses, microbatch, side_inputs
 from pipetrain.runtime import tied as tied_weights
 from pipetrain.runtime.agreement import Agreement, pipeline_prefix
 from pipetrain.runtime.data_parallel import DataParallel, check_wrapping, mesh_groups
@@ -184,6 +184,8 @@ class Pipeline:
         )
         self._caches: dict[str, MetaCache] = {}
         self._eval_program: Program | None = None
+        self._side: tuple[dict, ...] = ()
+        self._side_keywords_all: list | None = None
         self.last_timeline: Timeline | None = None
         self.closed = False
 
@@ -317,13 +319,25 @@ class Pipeline:
                     seen.add(id(p))
                     yield p
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters and buffers by global name (``runtime.checkpoint``): the union
+        over the ranks is the unsplit model's state dict."""
+        return checkpoint.model_state(self.modules[s] for s in sorted(self.modules))
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy this rank's tensors from ``state`` (a whole model's, or any ranks' union);
+        a missing name is a ``KeyError`` naming it, a shape mismatch a ``ValueError``."""
+        checkpoint.load_model_state([self.modules[s] for s in sorted(self.modules)], state)
+
     @stops_on_failure
-    def step(self, inputs, targets, timeline: bool = False) -> torch.Tensor:
-        """One training step; returns the micro-batch-weighted mean loss on every rank.
+    def step(self, inputs, targets, timeline: bool = False, *, side=None) -> torch.Tensor:
+        """One training step; returns the batch's loss (per ``loss_reduction``) on every rank.
 
         Gradients accumulate into ``.grad`` (zero them as with any torch training loop).
+        ``side``: side inputs by name (an attention mask...), given to the stages whose forward
+        takes them, split per micro-batch where batched (``runtime.side_inputs``).
         """
-        mbs = self._split(inputs, targets)
+        mbs = self._split(inputs, targets, side)
         if self.data_parallel is not None:
             self.data_parallel.check_batch(mbs.batch_size)
         weights = losses.weights(
@@ -337,7 +351,7 @@ class Pipeline:
         rows = self.program.actions[self.rank]
         self.tied_grads.begin_step()
         self._execute(rows, mbs, "train", timeline, self.program.name)
-        self.tied_grads.end_step()
+        self.tied_grads.end_step(self.transport, self.rank)
         loss = self._agree_on_loss(mbs.weights)
         if self.data_parallel is not None:
             loss = self.data_parallel.global_loss(loss)
@@ -367,11 +381,11 @@ class Pipeline:
         return counted, grads
 
     @stops_on_failure
-    def eval_step(self, inputs):
+    def eval_step(self, inputs, *, side=None):
         """Forward only; the last stage's outputs (merged) on the rank that holds it, else None."""
         if self._eval_program is None:
             self._eval_program = _forward_only(self.program)
-        mbs = self._split(inputs, None)
+        mbs = self._split(inputs, None, side)
         rows = self._eval_program.actions[self.rank]
         with torch.no_grad():
             results = self._execute(rows, mbs, "eval", False, self.program.name)
@@ -380,7 +394,7 @@ class Pipeline:
         outs = [results[j] for j in range(self.num_microbatches)]
         return microbatch.merge(outs, single=len(outs[0]) == 1)
 
-    def _split(self, inputs, targets) -> microbatch.MicroBatches:
+    def _split(self, inputs, targets, side=None) -> microbatch.MicroBatches:
         _require_process_group()
         if self.closed:
             why = f" after a failure ({self._failure})" if getattr(self, "_failure", None) else ""
@@ -391,7 +405,24 @@ class Pipeline:
             ys = targets.to(self.device)
         elif isinstance(targets, (tuple, list)):
             ys = tuple(t.to(self.device) for t in microbatch.as_tuple(targets, "targets"))
-        return microbatch.split(xs, ys, self.num_microbatches)
+        mbs = microbatch.split(xs, ys, self.num_microbatches)
+        self._side = ()
+        if side:
+            side_inputs.check(side, self._side_keywords())
+            self._side = side_inputs.split(side, mbs.batch_size, self.num_microbatches, self.device)
+        return mbs
+
+    def _side_keywords(self) -> list:
+        """Every stage's side-input names (gathered from all ranks on first use)."""
+        if self._side_keywords_all is None:
+            mine = [r.side_keywords for r in self.runners.values()]
+            everyone: list = [None] * self.world_size
+            if self.world_size > 1:
+                dist.all_gather_object(everyone, mine, group=self.group)
+            else:
+                everyone = [mine]
+            self._side_keywords_all = [k for part in everyone for k in part]
+        return self._side_keywords_all
 
     def _execute(self, rows, mbs, mode: str, timeline: bool, name: str):
         signature = (mbs.batch_size, *((tuple(x.shape), x.dtype) for x in mbs.inputs[0]))
@@ -405,7 +436,7 @@ class Pipeline:
         for runner in self.runners.values():
             runner.begin_step()
         recorder = Recorder(self.rank, self.device, timeline)
-        recorder.begin(self.group)
+        recorder.begin(self.transport.group)  # the pipeline's own group: its timeout holds
         after = self._sync_after if self.data_parallel is not None and mode == "train" else None
         executor = Executor(
             self.rank,
@@ -416,7 +447,7 @@ class Pipeline:
             self.side_stream,
             after,
         )
-        data = StepData(mbs.inputs, mbs.targets, mbs.weights)
+        data = StepData(mbs.inputs, mbs.targets, mbs.weights, self._side)
         executor.run(rows, data, cache, recorder, train=mode == "train", discover=discover)
         if self.data_parallel is not None:
             if mode == "train":
@@ -426,13 +457,18 @@ class Pipeline:
         executor.check_empty()
         if timeline:
             self.last_timeline = gather_timeline(
-                recorder, self.group, self.world_size, self.placement.num_stages, name
+                recorder,
+                self.transport.group,
+                self.world_size,
+                self.placement.num_stages,
+                name,
             )
         return executor.results
 
     def _sync_after(self, action: Action) -> None:
         """After a stage's last compute action of the step: its data-parallel gradient sync, so
         the reduction overlaps the rest of the row (on CUDA)."""
+        assert self.data_parallel is not None  # only installed with data parallel
         for stage in self._last_uses.get(action, ()):
             self.data_parallel.finish(stage)
 

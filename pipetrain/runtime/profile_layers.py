@@ -172,7 +172,7 @@ def _measure(
             step(mb)
 
     times: dict[str, list[float]] = {k: [] for k in ("forward", "backward", "i", "w")}
-    workspace = for_weight = 0
+    workspace = for_weight = 0.0
     for rep in range(warmup + repeats):
         for split in (False, True):
             runner.begin_step()

@@ -12,14 +12,16 @@ Communication and ordering belong to the executor; the split itself to the stage
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from pipetrain.runtime import activation_checkpoint, side_inputs
 from pipetrain.runtime.backward_split import BackwardSplit, choose_split
 from pipetrain.runtime.p2p import TensorMeta
 from pipetrain.runtime.torch_compat import GradientEdge, get_gradient_edge
@@ -93,6 +95,8 @@ class StageRunner:
         #: sums their gradient after the step, then fires their hooks once)
         self.quiet_params: set[int] = set()
         self.params: list[torch.Tensor] = []
+        self.side_keywords = side_inputs.keywords(module)
+        self.graph_checked = False
         self.begin_step()
 
     def begin_step(self) -> None:
@@ -102,14 +106,20 @@ class StageRunner:
         self.params = [p for p in self.module.parameters() if p.requires_grad]
 
     def forward(
-        self, mb: int, args: tuple[torch.Tensor, ...], target: object, weight: float
+        self,
+        mb: int,
+        args: tuple[torch.Tensor, ...],
+        target: object,
+        weight: float,
+        side: dict | None = None,
     ) -> tuple[torch.Tensor, ...]:
         """Run the module; keep what backward needs. Returns the outputs (empty on the last stage)."""
-        outputs = self.call(args)
+        outputs = self.call(args, side)
         need = [a for a in args if a.requires_grad]
         if not self.is_last:
             roots = [o for o in outputs if o.requires_grad]
             edges = [get_gradient_edge(o) for o in roots]
+            self._check_graph_once(edges)
             self.saved[mb] = _Saved(need, edges, _metas(roots), _device(outputs))
             return outputs
         output = outputs[0] if len(outputs) == 1 else outputs
@@ -132,17 +142,30 @@ class StageRunner:
         scaled = (loss * weight).reshape(())
         roots = [scaled] if scaled.requires_grad else []
         edges = [get_gradient_edge(r) for r in roots]
+        self._check_graph_once(edges)
         self.saved[mb] = _Saved(need, edges, _metas(roots), scaled.device)
         return ()
 
-    def call(self, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        out = self.split.call(self.module, args)
+    def _check_graph_once(self, edges: list[GradientEdge]) -> None:
+        """On the stage's first forward: refuse what its graph holds that pipetrain cannot run
+        exactly (``activation_checkpoint.refuse_reentrant``)."""
+        if not self.graph_checked:
+            activation_checkpoint.refuse_reentrant((e.node for e in edges), self.index)
+            self.graph_checked = True
+
+    def call(self, args: tuple[torch.Tensor, ...], side: dict | None = None):
+        """The module on ``args`` and the side inputs it takes (``runtime.side_inputs``)."""
+        module: Callable = self.module
+        if side:
+            module = functools.partial(module, **side_inputs.select(side, self.side_keywords))
+        out = self.split.call(module, args)  # type: ignore[arg-type]  # the module, bound to side
         outputs = out if isinstance(out, tuple) else (out,)
         for i, o in enumerate(outputs):
             if not isinstance(o, torch.Tensor):
                 raise TypeError(
                     f"stage {self.index} returned {type(o).__name__} at output {i}; stages must "
-                    "return a tensor or a tuple of tensors"
+                    "return a tensor or a tuple of tensors (pass masks, position ids and other "
+                    "constants as side inputs: pipe.step(..., side={name: value}))"
                 )
         # An output that is an input leaf would alias the next stage's graph into this one.
         ids = {id(a) for a in args}
@@ -211,12 +234,12 @@ class StageRunner:
         return len(self.saved) + len(self.weight_work)
 
 
-def fire_hooks(params: list[torch.Tensor]) -> None:
+def fire_hooks(params: Sequence[torch.Tensor]) -> None:
     """Run post-accumulate-grad hooks of ``params`` once, adding nothing: ``AccumulateGrad`` of a
     zero gradient (only where a gradient exists; an unused parameter's hooks never fire)."""
     ready = [p for p in params if p.grad is not None]
     if ready:
-        torch.autograd.backward(ready, [torch.zeros_like(p.grad) for p in ready])
+        torch.autograd.backward(ready, [torch.zeros_like(p) for p in ready])
 
 
 def _device(tensors: tuple[torch.Tensor, ...]) -> torch.device:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,7 +43,7 @@ class TiedSet:
     names: tuple[str, ...]
     owners: tuple[int, ...]  # pipeline-group ranks holding a replica
     local: list[nn.Parameter]
-    group: object = None  # a process group of the owners (None: a single owner)
+    group: Any = None  # a process group of the owners (None: a single owner)
 
     @property
     def first_owner(self) -> int:
@@ -81,8 +82,8 @@ def shared_across(modules: Sequence[nn.Module]) -> list[tuple[str, ...]]:
 def merge(sets: Iterable[Sequence[str]]) -> list[tuple[str, ...]]:
     """Union of overlapping name sets, each sorted, in a deterministic order."""
     merged: list[set[str]] = []
-    for names in sets:
-        names = set(names)
+    for given in sets:
+        names = set(given)
         if len(names) < 2:
             raise ValueError(f"a tied set needs at least two names, got {sorted(names)}")
         overlapping = [m for m in merged if m & names]
@@ -102,10 +103,12 @@ def build(
 ) -> list[TiedSet]:
     """The tied sets of the whole pipeline, with this rank's replicas and the owners' groups.
 
-    Collective over the pipeline group: every rank must call it (``Pipeline`` does)."""
-    local_sets = list(declared)
+    Collective over the pipeline group: every rank must call it (``Pipeline`` does). Sets named
+    by global names (declared, or found by ``split``) are resolved by name on every rank; one
+    object in two of this rank's stages is a set of its own, found by identity (its names may
+    be local ones that other ranks reuse for other parameters)."""
+    local_sets = [tuple(s) for s in declared]
     local_sets += [names for m in modules.values() for names in getattr(m, "tied_names", ())]
-    local_sets += shared_across(list(modules.values()))
     by_name, ambiguous = named_parameters_everywhere(modules)
     mine = {"sets": [tuple(s) for s in local_sets], "names": sorted(by_name)}
     everyone: list = [None] * world
@@ -145,9 +148,25 @@ def build(
         if len(shapes) > 1:
             raise ValueError(f"tied parameters {names} have different shapes {sorted(shapes)}")
         out.append(TiedSet(names, owners, local, _owners_group(group, owners)))
+    covered = {id(p) for t in out for p in t.local}
+    for p in _objects_shared_across(modules):
+        if id(p) not in covered:
+            found = tuple(sorted({n for n, q in by_name.items() if q is p}))
+            out.append(TiedSet(found, (rank,), [p]))
     for tied in out:
         _make_equal(tied, rank, group)
     return out
+
+
+def _objects_shared_across(modules: Mapping[int, nn.Module]) -> list[nn.Parameter]:
+    """Parameter objects that appear in more than one of ``modules``."""
+    stages_of: dict[int, set[int]] = {}
+    objects: dict[int, nn.Parameter] = {}
+    for s, module in modules.items():
+        for p in module.parameters():
+            stages_of.setdefault(id(p), set()).add(s)
+            objects[id(p)] = p
+    return [objects[i] for i, stages in stages_of.items() if len(stages) > 1]
 
 
 def _owners_group(group, owners: tuple[int, ...]):
@@ -200,15 +219,22 @@ class TiedGrads:
                 p.grad = None
 
     @torch.no_grad()
-    def end_step(self) -> None:
-        """Sum this step's gradient over the replicas and owners; fire hooks once each."""
+    def end_step(self, transport=None, rank: int = 0) -> None:
+        """Sum this step's gradient over the replicas and owners; fire hooks once each.
+
+        ``transport``: waits go through its timeout (a dead owner fails naming rank and peer)."""
         for t, before in zip(self.sets, self._before):
             step = [p.grad for p in t.local if p.grad is not None]
             total = step[0].clone() if step else torch.zeros_like(t.local[0])
             for g in step[1:]:
                 total += g
             if t.group is not None:
-                dist.all_reduce(total, group=t.group)
+                work = dist.all_reduce(total, group=t.group, async_op=True)
+                if transport is None:
+                    work.wait()
+                else:
+                    peer = next(r for r in t.owners if r != rank)
+                    transport.wait_work(work, f"the all-reduce of tied {t.names[0]}", peer)
             for p, old in zip(t.local, before):
                 p.grad = total.clone() if old is None else old + total
         self._before = []

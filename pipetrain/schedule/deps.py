@@ -27,7 +27,7 @@ from enum import IntEnum
 from functools import lru_cache
 from typing import NamedTuple
 
-from pipetrain.schedule.action import COMM_KINDS, Action, OpKind
+from pipetrain.schedule.action import COMM_KINDS, SEND_KINDS, Action, OpKind
 from pipetrain.schedule.placement import Placement
 
 
@@ -218,10 +218,7 @@ class CompiledRule:
 
     def post_id(self, comm: Action) -> int:
         """The ``Post.id`` of a SEND or RECV at its own micro-batch."""
-        return 2 * self.value(comm_key(comm)) + (comm.kind in _SEND_KINDS)
-
-
-_SEND_KINDS = (OpKind.SEND_F, OpKind.SEND_B)
+        return 2 * self.value(comm_key(comm)) + (comm.kind in SEND_KINDS)
 
 
 @lru_cache(maxsize=64)
@@ -263,7 +260,7 @@ def compile_rule(placement: Placement) -> CompiledRule:
         for kind in COMM_KINDS:
             key = comm_key(Action(kind, stage, 0))
             if 0 <= key[1] < num_stages:
-                is_send = kind in _SEND_KINDS
+                is_send = kind in SEND_KINDS
                 recv_post = 2 * value(key)
                 posts[kind][stage] = (
                     Post(recv_post + 1, recv_post, value(key), True)

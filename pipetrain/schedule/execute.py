@@ -95,6 +95,11 @@ def _no_latency(_: deps.Key) -> float:
     return 0.0
 
 
+def unit_duration(_: Action) -> float:
+    """Every action lasts 1: the order-only run that lowering and validation use."""
+    return 1.0
+
+
 def execute(
     program: Program,
     duration: Callable[[Action], float],

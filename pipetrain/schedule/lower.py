@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from pipetrain.schedule import deps
 from pipetrain.schedule.action import Action
-from pipetrain.schedule.execute import run
+from pipetrain.schedule.execute import run, unit_duration
 from pipetrain.schedule.program import Program, ScheduleError
 
 
@@ -32,10 +32,6 @@ from pipetrain.schedule.program import Program, ScheduleError
 class Pass:
     name: str
     run: Callable[[Program], Program]
-
-
-def _unit(_: Action) -> float:
-    return 1.0
 
 
 def inject_comms(program: Program) -> Program:
@@ -60,7 +56,7 @@ def inject_comms(program: Program) -> Program:
     num_ranks = program.num_ranks
     keys: list[list[float]] = [[] for _ in range(num_ranks)]
     rows: list[list[Action]] = [[] for _ in range(num_ranks)]
-    unit_run = run(program, _unit)
+    unit_run = run(program, unit_duration)
     for rank in range(num_ranks):
         own_keys, own_row = keys[rank], rows[rank]
         for action, start, end in zip(

@@ -22,7 +22,7 @@ from itertools import chain
 from operator import add, attrgetter
 
 from pipetrain.schedule.action import Action, OpKind
-from pipetrain.schedule.execute import run
+from pipetrain.schedule.execute import run, unit_duration
 from pipetrain.schedule.program import Program, ScheduleError, microbatch_chains
 from pipetrain.schedule.transfer_checks import check_pairing, execute_lowered, scan_lowered
 
@@ -37,12 +37,8 @@ def validate(program: Program) -> Program:
         assert scans is not None, "check_pairing refuses a program whose scan found no value"
         execute_lowered(program, scans)
     else:
-        run(program, _unit)
+        run(program, unit_duration)
     return program
-
-
-def _unit(_: Action) -> float:
-    return 1.0
 
 
 _stage = attrgetter("stage")

@@ -112,8 +112,8 @@ def _build(
         row.drop_weight_grads(after=steady_end)
     start = []  # per rank: last slot, activations held and W waiting after the steady state
     for row in ranks:
-        held, waiting = row.state_after(steady_end)
-        start.append((max(row.at), held, len(waiting)))
+        held_after, waiting = row.state_after(steady_end)
+        start.append((max(row.at), held_after, len(waiting)))
     for action in slots.in_slot_order(lambda t: t > steady_end):
         slots.move_up(
             action,
