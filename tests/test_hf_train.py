@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from runtime_harness import launch
-from train_cases import from_plan_gradients, train_args
+from train_cases import from_plan_gradients, resume_runs, train_args
 
 from pipetrain.app.catalog import default_stage_layers
 
@@ -60,13 +60,25 @@ def test_one_rank_run_trains_on_the_corpus_file(tmp_path):
     assert len(run.losses) == 12 and run.first_step == 0
 
 
-def test_from_plan_matches_the_unsplit_model(tmp_path):
-    """2 ranks: from_plan (a plan dict on zbv, a ``Plan`` on 1f1b) against the unsplit Llama in
-    float64; a plan for 4 ranks refused."""
-    for result in launch(2, from_plan_gradients, timeout=240):
-        for label, error in result["errors"].items():
+def test_from_plan_matches_the_unsplit_model_and_resume_is_bit_identical(tmp_path):
+    """One launch of 2 ranks: from_plan (a plan dict on zbv, a ``Plan`` on 1f1b) against the
+    unsplit Llama in float64, and a plan for 4 ranks refused; then ``pipetrain train``'s loop
+    (tied embeddings, clipping, float64): 4 steps straight against 2 steps, a checkpoint and a
+    resume to step 4 — the same losses and parameters, bit for bit."""
+    results = launch(2, _both, str(tmp_path), timeout=300)
+    for planned, resumed in results:
+        for label, error in planned["errors"].items():
             assert error < 1e-12, (label, error)
-        assert "the plan is for 4 pipeline ranks but the process group has 2" in result["refusal"]
+        assert "the plan is for 4 pipeline ranks but the process group has 2" in planned["refusal"]
+        first_step, tail = resumed["resumed"]
+        assert first_step == 2 and len(tail) == 2
+        assert resumed["first"] + tail == resumed["straight"]  # float equality
+        assert resumed["tensors"] > 0 and resumed["differ"] == []
+    assert "the loss went DOWN" in results[0][1]["report"]
+
+
+def _both(rank, world, directory):
+    return from_plan_gradients(rank, world), resume_runs(rank, world, directory)
 
 
 def _cli(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -75,9 +87,10 @@ def _cli(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=180)
 
 
-def test_profile_plan_train_chain(tmp_path, capsys, monkeypatch):
+def test_profile_plan_train_chain_with_a_checkpoint_and_resume(tmp_path, capsys, monkeypatch):
     """``pipetrain profile --model llama > costs.json``, ``pipetrain plan ... --json >
-    plan.json`` (in this process), then ``pipetrain train --plan plan.json`` (2 processes)."""
+    plan.json`` (in this process), then ``pipetrain train --plan plan.json`` (2 processes) with
+    checkpoints, a resume, and a resume refused for another model."""
     import torch
 
     from pipetrain.cli import main
@@ -100,7 +113,19 @@ def test_profile_plan_train_chain(tmp_path, capsys, monkeypatch):
     assert main([*plan, "--schedules", "1f1b,zbv,zb-h1", "--microbatches", "4"]) == 0
     (tmp_path / "plan.json").write_text(capsys.readouterr().out)
     train = ["train", *model, "--plan", "plan.json", "--clip-grad-norm", "1"]
-    done = _cli(*train, "--steps", "3", "--timeout", "60", cwd=tmp_path)
+    train += ["--checkpoint-dir", "ckpt", "--checkpoint-every", "2", "--timeout", "60"]
+    done = _cli(*train, "--steps", "3", cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "(plan plan.json)" in done.stdout and "grad norm" in done.stdout
     assert "measured step" in done.stdout and "simulated step" in done.stdout
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step-000003"
+    assert (tmp_path / "ckpt" / "step-000002").is_dir()
+    done = _cli(*train, "--steps", "4", "--resume", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "step 4/4" in done.stdout and "step 3/4" not in done.stdout
+    # another model cannot resume from it: exit 2, the flag named, no traceback
+    other = [*train[:6], "32", *train[7:]]
+    assert other[5:7] == ["--hidden", "32"]
+    done = _cli(*other, "--steps", "5", "--resume", cwd=tmp_path)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "--hidden 16 there, 32 here" in done.stderr and "Traceback" not in done.stderr

@@ -322,6 +322,10 @@ def check_arguments(args: argparse.Namespace) -> Layout:
             "checkpoints of FSDP2-sharded stages are not supported yet; with --dp > 1 use "
             "--data-parallel ddp, or drop --checkpoint-dir"
         )
+    if args.resume:  # the checkpoint is there and of this model (a file read, no process)
+        from pipetrain.app.checkpoints import Checkpoints
+
+        Checkpoints(args.checkpoint_dir, shape).latest()
     layout = _layout(args, shape)
     if shape.num_layers < len(layout.stage_layers):
         raise ValueError(
