@@ -28,9 +28,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from pipetrain.app.hf_train import cut, stage_layer_counts
+from pipetrain.app.catalog import default_stage_layers
 from pipetrain.app.models.data import batches, corpus_tensor
 from pipetrain.hf import causal_lm_layers, causal_lm_loss
+from pipetrain.runtime.layers import split
 from pipetrain.runtime.pipeline import Pipeline
 
 
@@ -54,7 +55,7 @@ def llama(hidden: int, layers: int, heads: int, seq: int, dtype, seed: int = 0):
 
 
 def stages_of(model, num_stages: int, layers: int):
-    return cut(list(causal_lm_layers(model).values()), stage_layer_counts(layers, num_stages))
+    return split(causal_lm_layers(model), default_stage_layers("llama", layers, num_stages))
 
 
 def _full(grad):

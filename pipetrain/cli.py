@@ -152,10 +152,12 @@ def build_parser() -> argparse.ArgumentParser:
     from pipetrain.app.profile_model import add_profile_arguments
 
     add_profile_arguments(
-        sub.add_parser("profile", help="measure the built-in GPT's layers into a costs file")
+        sub.add_parser("profile", help="measure a model's layers into a costs file")
     )
     train = sub.add_parser(
-        "train", help="train a small GPT with a pipeline schedule (launches the processes itself)"
+        "train",
+        help="train a model (tiny Llama by default) on a text file, pipeline x data parallel "
+        "(launches the processes itself)",
     )
     from pipetrain.app.train import add_train_arguments  # no torch at import: --help stays fast
 
@@ -412,26 +414,35 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+#: the demo's pipeline: what it compares, draws, then trains
+DEMO_SCHEDULE, DEMO_RANKS, DEMO_MICROBATCHES = "zbv", 2, 4
+#: the demo's training job: a tiny Llama with tied embeddings, clipped, checkpointed, then
+#: resumed from its checkpoint for the last steps
+DEMO_TRAIN = ["--model", "llama", "--tie-embeddings", "--clip-grad-norm", "1"]
+DEMO_STEPS, DEMO_RESUME_AT, DEMO_CHECKPOINT_EVERY = 60, 40, 20
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     if not args.plan_only:
         require_torch("; or plan without it: pipetrain demo --plan-only")  # before any output
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     costs = Costs()
-    print(f"$ {PROG} compare --ranks 4 --microbatches 8")
-    print(comparison_header(4, 8, costs, width_of(args)))
-    print(format_comparison(compare(4, 8, None, costs).rows))
+    p, m = DEMO_RANKS, DEMO_MICROBATCHES
+    print(f"$ {PROG} compare --ranks {p} --microbatches {m}")
+    print(comparison_header(p, m, costs, width_of(args)))
+    print(format_comparison(compare(p, m, None, costs).rows))
     from pipetrain.render import render_svg, render_text
 
-    program = validate(lower(build_schedule("zbv", 4, 8)))
+    program = validate(lower(build_schedule(DEMO_SCHEDULE, p, m)))
     # the table's zbv row: a rank's share costs 1, so each of a rank's 2 stages costs 1/2
     timeline = simulate(
         program, costs.scaled(program.num_ranks / program.placement.stages_per_chain)
     )
-    svg = out / "zbv_simulated.svg"
+    svg = out / f"{DEMO_SCHEDULE}_simulated.svg"
     svg.write_text(render_svg(timeline, title=_title(program)))
-    print(f"\n$ {PROG} simulate zbv -p 4 -m 8 -F .5 -I .5 -W .5 --activation .5")
-    print(f"{_title(program)} (the table's zbv row)")
+    print(f"\n$ {PROG} simulate {DEMO_SCHEDULE} -p {p} -m {m} -F .5 -I .5 -W .5 --activation .5")
+    print(f"{_title(program)} (the table's {DEMO_SCHEDULE} row)")
     print(render_text(timeline, width=width_of(args)))
     print(_summary_text(timeline))
     print(f"wrote {svg}")
@@ -441,8 +452,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     parser = argparse.ArgumentParser(prog=f"{PROG} train")
     add_train_arguments(parser)
-    print(f"\n$ {PROG} train   # 4 processes on CPU, zbv, defaults")
-    return run_train(parser.parse_args([]))
+    checkpoints = out / "demo_checkpoints"
+    if checkpoints.exists():  # a fresh run each time: --resume below must find this run's
+        import shutil
+
+        shutil.rmtree(checkpoints)
+    job = [*DEMO_TRAIN, "--schedule", DEMO_SCHEDULE, "-p", str(p), "-m", str(m)]
+    job += ["--checkpoint-dir", str(checkpoints), "--svg", str(out / "train_step.svg")]
+    job += ["--checkpoint-every", str(DEMO_CHECKPOINT_EVERY)]
+    for steps, resume in ((DEMO_RESUME_AT, []), (DEMO_STEPS, ["--resume"])):
+        argv = [*job, "--steps", str(steps), *resume]
+        print(f"\n$ {PROG} train {' '.join(argv)}")
+        status = run_train(parser.parse_args(argv))
+        if status:
+            return status
+    return 0
 
 
 def cmd_train(args: argparse.Namespace) -> int:

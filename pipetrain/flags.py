@@ -94,10 +94,13 @@ def add_schedule(
     parser: argparse.ArgumentParser,
     families: Iterable[str] = tuple(FAMILIES),
     default: str | None = None,
+    shown_default: str | None = None,
 ) -> None:
-    """The schedule, positionally (``pipetrain show zbv``) or as ``--schedule/-s NAME``."""
+    """The schedule, positionally (``pipetrain show zbv``) or as ``--schedule/-s NAME``;
+    ``shown_default``: the default the help names when it is not ``default`` (resolved later)."""
     names = ", ".join(families)
-    shown = f" (default {default})" if default else ""
+    shown_default = shown_default or default
+    shown = f" (default {shown_default})" if shown_default else ""
     parser.add_argument(
         "--schedule",
         "-s",
@@ -135,9 +138,13 @@ def add_ranks(
 
 
 def add_microbatches(
-    parser: argparse.ArgumentParser, required: bool = False, default: int | None = None
+    parser: argparse.ArgumentParser,
+    required: bool = False,
+    default: int | None = None,
+    shown_default: str | None = None,
 ) -> None:
-    shown = f" (default {default})" if default is not None else ""
+    shown_default = shown_default or (str(default) if default is not None else None)
+    shown = f" (default {shown_default})" if shown_default is not None else ""
     parser.add_argument(
         "--microbatches",
         "-m",

@@ -1,71 +1,131 @@
-"""``python -m pipetrain.app.hf_train``: flags checked before any process, stage counts, and a
-short in-process run (one rank) whose loss goes down on the generated corpus."""
+"""``pipetrain train`` on a real model (a tiny Hugging Face Llama from a config): the default
+cut, a one-rank run on the corpus file, ``Pipeline.from_plan`` against the unsplit model, and
+``--resume`` continuing bit for bit (float64, gloo, 2 ranks, one launch); and the chain
+``profile → plan → train --plan`` (with tied embeddings, clipping, checkpoints and a resume)
+from the command line."""
 
 from __future__ import annotations
 
-import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("transformers")
 
-from pipetrain.app import hf_train
+from runtime_harness import launch
+from train_cases import from_plan_gradients, resume_runs, train_args
+
+from pipetrain.app.catalog import default_stage_layers
 
 
-def _args(**overrides) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    hf_train.add_arguments(parser)
-    args = parser.parse_args([])
-    for k, v in overrides.items():
-        setattr(args, k, v)
-    args.argv = []
-    return args
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+@pytest.mark.parametrize("blocks,stages", [(4, 2), (2, 4), (5, 8), (1, 4), (6, 3), (8, 8)])
+def test_the_default_cut_covers_every_layer_once(model, blocks, stages):
+    extra = 2 if model == "gpt" else 3
+    if stages > blocks + extra:
+        with pytest.raises(ValueError, match="stages for"):
+            default_stage_layers(model, blocks, stages)
+        return
+    counts = default_stage_layers(model, blocks, stages)
+    assert len(counts) == stages and sum(counts) == blocks + extra and min(counts) >= 1
+    assert max(counts) - min(counts) <= extra  # balanced up to the embedding and head
 
 
-@pytest.mark.parametrize("blocks,stages", [(4, 2), (2, 4), (5, 8), (1, 4), (6, 3)])
-def test_stage_counts_cover_every_layer_once(blocks, stages):
-    counts = hf_train.stage_layer_counts(blocks, stages)
-    assert len(counts) == stages and sum(counts) == blocks + 3 and min(counts) >= 1
-
-
-@pytest.mark.parametrize(
-    "overrides,message",
-    [
-        ({"dp": 0}, "--dp must be >= 1"),
-        ({"schedule": "dualpipe"}, "two copies"),
-        ({"schedule": "zbv", "ranks": 4, "layers": 4}, "use --layers >= 5"),
-        ({"hidden": 30}, "multiple of --heads"),
-        ({"text": "/no/such/file"}, "no such file"),
-    ],
-)
-def test_bad_flags_exit_2_before_any_process(overrides, message, capsys):
-    assert hf_train.run(_args(**overrides)) == 2
-    assert message in capsys.readouterr().err
-
-
-def test_one_rank_run_trains_on_the_corpus_file(tmp_path, capsys):
+def test_one_rank_run_trains_on_the_corpus_file(tmp_path):
     import torch
     import torch.distributed as dist
     from runtime_harness import free_port
 
-    args = _args(
-        ranks=1,
-        dp=1,
-        steps=12,
-        layers=1,
-        hidden=32,
-        seq_len=16,
-        microbatches=2,
-        corpus_out=str(tmp_path / "corpus.txt"),
-        svg=str(tmp_path / "step.svg"),
+    from pipetrain.app.train import train
+
+    args = train_args(
+        *("-p", "1", "-m", "2", "--steps", "12", "--layers", "1", "--hidden", "32"),
+        *("--seq-len", "16", "--corpus-out", str(tmp_path / "corpus.txt")),
+        *("--svg", str(tmp_path / "step.svg")),
     )
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
     )
     try:
-        assert hf_train.train(args, torch.device("cpu")) == 0
+        run = train(args, torch.device("cpu"))
     finally:
         dist.destroy_process_group()
-    out = capsys.readouterr().out
-    assert "the loss went DOWN" in out and (tmp_path / "corpus.txt").stat().st_size > 100_000
+    assert "the loss went DOWN" in run.report and "simulated step" in run.report
+    assert (tmp_path / "corpus.txt").stat().st_size > 100_000
+    assert len(run.losses) == 12 and run.first_step == 0
+
+
+def test_from_plan_matches_the_unsplit_model_and_resume_is_bit_identical(tmp_path):
+    """One launch of 2 ranks: from_plan (a plan dict on zbv, a ``Plan`` on 1f1b) against the
+    unsplit Llama in float64, and a plan for 4 ranks refused; then ``pipetrain train``'s loop
+    (tied embeddings, clipping, float64): 4 steps straight against 2 steps, a checkpoint and a
+    resume to step 4 — the same losses and parameters, bit for bit."""
+    results = launch(2, _both, str(tmp_path), timeout=300)
+    for planned, resumed in results:
+        for label, error in planned["errors"].items():
+            assert error < 1e-12, (label, error)
+        assert "the plan is for 4 pipeline ranks but the process group has 2" in planned["refusal"]
+        first_step, tail = resumed["resumed"]
+        assert first_step == 2 and len(tail) == 2
+        assert resumed["first"] + tail == resumed["straight"]  # float equality
+        assert resumed["tensors"] > 0 and resumed["differ"] == []
+    assert "the loss went DOWN" in results[0][1]["report"]
+
+
+def _both(rank, world, directory):
+    return from_plan_gradients(rank, world), resume_runs(rank, world, directory)
+
+
+def _cli(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    cmd = [sys.executable, "-m", "pipetrain", *argv]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=180)
+
+
+def test_profile_plan_train_chain_with_a_checkpoint_and_resume(tmp_path, capsys, monkeypatch):
+    """``pipetrain profile --model llama > costs.json``, ``pipetrain plan ... --json >
+    plan.json`` (in this process), then ``pipetrain train --plan plan.json`` (2 processes) with
+    checkpoints, a resume, and a resume refused for another model."""
+    import torch
+
+    from pipetrain.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    model = ["--model", "llama", "--layers", "2", "--hidden", "16", "--seq-len", "16"]
+    model += ["--tie-embeddings", "--microbatch-size", "2"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main(["profile", *model, "--repeats", "1", "--device", "cpu"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    costs = capsys.readouterr().out
+    (tmp_path / "costs.json").write_text(costs)
+    names = [layer["name"] for layer in json.loads(costs)["layers"]]
+    assert names == ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm",
+                     "lm_head"]  # fmt: skip
+    plan = ["plan", "--costs", "costs.json", "--ranks", "2", "--memory-gib", "1", "--json"]
+    assert main([*plan, "--schedules", "1f1b,zbv,zb-h1", "--microbatches", "4"]) == 0
+    (tmp_path / "plan.json").write_text(capsys.readouterr().out)
+    train = ["train", *model, "--plan", "plan.json", "--clip-grad-norm", "1"]
+    train += ["--checkpoint-dir", "ckpt", "--checkpoint-every", "2", "--timeout", "60"]
+    done = _cli(*train, "--steps", "3", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "(plan plan.json)" in done.stdout and "grad norm" in done.stdout
+    assert "measured step" in done.stdout and "simulated step" in done.stdout
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step-000003"
+    assert (tmp_path / "ckpt" / "step-000002").is_dir()
+    done = _cli(*train, "--steps", "4", "--resume", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "step 4/4" in done.stdout and "step 3/4" not in done.stdout
+    # another model cannot resume from it: exit 2, the flag named, no traceback
+    other = [*train[:6], "32", *train[7:]]
+    assert other[5:7] == ["--hidden", "32"]
+    done = _cli(*other, "--steps", "5", "--resume", cwd=tmp_path)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "--hidden 16 there, 32 here" in done.stderr and "Traceback" not in done.stderr

@@ -97,11 +97,16 @@ def test_cli_profile_writes_a_costs_file_the_planner_reads(tmp_path, capsys) -> 
 
 def _cli_profile(tmp_path, capsys, main) -> None:
     out = tmp_path / "gpt.json"
-    args = ["--layers", "2", "--hidden", "8", "--heads", "2", "--vocab", "32", "--seq-len", "8"]
+    args = ["--model", "gpt", "--layers", "2", "--hidden", "8", "--heads", "2", "--vocab", "32"]
+    args += ["--seq-len", "8"]
     assert main(["profile", "--out", str(out), *args, "--repeats", "1", "--device", "cpu"]) == 0
     costs = load_costs(out)
     assert [layer.name for layer in costs.layers] == ["embed", "block0", "block1", "head"]
     assert costs.meta["model"] == "gpt"
     assert main(["plan", "--costs", str(out), "--ranks", "2", "--memory-gib", "1", "--json"]) == 0
-    assert main(["profile", "--out", str(out), "--layers", "0"]) == 2
-    assert "--layers must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_status:  # argparse: usage error, exit 2
+        main(["profile", "--out", str(out), "--layers", "0"])
+    assert exit_status.value.code == 2
+    assert "--layers: expected an integer >= 1, got 0" in capsys.readouterr().err
+    assert main(["profile", "--model", "gpt", "--tie-embeddings"]) == 2
+    assert "--tie-embeddings applies to the Hugging Face models" in capsys.readouterr().err

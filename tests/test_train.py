@@ -7,6 +7,7 @@ test here that starts processes.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -128,15 +129,50 @@ def _args(*argv: str) -> argparse.Namespace:
     ("argv", "message"),
     [
         (("--schedule", "nope"), "legal schedules"),
-        (("--schedule", "dualpipev", "--microbatches", "4"), "num_microbatches"),
-        (("--layers", "4"), "--layers >= 8"),
+        (("--schedule", "dualpipev", "--microbatches", "2"), "num_microbatches"),
+        (("--schedule", "zbv", "-p", "4", "--layers", "1"), "--layers >= 5"),
         (("--hidden", "30"), "multiple of --heads"),
+        (("--heads", "4", "--kv-heads", "3"), "multiple of --kv-heads"),
         (("--schedule", "1f1b", "--stages-per-rank", "2"), "stages_per_rank"),
+        (("--model", "gpt", "--tie-embeddings"), "Hugging Face models"),
+        (("--vocab", "100"), "must be >= 256"),
+        (("--text", "/no/such/file"), "no such file"),
+        (("--resume",), "needs --checkpoint-dir"),
+        (("--checkpoint-every", "5"), "needs --checkpoint-dir"),
+        (("--dp", "2", "--checkpoint-dir", "ckpt"), "--data-parallel ddp"),
+        (("--plan", "/no/such/plan.json"), "no such file"),
     ],
 )
 def test_bad_arguments_are_refused_before_launching(argv: tuple[str, ...], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         check_arguments(_args(*argv))
+
+
+def _plan_file(tmp_path: Path, **fields) -> str:
+    plan = {"schedule": "zbv", "ranks": 2, "stages_per_rank": 2, "microbatches": 4}
+    plan |= {"stage_layers": [1, 2, 2, 2], "predicted": {"step_ms": 1.0}} | fields
+    plan = {k: v for k, v in plan.items() if v is not None}  # None: leave the field out
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+    return str(path)
+
+
+def test_a_plan_file_gives_the_layout_and_must_fit_the_model(tmp_path: Path) -> None:
+    layout = check_arguments(_args("--plan", _plan_file(tmp_path)))  # llama, 4 blocks: 7 layers
+    assert (layout.schedule, layout.ranks, layout.stages_per_rank) == ("zbv", 2, 2)
+    assert (layout.microbatches, layout.stage_layers) == (4, (1, 2, 2, 2))
+    with pytest.raises(ValueError, match="cuts 7 layers .* --model gpt --layers 4 has 6"):
+        check_arguments(_args("--plan", _plan_file(tmp_path), "--model", "gpt"))
+    with pytest.raises(ValueError, match="drop --ranks"):
+        check_arguments(_args("--plan", _plan_file(tmp_path), "--ranks", "2"))
+    with pytest.raises(ValueError, match="has no 'stage_layers'"):
+        check_arguments(_args("--plan", _plan_file(tmp_path, stage_layers=None)))
+    bad = _plan_file(tmp_path, stage_layers=[3, 4])
+    with pytest.raises(ValueError, match="2 stages but ranks × stages_per_rank = 4"):
+        check_arguments(_args("--plan", bad))
+    (tmp_path / "plan.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not JSON"):
+        check_arguments(_args("--plan", str(tmp_path / "plan.json")))
 
 
 def test_train_takes_the_shared_shape_flags_and_relaunches_with_them() -> None:
@@ -161,10 +197,13 @@ def test_every_subcommand_shares_one_definition_of_the_shape_flags() -> None:
             assert actions[dest].type is positive_int, (name, dest)
 
 
-def test_defaults_are_the_demo() -> None:
+def test_defaults_train_a_tiny_llama_on_two_ranks() -> None:
     args = _args()
-    assert (args.schedule, args.ranks, args.microbatches) == ("zbv", 4, 8)
-    assert check_arguments(args) == 8
+    layout = check_arguments(args)
+    assert args.model == "llama" and (args.dp, args.tie_embeddings) == (1, False)
+    assert (layout.schedule, layout.ranks, layout.microbatches) == ("1f1b", 2, 4)
+    # 4 blocks spread evenly; the embedding joins the first stage, the norm and head the last
+    assert layout.stage_layers == (3, 4)
 
 
 @pytest.mark.parametrize(
@@ -192,7 +231,7 @@ def test_train_smoke_two_processes(tmp_path: Path, weight_grads: str) -> None:
     pytest.importorskip("pipetrain.runtime.pipeline")
     svg = tmp_path / "step.svg"
     cmd = [sys.executable, "-m", "pipetrain", "train", "--ranks", "2", "--schedule", "zbv"]
-    cmd += ["--weight-grads", weight_grads]
+    cmd += ["--model", "gpt", "--weight-grads", weight_grads]
     cmd += ["--steps", "5", "--layers", "4", "--hidden", "16", "--heads", "2", "--seq-len", "16"]
     cmd += ["--microbatches", "4", "--microbatch-size", "2", "--svg", str(svg), "--timeout", "60"]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}

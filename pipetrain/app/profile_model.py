@@ -1,15 +1,26 @@
-"""``pipetrain profile``: measure the built-in GPT's layers and write a costs file.
+"""``pipetrain profile``: measure a model's layers and write a costs file.
 
-The GPT as a layer list is ``[embedding, block 0, ..., block L-1, head]`` (``gpt_layers``): the
-embedding and the head (with the final LayerNorm and, when profiling, the loss) are layers of
-their own, so the planner sees how heavy they are and can give their stages fewer blocks.
-``gpt_stage`` builds the stage a plan's ``stage_layers`` cut from that list, with the same weights
-the unsplit model has (``GPTStage`` seeds every part by its layer).
+The model is any ``pipetrain train`` builds (``app.catalog``, the same flags): the
+built-in GPT as ``[embed, block0, ..., head]`` or a Hugging Face Llama-family model as
+``pipetrain.hf.causal_lm_layers`` gives it (``[model.embed_tokens, model.layers.0, ...,
+model.norm, lm_head]``). The embedding and the head are layers of their own, so the planner sees
+how heavy they are and can give their stages fewer blocks; the last layer is measured with the
+model's loss. The costs file goes to ``--out`` or, without it, to standard output, so
+
+    pipetrain profile --model llama > costs.json
+    pipetrain plan --costs costs.json --ranks 2 --memory-gib 1 --json > plan.json
+    pipetrain train --model llama --plan plan.json
+
+profiles, plans and runs the same model (``pipetrain train --plan`` checks the layer count).
+``gpt_layers`` and ``gpt_stage`` build the built-in GPT's layers and a plan's stages of them.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import sys
 from collections.abc import Sequence
 from itertools import accumulate
 from typing import TYPE_CHECKING
@@ -19,19 +30,10 @@ if TYPE_CHECKING:  # torch only when a model is built: the CLI's --help stays fa
 
 
 def gpt_layers(cfg: GPTConfig, seed: int = 0) -> list[GPTStage]:
-    """The model as a chain: embedding, each block, head."""
-    from pipetrain.app.models.gpt import GPTStage
+    """The built-in GPT as a chain: embedding, each block, head."""
+    from pipetrain.app.models.gpt import gpt_layer
 
-    n = cfg.num_layers
-    return [
-        GPTStage(cfg, 0, 0, embed=True, head=False, seed=seed),
-        *(GPTStage(cfg, i, i + 1, embed=False, head=False, seed=seed) for i in range(n)),
-        GPTStage(cfg, n, n, embed=False, head=True, seed=seed),
-    ]
-
-
-def gpt_layer_names(cfg: GPTConfig) -> list[str]:
-    return ["embed", *(f"block{i}" for i in range(cfg.num_layers)), "head"]
+    return [gpt_layer(cfg, i, seed) for i in range(cfg.num_layers + 2)]
 
 
 def gpt_stage(cfg: GPTConfig, stage_layers: Sequence[int], stage: int, seed: int = 0) -> GPTStage:
@@ -53,13 +55,12 @@ def gpt_stage(cfg: GPTConfig, stage_layers: Sequence[int], stage: int, seed: int
 
 
 def add_profile_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", required=True, metavar="FILE", help="where to write the costs file")
-    p.add_argument("--layers", type=int, default=8, help="transformer blocks (default 8)")
-    p.add_argument("--hidden", type=int, default=64, help="hidden size (default 64)")
-    p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
-    p.add_argument("--vocab", type=int, default=256, help="vocabulary size (default 256)")
-    p.add_argument("--seq-len", type=int, default=64, help="sequence length (default 64)")
-    p.add_argument("--micro-batch-size", type=int, default=4, help="sequences per micro-batch")
+    from pipetrain.app.train import MODEL_OPTIONS, add_options
+
+    p.add_argument(
+        "--out", metavar="FILE", help="where to write the costs file (default: standard output)"
+    )
+    add_options(p, MODEL_OPTIONS)
     p.add_argument(
         "--optimizer",
         default="adamw",
@@ -73,41 +74,43 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
 def run_profile(args: argparse.Namespace) -> int:
     import torch
 
-    from pipetrain.app.models.gpt import GPTConfig, lm_loss
+    from pipetrain.app.catalog import build
+    from pipetrain.app.train import model_shape
     from pipetrain.runtime.profile_layers import profile
 
-    for name in ("layers", "hidden", "heads", "vocab", "seq_len", "micro_batch_size", "repeats"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda asked for, but no GPU is visible; use --device cpu")
-    cfg = GPTConfig(
-        vocab_size=args.vocab,
-        seq_len=args.seq_len,
-        num_layers=args.layers,
-        hidden=args.hidden,
-        num_heads=args.heads,
-    )
-    layers = [m.to(device) for m in gpt_layers(cfg)]
+    shape = model_shape(args)
+    model = build(shape)
+    layers = [m.to(device) for m in model.layer_list()]
     gen = torch.Generator().manual_seed(0)
-    shape = (args.micro_batch_size, args.seq_len)
-    tokens = torch.randint(0, cfg.vocab_size, shape, generator=gen).to(device)
-    targets = torch.randint(0, cfg.vocab_size, shape, generator=gen).to(device)
+    size = (args.microbatch_size, args.seq_len)
+    tokens = torch.randint(0, args.vocab, size, generator=gen).to(device)
+    inputs, targets = model.batch(tokens, torch.randint(0, args.vocab, size, generator=gen))
     costs = profile(
         layers,
-        tokens,
-        loss_fn=lm_loss,
-        target=targets,
+        inputs,
+        loss_fn=model.loss_fn,
+        target=targets.to(device),
         optimizer=args.optimizer,
         repeats=args.repeats,
-        names=gpt_layer_names(cfg),
+        names=model.names,
         path=args.out,
-        meta={"model": "gpt", "config": vars(cfg), "micro_batch_size": args.micro_batch_size},
+        meta={
+            "model": args.model,
+            "shape": dataclasses.asdict(shape),
+            "micro_batch_size": args.microbatch_size,
+        },
     )
     total = sum(layer.forward + layer.backward for layer in costs.layers)
+    if args.out is None:
+        print(json.dumps(costs.to_json(), indent=1))
     print(
-        f"profiled {costs.num_layers} layers on {costs.meta['device']}: "
-        f"{total:.3f} ms forward+backward per micro-batch; wrote {args.out}"
+        f"profiled {costs.num_layers} layers of {args.model} on {costs.meta['device']}: "
+        f"{total:.3f} ms forward+backward per micro-batch; wrote {args.out or 'standard output'}",
+        file=sys.stderr if args.out is None else sys.stdout,
     )
     return 0

@@ -198,6 +198,85 @@ class Pipeline:
         self.last_timeline: Timeline | None = None
         self.closed = False
 
+    #: the fields a plan must give (``pipetrain plan --json`` prints them, with ``predicted``)
+    PLAN_FIELDS = ("schedule", "ranks", "stages_per_rank", "microbatches", "stage_layers")
+
+    @classmethod
+    def from_plan(cls, layers, plan, loss_fn: Callable | None = None, **kwargs) -> Pipeline:
+        """Run a plan: ``layers`` (the model as an ordered list of layers, a mapping name →
+        layer, or a factory ``index -> layer``) cut by the plan's ``stage_layers`` with
+        ``pipetrain.split``, under the plan's schedule, stages per rank and micro-batches.
+
+        ``plan``: a ``pipetrain.planner.Plan`` or the dict ``pipetrain plan --json`` prints.
+        ``kwargs``: any other ``Pipeline`` option (``device``, ``mesh``, ``tied``...). A plan made
+        for another number of pipeline ranks than this process group's (the mesh's ``pp``
+        dimension with ``mesh=``) is refused: its cut and its schedule were chosen for that
+        size."""
+        from pipetrain.runtime.layers import split
+
+        layout = cls.plan_layout(plan)
+        given = sorted({"schedule", "num_microbatches", "stages_per_rank"} & set(kwargs))
+        if given:
+            raise ValueError(f"the plan sets the schedule and its shape; drop {', '.join(given)}")
+        _require_process_group()
+        if kwargs.get("mesh") is not None:
+            world = kwargs["mesh"]["pp"].size()
+        else:
+            world = dist.get_world_size(kwargs.get("group"))
+        if layout["ranks"] != world:
+            raise ValueError(
+                f"the plan is for {layout['ranks']} pipeline ranks but the process group has "
+                f"{world}; launch {layout['ranks']} processes per pipeline, or plan again with "
+                f"--ranks {world}"
+            )
+        counts = layout["stage_layers"]
+        callable_form = callable(layers) and not isinstance(layers, (nn.Module, Sequence, dict))
+        stages = split(layers, counts, num_layers=sum(counts) if callable_form else None)
+        return cls(
+            stages,
+            layout["schedule"],
+            layout["microbatches"],
+            loss_fn,
+            stages_per_rank=layout["stages_per_rank"],
+            **kwargs,
+        )
+
+    @classmethod
+    def plan_layout(cls, plan) -> dict:
+        """The layout fields of a ``Plan`` or a plan dict, checked (a ``ValueError`` names the
+        first missing or bad field)."""
+        raw = plan.to_json() if hasattr(plan, "to_json") else plan
+        if not isinstance(raw, dict):
+            raise ValueError(
+                f"a plan is a pipetrain Plan or the dict `pipetrain plan --json` prints, got "
+                f"{type(plan).__name__}"
+            )
+        for name in cls.PLAN_FIELDS:
+            if name not in raw:
+                raise ValueError(
+                    f"the plan has no {name!r}; a plan gives {', '.join(cls.PLAN_FIELDS)} "
+                    "(`pipetrain plan --json` prints them)"
+                )
+        if not isinstance(raw["schedule"], str):
+            raise ValueError(f"the plan's 'schedule' must be a name, got {raw['schedule']!r}")
+        for name in ("ranks", "stages_per_rank", "microbatches"):
+            value = raw[name]
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"the plan's {name!r} must be an integer >= 1, got {value!r}")
+        counts = raw["stage_layers"]
+        if not isinstance(counts, list | tuple) or not all(
+            isinstance(c, int) and not isinstance(c, bool) for c in counts
+        ):
+            raise ValueError(
+                f"the plan's 'stage_layers' must be a list of layer counts, got {counts!r}"
+            )
+        if len(counts) != raw["ranks"] * raw["stages_per_rank"]:
+            raise ValueError(
+                f"the plan's 'stage_layers' has {len(counts)} stages but ranks × stages_per_rank "
+                f"= {raw['ranks'] * raw['stages_per_rank']}"
+            )
+        return {name: raw[name] for name in cls.PLAN_FIELDS} | {"stage_layers": tuple(counts)}
+
     def close(self) -> None:
         """Finish what is in flight and let go of everything this pipeline made: transfers still
         posted, the second process group it created (NCCL), each stage's held state. The stage

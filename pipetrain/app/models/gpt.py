@@ -169,6 +169,24 @@ class GPTStage(nn.Module):
         return ", ".join(parts)
 
 
+def gpt_layer(cfg: GPTConfig, index: int, seed: int = 0) -> GPTStage:
+    """Layer ``index`` of the model as a chain ``[embed, block 0, ..., block L-1, head]``: the
+    embedding and the head (with the final LayerNorm) are layers of their own, so a planner sees
+    how heavy they are. Weights as in the unsplit model (each part seeded by its layer)."""
+    n = cfg.num_layers
+    if not 0 <= index <= n + 1:
+        raise ValueError(f"layer index {index} not in [0, {n + 1}]")
+    if index == 0:
+        return GPTStage(cfg, 0, 0, embed=True, head=False, seed=seed)
+    if index <= n:
+        return GPTStage(cfg, index - 1, index, embed=False, head=False, seed=seed)
+    return GPTStage(cfg, n, n, embed=False, head=True, seed=seed)
+
+
+def gpt_layer_names(cfg: GPTConfig) -> list[str]:
+    return ["embed", *(f"block{i}" for i in range(cfg.num_layers)), "head"]
+
+
 def build_gpt(cfg: GPTConfig, seed: int = 0) -> GPTStage:
     """The whole, unsplit model."""
     return GPTStage(cfg, 0, cfg.num_layers, embed=True, head=True, seed=seed)
