@@ -48,6 +48,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipetrain.runtime.torch_compat import fsdp_post_backward
+
 KINDS = ("ddp", "fsdp")
 REDUCTIONS = ("mean", "sum")
 DIM_NAMES = ("dp", "pp")
@@ -275,21 +277,10 @@ def _fsdp_modules(module: nn.Module) -> list[Any]:
     return [m for m in module.modules() if isinstance(m, FSDPModule)]
 
 
-def _fsdp_post_backward(module) -> None:
-    """What the end of ``loss.backward()`` does for an FSDP2 root: reduce-scatter every group's
-    accumulated gradient, reshard, and wait for the reductions (torch.distributed.pipelining's
-    ``perform_reduce_grad`` does the same)."""
-    from torch.distributed.fsdp import fully_shard
-
+def _fsdp_post_backward(module: Any) -> None:
+    """End an FSDP2 stage's step: sync, reshard and last-backward on, then the post-backward
+    (``torch_compat.fsdp_post_backward``: private FSDP2 state)."""
     module.set_is_last_backward(True)
     module.set_reshard_after_backward(True)
     module.set_requires_gradient_sync(True)
-    state = fully_shard.state(module)  # type: ignore[attr-defined]
-    for inner in state._state_ctx.all_states:
-        groups = getattr(inner, "_fsdp_param_groups", None)  # torch >= 2.12: a list
-        if groups is None:
-            single = getattr(inner, "_fsdp_param_group", None)
-            groups = [single] if single is not None else []
-        for group in groups:
-            group.post_backward()
-    state._root_post_backward_final_callback()
+    fsdp_post_backward(module)

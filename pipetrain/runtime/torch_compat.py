@@ -25,6 +25,7 @@ __all__ = [
     "add_lists_",
     "check_private_apis",
     "engine_run_backward",
+    "fsdp_post_backward",
     "get_gradient_edge",
     "store_of",
 ]
@@ -142,6 +143,38 @@ def _check_store() -> None:
     _ = timedelta  # Store.wait takes a list of keys and a timedelta
 
 
+def fsdp_post_backward(module) -> None:
+    """What the end of ``loss.backward()`` does for an FSDP2 root (``fully_shard``): each
+    parameter group's post-backward (reduce-scatter of the accumulated gradient, reshard), then
+    the root's final callback (wait for the reductions). The pipeline runs a stage's backward in
+    pieces across the step, so it calls this itself once, after the stage's last piece
+    (torch.distributed.pipelining does the same)."""
+    from torch.distributed.fsdp import fully_shard
+
+    state = fully_shard.state(module)  # type: ignore[attr-defined]
+    for inner in state._state_ctx.all_states:
+        groups = getattr(inner, "_fsdp_param_groups", None)  # torch >= 2.12: a list
+        if groups is None:
+            single = getattr(inner, "_fsdp_param_group", None)
+            groups = [single] if single is not None else []
+        for group in groups:
+            group.post_backward()
+    state._root_post_backward_final_callback()
+
+
+def _check_fsdp() -> None:
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    if not callable(getattr(fully_shard, "state", None)):
+        raise AttributeError("fully_shard.state is missing")
+    if not callable(getattr(FSDPState, "_root_post_backward_final_callback", None)):
+        raise AttributeError("FSDPState._root_post_backward_final_callback is missing")
+    if not callable(getattr(FSDPParamGroup, "post_backward", None)):
+        raise AttributeError("FSDPParamGroup.post_backward is missing")
+
+
 #: (API, what pipetrain uses it for, check). ``check_private_apis`` runs every check.
 PRIVATE_APIS: tuple[tuple[str, str, Callable[[], None]], ...] = (
     (
@@ -164,6 +197,12 @@ PRIVATE_APIS: tuple[tuple[str, str, Callable[[], None]], ...] = (
         "torch.distributed.distributed_c10d._get_default_store / _get_process_group_store",
         "agree across ranks with a timeout (agreement, failure notices)",
         _check_store,
+    ),
+    (
+        "fully_shard.state / FSDPState._state_ctx, _root_post_backward_final_callback / "
+        "FSDPParamGroup.post_backward",
+        "reduce an FSDP2 stage's gradient once per step, after its last backward piece",
+        _check_fsdp,
     ),
 )
 
