@@ -103,11 +103,24 @@ def _build(
     steady_start = ranks[0].slot[I(0, 0)]  # the first micro-batch has come back to stage 0
     steady_end = ranks[0].slot[F(0, m - 1)]  # the last micro-batch enters the pipeline
     slots = _Slots(placement, ranks)
-    # step 3a: warm-up and cool-down passes, W included, to the earliest slot within the peak
-    held = [row.held_per_slot() for row in ranks]
+    _reorder_ramps(slots, cap, steady_start, steady_end)  # step 3
+    _reorder_cool_down(slots, cap, steady_end)
+    # step 2, squeezing, is what executing each rank's passes in slot order does
+    rows = [[row.at[t] for t in sorted(row.at)] for row in ranks]
+    return make_program(name, placement, m, rows)
+
+
+def _reorder_ramps(slots: _Slots, cap: int, steady_start: int, steady_end: int) -> None:
+    """Warm-up and cool-down passes, W included, to the earliest slot within the peak ``cap``."""
+    held = [row.held_per_slot() for row in slots.ranks]
     for action in slots.in_slot_order(lambda t: not steady_start <= t <= steady_end):
-        slots.move_up(action, lambda row, a, to, now: _fits(held[row], a, to, now, cap))
-    # step 3b: the cool-down again, its W taken out and put back into the free slots
+        slots.move_up(action, lambda rank, a, to, now: _fits(held[rank], a, to, now, cap))
+
+
+def _reorder_cool_down(slots: _Slots, cap: int, steady_end: int) -> None:
+    """The cool-down again: its W taken out, its F and I moved up within ``cap`` (the W going
+    into the free slots behind them), then the W put back into the free slots."""
+    ranks = slots.ranks
     for row in ranks:
         row.drop_weight_grads(after=steady_end)
     start = []  # per rank: last slot, activations held and W waiting after the steady state
@@ -117,14 +130,11 @@ def _build(
     for action in slots.in_slot_order(lambda t: t > steady_end):
         slots.move_up(
             action,
-            lambda row, *_: ranks[row].fits_after(steady_end, *start[row], cap),
+            lambda rank, *_: ranks[rank].fits_after(steady_end, *start[rank], cap),
             earliest=steady_end + 1,
         )
     for row in ranks:
         row.fill_weight_grads(after=steady_end)
-    # step 2, squeezing, is what executing each rank's passes in slot order does
-    rows = [[row.at[t] for t in sorted(row.at)] for row in ranks]
-    return make_program(name, placement, m, rows)
 
 
 def _fits(held: list[int], action: Action, to: int, now: int, cap: int) -> bool:
