@@ -145,7 +145,11 @@ class Pipeline:
             dp_group,
             gather=lambda record: self.agreement.gather("tied weights", record),
         )
-        if data_parallel == "fsdp" and self.tied_sets and dist.get_backend(cast(Any, dp_group)) == "nccl":
+        if (
+            data_parallel == "fsdp"
+            and self.tied_sets
+            and dist.get_backend(cast(Any, dp_group)) == "nccl"
+        ):
             # Exact on gloo (tests), but a pp=2 x dp=2 zbv run on 4 GPUs hung before its first
             # step (docs/training-gpu.md): refused until that is understood, never a hang.
             raise ValueError(
