@@ -177,14 +177,21 @@ def run_equivalence(
             losses = [pipe.step(inputs, y) for _ in range(2)]
             ref_loss, ref_grads = reference(num_stages, inputs, y, steps=2)
             case = f"{name} ranks={world} m={m}"
-            for i, loss in enumerate(losses):
-                if not close(loss, ref_loss):
-                    failures.append(f"{case}: step {i} loss {loss.item()} != {ref_loss.item()}")
-            for s in pipe.placement.stages_of_rank(rank):
-                for n, p in stages[s].named_parameters():
-                    if not close(p.grad, ref_grads[(s, n)]):
-                        failures.append(f"{case}: stage {s} {n} gradient differs")
+            failures += differences(case, pipe, stages, rank, losses, ref_loss, ref_grads)
     return failures
+
+
+def differences(case, pipe, stages, rank, losses, ref_loss, ref_grads) -> list[str]:
+    """Each step's loss and this rank's gradients against the unsplit reference's."""
+    found = []
+    for i, loss in enumerate(losses):
+        if not close(loss, ref_loss):
+            found.append(f"{case}: step {i} loss {loss.item()} != {ref_loss.item()}")
+    for s in pipe.placement.stages_of_rank(rank):
+        for n, p in stages[s].named_parameters():
+            if not close(p.grad, ref_grads[(s, n)]):
+                found.append(f"{case}: stage {s} {n} gradient differs")
+    return found
 
 
 def _recorder(fired: dict, seen: dict, key):

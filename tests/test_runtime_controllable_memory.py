@@ -8,7 +8,7 @@ ranks (a steady state between them) with graph replay. (test_runtime_equivalence
 from __future__ import annotations
 
 import pytest
-from runtime_cases import batch, build_stages, close, loss_fn, reference
+from runtime_cases import batch, build_stages, differences, loss_fn, reference
 from runtime_harness import launch
 
 NAMES = ["v-half", "v-min"]
@@ -38,13 +38,7 @@ def run_cases(rank: int, world: int) -> list[str]:
             losses = [pipe.step(inputs, y) for _ in range(2)]
             ref_loss, ref_grads = reference(num_stages, inputs, y, steps=2)
             case = f"{name} ranks={world} m={m} defer_weight_grads={defer}"
-            for i, loss in enumerate(losses):
-                if not close(loss, ref_loss):
-                    failures.append(f"{case}: step {i} loss {loss.item()} != {ref_loss.item()}")
-            for s in pipe.placement.stages_of_rank(rank):
-                for n, p in stages[s].named_parameters():
-                    if not close(p.grad, ref_grads[(s, n)]):
-                        failures.append(f"{case}: stage {s} {n} gradient differs")
+            failures += differences(case, pipe, stages, rank, losses, ref_loss, ref_grads)
     return failures
 
 
