@@ -19,7 +19,7 @@ from pipetrain.planner.partition import (
     min_max_cut,
     uniform_cut,
 )
-from pipetrain.planner.search import simulate_plan, stage_costs
+from pipetrain.planner.search import DEFAULT_HEADROOM, simulate_plan, stage_costs
 from pipetrain.schedule.registry import build_schedule
 
 
@@ -201,6 +201,24 @@ def test_tight_budget_changes_the_pick_and_every_rank_fits() -> None:
     assert tight.ms_per_microbatch >= fast.ms_per_microbatch
 
 
+def test_headroom_keeps_a_share_of_the_budget_free() -> None:
+    """A pick predicted exactly at the budget is refused under the default headroom: the
+    predicted peak must stay within the budget less 10%."""
+    costs = llama_like()
+    exact = plan(costs, num_ranks=4, memory_gib=1000, headroom=0.0, schedules=["1f1b"])
+    budget = max(exact.peak_gib)
+    at_budget = plan(costs, num_ranks=4, memory_gib=budget, headroom=0.0, schedules=["1f1b"])
+    assert max(at_budget.peak_gib) <= budget
+    kept = plan(costs, num_ranks=4, memory_gib=budget, schedules=["1f1b"])
+    assert kept.headroom == DEFAULT_HEADROOM and kept.usable_gib == pytest.approx(0.9 * budget)
+    assert max(kept.peak_gib) <= 0.9 * budget
+    assert kept.stage_layers != exact.stage_layers or kept.microbatches != exact.microbatches
+    with pytest.raises(ValueError, match=r"headroom must be a fraction in \[0, 1\)"):
+        plan(costs, num_ranks=4, memory_gib=budget, headroom=1.0)
+    with pytest.raises(NoPlanFits, match="less 50% headroom"):
+        plan(costs, num_ranks=4, memory_gib=budget * 0.4, headroom=0.5)
+
+
 def test_nothing_fits_names_the_smallest_peak_and_its_rank() -> None:
     with pytest.raises(
         NoPlanFits, match=r"smallest peak any candidate reached is [\d.]+ GiB on rank \d"
@@ -252,6 +270,10 @@ def test_cli_plan_json_text_and_errors(tmp_path, capsys) -> None:
     assert "rank 3 |" in text and "best plan of each family" in text and "1f1b" in text
     assert main(["plan", "--costs", str(path), "--ranks", "4", "--memory-gib", "1"]) == 2
     assert "smallest peak" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as bad_headroom:
+        main(["plan", "--costs", str(path), "--ranks", "4", "--memory-gib", "9", "--headroom", "2"])
+    assert bad_headroom.value.code == 2
+    assert "expected a fraction in [0, 1)" in capsys.readouterr().err
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"version": 1, "layers": [{"name": "x", "forward": 1}]}))
     assert main(["plan", "--costs", str(bad), "--ranks", "1", "--memory-gib", "1"]) == 2

@@ -7,7 +7,7 @@ import argparse
 import json
 
 from pipetrain.planner.costs_file import load_costs
-from pipetrain.planner.search import Search, search
+from pipetrain.planner.search import DEFAULT_HEADROOM, Search, search
 from pipetrain.render.text import render_text
 
 
@@ -38,6 +38,16 @@ def _gib(text: str) -> float:
     return value
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {text!r}")
+    return value
+
+
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--costs", required=True, metavar="FILE", help="costs file (JSON, version 1)")
     p.add_argument(
@@ -45,6 +55,14 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--memory-gib", type=_gib, required=True, metavar="G", help="memory budget per rank (GiB)"
+    )
+    p.add_argument(
+        "--headroom",
+        type=_fraction,
+        default=DEFAULT_HEADROOM,
+        metavar="F",
+        help="share of --memory-gib kept free for what the costs file cannot see: allocator "
+        f"fragmentation, NCCL buffers, optimizer temporaries (default {DEFAULT_HEADROOM:g})",
     )
     p.add_argument(
         "--microbatches",
@@ -72,6 +90,7 @@ def run_plan(args: argparse.Namespace) -> int:
         costs,
         num_ranks=args.ranks,
         memory_gib=args.memory_gib,
+        headroom=args.headroom,
         microbatches=args.microbatches,
         schedules=[s.strip() for s in args.schedules.split(",")] if args.schedules else None,
         global_batch=args.global_batch,
@@ -96,7 +115,8 @@ def format_plan(found: Search) -> str:
         f"predicted: step {best.step_ms:.3f} ms ({best.ms_per_microbatch:.3f} ms per micro-batch), "
         f"bubble {best.bubble_fraction:.1%}, peak GiB per rank "
         + " ".join(f"{p:.2f}" for p in best.peak_gib)
-        + f" (budget {best.memory_gib:g})",
+        + f" (budget {best.memory_gib:g}"
+        + (f", {best.usable_gib:.3g} after {best.headroom:.0%} headroom)" if best.headroom else ")"),
     ]
     names = best.stage_layer_names()
     if names:

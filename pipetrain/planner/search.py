@@ -45,6 +45,11 @@ REFINE_SHAPES = 3
 REFINE_ACTIONS = 1_000_000
 #: rounds of tightening the per-stage memory caps towards the budget
 _MEMORY_ROUNDS = 3
+#: share of the budget kept free by default for what a costs file cannot see: the allocator's
+#: fragmentation (reserved above allocated), NCCL's buffers, the optimizer step's temporaries and
+#: the memory model's own error (a pick predicted at its budget measured 2.2% over it on an H200,
+#: docs/planning.md)
+DEFAULT_HEADROOM = 0.10
 
 
 class NoPlanFits(ValueError):
@@ -64,12 +69,19 @@ class Plan:
     step_ms: float
     bubble_fraction: float
     peak_gib: tuple[float, ...]
+    #: the budget per rank as given, and the share of it kept free
     memory_gib: float
+    headroom: float = 0.0
     layer_names: tuple[str, ...] = ()
 
     @property
+    def usable_gib(self) -> float:
+        """What a rank's predicted peak may reach: the budget less the headroom."""
+        return self.memory_gib * (1.0 - self.headroom)
+
+    @property
     def fits(self) -> bool:
-        return max(self.peak_gib) <= self.memory_gib
+        return max(self.peak_gib) <= self.usable_gib
 
     @property
     def ms_per_microbatch(self) -> float:
@@ -154,11 +166,13 @@ class Search:
         low = min(self.candidates, key=lambda c: max(c.plan.peak_gib))
         p = low.plan
         peak = max(p.peak_gib)
+        kept = f" less {p.headroom:.0%} headroom = {p.usable_gib:.3g} GiB" if p.headroom else ""
         return (
-            f"no plan fits {p.memory_gib:g} GiB per rank: the smallest peak any candidate "
+            f"no plan fits {p.memory_gib:g} GiB per rank{kept}: the smallest peak any candidate "
             f"reached is {peak:.3f} GiB on rank {p.peak_gib.index(peak)} ({p.schedule}, "
             f"{p.stages_per_rank} stage(s) per rank, {p.microbatches} micro-batches, "
-            f"stage_layers {list(p.stage_layers)}); raise --memory-gib or add ranks"
+            f"stage_layers {list(p.stage_layers)}); raise --memory-gib, lower --headroom or "
+            "add ranks"
         )
 
 
@@ -179,13 +193,16 @@ def plan(
     schedules: Sequence[str] | None = None,
     global_batch: int | None = None,
     micro_batch_size: int | None = None,
+    headroom: float = DEFAULT_HEADROOM,
 ) -> Plan:
-    """The fastest plan per micro-batch whose every rank fits ``memory_gib``; ``NoPlanFits``
-    (a ``ValueError``) when none does, naming the smallest peak reached and its rank."""
+    """The fastest plan per micro-batch whose every rank's predicted peak fits ``memory_gib``
+    less ``headroom`` (a fraction kept free, see ``DEFAULT_HEADROOM``); ``NoPlanFits`` (a
+    ``ValueError``) when none does, naming the smallest peak reached and its rank."""
     return search(
         costs,
         num_ranks=num_ranks,
         memory_gib=memory_gib,
+        headroom=headroom,
         microbatches=microbatches,
         schedules=schedules,
         global_batch=global_batch,
@@ -203,12 +220,16 @@ def search(
     global_batch: int | None = None,
     micro_batch_size: int | None = None,
     stages_per_rank: Sequence[int] | None = None,
+    headroom: float = DEFAULT_HEADROOM,
 ) -> Search:
     """Simulate every candidate (see the module docstring); ``ValueError`` names bad input."""
     if num_ranks < 1:
         raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
     if not memory_gib > 0:
         raise ValueError(f"memory_gib must be > 0, got {memory_gib}")
+    if not 0 <= headroom < 1:
+        raise ValueError(f"headroom must be a fraction in [0, 1), got {headroom}")
+    budget = _Budget(memory_gib, headroom)
     counts = microbatch_options(num_ranks, microbatches, global_batch, micro_batch_size)
     families = [family(n) for n in schedules] if schedules else default_families()
     out = Search()
@@ -243,10 +264,20 @@ def search(
                         )
                     )
                     continue
-                out.candidates += _candidates(costs, program, fam.name, v, memory_gib)
+                out.candidates += _candidates(costs, program, fam.name, v, budget)
                 programs[fam.name, v, m] = program
-    _refine(out, costs, programs, memory_gib)
+    _refine(out, costs, programs, budget)
     return out
+
+
+@dataclass(frozen=True)
+class _Budget:
+    memory_gib: float
+    headroom: float
+
+    @property
+    def usable(self) -> float:
+        return self.memory_gib * (1.0 - self.headroom)
 
 
 def default_families() -> list[Family]:
@@ -303,7 +334,7 @@ def _splits_backward(program: Program) -> bool:
 
 
 def _candidates(
-    costs: ModelCosts, program: Program, name: str, v: int, memory_gib: float
+    costs: ModelCosts, program: Program, name: str, v: int, budget: _Budget
 ) -> list[Candidate]:
     chain = program.placement.stages_per_chain
     time = [layer.forward + layer.backward for layer in costs.layers]
@@ -321,7 +352,7 @@ def _candidates(
         cuts.setdefault(
             rank_balanced_cut(time, even, program.placement.rank_of_stage), "rank-balanced"
         )
-    done = [_evaluate(costs, program, name, v, cut, how, memory_gib) for cut, how in cuts.items()]
+    done = [_evaluate(costs, program, name, v, cut, how, budget) for cut, how in cuts.items()]
     if min(done, key=_rank_key).plan.fits:
         return done
     # The fastest cut does not fit: balance time under a per-stage memory cap, the cap of each stage its rank's
@@ -332,7 +363,7 @@ def _candidates(
     for _ in range(_MEMORY_ROUNDS):
         inflight = _inflight(reference.timeline, program)
         tried = []
-        limit = _memory_limit(costs, program, inflight, memory_gib, scale)
+        limit = _memory_limit(costs, program, inflight, budget.usable, scale)
         for cut, how in (
             (min_max_cut(time, chain, limit), "memory"),
             (min_max_cut(time, chain, limit, from_the_back=True), "memory-back"),
@@ -340,18 +371,18 @@ def _candidates(
         ):
             if cut is not None and cut not in cuts:
                 cuts[cut] = how
-                tried.append(_evaluate(costs, program, name, v, cut, how, memory_gib))
+                tried.append(_evaluate(costs, program, name, v, cut, how, budget))
         done += tried
         if not tried or any(c.plan.fits for c in tried):
             break
         reference = min(tried, key=lambda c: max(c.plan.peak_gib))
         for r, peak in enumerate(reference.plan.peak_gib):
-            if peak > memory_gib:
-                scale[r] *= memory_gib / peak
+            if peak > budget.usable:
+                scale[r] *= budget.usable / peak
     return done
 
 
-def _refine(out: Search, costs: ModelCosts, programs, memory_gib: float) -> None:
+def _refine(out: Search, costs: ModelCosts, programs, budget: _Budget) -> None:
     """Hill-climb the best cuts of the fastest fitting shapes with the simulation as the judge:
     move one boundary by one layer (from the heavier of its two stages first), keep the first
     move that is faster and fits, repeat until none is or the budget of simulated actions is
@@ -362,7 +393,7 @@ def _refine(out: Search, costs: ModelCosts, programs, memory_gib: float) -> None
         key = (c.plan.schedule, c.plan.stages_per_rank, c.plan.microbatches)
         if key not in starts and len(starts) < REFINE_SHAPES:
             starts[key] = c
-    budget = REFINE_ACTIONS
+    actions_left = REFINE_ACTIONS
     time = [layer.forward + layer.backward for layer in costs.layers]
     for (name, v, _), best in starts.items():
         program = programs[name, v, best.plan.microbatches]
@@ -374,11 +405,11 @@ def _refine(out: Search, costs: ModelCosts, programs, memory_gib: float) -> None
             for cut in _neighbours(best.plan.stage_layers, time):
                 if cut in seen:
                     continue
-                if budget < size:
+                if actions_left < size:
                     return
-                budget -= size
+                actions_left -= size
                 seen.add(cut)
-                c = _evaluate(costs, program, name, v, cut, "refined", memory_gib)
+                c = _evaluate(costs, program, name, v, cut, "refined", budget)
                 out.candidates.append(c)
                 if c.plan.fits and _rank_key(c) < _rank_key(best):
                     best, improved = c, True
@@ -470,7 +501,7 @@ def _evaluate(
     v: int,
     cut: tuple[int, ...],
     how: str,
-    memory_gib: float,
+    budget: _Budget,
 ) -> Candidate:
     timeline, peaks = simulate_plan(costs, program, cut)
     return Candidate(
@@ -483,7 +514,8 @@ def _evaluate(
             step_ms=timeline.makespan,
             bubble_fraction=timeline.bubble_fraction,
             peak_gib=peaks,
-            memory_gib=memory_gib,
+            memory_gib=budget.memory_gib,
+            headroom=budget.headroom,
             layer_names=tuple(layer.name for layer in costs.layers),
         ),
         timeline=timeline,
