@@ -116,7 +116,9 @@ def format_plan(found: Search) -> str:
         f"bubble {best.bubble_fraction:.1%}, peak GiB per rank "
         + " ".join(f"{p:.2f}" for p in best.peak_gib)
         + f" (budget {best.memory_gib:g}"
-        + (f", {best.usable_gib:.3g} after {best.headroom:.0%} headroom)" if best.headroom else ")"),
+        + (
+            f", {best.usable_gib:.3g} after {best.headroom:.0%} headroom)" if best.headroom else ")"
+        ),
     ]
     names = best.stage_layer_names()
     if names:
