@@ -110,3 +110,42 @@ def _cli_profile(tmp_path, capsys, main) -> None:
     assert "--layers: expected an integer >= 1, got 0" in capsys.readouterr().err
     assert main(["profile", "--model", "gpt", "--tie-embeddings"]) == 2
     assert "--tie-embeddings applies to the Hugging Face models" in capsys.readouterr().err
+
+
+def test_profile_scales_lone_times_by_their_window_timed_as_one_stage(monkeypatch) -> None:
+    """Each window of ``context`` layers is run as one stage; its layers' lone times are scaled
+    so that they sum to the window's time (a lone layer leaves the GPU idle at its edges that a
+    stage does not); a one-layer tail window is left as it was; the loss runs in the last window."""
+    import pipetrain.runtime.profile_layers as profiler
+
+    real = profiler._measure
+    seen = []
+
+    def fixed(runner, *args):
+        cost, outputs = real(runner, *args)
+        chain = getattr(runner.module, "layer_names", None)
+        seen.append((chain, runner.is_last))
+        # a lone layer "takes" 2 ms of each time, a window 3 ms per layer in it
+        per_layer = 3.0 if chain else 2.0
+        width = len(chain) if chain else 1
+        cost.update({k: per_layer * width for k in profiler.TIMES})
+        return cost, outputs
+
+    monkeypatch.setattr(profiler, "_measure", fixed)
+    layers = [nn.Linear(4, 4) for _ in range(5)]
+    costs = profile(
+        layers, torch.randn(3, 4), repeats=1, warmup=0, context=2,
+        loss_fn=lambda y, t: (y**2).mean(), target=None,
+    )  # fmt: skip
+    windows = costs.meta["context"]["windows"]
+    assert [(w["first"], w["end"]) for w in windows] == [(0, 2), (2, 4)]
+    assert all(w["forward"] == pytest.approx(1.5) for w in windows)
+    assert [layer.forward for layer in costs.layers] == pytest.approx([3, 3, 3, 3, 2])
+    assert [layer.backward_weight for layer in costs.layers] == pytest.approx([3, 3, 3, 3, 2])
+    assert seen[-2:] == [(("layer0", "layer1"), False), (("layer2", "layer3"), False)]
+    whole = profile(layers, torch.randn(3, 4), repeats=1, warmup=0, context=5,
+                    loss_fn=lambda y, t: (y**2).mean(), target=None)  # fmt: skip
+    assert seen[-1] == (tuple(f"layer{i}" for i in range(5)), True)  # the loss in its window
+    assert whole.meta["context"]["windows"][0]["end"] == 5
+    with pytest.raises(ValueError, match="context"):
+        profile(layers, torch.randn(3, 4), context=0)

@@ -29,6 +29,7 @@ and ``summary.txt`` under ``--out``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -47,14 +48,18 @@ from pipetrain.app.models.gpt import GPTConfig, gpt_layer_names, lm_loss
 from pipetrain.app.profile_model import gpt_layers, gpt_stage
 from pipetrain.planner import ModelCosts, parse_costs, search
 from pipetrain.planner.partition import blocks_uniform_cut, uniform_cut
-from pipetrain.planner.search import simulate_plan
+from pipetrain.planner.search import simulate_plan, stage_costs
+from pipetrain.runtime.profile_layers import TIMES
+from pipetrain.schedule.action import OpKind
 from pipetrain.schedule.registry import build_schedule
+from pipetrain.sim.costs import mean_durations, measured_costs
+from pipetrain.sim.simulate import simulate
 
 PRESETS = {
     # Llama-3-8B's vocabulary and head/embedding shape at a smaller depth and width
     "h100": dict(
         vocab=128256, seq=1024, layers=16, hidden=2048, heads=16, mb_size=2,
-        dtype="bfloat16", microbatches="8,16", steps=5, warmup=2, repeats=5,
+        dtype="bfloat16", microbatches="8,16", steps=10, warmup=2, repeats=5,
     ),
     "cpu-smoke": dict(
         vocab=512, seq=64, layers=6, hidden=32, heads=2, mb_size=4,
@@ -72,6 +77,8 @@ def main() -> int:
     p.add_argument("--tight-fraction", type=float, default=0.85)
     p.add_argument("--near", type=float, default=0.10)
     p.add_argument("--max-runs", type=int, default=6, help="runs measured per budget at most")
+    p.add_argument("--headroom", type=float, default=None, help="planner headroom (its default)")
+    p.add_argument("--context", type=int, default=4, help="profiler window (layers)")
     args = p.parse_args()
     cfg_args = PRESETS[args.preset]
     cuda = torch.cuda.is_available() and args.preset != "cpu-smoke"
@@ -111,7 +118,7 @@ def main() -> int:
     if rank == 0:
         try:  # a failure here must reach the other ranks, or they wait in the broadcast
             out.mkdir(parents=True, exist_ok=True)
-            costs = profile_model(cfg, dtype, device, b, cfg_args["repeats"])
+            costs = profile_model(cfg, dtype, device, b, cfg_args["repeats"], args.context)
             (out / "costs.json").write_text(json.dumps(costs.to_json(), indent=1) + "\n")
             log(f"profiled {costs.num_layers} layers")
             shared[0] = {"costs": costs.to_json(), "budgets": plan_runs(costs, world, counts, args)}
@@ -127,18 +134,22 @@ def main() -> int:
     costs = parse_costs(info["costs"])
     budgets = info["budgets"]
 
-    # 3. measure every distinct run once
+    # 3. measure every distinct run once, then the first pick again (the call's own noise)
     results: dict[str, dict] = {}
-    for budget in budgets:
-        for run in budget["runs"]:
-            key = run_key(run)
-            if key in results:
+    todo = [run for budget in budgets for run in budget["runs"]]
+    for run in [*todo, todo[0]]:
+        key = run_key(run)
+        if key in results:
+            if "again" in results[key] or run is not todo[0]:
                 continue
-            total_mb = run["microbatches"] * b
-            x = torch.randint(0, cfg.vocab_size, (total_mb, t), generator=gen).to(device)
-            y = torch.randint(0, cfg.vocab_size, (total_mb, t), generator=gen).to(device)
-            results[key] = measure(run, cfg, dtype, device, x, y, cfg_args, rank, world)
-            log(f"{key}: {results[key]['step_ms']:.1f} ms, peak {results[key]['peak_gib']}")
+            key += "/again"
+        total_mb = run["microbatches"] * b
+        x = torch.randint(0, cfg.vocab_size, (total_mb, t), generator=gen).to(device)
+        y = torch.randint(0, cfg.vocab_size, (total_mb, t), generator=gen).to(device)
+        results[key] = measure(run, cfg, dtype, device, x, y, cfg_args, rank, world, costs)
+        log(f"{key}: {results[key]['step_ms']:.1f} ms, peak {results[key]['peak_gib']}")
+    again = results.pop(run_key(todo[0]) + "/again")
+    results[run_key(todo[0])]["again_step_ms"] = again["step_ms"]
 
     if rank == 0:
         report = summarize(costs, budgets, results)
@@ -151,7 +162,7 @@ def main() -> int:
     return 0
 
 
-def profile_model(cfg: GPTConfig, dtype, device, b: int, repeats: int) -> ModelCosts:
+def profile_model(cfg: GPTConfig, dtype, device, b: int, repeats: int, context: int) -> ModelCosts:
     from pipetrain.runtime.profile_layers import profile
 
     layers = [m.to(device=device, dtype=dtype) for m in gpt_layers(cfg)]
@@ -160,6 +171,7 @@ def profile_model(cfg: GPTConfig, dtype, device, b: int, repeats: int) -> ModelC
     targets = torch.randint(0, cfg.vocab_size, (b, cfg.seq_len), generator=gen).to(device)
     costs = profile(
         layers, tokens, loss_fn=lm_loss, target=targets, optimizer="adamw", repeats=repeats,
+        context=context,
         names=gpt_layer_names(cfg), meta={"model": "llama-shaped gpt", "config": vars(cfg),
                                           "micro_batch_size": b, "dtype": str(dtype)},
     )  # fmt: skip
@@ -172,18 +184,23 @@ def profile_model(cfg: GPTConfig, dtype, device, b: int, repeats: int) -> ModelC
 
 def plan_runs(costs: ModelCosts, world: int, counts: list[int], args) -> list[dict]:
     """The two budgets, each with the runs to measure (pick, baselines, near candidates)."""
-    generous = search(costs, num_ranks=world, memory_gib=args.generous_gib, microbatches=counts)
+    room = {} if args.headroom is None else {"headroom": args.headroom}
+    generous = search(
+        costs, num_ranks=world, memory_gib=args.generous_gib, microbatches=counts, **room
+    )
     one_f_one_b = [c for c in generous.candidates if c.plan.schedule == "1f1b"]
     lowest_1f1b = min(max(c.plan.peak_gib) for c in one_f_one_b)
     # the tightest budget below 1F1B's lowest peak at which some plan still fits
     for fraction in (args.tight_fraction, 0.9, 0.95, 0.98):
         tight_gib = fraction * lowest_1f1b
-        tight = search(costs, num_ranks=world, memory_gib=tight_gib, microbatches=counts)
+        tight = search(costs, num_ranks=world, memory_gib=tight_gib, microbatches=counts, **room)
         if tight.fitting:
             break
     else:  # none below 1F1B's lowest peak: the lowest peak any candidate reached
-        tight_gib = min(max(c.plan.peak_gib) for c in tight.candidates)
-        tight = search(costs, num_ranks=world, memory_gib=tight_gib, microbatches=counts)
+        tight_gib = min(max(c.plan.peak_gib) for c in tight.candidates) / (
+            1 - tight.candidates[0].plan.headroom
+        )
+        tight = search(costs, num_ranks=world, memory_gib=tight_gib, microbatches=counts, **room)
     budgets = []
     for label, found, gib in (
         ("generous", generous, args.generous_gib),
@@ -207,7 +224,8 @@ def plan_runs(costs: ModelCosts, world: int, counts: list[int], args) -> list[di
             if len(runs) >= args.max_runs:
                 break
             runs.append(as_run(c.plan, "near"))
-        budgets.append({"budget": label, "memory_gib": gib, "pick": pick.to_json(), "runs": runs})
+        budgets.append({"budget": label, "memory_gib": gib, "usable_gib": pick.usable_gib,
+                        "pick": pick.to_json(), "runs": runs})  # fmt: skip
     return budgets
 
 
@@ -224,7 +242,18 @@ def run_key(run: dict) -> str:
     return f"{run['schedule']}/v{run['stages_per_rank']}/M{run['microbatches']}/{cut}"
 
 
-def measure(run, cfg, dtype, device, x, y, cfg_args, rank, world) -> dict:
+def lone_costs(costs: ModelCosts) -> ModelCosts:
+    """The costs as the layers measured alone (the profiler's window ratios undone)."""
+    layers = list(costs.layers)
+    for w in costs.meta.get("context", {}).get("windows", []):
+        for i in range(w["first"], w["end"]):
+            layers[i] = dataclasses.replace(
+                layers[i], **{k: getattr(layers[i], k) / w[k] for k in TIMES if w[k] > 0}
+            )
+    return dataclasses.replace(costs, layers=tuple(layers))
+
+
+def measure(run, cfg, dtype, device, x, y, cfg_args, rank, world, costs) -> dict:
     from pipetrain.runtime.pipeline import Pipeline
 
     cuda = device.type == "cuda"
@@ -269,11 +298,34 @@ def measure(run, cfg, dtype, device, x, y, cfg_args, rank, world) -> dict:
     mine = torch.tensor([statistics.median(step_times), statistics.median(opt_times), peak])
     gathered = [torch.zeros(3) for _ in range(world)]
     dist.all_gather_object(gathered, mine.tolist())
+    # Where a prediction error comes from: one step with the measured timeline; its mean action
+    # per (kind, stage) against the costs file's stage sums, and the program simulated with its
+    # own measured means (right there: the schedule model holds and the stage costs are off).
+    pipe.step(x, y, timeline=True)
+    measured_tl = pipe.last_timeline
+    program = pipe.program
     del pipe, opt, params
+    means = mean_durations([measured_tl])
+    own = simulate(program, measured_costs([measured_tl], program.num_stages)).makespan
+    predicted = stage_costs(costs, program, run["stage_layers"])
+    lone = stage_costs(lone_costs(costs), program, run["stage_layers"])
+    per_stage = []
+    for s in range(program.num_stages):
+        row = {"stage": s}
+        for kind, attr in ((OpKind.F, "forward"), (OpKind.B, "backward"),
+                           (OpKind.I, "backward_input"), (OpKind.W, "backward_weight")):  # fmt: skip
+            if (kind, s) in means:
+                row[attr] = {"measured": means[kind, s], "predicted": getattr(predicted, attr)[s],
+                             "alone": getattr(lone, attr)[s]}  # fmt: skip
+        per_stage.append(row)
     return {
         "step_ms": max(g[0] for g in gathered),
         "optimizer_ms": max(g[1] for g in gathered),
         "peak_gib": [round(g[2], 3) for g in gathered],
+        "timeline_step_ms": measured_tl.makespan,
+        "simulated_with_own_means_ms": own,
+        "predicted_from_lone_layers_ms": simulate(program, lone).makespan,
+        "stages": per_stage,
     }
 
 
@@ -303,6 +355,7 @@ def summarize(costs: ModelCosts, budgets, results) -> dict:
             "speedup_over_uniform": by_role["uniform-1f1b"]["measured"]["step_ms"] / pick_ms,
             "speedup_over_torchtitan": by_role["torchtitan-1f1b"]["measured"]["step_ms"] / pick_ms,
             "pick_over_budget": pick["over_budget"],
+            "pick_again_step_ms": pick["measured"].get("again_step_ms"),
             "runs": runs,
         })  # fmt: skip
     return report
@@ -318,8 +371,11 @@ def format_summary(report, cfg_args, world, device) -> str:
             f"{b['speedup_over_uniform']:.3f}x, over torchtitan {b['speedup_over_torchtitan']:.3f}x, "
             f"pick over budget: {b['pick_over_budget']}"
         )
+        if b["pick_again_step_ms"]:
+            lines.append(f"pick measured again at the end: {b['pick_again_step_ms']:.1f} ms")
         lines.append(
-            f"{'role':<16} {'run':<40} {'pred ms':>9} {'meas ms':>9} {'opt ms':>7}  pred / meas GiB per rank"
+            f"{'role':<16} {'run':<40} {'pred ms':>9} {'meas ms':>9} {'alone ms':>9} "
+            f"{'own ms':>8} {'opt ms':>7}  pred / meas GiB per rank"
         )
         for r in b["runs"]:
             m = r["measured"]
@@ -329,8 +385,13 @@ def format_summary(report, cfg_args, world, device) -> str:
             flag = " OVER" if r["over_budget"] else ""
             lines.append(
                 f"{r['role']:<16} {run_key(r):<40} {r['predicted_step_ms']:9.1f} "
-                f"{m['step_ms']:9.1f} {m['optimizer_ms']:7.1f}  {peaks}{flag}"
+                f"{m['step_ms']:9.1f} {m['predicted_from_lone_layers_ms']:9.1f} "
+                f"{m['simulated_with_own_means_ms']:8.1f} {m['optimizer_ms']:7.1f}  {peaks}{flag}"
             )
+    lines.append(
+        "\nalone ms: the prediction from the layers timed alone (before the profiler's window "
+        "scaling); own ms: the program simulated with its own measured mean action times"
+    )
     return "\n".join(lines)
 
 

@@ -69,6 +69,13 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per layer (median)")
+    p.add_argument(
+        "--context",
+        type=int,
+        default=4,
+        metavar="N",
+        help="layers per window timed as one stage to scale the lone times (1: none; default 4)",
+    )
 
 
 def run_profile(args: argparse.Namespace) -> int:
@@ -78,8 +85,8 @@ def run_profile(args: argparse.Namespace) -> int:
     from pipetrain.app.train import model_shape
     from pipetrain.runtime.profile_layers import profile
 
-    if args.repeats < 1:
-        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.repeats < 1 or args.context < 1:
+        raise ValueError(f"--repeats and --context must be >= 1, got {args.repeats}, {args.context}")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda asked for, but no GPU is visible; use --device cpu")
@@ -97,6 +104,7 @@ def run_profile(args: argparse.Namespace) -> int:
         target=targets.to(device),
         optimizer=args.optimizer,
         repeats=args.repeats,
+        context=args.context,
         names=model.names,
         path=args.out,
         meta={

@@ -31,10 +31,22 @@ so ``I`` and ``W`` are split exactly as a pipeline splits them):
 * ``workspace`` (CUDA only): the allocator's peak during the layer's forwards and backwards above
   what was allocated before (gradients included) and the micro-batches' activations, i.e.
   temporaries such as a loss's float32 logits or a weight gradient on its way into ``.grad``.
+
+Times in context. A stage runs its layers back to back, and a layer timed alone is not the same
+layer timed in a stage: the first kernels of each timed run wait for the host, the last ones
+leave the GPU idle before the closing event, and the host's launches for one layer overlap the
+GPU's work on the previous one only inside a chain. Summing lone layers over-predicted a 1F1B
+step of 6-block stages by 13% on an H200 (docs/planning.md). So after the lone measurements the
+layers are also timed in windows of ``context`` consecutive layers, each window run as one stage
+(the same ``StageRunner``, the same repeats), and every layer's four times are scaled by its
+window's ratio (window measured / sum of its layers measured alone): the lone runs give the
+split among the window's layers, the window gives their sum as a stage sees it. The ratios are
+recorded under ``meta["context"]``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -44,6 +56,7 @@ import torch
 from torch import nn
 
 from pipetrain.planner.costs_file import LayerCost, ModelCosts, save_costs
+from pipetrain.runtime.layers import Stage
 from pipetrain.runtime.stage import StageRunner, leaves
 
 GIB = float(1 << 30)
@@ -52,6 +65,8 @@ OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0, "none": 
 #: the CPU transfer model: gloo send/recv over loopback
 CPU_LATENCY_MS = 0.05
 CPU_BANDWIDTH = 2e9  # bytes per second
+#: the four times a window's ratio scales
+TIMES = ("forward", "backward", "backward_input", "backward_weight")
 
 
 def profile(
@@ -64,6 +79,7 @@ def profile(
     repeats: int = 5,
     warmup: int = 2,
     in_flight: int = 4,
+    context: int = 4,
     names: Sequence[str] | None = None,
     path: str | Path | None = None,
     meta: dict | None = None,
@@ -72,16 +88,17 @@ def profile(
 
     ``sample_input`` is one micro-batch, already on the layers' device. With ``loss_fn``, the last
     layer's output goes through ``loss_fn(output, target)`` and its backward starts from that
-    loss; without, from a random output gradient (as every other layer's does).
+    loss; without, from a random output gradient (as every other layer's does). ``context``:
+    layers per window timed as one stage to scale the lone times (1: no windows).
     """
     if not layers:
         raise ValueError("profile needs at least one layer")
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"unknown optimizer {optimizer!r}; legal: {', '.join(OPTIMIZER_STATES)}")
-    if repeats < 1 or warmup < 0 or in_flight < 1:
+    if repeats < 1 or warmup < 0 or in_flight < 1 or context < 1:
         raise ValueError(
-            f"repeats and in_flight must be >= 1 and warmup >= 0, got {repeats}, {in_flight} "
-            f"and {warmup}"
+            f"repeats, in_flight and context must be >= 1 and warmup >= 0, got {repeats}, "
+            f"{in_flight}, {context} and {warmup}"
         )
     if names is not None and len(names) != len(layers):
         raise ValueError(f"{len(names)} names for {len(layers)} layers")
@@ -90,7 +107,9 @@ def profile(
     clock = _Clock(device)
     seen: set[int] = set()
     measured = []
+    layer_inputs = []
     for index, layer in enumerate(layers):
+        layer_inputs.append(inputs)
         is_last = index == len(layers) - 1 and loss_fn is not None
         runner = StageRunner(index, layer, is_last, loss_fn if is_last else None)
         args = leaves(inputs)
@@ -104,6 +123,19 @@ def profile(
         with torch.no_grad():
             out = layer(*inputs)
         inputs = out if isinstance(out, tuple) else (out,)
+    windows = []
+    for first in range(0, len(layers), context):
+        end = min(first + context, len(layers))
+        if end - first < 2:
+            continue
+        ratios = _window_ratios(
+            layers, measured, layer_inputs[first], first, end, loss_fn, target, clock,
+            (repeats, warmup, in_flight),
+        )  # fmt: skip
+        for i in range(first, end):
+            scaled = {k: getattr(measured[i], k) * ratios[k] for k in TIMES}
+            measured[i] = dataclasses.replace(measured[i], **scaled)
+        windows.append({"first": first, "end": end, **ratios})
     costs = ModelCosts(
         layers=tuple(measured),
         comm=max((layer.comm or 0.0) for layer in measured),
@@ -113,12 +145,28 @@ def profile(
             "repeats": repeats,
             "comm_method": _comm_method(device),
             "torch": torch.__version__,
+            "context": {"layers": context, "windows": windows},
             **(meta or {}),
         },
     )
     if path is not None:
         save_costs(costs, path)
     return costs
+
+
+def _window_ratios(
+    layers, measured, inputs, first: int, end: int, loss_fn, target, clock, rounds
+) -> dict[str, float]:
+    """Layers ``first..end-1`` timed as one stage: measured / sum of their lone times, per time."""
+    is_last = end == len(layers) and loss_fn is not None
+    chain = Stage([(f"layer{i}", layers[i]) for i in range(first, end)])
+    runner = StageRunner(first, chain, is_last, loss_fn if is_last else None)
+    window, _ = _measure(runner, leaves(inputs), target, clock, *rounds)
+    ratios = {}
+    for key in TIMES:
+        alone = sum(getattr(measured[i], key) for i in range(first, end))
+        ratios[key] = window[key] / alone if alone > 0 else 1.0
+    return ratios
 
 
 class _Clock:
