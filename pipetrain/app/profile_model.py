@@ -86,7 +86,9 @@ def run_profile(args: argparse.Namespace) -> int:
     from pipetrain.runtime.profile_layers import profile
 
     if args.repeats < 1 or args.context < 1:
-        raise ValueError(f"--repeats and --context must be >= 1, got {args.repeats}, {args.context}")
+        raise ValueError(
+            f"--repeats and --context must be >= 1, got {args.repeats}, {args.context}"
+        )
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda asked for, but no GPU is visible; use --device cpu")
