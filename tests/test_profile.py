@@ -129,6 +129,8 @@ def test_profile_scales_lone_times_by_their_window_timed_as_one_stage(monkeypatc
         per_layer = 3.0 if chain else 2.0
         width = len(chain) if chain else 1
         cost.update({k: per_layer * width for k in profiler.TIMES})
+        if chain and chain[0] == "layer0":  # a window at the model's input: W does what I did
+            cost.update(backward_input=0.0, backward_weight=2 * per_layer * width)
         return cost, outputs
 
     monkeypatch.setattr(profiler, "_measure", fixed)
@@ -140,7 +142,11 @@ def test_profile_scales_lone_times_by_their_window_timed_as_one_stage(monkeypatc
     windows = costs.meta["context"]["windows"]
     assert [(w["first"], w["end"]) for w in windows] == [(0, 2), (2, 4)]
     assert all(w["forward"] == pytest.approx(1.5) for w in windows)
+    assert all(w["split_backward"] == pytest.approx(1.5) for w in windows)
     assert [layer.forward for layer in costs.layers] == pytest.approx([3, 3, 3, 3, 2])
+    # I and W keep the lone split, scaled by the window's I + W: the first window's empty I
+    # does not empty its layers' I (a stage starting at layer 1 needs it)
+    assert [layer.backward_input for layer in costs.layers] == pytest.approx([3, 3, 3, 3, 2])
     assert [layer.backward_weight for layer in costs.layers] == pytest.approx([3, 3, 3, 3, 2])
     assert seen[-2:] == [(("layer0", "layer1"), False), (("layer2", "layer3"), False)]
     whole = profile(layers, torch.randn(3, 4), repeats=1, warmup=0, context=5,

@@ -49,7 +49,7 @@ from pipetrain.app.profile_model import gpt_layers, gpt_stage
 from pipetrain.planner import ModelCosts, parse_costs, search
 from pipetrain.planner.partition import blocks_uniform_cut, uniform_cut
 from pipetrain.planner.search import simulate_plan, stage_costs
-from pipetrain.runtime.profile_layers import TIMES
+from pipetrain.runtime.profile_layers import RATIO_OF, TIMES
 from pipetrain.schedule.action import OpKind
 from pipetrain.schedule.registry import build_schedule
 from pipetrain.sim.costs import mean_durations, measured_costs
@@ -79,8 +79,12 @@ def main() -> int:
     p.add_argument("--max-runs", type=int, default=6, help="runs measured per budget at most")
     p.add_argument("--headroom", type=float, default=None, help="planner headroom (its default)")
     p.add_argument("--context", type=int, default=4, help="profiler window (layers)")
+    p.add_argument("--rounds", type=int, default=2, help="times each run is measured")
+    p.add_argument("--resummarize", metavar="JSON", help="rewrite summary.txt from plan_gpu.json")
     args = p.parse_args()
     cfg_args = PRESETS[args.preset]
+    if args.resummarize:
+        return resummarize(Path(args.resummarize))
     cuda = torch.cuda.is_available() and args.preset != "cpu-smoke"
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if cuda:
@@ -134,27 +138,26 @@ def main() -> int:
     costs = parse_costs(info["costs"])
     budgets = info["budgets"]
 
-    # 3. measure every distinct run once, then the first pick again (the call's own noise)
-    results: dict[str, dict] = {}
-    todo = [run for budget in budgets for run in budget["runs"]]
-    for run in [*todo, todo[0]]:
-        key = run_key(run)
-        if key in results:
-            if "again" in results[key] or run is not todo[0]:
-                continue
-            key += "/again"
-        total_mb = run["microbatches"] * b
-        x = torch.randint(0, cfg.vocab_size, (total_mb, t), generator=gen).to(device)
-        y = torch.randint(0, cfg.vocab_size, (total_mb, t), generator=gen).to(device)
-        results[key] = measure(run, cfg, dtype, device, x, y, cfg_args, rank, world, costs)
-        log(f"{key}: {results[key]['step_ms']:.1f} ms, peak {results[key]['peak_gib']}")
-    again = results.pop(run_key(todo[0]) + "/again")
-    results[run_key(todo[0])]["again_step_ms"] = again["step_ms"]
+    # 3. measure every distinct run, in ``--rounds`` rounds (a run's speed varied by up to 10%
+    # between two runs of one program in one call: each run keeps its best round)
+    distinct = {run_key(run): run for budget in budgets for run in budget["runs"]}
+    rounds: dict[str, list[dict]] = {key: [] for key in distinct}
+    for r in range(args.rounds):
+        for key, run in distinct.items():
+            total_mb = run["microbatches"] * b
+            x = torch.randint(0, cfg.vocab_size, (total_mb, t), generator=gen).to(device)
+            y = torch.randint(0, cfg.vocab_size, (total_mb, t), generator=gen).to(device)
+            m = measure(run, cfg, dtype, device, x, y, cfg_args, rank, world, costs)
+            rounds[key].append(m)
+            log(f"round {r}: {key}: {m['step_ms']:.1f} ms, peak {m['peak_gib']}")
+    results = {key: best_round(ms) for key, ms in rounds.items()}
 
     if rank == 0:
-        report = summarize(costs, budgets, results)
+        report = summarize(costs.meta, budgets, results)
+        name = torch.cuda.get_device_name(device) if cuda else "cpu"
+        report.update(cfg_args=cfg_args, world=world, device=name, rounds=args.rounds)
         (out / "plan_gpu.json").write_text(json.dumps(report, indent=1) + "\n")
-        text = format_summary(report, cfg_args, world, device)
+        text = format_summary(report, cfg_args, world, name)
         (out / "summary.txt").write_text(text + "\n")
         print(text, flush=True)
     dist.barrier()
@@ -248,7 +251,7 @@ def lone_costs(costs: ModelCosts) -> ModelCosts:
     for w in costs.meta.get("context", {}).get("windows", []):
         for i in range(w["first"], w["end"]):
             layers[i] = dataclasses.replace(
-                layers[i], **{k: getattr(layers[i], k) / w[k] for k in TIMES if w[k] > 0}
+                layers[i], **{k: getattr(layers[i], k) / w[RATIO_OF[k]] for k in TIMES}
             )
     return dataclasses.replace(costs, layers=tuple(layers))
 
@@ -319,6 +322,7 @@ def measure(run, cfg, dtype, device, x, y, cfg_args, rank, world, costs) -> dict
                              "alone": getattr(lone, attr)[s]}  # fmt: skip
         per_stage.append(row)
     return {
+        "microbatches": run["microbatches"],
         "step_ms": max(g[0] for g in gathered),
         "optimizer_ms": max(g[1] for g in gathered),
         "peak_gib": [round(g[2], 3) for g in gathered],
@@ -329,8 +333,43 @@ def measure(run, cfg, dtype, device, x, y, cfg_args, rank, world, costs) -> dict
     }
 
 
-def summarize(costs: ModelCosts, budgets, results) -> dict:
-    report = {"costs_meta": dict(costs.meta), "budgets": []}
+def best_round(measured: list[dict]) -> dict:
+    """A run's fastest round (its timeline and stages with it), every round's step, the highest
+    peak of any round."""
+    best = min(measured, key=lambda m: m["step_ms"])
+    peaks = [max(m["peak_gib"][r] for m in measured) for r in range(len(best["peak_gib"]))]
+    return {**best, "peak_gib": peaks, "rounds_step_ms": [m["step_ms"] for m in measured]}
+
+
+def resummarize(path: Path) -> int:
+    """The summary again from a saved ``plan_gpu.json`` (after a change to what it reports)."""
+    saved = json.loads(path.read_text())
+    budgets = [{k: v for k, v in b.items() if k != "runs"} for b in saved["budgets"]]
+    results = {}
+    for budget, saved_budget in zip(budgets, saved["budgets"]):
+        budget["runs"] = []
+        for run in saved_budget["runs"]:
+            measured = run["measured"]
+            measured.setdefault("microbatches", run["microbatches"])
+            results[run_key(run)] = measured
+            budget["runs"].append(
+                {k: v for k, v in run.items() if k not in ("measured", "over_budget")}
+            )
+    report = summarize(saved["costs_meta"], budgets, results)
+    report.update({k: saved[k] for k in ("cfg_args", "world", "device", "rounds") if k in saved})
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    text = format_summary(
+        report, saved.get("cfg_args", {}), saved.get("world"), saved.get("device")
+    )
+    (path.parent / "summary.txt").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+def summarize(costs_meta: dict, budgets, results) -> dict:
+    """Regret is per micro-batch (a run's step / its micro-batches: the costs file fixes the
+    micro-batch size) against every run of the call whose measured peak fits the budget."""
+    report = {"costs_meta": dict(costs_meta), "budgets": []}
     for budget in budgets:
         runs = []
         for run in budget["runs"]:
@@ -338,31 +377,34 @@ def summarize(costs: ModelCosts, budgets, results) -> dict:
             runs.append({**run, "measured": measured,
                          "over_budget": max(measured["peak_gib"]) > budget["memory_gib"]})  # fmt: skip
         pick = runs[0]
+
         # regret against every run of this call that fit this budget when measured (the other
         # budget's runs included), and the pick itself
+        def per_mb(m: dict) -> float:
+            return m["step_ms"] / m["microbatches"]
+
         fitting = [
-            m["step_ms"] for m in results.values() if max(m["peak_gib"]) <= budget["memory_gib"]
+            per_mb(m) for m in results.values() if max(m["peak_gib"]) <= budget["memory_gib"]
         ]
-        best = min([pick["measured"]["step_ms"], *fitting])
+        best = min([per_mb(pick["measured"]), *fitting])
         by_role = {r["role"]: r for r in runs}
         pick_ms = pick["measured"]["step_ms"]
         report["budgets"].append({
             "budget": budget["budget"], "memory_gib": budget["memory_gib"], "pick": budget["pick"],
-            "regret": pick_ms / best - 1,
+            "regret": per_mb(pick["measured"]) / best - 1,
             "step_error": pick["predicted_step_ms"] / pick_ms - 1,
             "peak_error": [p / m - 1 if m else None for p, m in
                            zip(pick["predicted_peak_gib"], pick["measured"]["peak_gib"])],
             "speedup_over_uniform": by_role["uniform-1f1b"]["measured"]["step_ms"] / pick_ms,
             "speedup_over_torchtitan": by_role["torchtitan-1f1b"]["measured"]["step_ms"] / pick_ms,
             "pick_over_budget": pick["over_budget"],
-            "pick_again_step_ms": pick["measured"].get("again_step_ms"),
+            "pick_rounds_step_ms": pick["measured"].get("rounds_step_ms"),
             "runs": runs,
         })  # fmt: skip
     return report
 
 
-def format_summary(report, cfg_args, world, device) -> str:
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+def format_summary(report, cfg_args, world, name) -> str:
     lines = [f"{world} x {name}; model {cfg_args}"]
     for b in report["budgets"]:
         lines.append(
@@ -371,8 +413,9 @@ def format_summary(report, cfg_args, world, device) -> str:
             f"{b['speedup_over_uniform']:.3f}x, over torchtitan {b['speedup_over_torchtitan']:.3f}x, "
             f"pick over budget: {b['pick_over_budget']}"
         )
-        if b["pick_again_step_ms"]:
-            lines.append(f"pick measured again at the end: {b['pick_again_step_ms']:.1f} ms")
+        if b.get("pick_rounds_step_ms"):
+            rounds = ", ".join(f"{x:.1f}" for x in b["pick_rounds_step_ms"])
+            lines.append(f"pick's rounds: {rounds} ms (the best is reported)")
         lines.append(
             f"{'role':<16} {'run':<40} {'pred ms':>9} {'meas ms':>9} {'alone ms':>9} "
             f"{'own ms':>8} {'opt ms':>7}  pred / meas GiB per rank"

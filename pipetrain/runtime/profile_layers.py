@@ -38,10 +38,14 @@ leave the GPU idle before the closing event, and the host's launches for one lay
 GPU's work on the previous one only inside a chain. Summing lone layers over-predicted a 1F1B
 step of 6-block stages by 13% on an H200 (docs/planning.md). So after the lone measurements the
 layers are also timed in windows of ``context`` consecutive layers, each window run as one stage
-(the same ``StageRunner``, the same repeats), and every layer's four times are scaled by its
-window's ratio (window measured / sum of its layers measured alone): the lone runs give the
-split among the window's layers, the window gives their sum as a stage sees it. The ratios are
-recorded under ``meta["context"]``.
+(the same ``StageRunner``, the same repeats), and every layer's times are scaled by its
+window's ratios (window measured / sum of its layers measured alone; one ratio for the forward,
+one for the full backward, one shared by ``I`` and ``W``): the lone runs give the split among the
+window's layers, the window gives their sum as a stage sees it. ``I`` and ``W`` share a ratio
+because a window may split them differently from a stage that holds only some of its layers: a
+window that starts at the embedding has no input gradient to compute, so its ``I`` is nearly
+empty and its ``W`` does the rest, while a stage starting at its third layer still needs the
+full ``I``. The ratios are recorded under ``meta["context"]``.
 """
 
 from __future__ import annotations
@@ -65,8 +69,15 @@ OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0, "none": 
 #: the CPU transfer model: gloo send/recv over loopback
 CPU_LATENCY_MS = 0.05
 CPU_BANDWIDTH = 2e9  # bytes per second
-#: the four times a window's ratio scales
+#: the four times the window ratios scale
 TIMES = ("forward", "backward", "backward_input", "backward_weight")
+#: which ratio scales each: I and W share the split backward's
+RATIO_OF = {
+    "forward": "forward",
+    "backward": "backward",
+    "backward_input": "split_backward",
+    "backward_weight": "split_backward",
+}
 
 
 def profile(
@@ -133,7 +144,7 @@ def profile(
             (repeats, warmup, in_flight),
         )  # fmt: skip
         for i in range(first, end):
-            scaled = {k: getattr(measured[i], k) * ratios[k] for k in TIMES}
+            scaled = {k: getattr(measured[i], k) * ratios[RATIO_OF[k]] for k in TIMES}
             measured[i] = dataclasses.replace(measured[i], **scaled)
         windows.append({"first": first, "end": end, **ratios})
     costs = ModelCosts(
@@ -157,14 +168,20 @@ def profile(
 def _window_ratios(
     layers, measured, inputs, first: int, end: int, loss_fn, target, clock, rounds
 ) -> dict[str, float]:
-    """Layers ``first..end-1`` timed as one stage: measured / sum of their lone times, per time."""
+    """Layers ``first..end-1`` timed as one stage: measured / sum of their lone times, for the
+    forward, the full backward and the split backward (``I + W``)."""
     is_last = end == len(layers) and loss_fn is not None
     chain = Stage([(f"layer{i}", layers[i]) for i in range(first, end)])
     runner = StageRunner(first, chain, is_last, loss_fn if is_last else None)
     window, _ = _measure(runner, leaves(inputs), target, clock, *rounds)
+    window["split_backward"] = window["backward_input"] + window["backward_weight"]
     ratios = {}
-    for key in TIMES:
-        alone = sum(getattr(measured[i], key) for i in range(first, end))
+    for key, parts in (
+        ("forward", ("forward",)),
+        ("backward", ("backward",)),
+        ("split_backward", ("backward_input", "backward_weight")),
+    ):
+        alone = sum(getattr(measured[i], part) for i in range(first, end) for part in parts)
         ratios[key] = window[key] / alone if alone > 0 else 1.0
     return ratios
 
