@@ -199,10 +199,10 @@ def plan_runs(costs: ModelCosts, world: int, counts: list[int], args) -> list[di
         tight = search(costs, num_ranks=world, memory_gib=tight_gib, microbatches=counts, **room)
         if tight.fitting:
             break
-    else:  # none below 1F1B's lowest peak: the lowest peak any candidate reached
-        tight_gib = min(max(c.plan.peak_gib) for c in tight.candidates) / (
-            1 - tight.candidates[0].plan.headroom
-        )
+    else:  # none below 1F1B's lowest peak: just above the lowest peak the generous search saw
+        # (its candidate is evaluated again under any budget: the first cuts do not depend on it)
+        lowest = min(max(c.plan.peak_gib) for c in generous.candidates)
+        tight_gib = lowest / (1 - generous.candidates[0].plan.headroom) * 1.001
         tight = search(costs, num_ranks=world, memory_gib=tight_gib, microbatches=counts, **room)
     budgets = []
     for label, found, gib in (
