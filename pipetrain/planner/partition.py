@@ -8,9 +8,15 @@ is one of the O(n²) contiguous interval sums, and for a given bound ``T`` a gre
 gives each stage as many layers as fit decides feasibility (exchange argument: after each stage
 the greedy end is at least any feasible cut's end, since a suffix of a feasible interval is
 feasible), so a binary search over the sorted interval sums finds the least feasible ``T``
-(Bokhari 1988 style; O(n² log n) for the sums, O(n log n) checks). Extra per-stage limits that
-are monotone under taking a sub-interval (a memory cap per stage position) keep the argument, so
-the same search balances time under a memory limit.
+(Bokhari 1988 style; O(n² log n) for the sums, O(n log n) checks). With extra per-stage limits
+(a memory cap per stage position, monotone under taking a sub-interval) the greedy is no longer
+exact: a stage's cap can refuse a layer that a later greedy end pushes onto it while an earlier
+stage could have held it (``[0, 2, 0, 0]`` into 3 stages, stage ``s`` holding a sum of at most
+``2 - s``: greedy from the back fails, ``[2, 1, 1]`` fits). There feasibility is decided exactly
+by a table over (stage, first layer) built back to front, O(k·n) per bound: by monotonicity the
+ends a stage may take from a first layer form a range whose far end only grows with the first
+layer, so two pointers find it, and prefix counts say whether the later stages can finish from
+any end in it.
 """
 
 from __future__ import annotations
@@ -67,17 +73,18 @@ def min_max_cut(
         cut = min_max_cut(rev, num_stages, rev_limit)
         return None if cut is None else cut[::-1]
     prefix = [0.0, *accumulate(weights)]
-    if _greedy(prefix, num_stages, float("inf"), limit) is None:
+    fill = _greedy if limit is None else _fill_exactly
+    if fill(prefix, num_stages, float("inf"), limit) is None:
         return None
     sums = sorted({prefix[j] - prefix[i] for i in range(n) for j in range(i + 1, n + 1)})
     lo, hi = 0, len(sums) - 1  # sums[hi] (the whole model) is always feasible
     while lo < hi:
         mid = (lo + hi) // 2
-        if _greedy(prefix, num_stages, sums[mid], limit) is None:
+        if fill(prefix, num_stages, sums[mid], limit) is None:
             lo = mid + 1
         else:
             hi = mid
-    return _greedy(prefix, num_stages, sums[lo], limit)
+    return fill(prefix, num_stages, sums[lo], limit)
 
 
 def even_min_max_cut(
@@ -197,6 +204,47 @@ def _greedy(
         cut.append(end - first)
         first = end
     return tuple(cut) if first == n else None
+
+
+def _fill_exactly(
+    prefix: Sequence[float], num_stages: int, bound: float, limit: Limit | None
+) -> tuple[int, ...] | None:
+    """The cut that gives each stage in turn as many layers as keep its sum <= bound and meet
+    ``limit`` *while the later stages can still finish*; ``None`` if no cut does (module
+    docstring: exact for stage-dependent limits, where ``_greedy`` is not)."""
+    n = len(prefix) - 1
+
+    def ok(stage: int, first: int, end: int) -> bool:
+        return prefix[end] - prefix[first] <= bound and (limit is None or limit(stage, first, end))
+
+    # can[s][j]: stages s.. can hold layers j..n-1; far[s][j]: the last end stage s may take
+    # from first layer j
+    can = [[False] * (n + 1) for _ in range(num_stages + 1)]
+    far = [[0] * n for _ in range(num_stages)]
+    can[num_stages][n] = True
+    for stage in range(num_stages - 1, -1, -1):
+        later = can[stage + 1]
+        count = [0]
+        for flag in later:
+            count.append(count[-1] + flag)
+        end = 0
+        for first in range(n):
+            end = max(end, first)
+            while end < n and ok(stage, first, end + 1):
+                end += 1
+            far[stage][first] = end
+            # some end in first+1..end from which the later stages finish
+            can[stage][first] = end > first and count[end + 1] - count[first + 1] > 0
+    if not can[0][0]:
+        return None
+    cut, first = [], 0
+    for stage in range(num_stages):
+        end = far[stage][first]
+        while not can[stage + 1][end]:
+            end -= 1
+        cut.append(end - first)
+        first = end
+    return tuple(cut)
 
 
 def bounds(cut: Sequence[int]) -> list[tuple[int, int]]:

@@ -1,0 +1,200 @@
+"""Which cuts the planner simulates for one schedule shape (family, stages per rank ``v``,
+micro-batches ``M``), and the refinement of the best ones.
+
+Why these are enough (docs/planning.md states it in full): the step of every schedule is at
+least ``M`` times the busiest stage's forward + backward, and the steady state of the registry's
+families runs at that pace, so the cuts that minimise the busiest stage (``partition.min_max_cut``,
+exact; filled from the front, from the back, and evenly) are the ones to beat; with several
+stages per rank a rank-balanced cut joins them, the uniform cut always does, and when the fastest
+does not fit, the same exact search runs under per-stage memory caps derived from the simulated
+in-flight counts. The simulation judges them all (``judge``); ``refine`` then moves the
+boundaries of the best cuts of the fastest shapes one layer at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from pipetrain.planner.costs_file import ModelCosts
+from pipetrain.planner.judge import Budget, Candidate, evaluate, rank_key
+from pipetrain.planner.partition import (
+    bounds,
+    even_min_max_cut,
+    min_max_cut,
+    rank_balanced_cut,
+    uniform_cut,
+)
+from pipetrain.schedule.program import Program
+from pipetrain.schedule.timeline import Timeline
+
+#: the fitting shapes (family, stages per rank, micro-batches) whose best cut is refined
+REFINE_SHAPES = 3
+#: compute actions the refinement may simulate in all (a few microseconds each)
+REFINE_ACTIONS = 1_000_000
+#: rounds of tightening the per-stage memory caps towards the budget
+_MEMORY_ROUNDS = 3
+
+
+def candidates(
+    costs: ModelCosts, program: Program, name: str, v: int, budget: Budget
+) -> list[Candidate]:
+    """The cuts worth simulating for one shape (module docstring), each simulated."""
+    chain = program.placement.stages_per_chain
+    time = [layer.forward + layer.backward for layer in costs.layers]
+    cuts: dict[tuple[int, ...], str] = {}
+    for cut, how in (
+        (min_max_cut(time, chain), "balanced"),
+        (min_max_cut(time, chain, from_the_back=True), "balanced-back"),
+        (even_min_max_cut(time, chain), "balanced-even"),
+        (uniform_cut(costs.num_layers, chain), "uniform"),
+    ):
+        if cut is not None:
+            cuts.setdefault(cut, how)
+    if program.num_stages > program.num_ranks:  # several stages per rank: balance the ranks
+        even = even_min_max_cut(time, chain) or uniform_cut(costs.num_layers, chain)
+        cuts.setdefault(
+            rank_balanced_cut(time, even, program.placement.rank_of_stage), "rank-balanced"
+        )
+    done = [evaluate(costs, program, name, v, cut, how, budget) for cut, how in cuts.items()]
+    if min(done, key=rank_key).plan.fits:
+        return done
+    # The fastest cut does not fit: balance time under a per-stage memory cap, the cap of each stage its rank's
+    # budget shared among its stages and divided by the simulated in-flight count, tightened
+    # where the simulated peak still overshoots.
+    scale = [1.0] * program.num_ranks
+    reference = min(done, key=lambda c: max(c.plan.peak_gib))
+    for _ in range(_MEMORY_ROUNDS):
+        inflight = _inflight(reference.timeline, program)
+        tried = []
+        limit = _memory_limit(costs, program, inflight, budget.usable, scale)
+        for cut, how in (
+            (min_max_cut(time, chain, limit), "memory"),
+            (min_max_cut(time, chain, limit, from_the_back=True), "memory-back"),
+            (even_min_max_cut(time, chain, limit), "memory-even"),
+        ):
+            if cut is not None and cut not in cuts:
+                cuts[cut] = how
+                tried.append(evaluate(costs, program, name, v, cut, how, budget))
+        done += tried
+        if not tried or any(c.plan.fits for c in tried):
+            break
+        reference = min(tried, key=lambda c: max(c.plan.peak_gib))
+        for r, peak in enumerate(reference.plan.peak_gib):
+            if peak > budget.usable:
+                scale[r] *= budget.usable / peak
+    return done
+
+
+def refine(
+    found: Sequence[Candidate], costs: ModelCosts, programs, budget: Budget
+) -> list[Candidate]:
+    """Hill-climb the best cuts of the fastest fitting shapes with the simulation as the judge:
+    move one boundary by one layer (from the heavier of its two stages first), keep the first
+    move that is faster and fits, repeat until none is or the budget of simulated actions is
+    spent. What the min-max objective cannot see (fill and drain, comm, W filling bubbles,
+    several stages per rank) the simulation can. Returns every cut it simulated."""
+    out: list[Candidate] = []
+    starts: dict[tuple[str, int, int], Candidate] = {}
+    for c in sorted((c for c in found if c.plan.fits), key=rank_key):
+        key = (c.plan.schedule, c.plan.stages_per_rank, c.plan.microbatches)
+        if key not in starts and len(starts) < REFINE_SHAPES:
+            starts[key] = c
+    actions_left = REFINE_ACTIONS
+    time = [layer.forward + layer.backward for layer in costs.layers]
+    for (name, v, _), best in starts.items():
+        program = programs[name, v, best.plan.microbatches]
+        size = sum(len(row) for row in program.actions)
+        seen = {best.plan.stage_layers}
+        improved = True
+        while improved:
+            improved = False
+            for cut in _neighbours(best.plan.stage_layers, time):
+                if cut in seen:
+                    continue
+                if actions_left < size:
+                    return out
+                actions_left -= size
+                seen.add(cut)
+                c = evaluate(costs, program, name, v, cut, "refined", budget)
+                out.append(c)
+                if c.plan.fits and rank_key(c) < rank_key(best):
+                    best, improved = c, True
+                    break
+    return out
+
+
+#: longest chain of stages whose two-move neighbourhood the refinement searches
+PAIR_MOVES_UP_TO = 32
+
+
+def _neighbours(cut: tuple[int, ...], time: Sequence[float]):
+    """One-layer moves first; then, for chains up to ``PAIR_MOVES_UP_TO`` stages, two of them
+    (with several stages per rank a rank's load is split over distant stages, so the better
+    cut is often two moves away through a worse one)."""
+    singles = _moves(cut, time)
+    yield from singles
+    if len(cut) <= PAIR_MOVES_UP_TO:
+        for first in singles:
+            yield from _moves(first, time)
+
+
+def _moves(cut: tuple[int, ...], time: Sequence[float]) -> list[tuple[int, ...]]:
+    """Cuts one layer away from ``cut`` (every stage keeping one), the heavier side giving first."""
+    load = [sum(time[a:b]) for a, b in bounds(cut)]
+    scored = []
+    for i in range(len(cut) - 1):
+        for give, take in ((i, i + 1), (i + 1, i)):
+            if cut[give] > 1:
+                moved = list(cut)
+                moved[give] -= 1
+                moved[take] += 1
+                scored.append((load[take] - load[give], tuple(moved)))
+    return [c for _, c in sorted(scored)]
+
+
+def _inflight(timeline: Timeline, program: Program) -> list[float]:
+    """Per stage: how many micro-batches its rank holds at its peak, shared among the rank's
+    stages (the simulated count under unit activation sizes)."""
+    ones = dataclasses.replace(
+        timeline,
+        activation_size=(1.0,) * program.num_stages,
+        weight_activation_size=None,
+        workspace_size=None,
+    )
+    placement = program.placement
+    return [
+        ones.peak_activations[placement.rank(s)] / len(placement.stages_of_rank(placement.rank(s)))
+        for s in range(program.num_stages)
+    ]
+
+
+def _memory_limit(costs: ModelCosts, program: Program, inflight, memory_gib: float, scale):
+    """``limit(stage, first, end)`` for ``min_max_cut``: the stage's static memory plus its
+    in-flight activations within its share of its rank's budget."""
+    placement = program.placement
+    chain = placement.stages_per_chain
+    params = [0.0]
+    act = [0.0]
+    for layer in costs.layers:
+        params.append(params[-1] + layer.params)
+        act.append(act[-1] + layer.activation)
+    # a chain position stands for every stage holding that block (DualPipe's two copies)
+    caps, counts = [], []
+    for pos in range(chain):
+        stages = range(pos, program.num_stages, chain)
+        caps.append(
+            min(
+                memory_gib
+                * scale[placement.rank(s)]
+                / len(placement.stages_of_rank(placement.rank(s)))
+                for s in stages
+            )
+        )
+        counts.append(max(inflight[s] for s in stages))
+
+    def limit(stage: int, first: int, end: int) -> bool:
+        held = params[end] - params[first] + counts[stage] * (act[end] - act[first])
+        return held <= caps[stage]
+
+    return limit

@@ -1,0 +1,184 @@
+"""How the planner judges one cut: a stage's costs are the sums of its layers' (the costs
+file), the program is simulated with them (``sim.simulate``), and each rank's peak memory is the
+simulator's own model (``sim.costs.rank_peak_memory``: static memory of the rank's stages plus
+its peak of held activations over the simulated step), so the planner has one memory model, not
+two. A ``Plan`` is what comes out: everything a ``Pipeline`` needs besides the model, with its
+prediction."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pipetrain.planner.costs_file import ModelCosts
+from pipetrain.planner.partition import bounds
+from pipetrain.schedule.program import Program
+from pipetrain.schedule.timeline import Timeline
+from pipetrain.sim.costs import Costs, rank_peak_memory
+from pipetrain.sim.simulate import simulate
+
+#: share of the budget kept free by default for what a costs file cannot see: the allocator's
+#: fragmentation (reserved above allocated), NCCL's buffers, the optimizer step's temporaries and
+#: the memory model's own error (a pick predicted at its budget measured 2.2% over it on an H200,
+#: docs/planning.md)
+DEFAULT_HEADROOM = 0.10
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The budget per rank as given, and the share of it kept free."""
+
+    memory_gib: float
+    headroom: float
+
+    @property
+    def usable(self) -> float:
+        return self.memory_gib * (1.0 - self.headroom)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """A pipeline layout and its simulated step: everything needed to build and run it."""
+
+    schedule: str
+    ranks: int
+    stages_per_rank: int
+    microbatches: int
+    #: layers per stage, in stage order (for DualPipe's two model copies: one copy's stages)
+    stage_layers: tuple[int, ...]
+    step_ms: float
+    bubble_fraction: float
+    peak_gib: tuple[float, ...]
+    #: the budget per rank as given, and the share of it kept free
+    memory_gib: float
+    headroom: float = 0.0
+    layer_names: tuple[str, ...] = ()
+
+    @property
+    def usable_gib(self) -> float:
+        """What a rank's predicted peak may reach: the budget less the headroom."""
+        return self.memory_gib * (1.0 - self.headroom)
+
+    @property
+    def fits(self) -> bool:
+        return max(self.peak_gib) <= self.usable_gib
+
+    @property
+    def ms_per_microbatch(self) -> float:
+        return self.step_ms / self.microbatches
+
+    def stage_layer_names(self) -> list[list[str]]:
+        """The layer names each stage holds (from the costs file)."""
+        return [list(self.layer_names[a:b]) for a, b in bounds(self.stage_layers)]
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "schedule": self.schedule,
+            "ranks": self.ranks,
+            "stages_per_rank": self.stages_per_rank,
+            "microbatches": self.microbatches,
+            "stage_layers": list(self.stage_layers),
+            "predicted": {
+                "step_ms": self.step_ms,
+                "bubble_fraction": self.bubble_fraction,
+                "peak_gib": list(self.peak_gib),
+            },
+        }
+
+
+@dataclass(frozen=True)
+class Candidate:
+    plan: Plan
+    timeline: Timeline
+    #: how its boundaries were found: balanced(-back, -even), uniform, memory(-back, -even)
+    cut_by: str
+
+
+def rank_key(c: Candidate) -> tuple[float, float, str]:
+    """Faster per micro-batch first, then the lower peak."""
+    return (c.plan.ms_per_microbatch, max(c.plan.peak_gib), c.plan.schedule)
+
+
+def family_key(c: Candidate) -> tuple[bool, float, float, str]:
+    """Fitting candidates first, then ``rank_key``."""
+    return (not c.plan.fits, *rank_key(c))
+
+
+def stage_costs(costs: ModelCosts, program: Program, cut: Sequence[int]) -> Costs:
+    """Simulator costs of the stages ``cut`` makes: sums over each stage's layers (a stage's
+    ``comm`` is its last layer's output transfer, its workspace the largest of its layers')."""
+    blocks = bounds(cut)
+    per_stage = [blocks[s % len(blocks)] for s in range(program.num_stages)]
+
+    def total(attr: str) -> list[float]:
+        return [
+            sum(getattr(layer, attr) or 0.0 for layer in costs.layers[a:b]) for a, b in per_stage
+        ]
+
+    b = total("backward")
+    if costs.split_backward:
+        i, w = total("backward_input"), total("backward_weight")
+    else:  # never read: families that split the backward are not planned from such costs
+        i = w = [x / 2 for x in b]
+    return Costs(
+        forward=total("forward"),
+        backward_input=i,
+        backward_weight=w,
+        backward=b,
+        comm=[costs.layer_comm(e - 1) for _, e in per_stage],
+        activation=total("activation"),
+        activation_for_weight=[
+            sum(
+                layer.activation
+                if layer.activation_for_weight is None
+                else layer.activation_for_weight
+                for layer in costs.layers[a:e]
+            )
+            for a, e in per_stage
+        ],
+        workspace=[max(layer.workspace for layer in costs.layers[a:e]) for a, e in per_stage],
+        static=total("params"),
+    )
+
+
+def simulate_plan(
+    costs: ModelCosts, program: Program, cut: Sequence[int]
+) -> tuple[Timeline, tuple[float, ...]]:
+    """The simulated timeline of ``program`` cut by ``cut`` and each rank's peak memory (GiB)."""
+    sim_costs = stage_costs(costs, program, cut)
+    timeline = simulate(program, sim_costs)
+    peaks = rank_peak_memory(
+        timeline, sim_costs.per_stage(program.num_stages), program.placement.rank_of_stage
+    )
+    return timeline, peaks
+
+
+def evaluate(
+    costs: ModelCosts,
+    program: Program,
+    name: str,
+    v: int,
+    cut: tuple[int, ...],
+    how: str,
+    budget: Budget,
+) -> Candidate:
+    """``cut`` of ``program`` simulated and judged against ``budget`` (``how``: where the cut
+    came from)."""
+    timeline, peaks = simulate_plan(costs, program, cut)
+    return Candidate(
+        plan=Plan(
+            schedule=str(name),
+            ranks=program.num_ranks,
+            stages_per_rank=v,
+            microbatches=program.num_microbatches,
+            stage_layers=cut,
+            step_ms=timeline.makespan,
+            bubble_fraction=timeline.bubble_fraction,
+            peak_gib=peaks,
+            memory_gib=budget.memory_gib,
+            headroom=budget.headroom,
+            layer_names=tuple(layer.name for layer in costs.layers),
+        ),
+        timeline=timeline,
+        cut_by=how,
+    )
