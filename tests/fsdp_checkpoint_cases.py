@@ -16,6 +16,8 @@ replicas' gradients are summed (``a + b``: the same bits in either order). Conti
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from training_cases import AFTER, BEFORE, CKPT_LAYERS, CKPT_MB, IGNORE, _adamw, batch, build_layers
 
 ROWS = 18  # the global batch: 9 rows per replica at dp=2 (micro-batches of 3 and 2 rows)
@@ -178,3 +180,42 @@ def _plain_continuation(path: str) -> dict:
             p.grad = a + b
         opt.step()
     return {n: t.detach().numpy().copy() for n, t in model.state_dict().items()}
+
+
+def fsdp_train_resume(rank: int, world: int, directory: str) -> dict:
+    """``pipetrain train``'s loop (its flags, checks and checkpoint directory) with FSDP2 on a
+    (dp, pp) mesh of 2 × 2 (the built-in GPT, float64): 4 steps straight; 2 steps with a
+    checkpoint, then ``--resume`` to step 4. Losses, and the parameters' shards that differ."""
+    import torch
+    from train_cases import train_args
+
+    from pipetrain.app.train import train
+
+    common = ["--model", "gpt", "--dtype", "float64", "--layers", "2", "--hidden", "16",
+              "--heads", "2", "--seq-len", "16", "-p", "2", "-s", "1f1b", "-m", "2",
+              "--microbatch-size", "2", "--dp", "2", "--data-parallel", "fsdp",
+              "--corpus-out", f"{directory}/corpus.txt", "--svg", f"{directory}/step.svg",
+              "--timeout", "60"]  # fmt: skip
+    cpu = torch.device("cpu")
+    straight = train(train_args(*common, "--steps", "4"), cpu)
+    ckpt = ["--checkpoint-dir", f"{directory}/ckpt"]
+    first = train(train_args(*common, *ckpt, "--steps", "2"), cpu)
+    resumed = train(train_args(*common, *ckpt, "--steps", "4", "--resume"), cpu)
+
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    return {
+        "straight": straight.losses,
+        "first": first.losses,
+        "resumed": (resumed.first_step, resumed.losses),
+        "sharded": sum(hasattr(t, "to_local") for t in straight.state.values()),
+        "differ": sorted(
+            n
+            for n in straight.state.keys() | resumed.state.keys()
+            if n not in straight.state
+            or n not in resumed.state
+            or not local(straight.state[n]).equal(local(resumed.state[n]))
+        ),
+        "saved": sorted(p.name for p in (Path(directory) / "ckpt").iterdir()),
+    }

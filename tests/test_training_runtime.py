@@ -161,3 +161,15 @@ def test_fsdp2_checkpoint_continues_under_fsdp2_ddp_other_meshes_and_the_plain_m
         assert (
             "must be the whole job, but the job has 4 processes" in errors[rank]["mesh_not_the_job"]
         )
+
+
+@pytest.mark.slow
+def test_pipetrain_train_with_fsdp2_saves_and_resumes_bit_for_bit(four_ranks):
+    """``pipetrain train --dp 2 --data-parallel fsdp -p 2 --checkpoint-dir D`` (its loop in
+    the 4-rank launch): 4 steps straight against 2 steps and ``--resume`` to step 4."""
+    for r in (r["fsdp_train_resume"] for r in four_ranks):
+        first_step, tail = r["resumed"]
+        assert first_step == 2 and len(tail) == 2
+        assert r["first"] + tail == r["straight"]  # float equality
+        assert r["sharded"] > 0 and r["differ"] == []
+        assert r["saved"] == ["latest", "step-000002", "step-000004"]
