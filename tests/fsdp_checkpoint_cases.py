@@ -18,16 +18,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from training_cases import AFTER, BEFORE, CKPT_LAYERS, CKPT_MB, IGNORE, _adamw, batch, build_layers
 
 ROWS = 18  # the global batch: 9 rows per replica at dp=2 (micro-batches of 3 and 2 rows)
 
 
-def _pipeline(mesh, kind: str, schedule: str, counts: list[int]):
+def _pipeline(mesh, kind: str, schedule: str, counts: list[int], tie: bool = False):
     import pipetrain
     from pipetrain.runtime.losses import TokenCrossEntropy
 
-    stages = pipetrain.split(build_layers(CKPT_LAYERS, tie=False, seed=99), counts)
+    stages = pipetrain.split(build_layers(CKPT_LAYERS, tie=tie, seed=99), counts)
     pipe = pipetrain.Pipeline(
         stages, schedule, CKPT_MB, TokenCrossEntropy(IGNORE), mesh=mesh, data_parallel=kind
     )
@@ -95,6 +96,8 @@ def run_data_parallel_checkpoints(rank: int, world: int, path: str) -> dict:
     out["uninterrupted"] = _full(pipe)
 
     pipe, opt = _pipeline(mesh, "fsdp", "zbv", [2, 1, 1, 2])
+    pipe.load_state_dict({n: torch.from_numpy(v) for n, v in out["saved"].items()})
+    out["state_dict_loaded"] = _full(pipe)  # whole tensors into shards: Pipeline.load_state_dict
     pipetrain.load_checkpoint(first, pipe, opt)
     out["placed"] = _placed_like_parameters(opt)
     _train(pipe, opt, mesh, range(BEFORE, BEFORE + AFTER))
@@ -122,7 +125,27 @@ def run_data_parallel_checkpoints(rank: int, world: int, path: str) -> dict:
     out["quarters_loaded"] = _full(pipe)
     _train(pipe, opt, quarters, range(BEFORE, BEFORE + AFTER))
     out["quarters"] = _full(pipe)
+    out["tied"] = _tied(mesh, f"{path}-tied")
     out["errors"] = _refusals(rank, mesh, first)
+    return out
+
+
+def _tied(mesh, path: str) -> dict:
+    """GPT-2's tied embedding/head across the two pipeline ranks (1F1B, 2 stages): FSDP2 keeps
+    it whole (``ignored_params``) and its owners write it under both names. Continued under
+    FSDP2 and under DDP at the same layout (the tied sum is the same code in both)."""
+    import pipetrain
+
+    pipe, opt = _pipeline(mesh, "fsdp", "1f1b", [3, 3], tie=True)
+    _train(pipe, opt, mesh, range(BEFORE))
+    pipetrain.save_checkpoint(path, pipe, opt)
+    _train(pipe, opt, mesh, range(BEFORE, BEFORE + AFTER))
+    out = {"uninterrupted": _full(pipe)}
+    for kind in ("fsdp", "ddp"):
+        pipe, opt = _pipeline(mesh, kind, "1f1b", [3, 3], tie=True)
+        pipetrain.load_checkpoint(path, pipe, opt)
+        _train(pipe, opt, mesh, range(BEFORE, BEFORE + AFTER))
+        out[kind] = _full(pipe)
     return out
 
 

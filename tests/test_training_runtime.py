@@ -142,6 +142,14 @@ def test_fsdp2_checkpoint_continues_under_fsdp2_ddp_other_meshes_and_the_plain_m
         differ = [n for n in part if not np.array_equal(part[n], uninterrupted[n])]
         assert not differ, f"{what}: {differ} differ from the uninterrupted run"
     assert sorted(results[0]["plain"]) == sorted(uninterrupted)
+    for r in results:  # Pipeline.load_state_dict puts whole tensors into the shards
+        assert all(np.array_equal(v, r["saved"][n]) for n, v in r["state_dict_loaded"].items())
+        tied = r["tied"]  # whole on every replica, written by its owners under both names
+        assert {"embed.weight", "head.weight"} & tied["uninterrupted"].keys()
+        for kind in ("fsdp", "ddp"):
+            assert tied[kind].keys() == tied["uninterrupted"].keys()
+            for n, value in tied[kind].items():
+                assert np.array_equal(value, tied["uninterrupted"][n]), (kind, n)
     # dp=4, pp=1: the checkpoint's values are read exactly into quarter shards; two steps on
     # other rows per replica sum in another order, so they agree to float64 round-off only
     saved = _union(r["saved"] for r in results[:2])
