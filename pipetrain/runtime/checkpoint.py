@@ -16,7 +16,8 @@ layout wrote it. Flat keys:
 * ``optim_group.<param>.<key>`` — its parameter group's settings (``lr``, ``betas``).
 
 Loading first checks that the checkpoint holds every key the target needs, with the same shapes,
-and names the first missing key otherwise; nothing is read before that.
+and names the first missing key otherwise; nothing is read before that, and where one rank
+refuses every rank of the checkpoint raises (none waits in DCP's collectives).
 
 Data parallel (``runtime.data_parallel``) changes who takes part, not the format. Under FSDP2
 every parameter is a ``DTensor`` sharded over the replicas, and so is each optimizer state shaped
