@@ -139,7 +139,6 @@ def _args(*argv: str) -> argparse.Namespace:
         (("--text", "/no/such/file"), "no such file"),
         (("--resume",), "needs --checkpoint-dir"),
         (("--checkpoint-every", "5"), "needs --checkpoint-dir"),
-        (("--dp", "2", "--checkpoint-dir", "ckpt"), "--data-parallel ddp"),
         (("--plan", "/no/such/plan.json"), "no such file"),
     ],
 )

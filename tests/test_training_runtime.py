@@ -1,5 +1,6 @@
 """Training features on gloo in float64, against the unsplit model: losses of every reduction,
-tied weights, clipping, side inputs, activation checkpointing, checkpoints that reshard.
+tied weights, clipping, side inputs, activation checkpointing, checkpoints that reshard (with
+data parallel too: FSDP2's shards and DDP's replicas, ``fsdp_checkpoint_cases``).
 
 Process start dominates, so one launch per world size runs every case (module fixtures) and the
 tests below read its results."""
@@ -119,3 +120,64 @@ def test_checkpoint_written_at_pp2_continues_bit_identically_at_pp2_pp4_and_pp1(
     assert "first missing key" in errors["missing_layer"]
     assert "'model.0.weight'" in errors["other_model"]
     assert "'blocks.4.lin.weight'" in errors["state_dict"]
+
+
+@pytest.mark.slow
+def test_fsdp2_checkpoint_continues_under_fsdp2_ddp_other_meshes_and_the_plain_model(four_ranks):
+    results = [r["data_parallel_checkpoints"] for r in four_ranks]
+    assert all(r["sharded"] and r["placed"] for r in results)  # DTensors, state placed alike
+    uninterrupted = _union(r["uninterrupted"] for r in results[:2])
+    other_replica = _union(r["uninterrupted"] for r in results[2:])
+    assert all(np.array_equal(v, other_replica[n]) for n, v in uninterrupted.items())
+    assert len(uninterrupted) == 10
+    # same reduction order as the uninterrupted run: bit for bit (replicas' sums a + b)
+    runs = {
+        f"{what} (mesh rank {rank})": r[what]
+        for what in ("fsdp", "ddp", "fsdp_from_ddp")
+        for rank, r in enumerate(results)
+    }
+    runs |= {"plain": results[0]["plain"]}
+    for what, part in runs.items():
+        assert part.keys() <= uninterrupted.keys() and len(part) >= 4, what
+        differ = [n for n in part if not np.array_equal(part[n], uninterrupted[n])]
+        assert not differ, f"{what}: {differ} differ from the uninterrupted run"
+    assert sorted(results[0]["plain"]) == sorted(uninterrupted)
+    for r in results:  # Pipeline.load_state_dict puts whole tensors into the shards
+        assert all(np.array_equal(v, r["saved"][n]) for n, v in r["state_dict_loaded"].items())
+        tied = r["tied"]  # whole on every replica, written by its owners under both names
+        assert {"embed.weight", "head.weight"} & tied["uninterrupted"].keys()
+        for kind in ("fsdp", "ddp"):
+            assert tied[kind].keys() == tied["uninterrupted"].keys()
+            for n, value in tied[kind].items():
+                assert np.array_equal(value, tied["uninterrupted"][n]), (kind, n)
+    # dp=4, pp=1: the checkpoint's values are read exactly into quarter shards; two steps on
+    # other rows per replica sum in another order, so they agree to float64 round-off only
+    saved = _union(r["saved"] for r in results[:2])
+    for r in results:
+        assert sorted(r["quarters_loaded"]) == sorted(saved)
+        assert all(np.array_equal(r["quarters_loaded"][n], saved[n]) for n in saved)
+        for n, value in r["quarters"].items():
+            scale = np.abs(uninterrupted[n]).max()
+            assert np.abs(value - uninterrupted[n]).max() <= 1e-13 * scale, n
+            assert not np.array_equal(uninterrupted[n], saved[n]), n  # the steps changed it
+    errors = [r["errors"] for r in results]
+    assert errors[1]["missing_on_one_rank"].startswith("KeyError")
+    assert "'model.blocks.4.lin.weight'" in errors[1]["missing_on_one_rank"]
+    for rank in (0, 2):  # their stages lack nothing: they learn of rank 1's refusal
+        assert "rank 1 of the checkpoint's processes refused" in errors[rank]["missing_on_one_rank"]
+    for rank in (0, 1):
+        assert (
+            "must be the whole job, but the job has 4 processes" in errors[rank]["mesh_not_the_job"]
+        )
+
+
+@pytest.mark.slow
+def test_pipetrain_train_with_fsdp2_saves_and_resumes_bit_for_bit(four_ranks):
+    """``pipetrain train --dp 2 --data-parallel fsdp -p 2 --checkpoint-dir D`` (its loop in
+    the 4-rank launch): 4 steps straight against 2 steps and ``--resume`` to step 4."""
+    for r in (r["fsdp_train_resume"] for r in four_ranks):
+        first_step, tail = r["resumed"]
+        assert first_step == 2 and len(tail) == 2
+        assert r["first"] + tail == r["straight"]  # float equality
+        assert r["sharded"] > 0 and r["differ"] == []
+        assert r["saved"] == ["latest", "step-000002", "step-000004"]

@@ -517,7 +517,11 @@ def run_two_ranks(rank: int, world: int, cases: list) -> dict:
 
 def run_four_ranks(rank: int, world: int, cases: list, path: str) -> dict:
     """Everything the 4-rank tests check, in one launch."""
+    from fsdp_checkpoint_cases import fsdp_train_resume, run_data_parallel_checkpoints
+
     return {
         "exact": run_losses_tied_clipping(rank, world, cases),
         "checkpoints": run_checkpoints(rank, world, path),
+        "data_parallel_checkpoints": run_data_parallel_checkpoints(rank, world, path),
+        "fsdp_train_resume": fsdp_train_resume(rank, world, f"{path}-train"),
     }

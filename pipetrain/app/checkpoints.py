@@ -6,7 +6,8 @@ the latest.
     DIR/latest             "step-000040", written once the whole checkpoint is on disk
 
 State is keyed by the model's global layer names (``runtime.checkpoint``), so a run may resume
-at another pipeline size or schedule. Resuming checks the model's shape first and names the
+at another pipeline size or schedule, and with or without data parallel (DDP or FSDP2, whose
+replicas write their shards). Resuming checks the model's shape first and names the
 first field that differs. The step count is all the training loop needs besides: the data
 order is a function of the seed and the step, and AdamW's state (its step included) is in the
 checkpoint — so a resumed run continues bit for bit.
@@ -35,16 +36,16 @@ class Checkpoints:
         self.directory = Path(directory)
         self.shape = shape
 
-    def save(self, step: int, pipe, optimizer, writer: bool = True) -> Path:
-        """Write step ``step``. ``writer``: this process's pipeline writes (with data parallel,
-        one replica's pipeline holds the whole model; the others only wait)."""
+    def save(self, step: int, pipe, optimizer) -> Path:
+        """Write step ``step``: every process writes its part (with data parallel, each DDP
+        replica offers the same tensors and DCP writes them once; each FSDP2 replica its shards).
+        """
         import torch.distributed as dist
 
         from pipetrain.runtime.checkpoint import save_checkpoint
 
         path = self.directory / f"step-{step:06d}"
-        if writer:
-            save_checkpoint(path, pipe, optimizer)
+        save_checkpoint(path, pipe, optimizer)
         dist.barrier()  # every writer is done before the pointer moves
         if dist.get_rank() == 0:
             info = {"step": step, "model": dataclasses.asdict(self.shape)}

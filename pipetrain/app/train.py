@@ -317,11 +317,6 @@ def check_arguments(args: argparse.Namespace) -> Layout:
         raise ValueError("--resume needs --checkpoint-dir DIR (where the checkpoints are)")
     if args.checkpoint_every is not None and args.checkpoint_dir is None:
         raise ValueError("--checkpoint-every needs --checkpoint-dir DIR")
-    if args.checkpoint_dir is not None and args.dp > 1 and args.data_parallel == "fsdp":
-        raise ValueError(
-            "checkpoints of FSDP2-sharded stages are not supported yet; with --dp > 1 use "
-            "--data-parallel ddp, or drop --checkpoint-dir"
-        )
     if args.resume:  # the checkpoint is there and of this model (a file read, no process)
         from pipetrain.app.checkpoints import Checkpoints
 
@@ -632,7 +627,7 @@ def train(args: argparse.Namespace, device: torch.device) -> Run:
         if timed and pipe.last_timeline is not None:
             measured.append(pipe.last_timeline)
         if saver is not None and ((step + 1) % every == 0 or step + 1 == args.steps):
-            saver.save(step + 1, pipe, opt, writer=replica == 0)
+            saver.save(step + 1, pipe, opt)
     bar.close()
     run = Run(losses, start, {k: v.detach().clone() for k, v in _local_state(pipe).items()})
     if rank == 0:

@@ -16,19 +16,33 @@ layout wrote it. Flat keys:
 * ``optim_group.<param>.<key>`` — its parameter group's settings (``lr``, ``betas``).
 
 Loading first checks that the checkpoint holds every key the target needs, with the same shapes,
-and names the first missing key otherwise; nothing is read before that.
+and names the first missing key otherwise; nothing is read before that, and where one rank
+refuses every rank of the checkpoint raises (none waits in DCP's collectives).
+
+Data parallel (``runtime.data_parallel``) changes who takes part, not the format. Under FSDP2
+every parameter is a ``DTensor`` sharded over the replicas, and so is each optimizer state shaped
+like it (AdamW's moments), so every process of the ``(dp, pp)`` mesh writes its shards: DCP
+records each key's global shape and every shard's offset, and a load reads whatever slice each
+target needs — a shard of another size, a whole tensor for DDP or the plain model — from shards
+or whole tensors alike. Under DDP every replica holds the same tensors; all of them call too and
+DCP's planner writes each key once. A DTensor parameter's optimizer state is loaded into a
+DTensor with the parameter's placement (``empty_like``), a scalar such as ``step`` into a plain
+tensor, as the optimizer made them.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import TypeVar, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 MODEL, OPTIM, GROUP = "model.", "optim.", "optim_group."
+T = TypeVar("T")
 
 
 def modules_of(target) -> list[nn.Module]:
@@ -46,13 +60,18 @@ def model_state(modules: Iterable[nn.Module]) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for module in modules:
         for name, value in module.state_dict().items():
-            if name in out and out[name].data_ptr() != value.data_ptr():
+            if name in out and _storage(out[name]) != _storage(value):
                 raise ValueError(
                     f"two different tensors are named {name!r}; stage names must be global "
                     "(pipetrain.split keeps each layer's model name)"
                 )
             out[name] = value
     return out
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    """Where a tensor's data lives (a DTensor's: its local shard's)."""
+    return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).data_ptr()
 
 
 def load_model_state(modules: list[nn.Module], state: Mapping[str, torch.Tensor]) -> None:
@@ -66,7 +85,16 @@ def load_model_state(modules: list[nn.Module], state: Mapping[str, torch.Tensor]
                     f"{name!r} has shape {tuple(state[name].shape)} in the state dict but "
                     f"{tuple(tensor.shape)} in the model"
                 )
-            tensor.copy_(state[name])
+            value = state[name]
+            if isinstance(tensor, DTensor) and not isinstance(value, DTensor):
+                # a whole tensor into a sharded parameter: each rank keeps its own slice
+                value = distribute_tensor(
+                    value.to(tensor.device, tensor.dtype),
+                    tensor.device_mesh,
+                    tensor.placements,
+                    src_data_rank=None,
+                )
+            tensor.copy_(value)
 
 
 def _require(need: Iterable[str], have, message) -> None:
@@ -111,26 +139,46 @@ def optimizer_state(optimizer: torch.optim.Optimizer, modules: list[nn.Module]) 
 def save_checkpoint(path: str | os.PathLike, target, optimizer=None) -> None:
     """Write ``target``'s (a ``Pipeline`` or a module) model and optimizer state with DCP.
 
-    Collective over the pipeline's process group: every rank of it calls this."""
+    Collective: every rank of the pipeline's group calls this, and with data parallel every
+    process of its ``(dp, pp)`` mesh (each FSDP2 replica writes its shards)."""
     modules = modules_of(target)
-    state: dict[str, object] = {MODEL + k: v for k, v in model_state(modules).items()}
-    if optimizer is not None:
-        state.update(optimizer_state(optimizer, modules))
+    processes = _dist_args(target)
+
+    def gather() -> dict[str, object]:
+        state: dict[str, object] = {MODEL + k: v for k, v in model_state(modules).items()}
+        if optimizer is not None:
+            state.update(optimizer_state(optimizer, modules))
+        return state
+
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(state, checkpoint_id=path, **_dist_args(target))
+    dcp.save(_agreed(processes, gather), checkpoint_id=path, **processes)
 
 
 def load_checkpoint(path: str | os.PathLike, target, optimizer=None) -> None:
-    """Read what ``target`` (a ``Pipeline`` at any size, or the plain model) and ``optimizer``
-    (built over its parameters, before its first step) need from a checkpoint of any layout.
+    """Read what ``target`` (a ``Pipeline`` at any size, with or without data parallel, or the
+    plain model) and ``optimizer`` (built over its parameters, before its first step) need from
+    a checkpoint of any layout.
 
-    Collective over the pipeline's process group, like ``save_checkpoint``."""
+    Collective over the same processes as ``save_checkpoint``. A refusal (a missing key, another
+    shape) is raised on every one of them, before anything is read."""
     import torch.distributed.checkpoint as dcp
+
+    modules = modules_of(target)
+    processes = _dist_args(target)
+    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    state, chosen = _agreed(processes, lambda: _load_targets(stored, modules, optimizer))
+    dcp.load(state, checkpoint_id=path, **processes)
+    if optimizer is not None:
+        optimizer.load_state_dict(_torch_optimizer_state(optimizer, chosen, state))
+
+
+def _load_targets(stored, modules: list[nn.Module], optimizer) -> tuple[dict, dict[int, str]]:
+    """Where DCP reads each key this rank needs (the model's own tensors, in place; new ones for
+    the optimizer's state), and the name each optimizer parameter is read under; a
+    ``KeyError``/``ValueError`` naming the first key the checkpoint lacks or holds otherwise."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    modules = modules_of(target)
     model = model_state(modules)
     _require((MODEL + k for k in model), stored, lambda k: f"the checkpoint has no {k!r}")
     for name, tensor in model.items():
@@ -143,30 +191,71 @@ def load_checkpoint(path: str | os.PathLike, target, optimizer=None) -> None:
             )
     state: dict[str, object] = {MODEL + k: v for k, v in model.items()}
     chosen: dict[int, str] = {}
-    if optimizer is not None:
-        names = parameter_names(modules)
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                options = names.get(id(p), [])
-                found = [n for n in options if any(k.startswith(f"{GROUP}{n}.") for k in stored)]
-                if not found:
-                    first = f"{GROUP}{options[0]}.lr" if options else "an unnamed parameter"
-                    raise KeyError(
-                        f"the checkpoint has no {first!r} (first missing key; was it saved with "
-                        "the optimizer?)"
-                    )
-                chosen[id(p)] = found[0]
-        for name in chosen.values():
+    if optimizer is None:
+        return state, chosen
+    names = parameter_names(modules)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            options = names.get(id(p), [])
+            found = [n for n in options if any(k.startswith(f"{GROUP}{n}.") for k in stored)]
+            if not found:
+                first = f"{GROUP}{options[0]}.lr" if options else "an unnamed parameter"
+                raise KeyError(
+                    f"the checkpoint has no {first!r} (first missing key; was it saved with "
+                    "the optimizer?)"
+                )
+            chosen[id(p)] = name = found[0]
             for key, meta in stored.items():
-                if key.startswith((f"{OPTIM}{name}.", f"{GROUP}{name}.")):
-                    state[key] = (
-                        torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-                        if isinstance(meta, TensorStorageMetadata)
-                        else None
-                    )
-    dcp.load(state, checkpoint_id=path, **_dist_args(target))
-    if optimizer is not None:
-        optimizer.load_state_dict(_torch_optimizer_state(optimizer, chosen, state))
+                if not key.startswith((f"{OPTIM}{name}.", f"{GROUP}{name}.")):
+                    continue
+                if not isinstance(meta, TensorStorageMetadata):
+                    state[key] = None  # a value that is no tensor (betas): DCP fills it in
+                elif key.startswith(OPTIM):
+                    state[key] = _state_target(p, key, meta)
+                else:  # a group setting held in a tensor (lr=torch.tensor(...))
+                    state[key] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+    return state, chosen
+
+
+def _agreed(processes: dict, prepare: Callable[[], T]) -> T:
+    """``prepare()`` on every process of a checkpoint; where one of them refuses (each rank
+    checks only its own stages), all raise, so none is left waiting in DCP's collectives. The
+    others' error names the rank and carries its message and type."""
+    if processes.get("no_dist"):
+        return prepare()
+    group = processes["process_group"]
+    try:
+        result, refusal = prepare(), None
+    except (KeyError, ValueError) as e:
+        result, refusal = None, e
+    said = None
+    if refusal is not None:
+        said = (type(refusal).__name__, str(refusal.args[0] if refusal.args else refusal))
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, said, group=group)
+    if refusal is not None:
+        raise refusal
+    for rank, other in enumerate(everyone):
+        if other is not None:
+            kind = KeyError if other[0] == "KeyError" else ValueError
+            raise kind(f"rank {rank} of the checkpoint's processes refused: {other[1]}")
+    return cast(T, result)
+
+
+def _state_target(param: torch.Tensor, key: str, meta) -> torch.Tensor:
+    """Where DCP reads one optimizer state of ``param``: for a sharded (``DTensor``) parameter, a
+    state of its shape is a DTensor placed like it (how AdamW's moments are made: ``zeros_like``)
+    and a scalar (``step``) a plain tensor; a plain parameter's states are plain tensors."""
+    size, dtype = tuple(meta.size), meta.properties.dtype
+    if not isinstance(param, DTensor) or not size:
+        return torch.empty(size, dtype=dtype)
+    if size == tuple(param.shape):
+        return torch.empty_like(param, dtype=dtype)
+    raise ValueError(
+        f"{key!r} has shape {size}, neither the sharded parameter's {tuple(param.shape)} nor a "
+        "scalar: where its shards go is not known (optimizers whose states are shaped like the "
+        "parameter, such as SGD with momentum, Adam and AdamW, are supported)"
+    )
 
 
 def _torch_optimizer_state(optimizer, chosen: dict[int, str], state: dict) -> dict:
@@ -200,7 +289,20 @@ def _torch_optimizer_state(optimizer, chosen: dict[int, str], state: dict) -> di
 
 
 def _dist_args(target) -> dict:
-    """A pipeline saves over its group; a plain module, or no process group, locally."""
+    """DCP's processes: a plain module (or no process group) reads and writes alone; a pipeline,
+    its group; a data-parallel one, every process of its ``(dp, pp)`` mesh. DCP needs one group
+    that holds them all, so the mesh must be the whole job (the default group): checked on every
+    rank from group sizes alone, so each refuses alike and none waits for the others."""
     if isinstance(target, nn.Module) or not (dist.is_available() and dist.is_initialized()):
         return {"no_dist": True}
-    return {"process_group": target.group}
+    dp = getattr(target, "data_parallel", None)
+    if dp is None:
+        return {"process_group": target.group}
+    pp, world = dist.get_world_size(target.group), dist.get_world_size()
+    if pp * dp.size != world:
+        raise ValueError(
+            f"checkpoints of a data-parallel pipeline are written by every process of its mesh "
+            f"(dp {dp.size} x pp {pp}), which must be the whole job, but the job has {world} "
+            "processes; give the pipeline a mesh of every process"
+        )
+    return {"process_group": None}
