@@ -85,6 +85,7 @@ from gpu_setup import (
     stats,
     time_steps,
 )
+from profile_pipeline_gpu import device_kernels, summarise  # beside this script
 from torch import nn
 
 from pipetrain.app.models.gpt import GPTConfig, GPTStage, lm_loss, make_stage, stage_layers
@@ -176,6 +177,10 @@ SHAPES = {
     # CPU smoke shapes
     "gpt-tiny": Shape("gpt-tiny", "gpt", layers=8, hidden=64, heads=4, seq=32, mb_size=2, vocab=97),
     "blocks-tiny": Shape("blocks-tiny", "blocks", layers=8, hidden=64, heads=4, seq=32, mb_size=2),
+    # the wide shape's code path (one sample per micro-batch, sequence longer than hidden)
+    "wide-tiny": Shape(
+        "wide-tiny", "gpt", layers=8, hidden=64, heads=8, seq=128, mb_size=1, vocab=97
+    ),
 }
 
 PRESETS = {
@@ -184,6 +189,14 @@ PRESETS = {
     ),
     "cpu-smoke": dict(
         shapes="gpt-tiny,blocks-tiny",
+        microbatches="",  # 2 × ranks
+        steps=2,
+        warmup=1,
+        dtype="float32",
+        budget_s=300.0,
+    ),
+    "cpu-wide": dict(
+        shapes="wide-tiny",
         microbatches="",  # 2 × ranks
         steps=2,
         warmup=1,
@@ -281,8 +294,11 @@ def run_pipetrain(ctx: Ctx, masters: Masters, shape: Shape, name: str, n: int) -
 
 
 def profiled(ctx: Ctx, lib: str, shape: Shape, name: str, n: int, step, opt, params) -> dict:
-    """With ``--profile lib:schedule``: one more step (optimizer included) under torch.profiler,
-    its trace written by the first and the last rank as ``trace-….json.gz`` beside the JSON."""
+    """With ``--profile lib:schedule``: one more step (optimizer included) under torch.profiler.
+    Every rank's device-time summary goes into the row (``profile``: per rank, as
+    ``profile_pipeline_gpu.summarise`` counts it: kernel time by kind, idle time in the window,
+    compute under resident NCCL kernels, the top kernels); the first and the last rank also
+    write their trace as ``trace-….json.gz`` beside the JSON."""
     if f"{lib}:{name}" not in ctx.args.profile.split(","):
         return {}
     from torch.profiler import ProfilerActivity, profile
@@ -291,14 +307,19 @@ def profiled(ctx: Ctx, lib: str, shape: Shape, name: str, n: int, step, opt, par
     ctx.barrier()
     ctx.sync()
     with profile(activities=activities) as prof:
+        t = time.perf_counter()
         step()
         opt_step(opt, params)
         ctx.sync()
-    if not ctx.args.out or ctx.rank not in (0, ctx.world - 1):
-        return {}
-    path = Path(ctx.args.out) / f"trace-{shape.name}-{name}-{n}-{lib}-r{ctx.rank}.json.gz"
-    prof.export_chrome_trace(str(path))
-    return {"trace": path.name}
+        wall_ms = 1e3 * (time.perf_counter() - t)
+    mine = {"rank": ctx.rank, "step_wall_ms": wall_ms, **summarise(device_kernels(prof), 1)}
+    row: dict = {"profile": ctx.gather(mine)}
+    if ctx.args.out and ctx.rank in (0, ctx.world - 1):
+        path = Path(ctx.args.out) / f"trace-{shape.name}-{name}-{n}-{lib}-r{ctx.rank}.json.gz"
+        prof.export_chrome_trace(str(path))
+        row["trace"] = path.name
+    ctx.barrier()  # the next row starts together, after the slow trace export
+    return row
 
 
 def run_torch(ctx: Ctx, masters: Masters, shape: Shape, name: str, n: int) -> dict:
@@ -709,7 +730,31 @@ def tables(data: dict) -> str:
                 f"| {best} | {ratio(TORCH)} | {ds_ratio} |"
             )
         lines.append("")
+        lines += profile_table(order)
     return "\n".join(lines)
+
+
+def profile_table(rows: list[dict]) -> list[str]:
+    """Per rank, where the profiled step's device time went (rows run with ``--profile``)."""
+    traced = [r for r in rows if r.get("profile")]
+    if not traced:
+        return []
+    lines = [
+        "| schedule | lib | rank | step ms (profiled) | kernel window ms | idle ms | compute busy ms "
+        "| NCCL kernel ms | compute under NCCL ms | kernels |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in traced:
+        for p in r["profile"]:
+            k = p.get("kernel_ms", {})
+            cells = [p.get(c) for c in ("window_ms", "idle_ms", "compute_busy_ms")]
+            cells += [k.get("nccl"), p.get("compute_under_nccl_ms")]
+            lines.append(
+                f"| {r['schedule']} | {r['lib']} | {p['rank']} | {p['step_wall_ms']:.1f} | "
+                + " | ".join("" if c is None else f"{c:.1f}" for c in cells)
+                + f" | {p.get('kernels', 0)} |"
+            )
+    return [*lines, ""]
 
 
 def targets(data: dict) -> str:
