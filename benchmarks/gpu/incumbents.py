@@ -649,12 +649,13 @@ def main(argv: list[str] | None = None) -> int:
 def brief(row: dict) -> str:
     if "median_ms" not in row:
         return row.get("error") or row.get("skipped") or "?"
-    mem = row.get("peak_total_gib")
+    mem, reserved = row.get("peak_total_gib"), row.get("peak_reserved_gib")
     mem_s = "/".join(f"{m:.2f}" for m in mem) if mem else "-"
+    reserved_s = "/".join(f"{m:.2f}" for m in reserved) if reserved else "-"
     eff = row.get("efficiency")
     return (
         f"{row['median_ms']:.1f} ms [{row['min_ms']:.1f}–{row['max_ms']:.1f}]"
-        f" eff {eff:.3f}" * (eff is not None) + f" GiB {mem_s}"
+        f" eff {eff:.3f}" * (eff is not None) + f" GiB {mem_s} reserved {reserved_s}"
     )
 
 
@@ -694,8 +695,9 @@ def tables(data: dict) -> str:
             f"*{shape}, {n} micro-batches, {meta['world']} ranks*",
             "",
             "| schedule | lib | step ms med [min–max] | tok/s | TFLOP/s/GPU | eff | bubble meas "
-            "| peak GiB per rank | / megatron same | / megatron best | / torch same | / deepspeed |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| peak GiB per rank | reserved GiB per rank | / megatron same | / megatron best "
+            "| / torch same | / deepspeed |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         order = sorted(
             group,
@@ -704,7 +706,7 @@ def tables(data: dict) -> str:
         for r in order:
             if "median_ms" not in r:
                 why = r.get("error") or r.get("skipped") or "?"
-                lines.append(f"| {r['schedule']} | {r['lib']} | {why} | | | | | | | | | |")
+                lines.append(f"| {r['schedule']} | {r['lib']} | {why} | | | | | | | | | | |")
                 continue
             same = [x for x in group if x["schedule"] == r["schedule"]]
 
@@ -719,14 +721,15 @@ def tables(data: dict) -> str:
             ds_ratio = (
                 f"{r['median_ms'] / ds['median_ms']:.3f}" if ds and r["lib"] == PIPETRAIN else ""
             )
-            mem = r.get("peak_total_gib")
+            mem, reserved = r.get("peak_total_gib"), r.get("peak_reserved_gib")
             eff, bubble = r.get("efficiency"), r.get("bubble_measured")
             lines.append(
                 f"| {r['schedule']} | {r['lib']} | {r['median_ms']:.1f} "
                 f"[{r['min_ms']:.1f}–{r['max_ms']:.1f}] | {r['tokens_per_s']:.0f} "
                 f"| {r['tflops_per_gpu']:.0f} | {'' if eff is None else f'{eff:.3f}'} "
                 f"| {'' if bubble is None else f'{bubble:.3f}'} "
-                f"| {'/'.join(f'{m:.2f}' for m in mem) if mem else '-'} | {ratio(MEGATRON)} "
+                f"| {'/'.join(f'{m:.2f}' for m in mem) if mem else '-'} "
+                f"| {'/'.join(f'{m:.2f}' for m in reserved) if reserved else '-'} | {ratio(MEGATRON)} "
                 f"| {best} | {ratio(TORCH)} | {ds_ratio} |"
             )
         lines.append("")
@@ -776,14 +779,16 @@ def targets(data: dict) -> str:
                 q = pt["median_ms"] / ref["median_ms"]
                 verdict = "met" if q <= 1.0 else "missed"
                 out.append(f"- {where}: pipetrain {name} / {lib}: {q:.3f} ({verdict})")
-                pm, rm = pt.get("peak_total_gib"), ref.get("peak_total_gib")
-                if pm and rm and ref["schedule"] == name:  # memory: same schedule only
+                for key, what in (("peak_total_gib", "peak"), ("peak_reserved_gib", "reserved")):
+                    pm, rm = pt.get(key), ref.get(key)
+                    if not (pm and rm and ref["schedule"] == name):  # memory: same schedule only
+                        continue
                     worse = [i for i, (a, b) in enumerate(zip(pm, rm)) if a > b]
                     gap = max(a - b for a, b in zip(pm, rm))
                     verdict = "met" if not worse else f"missed on ranks {worse}"
                     out.append(
-                        f"- {where}: peak memory pipetrain {name} ≤ {lib}: {verdict} "
-                        f"(largest per-rank difference {gap:+.3f} GiB)"
+                        f"- {where}: {what} memory pipetrain {name} ≤ {lib}: "
+                        f"{verdict} (largest per-rank difference {gap:+.3f} GiB)"
                     )
         pts = [r for r in group if r["lib"] == PIPETRAIN and "median_ms" in r]
         mcs = [r for r in group if r["lib"].startswith(MEGATRON) and "median_ms" in r]
