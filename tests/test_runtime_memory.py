@@ -40,8 +40,8 @@ def _transport_with(*states: bool | None) -> tuple[Transport, list[Pending], lis
 
 
 def test_reap_waits_each_finished_send_once_and_keeps_the_running_ones() -> None:
-    """A finished send is waited before it is let go: ProcessGroupNCCL keeps its tensors until
-    ``wait()`` (or its watchdog's next sweep, up to 100 ms later)."""
+    """A finished send is waited before it is let go: a backend that stashes an async op's
+    tensors keeps them until ``wait()`` (or its watchdog's next sweep)."""
     transport, pendings, works = _transport_with(True, False, None)
     transport.reap()
     assert [w.waits for w in works] == [1, 0, 0]  # a failed check is dropped unwaited
@@ -85,3 +85,64 @@ def test_1f1b_keeps_only_the_inputs_of_micro_batches_in_flight(held_per_rank) ->
         (result,) = [r for r in results if r["case"][0] == "1f1b"]
         most = max(c["saved"] for _, c in result["actions"])
         assert most == (0 if rank == 0 else world - rank), (rank, most)
+
+
+class FakeStream:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.waited_for: list[FakeStream] = []
+
+    def wait_stream(self, other: FakeStream) -> None:
+        self.waited_for.append(other)
+
+
+class FakeBuffer:
+    def __init__(self) -> None:
+        self.used_by: list[FakeStream] = []
+
+    def record_stream(self, stream: FakeStream) -> None:
+        self.used_by.append(stream)
+
+
+def test_cuda_sends_are_let_go_of_at_posting_behind_the_send_stream(monkeypatch) -> None:
+    """On CUDA a posted send is dropped at once: waited on the transport's send stream (not the
+    compute stream), its buffer marked as used by that stream, so the allocator keeps its block
+    until the transfer ends; the step's end orders the compute stream after the send stream."""
+    current: list[FakeStream] = [FakeStream("compute")]
+
+    class StreamContext:
+        def __init__(self, stream: FakeStream) -> None:
+            self.stream = stream
+
+        def __enter__(self) -> None:
+            current.append(self.stream)
+
+        def __exit__(self, *exc) -> None:
+            current.pop()
+
+    waited_on: list[tuple[str, str]] = []
+
+    class Work(FakeWork):
+        def __init__(self, name: str) -> None:
+            super().__init__(False)
+            self.name = name
+
+        def wait(self, timeout=None) -> bool:
+            waited_on.append((self.name, current[-1].name))
+            return True
+
+    monkeypatch.setattr(torch.cuda, "stream", StreamContext)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
+    transport = Transport(0, None, torch.device("cpu"), timedelta(seconds=1))
+    transport.send_stream = send_stream = FakeStream("sends")  # type: ignore[assignment]
+    works = {"send": Work("send"), "recv": Work("recv")}
+    monkeypatch.setattr(transport, "_post", lambda ops: [works[kind] for kind, _, _ in ops])
+    sent, received = FakeBuffer(), FakeBuffer()
+    send = Pending(Action(OpKind.SEND_F, 0, 0), 1, [sent], [])  # type: ignore[list-item]
+    recv = Pending(Action(OpKind.RECV_B, 0, 0), 1, [received], [])  # type: ignore[list-item]
+    transport.post([("send", send, sent), ("recv", recv, received)])  # type: ignore[list-item]
+    assert waited_on == [("send", "sends")]
+    assert sent.used_by == [send_stream] and received.used_by == []
+    assert transport._sends == [] and send.works == [] and recv.works == [works["recv"]]
+    transport.drain()
+    assert current[0].waited_for == [send_stream]
