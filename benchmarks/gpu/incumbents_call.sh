@@ -5,8 +5,10 @@
 #               family (interleaved-zb last)                       budget 175 s, timeout 215 s
 #   p2-prof4    one torch.profiler step each of Megatron's and pipetrain's interleaved 1F1B
 #               (GPT, 4 ranks, 16 micro-batches), with the per-rank device-time summary
-#                                                                  budget  45 s, timeout  85 s
-#   p3-blocks2  the block stack at 2 ranks, 16 and 8 micro-batches budget 150 s, timeout 185 s
+#                                                                  budget  45 s, timeout 100 s
+#   p2e-exact4  float64 exactness of pipetrain on NCCL against unsplit training (gpu_equivalence.py:
+#               1f1b, interleaved-1f1b, zbv, dualpipev+overlap; 10 training steps) timeout 60 s
+#   p3-blocks2  the block stack at 2 ranks, 16 and 8 micro-batches budget 150 s, timeout 180 s
 #   p4-wide2    the wide shape at 2 ranks (8 micro-batches first, 4 timed steps), with whatever
 #               time is left (about 90 s: the 8-micro-batch 1F1B and interleaved rows)
 # Each part's harness stops starting rows at its budget (--budget-s: a row starts only if the
@@ -89,12 +91,29 @@ part() {  # name nproc budget-s limit-s harness-args...: run one part if it stil
   pack
 }
 
+exact() {  # name nproc limit-s: float64 exactness on NCCL of the runtime measured here
+  local name=$1 nproc=$2 limit=$3
+  local left=$((TOTAL - SECONDS - 10))
+  if [ "$left" -lt "$limit" ]; then
+    echo "== $name skipped: ${left}s left"
+    return
+  fi
+  echo "== $name: timeout ${limit}s, at ${SECONDS}s"
+  timeout -k 10 "$limit" $PYTHON -m torch.distributed.run --standalone --nproc-per-node "$nproc" \
+    benchmarks/gpu/gpu_equivalence.py --schedules 1f1b,interleaved-1f1b,zbv,dualpipev+overlap \
+    --train-steps 10 --out "$WORK/$name" > "$WORK/$name.log" 2>&1
+  echo "== $name rc=$? at ${SECONDS}s"
+  grep -A8 '^## equivalence' "$WORK/$name.log"
+  pack
+}
+
 ALL=1f1b,interleaved-1f1b,zbv,dualpipev,interleaved-zb
 part p1-wide4 "$NPROC4" 175 215 --shapes "$WIDE" --microbatches 16,8 --schedules $ALL
-part p2-prof4 "$NPROC4" 45 85 --shapes "$GPT" --microbatches 16 --schedules interleaved-1f1b \
+part p2-prof4 "$NPROC4" 45 100 --shapes "$GPT" --microbatches 16 --schedules interleaved-1f1b \
   --libraries megatron --torch-schedules none --timeline-steps 0 \
   --profile megatron:interleaved-1f1b,pipetrain:interleaved-1f1b
-part p3-blocks2 2 150 185 --shapes "$BLOCKS" --microbatches 16,8 --schedules $ALL
+exact p2e-exact4 "$NPROC4" 60
+part p3-blocks2 2 150 180 --shapes "$BLOCKS" --microbatches 16,8 --schedules $ALL
 left=$((TOTAL - SECONDS - 10))
 part p4-wide2 2 $((left - 30)) "$left" --shapes "$WIDE" --microbatches 8,16 --steps 4 --schedules $ALL
 echo "== done at ${SECONDS}s (TOTAL ${TOTAL}s)"
