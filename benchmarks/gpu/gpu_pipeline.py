@@ -103,14 +103,21 @@ def measure(ctx: Ctx, pipeline_step, opt, params, base: int) -> tuple[dict, int 
     """Warm up, then time ``pipeline_step`` + the optimizer step; memory above ``base``.
 
     Returns the row (times; ``peak_gib``: per rank, the peak during the pipeline step alone;
-    ``peak_total_gib``: including the optimizer step's temporaries) and the memory resident
-    before a step (parameters, gradients, optimizer state, library buffers), above ``base``.
+    ``peak_total_gib``: including the optimizer step's temporaries; ``peak_reserved_gib``: the
+    caching allocator's reserved peak, optimizer included) and the memory resident before a
+    step (parameters, gradients, optimizer state, library buffers), above ``base``.
+
+    Reserved memory is the footprint a library cannot hand back: a block freed while another
+    stream still uses it (a tensor sent by NCCL, released before the send finished, as
+    Megatron's ``deallocate_pipeline_outputs`` does) leaves the allocated count at once but
+    stays unusable, and reserved, until that stream passes it.
     """
-    peaks = {"step": 0, "total": 0}
+    peaks = {"step": 0, "total": 0, "reserved": 0}
 
     def step() -> None:
         if ctx.cuda:
             peaks["total"] = max(peaks["total"], torch.cuda.max_memory_allocated(ctx.device))
+            peaks["reserved"] = max(peaks["reserved"], torch.cuda.max_memory_reserved(ctx.device))
             torch.cuda.reset_peak_memory_stats(ctx.device)
         pipeline_step()
         if ctx.cuda:
@@ -121,13 +128,15 @@ def measure(ctx: Ctx, pipeline_step, opt, params, base: int) -> tuple[dict, int 
         step()
     ctx.sync()
     resident = None if not ctx.cuda else torch.cuda.memory_allocated(ctx.device) - base
-    peaks.update(step=0, total=0)
+    peaks.update(step=0, total=0, reserved=0)
     times = slowest(ctx, time_steps(ctx, step, ctx.args.steps))
     row = stats(times)
     if ctx.cuda:
         peaks["total"] = max(peaks["total"], torch.cuda.max_memory_allocated(ctx.device))
+        peaks["reserved"] = max(peaks["reserved"], torch.cuda.max_memory_reserved(ctx.device))
         row["peak_gib"] = gathered_gib(ctx, peaks["step"] - base)
         row["peak_total_gib"] = gathered_gib(ctx, peaks["total"] - base)
+        row["peak_reserved_gib"] = gathered_gib(ctx, peaks["reserved"] - base)
         row["resident_gib"] = gathered_gib(ctx, resident)
     return row, resident
 

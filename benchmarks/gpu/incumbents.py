@@ -85,6 +85,7 @@ from gpu_setup import (
     stats,
     time_steps,
 )
+from profile_pipeline_gpu import device_kernels, summarise  # beside this script
 from torch import nn
 
 from pipetrain.app.models.gpt import GPTConfig, GPTStage, lm_loss, make_stage, stage_layers
@@ -176,6 +177,10 @@ SHAPES = {
     # CPU smoke shapes
     "gpt-tiny": Shape("gpt-tiny", "gpt", layers=8, hidden=64, heads=4, seq=32, mb_size=2, vocab=97),
     "blocks-tiny": Shape("blocks-tiny", "blocks", layers=8, hidden=64, heads=4, seq=32, mb_size=2),
+    # the wide shape's code path (one sample per micro-batch, sequence longer than hidden)
+    "wide-tiny": Shape(
+        "wide-tiny", "gpt", layers=8, hidden=64, heads=8, seq=128, mb_size=1, vocab=97
+    ),
 }
 
 PRESETS = {
@@ -184,6 +189,14 @@ PRESETS = {
     ),
     "cpu-smoke": dict(
         shapes="gpt-tiny,blocks-tiny",
+        microbatches="",  # 2 × ranks
+        steps=2,
+        warmup=1,
+        dtype="float32",
+        budget_s=300.0,
+    ),
+    "cpu-wide": dict(
+        shapes="wide-tiny",
         microbatches="",  # 2 × ranks
         steps=2,
         warmup=1,
@@ -281,8 +294,11 @@ def run_pipetrain(ctx: Ctx, masters: Masters, shape: Shape, name: str, n: int) -
 
 
 def profiled(ctx: Ctx, lib: str, shape: Shape, name: str, n: int, step, opt, params) -> dict:
-    """With ``--profile lib:schedule``: one more step (optimizer included) under torch.profiler,
-    its trace written by the first and the last rank as ``trace-….json.gz`` beside the JSON."""
+    """With ``--profile lib:schedule``: one more step (optimizer included) under torch.profiler.
+    Every rank's device-time summary goes into the row (``profile``: per rank, as
+    ``profile_pipeline_gpu.summarise`` counts it: kernel time by kind, idle time in the window,
+    compute under resident NCCL kernels, the top kernels); the first and the last rank also
+    write their trace as ``trace-….json.gz`` beside the JSON."""
     if f"{lib}:{name}" not in ctx.args.profile.split(","):
         return {}
     from torch.profiler import ProfilerActivity, profile
@@ -291,14 +307,19 @@ def profiled(ctx: Ctx, lib: str, shape: Shape, name: str, n: int, step, opt, par
     ctx.barrier()
     ctx.sync()
     with profile(activities=activities) as prof:
+        t = time.perf_counter()
         step()
         opt_step(opt, params)
         ctx.sync()
-    if not ctx.args.out or ctx.rank not in (0, ctx.world - 1):
-        return {}
-    path = Path(ctx.args.out) / f"trace-{shape.name}-{name}-{n}-{lib}-r{ctx.rank}.json.gz"
-    prof.export_chrome_trace(str(path))
-    return {"trace": path.name}
+        wall_ms = 1e3 * (time.perf_counter() - t)
+    mine = {"rank": ctx.rank, "step_wall_ms": wall_ms, **summarise(device_kernels(prof), 1)}
+    row: dict = {"profile": ctx.gather(mine)}
+    if ctx.args.out and ctx.rank in (0, ctx.world - 1):
+        path = Path(ctx.args.out) / f"trace-{shape.name}-{name}-{n}-{lib}-r{ctx.rank}.json.gz"
+        prof.export_chrome_trace(str(path))
+        row["trace"] = path.name
+    ctx.barrier()  # the next row starts together, after the slow trace export
+    return row
 
 
 def run_torch(ctx: Ctx, masters: Masters, shape: Shape, name: str, n: int) -> dict:
@@ -628,12 +649,13 @@ def main(argv: list[str] | None = None) -> int:
 def brief(row: dict) -> str:
     if "median_ms" not in row:
         return row.get("error") or row.get("skipped") or "?"
-    mem = row.get("peak_total_gib")
+    mem, reserved = row.get("peak_total_gib"), row.get("peak_reserved_gib")
     mem_s = "/".join(f"{m:.2f}" for m in mem) if mem else "-"
+    reserved_s = "/".join(f"{m:.2f}" for m in reserved) if reserved else "-"
     eff = row.get("efficiency")
     return (
         f"{row['median_ms']:.1f} ms [{row['min_ms']:.1f}–{row['max_ms']:.1f}]"
-        f" eff {eff:.3f}" * (eff is not None) + f" GiB {mem_s}"
+        f" eff {eff:.3f}" * (eff is not None) + f" GiB {mem_s} reserved {reserved_s}"
     )
 
 
@@ -673,8 +695,9 @@ def tables(data: dict) -> str:
             f"*{shape}, {n} micro-batches, {meta['world']} ranks*",
             "",
             "| schedule | lib | step ms med [min–max] | tok/s | TFLOP/s/GPU | eff | bubble meas "
-            "| peak GiB per rank | / megatron same | / megatron best | / torch same | / deepspeed |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| peak GiB per rank | reserved GiB per rank | / megatron same | / megatron best "
+            "| / torch same | / deepspeed |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         order = sorted(
             group,
@@ -683,7 +706,7 @@ def tables(data: dict) -> str:
         for r in order:
             if "median_ms" not in r:
                 why = r.get("error") or r.get("skipped") or "?"
-                lines.append(f"| {r['schedule']} | {r['lib']} | {why} | | | | | | | | | |")
+                lines.append(f"| {r['schedule']} | {r['lib']} | {why} | | | | | | | | | | |")
                 continue
             same = [x for x in group if x["schedule"] == r["schedule"]]
 
@@ -698,18 +721,43 @@ def tables(data: dict) -> str:
             ds_ratio = (
                 f"{r['median_ms'] / ds['median_ms']:.3f}" if ds and r["lib"] == PIPETRAIN else ""
             )
-            mem = r.get("peak_total_gib")
+            mem, reserved = r.get("peak_total_gib"), r.get("peak_reserved_gib")
             eff, bubble = r.get("efficiency"), r.get("bubble_measured")
             lines.append(
                 f"| {r['schedule']} | {r['lib']} | {r['median_ms']:.1f} "
                 f"[{r['min_ms']:.1f}–{r['max_ms']:.1f}] | {r['tokens_per_s']:.0f} "
                 f"| {r['tflops_per_gpu']:.0f} | {'' if eff is None else f'{eff:.3f}'} "
                 f"| {'' if bubble is None else f'{bubble:.3f}'} "
-                f"| {'/'.join(f'{m:.2f}' for m in mem) if mem else '-'} | {ratio(MEGATRON)} "
+                f"| {'/'.join(f'{m:.2f}' for m in mem) if mem else '-'} "
+                f"| {'/'.join(f'{m:.2f}' for m in reserved) if reserved else '-'} | {ratio(MEGATRON)} "
                 f"| {best} | {ratio(TORCH)} | {ds_ratio} |"
             )
         lines.append("")
+        lines += profile_table(order)
     return "\n".join(lines)
+
+
+def profile_table(rows: list[dict]) -> list[str]:
+    """Per rank, where the profiled step's device time went (rows run with ``--profile``)."""
+    traced = [r for r in rows if r.get("profile")]
+    if not traced:
+        return []
+    lines = [
+        "| schedule | lib | rank | step ms (profiled) | kernel window ms | idle ms | compute busy ms "
+        "| NCCL kernel ms | compute under NCCL ms | kernels |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in traced:
+        for p in r["profile"]:
+            k = p.get("kernel_ms", {})
+            cells = [p.get(c) for c in ("window_ms", "idle_ms", "compute_busy_ms")]
+            cells += [k.get("nccl"), p.get("compute_under_nccl_ms")]
+            lines.append(
+                f"| {r['schedule']} | {r['lib']} | {p['rank']} | {p['step_wall_ms']:.1f} | "
+                + " | ".join("" if c is None else f"{c:.1f}" for c in cells)
+                + f" | {p.get('kernels', 0)} |"
+            )
+    return [*lines, ""]
 
 
 def targets(data: dict) -> str:
@@ -731,14 +779,16 @@ def targets(data: dict) -> str:
                 q = pt["median_ms"] / ref["median_ms"]
                 verdict = "met" if q <= 1.0 else "missed"
                 out.append(f"- {where}: pipetrain {name} / {lib}: {q:.3f} ({verdict})")
-                pm, rm = pt.get("peak_total_gib"), ref.get("peak_total_gib")
-                if pm and rm and ref["schedule"] == name:  # memory: same schedule only
+                for key, what in (("peak_total_gib", "peak"), ("peak_reserved_gib", "reserved")):
+                    pm, rm = pt.get(key), ref.get(key)
+                    if not (pm and rm and ref["schedule"] == name):  # memory: same schedule only
+                        continue
                     worse = [i for i, (a, b) in enumerate(zip(pm, rm)) if a > b]
                     gap = max(a - b for a, b in zip(pm, rm))
                     verdict = "met" if not worse else f"missed on ranks {worse}"
                     out.append(
-                        f"- {where}: peak memory pipetrain {name} ≤ {lib}: {verdict} "
-                        f"(largest per-rank difference {gap:+.3f} GiB)"
+                        f"- {where}: {what} memory pipetrain {name} ≤ {lib}: "
+                        f"{verdict} (largest per-rank difference {gap:+.3f} GiB)"
                     )
         pts = [r for r in group if r["lib"] == PIPETRAIN and "median_ms" in r]
         mcs = [r for r in group if r["lib"].startswith(MEGATRON) and "median_ms" in r]

@@ -104,6 +104,8 @@ def device_kernels(prof) -> list[tuple[str, float, float]]:
 
     out = []
     for e in prof.events():
+        if getattr(e, "is_user_annotation", False):
+            continue  # a span such as "nccl:recv 0<-1" over its kernel, not a kernel
         if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start:
             out.append((e.name, float(e.time_range.start), float(e.time_range.end)))
     return out

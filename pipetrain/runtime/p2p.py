@@ -3,8 +3,22 @@
 The lowered program fixes the order of transfers per pair of ranks (``schedule.lower``); this
 module only posts them. A run of consecutive SEND/RECV actions is posted together (one
 ``dist.batch_isend_irecv`` on a single group, one by one on two: below); receives are waited right
-before the compute that needs them and sends are polled and dropped as they complete (so a sent
-activation's memory goes as soon as it can).
+before the compute that needs them. A sent buffer's memory goes as soon as it can: on NCCL at once
+(below), elsewhere when the send is seen to have finished (polled before each compute action; on
+gloo, whose sends report finished only once waited, at the end of the step).
+
+On NCCL a sent buffer is let go of right after posting, as Megatron-Core's
+``deallocate_pipeline_outputs`` does, without leaving it to the backend to keep it safe: a side
+stream of the transport's own waits for each send (``work.wait()`` there orders that stream, not
+the compute stream, after the transfer, and lets ProcessGroupNCCL drop any reference it stashed),
+and the buffer is marked as used by that stream (``record_stream``), so the caching allocator
+hands its block to no other tensor until the transfer has finished. The bytes are the same as
+when the buffer was held until the host saw the send finish (the block cannot be reused before),
+but that counted them as allocated for as long as the host ran ahead of the GPU — a few 16 MiB
+buffers per rank, the size of the gap by which pipetrain's peak allocated memory exceeded
+Megatron-Core's on the same schedule (48–160 MiB per rank, 4 × H100, docs/incumbents.md) — and
+it let the block go only at the next compute action instead of the allocator's next look. The end
+of a step orders the compute stream after the side stream, as waiting each send did.
 
 Shapes are discovered, never declared: while discovering (the first step, or a step whose input
 shapes changed) every forward transfer is preceded by a fixed-size int64 metadata message, and the
@@ -163,6 +177,10 @@ class Transport:
         self.device = device
         self.timeout = timeout
         self._sends: list[Pending] = []
+        #: on NCCL (CUDA, two groups), the stream that waits for sends, so that their buffers
+        #: can go at once (module docstring); elsewhere sends are reaped once seen finished
+        nccl = device.type == "cuda" and reverse_group is not None
+        self.send_stream = torch.cuda.Stream(device) if nccl else None
 
     def _global(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
@@ -188,6 +206,20 @@ class Transport:
             owner.works.append(work)
             if kind == "send" and (not self._sends or self._sends[-1] is not owner):
                 self._sends.append(owner)
+        if self.send_stream is not None:
+            self._let_go_of_sends(self.send_stream)
+
+    def _let_go_of_sends(self, stream) -> None:
+        """Drop every posted send now; ``stream`` waits for them and holds their buffers' blocks
+        until they finish (module docstring)."""
+        sends, self._sends = self._sends, []
+        if not sends:
+            return
+        with torch.cuda.stream(stream):
+            for pending in sends:
+                self.wait(pending)
+                for buffer in pending.buffers:
+                    buffer.record_stream(stream)
 
     def _post(self, ops: list[tuple[str, Pending, torch.Tensor]]) -> list[Any]:
         if self.reverse_group is self.group:
@@ -222,14 +254,31 @@ class Transport:
         self.group = self.reverse_group = None
 
     def reap(self) -> None:
-        """Drop sends that completed, releasing their buffers (a sent activation's memory)."""
-        self._sends = [s for s in self._sends if not all(_done(w) for w in s.works)]
+        """Release sends that have finished, and with them their buffers: each is waited first,
+        which costs nothing once it has finished and makes a backend that stashes an async op's
+        tensors until ``wait()`` (ProcessGroupNCCL's and ProcessGroupXCCL's stash) let go of them
+        now rather than at its watchdog's next sweep. A send whose completion check failed is
+        dropped unwaited: the failure surfaces at the next receive."""
+        running = []
+        for pending in self._sends:
+            states = [_done(w) for w in pending.works]
+            if any(state is False for state in states):
+                running.append(pending)
+                continue
+            for work, state in zip(pending.works, states):
+                if state is True:
+                    self.wait_work(work, str(pending.action), pending.peer)
+            pending.works = []
+        self._sends = running
 
     def drain(self) -> None:
-        """Wait for every send still in flight (end of step)."""
+        """Wait for every send still in flight (end of step); on CUDA, order the compute stream
+        after the sends' stream."""
         sends, self._sends = self._sends, []
         for s in sends:
             self.wait(s)
+        if self.send_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.send_stream)
 
     def wait(self, pending: Pending) -> None:
         works, pending.works = pending.works, []
@@ -276,8 +325,9 @@ class Transport:
         self.post([("send", Pending(action, peer, [buf], []), buf)])
 
 
-def _done(work) -> bool:
+def _done(work) -> bool | None:
+    """True: finished; False: still running; None: the check itself failed (counts as over)."""
     try:
-        return work.is_completed()
+        return bool(work.is_completed())
     except RuntimeError:
-        return True
+        return None
