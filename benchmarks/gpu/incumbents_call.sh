@@ -28,7 +28,7 @@ set -u
 TOTAL=${TOTAL:-540}
 PYTHON=${PYTHON:-python3}
 WIDE=${WIDE:-wide} GPT=${GPT:-gpt} BLOCKS=${BLOCKS:-blocks}
-NPROC4=${NPROC4:-4}  # the "4-rank" parts (2 on a CPU check)
+NPROC4=${NPROC4:-4}  # the "4-rank" parts (2 on a CPU check, or on a 2-GPU machine: then p4 is p1)
 WORK=$(mktemp -d /tmp/incumbents.XXXXXX)
 SCRIPT=benchmarks/gpu/incumbents.py
 
@@ -115,7 +115,7 @@ part p2-prof4 "$NPROC4" 45 100 --shapes "$GPT" --microbatches 16 --schedules int
 exact p2e-exact4 "$NPROC4" 60
 part p3-blocks2 2 150 180 --shapes "$BLOCKS" --microbatches 16,8 --schedules $ALL
 left=$((TOTAL - SECONDS - 10))
-part p4-wide2 2 $((left - 30)) "$left" --shapes "$WIDE" --microbatches 8,16 --steps 4 --schedules $ALL
+[ "$NPROC4" = 2 ] || part p4-wide2 2 $((left - 30)) "$left" --shapes "$WIDE" --microbatches 8,16 --steps 4 --schedules $ALL
 echo "== done at ${SECONDS}s (TOTAL ${TOTAL}s)"
 cat "$OUT/summary.md" 2>/dev/null | grep -v '^$' | head -150
 ls -la "$OUT"
