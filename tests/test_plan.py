@@ -296,7 +296,8 @@ def test_top_level_plan_is_the_planner() -> None:
 
 def test_pick_is_near_the_exhaustive_best_cut() -> None:
     """Against simulating every cut of small models with very uneven layers: one stage per rank
-    exact (on these seeds), several stages per rank within 10% (docs/planning.md)."""
+    exact, several stages per rank within 3% on these seeds (docs/planning.md;
+    benchmarks/plan_optimality.py runs 180 models)."""
     import random
 
     rng = random.Random(1)
@@ -308,7 +309,12 @@ def test_pick_is_near_the_exhaustive_best_cut() -> None:
             i, w = f * rng.uniform(0.5, 1.5), f * rng.uniform(0.3, 1.2)
             layers.append(layer(f"l{n}", f, i, w, rng.uniform(0, 1), 0.0))
         costs = ModelCosts(layers=tuple(layers), comm=rng.choice([0.0, 0.2]))
-        for name, tolerance in (("1f1b", 1e-9), ("zb-h1", 1e-9), ("zbv", 0.10)):
+        for name, tolerance in (
+            ("1f1b", 1e-9),
+            ("zb-h1", 1e-9),
+            ("interleaved-1f1b", 0.03),
+            ("zbv", 0.03),
+        ):
             m = 2 * ranks
             found = search(
                 costs, num_ranks=ranks, memory_gib=1e9, schedules=[name], microbatches=[m]
