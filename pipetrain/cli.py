@@ -159,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="train a model (tiny Llama by default) on a text file, pipeline x data parallel "
         "(launches the processes itself)",
     )
-    from pipetrain.app.train import add_train_arguments  # no torch at import: --help stays fast
+    from pipetrain.app.options import add_train_arguments  # no torch at import: --help stays fast
 
     add_train_arguments(train)
     _add_demo(sub.add_parser("demo", help="the main job with its defaults (what `make demo` runs)"))
@@ -448,7 +448,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"wrote {svg}")
     if args.plan_only:
         return 0
-    from pipetrain.app.train import add_train_arguments, run_train
+    from pipetrain.app.launch import run_train
+    from pipetrain.app.options import add_train_arguments
 
     parser = argparse.ArgumentParser(prog=f"{PROG} train")
     add_train_arguments(parser)
@@ -471,7 +472,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     require_torch()
-    from pipetrain.app.train import run_train
+    from pipetrain.app.launch import run_train
 
     return run_train(args)
 

@@ -17,6 +17,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from pipetrain.app.layout import check_arguments  # noqa: E402
 from pipetrain.app.models import (  # noqa: E402
     GPTConfig,
     batches,
@@ -28,7 +29,7 @@ from pipetrain.app.models import (  # noqa: E402
     split_gpt,
     stage_layers,
 )
-from pipetrain.app.train import _argv, add_train_arguments, check_arguments  # noqa: E402
+from pipetrain.app.options import add_train_arguments, argv  # noqa: E402
 from pipetrain.schedule.registry import build_schedule  # noqa: E402
 from pipetrain.sim.costs import Costs, measured_costs  # noqa: E402
 from pipetrain.sim.simulate import simulate  # noqa: E402
@@ -177,9 +178,9 @@ def test_a_plan_file_gives_the_layout_and_must_fit_the_model(tmp_path: Path) -> 
 def test_train_takes_the_shared_shape_flags_and_relaunches_with_them() -> None:
     args = _args("zb-h1", "-p", "2", "-m", "4", "--steps", "3")
     assert (args.schedule, args.ranks, args.microbatches) == ("zb-h1", 2, 4)
-    argv = _argv(args)
-    assert argv[:6] == ["--schedule", "zb-h1", "--ranks", "2", "--microbatches", "4"]
-    assert _args(*argv) == args  # a worker parses back the launcher's arguments
+    flags = argv(args)
+    assert flags[:6] == ["--schedule", "zb-h1", "--ranks", "2", "--microbatches", "4"]
+    assert _args(*flags) == args  # a worker parses back the launcher's arguments
     with pytest.raises(SystemExit):  # argparse's exit 2: the same validator as every subcommand
         _args("-p", "0")
 

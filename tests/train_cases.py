@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 
 def train_args(*argv: str) -> argparse.Namespace:
-    from pipetrain.app.train import add_train_arguments
+    from pipetrain.app.options import add_train_arguments
 
     parser = argparse.ArgumentParser()
     add_train_arguments(parser)

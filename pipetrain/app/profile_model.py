@@ -55,7 +55,7 @@ def gpt_stage(cfg: GPTConfig, stage_layers: Sequence[int], stage: int, seed: int
 
 
 def add_profile_arguments(p: argparse.ArgumentParser) -> None:
-    from pipetrain.app.train import MODEL_OPTIONS, add_options
+    from pipetrain.app.options import MODEL_OPTIONS, add_options
 
     p.add_argument(
         "--out", metavar="FILE", help="where to write the costs file (default: standard output)"
@@ -82,7 +82,7 @@ def run_profile(args: argparse.Namespace) -> int:
     import torch
 
     from pipetrain.app.catalog import build
-    from pipetrain.app.train import model_shape
+    from pipetrain.app.options import model_shape
     from pipetrain.runtime.profile_layers import profile
 
     if args.repeats < 1 or args.context < 1:

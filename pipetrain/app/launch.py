@@ -1,0 +1,157 @@
+"""``pipetrain train``: train a model cut into pipeline stages on a text file, then compare the
+measured step with the simulator's. This module is the command's entry point and starts its
+processes.
+
+One command for every model ``app.catalog`` builds — the built-in GPT and the Hugging
+Face Llama family (``--model llama|qwen3|mistral``, from a ``transformers`` config: tiny by
+default, nothing downloaded) — as a list of layers cut into stages by per-stage layer counts
+(``app.layout``: the default cut, or a plan's from ``--plan FILE``).
+
+Run outside a launcher, ``run_train`` checks the arguments (exit 2 on bad input, before any
+process starts) and starts ``--ranks`` × ``--dp`` worker processes with the environment torchrun
+sets — gloo on CPU, NCCL with a GPU per process — each running this same command with the same
+flags (``app.options.argv``). A worker sets up its device and the process group, runs the
+training loop (``app.train``) and, on rank 0, prints the report (``app.report``). A configuration
+the pipeline refuses makes the launcher exit 2 too, with the library's message and no traceback.
+
+torch is imported inside functions only, so ``pipetrain --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+from pipetrain.app.layout import Layout, check_arguments
+from pipetrain.app.options import argv
+from pipetrain.app.train import Refused, train
+from pipetrain.flags import describe_shape
+
+
+def run_train(args: argparse.Namespace) -> int:
+    """Launch the workers (outside torchrun) or be one (inside); return the exit status."""
+    try:
+        layout = check_arguments(args)
+    except ValueError as e:
+        print(f"pipetrain train: error: {e}", file=sys.stderr)
+        return 2
+    if args.worker:
+        return _worker(args, layout)
+    return _launch(args, layout)
+
+
+def _resolve_device(args: argparse.Namespace, layout: Layout) -> str:
+    import torch
+
+    need, gpus = layout.ranks * args.dp, torch.cuda.device_count()
+    if args.device == "cuda" and gpus < need:
+        raise ValueError(f"--device cuda needs {need} GPUs (one per process); found {gpus}")
+    if args.device == "auto":
+        return "cuda" if gpus >= need else "cpu"
+    return str(args.device)
+
+
+def _launch(args: argparse.Namespace, layout: Layout) -> int:
+    try:
+        device = _resolve_device(args, layout)
+    except ValueError as e:
+        print(f"pipetrain train: error: {e}", file=sys.stderr)
+        return 2
+    processes = layout.ranks * args.dp
+    worker_argv = argv(argparse.Namespace(**{**vars(args), "device": device}))
+    backend = "NCCL" if device == "cuda" else "gloo"
+    print(
+        f"launching {processes} processes: {layout.ranks} pipeline × {args.dp} data parallel "
+        f"({backend} on {device}); {args.model}, {_describe(layout)}"
+    )
+    sys.stdout.flush()
+    status = start_processes(processes, [sys.executable, "-m", "pipetrain", "train", *worker_argv])
+    return 2 if status == _REFUSED else status
+
+
+def start_processes(count: int, cmd: list[str]) -> int:
+    """Run ``cmd --worker`` as ``count`` processes of one local process group (the environment
+    torchrun sets: rank, world size, a free port); the first failure stops the others. Returns
+    0, or the first failed process's status."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # one thread per process: they share the cores
+    base = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
+    base |= {"MASTER_PORT": str(port), "WORLD_SIZE": str(count)}
+    base |= {"LOCAL_WORLD_SIZE": str(count)}
+    procs = [
+        subprocess.Popen([*cmd, "--worker"], env={**base, "RANK": str(r), "LOCAL_RANK": str(r)})
+        for r in range(count)
+    ]
+    status = 0
+    try:
+        while procs:
+            for p in list(procs):
+                code = p.poll()
+                if code is None:
+                    continue
+                procs.remove(p)
+                if code and not status:
+                    status = code
+                    for other in procs:  # peers would wait for it until their timeout
+                        other.terminate()
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            p.kill()
+    return status
+
+
+def _describe(layout: Layout) -> str:
+    cut = f"stage_layers {list(layout.stage_layers)}"
+    source = f" (plan {layout.from_file})" if layout.from_file else ""
+    return (
+        describe_shape(layout.schedule, layout.ranks, layout.stages_per_rank, layout.microbatches)
+        + f", {cut}{source}"
+    )
+
+
+#: a worker's exit status when the library refused the configuration (the launcher exits 2)
+_REFUSED = 3
+
+
+def _worker(args: argparse.Namespace, layout: Layout) -> int:
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device_kind = _resolve_device(args, layout)
+    if device_kind == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(1)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
+    try:
+        try:
+            run = train(args, device)
+        except Refused as e:
+            if dist.get_rank() == 0:
+                print(f"pipetrain train: error: {e}", file=sys.stderr)
+            return _REFUSED
+        if dist.get_rank() == 0:
+            print(run.report)
+        # Tear down together: a gloo group destroyed while a peer is still busy (rank 0 writing
+        # the report) can abort the process at exit.
+        dist.barrier()
+        return 0
+    finally:
+        dist.destroy_process_group()
+
+
+__all__ = ["run_train", "start_processes"]

@@ -1,0 +1,137 @@
+"""What ``pipetrain train`` shows: the progress line while it trains, then the end-of-run report —
+the loss trend, the measured step next to the simulator's prediction from the measured per-stage
+F/I/W/B times, the measured step drawn in the terminal and written as SVG.
+
+Apart from the loop because it reads only numbers and timelines, no torch: the measured and the
+simulated step are the same ``Timeline`` type, so predicted against measured is the simulator and
+the renderers applied to what the runtime measured (docs/design.md, "The idea").
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from statistics import fmean
+from typing import Any
+
+from pipetrain.flags import describe_shape
+from pipetrain.schedule.action import OpKind
+from pipetrain.schedule.timeline import Timeline
+from pipetrain.sim.costs import mean_durations, measured_costs
+
+LOSS_WINDOW = 5  # first/last steps averaged to say whether the loss went down
+
+
+class Progress:
+    """One updating line on a TTY; otherwise a line every tenth of the run."""
+
+    def __init__(self, total: int, enabled: bool, start: int = 0) -> None:
+        self.total, self.enabled, self.start = total, enabled, start
+        self.tty = enabled and sys.stdout.isatty()
+        self.every = max(1, total // 10)
+        self.rates: list[float] = []
+
+    def update(
+        self, step: int, loss: float, tokens_per_s: float, grad_norm: float | None = None
+    ) -> None:
+        if not self.enabled:
+            return
+        self.rates = [*self.rates[-9:], tokens_per_s]  # smooth over the last 10 steps
+        rate = fmean(self.rates) if step > self.start + 1 else tokens_per_s
+        done = int(30 * step / self.total)
+        line = (
+            f"step {step:>{len(str(self.total))}}/{self.total} [{'#' * done}{'.' * (30 - done)}] "
+            f"loss {loss:.4f}  {rate:,.0f} tok/s"
+        )
+        if grad_norm is not None:
+            line += f"  grad norm {grad_norm:.3f}"
+        if self.tty:
+            print(f"\r{line}\x1b[K", end="", flush=True)  # \x1b[K: clear the rest of the line
+        elif step % self.every == 0 or step in (self.start + 1, self.total):
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self.tty:
+            print(flush=True)
+
+
+def _costs_table(timelines: Sequence[Timeline], num_stages: int) -> str:
+    """Mean measured ms per (stage, kind); kinds the schedule never ran are left out."""
+    mean = mean_durations(timelines)
+    kinds = [k for k in OpKind if any((k, s) in mean for s in range(num_stages))]
+    names = {OpKind.OVERLAP_F_B: "F&B"}
+    head = "".join(f"{names.get(k, k.value):>8}" for k in kinds)
+    lines = [f"mean time per action in that step (ms)\n  stage{head}"]
+    for s in range(num_stages):
+        cells = (mean.get((k, s)) for k in kinds)
+        lines.append(f"  {s:>5}" + "".join("       -" if c is None else f"{c:8.2f}" for c in cells))
+    return "\n".join(lines)
+
+
+def report(
+    args: argparse.Namespace,
+    losses: Sequence[float],
+    measured: Sequence[Timeline],
+    program: Any,
+    shared_cores: bool = False,
+) -> str:
+    """The end-of-run text: loss trend, measured vs simulated bubble, pictures (writes the SVG).
+
+    ``shared_cores``: the ranks ran as processes on this machine's CPU cores (notes when there
+    were more processes than cores, as the measured times then include waiting for a core).
+    """
+    k = max(1, min(LOSS_WINDOW, len(losses) // 4))
+    first, last = fmean(losses[:k]), fmean(losses[-k:])
+    verdict = (
+        f"the loss went DOWN by {100 * (first - last) / first:.0f}%"
+        if last < first
+        else "the loss did NOT go down"
+    )
+    title = describe_shape(
+        program.name,
+        program.num_ranks,
+        program.placement.stages_per_rank,
+        program.num_microbatches,
+    )
+    lines = [f"loss {first:.4f} → {last:.4f} (mean of the first vs last {k} steps): {verdict}"]
+    if not measured:
+        return "\n".join([*lines, "(no measured timeline: the runtime returned none)"])
+    from pipetrain.sim.simulate import simulate
+
+    step = sorted(measured, key=lambda tl: tl.makespan)[len(measured) // 2]
+    costs = measured_costs([step], program.num_stages)
+    predicted = simulate(program, costs)
+    lines += [
+        f"measured step:   makespan {step.makespan:8.2f} ms   bubble {step.bubble_fraction:6.1%}"
+        f"   (the median of the last {len(measured)} steps)",
+        _costs_table([step], program.num_stages),
+        f"simulated step:  makespan {predicted.makespan:8.2f} ms   bubble "
+        f"{predicted.bubble_fraction:6.1%}   (from the measured times above, communication "
+        "taken as free)",
+    ]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if shared_cores and cores and program.num_ranks > cores:
+        lines.append(
+            f"note: {program.num_ranks} processes share {cores} CPU cores, so measured times "
+            "include waiting for a core"
+        )
+    lines += _pictures(args, step, title)
+    return "\n".join(lines)
+
+
+def _pictures(args: argparse.Namespace, step: Timeline, title: str) -> list[str]:
+    from pipetrain.render.svg import render_svg
+    from pipetrain.render.text import render_text
+
+    path = Path(args.svg)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(render_svg(step, title=f"{title} — measured (ms)"))
+    width = shutil.get_terminal_size().columns
+    return ["", f"{title} — measured step (ms)", render_text(step, width), f"wrote {path}"]
+
+
+__all__ = ["LOSS_WINDOW", "Progress", "report"]
