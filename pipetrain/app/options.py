@@ -59,7 +59,7 @@ MODEL_OPTIONS = (
         bool,
         False,
         "",
-        "tie the LM head to the token embedding (Hugging Face models; not yet with --dp > 1)",
+        "tie the LM head to the token embedding (Hugging Face models; FSDP2 + ties refused on NCCL)",
     ),
     _Opt(
         ("--dtype",),
