@@ -23,23 +23,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipetrain.runtime import checkpoint, grad_norm, losses, microbatch, side_inputs
+from pipetrain.runtime import checkpoint, grad_norm, losses, microbatch, resolve, side_inputs
 from pipetrain.runtime import tied as tied_weights
 from pipetrain.runtime.agreement import Agreement, pipeline_prefix
 from pipetrain.runtime.data_parallel import DataParallel, check_wrapping, mesh_groups
 from pipetrain.runtime.executor import Executor, MetaCache, StepData
 from pipetrain.runtime.failures import Failures, OwnedGroup, posts_failures, stops_on_failure
 from pipetrain.runtime.p2p import DTYPE_CODE, DTYPES, Transport
+from pipetrain.runtime.resolve import Stages
 from pipetrain.runtime.stage import StageRunner, arity
 from pipetrain.runtime.timing import Recorder, gather_timeline
-from pipetrain.schedule import deps
-from pipetrain.schedule.action import Action, OpKind
-from pipetrain.schedule.lower import lower
+from pipetrain.schedule.action import Action
 from pipetrain.schedule.program import Program
 from pipetrain.schedule.timeline import Timeline
-from pipetrain.schedule.validate import validate
-
-Stages = Sequence[nn.Module] | Callable[[int], nn.Module]
 
 
 class Pipeline:
@@ -91,7 +87,7 @@ class Pipeline:
         mesh=None,
         data_parallel: str | None = None,
     ) -> None:
-        _require_process_group()
+        resolve.require_process_group()
         if loss_fn is None:
             raise ValueError("loss_fn is required: loss_fn(last_stage_output, targets) -> scalar")
         self.loss_reduction, self.ignore_index = losses.resolve(
@@ -124,16 +120,18 @@ class Pipeline:
         self.agreement = Agreement(group, self.rank, self.world_size, timeout, self.failures)
         self.loss_fn = loss_fn
         self.timeout = timeout
-        self.device = torch.device(device) if device is not None else _default_device()
-        total = _count_stages(stages, num_stages)
-        self.program = _resolve_program(
+        self.device = torch.device(device) if device is not None else resolve.default_device()
+        total = resolve.count_stages(stages, num_stages)
+        self.program = resolve.resolve_program(
             schedule, num_microbatches, total, self.world_size, stages_per_rank
         )
         self.num_microbatches = self.program.num_microbatches
         self.placement = self.program.placement
         self.last_stage = self.placement.num_stages - 1
         self.last_rank = self.placement.rank(self.last_stage)
-        self.modules = _local_modules(stages, self.placement.stages_of_rank(self.rank), self.device)
+        self.modules = resolve.local_modules(
+            stages, self.placement.stages_of_rank(self.rank), self.device
+        )
         check_wrapping(self.modules, data_parallel)
         # before data parallel wraps the stages: tied parameters are reduced by runtime.tied
         self.tied_sets = tied_weights.build(
@@ -174,9 +172,9 @@ class Pipeline:
             s: StageRunner(s, m, s == self.last_stage, loss_fn, defer_weight_grads)
             for s, m in self.modules.items()
         }
-        for stage, mb in _last_weight_pieces(self.program.actions[self.rank]).items():
+        for stage, mb in resolve.last_weight_pieces(self.program.actions[self.rank]).items():
             self.runners[stage].last_weight_microbatch = mb
-        self._last_uses = _last_uses(self.program.actions[self.rank])
+        self._last_uses = resolve.last_uses(self.program.actions[self.rank])
         self.arities = self.agreement.construction(
             self.program, {s: arity(m) for s, m in self.modules.items()}
         )
@@ -184,7 +182,7 @@ class Pipeline:
         # close on failure (``failures``) and destroys on close or at interpreter exit.
         self._owned = OwnedGroup.transfer_group(group, timeout)
         self._release_at_exit = weakref.finalize(self, self._owned.release)
-        self._reverse_group = _reverse_group(group)
+        self._reverse_group = resolve.reverse_group(group)
         dp = self.data_parallel
         self.tied_grads = tied_weights.TiedGrads(
             self.tied_sets,
@@ -210,7 +208,7 @@ class Pipeline:
         self.closed = False
 
     #: the fields a plan must give (``pipetrain plan --json`` prints them, with ``predicted``)
-    PLAN_FIELDS = ("schedule", "ranks", "stages_per_rank", "microbatches", "stage_layers")
+    PLAN_FIELDS = resolve.PLAN_FIELDS
 
     @classmethod
     def from_plan(cls, layers, plan, loss_fn: Callable | None = None, **kwargs) -> Pipeline:
@@ -222,27 +220,9 @@ class Pipeline:
         ``kwargs``: any other ``Pipeline`` option (``device``, ``mesh``, ``tied``...). A plan made
         for another number of pipeline ranks than this process group's (the mesh's ``pp``
         dimension with ``mesh=``) is refused: its cut and its schedule were chosen for that
-        size."""
-        from pipetrain.runtime.layers import split
-
+        size (``runtime.resolve``)."""
         layout = cls.plan_layout(plan)
-        given = sorted({"schedule", "num_microbatches", "stages_per_rank"} & set(kwargs))
-        if given:
-            raise ValueError(f"the plan sets the schedule and its shape; drop {', '.join(given)}")
-        _require_process_group()
-        if kwargs.get("mesh") is not None:
-            world = kwargs["mesh"]["pp"].size()
-        else:
-            world = dist.get_world_size(kwargs.get("group"))
-        if layout["ranks"] != world:
-            raise ValueError(
-                f"the plan is for {layout['ranks']} pipeline ranks but the process group has "
-                f"{world}; launch {layout['ranks']} processes per pipeline, or plan again with "
-                f"--ranks {world}"
-            )
-        counts = layout["stage_layers"]
-        callable_form = callable(layers) and not isinstance(layers, (nn.Module, Sequence, dict))
-        stages = split(layers, counts, num_layers=sum(counts) if callable_form else None)
+        stages = resolve.plan_stages(layers, layout, kwargs)
         return cls(
             stages,
             layout["schedule"],
@@ -256,37 +236,7 @@ class Pipeline:
     def plan_layout(cls, plan) -> dict:
         """The layout fields of a ``Plan`` or a plan dict, checked (a ``ValueError`` names the
         first missing or bad field)."""
-        raw = plan.to_json() if hasattr(plan, "to_json") else plan
-        if not isinstance(raw, dict):
-            raise ValueError(
-                f"a plan is a pipetrain Plan or the dict `pipetrain plan --json` prints, got "
-                f"{type(plan).__name__}"
-            )
-        for name in cls.PLAN_FIELDS:
-            if name not in raw:
-                raise ValueError(
-                    f"the plan has no {name!r}; a plan gives {', '.join(cls.PLAN_FIELDS)} "
-                    "(`pipetrain plan --json` prints them)"
-                )
-        if not isinstance(raw["schedule"], str):
-            raise ValueError(f"the plan's 'schedule' must be a name, got {raw['schedule']!r}")
-        for name in ("ranks", "stages_per_rank", "microbatches"):
-            value = raw[name]
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"the plan's {name!r} must be an integer >= 1, got {value!r}")
-        counts = raw["stage_layers"]
-        if not isinstance(counts, list | tuple) or not all(
-            isinstance(c, int) and not isinstance(c, bool) for c in counts
-        ):
-            raise ValueError(
-                f"the plan's 'stage_layers' must be a list of layer counts, got {counts!r}"
-            )
-        if len(counts) != raw["ranks"] * raw["stages_per_rank"]:
-            raise ValueError(
-                f"the plan's 'stage_layers' has {len(counts)} stages but ranks × stages_per_rank "
-                f"= {raw['ranks'] * raw['stages_per_rank']}"
-            )
-        return {name: raw[name] for name in cls.PLAN_FIELDS} | {"stage_layers": tuple(counts)}
+        return resolve.plan_layout(plan)
 
     def close(self) -> None:
         """Finish what is in flight and let go of everything this pipeline made: transfers still
@@ -407,7 +357,7 @@ class Pipeline:
     def eval_step(self, inputs, *, side=None):
         """Forward only; the last stage's outputs (merged) on the rank that holds it, else None."""
         if self._eval_program is None:
-            self._eval_program = _forward_only(self.program)
+            self._eval_program = resolve.forward_only(self.program)
         mbs = self._split(inputs, None, side)
         rows = self._eval_program.actions[self.rank]
         with torch.no_grad():
@@ -418,7 +368,7 @@ class Pipeline:
         return microbatch.merge(outs, single=len(outs[0]) == 1)
 
     def _split(self, inputs, targets, side=None) -> microbatch.MicroBatches:
-        _require_process_group()
+        resolve.require_process_group()
         if self.closed:
             why = f" after a failure ({self._failure})" if getattr(self, "_failure", None) else ""
             raise RuntimeError(f"this Pipeline was closed{why}; build a new one to keep training")
@@ -509,143 +459,3 @@ class Pipeline:
             work = dist.broadcast(value, src, group=group, async_op=True)
             self.transport.wait_work(work, "the loss broadcast", self.last_rank)
         return value[0].to(DTYPES[int(value[1].item())])
-
-
-def _last_weight_pieces(row: Sequence[Action]) -> dict[int, int]:
-    """Per stage, the micro-batch of the last action in ``row`` that makes weight gradients
-    (a B, a W, or the B of an overlapped pair): where ``AccumulateGrad`` hooks should fire."""
-    last: dict[int, int] = {}
-    for action in row:
-        if action.is_compute:
-            for token, stage, microbatch in deps.produces(action):
-                if token is deps.Token.WEIGHT_GRAD:
-                    last[stage] = microbatch
-    return last
-
-
-def _last_uses(row: Sequence[Action]) -> dict[Action, tuple[int, ...]]:
-    """The stages whose last compute action in ``row`` each action is."""
-    last: dict[int, Action] = {}
-    for action in row:
-        for part in action.compute_parts:
-            last[part.stage] = action
-    uses: dict[Action, tuple[int, ...]] = {}
-    for stage, action in sorted(last.items()):
-        uses[action] = (*uses.get(action, ()), stage)
-    return uses
-
-
-def _require_process_group() -> None:
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(
-            "torch.distributed is not initialized: call "
-            "torch.distributed.init_process_group('gloo' or 'nccl', ...) (or launch with "
-            "torchrun) before building or stepping a Pipeline"
-        )
-
-
-def _reverse_group(group):
-    """A second group of the same ranks for transfers to lower ranks, where the backend runs a
-    pair's operations on one stream in order (NCCL; see ``p2p``); ``None`` elsewhere (gloo
-    matches by tag and never holds a send behind a receive)."""
-    if dist.get_world_size(group) < 2 or dist.get_backend(group) != "nccl":
-        return None
-    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-    return dist.new_group(ranks, backend="nccl", use_local_synchronization=True)
-
-
-def _default_device() -> torch.device:
-    if torch.cuda.is_available():
-        import os
-
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
-
-
-def _count_stages(stages: Stages, num_stages: int | None) -> int:
-    if callable(stages) and not isinstance(stages, (nn.Module, Sequence)):
-        if num_stages is None:
-            raise ValueError("stages is a callable stage_index -> nn.Module; pass num_stages=")
-        return num_stages
-    if isinstance(stages, nn.Module) and not isinstance(stages, (nn.Sequential, nn.ModuleList)):
-        raise ValueError("stages must be a sequence of nn.Module (one per stage) or a callable")
-    n = len(stages)
-    if num_stages is not None and num_stages != n:
-        raise ValueError(f"num_stages={num_stages} but {n} stages were given")
-    return n
-
-
-def _resolve_program(schedule, num_microbatches, total, world, stages_per_rank) -> Program:
-    if isinstance(schedule, Program):
-        program = schedule
-        if num_microbatches is not None and num_microbatches != program.num_microbatches:
-            raise ValueError(
-                f"num_microbatches={num_microbatches} but the program has "
-                f"{program.num_microbatches}; omit it or make them agree"
-            )
-    else:
-        from pipetrain.schedule.registry import build_schedule
-
-        if num_microbatches is None:
-            raise ValueError("num_microbatches is required with a schedule name")
-        if total % world:
-            raise ValueError(
-                f"{total} stages cannot be spread over {world} ranks; the stage count must be a "
-                "multiple of the world size"
-            )
-        v = stages_per_rank if stages_per_rank is not None else total // world
-        if v * world != total:
-            raise ValueError(
-                f"stages_per_rank={v} × {world} ranks = {v * world} stages, but {total} were given"
-            )
-        try:
-            program = build_schedule(schedule, world, num_microbatches, stages_per_rank=v)
-        except ValueError as e:
-            raise ValueError(f"{total} stages on {world} ranks ({v} per rank): {e}") from None
-    if program.placement.num_chains > 1:
-        raise ValueError(
-            f"{program.name} runs {program.placement.num_chains} copies of the model "
-            "(bidirectional placement); the runtime runs programs with one copy: use dualpipev, "
-            "DualPipe's one-copy V variant"
-        )
-    if program.num_ranks != world:
-        raise ValueError(
-            f"the program has {program.num_ranks} ranks but the process group has {world}; "
-            f"launch {program.num_ranks} processes"
-        )
-    if program.num_stages != total:
-        raise ValueError(
-            f"the schedule has {program.num_stages} stages but {total} stages were given"
-        )
-    return validate(lower(program))
-
-
-def _local_modules(stages: Stages, mine: tuple[int, ...], device) -> dict[int, nn.Module]:
-    out = {}
-    for s in mine:
-        if isinstance(stages, (Sequence, nn.Module)):  # nn.Sequential / nn.ModuleList index too
-            module = cast(Any, stages)[s]
-        else:
-            module = stages(s)
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"stage {s} is a {type(module).__name__}, not an nn.Module")
-        out[s] = module.to(device)
-    return out
-
-
-def _forward_only(program: Program) -> Program:
-    """The program's forwards alone (pair parts included), lowered again for eval.
-
-    ``validate`` would reject it (no backward); ``lower``'s dependency walk is the run check.
-    """
-    rows = tuple(
-        tuple(
-            Action(OpKind.F, p.stage, p.microbatch)
-            for a in row
-            if a.is_compute
-            for p in a.compute_parts
-            if p.kind is OpKind.F
-        )
-        for row in program.actions
-    )
-    return lower(Program(program.placement, program.num_microbatches, rows, program.name))

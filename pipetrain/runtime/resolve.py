@@ -1,0 +1,233 @@
+"""What a ``Pipeline`` runs, resolved before it runs anything.
+
+Everything here is decided once, at construction (or in ``Pipeline.from_plan``, before it), and
+never touches a transfer: that torch.distributed is up, the stage count, the device, the checked
+and lowered program, this rank's modules, the second NCCL group, what each rank's row asks of its
+stages (where weight-gradient hooks fire, where a stage's data-parallel sync may start), the
+forward-only program of ``eval_step``, and a plan's layout turned into ``Pipeline`` arguments. It
+is apart from ``runtime.pipeline`` so that module holds only what a step does; every refusal
+here is a ``ValueError`` (or ``TypeError``) naming the legal values, raised before any peer waits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipetrain.schedule import deps
+from pipetrain.schedule.action import Action, OpKind
+from pipetrain.schedule.lower import lower
+from pipetrain.schedule.program import Program
+from pipetrain.schedule.validate import validate
+
+Stages = Sequence[nn.Module] | Callable[[int], nn.Module]
+
+
+def last_weight_pieces(row: Sequence[Action]) -> dict[int, int]:
+    """Per stage, the micro-batch of the last action in ``row`` that makes weight gradients
+    (a B, a W, or the B of an overlapped pair): where ``AccumulateGrad`` hooks should fire."""
+    last: dict[int, int] = {}
+    for action in row:
+        if action.is_compute:
+            for token, stage, microbatch in deps.produces(action):
+                if token is deps.Token.WEIGHT_GRAD:
+                    last[stage] = microbatch
+    return last
+
+
+def last_uses(row: Sequence[Action]) -> dict[Action, tuple[int, ...]]:
+    """The stages whose last compute action in ``row`` each action is."""
+    last: dict[int, Action] = {}
+    for action in row:
+        for part in action.compute_parts:
+            last[part.stage] = action
+    uses: dict[Action, tuple[int, ...]] = {}
+    for stage, action in sorted(last.items()):
+        uses[action] = (*uses.get(action, ()), stage)
+    return uses
+
+
+def require_process_group() -> None:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "torch.distributed is not initialized: call "
+            "torch.distributed.init_process_group('gloo' or 'nccl', ...) (or launch with "
+            "torchrun) before building or stepping a Pipeline"
+        )
+
+
+def reverse_group(group):
+    """A second group of the same ranks for transfers to lower ranks, where the backend runs a
+    pair's operations on one stream in order (NCCL; see ``p2p``); ``None`` elsewhere (gloo
+    matches by tag and never holds a send behind a receive)."""
+    if dist.get_world_size(group) < 2 or dist.get_backend(group) != "nccl":
+        return None
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    return dist.new_group(ranks, backend="nccl", use_local_synchronization=True)
+
+
+def default_device() -> torch.device:
+    if torch.cuda.is_available():
+        import os
+
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def count_stages(stages: Stages, num_stages: int | None) -> int:
+    if callable(stages) and not isinstance(stages, (nn.Module, Sequence)):
+        if num_stages is None:
+            raise ValueError("stages is a callable stage_index -> nn.Module; pass num_stages=")
+        return num_stages
+    if isinstance(stages, nn.Module) and not isinstance(stages, (nn.Sequential, nn.ModuleList)):
+        raise ValueError("stages must be a sequence of nn.Module (one per stage) or a callable")
+    n = len(stages)
+    if num_stages is not None and num_stages != n:
+        raise ValueError(f"num_stages={num_stages} but {n} stages were given")
+    return n
+
+
+def resolve_program(schedule, num_microbatches, total, world, stages_per_rank) -> Program:
+    if isinstance(schedule, Program):
+        program = schedule
+        if num_microbatches is not None and num_microbatches != program.num_microbatches:
+            raise ValueError(
+                f"num_microbatches={num_microbatches} but the program has "
+                f"{program.num_microbatches}; omit it or make them agree"
+            )
+    else:
+        from pipetrain.schedule.registry import build_schedule
+
+        if num_microbatches is None:
+            raise ValueError("num_microbatches is required with a schedule name")
+        if total % world:
+            raise ValueError(
+                f"{total} stages cannot be spread over {world} ranks; the stage count must be a "
+                "multiple of the world size"
+            )
+        v = stages_per_rank if stages_per_rank is not None else total // world
+        if v * world != total:
+            raise ValueError(
+                f"stages_per_rank={v} × {world} ranks = {v * world} stages, but {total} were given"
+            )
+        try:
+            program = build_schedule(schedule, world, num_microbatches, stages_per_rank=v)
+        except ValueError as e:
+            raise ValueError(f"{total} stages on {world} ranks ({v} per rank): {e}") from None
+    if program.placement.num_chains > 1:
+        raise ValueError(
+            f"{program.name} runs {program.placement.num_chains} copies of the model "
+            "(bidirectional placement); the runtime runs programs with one copy: use dualpipev, "
+            "DualPipe's one-copy V variant"
+        )
+    if program.num_ranks != world:
+        raise ValueError(
+            f"the program has {program.num_ranks} ranks but the process group has {world}; "
+            f"launch {program.num_ranks} processes"
+        )
+    if program.num_stages != total:
+        raise ValueError(
+            f"the schedule has {program.num_stages} stages but {total} stages were given"
+        )
+    return validate(lower(program))
+
+
+def local_modules(stages: Stages, mine: tuple[int, ...], device) -> dict[int, nn.Module]:
+    out = {}
+    for s in mine:
+        if isinstance(stages, (Sequence, nn.Module)):  # nn.Sequential / nn.ModuleList index too
+            module = cast(Any, stages)[s]
+        else:
+            module = stages(s)
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"stage {s} is a {type(module).__name__}, not an nn.Module")
+        out[s] = module.to(device)
+    return out
+
+
+def forward_only(program: Program) -> Program:
+    """The program's forwards alone (pair parts included), lowered again for eval.
+
+    ``validate`` would reject it (no backward); ``lower``'s dependency walk is the run check.
+    """
+    rows = tuple(
+        tuple(
+            Action(OpKind.F, p.stage, p.microbatch)
+            for a in row
+            if a.is_compute
+            for p in a.compute_parts
+            if p.kind is OpKind.F
+        )
+        for row in program.actions
+    )
+    return lower(Program(program.placement, program.num_microbatches, rows, program.name))
+
+
+#: the fields a plan must give (``pipetrain plan --json`` prints them, with ``predicted``)
+PLAN_FIELDS = ("schedule", "ranks", "stages_per_rank", "microbatches", "stage_layers")
+
+
+def plan_stages(layers, layout: dict, kwargs: dict):
+    """``Pipeline.from_plan``'s stages: ``layers`` cut by the checked ``layout``'s
+    ``stage_layers`` with ``pipetrain.split``, after refusing options the plan sets and a plan
+    made for another number of pipeline ranks than this process group's (the mesh's ``pp``
+    dimension with ``mesh=``): its cut and its schedule were chosen for that size."""
+    from pipetrain.runtime.layers import split
+
+    given = sorted({"schedule", "num_microbatches", "stages_per_rank"} & set(kwargs))
+    if given:
+        raise ValueError(f"the plan sets the schedule and its shape; drop {', '.join(given)}")
+    require_process_group()
+    if kwargs.get("mesh") is not None:
+        world = kwargs["mesh"]["pp"].size()
+    else:
+        world = dist.get_world_size(kwargs.get("group"))
+    if layout["ranks"] != world:
+        raise ValueError(
+            f"the plan is for {layout['ranks']} pipeline ranks but the process group has "
+            f"{world}; launch {layout['ranks']} processes per pipeline, or plan again with "
+            f"--ranks {world}"
+        )
+    counts = layout["stage_layers"]
+    callable_form = callable(layers) and not isinstance(layers, (nn.Module, Sequence, dict))
+    return split(layers, counts, num_layers=sum(counts) if callable_form else None)
+
+
+def plan_layout(plan) -> dict:
+    """The layout fields of a ``Plan`` or a plan dict, checked (a ``ValueError`` names the
+    first missing or bad field)."""
+    raw = plan.to_json() if hasattr(plan, "to_json") else plan
+    if not isinstance(raw, dict):
+        raise ValueError(
+            f"a plan is a pipetrain Plan or the dict `pipetrain plan --json` prints, got "
+            f"{type(plan).__name__}"
+        )
+    for name in PLAN_FIELDS:
+        if name not in raw:
+            raise ValueError(
+                f"the plan has no {name!r}; a plan gives {', '.join(PLAN_FIELDS)} "
+                "(`pipetrain plan --json` prints them)"
+            )
+    if not isinstance(raw["schedule"], str):
+        raise ValueError(f"the plan's 'schedule' must be a name, got {raw['schedule']!r}")
+    for name in ("ranks", "stages_per_rank", "microbatches"):
+        value = raw[name]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"the plan's {name!r} must be an integer >= 1, got {value!r}")
+    counts = raw["stage_layers"]
+    if not isinstance(counts, list | tuple) or not all(
+        isinstance(c, int) and not isinstance(c, bool) for c in counts
+    ):
+        raise ValueError(
+            f"the plan's 'stage_layers' must be a list of layer counts, got {counts!r}"
+        )
+    if len(counts) != raw["ranks"] * raw["stages_per_rank"]:
+        raise ValueError(
+            f"the plan's 'stage_layers' has {len(counts)} stages but ranks × stages_per_rank "
+            f"= {raw['ranks'] * raw['stages_per_rank']}"
+        )
+    return {name: raw[name] for name in PLAN_FIELDS} | {"stage_layers": tuple(counts)}
