@@ -6,7 +6,7 @@ and lowered program, this rank's modules, the second NCCL group, what each rank'
 stages (where weight-gradient hooks fire, where a stage's data-parallel sync may start), the
 forward-only program of ``eval_step``, and a plan's layout turned into ``Pipeline`` arguments. It
 is apart from ``runtime.pipeline`` so that module holds only what a step does; every refusal
-here is a ``ValueError`` (or ``TypeError``) naming the legal values, raised before any peer waits.
+here names the legal values and comes before any peer waits.
 """
 
 from __future__ import annotations
