@@ -104,30 +104,11 @@ def even_min_max_cut(
     prefix = [0.0, *accumulate(weights)]
     bound = max(prefix[b] - prefix[a] for a, b in bounds(best))
 
-    def ok(stage: int, first: int, end: int) -> bool:
-        return prefix[end] - prefix[first] <= bound and (limit is None or limit(stage, first, end))
-
-    # can[s][j]: stages s.. can hold layers j.. (each at least one layer, within bound and limit)
-    can = [[False] * (n + 1) for _ in range(num_stages + 1)]
-    can[num_stages][n] = True
-    for stage in range(num_stages - 1, -1, -1):
-        nxt, row = can[stage + 1], can[stage]
-        for first in range(n):
-            end = first + 1
-            while end <= n and ok(stage, first, end):
-                if nxt[end]:
-                    row[first] = True
-                    break
-                end += 1
+    can, far = _finishable(n, num_stages, _within(prefix, bound, limit))
     cut, first = [], 0
     for stage in range(num_stages):
         share = (prefix[n] - prefix[first]) / (num_stages - stage)
-        ends = []
-        end = first + 1
-        while end <= n and ok(stage, first, end):
-            if can[stage + 1][end]:
-                ends.append(end)
-            end += 1
+        ends = [e for e in range(first + 1, far[stage][first] + 1) if can[stage + 1][e]]
         end = min(ends, key=lambda e: (abs(prefix[e] - prefix[first] - share), e))
         cut.append(end - first)
         first = end
@@ -214,11 +195,34 @@ def _fill_exactly(
     docstring: exact for stage-dependent limits, where ``_greedy`` is not)."""
     n = len(prefix) - 1
 
+    can, far = _finishable(n, num_stages, _within(prefix, bound, limit))
+    if not can[0][0]:
+        return None
+    cut, first = [], 0
+    for stage in range(num_stages):
+        end = far[stage][first]
+        while not can[stage + 1][end]:
+            end -= 1
+        cut.append(end - first)
+        first = end
+    return tuple(cut)
+
+
+def _within(prefix: Sequence[float], bound: float, limit: Limit | None) -> Limit:
+    """``limit`` and a stage sum of at most ``bound``."""
+
     def ok(stage: int, first: int, end: int) -> bool:
         return prefix[end] - prefix[first] <= bound and (limit is None or limit(stage, first, end))
 
-    # can[s][j]: stages s.. can hold layers j..n-1; far[s][j]: the last end stage s may take
-    # from first layer j
+    return ok
+
+
+def _finishable(n: int, num_stages: int, ok: Limit) -> tuple[list[list[bool]], list[list[int]]]:
+    """``can[s][j]``: stages ``s..`` can hold layers ``j..n-1``, each at least one layer and
+    meeting ``ok``; ``far[s][j]``: the last end stage ``s`` may take from first layer ``j``.
+    Built back to front in O(k·n): ``ok`` is monotone under taking a sub-interval, so the ends
+    a stage may take form a range whose far end only grows with the first layer (two pointers),
+    and prefix counts say whether the later stages can finish from any end in it."""
     can = [[False] * (n + 1) for _ in range(num_stages + 1)]
     far = [[0] * n for _ in range(num_stages)]
     can[num_stages][n] = True
@@ -233,18 +237,8 @@ def _fill_exactly(
             while end < n and ok(stage, first, end + 1):
                 end += 1
             far[stage][first] = end
-            # some end in first+1..end from which the later stages finish
             can[stage][first] = end > first and count[end + 1] - count[first + 1] > 0
-    if not can[0][0]:
-        return None
-    cut, first = [], 0
-    for stage in range(num_stages):
-        end = far[stage][first]
-        while not can[stage + 1][end]:
-            end -= 1
-        cut.append(end - first)
-        first = end
-    return tuple(cut)
+    return can, far
 
 
 def bounds(cut: Sequence[int]) -> list[tuple[int, int]]:

@@ -174,15 +174,11 @@ def _window_ratios(
     chain = Stage([(f"layer{i}", layers[i]) for i in range(first, end)])
     runner = StageRunner(first, chain, is_last, loss_fn if is_last else None)
     window, _ = _measure(runner, leaves(inputs), target, clock, *rounds)
-    window["split_backward"] = window["backward_input"] + window["backward_weight"]
     ratios = {}
-    for key, parts in (
-        ("forward", ("forward",)),
-        ("backward", ("backward",)),
-        ("split_backward", ("backward_input", "backward_weight")),
-    ):
-        alone = sum(getattr(measured[i], part) for i in range(first, end) for part in parts)
-        ratios[key] = window[key] / alone if alone > 0 else 1.0
+    for ratio in dict.fromkeys(RATIO_OF.values()):  # forward, backward, split_backward
+        parts = [k for k in TIMES if RATIO_OF[k] == ratio]
+        alone = sum(getattr(measured[i], k) for i in range(first, end) for k in parts)
+        ratios[ratio] = sum(window[k] for k in parts) / alone if alone > 0 else 1.0
     return ratios
 
 
