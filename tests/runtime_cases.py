@@ -140,6 +140,7 @@ def run_equivalence(
     names: list[str],
     two_groups: bool = False,
     defer_weight_grads: bool = False,
+    receive_lead: int | None = None,
 ) -> list[str]:
     """Every schedule × legal micro-batch counts: two steps, loss and gradients vs reference.
 
@@ -147,6 +148,7 @@ def run_equivalence(
     (gloo alone would not need it: this checks both ends pick the same group for each transfer).
     ``defer_weight_grads``: the Pipeline option of that name (True: I/W split by deferred linear
     GEMMs; False: graph replay; this model's stages would default to deferral).
+    ``receive_lead``: the Pipeline option of that name (receives posted late).
     """
     import torch.distributed as dist
 
@@ -168,6 +170,7 @@ def run_equivalence(
                 num_microbatches=m,
                 loss_fn=loss_fn,
                 defer_weight_grads=defer_weight_grads,
+                receive_lead=receive_lead,
             )
             if reverse is not None:
                 pipe.transport = Transport(

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import pytest
 
+from pipetrain.schedule import deps
 from pipetrain.schedule.action import Action, OpKind
 from pipetrain.schedule.builders.gpipe import build_gpipe
 from pipetrain.schedule.builders.one_f_one_b import build_1f1b
-from pipetrain.schedule.lower import lower
+from pipetrain.schedule.lower import lower, post_receives_late
 from pipetrain.schedule.placement import one_per_rank
 from pipetrain.schedule.program import Program, ScheduleError
 from pipetrain.schedule.program_io import from_csv
+from pipetrain.schedule.registry import build_schedule
 from pipetrain.schedule.validate import validate
 
 
@@ -126,3 +128,83 @@ def test_batched_comms_that_would_deadlock_one_by_one_pass() -> None:
         "1RECV_F0,1F0,1B0,1RECV_F1,1SEND_B0,1F1,1B1,1SEND_B1\n"
     )
     validate(from_csv(text))
+
+
+def _compute_gap(row, i, per_chain=4) -> int:
+    """Compute actions between the receive at ``i`` and the compute action that reads it."""
+    key = deps.comm_key(row[i])
+    gap = 0
+    for action in row[i + 1 :]:
+        if action.is_compute:
+            if key in deps.requires(action, per_chain):
+                return gap
+            gap += 1
+    raise AssertionError(f"nothing reads {row[i]}")
+
+
+@pytest.mark.parametrize("lead", [0, 1, 2])
+def test_late_receives_sit_at_most_lead_computes_before_their_reader(lead) -> None:
+    base = lower(build_schedule("interleaved-1f1b", 2, 8))
+    late = post_receives_late(base, lead)
+    for before, after in zip(base.actions, late.actions):
+        assert [a for a in before if a.is_compute] == [a for a in after if a.is_compute]
+        assert sorted(map(str, before)) == sorted(map(str, after))
+        # sends keep their place among the compute actions; receives keep their order
+        assert [(a, i) for i, a in _sends_after(before)] == [(a, i) for i, a in _sends_after(after)]
+        recvs = [a for a in before if a.kind in (OpKind.RECV_F, OpKind.RECV_B)]
+        assert recvs == [a for a in after if a.kind in (OpKind.RECV_F, OpKind.RECV_B)]
+        for i, a in enumerate(after):
+            if a.kind in (OpKind.RECV_F, OpKind.RECV_B):
+                j = before.index(a)
+                assert _compute_gap(after, i) <= max(lead, 0) or (
+                    _compute_gap(after, i) == _compute_gap(before, j)
+                )
+                assert _compute_gap(after, i) <= _compute_gap(before, j)
+    validate(late, "posted")
+    if lead == 0:  # the blocking model would deadlock; the runtime's transport does not
+        with pytest.raises(ScheduleError, match="deadlock"):
+            validate(late)
+
+
+def _sends_after(row):
+    """Each SEND with the number of compute actions before it."""
+    count = 0
+    for a in row:
+        if a.is_compute:
+            count += 1
+        elif a.kind in (OpKind.SEND_F, OpKind.SEND_B):
+            yield count, a
+
+
+def test_posted_model_finds_a_cross_rank_deadlock() -> None:
+    # rank 1 wants micro-batch 1's forward before the backward rank 0 needs to produce it
+    text = (
+        "0F0,0SEND_F0,0RECV_B0,0B0,0F1,0SEND_F1,0RECV_B1,0B1\n"
+        "1RECV_F0,1F0,1RECV_F1,1F1,1B0,1SEND_B0,1B1,1SEND_B1\n"
+    )
+    with pytest.raises(ScheduleError, match="deadlock") as e:
+        validate(from_csv(text), "posted")
+    assert "rank 0 step 3: 0B0 waits for 1B/I0 on rank 1" in str(e.value)
+    assert "rank 1 step 2: 1RECV_F1 waits for 0F1 on rank 0" in str(e.value)
+
+
+@pytest.mark.parametrize("p2p", ["blocking", "posted"])
+def test_transfers_in_another_order_on_the_two_ends_are_refused(p2p) -> None:
+    # both sends in one batch, both receives in one: blocking batched P2P completes, but NCCL and
+    # gloo match by position, so micro-batch 1 would land in micro-batch 0's buffer
+    text = (
+        "0F0,0F1,0SEND_F0,0SEND_F1,0RECV_B0,0RECV_B1,0B0,0B1\n"
+        "1RECV_F1,1RECV_F0,1F0,1F1,1B0,1SEND_B0,1B1,1SEND_B1\n"
+    )
+    with pytest.raises(ScheduleError, match="same order on both ends") as e:
+        validate(from_csv(text), p2p)
+    assert "rank 1 receives 0F1 on rank 0 as transfer 0 from rank 0" in str(e.value)
+
+
+def test_late_receives_refuse_bad_input() -> None:
+    with pytest.raises(ValueError, match="lead is a number of compute actions >= 0, got -1"):
+        post_receives_late(lower(build_1f1b(2, 2)), -1)
+    with pytest.raises(ScheduleError, match="lower first"):
+        post_receives_late(build_1f1b(2, 2), 1)
+    with pytest.raises(ValueError, match="p2p must be one of blocking, posted"):
+        validate(build_1f1b(2, 2), "eager")

@@ -30,6 +30,18 @@ def test_transfers_split_by_direction_over_two_groups():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(("world", "lead"), [(2, 1), (4, 0)])
+def test_receives_posted_late_match_unsplit_training(world, lead):
+    """``Pipeline(receive_lead=...)``: each receive moved to ``lead`` compute actions before its
+    reader, over the two groups of the NCCL layout; the first step discovers shapes with the
+    receives there (blocking metadata), the second runs as every later one does."""
+    names = ["1f1b", "interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev"]
+    failures = launch(world, run_equivalence, names, True, False, lead, timeout=150)
+    problems = [f for rank_failures in failures for f in rank_failures]
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_deferred_weight_grads_match_unsplit_training(world):
     """``Pipeline(defer_weight_grads=True)``: the model's tied linear, frozen bias and

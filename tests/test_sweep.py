@@ -2,7 +2,8 @@
 
 For every shape a family accepts: lowering validates, each (stage, micro-batch) has its F and its
 backward pieces exactly once, peak memory respects the family's published bound, and the
-simulated makespan is never below the busiest rank's work. Shapes a family refuses raise a plain
+simulated makespan is never below the busiest rank's work; the runtime's transport model runs it
+with receives where lowering puts them and posted late (``post_receives_late``). Shapes a family refuses raise a plain
 ``ValueError`` (not a ``ScheduleError``): the builder knew, nothing was half-built.
 """
 
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 
 from pipetrain.schedule.action import OpKind
 from pipetrain.schedule.builders.interleaved import legal_group_sizes
-from pipetrain.schedule.lower import lower
+from pipetrain.schedule.lower import lower, post_receives_late
 from pipetrain.schedule.program import ScheduleError
 from pipetrain.schedule.registry import FAMILIES, ScheduleName, build_schedule
 from pipetrain.schedule.validate import validate
@@ -67,8 +68,9 @@ def peak_bound(name: ScheduleName, p: int, v: int, m: int) -> int:
     v=st.integers(1, 4),
     m=st.integers(1, 64),
     costs=st.tuples(st.floats(0.1, 4), st.floats(0.1, 4), st.floats(0.1, 4), st.floats(0, 1)),
+    lead=st.integers(0, 3),
 )
-def test_every_accepted_shape_lowers_validates_and_simulates(name, p, v, m, costs) -> None:
+def test_every_accepted_shape_lowers_validates_and_simulates(name, p, v, m, costs, lead) -> None:
     fam = FAMILIES[name]
     stages_per_rank = v if fam.multi_stage else None
     try:
@@ -97,6 +99,9 @@ def test_every_accepted_shape_lowers_validates_and_simulates(name, p, v, m, cost
     else:
         assert parts[OpKind.B] == pieces and parts[OpKind.I] == parts[OpKind.W] == 0
     lowered = validate(lower(program))
+    # the runtime's transport runs it too, with receives posted as late as ``lead`` allows
+    validate(lowered, "posted")
+    validate(post_receives_late(lowered, lead), "posted")
     f, i, w, c = costs
     timeline = simulate(lowered, Costs(forward=f, backward_input=i, backward_weight=w, comm=c))
     assert timeline.makespan >= max(timeline.busy) - 1e-9

@@ -37,7 +37,9 @@ How each incumbent is set up (their recommended settings, nothing of theirs patc
   optimizer from everyone else's.
 * torch: ``PipelineStage`` + ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` (…), as
   ``gpu_pipeline.py`` runs them.
-* pipetrain: ``Pipeline`` with its defaults, as ``gpu_pipeline.py``'s ``pipetrain`` rows.
+* pipetrain: ``Pipeline`` with its defaults, as ``gpu_pipeline.py``'s ``pipetrain`` rows; with
+  ``--receive-leads 0,1`` also rows ``pipetrain-lead0``/``-lead1``: ``Pipeline(receive_lead=N)``,
+  each receive posted at most N compute actions before its reader.
 
 Efficiency = limit / step time, the limit being every rank running its own stages of the
 schedule's layout with no pipeline and no transfers (forward and backward of each local stage per
@@ -258,7 +260,10 @@ def measure_limit(ctx: Ctx, masters: Masters, shape: Shape, layout: str, v: int,
     return stats(slowest(ctx, time_steps(ctx, step, ctx.args.steps)))
 
 
-def run_pipetrain(ctx: Ctx, masters: Masters, shape: Shape, name: str, n: int) -> dict:
+def run_pipetrain(
+    ctx: Ctx, masters: Masters, shape: Shape, name: str, n: int, lead: int | None = None
+) -> dict:
+    """pipetrain's row; ``lead``: ``Pipeline(receive_lead=lead)`` (rows ``pipetrain-leadN``)."""
     from pipetrain.runtime.pipeline import Pipeline
 
     fam = FAMILIES[name]
@@ -273,6 +278,7 @@ def run_pipetrain(ctx: Ctx, masters: Masters, shape: Shape, name: str, n: int) -
         num_stages=num_stages,
         device=ctx.device,
         timeout=timedelta(seconds=ctx.args.op_timeout),
+        receive_lead=lead,
     )
     expect = local_stages(fam.layout, ctx.rank, ctx.world, fam.stages_per_rank)
     if sorted(pipe.placement.stages_of_rank(ctx.rank)) != sorted(expect):
@@ -289,7 +295,8 @@ def run_pipetrain(ctx: Ctx, masters: Masters, shape: Shape, name: str, n: int) -
     if timelines:
         row["bubble_measured"] = statistics.fmean(t.bubble_fraction for t in timelines)
         row["makespan_measured_ms"] = statistics.fmean(t.makespan for t in timelines)
-    row.update(profiled(ctx, PIPETRAIN, shape, name, n, lambda: pipe.step(x, y), opt, params))
+    lib = PIPETRAIN if lead is None else f"{PIPETRAIN}-lead{lead}"
+    row.update(profiled(ctx, lib, shape, name, n, lambda: pipe.step(x, y), opt, params))
     return row
 
 
@@ -547,8 +554,15 @@ def versions() -> dict:
     return out
 
 
+def runner(lib: str):
+    """The function that measures ``lib``'s row (``pipetrain-leadN``: pipetrain, receives late)."""
+    if lib.startswith(f"{PIPETRAIN}-lead"):
+        return functools.partial(run_pipetrain, lead=int(lib.removeprefix(f"{PIPETRAIN}-lead")))
+    return RUNNERS[lib]
+
+
 def libraries_for(args: argparse.Namespace, name: str) -> list[str]:
-    libs = [PIPETRAIN]
+    libs = [PIPETRAIN] + [f"{PIPETRAIN}-lead{k}" for k in args.receive_leads.split(",") if k]
     if name in args.torch_schedules.split(","):
         libs.append(TORCH)
     for lib, families in LIBRARY_FAMILIES.items():
@@ -619,7 +633,7 @@ def main(argv: list[str] | None = None) -> int:
                         log(ctx, f"{shape.name} {name} n={n} {lib}: skipped (time budget)")
                         continue
                     start = time.perf_counter()
-                    fn = functools.partial(RUNNERS[lib], ctx, masters, shape, name, n)
+                    fn = functools.partial(runner(lib), ctx, masters, shape, name, n)
                     res = guarded(ctx, f"{shape.name} {name} n={n} {lib}", fn)
                     row.update(res)
                     if "median_ms" in res:
@@ -672,6 +686,12 @@ PT_FAMILIES = ("1f1b", "interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev")
 LIB_ORDER = (PIPETRAIN, MEGATRON, MEGATRON_NOSYNC, DEEPSPEED, TORCH)
 
 
+def lib_order(lib: str) -> tuple[int, str]:
+    """Table order: pipetrain and its variants first, then the incumbents."""
+    base = PIPETRAIN if lib.startswith(PIPETRAIN) else lib
+    return LIB_ORDER.index(base), lib
+
+
 def _ms(rows: list[dict], lib: str, name: str | None = None) -> dict | None:
     for r in rows:
         if r["lib"] == lib and (name is None or r["schedule"] == name) and "median_ms" in r:
@@ -701,7 +721,7 @@ def tables(data: dict) -> str:
         ]
         order = sorted(
             group,
-            key=lambda r: (PT_FAMILIES.index(r["schedule"]), LIB_ORDER.index(r["lib"])),
+            key=lambda r: (PT_FAMILIES.index(r["schedule"]), lib_order(r["lib"])),
         )
         for r in order:
             if "median_ms" not in r:
@@ -712,15 +732,14 @@ def tables(data: dict) -> str:
 
             def ratio(lib: str, _r=r, _same=same) -> str:
                 ref = _ms(_same, lib)
-                if _r["lib"] != PIPETRAIN or ref is None:
+                if not _r["lib"].startswith(PIPETRAIN) or ref is None:
                     return ""
                 return f"{_r['median_ms'] / ref['median_ms']:.3f}"
 
-            best = f"{r['median_ms'] / mc_best:.3f}" if mc_best and r["lib"] == PIPETRAIN else ""
+            mine = r["lib"].startswith(PIPETRAIN)
+            best = f"{r['median_ms'] / mc_best:.3f}" if mc_best and mine else ""
             ds = _ms(group, DEEPSPEED, "1f1b")
-            ds_ratio = (
-                f"{r['median_ms'] / ds['median_ms']:.3f}" if ds and r["lib"] == PIPETRAIN else ""
-            )
+            ds_ratio = f"{r['median_ms'] / ds['median_ms']:.3f}" if ds and mine else ""
             mem, reserved = r.get("peak_total_gib"), r.get("peak_reserved_gib")
             eff, bubble = r.get("efficiency"), r.get("bubble_measured")
             lines.append(
@@ -835,6 +854,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--torch-schedules", default="1f1b,interleaved-1f1b", help="families torch also runs"
+    )
+    p.add_argument(
+        "--receive-leads",
+        default="",
+        help="comma list of Pipeline(receive_lead=N) variants to run beside pipetrain's default "
+        "(rows pipetrain-leadN)",
     )
     p.add_argument(
         "--timeline-steps",

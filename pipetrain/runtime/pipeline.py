@@ -64,6 +64,12 @@ class Pipeline:
     ``group``) and ``"ddp"`` or ``"fsdp"``: each ``pp`` row of the mesh runs the pipeline, each
     ``dp`` column holds DDP or FSDP2 replicas of its stages, each replica steps on its own shard
     of the global batch, and gradients are reduced once per step (``runtime.data_parallel``).
+    ``receive_lead``: post each receive at most this many compute actions before the one that
+    reads it (``schedule.lower.post_receives_late``; 1 is Megatron-Core's overlapped P2P, 0 posts
+    it right before its reader); ``None`` (default): where lowering puts it, as soon as the
+    value can have arrived. On NCCL a posted receive is a kernel resident on the GPU until its
+    data comes, beside the compute. The moved program is checked against this runtime's
+    transport (``validate(..., "posted")``) before anything runs.
     """
 
     @posts_failures
@@ -86,6 +92,7 @@ class Pipeline:
         tied: Sequence[Sequence[str]] = (),
         mesh=None,
         data_parallel: str | None = None,
+        receive_lead: int | None = None,
     ) -> None:
         resolve.require_process_group()
         if loss_fn is None:
@@ -123,7 +130,7 @@ class Pipeline:
         self.device = torch.device(device) if device is not None else resolve.default_device()
         total = resolve.count_stages(stages, num_stages)
         self.program = resolve.resolve_program(
-            schedule, num_microbatches, total, self.world_size, stages_per_rank
+            schedule, num_microbatches, total, self.world_size, stages_per_rank, receive_lead
         )
         self.num_microbatches = self.program.num_microbatches
         self.placement = self.program.placement

@@ -20,7 +20,7 @@ from torch import nn
 
 from pipetrain.schedule import deps
 from pipetrain.schedule.action import Action, OpKind
-from pipetrain.schedule.lower import lower
+from pipetrain.schedule.lower import lower, post_receives_late
 from pipetrain.schedule.program import Program
 from pipetrain.schedule.validate import validate
 
@@ -91,7 +91,9 @@ def count_stages(stages: Stages, num_stages: int | None) -> int:
     return n
 
 
-def resolve_program(schedule, num_microbatches, total, world, stages_per_rank) -> Program:
+def resolve_program(
+    schedule, num_microbatches, total, world, stages_per_rank, receive_lead: int | None = None
+) -> Program:
     if isinstance(schedule, Program):
         program = schedule
         if num_microbatches is not None and num_microbatches != program.num_microbatches:
@@ -133,7 +135,16 @@ def resolve_program(schedule, num_microbatches, total, world, stages_per_rank) -
         raise ValueError(
             f"the schedule has {program.num_stages} stages but {total} stages were given"
         )
-    return validate(lower(program))
+    program = validate(lower(program))
+    if receive_lead is None:
+        return program
+    if isinstance(receive_lead, bool) or not isinstance(receive_lead, int) or receive_lead < 0:
+        raise ValueError(
+            f"receive_lead is None (receives where lowering puts them) or a number of compute "
+            f"actions >= 0, got {receive_lead!r}"
+        )
+    # the moved receives are checked against the transport that runs them (``runtime.p2p``)
+    return validate(post_receives_late(program, receive_lead), "posted")
 
 
 def local_modules(stages: Stages, mine: tuple[int, ...], device) -> dict[int, nn.Module]:

@@ -15,6 +15,13 @@ the receiver at the same instant, adjacent in that sequence. Hence:
 
 A program that cannot run raises ``ScheduleError`` naming who waits on whom (d9d injects comms
 the same way, docs/design.md habit 1).
+
+``post_receives_late`` is an optional pass on a lowered program: it moves each RECV later, to at
+most ``lead`` compute actions before the one that reads it. The unit-time run places receives
+where a value *could* arrive, up to several actions before it is read; on NCCL a posted receive
+is a kernel resident on the GPU until its data comes, holding SMs that the compute beside it
+lacks. Megatron-Core's interleaved schedule posts each receive one compute action ahead of its
+use (``overlap_p2p_comm``), which is ``lead=1``.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pipetrain.schedule import deps
-from pipetrain.schedule.action import Action
+from pipetrain.schedule.action import Action, OpKind
 from pipetrain.schedule.execute import run, unit_duration
 from pipetrain.schedule.program import Program, ScheduleError
 
@@ -79,6 +86,53 @@ def inject_comms(program: Program) -> Program:
         for row, row_keys in zip(rows, keys)
     )
 
+
+def post_receives_late(program: Program, lead: int) -> Program:
+    """Move every RECV to at most ``lead`` compute actions before the compute action that reads it.
+
+    A receive never moves earlier, never past its reader, and never past a later receive from the
+    same peer: receives from one peer keep their order, so each pair of ranks still posts its
+    transfers in the same order on both ends. Sends stay where they are. The result is validated
+    like any program (``validate``): the blocking batched model decides whether it can run.
+    """
+    if lead < 0:
+        raise ValueError(f"a receive's lead is a number of compute actions >= 0, got {lead}")
+    if not program.is_lowered and program.num_ranks > 1:  # one rank: nothing to receive
+        raise ScheduleError(
+            "post_receives_late moves the receives of a lowered program; lower first"
+        )
+    per_chain = program.placement.stages_per_chain
+    rank_of = program.placement.rank
+    rows = []
+    for row in program.actions:
+        # slot k: the run of transfers just before the row's k-th compute action (k = the number
+        # of compute actions before it); the row's end is the last slot
+        slot_of: list[int] = []
+        readers: dict[deps.Key, int] = {}  # value -> slot of the compute action reading it
+        slots = 0
+        for action in row:
+            slot_of.append(slots)
+            if action.is_compute:
+                for key in deps.requires(action, per_chain):
+                    readers.setdefault(key, slots)
+                slots += 1
+        target = list(slot_of)
+        nearest_later: dict[int, int] = {}  # peer rank -> slot of the next receive from it
+        for i in range(len(row) - 1, -1, -1):
+            action = row[i]
+            if action.kind not in _RECVS:
+                continue
+            key = deps.comm_key(action)
+            late = readers.get(key, slot_of[i] + lead) - lead
+            peer = rank_of(key[1])
+            slot = max(slot_of[i], min(late, nearest_later.get(peer, late)))
+            target[i] = nearest_later[peer] = slot
+        order = sorted(range(len(row)), key=lambda i: (target[i], not row[i].is_comm, i))
+        rows.append([row[i] for i in order])
+    return program.with_actions(rows)
+
+
+_RECVS = frozenset({OpKind.RECV_F, OpKind.RECV_B})
 
 PASSES: tuple[Pass, ...] = (Pass("inject_comms", inject_comms),)
 

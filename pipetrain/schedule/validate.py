@@ -23,19 +23,37 @@ from operator import add, attrgetter
 
 from pipetrain.schedule.action import Action, OpKind
 from pipetrain.schedule.execute import run, unit_duration
+from pipetrain.schedule.posted_p2p import check_channel_order, run_posted
 from pipetrain.schedule.program import Program, ScheduleError, microbatch_chains
 from pipetrain.schedule.transfer_checks import check_pairing, execute_lowered, scan_lowered
 
+P2P_MODELS = ("blocking", "posted")
 
-def validate(program: Program) -> Program:
-    """Raise ``ScheduleError`` if ``program`` is malformed or cannot run; return it otherwise."""
+
+def validate(program: Program, p2p: str = "blocking") -> Program:
+    """Raise ``ScheduleError`` if ``program`` is malformed or cannot run; return it otherwise.
+
+    ``p2p`` is how a lowered program's transfers are played: ``"blocking"`` (step 4 above, what
+    torch's executor needs) or ``"posted"``, pipetrain runtime's own transport
+    (``posted_p2p``: sends never wait, receives are waited where they are read), which accepts
+    receives posted right before their reader.
+    """
+    if p2p not in P2P_MODELS:
+        raise ValueError(f"p2p must be one of {', '.join(P2P_MODELS)}, got {p2p!r}")
     _check_placement(program)
     chains = _check_counts(program)
     if program.is_lowered:
         scans = scan_lowered(program)
         check_pairing(program, scans, chains)
         assert scans is not None, "check_pairing refuses a program whose scan found no value"
-        execute_lowered(program, scans)
+        check_channel_order(program)
+        if p2p == "blocking":
+            execute_lowered(program, scans)
+        else:
+            for scan in scans:
+                if scan.failure is not None:
+                    raise scan.failure()
+            run_posted(program)
     else:
         run(program, unit_duration)
     return program
