@@ -11,6 +11,8 @@
 #   p3-blocks2  the block stack at 2 ranks, 16 and 8 micro-batches budget 150 s, timeout 180 s
 #   p4-wide2    the wide shape at 2 ranks (8 micro-batches first, 4 timed steps), with whatever
 #               time is left (about 90 s: the 8-micro-batch 1F1B and interleaved rows)
+# PLAN=leads2 runs another list on 2 GPUs instead (receives posted late against the default and
+# Megatron-Core, the 8-micro-batch V rows, one profile): see its parts below.
 # Each part's harness stops starting rows at its budget (--budget-s: a row starts only if the
 # longest row so far still fits); the timeout adds start-up (~15 s) and one overrunning row.
 # Run from a folder holding pipetrain/, benchmarks/ and .whl/ (the carried wheels of
@@ -108,6 +110,20 @@ exact() {  # name nproc limit-s: float64 exactness on NCCL of the runtime measur
 }
 
 ALL=1f1b,interleaved-1f1b,zbv,dualpipev,interleaved-zb
+if [ "${PLAN:-issue13}" = leads2 ]; then
+  # PLAN=leads2 (2 GPUs): receives posted late (Pipeline(receive_lead=0|1), rows pipetrain-leadN)
+  # against pipetrain's default and Megatron-Core, then the 8-micro-batch V rows
+  L="--receive-leads 0,1 --torch-schedules none"
+  part q1-gpt16 2 120 150 --shapes "$GPT" --microbatches 16 --schedules interleaved-1f1b,1f1b \
+    --libraries megatron,megatron-nosync $L
+  part q2-blocks16 2 120 150 --shapes "$BLOCKS" --microbatches 16 \
+    --schedules interleaved-1f1b,zbv,dualpipev --libraries megatron $L
+  part q3-v8 2 110 140 --shapes "$GPT,$BLOCKS" --microbatches 8 \
+    --schedules zbv,dualpipev,interleaved-1f1b --libraries megatron $L
+  part q4-prof 2 40 90 --shapes "$GPT" --microbatches 16 --schedules interleaved-1f1b \
+    --libraries none --torch-schedules none --receive-leads 1 --timeline-steps 0 \
+    --profile pipetrain-lead1:interleaved-1f1b,pipetrain:interleaved-1f1b
+else
 part p1-wide4 "$NPROC4" 175 215 --shapes "$WIDE" --microbatches 16,8 --schedules $ALL
 part p2-prof4 "$NPROC4" 45 100 --shapes "$GPT" --microbatches 16 --schedules interleaved-1f1b \
   --libraries megatron --torch-schedules none --timeline-steps 0 \
@@ -116,6 +132,7 @@ exact p2e-exact4 "$NPROC4" 60
 part p3-blocks2 2 150 180 --shapes "$BLOCKS" --microbatches 16,8 --schedules $ALL
 left=$((TOTAL - SECONDS - 10))
 [ "$NPROC4" = 2 ] || part p4-wide2 2 $((left - 30)) "$left" --shapes "$WIDE" --microbatches 8,16 --steps 4 --schedules $ALL
+fi
 echo "== done at ${SECONDS}s (TOTAL ${TOTAL}s)"
 cat "$OUT/summary.md" 2>/dev/null | grep -v '^$' | head -150
 ls -la "$OUT"
