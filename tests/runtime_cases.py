@@ -140,7 +140,7 @@ def run_equivalence(
     names: list[str],
     two_groups: bool = False,
     defer_weight_grads: bool = False,
-    receive_lead: int | None = None,
+    receive_lead: int | None = 1,
 ) -> list[str]:
     """Every schedule × legal micro-batch counts: two steps, loss and gradients vs reference.
 
@@ -314,6 +314,9 @@ def run_errors(rank: int, world: int) -> dict:
     )
     out["two_copies"] = _error_of(
         lambda: pipetrain.Pipeline(build_stages(4), "dualpipe", 4, loss_fn)
+    )
+    out["receive_lead"] = _error_of(
+        lambda: pipetrain.Pipeline(build_stages(2), "1f1b", 2, loss_fn, receive_lead=-1)
     )
     pipe = pipetrain.Pipeline(build_stages(2), "1f1b", 4, loss_fn)
     inputs, y = batch(3)

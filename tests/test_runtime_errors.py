@@ -32,6 +32,7 @@ def test_bad_input_on_two_ranks():
         assert "ValueError" in r["world"] and "process group has 2" in r["world"]
         assert "ValueError" in r["too_many_mb"] and "batch size 3" in r["too_many_mb"]
         assert "ValueError" in r["two_copies"] and "use dualpipev" in r["two_copies"]
+        assert "ValueError" in r["receive_lead"] and ">= 0, got -1" in r["receive_lead"]
     # The last stage's rank sees the bad loss; the other stops on its wait, naming the failing
     # rank and its error (these pipelines run on a group of the caller's: the notice is read
     # when the wait ends, after the 2 s timeout).

@@ -254,3 +254,12 @@ def test_train_refuses_an_unknown_weight_gradient_split_with_exit_2() -> None:
     assert done.returncode == 2
     assert "auto" in done.stderr and "deferred" in done.stderr and "replay" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("value", ["-1", "soon"])
+def test_train_refuses_a_bad_receive_lead_with_exit_2(value) -> None:
+    cmd = [sys.executable, "-m", "pipetrain", "train", "--receive-lead", value]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert f"expected none or an integer >= 0, got {value!r}" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -38,8 +38,9 @@ How each incumbent is set up (their recommended settings, nothing of theirs patc
 * torch: ``PipelineStage`` + ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` (…), as
   ``gpu_pipeline.py`` runs them.
 * pipetrain: ``Pipeline`` with its defaults, as ``gpu_pipeline.py``'s ``pipetrain`` rows; with
-  ``--receive-leads 0,1`` also rows ``pipetrain-lead0``/``-lead1``: ``Pipeline(receive_lead=N)``,
-  each receive posted at most N compute actions before its reader.
+  ``--receive-leads none,0`` also rows ``pipetrain-leadnone``/``-lead0``:
+  ``Pipeline(receive_lead=N)`` (each receive posted at most N compute actions before its reader;
+  none: where lowering puts them, as soon as the value can have arrived).
 
 Efficiency = limit / step time, the limit being every rank running its own stages of the
 schedule's layout with no pipeline and no transfers (forward and backward of each local stage per
@@ -261,9 +262,10 @@ def measure_limit(ctx: Ctx, masters: Masters, shape: Shape, layout: str, v: int,
 
 
 def run_pipetrain(
-    ctx: Ctx, masters: Masters, shape: Shape, name: str, n: int, lead: int | None = None
+    ctx: Ctx, masters: Masters, shape: Shape, name: str, n: int, lead: int | str | None = "default"
 ) -> dict:
-    """pipetrain's row; ``lead``: ``Pipeline(receive_lead=lead)`` (rows ``pipetrain-leadN``)."""
+    """pipetrain's row; ``lead``: ``Pipeline(receive_lead=lead)`` (rows ``pipetrain-leadN``;
+    ``pipetrain-leadnone``: receives where lowering puts them)."""
     from pipetrain.runtime.pipeline import Pipeline
 
     fam = FAMILIES[name]
@@ -278,7 +280,7 @@ def run_pipetrain(
         num_stages=num_stages,
         device=ctx.device,
         timeout=timedelta(seconds=ctx.args.op_timeout),
-        receive_lead=lead,
+        **({} if lead == "default" else {"receive_lead": lead}),
     )
     expect = local_stages(fam.layout, ctx.rank, ctx.world, fam.stages_per_rank)
     if sorted(pipe.placement.stages_of_rank(ctx.rank)) != sorted(expect):
@@ -295,7 +297,7 @@ def run_pipetrain(
     if timelines:
         row["bubble_measured"] = statistics.fmean(t.bubble_fraction for t in timelines)
         row["makespan_measured_ms"] = statistics.fmean(t.makespan for t in timelines)
-    lib = PIPETRAIN if lead is None else f"{PIPETRAIN}-lead{lead}"
+    lib = PIPETRAIN if lead == "default" else f"{PIPETRAIN}-lead{lead}".lower()
     row.update(profiled(ctx, lib, shape, name, n, lambda: pipe.step(x, y), opt, params))
     return row
 
@@ -557,7 +559,8 @@ def versions() -> dict:
 def runner(lib: str):
     """The function that measures ``lib``'s row (``pipetrain-leadN``: pipetrain, receives late)."""
     if lib.startswith(f"{PIPETRAIN}-lead"):
-        return functools.partial(run_pipetrain, lead=int(lib.removeprefix(f"{PIPETRAIN}-lead")))
+        lead = lib.removeprefix(f"{PIPETRAIN}-lead")
+        return functools.partial(run_pipetrain, lead=None if lead == "none" else int(lead))
     return RUNNERS[lib]
 
 
@@ -858,8 +861,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--receive-leads",
         default="",
-        help="comma list of Pipeline(receive_lead=N) variants to run beside pipetrain's default "
-        "(rows pipetrain-leadN)",
+        help="comma list of Pipeline(receive_lead=N) variants to run beside pipetrain's default, "
+        "N a number or none (rows pipetrain-leadN)",
     )
     p.add_argument(
         "--timeline-steps",

@@ -11,8 +11,8 @@
 #   p3-blocks2  the block stack at 2 ranks, 16 and 8 micro-batches budget 150 s, timeout 180 s
 #   p4-wide2    the wide shape at 2 ranks (8 micro-batches first, 4 timed steps), with whatever
 #               time is left (about 90 s: the 8-micro-batch 1F1B and interleaved rows)
-# PLAN=leads2 runs another list on 2 GPUs instead (receives posted late against the default and
-# Megatron-Core, the 8-micro-batch V rows, one profile): see its parts below.
+# PLAN=leads2 and PLAN=confirm2 run other lists on 2 GPUs instead (receives posted late against
+# where lowering puts them, and Megatron-Core): see their parts below.
 # Each part's harness stops starting rows at its budget (--budget-s: a row starts only if the
 # longest row so far still fits); the timeout adds start-up (~15 s) and one overrunning row.
 # Run from a folder holding pipetrain/, benchmarks/ and .whl/ (the carried wheels of
@@ -123,6 +123,18 @@ if [ "${PLAN:-issue13}" = leads2 ]; then
   part q4-prof 2 40 90 --shapes "$GPT" --microbatches 16 --schedules interleaved-1f1b \
     --libraries none --torch-schedules none --receive-leads 1 --timeline-steps 0 \
     --profile pipetrain-lead1:interleaved-1f1b,pipetrain:interleaved-1f1b
+elif [ "${PLAN:-issue13}" = confirm2 ]; then
+  # PLAN=confirm2 (2 GPUs): the default receive_lead=1 against receives where lowering puts
+  # them (rows pipetrain-leadnone) and Megatron-Core: the wide shape, then the 8- and
+  # 16-micro-batch interleaved rows of the GPT and the block stack again
+  L="--receive-leads none --torch-schedules none --libraries megatron"
+  part c1-wide16 2 150 180 --shapes "$WIDE" --microbatches 16 \
+    --schedules interleaved-1f1b,zbv,dualpipev,1f1b $L
+  part c2-wide8 2 100 130 --shapes "$WIDE" --microbatches 8 \
+    --schedules interleaved-1f1b,zbv,dualpipev $L
+  part c3-il8 2 90 120 --shapes "$BLOCKS,$GPT" --microbatches 8 --schedules interleaved-1f1b $L
+  part c4-il16 2 100 130 --shapes "$BLOCKS,$GPT" --microbatches 16 --schedules interleaved-1f1b \
+    --steps 8 $L
 else
 part p1-wide4 "$NPROC4" 175 215 --shapes "$WIDE" --microbatches 16,8 --schedules $ALL
 part p2-prof4 "$NPROC4" 45 100 --shapes "$GPT" --microbatches 16 --schedules interleaved-1f1b \

@@ -61,7 +61,10 @@ def check_arguments(args: argparse.Namespace) -> Layout:
         value = getattr(args, opt.dest)
         if opt.choices and value not in opt.choices:
             raise ValueError(f"{opt.flags[0]} must be one of {', '.join(opt.choices)}")
-        if type(value) in (int, float) and opt.dest != "seed" and value <= 0:
+        if opt.dest == "receive_lead":
+            if value is not None and (type(value) is not int or value < 0):
+                raise ValueError(f"{opt.flags[0]} must be none or an integer >= 0, got {value}")
+        elif type(value) in (int, float) and opt.dest != "seed" and value <= 0:
             raise ValueError(f"{opt.flags[0]} must be > 0, got {value}")
     shape = model_shape(args)
     shape.check()

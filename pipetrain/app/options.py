@@ -43,6 +43,19 @@ class _Opt:
         return self.flags[0].lstrip("-").replace("-", "_")
 
 
+def receive_lead(text: str) -> int | None:
+    """``none`` or an integer >= 0 (``--receive-lead``)."""
+    if text == "none":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected none or an integer >= 0, got {text!r}")
+    return value
+
+
 #: the shape ``pipetrain train`` runs without flags or a plan
 DEFAULT_SCHEDULE, DEFAULT_RANKS, DEFAULT_MICROBATCHES = "1f1b", 2, 4
 #: flags that define the model (``pipetrain profile`` takes them too)
@@ -160,6 +173,14 @@ OPTIONS = (
         "how I/W split the backward: deferred linear weight GEMMs (the zero-bubble paper's way), "
         "graph replay (any module), or auto (deferred on stages made mostly of linears)",
         ("auto", "deferred", "replay"),
+    ),
+    _Opt(
+        ("--receive-lead",),
+        receive_lead,
+        1,
+        "{none,0,1,...}",
+        "post each receive at most this many compute actions before the one that reads it "
+        "(1: Megatron-Core's overlapped P2P; none: as soon as its value can have arrived)",
     ),
     _Opt(
         ("--timeout",),

@@ -97,6 +97,7 @@ def train(args: argparse.Namespace, device: torch.device) -> Run:
             device=device,
             timeout=timedelta(seconds=args.timeout),
             defer_weight_grads=_DEFER[args.weight_grads],
+            receive_lead=args.receive_lead,
             tied=model.tied,
             **placement,
         )

@@ -65,11 +65,13 @@ class Pipeline:
     ``dp`` column holds DDP or FSDP2 replicas of its stages, each replica steps on its own shard
     of the global batch, and gradients are reduced once per step (``runtime.data_parallel``).
     ``receive_lead``: post each receive at most this many compute actions before the one that
-    reads it (``schedule.lower.post_receives_late``; 1 is Megatron-Core's overlapped P2P, 0 posts
-    it right before its reader); ``None`` (default): where lowering puts it, as soon as the
-    value can have arrived. On NCCL a posted receive is a kernel resident on the GPU until its
-    data comes, beside the compute. The moved program is checked against this runtime's
-    transport (``validate(..., "posted")``) before anything runs.
+    reads it (``schedule.lower.post_receives_late``). Default 1, Megatron-Core's overlapped P2P:
+    the transfer runs under the compute just before its reader. On NCCL a posted receive is a
+    kernel resident on the GPU until its data comes, slowing the compute beside it; receives
+    posted where lowering puts them, as soon as the value can have arrived (``None``), were up
+    to 2–4% slower on interleaved 1F1B (docs/incumbents.md). 0 posts each right before its
+    reader. A program you pass already lowered is moved too; ``None`` runs it as given. The
+    moved program is checked against this runtime's transport (``validate(..., "posted")``).
     """
 
     @posts_failures
@@ -92,7 +94,7 @@ class Pipeline:
         tied: Sequence[Sequence[str]] = (),
         mesh=None,
         data_parallel: str | None = None,
-        receive_lead: int | None = None,
+        receive_lead: int | None = 1,
     ) -> None:
         resolve.require_process_group()
         if loss_fn is None:

@@ -92,7 +92,7 @@ def count_stages(stages: Stages, num_stages: int | None) -> int:
 
 
 def resolve_program(
-    schedule, num_microbatches, total, world, stages_per_rank, receive_lead: int | None = None
+    schedule, num_microbatches, total, world, stages_per_rank, receive_lead: int | None = 1
 ) -> Program:
     if isinstance(schedule, Program):
         program = schedule
