@@ -11,7 +11,7 @@
 #   p3-blocks2  the block stack at 2 ranks, 16 and 8 micro-batches budget 150 s, timeout 180 s
 #   p4-wide2    the wide shape at 2 ranks (8 micro-batches first, 4 timed steps), with whatever
 #               time is left (about 90 s: the 8-micro-batch 1F1B and interleaved rows)
-# PLAN=leads2, PLAN=confirm2 and PLAN=gpt2 run other lists on 2 GPUs instead (receives posted late against
+# PLAN=leads2, PLAN=confirm2 and PLAN=full2 run other lists on 2 GPUs instead (receives posted late against
 # where lowering puts them, and Megatron-Core): see their parts below.
 # Each part's harness stops starting rows at its budget (--budget-s: a row starts only if the
 # longest row so far still fits); the timeout adds start-up (~15 s) and one overrunning row.
@@ -135,9 +135,10 @@ elif [ "${PLAN:-issue13}" = confirm2 ]; then
   part c3-il8 2 90 120 --shapes "$BLOCKS,$GPT" --microbatches 8 --schedules interleaved-1f1b $L
   part c4-il16 2 100 130 --shapes "$BLOCKS,$GPT" --microbatches 16 --schedules interleaved-1f1b \
     --steps 8 $L
-elif [ "${PLAN:-issue13}" = gpt2 ]; then
-  # PLAN=gpt2 (2 GPUs): the GPT's whole table (every library and family, 16 and 8 micro-batches)
-  part g2-gpt 2 250 290 --shapes "$GPT" --microbatches 16,8 --schedules $ALL
+elif [ "${PLAN:-issue13}" = full2 ]; then
+  # PLAN=full2 (2 GPUs): one shape's whole table (SHAPE, default the GPT: every library and
+  # family, 16 and 8 micro-batches)
+  part "g2-${SHAPE:-$GPT}" 2 250 290 --shapes "${SHAPE:-$GPT}" --microbatches 16,8 --schedules $ALL
 else
 part p1-wide4 "$NPROC4" 175 215 --shapes "$WIDE" --microbatches 16,8 --schedules $ALL
 part p2-prof4 "$NPROC4" 45 100 --shapes "$GPT" --microbatches 16 --schedules interleaved-1f1b \
