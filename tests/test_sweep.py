@@ -12,6 +12,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pipetrain.runtime.resolve import forward_only
 from pipetrain.schedule.action import OpKind
 from pipetrain.schedule.builders.interleaved import legal_group_sizes
 from pipetrain.schedule.lower import lower, post_receives_late
@@ -102,6 +103,7 @@ def test_every_accepted_shape_lowers_validates_and_simulates(name, p, v, m, cost
     # the runtime's transport runs it too, with receives posted as late as ``lead`` allows
     validate(lowered, "posted")
     validate(post_receives_late(lowered, lead), "posted")
+    forward_only(lowered, lead)  # eval's program, its receives moved alike (checked inside)
     f, i, w, c = costs
     timeline = simulate(lowered, Costs(forward=f, backward_input=i, backward_weight=w, comm=c))
     assert timeline.makespan >= max(timeline.busy) - 1e-9

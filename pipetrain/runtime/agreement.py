@@ -80,7 +80,9 @@ class Agreement:
         pause = 0.001
         while not self.store.check(keys):
             notices = self.failures.read(timedelta(0))
-            if notices:
+            # a peer may have written its record, refused the exchange and posted its failure
+            # between the two reads: then every record is here and this rank refuses on its own
+            if notices and not self.store.check(keys):
                 origin, message = next(iter(notices.values()))
                 error = PeerFailedError(
                     f"rank {self.rank}: {what}: rank {origin} failed: {message}"

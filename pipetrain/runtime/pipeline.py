@@ -135,6 +135,7 @@ class Pipeline:
             schedule, num_microbatches, total, self.world_size, stages_per_rank, receive_lead
         )
         self.num_microbatches = self.program.num_microbatches
+        self.receive_lead = receive_lead
         self.placement = self.program.placement
         self.last_stage = self.placement.num_stages - 1
         self.last_rank = self.placement.rank(self.last_stage)
@@ -366,7 +367,7 @@ class Pipeline:
     def eval_step(self, inputs, *, side=None):
         """Forward only; the last stage's outputs (merged) on the rank that holds it, else None."""
         if self._eval_program is None:
-            self._eval_program = resolve.forward_only(self.program)
+            self._eval_program = resolve.forward_only(self.program, self.receive_lead)
         mbs = self._split(inputs, None, side)
         rows = self._eval_program.actions[self.rank]
         with torch.no_grad():

@@ -21,6 +21,7 @@ from torch import nn
 from pipetrain.schedule import deps
 from pipetrain.schedule.action import Action, OpKind
 from pipetrain.schedule.lower import lower, post_receives_late
+from pipetrain.schedule.posted_p2p import run_posted
 from pipetrain.schedule.program import Program
 from pipetrain.schedule.validate import validate
 
@@ -160,10 +161,12 @@ def local_modules(stages: Stages, mine: tuple[int, ...], device) -> dict[int, nn
     return out
 
 
-def forward_only(program: Program) -> Program:
-    """The program's forwards alone (pair parts included), lowered again for eval.
+def forward_only(program: Program, receive_lead: int | None = None) -> Program:
+    """The program's forwards alone (pair parts included), lowered again for eval, its receives
+    moved as the training program's were (``receive_lead``).
 
-    ``validate`` would reject it (no backward); ``lower``'s dependency walk is the run check.
+    ``validate`` would reject it (no backward); ``lower``'s dependency walk is the run check, and
+    the runtime transport's model (``posted_p2p``) checks the moved receives.
     """
     rows = tuple(
         tuple(
@@ -175,7 +178,12 @@ def forward_only(program: Program) -> Program:
         )
         for row in program.actions
     )
-    return lower(Program(program.placement, program.num_microbatches, rows, program.name))
+    lowered = lower(Program(program.placement, program.num_microbatches, rows, program.name))
+    if receive_lead is None:
+        return lowered
+    moved = post_receives_late(lowered, receive_lead)
+    run_posted(moved)
+    return moved
 
 
 #: the fields a plan must give (``pipetrain plan --json`` prints them, with ``predicted``)
