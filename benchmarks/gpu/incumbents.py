@@ -88,18 +88,23 @@ from gpu_setup import (
     stats,
     time_steps,
 )
+from incumbents_report import (  # beside this script
+    DEEPSPEED,
+    MEGATRON,
+    MEGATRON_NOSYNC,
+    PIPETRAIN,
+    PT_FAMILIES,
+    TORCH,
+    report,
+    tables,
+)
 from profile_pipeline_gpu import device_kernels, summarise  # beside this script
 from torch import nn
 
 from pipetrain.app.models.gpt import GPTConfig, GPTStage, lm_loss, make_stage, stage_layers
+from pipetrain.sim.costs import measured_costs
+from pipetrain.sim.simulate import simulate
 
-PIPETRAIN, TORCH, MEGATRON, MEGATRON_NOSYNC, DEEPSPEED = (
-    "pipetrain",
-    "torch",
-    "megatron",
-    "megatron-nosync",
-    "deepspeed",
-)
 #: which libraries run which schedule family
 LIBRARY_FAMILIES = {
     MEGATRON: ("1f1b", "interleaved-1f1b"),
@@ -285,6 +290,7 @@ def run_pipetrain(
     expect = local_stages(fam.layout, ctx.rank, ctx.world, fam.stages_per_rank)
     if sorted(pipe.placement.stages_of_rank(ctx.rank)) != sorted(expect):
         raise RuntimeError(f"pipetrain's placement differs from the incumbents' {expect}")
+    lib = PIPETRAIN if lead == "default" else f"{PIPETRAIN}-lead{lead}".lower()
     params = list(pipe.parameters())
     opt = make_optimizer(ctx, params)
     x, y = shape.batch(ctx, n)
@@ -297,9 +303,29 @@ def run_pipetrain(
     if timelines:
         row["bubble_measured"] = statistics.fmean(t.bubble_fraction for t in timelines)
         row["makespan_measured_ms"] = statistics.fmean(t.makespan for t in timelines)
-    lib = PIPETRAIN if lead == "default" else f"{PIPETRAIN}-lead{lead}".lower()
+        # the same program simulated with the per-stage times this run measured (transfers free)
+        simulated = simulate(pipe.program, measured_costs(timelines, num_stages))
+        row["bubble_simulated"] = simulated.bubble_fraction
+        row["makespan_simulated_ms"] = simulated.makespan
+        if ctx.rank == 0 and ctx.args.out:
+            draw_step(
+                Path(ctx.args.out), f"{shape.name}-{name}-{n}-{lib}", timelines[-1], simulated
+            )
     row.update(profiled(ctx, lib, shape, name, n, lambda: pipe.step(x, y), opt, params))
     return row
+
+
+def draw_step(out: Path, stem: str, measured, simulated) -> None:
+    """``steps/<stem>-measured.svg`` and ``-simulated.svg``: the step as it ran and as the simulator
+    predicts it from the same step's measured per-stage times, on the same time scale."""
+    from pipetrain.render.svg import render_svg
+
+    folder = out / "steps"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{stem}-measured.svg").write_text(render_svg(measured, title=f"{stem}, measured"))
+    (folder / f"{stem}-simulated.svg").write_text(
+        render_svg(simulated, title=f"{stem}, simulated from its measured stage times")
+    )
 
 
 def profiled(ctx: Ctx, lib: str, shape: Shape, name: str, n: int, step, opt, params) -> dict:
@@ -684,162 +710,6 @@ def write_json(out: Path, meta: dict, limits: dict, rows: list[dict]) -> None:
 # ---------------------------------------------------------------------------------------------
 # tables and the issue's targets
 # ---------------------------------------------------------------------------------------------
-
-PT_FAMILIES = ("1f1b", "interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev")
-LIB_ORDER = (PIPETRAIN, MEGATRON, MEGATRON_NOSYNC, DEEPSPEED, TORCH)
-
-
-def lib_order(lib: str) -> tuple[int, str]:
-    """Table order: pipetrain and its variants first, then the incumbents."""
-    base = PIPETRAIN if lib.startswith(PIPETRAIN) else lib
-    return LIB_ORDER.index(base), lib
-
-
-def _ms(rows: list[dict], lib: str, name: str | None = None) -> dict | None:
-    for r in rows:
-        if r["lib"] == lib and (name is None or r["schedule"] == name) and "median_ms" in r:
-            return r
-    return None
-
-
-def tables(data: dict) -> str:
-    """Markdown: one table per shape × micro-batch count of one run."""
-    meta, rows = data["meta"], data["rows"]
-    lines = [f"**{meta['device']} × {meta['world']}** ({meta['versions']})", ""]
-    groups: dict[tuple[str, int], list[dict]] = {}
-    for r in rows:
-        groups.setdefault((r["shape"], r["microbatches"]), []).append(r)
-    for (shape, n), group in groups.items():
-        mc_best = min(
-            (r["median_ms"] for r in group if r["lib"].startswith(MEGATRON) and "median_ms" in r),
-            default=None,
-        )
-        lines += [
-            f"*{shape}, {n} micro-batches, {meta['world']} ranks*",
-            "",
-            "| schedule | lib | step ms med [min–max] | tok/s | TFLOP/s/GPU | eff | bubble meas "
-            "| peak GiB per rank | reserved GiB per rank | / megatron same | / megatron best "
-            "| / torch same | / deepspeed |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-        ]
-        order = sorted(
-            group,
-            key=lambda r: (PT_FAMILIES.index(r["schedule"]), lib_order(r["lib"])),
-        )
-        for r in order:
-            if "median_ms" not in r:
-                why = r.get("error") or r.get("skipped") or "?"
-                lines.append(f"| {r['schedule']} | {r['lib']} | {why} | | | | | | | | | | |")
-                continue
-            same = [x for x in group if x["schedule"] == r["schedule"]]
-
-            def ratio(lib: str, _r=r, _same=same) -> str:
-                ref = _ms(_same, lib)
-                if not _r["lib"].startswith(PIPETRAIN) or ref is None:
-                    return ""
-                return f"{_r['median_ms'] / ref['median_ms']:.3f}"
-
-            mine = r["lib"].startswith(PIPETRAIN)
-            best = f"{r['median_ms'] / mc_best:.3f}" if mc_best and mine else ""
-            ds = _ms(group, DEEPSPEED, "1f1b")
-            ds_ratio = f"{r['median_ms'] / ds['median_ms']:.3f}" if ds and mine else ""
-            mem, reserved = r.get("peak_total_gib"), r.get("peak_reserved_gib")
-            eff, bubble = r.get("efficiency"), r.get("bubble_measured")
-            lines.append(
-                f"| {r['schedule']} | {r['lib']} | {r['median_ms']:.1f} "
-                f"[{r['min_ms']:.1f}–{r['max_ms']:.1f}] | {r['tokens_per_s']:.0f} "
-                f"| {r['tflops_per_gpu']:.0f} | {'' if eff is None else f'{eff:.3f}'} "
-                f"| {'' if bubble is None else f'{bubble:.3f}'} "
-                f"| {'/'.join(f'{m:.2f}' for m in mem) if mem else '-'} "
-                f"| {'/'.join(f'{m:.2f}' for m in reserved) if reserved else '-'} | {ratio(MEGATRON)} "
-                f"| {best} | {ratio(TORCH)} | {ds_ratio} |"
-            )
-        lines.append("")
-        lines += profile_table(order)
-    return "\n".join(lines)
-
-
-def profile_table(rows: list[dict]) -> list[str]:
-    """Per rank, where the profiled step's device time went (rows run with ``--profile``)."""
-    traced = [r for r in rows if r.get("profile")]
-    if not traced:
-        return []
-    lines = [
-        "| schedule | lib | rank | step ms (profiled) | kernel window ms | idle ms | compute busy ms "
-        "| NCCL kernel ms | compute under NCCL ms | kernels |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in traced:
-        for p in r["profile"]:
-            k = p.get("kernel_ms", {})
-            cells = [p.get(c) for c in ("window_ms", "idle_ms", "compute_busy_ms")]
-            cells += [k.get("nccl"), p.get("compute_under_nccl_ms")]
-            lines.append(
-                f"| {r['schedule']} | {r['lib']} | {p['rank']} | {p['step_wall_ms']:.1f} | "
-                + " | ".join("" if c is None else f"{c:.1f}" for c in cells)
-                + f" | {p.get('kernels', 0)} |"
-            )
-    return [*lines, ""]
-
-
-def targets(data: dict) -> str:
-    """Issue 13's targets, met or missed, for one run (markdown bullet list)."""
-    meta, rows = data["meta"], data["rows"]
-    out = []
-    groups: dict[tuple[str, int], list[dict]] = {}
-    for r in rows:
-        groups.setdefault((r["shape"], r["microbatches"]), []).append(r)
-    for (shape, n), group in groups.items():
-        where = f"{shape}, {meta['world']} ranks, {n} mb"
-        for name in ("1f1b", "interleaved-1f1b"):
-            pt = _ms(group, PIPETRAIN, name)
-            for lib in (MEGATRON, MEGATRON_NOSYNC, TORCH, DEEPSPEED):
-                # DeepSpeed has only 1F1B: both pipetrain families are held to it
-                ref = _ms(group, lib, "1f1b" if lib == DEEPSPEED else name)
-                if pt is None or ref is None:
-                    continue
-                q = pt["median_ms"] / ref["median_ms"]
-                verdict = "met" if q <= 1.0 else "missed"
-                out.append(f"- {where}: pipetrain {name} / {lib}: {q:.3f} ({verdict})")
-                for key, what in (("peak_total_gib", "peak"), ("peak_reserved_gib", "reserved")):
-                    pm, rm = pt.get(key), ref.get(key)
-                    if not (pm and rm and ref["schedule"] == name):  # memory: same schedule only
-                        continue
-                    worse = [i for i, (a, b) in enumerate(zip(pm, rm)) if a > b]
-                    gap = max(a - b for a, b in zip(pm, rm))
-                    verdict = "met" if not worse else f"missed on ranks {worse}"
-                    out.append(
-                        f"- {where}: {what} memory pipetrain {name} ≤ {lib}: "
-                        f"{verdict} (largest per-rank difference {gap:+.3f} GiB)"
-                    )
-        pts = [r for r in group if r["lib"] == PIPETRAIN and "median_ms" in r]
-        mcs = [r for r in group if r["lib"].startswith(MEGATRON) and "median_ms" in r]
-        if pts and mcs:
-            a = min(pts, key=lambda r: r["median_ms"])
-            b = min(mcs, key=lambda r: r["median_ms"])
-            q = a["median_ms"] / b["median_ms"]
-            out.append(
-                f"- {where}: pipetrain best ({a['schedule']}) / megatron best ({b['lib']} "
-                f"{b['schedule']}): {q:.3f} ({'met' if q <= 0.90 else 'missed'}, target 0.90)"
-            )
-        bar = 0.97 if n >= 16 else 0.94
-        for name in ("zbv", "dualpipev"):
-            r = _ms(group, PIPETRAIN, name)
-            if r is not None and r.get("efficiency") is not None:
-                e = r["efficiency"]
-                out.append(
-                    f"- {where}: {name} efficiency {e:.3f} ({'met' if e >= bar else 'missed'}, "
-                    f"target {bar})"
-                )
-    return "\n".join(out)
-
-
-def report(paths: list[Path]) -> str:
-    parts = []
-    for p in paths:
-        data = json.loads(p.read_text())
-        parts += [tables(data), targets(data), ""]
-    return "\n".join(parts)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
