@@ -294,13 +294,15 @@ def test_top_level_plan_is_the_planner() -> None:
     assert pipetrain.plan is pipetrain.planner.plan
 
 
-def test_pick_is_near_the_exhaustive_best_cut() -> None:
-    """Against simulating every cut of small models with very uneven layers: one stage per rank
-    exact, several stages per rank within 3% on these seeds (docs/planning.md;
-    benchmarks/plan_optimality.py runs 180 models)."""
+@pytest.mark.parametrize("seed", [1, 9])
+def test_pick_is_the_exhaustive_best_cut_of_small_models(seed) -> None:
+    """Against simulating every cut of small models with very uneven layers, one and two stages
+    per rank: the pick is the best cut (docs/planning.md; benchmarks/plan_optimality.py runs 540
+    models). Seed 9 needs the refinement's moves between distant stages: without them its
+    interleaved 1F1B pick was 3.1% above the best."""
     import random
 
-    rng = random.Random(1)
+    rng = random.Random(seed)
     for _ in range(8):
         num_layers, ranks = rng.randint(4, 7), rng.choice([2, 3])
         layers = []
@@ -309,20 +311,20 @@ def test_pick_is_near_the_exhaustive_best_cut() -> None:
             i, w = f * rng.uniform(0.5, 1.5), f * rng.uniform(0.3, 1.2)
             layers.append(layer(f"l{n}", f, i, w, rng.uniform(0, 1), 0.0))
         costs = ModelCosts(layers=tuple(layers), comm=rng.choice([0.0, 0.2]))
-        for name, tolerance in (
-            ("1f1b", 1e-9),
-            ("zb-h1", 1e-9),
-            ("interleaved-1f1b", 0.03),
-            ("zbv", 0.03),
-        ):
+        for name, v in (("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2), ("zbv", 2)):
             m = 2 * ranks
             found = search(
-                costs, num_ranks=ranks, memory_gib=1e9, schedules=[name], microbatches=[m]
+                costs,
+                num_ranks=ranks,
+                memory_gib=1e9,
+                schedules=[name],
+                microbatches=[m],
+                stages_per_rank=[v],
             )
             if not found.candidates:
                 continue
             pick = found.best.plan
-            program = build_schedule(name, ranks, m, pick.stages_per_rank)
+            program = build_schedule(name, ranks, m, v)
             chain = program.placement.stages_per_chain
             best = min(
                 simulate_plan(
@@ -330,4 +332,4 @@ def test_pick_is_near_the_exhaustive_best_cut() -> None:
                 )[0].makespan
                 for ends in combinations(range(1, num_layers), chain - 1)
             )
-            assert pick.step_ms <= best * (1 + tolerance), (name, pick.stage_layers)
+            assert pick.step_ms <= best * (1 + 1e-9), (name, pick.stage_layers)

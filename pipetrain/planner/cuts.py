@@ -7,8 +7,8 @@ families runs at that pace, so the cuts that minimise the busiest stage (``parti
 exact; filled from the front, from the back, and evenly) are the ones to beat; with several
 stages per rank a rank-balanced cut joins them, the uniform cut always does, and when the fastest
 does not fit, the same exact search runs under per-stage memory caps derived from the simulated
-in-flight counts. The simulation judges them all (``judge``); ``refine`` then moves the
-boundaries of the best cuts of the fastest shapes one layer at a time.
+in-flight counts. The simulation judges them all (``judge``); ``refine`` then moves layers
+between the stages of the best cuts of the fastest shapes, one or two at a time.
 """
 
 from __future__ import annotations
@@ -91,8 +91,8 @@ def refine(
 ) -> list[Candidate]:
     """Hill-climb the cuts of the fastest fitting shapes with the simulation as the judge: from
     each distinct fitting cut of a shape (fastest first), move one boundary by one layer (from
-    the heavier of its two stages first; or two boundaries), keep the first move that is faster
-    and fits, repeat until none is or the budget of simulated actions is spent. What the min-max
+    the heavier of its two stages first), hand a layer between distant stages, or make two such
+    moves (``_neighbours``), keep the first move that is faster and fits, repeat until none is or the budget of simulated actions is spent. What the min-max
     objective cannot see (fill and drain, comm, W filling bubbles, several stages per rank) the
     simulation can. Climbing from every starting cut, not only the best, matters with several
     stages per rank, where a rank's load is a sum over distant stages and one climb can stop in
@@ -131,17 +131,47 @@ def refine(
 
 #: longest chain of stages whose two-move neighbourhood the refinement searches
 PAIR_MOVES_UP_TO = 32
+#: longest chain whose two-move neighbourhood includes handovers between distant stages (it
+#: grows with the fourth power of the chain)
+FAR_PAIRS_UP_TO = 8
 
 
 def _neighbours(cut: tuple[int, ...], time: Sequence[float]):
-    """One-layer moves first; then, for chains up to ``PAIR_MOVES_UP_TO`` stages, two of them
-    (with several stages per rank a rank's load is split over distant stages, so the better
-    cut is often two moves away through a worse one)."""
+    """One-layer moves between neighbouring stages first; then, for chains up to
+    ``PAIR_MOVES_UP_TO`` stages, one layer handed between two distant stages (every stage
+    between them shifting by a layer: with several stages per rank the first and the last stage
+    of a V share a rank, and such a move keeps the rank loads and changes only fill and drain),
+    and two neighbouring moves (a rank's load is split over distant stages, so the better cut is
+    often two moves away through a worse one); up to ``FAR_PAIRS_UP_TO`` stages, also two moves
+    of which one or both are handovers. On small random models this finds the exhaustive best
+    cut every time (benchmarks/plan_optimality.py, docs/planning.md)."""
     singles = _moves(cut, time)
     yield from singles
-    if len(cut) <= PAIR_MOVES_UP_TO:
-        for first in singles:
+    if len(cut) > PAIR_MOVES_UP_TO:
+        return
+    far = _handovers(cut)
+    yield from far
+    for first in singles:
+        yield from _moves(first, time)
+    if len(cut) <= FAR_PAIRS_UP_TO:
+        for first in singles + far:
+            yield from _handovers(first)
+        for first in far:
             yield from _moves(first, time)
+
+
+def _handovers(cut: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Cuts where stage ``give`` hands one layer to a stage at least two positions away."""
+    out = []
+    for give in range(len(cut)):
+        if cut[give] > 1:
+            for take in range(len(cut)):
+                if abs(take - give) > 1:
+                    moved = list(cut)
+                    moved[give] -= 1
+                    moved[take] += 1
+                    out.append(tuple(moved))
+    return out
 
 
 def _moves(cut: tuple[int, ...], time: Sequence[float]) -> list[tuple[int, ...]]:
