@@ -208,3 +208,28 @@ def test_late_receives_refuse_bad_input() -> None:
         post_receives_late(build_1f1b(2, 2), 1)
     with pytest.raises(ValueError, match="p2p must be one of blocking, posted"):
         validate(build_1f1b(2, 2), "eager")
+
+
+@pytest.mark.parametrize("name", ["1f1b", "interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev"])
+def test_late_receives_keep_each_direction_in_order(name) -> None:
+    """A rank's transfers flowing up (sends to higher ranks, receives from lower) keep their
+    order, and so do those flowing down: a backend may run each direction's group as one stream."""
+    base = lower(build_schedule(name, 4, 8))
+    late = post_receives_late(base, 0)
+    rank_of = base.placement.rank
+
+    def streams(row, rank):
+        out: dict[bool, list] = {True: [], False: []}
+        for a in row:
+            if a.is_comm:
+                peer = rank_of(deps.peer(a).stage)
+                receives = a.kind in (OpKind.RECV_F, OpKind.RECV_B)
+                out[rank > peer if receives else peer > rank].append(a)
+        return out
+
+    moved = 0
+    for rank, (before, after) in enumerate(zip(base.actions, late.actions)):
+        assert streams(before, rank) == streams(after, rank)
+        moved += before != after
+    assert moved  # the pass did move receives (past compute actions and the other direction)
+    validate(late, "posted")

@@ -90,10 +90,14 @@ def inject_comms(program: Program) -> Program:
 def post_receives_late(program: Program, lead: int) -> Program:
     """Move every RECV to at most ``lead`` compute actions before the compute action that reads it.
 
-    A receive never moves earlier, never past its reader, and never past a later receive from the
-    same peer: receives from one peer keep their order, so each pair of ranks still posts its
-    transfers in the same order on both ends. Sends stay where they are. The result is validated
-    like any program (``validate``): the blocking batched model decides whether it can run.
+    A receive never moves earlier, never past its reader, and never past a later transfer of its
+    own *stream*: on a rank, the transfers whose data flows towards higher ranks (sends to higher
+    ranks, receives from lower ones) form one stream, those flowing down the other — the two
+    process groups of ``runtime.p2p``, whose operations a backend may run one after the other
+    in posting order (one NCCL communicator per group). So each stream keeps the order lowering
+    gave it, in particular receives from one peer keep their order, and only compute actions
+    and the other stream's transfers are passed. Sends stay where they are. The result is checked
+    like any program, with the runtime transport's model (``validate(..., "posted")``).
     """
     if lead < 0:
         raise ValueError(f"a receive's lead is a number of compute actions >= 0, got {lead}")
@@ -104,7 +108,7 @@ def post_receives_late(program: Program, lead: int) -> Program:
     per_chain = program.placement.stages_per_chain
     rank_of = program.placement.rank
     rows = []
-    for row in program.actions:
+    for rank, row in enumerate(program.actions):
         # slot k: the run of transfers just before the row's k-th compute action (k = the number
         # of compute actions before it); the row's end is the last slot
         slot_of: list[int] = []
@@ -117,16 +121,18 @@ def post_receives_late(program: Program, lead: int) -> Program:
                     readers.setdefault(key, slots)
                 slots += 1
         target = list(slot_of)
-        nearest_later: dict[int, int] = {}  # peer rank -> slot of the next receive from it
+        nearest_later: dict[bool, int] = {}  # stream (flows up?) -> slot of its next transfer
         for i in range(len(row) - 1, -1, -1):
             action = row[i]
-            if action.kind not in _RECVS:
+            if not action.is_comm:
                 continue
-            key = deps.comm_key(action)
-            late = readers.get(key, slot_of[i] + lead) - lead
-            peer = rank_of(key[1])
-            slot = max(slot_of[i], min(late, nearest_later.get(peer, late)))
-            target[i] = nearest_later[peer] = slot
+            peer = rank_of(deps.peer(action).stage)
+            receives = action.kind in _RECVS
+            up = rank > peer if receives else peer > rank
+            if receives:
+                late = readers.get(deps.comm_key(action), slot_of[i] + lead) - lead
+                target[i] = max(slot_of[i], min(late, nearest_later.get(up, late)))
+            nearest_later[up] = target[i]
         order = sorted(range(len(row)), key=lambda i: (target[i], not row[i].is_comm, i))
         rows.append([row[i] for i in order])
     return program.with_actions(rows)

@@ -11,18 +11,24 @@ deadlock: this module plays that transport instead.
 The model, per rank, in row order:
 
 * a SEND or RECV is posted and the rank goes on;
-* transfers from one rank to another form one first-in-first-out channel (one NCCL stream per
-  pair and direction; gloo's tag-0 queue per pair): the n-th send from a to b carries the n-th
-  value b receives from a, and a transfer completes once both halves are posted and the one
-  before it on the channel has completed. Two ends that disagree on the order would deliver one
-  micro-batch's tensor into another's buffer — silently wrong where the shapes agree — so that is
-  refused outright;
+* transfers from one rank to another match by position: the n-th send from a to b carries the
+  n-th value b receives from a. Two ends that disagree on the order would deliver one
+  micro-batch's tensor into another's buffer — silently wrong where the shapes agree — so that
+  is refused outright (``check_channel_order``);
+* on each rank, the transfers whose data flows towards higher ranks (sends to higher ranks,
+  receives from lower ones) run one after the other in posting order, and so do those flowing
+  down: the runtime's two process groups (``runtime.p2p``). A transfer runs once its send and
+  its receive are each first in their stream. Today's NCCL runs each *pair* of ranks of a group
+  on a stream of its own, so this is stricter than needed; it also holds where a backend runs a
+  whole group on one communicator (as torch does for batched P2P once the process group is
+  initialised eagerly), so a program it accepts cannot hang there either. Gloo queues per pair;
+  it is covered the same way;
 * a compute action waits until every value it reads was computed on the rank or has arrived;
 * while shapes are being discovered (the first step) a RECV_F waits for its metadata, which
-  travels on the same channel just ahead of the payload: the rank waits at the RECV_F until that
-  transfer completes. The check plays this stricter first step, so the later ones follow.
+  travels in the same stream just ahead of the payload: the rank waits at the RECV_F until that
+  transfer has run. The check plays this stricter first step, so the later ones follow.
 
-A rank that cannot go on waits on its channel; if every unfinished rank waits, the error names
+A rank that cannot go on waits on a transfer; if every unfinished rank waits, the error names
 each one's action and what it waits for.
 """
 
@@ -92,35 +98,55 @@ def run_posted(program: Program) -> None:
     """Play a paired, lowered program with the runtime's transport; ``ScheduleError`` on deadlock.
 
     Pairing and each row's own order (a SEND after its value is computed, a compute after its
-    inputs' RECVs) are ``transfer_checks``'s; this checks the order on every channel and then
-    that every rank reaches its row's end.
+    inputs' RECVs) are ``transfer_checks``'s; this checks the order between every two ranks and
+    then that every rank reaches its row's end with each direction's transfers run in order.
     """
     placement = program.placement
     per_chain = placement.stages_per_chain
     rows = program.actions
     sent = check_channel_order(program)
-    # position of each value on its channel, and the channel
-    index: dict[deps.Key, tuple[Channel, int]] = {
-        key: (channel, n) for channel, values in sent.items() for n, key in enumerate(values)
+    ends: dict[deps.Key, Channel] = {
+        key: channel for channel, values in sent.items() for key in values
     }
-    sends_posted: dict[Channel, int] = dict.fromkeys(sent, 0)
-    recvs_posted: dict[Channel, int] = dict.fromkeys(sent, 0)
-    completed: dict[Channel, int] = dict.fromkeys(sent, 0)
+    # one first-in-first-out stream per rank and direction; each op is its transfer's key
+    streams: dict[tuple[int, bool], deque[deps.Key]] = {}
+    halves_first: dict[deps.Key, int] = {}  # how many halves of a transfer are first in line
+    arrived_keys: set[deps.Key] = set()
     local: list[set[deps.Key]] = [set() for _ in rows]
     pos = [0] * len(rows)
-    parked: dict[Channel, list[int]] = {}
+    parked: dict[deps.Key, list[int]] = {}
     blocked_on: dict[int, tuple[int, Action, deps.Key]] = {}
     work = deque(range(len(rows)))
+    posted_at: dict[int, int] = {}  # a rank waiting at a RECV_F it has already posted: its step
 
     def arrived(key: deps.Key) -> bool:
-        channel, n = index[key]
-        return completed[channel] > n
+        return key in arrived_keys
 
-    def advance(channel: Channel) -> None:
-        done = min(sends_posted[channel], recvs_posted[channel])
-        if done > completed[channel]:
-            completed[channel] = done
-            work.extend(parked.pop(channel, ()))
+    def first_in_line(key: deps.Key) -> None:
+        """One half of ``key``'s transfer is first in its stream; with both, it runs, and the
+        transfers behind it move up (iteratively: one can set off a long cascade)."""
+        todo = [key]
+        while todo:
+            key = todo.pop()
+            halves_first[key] = halves_first.get(key, 0) + 1
+            if halves_first[key] < 2:
+                continue
+            del halves_first[key]
+            arrived_keys.add(key)
+            work.extend(parked.pop(key, ()))
+            sender, receiver = ends[key]
+            for end in (sender, receiver):
+                stream = streams[end, receiver > sender]
+                stream.popleft()
+                if stream:
+                    todo.append(stream[0])
+
+    def post(rank: int, key: deps.Key) -> None:
+        sender, receiver = ends[key]
+        stream = streams.setdefault((rank, receiver > sender), deque())
+        stream.append(key)
+        if len(stream) == 1:
+            first_in_line(key)
 
     while work:
         rank = work.popleft()
@@ -130,33 +156,28 @@ def run_posted(program: Program) -> None:
             action = row[pos[rank]]
             if action.is_comm:
                 key = deps.comm_key(action)
-                channel, n = index[key]
-                if action.kind in SEND_KINDS:
-                    sends_posted[channel] += 1
-                    advance(channel)
-                else:
-                    if recvs_posted[channel] == n:  # posted once, even when waited for again
-                        recvs_posted[channel] += 1
-                        advance(channel)
-                    if action.kind is OpKind.RECV_F and not arrived(key):
-                        blocked_on[rank] = (pos[rank], action, key)
-                        parked.setdefault(channel, []).append(rank)
-                        break
-                    if action.kind in RECV_KINDS and arrived(key):
-                        here.add(key)
+                if posted_at.get(rank) != pos[rank]:
+                    post(rank, key)
+                if action.kind is OpKind.RECV_F and not arrived(key):
+                    blocked_on[rank] = (pos[rank], action, key)
+                    posted_at[rank] = pos[rank]
+                    parked.setdefault(key, []).append(rank)
+                    break
+                if action.kind in RECV_KINDS and arrived(key):
+                    here.add(key)
                 pos[rank] += 1
                 continue
             missing = None
             for key in deps.requires(action, per_chain):
                 if key in here:
                     continue
-                if key in index and index[key][0][1] == rank and arrived(key):
+                if key in ends and ends[key][1] == rank and arrived(key):
                     here.add(key)
                     continue
                 missing = key
                 break
             if missing is not None:
-                if missing not in index:
+                if missing not in ends:
                     raise ScheduleError(
                         f"rank {rank} step {pos[rank]}: {action} needs "
                         f"{describe_key(missing, placement)}, which nothing before it brings",
@@ -164,7 +185,7 @@ def run_posted(program: Program) -> None:
                         [(rank, pos[rank])],
                     )
                 blocked_on[rank] = (pos[rank], action, missing)
-                parked.setdefault(index[missing][0], []).append(rank)
+                parked.setdefault(missing, []).append(rank)
                 break
             here.update(deps.produces(action))
             pos[rank] += 1
