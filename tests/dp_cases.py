@@ -9,6 +9,7 @@ process on the whole batch.
 from __future__ import annotations
 
 import torch
+from runtime_cases import _error_of
 from torch import nn
 
 WIDTH = 6
@@ -291,14 +292,6 @@ def _tied_case(mesh, replica: int, variant: str, name: str, defer, failures: lis
     if not _close(loss, ref_loss):
         failures.append(f"{case}: loss after the update {loss.item()} != {ref_loss.item()}")
     return counts
-
-
-def _error_of(fn) -> str:
-    try:
-        fn()
-    except Exception as e:  # the test checks the type name and message
-        return f"{type(e).__name__}: {e}"
-    return "no error"
 
 
 class Unused(Block):

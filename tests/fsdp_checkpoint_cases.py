@@ -19,6 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from runtime_cases import _error_of
 from training_cases import AFTER, BEFORE, CKPT_LAYERS, CKPT_MB, IGNORE, _adamw, batch, build_layers
 
 ROWS = 18  # the global batch: 9 rows per replica at dp=2 (micro-batches of 3 and 2 rows)
@@ -159,23 +160,16 @@ def _refusals(rank: int, mesh, path: str) -> dict[str, str]:
     import pipetrain
     from pipetrain.runtime.losses import TokenCrossEntropy
 
-    def error_of(fn) -> str:
-        try:
-            fn()
-        except Exception as e:  # the test checks type and message
-            return f"{type(e).__name__}: {e}"
-        return "no error"
-
     stages = pipetrain.split(build_layers(CKPT_LAYERS + 1, tie=False), [3, 4])
     pipe = pipetrain.Pipeline(
         stages, "1f1b", CKPT_MB, TokenCrossEntropy(IGNORE), mesh=mesh, data_parallel="fsdp"
     )
     opt = _adamw(pipe.parameters())
-    out = {"missing_on_one_rank": error_of(lambda: pipetrain.load_checkpoint(path, pipe, opt))}
+    out = {"missing_on_one_rank": _error_of(lambda: pipetrain.load_checkpoint(path, pipe, opt))}
     pair = DeviceMesh("cpu", torch.tensor([[0], [1]]), mesh_dim_names=("dp", "pp"))
     if rank < 2:  # a (dp, pp) mesh of 2 x 1 in a job of 4
         pipe, opt = _pipeline(pair, "fsdp", "1f1b", [CKPT_LAYERS])
-        out["mesh_not_the_job"] = error_of(lambda: pipetrain.save_checkpoint(path, pipe, opt))
+        out["mesh_not_the_job"] = _error_of(lambda: pipetrain.save_checkpoint(path, pipe, opt))
     return out
 
 

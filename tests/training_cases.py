@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from runtime_cases import _error_of
 from torch import nn
 
 VOCAB, WIDTH, SEQ = 11, 6, 5
@@ -318,20 +319,13 @@ def run_checkpoints(rank: int, world: int, path: str) -> dict:
 def _checkpoint_errors(path: str) -> dict[str, str]:
     import pipetrain
 
-    def error_of(fn) -> str:
-        try:
-            fn()
-        except Exception as e:  # the test checks type and message
-            return f"{type(e).__name__}: {e}"
-        return "no error"
-
     (bigger,) = pipetrain.split(build_layers(CKPT_LAYERS + 1, tie=False), [CKPT_LAYERS + 1])
     (model,) = pipetrain.split(build_layers(CKPT_LAYERS, tie=False), [CKPT_LAYERS])
     other = nn.Sequential(nn.Linear(2, 2))
     return {
-        "missing_layer": error_of(lambda: pipetrain.load_checkpoint(path, bigger)),
-        "other_model": error_of(lambda: pipetrain.load_checkpoint(path, other)),
-        "state_dict": error_of(lambda: _load_partial(model, bigger)),
+        "missing_layer": _error_of(lambda: pipetrain.load_checkpoint(path, bigger)),
+        "other_model": _error_of(lambda: pipetrain.load_checkpoint(path, other)),
+        "state_dict": _error_of(lambda: _load_partial(model, bigger)),
     }
 
 
@@ -434,13 +428,6 @@ def run_refusals_and_eval(rank: int, world: int) -> dict:
     import pipetrain
     from pipetrain.runtime.losses import TokenCrossEntropy
 
-    def error_of(fn) -> str:
-        try:
-            fn()
-        except Exception as e:  # the test checks type and message
-            return f"{type(e).__name__}: {e}"
-        return "no error"
-
     def pipe(**kwargs):
         layers = build_layers(layer_count(world))
         loss = kwargs.pop("loss_fn", TokenCrossEntropy(IGNORE))
@@ -451,13 +438,13 @@ def run_refusals_and_eval(rank: int, world: int) -> dict:
     tokens, targets, mask = batch(4)
     # a step that fails closes its pipeline (docs/runtime.md): each refusal gets a fresh one
     out = {
-        "reduction": error_of(lambda: pipe(loss_reduction="median")),
-        "tied_name": error_of(lambda: pipe(tied=[("embed.weight", "nope.weight")])),
-        "side_name": error_of(lambda: pipe().step(tokens, targets, side={"attn_mask": mask})),
-        "side_grad": error_of(
+        "reduction": _error_of(lambda: pipe(loss_reduction="median")),
+        "tied_name": _error_of(lambda: pipe(tied=[("embed.weight", "nope.weight")])),
+        "side_name": _error_of(lambda: pipe().step(tokens, targets, side={"attn_mask": mask})),
+        "side_grad": _error_of(
             lambda: pipe().step(tokens, targets, side={"attention_mask": mask.requires_grad_()})
         ),
-        "no_tokens": error_of(lambda: pipe().step(tokens, torch.full_like(targets, IGNORE))),
+        "no_tokens": _error_of(lambda: pipe().step(tokens, torch.full_like(targets, IGNORE))),
     }
     mask = mask.detach()
     result = pipe().eval_step(tokens, side={"attention_mask": mask})

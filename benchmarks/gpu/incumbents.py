@@ -191,26 +191,21 @@ SHAPES = {
     ),
 }
 
+#: the plumbing on gloo: tiny shapes, 2 × ranks micro-batches, float32
+CPU_SMOKE = dict(
+    shapes="gpt-tiny,blocks-tiny",
+    microbatches="",
+    steps=2,
+    warmup=1,
+    dtype="float32",
+    budget_s=300.0,
+)
 PRESETS = {
     "h100": dict(
         shapes="gpt", microbatches="16,8", steps=6, warmup=2, dtype="bfloat16", budget_s=150.0
     ),
-    "cpu-smoke": dict(
-        shapes="gpt-tiny,blocks-tiny",
-        microbatches="",  # 2 × ranks
-        steps=2,
-        warmup=1,
-        dtype="float32",
-        budget_s=300.0,
-    ),
-    "cpu-wide": dict(
-        shapes="wide-tiny",
-        microbatches="",  # 2 × ranks
-        steps=2,
-        warmup=1,
-        dtype="float32",
-        budget_s=300.0,
-    ),
+    "cpu-smoke": CPU_SMOKE,
+    "cpu-wide": CPU_SMOKE | {"shapes": "wide-tiny"},
 }
 
 
@@ -267,10 +262,16 @@ def measure_limit(ctx: Ctx, masters: Masters, shape: Shape, layout: str, v: int,
 
 
 def run_pipetrain(
-    ctx: Ctx, masters: Masters, shape: Shape, name: str, n: int, lead: int | str | None = "default"
+    ctx: Ctx,
+    masters: Masters,
+    shape: Shape,
+    name: str,
+    n: int,
+    lib: str = PIPETRAIN,
+    options: dict | None = None,
 ) -> dict:
-    """pipetrain's row; ``lead``: ``Pipeline(receive_lead=lead)`` (rows ``pipetrain-leadN``;
-    ``pipetrain-leadnone``: receives where lowering puts them)."""
+    """pipetrain's row ``lib``: ``Pipeline`` with its defaults, or with ``options`` (the
+    ``pipetrain-leadN`` rows: ``receive_lead=N``, ``None`` for ``leadnone``)."""
     from pipetrain.runtime.pipeline import Pipeline
 
     fam = FAMILIES[name]
@@ -285,12 +286,11 @@ def run_pipetrain(
         num_stages=num_stages,
         device=ctx.device,
         timeout=timedelta(seconds=ctx.args.op_timeout),
-        **({} if lead == "default" else {"receive_lead": lead}),
+        **(options or {}),
     )
     expect = local_stages(fam.layout, ctx.rank, ctx.world, fam.stages_per_rank)
     if sorted(pipe.placement.stages_of_rank(ctx.rank)) != sorted(expect):
         raise RuntimeError(f"pipetrain's placement differs from the incumbents' {expect}")
-    lib = PIPETRAIN if lead == "default" else f"{PIPETRAIN}-lead{lead}".lower()
     params = list(pipe.parameters())
     opt = make_optimizer(ctx, params)
     x, y = shape.batch(ctx, n)
@@ -586,7 +586,8 @@ def runner(lib: str):
     """The function that measures ``lib``'s row (``pipetrain-leadN``: pipetrain, receives late)."""
     if lib.startswith(f"{PIPETRAIN}-lead"):
         lead = lib.removeprefix(f"{PIPETRAIN}-lead")
-        return functools.partial(run_pipetrain, lead=None if lead == "none" else int(lead))
+        options = {"receive_lead": None if lead == "none" else int(lead)}
+        return functools.partial(run_pipetrain, lib=lib, options=options)
     return RUNNERS[lib]
 
 

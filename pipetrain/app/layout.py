@@ -27,6 +27,7 @@ from pipetrain.app.options import (
     model_shape,
 )
 from pipetrain.flags import shape_flags_given
+from pipetrain.planner.judge import layout_json
 from pipetrain.schedule.registry import FAMILIES, build_schedule, family
 
 
@@ -43,13 +44,7 @@ class Layout:
 
     def plan(self) -> dict[str, object]:
         """As ``Pipeline.from_plan`` takes it."""
-        return {
-            "schedule": self.schedule,
-            "ranks": self.ranks,
-            "stages_per_rank": self.stages_per_rank,
-            "microbatches": self.microbatches,
-            "stage_layers": list(self.stage_layers),
-        }
+        return layout_json(self)
 
 
 def check_arguments(args: argparse.Namespace) -> Layout:

@@ -36,6 +36,18 @@ class Budget:
         return self.memory_gib * (1.0 - self.headroom)
 
 
+#: what a plan says to run (``pipetrain plan --json`` prints them, with ``predicted``;
+#: ``Pipeline.from_plan`` reads them)
+LAYOUT_FIELDS = ("schedule", "ranks", "stages_per_rank", "microbatches", "stage_layers")
+
+
+def layout_json(layout) -> dict[str, object]:
+    """``LAYOUT_FIELDS`` of anything that has them as attributes, as JSON values."""
+    out: dict[str, object] = {name: getattr(layout, name) for name in LAYOUT_FIELDS}
+    out["stage_layers"] = list(layout.stage_layers)
+    return out
+
+
 @dataclass(frozen=True, kw_only=True)
 class Plan:
     """A pipeline layout and its simulated step: everything needed to build and run it."""
@@ -73,11 +85,7 @@ class Plan:
 
     def to_json(self) -> dict[str, object]:
         return {
-            "schedule": self.schedule,
-            "ranks": self.ranks,
-            "stages_per_rank": self.stages_per_rank,
-            "microbatches": self.microbatches,
-            "stage_layers": list(self.stage_layers),
+            **layout_json(self),
             "predicted": {
                 "step_ms": self.step_ms,
                 "bubble_fraction": self.bubble_fraction,

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipetrain.planner.judge import LAYOUT_FIELDS
 from pipetrain.schedule import deps
 from pipetrain.schedule.action import Action, OpKind
 from pipetrain.schedule.lower import lower, post_receives_late
@@ -186,8 +187,8 @@ def forward_only(program: Program, receive_lead: int | None = None) -> Program:
     return moved
 
 
-#: the fields a plan must give (``pipetrain plan --json`` prints them, with ``predicted``)
-PLAN_FIELDS = ("schedule", "ranks", "stages_per_rank", "microbatches", "stage_layers")
+#: the fields a plan must give (the planner's ``LAYOUT_FIELDS``)
+PLAN_FIELDS = LAYOUT_FIELDS
 
 
 def plan_stages(layers, layout: dict, kwargs: dict):
