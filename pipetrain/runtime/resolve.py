@@ -140,11 +140,6 @@ def resolve_program(
     program = validate(lower(program))
     if receive_lead is None:
         return program
-    if isinstance(receive_lead, bool) or not isinstance(receive_lead, int) or receive_lead < 0:
-        raise ValueError(
-            f"receive_lead is None (receives where lowering puts them) or a number of compute "
-            f"actions >= 0, got {receive_lead!r}"
-        )
     # the moved receives are checked against the transport that runs them (``runtime.p2p``)
     return validate(post_receives_late(program, receive_lead), "posted")
 

@@ -99,8 +99,8 @@ def post_receives_late(program: Program, lead: int) -> Program:
     and the other stream's transfers are passed. Sends stay where they are. The result is checked
     like any program, with the runtime transport's model (``validate(..., "posted")``).
     """
-    if lead < 0:
-        raise ValueError(f"a receive's lead is a number of compute actions >= 0, got {lead}")
+    if isinstance(lead, bool) or not isinstance(lead, int) or lead < 0:
+        raise ValueError(f"a receive's lead is a number of compute actions >= 0, got {lead!r}")
     if not program.is_lowered and program.num_ranks > 1:  # one rank: nothing to receive
         raise ScheduleError(
             "post_receives_late moves the receives of a lowered program; lower first"
