@@ -92,9 +92,9 @@ def refine(
     """Hill-climb the cuts of the fastest fitting shapes with the simulation as the judge: from
     each distinct fitting cut of a shape (fastest first), move one boundary by one layer (from
     the heavier of its two stages first), hand a layer between distant stages, or make two such
-    moves (``_neighbours``), keep the first move that is faster and fits, repeat until none is or the budget of simulated actions is spent. What the min-max
-    objective cannot see (fill and drain, comm, W filling bubbles, several stages per rank) the
-    simulation can. Climbing from every starting cut, not only the best, matters with several
+    moves (``_neighbours``), keep the first move that is faster and fits, repeat until none is
+    or the budget of simulated actions is spent. What the min-max objective cannot see (fill and
+    drain, comm, W filling bubbles, several stages per rank) the simulation can. Climbing from every starting cut, not only the best, matters with several
     stages per rank, where a rank's load is a sum over distant stages and one climb can stop in
     a local minimum (interleaved 1F1B on small random models: worst 11% above the exhaustive
     best from the best start alone). Returns every cut it simulated."""
@@ -162,16 +162,21 @@ def _neighbours(cut: tuple[int, ...], time: Sequence[float]):
 
 def _handovers(cut: tuple[int, ...]) -> list[tuple[int, ...]]:
     """Cuts where stage ``give`` hands one layer to a stage at least two positions away."""
-    out = []
-    for give in range(len(cut)):
-        if cut[give] > 1:
-            for take in range(len(cut)):
-                if abs(take - give) > 1:
-                    moved = list(cut)
-                    moved[give] -= 1
-                    moved[take] += 1
-                    out.append(tuple(moved))
-    return out
+    return [
+        _hand(cut, give, take)
+        for give in range(len(cut))
+        if cut[give] > 1
+        for take in range(len(cut))
+        if abs(take - give) > 1
+    ]
+
+
+def _hand(cut: tuple[int, ...], give: int, take: int) -> tuple[int, ...]:
+    """``cut`` with one layer handed from stage ``give`` to stage ``take``."""
+    moved = list(cut)
+    moved[give] -= 1
+    moved[take] += 1
+    return tuple(moved)
 
 
 def _moves(cut: tuple[int, ...], time: Sequence[float]) -> list[tuple[int, ...]]:
@@ -181,10 +186,7 @@ def _moves(cut: tuple[int, ...], time: Sequence[float]) -> list[tuple[int, ...]]
     for i in range(len(cut) - 1):
         for give, take in ((i, i + 1), (i + 1, i)):
             if cut[give] > 1:
-                moved = list(cut)
-                moved[give] -= 1
-                moved[take] += 1
-                scored.append((load[take] - load[give], tuple(moved)))
+                scored.append((load[take] - load[give], _hand(cut, give, take)))
     return [c for _, c in sorted(scored)]
 
 

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pipetrain.schedule import deps
-from pipetrain.schedule.action import Action, OpKind
+from pipetrain.schedule.action import RECV_KINDS, Action
 from pipetrain.schedule.execute import run, unit_duration
 from pipetrain.schedule.program import Program, ScheduleError
 
@@ -127,7 +127,7 @@ def post_receives_late(program: Program, lead: int) -> Program:
             if not action.is_comm:
                 continue
             peer = rank_of(deps.peer(action).stage)
-            receives = action.kind in _RECVS
+            receives = action.kind in RECV_KINDS
             up = rank > peer if receives else peer > rank
             if receives:
                 late = readers.get(deps.comm_key(action), slot_of[i] + lead) - lead
@@ -137,8 +137,6 @@ def post_receives_late(program: Program, lead: int) -> Program:
         rows.append([row[i] for i in order])
     return program.with_actions(rows)
 
-
-_RECVS = frozenset({OpKind.RECV_F, OpKind.RECV_B})
 
 PASSES: tuple[Pass, ...] = (Pass("inject_comms", inject_comms),)
 
