@@ -5,9 +5,9 @@ so wall time is essentially host overhead: Python graph walking, hook registrati
 engine calls. The runtime's pattern is simulated: a fresh forward per micro-batch, then ``I``,
 then ``W`` (or ``B`` alone), and the graph dropped.
 
-The split timed is ``split_backward.GraphReplay`` (one per block count, as one per stage in the
+The split timed is ``graph_replay.GraphReplay`` (one per block count, as one per stage in the
 runtime), called through its ``BackwardSplit`` methods as ``StageRunner`` calls it. ``--baseline
-REV`` also times ``split_backward.py`` as it was at git revision ``REV`` (loaded from ``git
+REV`` also times ``graph_replay.py`` as it was at git revision ``REV`` (loaded from ``git
 show``): its ``GraphReplay`` where it has one, else (revisions before the ``BackwardSplit``
 protocol) its module-level ``backward_full``/``backward_input``/``backward_weight``, so
 before/after numbers come from one run::
@@ -47,12 +47,12 @@ from torch.autograd.graph import get_gradient_edge
 from pipetrain.app.models.gpt import Block, GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULE = "pipetrain/runtime/split_backward.py"
+MODULE = "pipetrain/runtime/backward/graph_replay.py"
 
 
 def load_module(rev: str | None):
     if rev is None:
-        from pipetrain.runtime import split_backward
+        from pipetrain.runtime.backward import graph_replay as split_backward
 
         return split_backward
     src = subprocess.run(

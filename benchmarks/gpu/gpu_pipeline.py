@@ -30,7 +30,7 @@ what they hold, e.g. the loss's float32 logits), held only while that stage's ac
 (``gpu_memory.py``).
 
 ``pipetrain`` rows run ``Pipeline``'s defaults (on this GPT: deferred linear weight GEMMs, see
-``pipetrain.runtime.deferred_wgrad``); ``pipetrain-replayw`` rows (``--replay-schedules``) run
+``pipetrain.runtime.backward.deferred_wgrad``); ``pipetrain-replayw`` rows (``--replay-schedules``) run
 ``defer_weight_grads=False``, the graph-replay split; ``pipetrain-overlap`` rows
 (``--overlap-schedules``) run ``overlap_pairs=True``. Every row is configured through ``Pipeline``'s
 public arguments.

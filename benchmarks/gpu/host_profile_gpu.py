@@ -13,7 +13,7 @@ A diagnostic, not a target: the split backward's device time is already that of 
   time (``torch.profiler``), with the GPU kept busy so the host never waits for it.
 
 The pieces are a ``BackwardSplit``'s methods on one block, as the runtime's ``StageRunner`` calls
-them for a micro-batch that is not the step's last weight piece: ``split_backward.GraphReplay``
+them for a micro-batch that is not the step's last weight piece: ``graph_replay.GraphReplay``
 (``F``, ``B``, ``I``, ``W``) and ``deferred_wgrad.DeferredLinears`` (``Fd``, ``Id``, ``Wd``:
 ``Pipeline(defer_weight_grads=True)``'s split).
 """
@@ -32,8 +32,8 @@ from split_backward_gpu import block_arguments, make  # beside this script
 from torch.autograd.graph import get_gradient_edge
 
 from pipetrain.app.models.gpt import GPTConfig
-from pipetrain.runtime.deferred_wgrad import DeferredLinears
-from pipetrain.runtime.split_backward import GraphReplay
+from pipetrain.runtime.backward.deferred_wgrad import DeferredLinears
+from pipetrain.runtime.backward.graph_replay import GraphReplay
 
 
 def host_ms(fn, reps: int, cuda: bool) -> float:

@@ -17,7 +17,7 @@ medians over many repetitions:
 Host (CPU) time to issue each piece is reported too. Correctness: I + W gradients (weights and
 input) against B's, relative error in bf16 on the big block and in float64 on a small one.
 
-Both ways of splitting are measured on the same block: ``split_backward.GraphReplay`` (rows
+Both ways of splitting are measured on the same block: ``graph_replay.GraphReplay`` (rows
 ``gpu`` and ``exposed``; ``W`` through ``AccumulateGrad``) and ``deferred_wgrad.DeferredLinears``,
 the deferred linear GEMMs (``Pipeline(defer_weight_grads=True)``; rows ``gpu-deferred`` and
 ``exposed-deferred``; ``I`` and ``W`` as for a micro-batch that is not the step's last weight
@@ -38,9 +38,9 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 
 from pipetrain.app.models.gpt import Block, GPTConfig
-from pipetrain.runtime.backward_split import BackwardSplit
-from pipetrain.runtime.deferred_wgrad import DeferredLinears
-from pipetrain.runtime.split_backward import GraphReplay
+from pipetrain.runtime.backward.deferred_wgrad import DeferredLinears
+from pipetrain.runtime.backward.graph_replay import GraphReplay
+from pipetrain.runtime.backward.interface import BackwardSplit
 
 
 @dataclass
@@ -53,7 +53,7 @@ class Split:
 
 
 def replay() -> Split:
-    """``split_backward``'s graph replay (``Pipeline(defer_weight_grads=False)``)."""
+    """``graph_replay``'s graph replay (``Pipeline(defer_weight_grads=False)``)."""
     return Split(GraphReplay(), w_hooks=True)
 
 

@@ -19,7 +19,7 @@ Loading first checks that the checkpoint holds every key the target needs, with 
 and names the first missing key otherwise; nothing is read before that, and where one rank
 refuses every rank of the checkpoint raises (none waits in DCP's collectives).
 
-Data parallel (``runtime.data_parallel``) changes who takes part, not the format. Under FSDP2
+Data parallel (``runtime.parallel.data_parallel``) changes who takes part, not the format. Under FSDP2
 every parameter is a ``DTensor`` sharded over the replicas, and so is each optimizer state shaped
 like it (AdamW's moments), so every process of the ``(dp, pp)`` mesh writes its shards: DCP
 records each key's global shape and every shard's offset, and a load reads whatever slice each

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from pipetrain.runtime.failures import PeerFailedError, StageError
-from pipetrain.runtime.p2p import (
+from pipetrain.runtime.comm.failures import PeerFailedError, StageError
+from pipetrain.runtime.comm.p2p import (
     Pending,
     PipelineTimeoutError,
     TensorMeta,

@@ -43,7 +43,7 @@ class Stage(nn.Module):
             (layer, side_inputs.keywords(layer)) for _, layer in named_layers
         ]
         self.layer_names = tuple(name for name, _ in named_layers)
-        #: name sets of parameters this stage shares with other stages (``runtime.tied``)
+        #: name sets of parameters this stage shares with other stages (``runtime.parallel.tied``)
         self.tied_names: list[tuple[str, ...]] = []
 
     def forward(self, *args, **side):
@@ -198,8 +198,8 @@ def split(
     namer = _namer(names, len(layers))
     stages = [Stage([(namer(i), layers[i]) for i in r]) for r in stage_ranges(counts)]
     # One Parameter object in two stages is a tied weight (GPT-2's embedding and head): every
-    # stage records the name sets, so ranks that hold only one side still know (runtime.tied).
-    from pipetrain.runtime.tied import shared_across
+    # stage records the name sets, so ranks that hold only one side still know (runtime.parallel.tied).
+    from pipetrain.runtime.parallel.tied import shared_across
 
     tied = shared_across(stages)
     for stage in stages:

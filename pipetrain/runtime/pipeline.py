@@ -23,13 +23,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipetrain.runtime import checkpoint, grad_norm, losses, microbatch, resolve, side_inputs
-from pipetrain.runtime import tied as tied_weights
-from pipetrain.runtime.agreement import Agreement, pipeline_prefix
-from pipetrain.runtime.data_parallel import DataParallel, check_wrapping, mesh_groups
+from pipetrain.runtime import checkpoint, losses, microbatch, resolve, side_inputs
+from pipetrain.runtime.comm.agreement import Agreement, pipeline_prefix
+from pipetrain.runtime.comm.failures import Failures, OwnedGroup, posts_failures, stops_on_failure
+from pipetrain.runtime.comm.p2p import DTYPE_CODE, DTYPES, Transport
 from pipetrain.runtime.executor import Executor, MetaCache, StepData
-from pipetrain.runtime.failures import Failures, OwnedGroup, posts_failures, stops_on_failure
-from pipetrain.runtime.p2p import DTYPE_CODE, DTYPES, Transport
+from pipetrain.runtime.parallel import grad_norm
+from pipetrain.runtime.parallel import tied as tied_weights
+from pipetrain.runtime.parallel.data_parallel import DataParallel, check_wrapping, mesh_groups
 from pipetrain.runtime.resolve import Stages
 from pipetrain.runtime.stage import StageRunner, arity
 from pipetrain.runtime.timing import Recorder, gather_timeline
@@ -49,8 +50,8 @@ class Pipeline:
     backward runs (DualPipe's overlap; off: one after the other). Ignored on CPU.
     ``defer_weight_grads``: split I/W the zero-bubble paper's way — while a stage runs, its plain
     ``nn.Linear`` layers' weight GEMMs are left out of ``I`` and run as ``W``, and a ``B`` adds
-    them straight into ``.grad`` (``runtime.deferred_wgrad``; the modules themselves are never
-    changed). ``False``: ``split_backward``'s graph replay, which splits any module.
+    them straight into ``.grad`` (``runtime.backward.deferred_wgrad``; the modules themselves are never
+    changed). ``False``: ``graph_replay``'s graph replay, which splits any module.
     ``None`` (default): per stage, on where plain linears hold at least half of its trainable
     parameters. Either way exact.
     ``loss_reduction``: what ``loss_fn`` returns for a micro-batch — ``"mean"`` over its rows,
@@ -58,12 +59,12 @@ class Pipeline:
     divided by the whole batch's count); default ``loss_fn.loss_reduction`` or ``"mean"``
     (``runtime.losses``).
     ``tied``: sets of parameter names shared by several stages (``[("embed.weight",
-    "head.weight")]``); their gradients are summed across stages once per step (``runtime.tied``;
+    "head.weight")]``); their gradients are summed across stages once per step (``runtime.parallel.tied``;
     ``pipetrain.split`` detects ties in the list it cuts).
     ``mesh`` and ``data_parallel``: a ``DeviceMesh`` with dimensions ``("dp", "pp")`` (instead of
     ``group``) and ``"ddp"`` or ``"fsdp"``: each ``pp`` row of the mesh runs the pipeline, each
     ``dp`` column holds DDP or FSDP2 replicas of its stages, each replica steps on its own shard
-    of the global batch, and gradients are reduced once per step (``runtime.data_parallel``).
+    of the global batch, and gradients are reduced once per step (``runtime.parallel.data_parallel``).
     ``receive_lead``: post each receive at most this many compute actions before the one that
     reads it (``schedule.lower.post_receives_late``). Default 1, Megatron-Core's overlapped P2P:
     the transfer runs under the compute just before its reader. On NCCL a posted receive is a
@@ -143,7 +144,7 @@ class Pipeline:
             stages, self.placement.stages_of_rank(self.rank), self.device
         )
         check_wrapping(self.modules, data_parallel)
-        # before data parallel wraps the stages: tied parameters are reduced by runtime.tied
+        # before data parallel wraps the stages: tied parameters are reduced by runtime.parallel.tied
         self.tied_sets = tied_weights.build(
             tied,
             self.modules,

@@ -140,7 +140,7 @@ def resolve_program(
     program = validate(lower(program))
     if receive_lead is None:
         return program
-    # the moved receives are checked against the transport that runs them (``runtime.p2p``)
+    # the moved receives are checked against the transport that runs them (``runtime.comm.p2p``)
     return validate(post_receives_late(program, receive_lead), "posted")
 
 

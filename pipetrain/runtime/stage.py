@@ -6,7 +6,7 @@ tensors themselves: an activation that was sent can be freed while its graph sta
 ``deallocate_pipeline_outputs`` without touching ``.data``), and after ``I`` the work for ``W``.
 Each piece pops what it consumed, so after a micro-batch's last piece nothing of it is left.
 Communication and ordering belong to the executor; the split itself to the stage's
-``BackwardSplit`` (``backward_split``): ``split_backward``'s graph replay (any module) or
+``BackwardSplit`` (``interface``): ``graph_replay``'s graph replay (any module) or
 ``deferred_wgrad``'s deferred linear weight GEMMs (the zero-bubble paper's way).
 """
 
@@ -21,9 +21,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pipetrain.runtime import activation_checkpoint, side_inputs
-from pipetrain.runtime.backward_split import BackwardSplit, choose_split
-from pipetrain.runtime.p2p import TensorMeta
+from pipetrain.runtime import side_inputs
+from pipetrain.runtime.backward import activation_checkpoint
+from pipetrain.runtime.backward.interface import BackwardSplit, choose_split
+from pipetrain.runtime.comm.p2p import TensorMeta
 from pipetrain.runtime.torch_compat import GradientEdge, get_gradient_edge
 
 
@@ -67,7 +68,7 @@ class StageRunner:
 
     ``defer_weight_grads``: split ``I``/``W`` with ``deferred_wgrad`` (the module's plain
     ``nn.Linear`` layers' weight GEMMs deferred while the stage runs; quiet ``B`` pieces fuse
-    their accumulation) instead of ``split_backward``'s graph replay; ``None``: where
+    their accumulation) instead of ``graph_replay``'s graph replay; ``None``: where
     ``worth_deferring``. ``split``: a ``BackwardSplit`` of the caller's instead."""
 
     def __init__(
@@ -91,7 +92,7 @@ class StageRunner:
         #: the micro-batch whose backward piece is this stage's last weight-gradient work in a
         #: step (set by the pipeline from the program); only that one runs ``.grad`` hooks
         self.last_weight_microbatch: int | None = None
-        #: ids of parameters whose hooks this stage never fires (tied ones: ``runtime.tied``
+        #: ids of parameters whose hooks this stage never fires (tied ones: ``runtime.parallel.tied``
         #: sums their gradient after the step, then fires their hooks once)
         self.quiet_params: set[int] = set()
         self.params: list[torch.Tensor] = []

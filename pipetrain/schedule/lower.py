@@ -93,7 +93,7 @@ def post_receives_late(program: Program, lead: int) -> Program:
     A receive never moves earlier, never past its reader, and never past a later transfer of its
     own *stream*: on a rank, the transfers whose data flows towards higher ranks (sends to higher
     ranks, receives from lower ones) form one stream, those flowing down the other — the two
-    process groups of ``runtime.p2p``, whose operations a backend may run one after the other
+    process groups of ``runtime.comm.p2p``, whose operations a backend may run one after the other
     in posting order (one NCCL communicator per group). So each stream keeps the order lowering
     gave it, in particular receives from one peer keep their order, and only compute actions
     and the other stream's transfers are passed. Sends stay where they are. The result is checked

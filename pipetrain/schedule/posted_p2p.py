@@ -2,7 +2,7 @@
 
 ``validate``'s default run check plays a lowered program with *blocking batched* P2P (a rank waits
 at each run of transfers until all their counterparts are posted): what torch's executor and
-``batch_isend_irecv`` need, and stricter than pipetrain's runtime. The runtime (``runtime.p2p``)
+``batch_isend_irecv`` need, and stricter than pipetrain's runtime. The runtime (``runtime.comm.p2p``)
 posts a send and never waits for it until the step ends, posts a receive where the program puts
 it, and waits for the receive only at the compute action that reads it. So a receive can sit
 right before its reader (``lower.post_receives_late``) even where the blocking model would
@@ -17,7 +17,7 @@ The model, per rank, in row order:
   is refused outright (``check_channel_order``);
 * on each rank, the transfers whose data flows towards higher ranks (sends to higher ranks,
   receives from lower ones) run one after the other in posting order, and so do those flowing
-  down: the runtime's two process groups (``runtime.p2p``). A transfer runs once its send and
+  down: the runtime's two process groups (``runtime.comm.p2p``). A transfer runs once its send and
   its receive are each first in their stream. Today's NCCL runs each *pair* of ranks of a group
   on a stream of its own, so this is stricter than needed; it also holds where a backend runs a
   whole group on one communicator (as torch does for batched P2P once the process group is

@@ -17,7 +17,7 @@ from pipetrain.schedule.program_io import from_csv, to_csv
 from pipetrain.schedule.registry import FAMILIES, build_schedule
 from pipetrain.schedule.validate import validate
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = Path(__file__).parents[1] / "golden"
 REGENERATE = os.environ.get("PIPETRAIN_REGENERATE") == "1"
 SHAPES = [(1, 2), (2, 4), (3, 5), (4, 8)]
 

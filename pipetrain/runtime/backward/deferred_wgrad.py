@@ -1,7 +1,7 @@
 """Deferred weight gradients for ``nn.Linear``: ``I`` runs the whole backward except the linear
 layers' weight-gradient GEMMs, which it stashes; ``W`` is those GEMMs and nothing else.
 
-Why a second way to split the backward. ``split_backward`` splits *any* module exactly by replaying
+Why a second way to split the backward. ``graph_replay`` splits *any* module exactly by replaying
 graph nodes, but its ``W`` enters the autograd engine once per parameter group — six calls per
 transformer block — and on an H200 host that costs ~1 ms per block against ~0.7 ms of GEMMs on
 the device (``docs/performance.md``): with a few layers per stage, the zero-bubble schedules' ``W``
@@ -24,7 +24,7 @@ passed it), and it is where almost all of ``W``'s work is. Here:
 * ``backward_input`` is one engine call for the stage inputs' *and every parameter's* gradient
   (LayerNorms, embeddings, anything not deferred are finished in ``I``, as in the paper); the graph
   is freed right after, so between ``I`` and ``W`` a micro-batch holds only the stashed ``X`` and
-  ``dY`` — less than ``split_backward``'s retained graph plus captured gradients.
+  ``dY`` — less than ``graph_replay``'s retained graph plus captured gradients.
 * ``backward_weight`` runs the stashed GEMMs, accumulating straight into ``.grad`` with
   ``addmm_`` (no engine, no temporaries). The stage's last weight piece of a step instead passes
   the micro-batch's gradients (the deferred ones and those its ``I`` held back) through
@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipetrain.runtime.split_backward import accumulate_quietly, backward_full, run_engine
+from pipetrain.runtime.backward.graph_replay import accumulate_quietly, backward_full, run_engine
 from pipetrain.runtime.torch_compat import GradientEdge
 
 #: ``DeferredLinears.mode`` during a quiet ``B``: add ``dW``/``db`` into ``.grad`` at once (one
@@ -195,7 +195,7 @@ class DeferredLinears:
         hooks: bool,
     ) -> list[torch.Tensor | None]:
         """``B``. With ``hooks`` (the step's last weight piece) an ordinary backward through
-        ``AccumulateGrad``; without, ``split_backward.backward_full``'s quiet ``B`` with the
+        ``AccumulateGrad``; without, ``graph_replay.backward_full``'s quiet ``B`` with the
         deferred linears adding their weight gradients straight into ``.grad``."""
         # Inside ``deferring``: activation checkpointing recomputes the forward during the
         # backward, and must run the same linears the forward ran (same saved tensors).

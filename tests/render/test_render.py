@@ -286,7 +286,7 @@ def test_renderers_never_crash(tl: Timeline, width: int) -> None:
 
 def test_render_imports_only_stdlib_and_schedule() -> None:
     allowed = set(sys.stdlib_module_names) | {"pipetrain"}
-    for path in Path(__file__).parents[1].joinpath("pipetrain", "render").glob("*.py"):
+    for path in Path(__file__).parents[2].joinpath("pipetrain", "render").glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             names = []
             if isinstance(node, ast.Import):

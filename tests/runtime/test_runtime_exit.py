@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from runtime_harness import free_port
 
-SCRIPT = Path(__file__).with_name("runtime_exit_script.py")
+SCRIPT = Path(__file__).parents[1] / "support" / "runtime_exit_script.py"
 RUNS = [  # (ranks, schedule, variant): 12 runs, most of them zb-h1 (where exits died most)
     *((2, "zb-h1", variant) for variant in ("plain",) * 4 + ("with",) * 2 + ("destroy",) * 2),
     (2, "zbv", "plain"),

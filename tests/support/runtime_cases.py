@@ -153,7 +153,7 @@ def run_equivalence(
     import torch.distributed as dist
 
     import pipetrain
-    from pipetrain.runtime.p2p import Transport
+    from pipetrain.runtime.comm.p2p import Transport
     from pipetrain.schedule.registry import family
 
     reverse = dist.new_group(list(range(world))) if two_groups else None

@@ -5,7 +5,7 @@ rank would clip by its own, smaller norm. Here each rank reduces its gradients t
 sum of squares for ``p = 2``, in general ``Σ|g|^p``; the maximum for ``inf``), the ranks combine
 those over the pipeline group (and a data-parallel group whose members hold *different* shards,
 e.g. FSDP; DDP replicas hold equal gradients and must not be summed), and every rank scales by
-``max_norm / (norm + 1e-6)`` clamped to 1 — torch's formula. A tied parameter (``runtime.tied``)
+``max_norm / (norm + 1e-6)`` clamped to 1 — torch's formula. A tied parameter (``runtime.parallel.tied``)
 counts once: only its first owner counts it, one replica.
 """
 

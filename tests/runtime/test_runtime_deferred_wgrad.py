@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
-from pipetrain.runtime.deferred_wgrad import DeferredLinears, worth_deferring
+from pipetrain.runtime.backward.deferred_wgrad import DeferredLinears, worth_deferring
 
 
 class Net(nn.Module):
@@ -192,7 +192,7 @@ def test_stages_mostly_made_of_linears_are_worth_deferring():
 
 
 def test_the_stage_option_decides_and_the_module_stays_as_it_was():
-    from pipetrain.runtime.split_backward import GraphReplay
+    from pipetrain.runtime.backward.graph_replay import GraphReplay
     from pipetrain.runtime.stage import StageRunner
 
     net = Net()

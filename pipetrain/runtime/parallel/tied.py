@@ -17,7 +17,7 @@ its own uses. So pipetrain, once per step, after the rank's last backward piece:
 Replicas start equal: construction broadcasts the first owner's value to the others. Since they
 then get equal gradients, any deterministic optimizer keeps them equal.
 
-Under data parallel (``runtime.data_parallel``) the group spans the owners of every replica and
+Under data parallel (``runtime.parallel.data_parallel``) the group spans the owners of every replica and
 the wrappers leave tied parameters alone (DDP ignores them, FSDP2 keeps them whole, unsharded):
 the one all-reduce sums the uses and the replicas together (divided by the replica count where
 the replicas are averaged), so each gradient is reduced exactly once, on the whole ``.grad``,

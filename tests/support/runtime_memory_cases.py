@@ -17,7 +17,7 @@ of exactly one activation's size that it holds, by where they are held:
 * ``sending``: sends posted and not yet released (``Transport._sends``);
 * ``stashed``: what the emulated NCCL stash still holds after the runtime let go of it.
 
-``python tests/runtime_memory_cases.py`` prints the table per rank (the numbers in the report).
+``python tests/support/runtime_memory_cases.py`` prints the table per rank (the numbers in the report).
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def stash_transfers(stash: Stash) -> None:
 
 
 def _tensors(value) -> list[torch.Tensor]:
-    from pipetrain.runtime.p2p import Pending
+    from pipetrain.runtime.comm.p2p import Pending
 
     if isinstance(value, Pending):
         return list(value.buffers)

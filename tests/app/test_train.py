@@ -34,7 +34,7 @@ from pipetrain.schedule.registry import build_schedule  # noqa: E402
 from pipetrain.sim.costs import Costs, measured_costs  # noqa: E402
 from pipetrain.sim.simulate import simulate  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = GPTConfig(num_layers=6, hidden=32, num_heads=4, seq_len=16)
 
 

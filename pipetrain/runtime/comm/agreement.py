@@ -27,8 +27,8 @@ from datetime import timedelta
 
 import torch
 
-from pipetrain.runtime.failures import Failures, PeerFailedError
-from pipetrain.runtime.p2p import PipelineTimeoutError
+from pipetrain.runtime.comm.failures import Failures, PeerFailedError
+from pipetrain.runtime.comm.p2p import PipelineTimeoutError
 from pipetrain.runtime.torch_compat import store_of
 from pipetrain.schedule.program import Program
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
-from pipetrain.runtime.split_backward import GraphReplay, PlanCache, backward_full
+from pipetrain.runtime.backward.graph_replay import GraphReplay, PlanCache, backward_full
 
 
 def model():
@@ -182,7 +182,7 @@ def test_quiet_accumulation_never_aliases_an_input_gradient():
 def test_graph_shapes_are_named_records_and_caches_belong_to_their_owner():
     """The plan cache is per ``GraphReplay`` (one per stage): another one starts empty, and the
     shape it is keyed by reads as fields, not separators."""
-    from pipetrain.runtime.split_backward import GraphShape, walk
+    from pipetrain.runtime.backward.graph_replay import GraphShape, walk
 
     net = model()
     x = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)

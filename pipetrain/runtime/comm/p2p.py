@@ -60,7 +60,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipetrain.runtime.failures import Failures, closed_connection
+from pipetrain.runtime.comm.failures import Failures, closed_connection
 from pipetrain.schedule.action import Action
 
 DTYPES = (  # what travels between stages; a dtype's code is its position

@@ -10,7 +10,7 @@ import torch
 from runtime_harness import launch
 from runtime_memory_cases import run_held
 
-from pipetrain.runtime.p2p import Pending, PipelineTimeoutError, Transport
+from pipetrain.runtime.comm.p2p import Pending, PipelineTimeoutError, Transport
 from pipetrain.schedule.action import Action, OpKind
 
 

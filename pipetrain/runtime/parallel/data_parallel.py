@@ -33,10 +33,10 @@ factor of 1. Every trainable parameter must get a gradient in every step (a repl
 missing one would leave the others' reduction waiting): one that gets none is an error naming
 it (freeze it with ``requires_grad_(False)``).
 
-Tied parameters (``runtime.tied``) are not the wrappers': DDP is told to ignore them
+Tied parameters (``runtime.parallel.tied``) are not the wrappers': DDP is told to ignore them
 (``_ddp_params_and_buffers_to_ignore``) and the tied sum reduces them over the owners of every
 replica at the end of the step. FSDP2 is told the same (``fully_shard``'s ``ignored_params``): tied parameters stay whole on
-every replica (``runtime.tied`` refuses one a caller's ``fully_shard`` sharded).
+every replica (``runtime.parallel.tied`` refuses one a caller's ``fully_shard`` sharded).
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ class DataParallel:
             raise ValueError(f"reduction={reduction!r}; legal values: {', '.join(REDUCTIONS)}")
         self.kind = kind
         self.reduction = reduction
-        #: ids of tied parameters: ``runtime.tied`` reduces them over owners × replicas
+        #: ids of tied parameters: ``runtime.parallel.tied`` reduces them over owners × replicas
         self.tied = tied
         self.modules = modules
         self.group = dp_group
@@ -237,7 +237,7 @@ class DataParallel:
         return value[0].to(loss.dtype)
 
     def _trainable(self, module: nn.Module) -> Iterator[nn.Parameter]:
-        """The trainable parameters this wrapper syncs (tied ones are ``runtime.tied``'s)."""
+        """The trainable parameters this wrapper syncs (tied ones are ``runtime.parallel.tied``'s)."""
         seen: set[int] = set(self.tied)
         for p in module.parameters():
             if p.requires_grad and id(p) not in seen:

@@ -27,7 +27,7 @@ CASES = [
     ("fsdp-tokens", "1f1b", None),
     ("ddp-sum", "1f1b", None),  # loss_reduction="sum": replicas summed, not averaged
     ("fsdp-sum", "interleaved-1f1b", False),
-    # GPT-2's tied embedding/head under DDP (runtime.tied reduces it over owners x replicas)
+    # GPT-2's tied embedding/head under DDP (runtime.parallel.tied reduces it over owners x replicas)
     ("ddp-tied", "1f1b", None),
     ("ddp-tied", "interleaved-1f1b", False),
     ("ddp-tied", "zbv", True),  # both uses on rank 0: one Parameter object

@@ -45,7 +45,7 @@ def _private_torch_names(path: Path) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    "path", sorted(p for p in RUNTIME.glob("*.py") if p.name != "torch_compat.py"), ids=str
+    "path", sorted(p for p in RUNTIME.rglob("*.py") if p.name != "torch_compat.py"), ids=str
 )
 def test_no_other_runtime_module_touches_private_torch_names(path):
     assert _private_torch_names(path) == []

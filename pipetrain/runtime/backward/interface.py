@@ -4,7 +4,7 @@ The zero-bubble schedules (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2
 backward as two actions, ``I`` then later ``W``; the 1F1B family runs it whole (``B``). A
 ``StageRunner`` holds one ``BackwardSplit`` and calls it without asking which it is. Two exist:
 
-* ``split_backward.GraphReplay`` splits any module exactly by replaying graph nodes;
+* ``graph_replay.GraphReplay`` splits any module exactly by replaying graph nodes;
 * ``deferred_wgrad.DeferredLinears`` leaves the plain linear layers' weight GEMMs to ``W`` (the
   paper's own way: fewer engine calls, less memory between ``I`` and ``W``), for stages whose
   linears hold most of the parameters.
@@ -66,8 +66,8 @@ class BackwardSplit(Protocol):
 def choose_split(module: nn.Module, defer_weight_grads: bool | None) -> BackwardSplit:
     """``DeferredLinears`` with ``defer_weight_grads`` (``None``: where ``worth_deferring``),
     else ``GraphReplay``."""
-    from pipetrain.runtime.deferred_wgrad import DeferredLinears, worth_deferring
-    from pipetrain.runtime.split_backward import GraphReplay
+    from pipetrain.runtime.backward.deferred_wgrad import DeferredLinears, worth_deferring
+    from pipetrain.runtime.backward.graph_replay import GraphReplay
 
     if defer_weight_grads is None:
         defer_weight_grads = worth_deferring(module)
