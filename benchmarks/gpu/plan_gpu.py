@@ -47,7 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from pipetrain.app.models.gpt import GPTConfig, gpt_layer_names, lm_loss
 from pipetrain.app.profile_model import gpt_layers, gpt_stage
 from pipetrain.planner import ModelCosts, parse_costs, search
-from pipetrain.planner.partition import blocks_uniform_cut, uniform_cut
+from pipetrain.planner.layout import default_cut
+from pipetrain.planner.partition import uniform_cut
 from pipetrain.planner.search import simulate_plan, stage_costs
 from pipetrain.runtime.profile_layers import RATIO_OF, TIMES
 from pipetrain.schedule.action import OpKind
@@ -213,7 +214,7 @@ def plan_runs(costs: ModelCosts, world: int, counts: list[int], args) -> list[di
         runs = [as_run(pick, "pick")]
         n = costs.num_layers
         for role, cut in (
-            ("uniform-1f1b", blocks_uniform_cut(n, world)),
+            ("uniform-1f1b", default_cut(n - 2, world)),
             ("torchtitan-1f1b", uniform_cut(n, world)),
         ):
             program = build_schedule("1f1b", world, pick.microbatches)

@@ -18,6 +18,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pipetrain.planner.layout import default_cut
+
 if TYPE_CHECKING:
     import torch
     from torch import nn
@@ -92,23 +94,11 @@ class LayerModel:
         return (inputs, inputs) if self.labels_are_inputs else (inputs, targets)
 
 
-def default_stage_layers(model: str, blocks: int, num_stages: int) -> list[int]:
-    """Layers per stage of ``model`` with ``blocks`` blocks when no plan says: the blocks spread
-    evenly (earlier stages take the remainder), the embedding added to the first stage and the
-    head (with the final norm) to the last; a stage left empty takes a layer from the fullest."""
+def default_stage_layers(model: str, blocks: int, num_stages: int) -> tuple[int, ...]:
+    """Layers per stage of ``model`` with ``blocks`` blocks when no plan says: the planner's
+    ``default_cut`` with this model's layers before and after its blocks."""
     first, last = EXTRA_LAYERS[model]
-    if num_stages > first + blocks + last:
-        raise ValueError(f"{num_stages} stages for {first + blocks + last} layers")
-    base, extra = divmod(blocks, num_stages)
-    counts = [base + (s < extra) for s in range(num_stages)]
-    counts[0] += first
-    counts[-1] += last
-    for s in range(num_stages):
-        if counts[s] == 0:
-            donor = max(range(num_stages), key=lambda i: counts[i])
-            counts[donor] -= 1
-            counts[s] += 1
-    return counts
+    return default_cut(blocks, num_stages, first=first, last=last)
 
 
 def build(shape: ModelShape) -> LayerModel:

@@ -25,10 +25,11 @@ import subprocess
 import sys
 import time
 
-from pipetrain.app.layout import Layout, check_arguments
+from pipetrain.app.layout import check_arguments
 from pipetrain.app.options import argv
 from pipetrain.app.train import Refused, train
 from pipetrain.flags import describe_shape
+from pipetrain.planner.layout import Layout
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -65,7 +66,7 @@ def _launch(args: argparse.Namespace, layout: Layout) -> int:
     backend = "NCCL" if device == "cuda" else "gloo"
     print(
         f"launching {processes} processes: {layout.ranks} pipeline × {args.dp} data parallel "
-        f"({backend} on {device}); {args.model}, {_describe(layout)}"
+        f"({backend} on {device}); {args.model}, {_describe(layout, args.plan)}"
     )
     sys.stdout.flush()
     status = start_processes(processes, [sys.executable, "-m", "pipetrain", "train", *worker_argv])
@@ -108,9 +109,9 @@ def start_processes(count: int, cmd: list[str]) -> int:
     return status
 
 
-def _describe(layout: Layout) -> str:
+def _describe(layout: Layout, plan_file: str | None) -> str:
     cut = f"stage_layers {list(layout.stage_layers)}"
-    source = f" (plan {layout.from_file})" if layout.from_file else ""
+    source = f" (plan {plan_file})" if plan_file else ""
     return (
         describe_shape(layout.schedule, layout.ranks, layout.stages_per_rank, layout.microbatches)
         + f", {cut}{source}"

@@ -3,7 +3,7 @@ process.
 
 ``check_arguments`` validates the flags (a bad value is named with the legal ones) and turns them
 into a ``Layout``: the plan in ``--plan FILE`` (``pipetrain plan --json``, read as
-``Pipeline.from_plan`` reads it), or the shape flags with the default cut (blocks spread evenly,
+``Layout.from_json`` reads it, as ``Pipeline.from_plan`` does), or the shape flags with the default cut (blocks spread evenly,
 embedding and head on the end stages). The launcher calls it before any process starts, so bad
 input exits 2 at once rather than in every worker; each worker calls it again for its layout.
 
@@ -13,9 +13,9 @@ torch is imported inside functions only, so ``pipetrain --help`` stays fast.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 from pipetrain.app.catalog import BYTE_VOCAB, ModelShape, default_stage_layers
@@ -27,24 +27,8 @@ from pipetrain.app.options import (
     model_shape,
 )
 from pipetrain.flags import shape_flags_given
-from pipetrain.planner.judge import layout_json
+from pipetrain.planner.layout import Layout
 from pipetrain.schedule.registry import FAMILIES, build_schedule, family
-
-
-@dataclass(frozen=True)
-class Layout:
-    """The run's pipeline: a plan (from ``--plan FILE``, or the flags and the default cut)."""
-
-    schedule: str
-    ranks: int
-    stages_per_rank: int
-    microbatches: int
-    stage_layers: tuple[int, ...]
-    from_file: str | None = None
-
-    def plan(self) -> dict[str, object]:
-        """As ``Pipeline.from_plan`` takes it."""
-        return layout_json(self)
 
 
 def check_arguments(args: argparse.Namespace) -> Layout:
@@ -89,7 +73,7 @@ def check_arguments(args: argparse.Namespace) -> Layout:
         )
     if sum(layout.stage_layers) != shape.num_layers:
         raise ValueError(
-            f"the plan in {layout.from_file} cuts {sum(layout.stage_layers)} layers "
+            f"the plan in {args.plan} cuts {sum(layout.stage_layers)} layers "
             f"{list(layout.stage_layers)}, but --model {args.model} --layers {args.layers} has "
             f"{shape.num_layers}; plan from a profile of the same model (`pipetrain profile "
             f"--model {args.model} --layers {args.layers}`)"
@@ -118,21 +102,19 @@ def _layout(args: argparse.Namespace, shape: ModelShape) -> Layout:
         args.stages_per_rank,
     )
     if program.num_stages > shape.num_layers:
-        counts = [1] * program.num_stages  # refused by the caller with the layer count
+        counts: tuple[int, ...] = (1,) * program.num_stages  # refused by the caller with the layer count
     else:
         counts = default_stage_layers(shape.model, shape.blocks, program.num_stages)
     return Layout(
-        program.name,
-        program.num_ranks,
-        program.num_stages // program.num_ranks,
-        program.num_microbatches,
-        tuple(counts),
+        schedule=program.name,
+        ranks=program.num_ranks,
+        stages_per_rank=program.num_stages // program.num_ranks,
+        microbatches=program.num_microbatches,
+        stage_layers=tuple(counts),
     )
 
 
 def _read_plan(path: str) -> Layout:
-    from pipetrain.runtime.pipeline import Pipeline
-
     try:
         raw = json.loads(Path(path).read_text())
     except FileNotFoundError:
@@ -142,22 +124,15 @@ def _read_plan(path: str) -> Layout:
             f"--plan {path} is not JSON ({e}); write it with `pipetrain plan --json`"
         ) from None
     try:
-        fields = Pipeline.plan_layout(raw)
+        layout = Layout.from_json(raw)
     except ValueError as e:
         raise ValueError(f"--plan {path}: {e}") from None
     program = build_schedule(
-        fields["schedule"], fields["ranks"], fields["microbatches"], fields["stages_per_rank"]
+        layout.schedule, layout.ranks, layout.microbatches, layout.stages_per_rank
     )
     if not family(program.name).runnable or program.placement.num_chains > 1:
         raise ValueError(f"--plan {path}: {program.name} holds two copies of the model")
-    return Layout(
-        program.name,
-        program.num_ranks,
-        fields["stages_per_rank"],
-        program.num_microbatches,
-        fields["stage_layers"],
-        from_file=path,
-    )
+    return dataclasses.replace(layout, schedule=program.name)
 
 
-__all__ = ["Layout", "check_arguments"]
+__all__ = ["check_arguments"]

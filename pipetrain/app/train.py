@@ -92,7 +92,7 @@ def train(args: argparse.Namespace, device: torch.device) -> Run:
     try:
         pipe = Pipeline.from_plan(
             model.layers,
-            layout.plan(),
+            layout,
             loss_fn=model.loss_fn,
             device=device,
             timeout=timedelta(seconds=args.timeout),

@@ -10,15 +10,18 @@ from pipetrain.planner.costs_file import (
     parse_costs,
     save_costs,
 )
+from pipetrain.planner.layout import Layout, default_cut
 from pipetrain.planner.search import NoPlanFits, Plan, Search, plan, search
 
 __all__ = [
     "CostsFileError",
     "LayerCost",
+    "Layout",
     "ModelCosts",
     "NoPlanFits",
     "Plan",
     "Search",
+    "default_cut",
     "load_costs",
     "parse_costs",
     "plan",

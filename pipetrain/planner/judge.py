@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipetrain.planner.costs_file import ModelCosts
+from pipetrain.planner.layout import Layout
 from pipetrain.planner.partition import bounds
 from pipetrain.schedule.program import Program
 from pipetrain.schedule.timeline import Timeline
@@ -36,28 +37,11 @@ class Budget:
         return self.memory_gib * (1.0 - self.headroom)
 
 
-#: what a plan says to run (``pipetrain plan --json`` prints them, with ``predicted``;
-#: ``Pipeline.from_plan`` reads them)
-LAYOUT_FIELDS = ("schedule", "ranks", "stages_per_rank", "microbatches", "stage_layers")
-
-
-def layout_json(layout) -> dict[str, object]:
-    """``LAYOUT_FIELDS`` of anything that has them as attributes, as JSON values."""
-    out: dict[str, object] = {name: getattr(layout, name) for name in LAYOUT_FIELDS}
-    out["stage_layers"] = list(layout.stage_layers)
-    return out
-
-
 @dataclass(frozen=True, kw_only=True)
 class Plan:
     """A pipeline layout and its simulated step: everything needed to build and run it."""
 
-    schedule: str
-    ranks: int
-    stages_per_rank: int
-    microbatches: int
-    #: layers per stage, in stage order (for DualPipe's two model copies: one copy's stages)
-    stage_layers: tuple[int, ...]
+    layout: Layout
     step_ms: float
     bubble_fraction: float
     peak_gib: tuple[float, ...]
@@ -65,6 +49,26 @@ class Plan:
     memory_gib: float
     headroom: float = 0.0
     layer_names: tuple[str, ...] = ()
+
+    @property
+    def schedule(self) -> str:
+        return self.layout.schedule
+
+    @property
+    def ranks(self) -> int:
+        return self.layout.ranks
+
+    @property
+    def stages_per_rank(self) -> int:
+        return self.layout.stages_per_rank
+
+    @property
+    def microbatches(self) -> int:
+        return self.layout.microbatches
+
+    @property
+    def stage_layers(self) -> tuple[int, ...]:
+        return self.layout.stage_layers
 
     @property
     def usable_gib(self) -> float:
@@ -85,7 +89,7 @@ class Plan:
 
     def to_json(self) -> dict[str, object]:
         return {
-            **layout_json(self),
+            **self.layout.to_json(),
             "predicted": {
                 "step_ms": self.step_ms,
                 "bubble_fraction": self.bubble_fraction,
@@ -175,11 +179,13 @@ def evaluate(
     timeline, peaks = simulate_plan(costs, program, cut)
     return Candidate(
         plan=Plan(
-            schedule=str(name),
-            ranks=program.num_ranks,
-            stages_per_rank=v,
-            microbatches=program.num_microbatches,
-            stage_layers=cut,
+            layout=Layout(
+                schedule=str(name),
+                ranks=program.num_ranks,
+                stages_per_rank=v,
+                microbatches=program.num_microbatches,
+                stage_layers=cut,
+            ),
             step_ms=timeline.makespan,
             bubble_fraction=timeline.bubble_fraction,
             peak_gib=peaks,

@@ -36,21 +36,6 @@ def uniform_cut(num_layers: int, num_stages: int) -> tuple[int, ...]:
     return tuple(base + (1 if s < extra else 0) for s in range(num_stages))
 
 
-def blocks_uniform_cut(num_layers: int, num_stages: int) -> tuple[int, ...]:
-    """Megatron's default for a layer list ``[embedding, blocks..., head]``: the blocks split as
-    evenly as counts go, the embedding added to the first stage and the head to the last.
-
-    (torchtitan's rule, "the first and last stage hold one block fewer" because the embedding
-    and the head count as one layer each, is ``uniform_cut`` over the whole list.)"""
-    _check(num_layers, num_stages)
-    if num_stages == 1:
-        return (num_layers,)
-    cut = list(uniform_cut(num_layers - 2, num_stages))
-    cut[0] += 1
-    cut[-1] += 1
-    return tuple(cut)
-
-
 def min_max_cut(
     weights: Sequence[float],
     num_stages: int,

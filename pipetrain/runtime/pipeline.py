@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipetrain.planner.layout import Layout
 from pipetrain.runtime import checkpoint, losses, microbatch, resolve, side_inputs
 from pipetrain.runtime.comm.agreement import Agreement, pipeline_prefix
 from pipetrain.runtime.comm.failures import Failures, OwnedGroup, posts_failures, stops_on_failure
@@ -219,7 +220,7 @@ class Pipeline:
         self.closed = False
 
     #: the fields a plan must give (``pipetrain plan --json`` prints them, with ``predicted``)
-    PLAN_FIELDS = resolve.PLAN_FIELDS
+    PLAN_FIELDS = Layout.FIELDS
 
     @classmethod
     def from_plan(cls, layers, plan, loss_fn: Callable | None = None, **kwargs) -> Pipeline:
@@ -236,17 +237,17 @@ class Pipeline:
         stages = resolve.plan_stages(layers, layout, kwargs)
         return cls(
             stages,
-            layout["schedule"],
-            layout["microbatches"],
+            layout.schedule,
+            layout.microbatches,
             loss_fn,
-            stages_per_rank=layout["stages_per_rank"],
+            stages_per_rank=layout.stages_per_rank,
             **kwargs,
         )
 
     @classmethod
-    def plan_layout(cls, plan) -> dict:
-        """The layout fields of a ``Plan`` or a plan dict, checked (a ``ValueError`` names the
-        first missing or bad field)."""
+    def plan_layout(cls, plan: object) -> Layout:
+        """The ``Layout`` of a ``Plan``, a ``Layout`` or a plan dict, checked (a ``ValueError``
+        names the first missing or bad field)."""
         return resolve.plan_layout(plan)
 
     def close(self) -> None:

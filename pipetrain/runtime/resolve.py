@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipetrain.planner.judge import LAYOUT_FIELDS
+from pipetrain.planner.layout import Layout, layout_of
 from pipetrain.schedule import deps
 from pipetrain.schedule.action import Action, OpKind
 from pipetrain.schedule.lower import lower, post_receives_late
@@ -182,11 +182,7 @@ def forward_only(program: Program, receive_lead: int | None = None) -> Program:
     return moved
 
 
-#: the fields a plan must give (the planner's ``LAYOUT_FIELDS``)
-PLAN_FIELDS = LAYOUT_FIELDS
-
-
-def plan_stages(layers, layout: dict, kwargs: dict):
+def plan_stages(layers, layout: Layout, kwargs: dict):
     """``Pipeline.from_plan``'s stages: ``layers`` cut by the checked ``layout``'s
     ``stage_layers`` with ``pipetrain.split``, after refusing options the plan sets and a plan
     made for another number of pipeline ranks than this process group's (the mesh's ``pp``
@@ -201,48 +197,18 @@ def plan_stages(layers, layout: dict, kwargs: dict):
         world = kwargs["mesh"]["pp"].size()
     else:
         world = dist.get_world_size(kwargs.get("group"))
-    if layout["ranks"] != world:
+    if layout.ranks != world:
         raise ValueError(
-            f"the plan is for {layout['ranks']} pipeline ranks but the process group has "
-            f"{world}; launch {layout['ranks']} processes per pipeline, or plan again with "
+            f"the plan is for {layout.ranks} pipeline ranks but the process group has "
+            f"{world}; launch {layout.ranks} processes per pipeline, or plan again with "
             f"--ranks {world}"
         )
-    counts = layout["stage_layers"]
+    counts = layout.stage_layers
     callable_form = callable(layers) and not isinstance(layers, (nn.Module, Sequence, dict))
     return split(layers, counts, num_layers=sum(counts) if callable_form else None)
 
 
-def plan_layout(plan) -> dict:
-    """The layout fields of a ``Plan`` or a plan dict, checked (a ``ValueError`` names the
-    first missing or bad field)."""
-    raw = plan.to_json() if hasattr(plan, "to_json") else plan
-    if not isinstance(raw, dict):
-        raise ValueError(
-            f"a plan is a pipetrain Plan or the dict `pipetrain plan --json` prints, got "
-            f"{type(plan).__name__}"
-        )
-    for name in PLAN_FIELDS:
-        if name not in raw:
-            raise ValueError(
-                f"the plan has no {name!r}; a plan gives {', '.join(PLAN_FIELDS)} "
-                "(`pipetrain plan --json` prints them)"
-            )
-    if not isinstance(raw["schedule"], str):
-        raise ValueError(f"the plan's 'schedule' must be a name, got {raw['schedule']!r}")
-    for name in ("ranks", "stages_per_rank", "microbatches"):
-        value = raw[name]
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"the plan's {name!r} must be an integer >= 1, got {value!r}")
-    counts = raw["stage_layers"]
-    if not isinstance(counts, list | tuple) or not all(
-        isinstance(c, int) and not isinstance(c, bool) for c in counts
-    ):
-        raise ValueError(
-            f"the plan's 'stage_layers' must be a list of layer counts, got {counts!r}"
-        )
-    if len(counts) != raw["ranks"] * raw["stages_per_rank"]:
-        raise ValueError(
-            f"the plan's 'stage_layers' has {len(counts)} stages but ranks × stages_per_rank "
-            f"= {raw['ranks'] * raw['stages_per_rank']}"
-        )
-    return {name: raw[name] for name in PLAN_FIELDS} | {"stage_layers": tuple(counts)}
+def plan_layout(plan: object) -> Layout:
+    """The ``Layout`` of a ``Plan``, a ``Layout`` or a plan dict, checked (a ``ValueError`` names
+    the first missing or bad field)."""
+    return layout_of(plan)

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from pipetrain.cli import main
 from pipetrain.planner import CostsFileError, ModelCosts, NoPlanFits, parse_costs, plan, search
 from pipetrain.planner.costs_file import LayerCost, load_costs, save_costs
+from pipetrain.planner.layout import default_cut
 from pipetrain.planner.partition import (
-    blocks_uniform_cut,
     bounds,
     even_min_max_cut,
     min_max_cut,
@@ -137,7 +137,7 @@ def test_min_max_cut_is_optimal_and_keeps_every_layer(weights, k, back, cap) -> 
 
 def test_baseline_cuts() -> None:
     assert uniform_cut(10, 4) == (3, 3, 2, 2)
-    assert blocks_uniform_cut(10, 4) == (3, 2, 2, 3)  # 8 blocks, embedding and head at the ends
+    assert default_cut(8, 4) == (3, 2, 2, 3)  # 8 blocks, embedding and head at the ends
     with pytest.raises(ValueError, match="every stage needs at least one"):
         uniform_cut(3, 4)
 
@@ -167,11 +167,11 @@ def test_heavy_embedding_and_head_end_on_lighter_stages() -> None:
     costs = llama_like()
     pick = plan(costs, num_ranks=4, memory_gib=1000, schedules=["1f1b"])
     cut = pick.stage_layers
-    assert cut != uniform_cut(costs.num_layers, 4) and cut != blocks_uniform_cut(16, 4)
+    assert cut != uniform_cut(costs.num_layers, 4) and cut != default_cut(16 - 2, 4)
     assert cut[-1] < min(cut[1:-1])  # the head's stage holds the fewest layers
     # and it beats both baselines in simulation
     program = build_schedule("1f1b", 4, pick.microbatches)
-    for baseline in (uniform_cut(16, 4), blocks_uniform_cut(16, 4)):
+    for baseline in (uniform_cut(16, 4), default_cut(16 - 2, 4)):
         timeline, _ = simulate_plan(costs, program, baseline)
         assert pick.step_ms < timeline.makespan
 

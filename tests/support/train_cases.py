@@ -23,7 +23,7 @@ def from_plan_gradients(rank: int, world: int) -> dict:
     unsplit model, by global name, largest relative error per plan; and the refusal of a plan
     for another world size."""
     from pipetrain.app.catalog import ModelShape, build
-    from pipetrain.planner import Plan
+    from pipetrain.planner import Layout, Plan
     from pipetrain.runtime.pipeline import Pipeline
 
     shape = ModelShape(
@@ -38,9 +38,11 @@ def from_plan_gradients(rank: int, world: int) -> dict:
     plans = {
         "dict zbv": {"schedule": "zbv", "ranks": 2, "stages_per_rank": 2, "microbatches": 4,
                      "stage_layers": [2, 1, 2, 1], "predicted": {"step_ms": 1.0}},
-        "Plan 1f1b": Plan(schedule="1f1b", ranks=2, stages_per_rank=1, microbatches=2,
-                          stage_layers=(4, 2), step_ms=1.0, bubble_fraction=0.0,
-                          peak_gib=(0.0, 0.0), memory_gib=1.0),
+        "Plan 1f1b": Plan(layout=Layout(schedule="1f1b", ranks=2, stages_per_rank=1,
+                                        microbatches=2, stage_layers=(4, 2)),
+                          step_ms=1.0, bubble_fraction=0.0, peak_gib=(0.0, 0.0), memory_gib=1.0),
+        "Layout 1f1b": Layout(schedule="1f1b", ranks=2, stages_per_rank=1, microbatches=2,
+                              stage_layers=(3, 3)),
     }  # fmt: skip
     errors = {}
     for label, plan in plans.items():

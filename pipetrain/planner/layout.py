@@ -1,0 +1,139 @@
+"""What a plan says to run: the ``Layout`` — schedule family, pipeline ranks, stages per rank,
+micro-batches and layers per stage — and the default cut when no plan is given.
+
+One type for every reader: the planner's ``Plan`` is a layout and its prediction, ``pipetrain
+plan --json`` writes a layout's fields, ``Pipeline.from_plan`` and ``pipetrain train --plan`` read
+them back through ``Layout.from_json``, which checks them once and names the first missing or bad
+field. Pure data, standard library only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import ClassVar
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """A pipeline layout: which schedule runs, on how many ranks, and how the layers are cut."""
+
+    schedule: str
+    ranks: int
+    stages_per_rank: int
+    microbatches: int
+    #: layers per stage, in stage order (for DualPipe's two model copies: one copy's stages)
+    stage_layers: tuple[int, ...]
+
+    #: the JSON fields of a layout, in the order ``pipetrain plan --json`` prints them
+    FIELDS: ClassVar[tuple[str, ...]] = (
+        "schedule",
+        "ranks",
+        "stages_per_rank",
+        "microbatches",
+        "stage_layers",
+    )
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_layers)
+
+    @property
+    def num_layers(self) -> int:
+        return sum(self.stage_layers)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "schedule": self.schedule,
+            "ranks": self.ranks,
+            "stages_per_rank": self.stages_per_rank,
+            "microbatches": self.microbatches,
+            "stage_layers": list(self.stage_layers),
+        }
+
+    @classmethod
+    def from_json(cls, raw: object) -> Layout:
+        """The layout in ``raw`` (what ``pipetrain plan --json`` prints; other keys, such as
+        ``predicted``, are ignored), checked: a ``ValueError`` names the first missing or bad
+        field and the legal values."""
+        if not isinstance(raw, Mapping):
+            raise ValueError(
+                f"a plan is a pipetrain Plan or the dict `pipetrain plan --json` prints, got "
+                f"{type(raw).__name__}"
+            )
+        for name in cls.FIELDS:
+            if name not in raw:
+                raise ValueError(
+                    f"the plan has no {name!r}; a plan gives {', '.join(cls.FIELDS)} "
+                    "(`pipetrain plan --json` prints them)"
+                )
+        schedule = raw["schedule"]
+        if not isinstance(schedule, str):
+            raise ValueError(f"the plan's 'schedule' must be a name, got {schedule!r}")
+        counts = {
+            name: _positive(raw, name) for name in ("ranks", "stages_per_rank", "microbatches")
+        }
+        stage_layers = raw["stage_layers"]
+        if not isinstance(stage_layers, list | tuple) or not all(
+            isinstance(c, int) and not isinstance(c, bool) for c in stage_layers
+        ):
+            raise ValueError(
+                f"the plan's 'stage_layers' must be a list of layer counts, got {stage_layers!r}"
+            )
+        expected = counts["ranks"] * counts["stages_per_rank"]
+        if len(stage_layers) != expected:
+            raise ValueError(
+                f"the plan's 'stage_layers' has {len(stage_layers)} stages but ranks × "
+                f"stages_per_rank = {expected}"
+            )
+        return cls(schedule=schedule, **counts, stage_layers=tuple(stage_layers))
+
+
+def _positive(raw: Mapping[str, object], name: str) -> int:
+    value = raw[name]
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"the plan's {name!r} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def default_cut(
+    num_blocks: int, num_stages: int, *, first: int = 1, last: int = 1
+) -> tuple[int, ...]:
+    """Layers per stage of ``[first extra layers, num_blocks blocks, last extra layers]`` when
+    no plan says: the blocks split as evenly as counts go (the earlier stages take the
+    remainder), the ``first`` layers (the embedding) added to the first stage and the ``last``
+    (the final norm and the head) to the last — Megatron-LM's default; a stage left empty takes
+    a layer from the fullest.
+
+    (torchtitan's rule, "the first and last stage hold one block fewer" because the embedding
+    and the head count as one layer each, is an even cut of the whole list.)"""
+    total = first + num_blocks + last
+    if not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"the stage count must be an integer >= 1, got {num_stages!r}")
+    if num_blocks < 0 or first < 0 or last < 0:
+        raise ValueError("layer counts must be >= 0")
+    if num_stages > total:
+        raise ValueError(
+            f"{num_stages} stages for {total} layers: every stage needs a layer; use at most "
+            f"{total} stages or more layers"
+        )
+    base, extra = divmod(num_blocks, num_stages)
+    counts = [base + (s < extra) for s in range(num_stages)]
+    counts[0] += first
+    counts[-1] += last
+    for s in range(num_stages):
+        if counts[s] == 0:
+            donor = max(range(num_stages), key=lambda i: counts[i])
+            counts[donor] -= 1
+            counts[s] += 1
+    return tuple(counts)
+
+
+def layout_of(plan: object) -> Layout:
+    """The ``Layout`` of a ``Plan``, a ``Layout``, or a plan dict (checked)."""
+    if isinstance(plan, Layout):
+        return plan
+    inner = getattr(plan, "layout", None)
+    if isinstance(inner, Layout):
+        return inner
+    return Layout.from_json(plan)
