@@ -10,7 +10,10 @@ at another pipeline size or schedule, and with or without data parallel (DDP or 
 replicas write their shards). Resuming checks the model's shape first and names the
 first field that differs. The step count is all the training loop needs besides: the data
 order is a function of the seed and the step, and AdamW's state (its step included) is in the
-checkpoint — so a resumed run continues bit for bit.
+checkpoint — so a run resumed on the same layout continues bit for bit. On another layout it
+continues to float64 round-off only: the layout decides which stages accumulate a linear's weight
+gradient inside the GEMM and which add it after, and a BLAS may round the two differently
+(docs/training.md).
 """
 
 from __future__ import annotations

@@ -153,7 +153,7 @@ OPTIONS = (
         bool,
         False,
         "",
-        "continue from the latest checkpoint in --checkpoint-dir (bit-identical continuation)",
+        "continue from the latest checkpoint in --checkpoint-dir (bit for bit on the same layout)",
     ),
     _Opt(("--svg",), str, "out/train_step.svg", "PATH", "where to write the measured step as SVG"),
     _Opt(

@@ -6,10 +6,10 @@ and runs them with ``Pipeline.from_plan`` on the run's layout (``app.layout``). 
 bytes of a text file (``--text``; by default the corpus ``app.models.data`` generates, written to
 ``--corpus-out`` first). It trains with AdamW (``--clip-grad-norm``: clipped by the whole
 pipeline's norm), writes checkpoints every ``--checkpoint-every`` steps (``app.checkpoints``;
-``--resume`` continues from the latest one bit for bit), and on rank 0 shows a progress bar (loss,
-tokens/s). The last ``MEASURED_STEPS`` steps are measured (``timeline=True``) for the end-of-run
-report (``app.report``). What the pipeline refuses at construction is raised as ``Refused``, the
-same on every rank.
+``--resume`` continues from the latest one, bit for bit on the same layout), and on rank 0 shows
+a progress bar (loss, tokens/s). The last ``MEASURED_STEPS`` steps are measured
+(``timeline=True``) for the end-of-run report (``app.report``). What the pipeline refuses at
+construction is raised as ``Refused``, the same on every rank.
 
 torch is imported inside functions only, so ``pipetrain --help`` stays fast.
 """

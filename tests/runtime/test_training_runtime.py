@@ -93,6 +93,16 @@ def test_activation_checkpointing_is_exact_and_reentrant_is_refused(two_ranks):
     assert "PeerFailedError" in r1["reentrant"] and "rank 0 failed" in r1["reentrant"]
 
 
+# How far a continuation on another layout (pipeline size, cut, schedule, data-parallel wrapper,
+# the plain model) may end from the uninterrupted run, per element in float64. Another layout may
+# accumulate a linear's weight gradient inside the GEMM (deferred stages' ``addmm_``) where the
+# uninterrupted run adds it after the GEMM (graph replay, plain autograd), or the other way; on
+# some CPUs' BLAS the two round differently, and two steps spread that round-off to every layer.
+# Two AdamW steps move every parameter by about the learning rate, so a checkpoint read wrongly
+# (or not at all) is many orders of magnitude past this.
+ACROSS_LAYOUTS = 1e-12
+
+
 def _union(parts) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     for part in parts:
@@ -100,20 +110,37 @@ def _union(parts) -> dict[str, np.ndarray]:
     return out
 
 
+def _bitwise_differ(run: dict, reference: dict) -> list[str]:
+    return [n for n in run if not np.array_equal(run[n], reference[n])]
+
+
+def _far_from(run: dict, reference: dict) -> dict[str, float]:
+    """The names whose largest difference from ``reference`` is past ``ACROSS_LAYOUTS``."""
+    gaps = {n: float(np.abs(run[n] - reference[n]).max()) for n in run}
+    return {n: gap for n, gap in gaps.items() if not gap <= ACROSS_LAYOUTS}
+
+
 @pytest.mark.slow
-def test_checkpoint_written_at_pp2_continues_bit_identically_at_pp2_pp4_and_pp1(four_ranks):
+def test_checkpoint_written_at_pp2_continues_bit_for_bit_at_pp2_and_to_round_off_at_pp4_and_pp1(
+    four_ranks,
+):
+    """The same layout (pp=2, zbv, the same cut) continues bit for bit; pp=4 (1F1B, another
+    cut) and the plain model continue within ``ACROSS_LAYOUTS`` of the uninterrupted run."""
     results = [r["checkpoints"] for r in four_ranks]
     uninterrupted = _union(r["uninterrupted"] for r in results[:2])
     assert len(uninterrupted) == 10  # embed, 4 × (weight, bias), head: the parts make the model
-    runs = {
-        "same layout": _union(r["same_layout"] for r in results[2:]),
-        "pp=4": _union(r["pp4"] for r in results),
-        "pp=1": results[0]["pp1"],
-    }
-    for what, final in runs.items():
+    saved = _union(r["saved"] for r in results[:2])
+    for n, value in uninterrupted.items():  # the tolerance is far below what the steps change
+        assert np.abs(value - saved[n]).max() > 1e6 * ACROSS_LAYOUTS, n
+    same = _union(r["same_layout"] for r in results[2:])
+    assert sorted(same) == sorted(uninterrupted)
+    differ = _bitwise_differ(same, uninterrupted)
+    assert not differ, f"same layout: {differ} differ from the uninterrupted run"
+    others = {"pp=4": _union(r["pp4"] for r in results), "pp=1": results[0]["pp1"]}
+    for what, final in others.items():
         assert sorted(final) == sorted(uninterrupted), what
-        differ = [n for n in final if not np.array_equal(final[n], uninterrupted[n])]
-        assert not differ, f"{what}: {differ} differ from the uninterrupted run"
+        far = _far_from(final, uninterrupted)
+        assert not far, f"{what}: {far} past {ACROSS_LAYOUTS} from the uninterrupted run"
     errors = results[0]["errors"]
     assert "KeyError" in errors["missing_layer"]
     assert "'model.blocks.4.lin.weight'" in errors["missing_layer"]
@@ -130,21 +157,29 @@ def test_fsdp2_checkpoint_continues_under_fsdp2_ddp_other_meshes_and_the_plain_m
     other_replica = _union(r["uninterrupted"] for r in results[2:])
     assert all(np.array_equal(v, other_replica[n]) for n, v in uninterrupted.items())
     assert len(uninterrupted) == 10
-    # same reduction order as the uninterrupted run: bit for bit (replicas' sums a + b)
+    # the same layout (FSDP2, zbv, the same cut): bit for bit (the replicas' sums are a + b);
+    # DDP with another schedule and cut, FSDP2 from DDP's checkpoint and the plain model run
+    # other layouts: within ACROSS_LAYOUTS
+    for rank, r in enumerate(results):
+        assert r["fsdp"].keys() <= uninterrupted.keys() and len(r["fsdp"]) >= 4, rank
+        differ = _bitwise_differ(r["fsdp"], uninterrupted)
+        assert not differ, f"fsdp (mesh rank {rank}): {differ} differ from the uninterrupted run"
     runs = {
         f"{what} (mesh rank {rank})": r[what]
-        for what in ("fsdp", "ddp", "fsdp_from_ddp")
+        for what in ("ddp", "fsdp_from_ddp")
         for rank, r in enumerate(results)
     }
     runs |= {"plain": results[0]["plain"]}
     for what, part in runs.items():
         assert part.keys() <= uninterrupted.keys() and len(part) >= 4, what
-        differ = [n for n in part if not np.array_equal(part[n], uninterrupted[n])]
-        assert not differ, f"{what}: {differ} differ from the uninterrupted run"
+        far = _far_from(part, uninterrupted)
+        assert not far, f"{what}: {far} past {ACROSS_LAYOUTS} from the uninterrupted run"
     assert sorted(results[0]["plain"]) == sorted(uninterrupted)
     for r in results:  # Pipeline.load_state_dict puts whole tensors into the shards
         assert all(np.array_equal(v, r["saved"][n]) for n, v in r["state_dict_loaded"].items())
-        tied = r["tied"]  # whole on every replica, written by its owners under both names
+        # whole on every replica, written by its owners under both names; FSDP2 and DDP at the
+        # same cut and schedule run the same backward, so both continue bit for bit
+        tied = r["tied"]
         assert {"embed.weight", "head.weight"} & tied["uninterrupted"].keys()
         for kind in ("fsdp", "ddp"):
             assert tied[kind].keys() == tied["uninterrupted"].keys()

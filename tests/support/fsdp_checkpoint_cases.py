@@ -5,11 +5,13 @@ uninterrupted run is FSDP2 on a ``(dp, pp)`` mesh of 2 × 2 (zbv, 4 stages), che
 ``BEFORE`` steps. Each replica steps on its half of a global batch with a token-mean loss, so the
 replicas' gradients are summed (``a + b``: the same bits in either order). Continuations:
 
-* FSDP2 at the same layout (fresh weights, then the checkpoint);
+* FSDP2 at the same layout (fresh weights, then the checkpoint): bit for bit;
 * DDP at 2 × 2 with another schedule and cut (1F1B, 2 stages), which writes a checkpoint of its
   own one step later — and FSDP2 at the first layout continues from that one;
 * the plain model on rank 0, each replica's micro-batches accumulated by hand and the replicas'
-  sums added, as the mesh does;
+  sums added, as the mesh does (these two and DDP's run other layouts: within float64
+  round-off, ``ACROSS_LAYOUTS`` in ``test_training_runtime``, since another cut may accumulate
+  a linear's weight gradient inside the GEMM where this one adds it after, or the reverse);
 * FSDP2 on a mesh of 4 × 1 (pp=1, shards of a quarter): other rows per replica and micro-batch,
   so other summation orders (compared to round-off, the loaded state bit for bit).
 """

@@ -259,13 +259,18 @@ def _layer_factory(index: int) -> nn.Module:
 
 def run_checkpoints(rank: int, world: int, path: str) -> dict:
     """Save at pp=2 (zbv, 4 stages) after ``BEFORE`` steps; continue there (the uninterrupted
-    run), at pp=2 again (ranks 2, 3), at pp=4 (1f1b, another cut) and in the plain model; every
-    run's final parameters by name (the test compares them bit for bit).
+    run), at pp=2 again (ranks 2, 3), at pp=4 (1f1b, another cut) and in the plain model; the
+    saved parameters and every run's final ones by name. The test compares the same layout bit
+    for bit and the others to float64 round-off.
 
-    The model is untied (the blocks' stages defer their weight GEMMs, the others use graph
-    replay: the default): then each parameter's gradient is summed in the same order whatever
-    the cut, so runs can agree bit for bit (a tied weight's two halves are summed in an order
-    that depends on where the cut puts them: docs/training.md)."""
+    The model is untied (the default backward split: the stages where linears hold at least half
+    the parameters defer their weight GEMMs, the others replay the graph), so each parameter's
+    gradient is the sum of the same terms in the same order whatever the cut (a tied weight's two
+    halves are summed in an order that depends on where the cut puts them: docs/training.md).
+    Another cut may still round differently: where it moves a block between a deferring stage,
+    which accumulates a micro-batch's ``dW`` inside the GEMM (``addmm_``), and graph replay or the
+    plain model (a GEMM, then an add), a BLAS that folds ``.grad`` into the GEMM's sums rounds
+    otherwise than one that adds it after."""
     import torch.distributed as dist
 
     import pipetrain
@@ -277,6 +282,7 @@ def run_checkpoints(rank: int, world: int, path: str) -> dict:
         pipe, opt = _pipeline(first, "zbv", [2, 1, 1, 2])
         _train_pipeline(pipe, opt, range(BEFORE))
         pipetrain.save_checkpoint(path, pipe, opt)
+        out["saved"] = _snapshot(pipe.modules.values())
         dist.barrier()
         _train_pipeline(pipe, opt, range(BEFORE, BEFORE + AFTER))
         out["uninterrupted"] = _snapshot(pipe.modules.values())

@@ -41,7 +41,11 @@ subclasses) ``I`` would be the whole backward and ``W`` next to nothing, leaving
 schedule no work to fill its bubbles with: such stages keep the graph-replay split.
 
 Exact: every gradient is the sum of the same terms unsplit training computes (a weight used by
-several linears, or by a linear and another op, gets each use's term). Not for modules traced by
+several linears, or by a linear and another op, gets each use's term). Not always the same bits:
+``addmm_`` adds ``.grad`` inside the GEMM, where graph replay and plain autograd round the GEMM
+first and add after, and a BLAS that folds ``.grad`` into its sums (MKL on some x86 CPUs) rounds
+the two differently. So a run whose layout defers other stages than another run's agrees with it
+to round-off, not bit for bit; the same layout repeats its bits. Not for modules traced by
 ``torch.compile`` (the mode is Python state the trace would not see).
 """
 
