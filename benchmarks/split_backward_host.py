@@ -14,19 +14,8 @@ before/after numbers come from one run::
 
     .venv/bin/python benchmarks/split_backward_host.py --baseline HEAD
 
-Results (CPU, torch 2.13.0+cpu, 1 thread, medians of 400 micro-batches, µs; ``HEAD`` is the
-per-micro-batch graph walk with one ``_upward`` BFS per parameter and the public
-``autograd.grad``/``backward`` wrappers, ``current`` the cached plan)::
-
-    version blocks        B        I        W      I+W
-       HEAD      1      241      300      195      495
-    current      1      243      206      151      357
-       HEAD      2      449      528      417      945
-    current      2      448      370      336      707
-
-The remaining time is mostly the autograd engine itself (for ``I``: ~160 µs of the 206 for one
-block, as much as the input half of ``B``), which no Python-side change removes; the Python part
-of ``I`` (walk + binding the cached plan + hooks) fell from ~140 to ~40 µs per block.
+Measured results (the cached graph plan against the per-micro-batch walk before it):
+docs/performance.md, "Split backward's host cost on CPU".
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Exact gradients and a short training run on real GPUs, per schedule (issue 3 §3); not a test.
+"""Exact gradients and a short training run on GPUs, per schedule (docs/benchmarks.md); not a test.
 
     torchrun --nproc-per-node 2 benchmarks/gpu/gpu_equivalence.py [--out DIR]       # NCCL
     torchrun --nproc-per-node 4 benchmarks/gpu/gpu_equivalence.py --device cpu     # gloo smoke

@@ -1,4 +1,4 @@
-"""pipetrain against torch.distributed.pipelining on real GPUs (issue 4 §1); a benchmark, not a test.
+"""pipetrain against torch.distributed.pipelining on real GPUs (docs/benchmarks.md); a benchmark.
 
     torchrun --nproc-per-node 2 benchmarks/gpu/gpu_pipeline.py --out $OUT            # 2 GPUs, NCCL
     torchrun --nproc-per-node 4 benchmarks/gpu/gpu_pipeline.py --out $OUT            # 4 GPUs, NCCL

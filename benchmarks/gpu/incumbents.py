@@ -1,5 +1,6 @@
-"""pipetrain against the incumbents on the same GPUs (issue 13): Megatron-Core's pipeline schedules,
-DeepSpeed's ``PipelineEngine`` and ``torch.distributed.pipelining``; a benchmark, not a test.
+"""pipetrain against the incumbents on the same GPUs (docs/incumbents.md): Megatron-Core's
+pipeline schedules, DeepSpeed's ``PipelineEngine`` and ``torch.distributed.pipelining``; a
+benchmark, not a test.
 
     torchrun --nproc-per-node 4 benchmarks/gpu/incumbents.py --out $OUT/p4        # GPUs, NCCL
     torchrun --nproc-per-node 2 benchmarks/gpu/incumbents.py --preset cpu-smoke   # CPU, gloo
@@ -27,7 +28,7 @@ How each incumbent is set up (their recommended settings, nothing of theirs patc
   (Megatron-LM's setting). Megatron's transfers are sequence-first ``[s, b, h]``; the model is
   batch-first, so a chunk reinterprets the received buffer as ``[b, s, h]`` (a view, no copy)
   and hands back its output reinterpreted as ``[s, b, h]`` through one ``clone`` (Megatron
-  frees sent outputs and refuses to free a view), about 10 µs per micro-batch on an H100.
+  frees sent outputs and refuses to free a view), a small cost per micro-batch (docs/incumbents.md).
 * DeepSpeed: ``PipelineModule`` of one ``LayerSpec`` per stage (``partition_method='uniform'``,
   so stage s is exactly the same module as everyone's stage s), ``deepspeed.initialize`` with
   the client AdamW, ``train_micro_batch_size_per_gpu`` = micro-batch size,
@@ -178,7 +179,7 @@ def mse_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 SHAPES = {
     # docs/benchmarks.md's GPT: 16 layers × hidden 2048, seq 1024, vocabulary 8192, micro-batch 4
     "gpt": Shape("gpt", "gpt", layers=16, hidden=2048, heads=16, seq=1024, mb_size=4),
-    # issue 13's block stack: 16 pre-norm blocks, hidden 2048, 16 heads, seq 1024, MSE loss
+    # docs/incumbents.md's block stack: 16 pre-norm blocks, hidden 2048, 16 heads, seq 1024, MSE
     "blocks": Shape("blocks", "blocks", layers=16, hidden=2048, heads=16, seq=1024, mb_size=4),
     # wide and long: transfers of 32 MiB per micro-batch
     "wide": Shape("wide", "gpt", layers=8, hidden=4096, heads=32, seq=4096, mb_size=1),

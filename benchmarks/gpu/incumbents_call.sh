@@ -1,5 +1,5 @@
 #!/bin/bash
-# One GPU call for issue 13 (docs/incumbents.md): benchmarks/gpu/incumbents.py in four parts, the
+# One GPU call for docs/incumbents.md: benchmarks/gpu/incumbents.py in four parts, the
 # most needed first, inside one wall budget (TOTAL seconds, default 540; 4 GPUs):
 #   p1-wide4    the wide/long shape at 4 ranks, 16 and 8 micro-batches, every library and
 #               family (interleaved-zb last)                       budget 175 s, timeout 215 s

@@ -121,7 +121,7 @@ def profile_table(rows: list[dict]) -> list[str]:
 
 
 def targets(data: dict) -> str:
-    """Issue 13's targets, met or missed, for one run (markdown bullet list)."""
+    """docs/incumbents.md's targets, met or missed, for one run (markdown bullet list)."""
     meta, rows = data["meta"], data["rows"]
     out = []
     groups: dict[tuple[str, int], list[dict]] = {}

@@ -1,4 +1,4 @@
-"""The planner on real GPUs (issue 12 §6): profile a Llama-3-shaped GPT, plan it under two memory
+"""The planner on GPUs (docs/planning.md): profile a Llama-3-shaped GPT, plan it under two memory
 budgets, then measure the pick against the usual cuts. A benchmark, not a test.
 
     torchrun --nproc-per-node 4 benchmarks/gpu/plan_gpu.py --out $OUT                 # GPUs, NCCL
@@ -139,8 +139,8 @@ def main() -> int:
     costs = parse_costs(info["costs"])
     budgets = info["budgets"]
 
-    # 3. measure every distinct run, in ``--rounds`` rounds (a run's speed varied by up to 10%
-    # between two runs of one program in one call: each run keeps its best round)
+    # 3. measure every distinct run, in ``--rounds`` rounds (one program's speed varied between
+    # two rounds of one invocation, docs/planning.md: each run keeps its best round)
     distinct = {run_key(run): run for budget in budgets for run in budget["runs"]}
     rounds: dict[str, list[dict]] = {key: [] for key in distinct}
     for r in range(args.rounds):

@@ -1,4 +1,4 @@
-"""time(I) + time(W) against time(B) for one transformer block (issue 3 §2); a benchmark.
+"""time(I) + time(W) against time(B) for one transformer block (docs/benchmarks.md); a benchmark.
 
     python benchmarks/gpu/split_backward_gpu.py [--out DIR]            # one GPU (CPU works, slowly)
 

@@ -1,5 +1,6 @@
 #!/bin/bash
-# Issue 11 GPU proof: pp=2 x dp=2 on 4 GPUs (NCCL), tied embeddings, clipping; FSDP2 training;
+# GPU proof of data parallel under the pipeline: pp=2 x dp=2 on 4 GPUs (NCCL), tied embeddings,
+# clipping; FSDP2 training;
 # DDP checkpoint + resume against the uninterrupted run (float64 and float32).
 # Run from a folder holding pipetrain/ and .whl/ (a transformers wheel; the GPU machine has no
 # internet), with $OUT set to where the logs go. Results: docs/training-gpu.md.

@@ -96,8 +96,8 @@ def refine(
     or the budget of simulated actions is spent. What the min-max objective cannot see (fill and
     drain, comm, W filling bubbles, several stages per rank) the simulation can. Climbing from every starting cut, not only the best, matters with several
     stages per rank, where a rank's load is a sum over distant stages and one climb can stop in
-    a local minimum (interleaved 1F1B on small random models: worst 11% above the exhaustive
-    best from the best start alone). Returns every cut it simulated."""
+    a local minimum (interleaved 1F1B on small random models, climbing from the best start alone:
+    measured in docs/performance.md). Returns every cut it simulated."""
     out: list[Candidate] = []
     shapes: dict[tuple[str, int, int], list[Candidate]] = {}
     for c in sorted((c for c in found if c.plan.fits), key=rank_key):

@@ -20,7 +20,7 @@ from pipetrain.sim.simulate import simulate
 
 #: share of the budget kept free by default for what a costs file cannot see: the allocator's
 #: fragmentation (reserved above allocated), NCCL's buffers, the optimizer step's temporaries and
-#: the memory model's own error (a pick predicted at its budget measured 2.2% over it on an H200,
+#: the memory model's own error (a pick predicted exactly at its budget measured over it:
 #: docs/planning.md)
 DEFAULT_HEADROOM = 0.10
 

@@ -8,7 +8,7 @@ so ``I`` and ``W`` are split exactly as a pipeline splits them):
 * ``forward``, ``backward`` (full), ``backward_input`` and ``backward_weight`` in milliseconds:
   each timed over ``in_flight`` micro-batches run back to back (as a pipeline's steady state
   runs them, so the host queues kernels ahead and launch gaps do not count; one at a time with a
-  synchronisation around each over-estimated a 2048-wide block by ~30% on an H200) and divided
+  synchronisation around each over-estimated a block, measured: ``docs/performance.md``) and divided
   by their number; the median over ``repeats`` rounds after ``warmup`` rounds, timed with CUDA
   events on a GPU and ``time.perf_counter`` on a CPU; ``.grad`` is kept between rounds as
   ``zero_grad(set_to_none=False)`` keeps it, so backward pieces add into it as they do in training; the last layer's forward and backward include ``loss_fn``, as
@@ -36,7 +36,7 @@ Times in context. A stage runs its layers back to back, and a layer timed alone 
 layer timed in a stage: the first kernels of each timed run wait for the host, the last ones
 leave the GPU idle before the closing event, and the host's launches for one layer overlap the
 GPU's work on the previous one only inside a chain. Summing lone layers over-predicted a 1F1B
-step of 6-block stages by 13% on an H200 (docs/planning.md). So after the lone measurements the
+step of 6-block stages (measured: docs/planning.md). So after the lone measurements the
 layers are also timed in windows of ``context`` consecutive layers, each window run as one stage
 (the same ``StageRunner``, the same repeats), and every layer's times are scaled by its
 window's ratios (window measured / sum of its layers measured alone; one ratio for the forward,

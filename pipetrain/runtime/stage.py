@@ -103,7 +103,7 @@ class StageRunner:
     def begin_step(self) -> None:
         """Note the trainable parameters once per step: ``requires_grad`` may change between
         steps, not within one, and walking the module tree for every backward piece showed up in
-        host profiles (~7% of the time inside a small stage's actions)."""
+        host profiles of a small stage's actions (measured: docs/performance.md)."""
         self.params = [p for p in self.module.parameters() if p.requires_grad]
 
     def forward(

@@ -3,8 +3,8 @@ layers' weight-gradient GEMMs, which it stashes; ``W`` is those GEMMs and nothin
 
 Why a second way to split the backward. ``graph_replay`` splits *any* module exactly by replaying
 graph nodes, but its ``W`` enters the autograd engine once per parameter group — six calls per
-transformer block — and on an H200 host that costs ~1 ms per block against ~0.7 ms of GEMMs on
-the device (``docs/performance.md``): with a few layers per stage, the zero-bubble schedules' ``W``
+transformer block — and that costs more host time per block than the device spends on its GEMMs
+(measured: ``docs/performance.md``): with a few layers per stage, the zero-bubble schedules' ``W``
 actions are host-bound and a slow host stretches them. The zero-bubble paper's own implementation
 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024; Megatron-LM's ``WeightGradStore``)
 defers only the linear layers' weight gradients: a linear layer's ``dW = dYᵀ X`` needs nothing but

@@ -14,9 +14,9 @@ the compute stream, after the transfer, and lets ProcessGroupNCCL drop any refer
 and the buffer is marked as used by that stream (``record_stream``), so the caching allocator
 hands its block to no other tensor until the transfer has finished. The bytes are the same as
 when the buffer was held until the host saw the send finish (the block cannot be reused before),
-but that counted them as allocated for as long as the host ran ahead of the GPU — a few 16 MiB
-buffers per rank, the size of the gap by which pipetrain's peak allocated memory exceeded
-Megatron-Core's on the same schedule (48–160 MiB per rank, 4 × H100, docs/incumbents.md) — and
+but that counted them as allocated for as long as the host ran ahead of the GPU — a few
+activation-sized buffers per rank, the size of the gap by which pipetrain's peak allocated memory
+exceeded Megatron-Core's on the same schedule (measured: docs/incumbents.md) — and
 it let the block go only at the next compute action instead of the allocator's next look. The end
 of a step orders the compute stream after the side stream, as waiting each send did.
 
@@ -31,13 +31,13 @@ communicator, whichever way the data flows. A receive posted early (for a later 
 holds back every send to that peer posted after it, until the peer's matching send arrives: in
 schedules that trade in both directions with a neighbour (the V schedules, DualPipeV's F&B pairs),
 a rank's outputs wait a round trip for its next inputs, which the simulator does not model and
-which measured up to 16 points of extra bubble on 4 × H200. So transfers to a higher rank and
+which measured as extra bubble on 4 GPUs (docs/performance.md). So transfers to a higher rank and
 transfers to a lower rank go through two process groups (``Transport(reverse_group=...)``): two
 communicators, two streams, each still in the lowered order, so neither direction waits on the
 other. With the directions apart, each transfer is also posted on its own rather than as one
 ``batch_isend_irecv``: NCCL completes a batch as one group, so a receive needed now, batched with
-receives posted early for later actions, was waited for until the latest of them arrived (4 × H200:
-DualPipeV's inputs arrived ~5 ms after they were produced). One stream per direction and peer
+receives posted early for later actions, was waited for until the latest of them arrived
+(DualPipeV's inputs arrived late; measured: docs/performance.md). One stream per direction and peer
 carries only sends or only receives, in the lowered order, so posting one by one cannot deadlock;
 on one shared group (``reverse_group`` absent) runs of transfers stay batched, which is what
 makes opposite transfers between two ranks safe there.

@@ -5,7 +5,7 @@ pipeline, each ``dp`` column holds replicas of the same stages, each fed its own
 global batch. What makes this exact is *when* the replicas talk. A stage runs one forward and
 one or two backward pieces (``B``, or ``I`` then ``W``) per micro-batch, and its weight gradients
 are only whole after its last piece of the step; a wrapper that reduces on every backward would
-reduce partial sums (the 0.126 gradient error of FSDP2 on 1F1B in issue 11). So here, as in
+reduce partial sums (wrong gradients, not rounding: docs/training-gpu.md). So here, as in
 torch.distributed.pipelining's stage (``backward_maybe_with_nosync``, ``perform_reduce_grad``):
 
 * **DDP** (``DistributedDataParallel`` on the ``dp`` group): forwards call the wrapped module
