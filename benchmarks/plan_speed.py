@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from pipetrain.planner.command import format_plan
+from pipetrain.cli.plan_command import format_plan
 from pipetrain.planner.costs_file import LayerCost, ModelCosts
 from pipetrain.planner.search import search
 from pipetrain.schedule.registry import FAMILIES

@@ -44,8 +44,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from pipetrain.app.models.gpt import GPTConfig, gpt_layer_names, lm_loss
-from pipetrain.app.profile_model import gpt_layers, gpt_stage
+from pipetrain.app.models.gpt import GPTConfig, gpt_layer_names, gpt_layers, gpt_stage, lm_loss
 from pipetrain.planner import ModelCosts, parse_costs, search
 from pipetrain.planner.layout import default_cut
 from pipetrain.planner.partition import uniform_cut

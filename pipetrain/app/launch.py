@@ -5,68 +5,69 @@ processes.
 One command for every model ``app.catalog`` builds — the built-in GPT and the Hugging
 Face Llama family (``--model llama|qwen3|mistral``, from a ``transformers`` config: tiny by
 default, nothing downloaded) — as a list of layers cut into stages by per-stage layer counts
-(``app.layout``: the default cut, or a plan's from ``--plan FILE``).
+(``app.config``: the default cut, or a plan's from ``--plan FILE``).
 
-Run outside a launcher, ``run_train`` checks the arguments (exit 2 on bad input, before any
-process starts) and starts ``--ranks`` × ``--dp`` worker processes with the environment torchrun
-sets — gloo on CPU, NCCL with a GPU per process — each running this same command with the same
-flags (``app.options.argv``). A worker sets up its device and the process group, runs the
-training loop (``app.train``) and, on rank 0, prints the report (``app.report``). A configuration
-the pipeline refuses makes the launcher exit 2 too, with the library's message and no traceback.
+Run outside a launcher, ``run_train`` checks the ``TrainConfig`` (exit 2 on bad input, before
+any process starts) and starts ``--ranks`` × ``--dp`` worker processes with the environment
+torchrun sets — gloo on CPU, NCCL with a GPU per process — each running this same command with
+the flags that reproduce the config (``TrainConfig.argv``). A worker sets up its device and the
+process group, runs the training loop (``app.train``) and, on rank 0, prints the report
+(``app.report``). A configuration the pipeline refuses makes the launcher exit 2 too, with the
+library's message and no traceback.
 
 torch is imported inside functions only, so ``pipetrain --help`` stays fast.
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import os
 import subprocess
 import sys
 import time
 
-from pipetrain.app.layout import check_arguments
-from pipetrain.app.options import argv
+from pipetrain.app.config import Device, TrainConfig, check_arguments
 from pipetrain.app.train import Refused, train
-from pipetrain.flags import describe_shape
 from pipetrain.planner.layout import Layout
+from pipetrain.schedule.program import describe_shape
 
 
-def run_train(args: argparse.Namespace) -> int:
+def run_train(config: TrainConfig) -> int:
     """Launch the workers (outside torchrun) or be one (inside); return the exit status."""
     try:
-        layout = check_arguments(args)
+        layout = check_arguments(config)
     except ValueError as e:
         print(f"pipetrain train: error: {e}", file=sys.stderr)
         return 2
-    if args.worker:
-        return _worker(args, layout)
-    return _launch(args, layout)
+    if config.worker:
+        return _worker(config, layout)
+    return _launch(config, layout)
 
 
-def _resolve_device(args: argparse.Namespace, layout: Layout) -> str:
+def _resolve_device(config: TrainConfig, layout: Layout) -> Device:
     import torch
 
-    need, gpus = layout.ranks * args.dp, torch.cuda.device_count()
-    if args.device == "cuda" and gpus < need:
+    need, gpus = layout.ranks * config.dp, torch.cuda.device_count()
+    if config.device == "cuda" and gpus < need:
         raise ValueError(f"--device cuda needs {need} GPUs (one per process); found {gpus}")
-    if args.device == "auto":
+    if config.device == "auto":
         return "cuda" if gpus >= need else "cpu"
-    return str(args.device)
+    return config.device
 
 
-def _launch(args: argparse.Namespace, layout: Layout) -> int:
+def _launch(config: TrainConfig, layout: Layout) -> int:
     try:
-        device = _resolve_device(args, layout)
+        device = _resolve_device(config, layout)
     except ValueError as e:
         print(f"pipetrain train: error: {e}", file=sys.stderr)
         return 2
-    processes = layout.ranks * args.dp
-    worker_argv = argv(argparse.Namespace(**{**vars(args), "device": device}))
+    processes = layout.ranks * config.dp
+    # every worker parses this back into the same config, the device resolved once here
+    worker_argv = dataclasses.replace(config, device=device).argv()
     backend = "NCCL" if device == "cuda" else "gloo"
     print(
-        f"launching {processes} processes: {layout.ranks} pipeline × {args.dp} data parallel "
-        f"({backend} on {device}); {args.model}, {_describe(layout, args.plan)}"
+        f"launching {processes} processes: {layout.ranks} pipeline × {config.dp} data parallel "
+        f"({backend} on {device}); {config.model}, {_describe(layout, config.plan)}"
     )
     sys.stdout.flush()
     status = start_processes(processes, [sys.executable, "-m", "pipetrain", "train", *worker_argv])
@@ -122,14 +123,14 @@ def _describe(layout: Layout, plan_file: str | None) -> str:
 _REFUSED = 3
 
 
-def _worker(args: argparse.Namespace, layout: Layout) -> int:
+def _worker(config: TrainConfig, layout: Layout) -> int:
     from datetime import timedelta
 
     import torch
     import torch.distributed as dist
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device_kind = _resolve_device(args, layout)
+    device_kind = _resolve_device(config, layout)
     if device_kind == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
@@ -137,10 +138,10 @@ def _worker(args: argparse.Namespace, layout: Layout) -> int:
         device = torch.device("cpu")
         torch.set_num_threads(1)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
+    dist.init_process_group(backend, timeout=timedelta(seconds=config.timeout))
     try:
         try:
-            run = train(args, device)
+            run = train(config, device)
         except Refused as e:
             if dist.get_rank() == 0:
                 print(f"pipetrain train: error: {e}", file=sys.stderr)

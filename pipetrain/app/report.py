@@ -9,7 +9,6 @@ the renderers applied to what the runtime measured (docs/design.md, "The idea").
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import sys
@@ -18,8 +17,8 @@ from pathlib import Path
 from statistics import fmean
 from typing import Any
 
-from pipetrain.flags import describe_shape
 from pipetrain.schedule.action import OpKind
+from pipetrain.schedule.program import describe_shape
 from pipetrain.schedule.timeline import Timeline
 from pipetrain.sim.costs import mean_durations, measured_costs
 
@@ -73,13 +72,14 @@ def _costs_table(timelines: Sequence[Timeline], num_stages: int) -> str:
 
 
 def report(
-    args: argparse.Namespace,
+    svg: str | os.PathLike,
     losses: Sequence[float],
     measured: Sequence[Timeline],
     program: Any,
     shared_cores: bool = False,
 ) -> str:
-    """The end-of-run text: loss trend, measured vs simulated bubble, pictures (writes the SVG).
+    """The end-of-run text: loss trend, measured vs simulated bubble, pictures (writes the
+    measured step as SVG to ``svg``).
 
     ``shared_cores``: the ranks ran as processes on this machine's CPU cores (notes when there
     were more processes than cores, as the measured times then include waiting for a core).
@@ -119,15 +119,14 @@ def report(
             f"note: {program.num_ranks} processes share {cores} CPU cores, so measured times "
             "include waiting for a core"
         )
-    lines += _pictures(args, step, title)
+    lines += _pictures(Path(svg), step, title)
     return "\n".join(lines)
 
 
-def _pictures(args: argparse.Namespace, step: Timeline, title: str) -> list[str]:
+def _pictures(path: Path, step: Timeline, title: str) -> list[str]:
     from pipetrain.render.svg import render_svg
     from pipetrain.render.text import render_text
 
-    path = Path(args.svg)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(render_svg(step, title=f"{title} — measured (ms)"))
     width = shutil.get_terminal_size().columns

@@ -153,6 +153,22 @@ def microbatch_chains(program: Program) -> tuple[int, ...]:
     return tuple(chains.pop() for chains in seen)
 
 
+def plural(count: int, word: str, many: str | None = None) -> str:
+    """``1 rank``, ``4 ranks``; ``many`` for irregular plurals."""
+    return f"{count} {word if count == 1 else many or word + 's'}"
+
+
+def describe_shape(name: str, num_ranks: int, stages_per_rank: int | None, num_mb: int) -> str:
+    """The one-line shape every command prints: ``zbv: 4 ranks, 2 stages per rank, 8 micro-batches``.
+
+    ``stages_per_rank`` None means the placement gives ranks different numbers of stages.
+    """
+    per_rank = (
+        f"{plural(stages_per_rank, 'stage')} per rank" if stages_per_rank else "uneven stages"
+    )
+    return f"{name}: {plural(num_ranks, 'rank')}, {per_rank}, {plural(num_mb, 'micro-batch', 'micro-batches')}"
+
+
 class ScheduleError(ValueError):
     """A program is malformed or cannot run; the message names rank, step and action and draws
     the grid with the offending cells marked."""

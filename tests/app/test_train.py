@@ -6,7 +6,6 @@ test here that starts processes.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -17,7 +16,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from pipetrain.app.layout import check_arguments  # noqa: E402
+from pipetrain.app.config import TrainConfig, check_arguments  # noqa: E402
 from pipetrain.app.models import (  # noqa: E402
     GPTConfig,
     batches,
@@ -29,7 +28,7 @@ from pipetrain.app.models import (  # noqa: E402
     split_gpt,
     stage_layers,
 )
-from pipetrain.app.options import add_train_arguments, argv  # noqa: E402
+from pipetrain.cli.train_command import config_from_argv  # noqa: E402
 from pipetrain.schedule.registry import build_schedule  # noqa: E402
 from pipetrain.sim.costs import Costs, measured_costs  # noqa: E402
 from pipetrain.sim.simulate import simulate  # noqa: E402
@@ -120,10 +119,8 @@ def test_loss_goes_down_on_one_process() -> None:
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
 
 
-def _args(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    add_train_arguments(parser)
-    return parser.parse_args(list(argv))
+def _args(*argv: str) -> TrainConfig:
+    return config_from_argv(argv)
 
 
 @pytest.mark.parametrize(
@@ -178,7 +175,7 @@ def test_a_plan_file_gives_the_layout_and_must_fit_the_model(tmp_path: Path) -> 
 def test_train_takes_the_shared_shape_flags_and_relaunches_with_them() -> None:
     args = _args("zb-h1", "-p", "2", "-m", "4", "--steps", "3")
     assert (args.schedule, args.ranks, args.microbatches) == ("zb-h1", 2, 4)
-    flags = argv(args)
+    flags = args.argv()
     assert flags[:6] == ["--schedule", "zb-h1", "--ranks", "2", "--microbatches", "4"]
     assert _args(*flags) == args  # a worker parses back the launcher's arguments
     with pytest.raises(SystemExit):  # argparse's exit 2: the same validator as every subcommand
@@ -187,7 +184,7 @@ def test_train_takes_the_shared_shape_flags_and_relaunches_with_them() -> None:
 
 def test_every_subcommand_shares_one_definition_of_the_shape_flags() -> None:
     from pipetrain.cli import build_parser
-    from pipetrain.flags import positive_int
+    from pipetrain.cli.flags import positive_int
 
     parser = build_parser()
     commands = next(a for a in parser._actions if a.dest == "command").choices

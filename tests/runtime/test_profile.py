@@ -70,8 +70,7 @@ def test_profile_refuses_bad_arguments() -> None:
 
 
 def test_gpt_stages_cut_by_a_plan_hold_the_unsplit_weights() -> None:
-    from pipetrain.app.models.gpt import GPTConfig, build_gpt
-    from pipetrain.app.profile_model import gpt_stage
+    from pipetrain.app.models.gpt import GPTConfig, build_gpt, gpt_stage
 
     cfg = GPTConfig(vocab_size=16, seq_len=8, num_layers=4, hidden=8, num_heads=2)
     whole = build_gpt(cfg).state_dict()

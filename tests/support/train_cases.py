@@ -4,18 +4,15 @@ a checkpoint and a resume — all in float64 on gloo, in one launch."""
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 import torch.distributed as dist
 
 
-def train_args(*argv: str) -> argparse.Namespace:
-    from pipetrain.app.options import add_train_arguments
+def train_args(*argv: str):
+    """``pipetrain train``'s flags as the ``TrainConfig`` the command line builds from them."""
+    from pipetrain.cli.train_command import config_from_argv
 
-    parser = argparse.ArgumentParser()
-    add_train_arguments(parser)
-    return parser.parse_args(list(argv))
+    return config_from_argv(argv)
 
 
 def from_plan_gradients(rank: int, world: int) -> dict:

@@ -19,7 +19,9 @@ Stage boundaries pass one tensor: token ids ``[b, t]`` into the first stage, the
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -185,6 +187,28 @@ def gpt_layer(cfg: GPTConfig, index: int, seed: int = 0) -> GPTStage:
 
 def gpt_layer_names(cfg: GPTConfig) -> list[str]:
     return ["embed", *(f"block{i}" for i in range(cfg.num_layers)), "head"]
+
+
+def gpt_layers(cfg: GPTConfig, seed: int = 0) -> list[GPTStage]:
+    """The model as a chain of layers (``gpt_layer``): embedding, each block, head."""
+    return [gpt_layer(cfg, i, seed) for i in range(cfg.num_layers + 2)]
+
+
+def gpt_stage(cfg: GPTConfig, stage_layers: Sequence[int], stage: int, seed: int = 0) -> GPTStage:
+    """Stage ``stage`` of the cut ``stage_layers`` of ``gpt_layers`` (layer counts per stage, as
+    a plan gives them)."""
+    if sum(stage_layers) != cfg.num_layers + 2 or min(stage_layers) < 1:
+        raise ValueError(
+            f"stage_layers {list(stage_layers)} must be counts >= 1 summing to "
+            f"{cfg.num_layers + 2} (embedding, {cfg.num_layers} blocks, head)"
+        )
+    ends = list(accumulate(stage_layers))
+    first, end = ends[stage] - stage_layers[stage], ends[stage]
+    # list positions 1..L are blocks 0..L-1; position 0 the embedding, L+1 the head
+    blocks = (max(first, 1) - 1, min(end, cfg.num_layers + 1) - 1)
+    return GPTStage(
+        cfg, blocks[0], blocks[1], embed=first == 0, head=end == cfg.num_layers + 2, seed=seed
+    )
 
 
 def build_gpt(cfg: GPTConfig, seed: int = 0) -> GPTStage:

@@ -1,90 +1,67 @@
 """``pipetrain plan``: read a costs file, search, print the pick (JSON, or its timeline and a
-table of each family's best). Bad input raises ``ValueError`` (the CLI exits 2 with it)."""
+table of each family's best). Bad input raises ``ValueError`` (the command line exits 2 with it);
+so does a budget nothing fits (``NoPlanFits``)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
+from pipetrain.cli.flags import Command, Option, fraction, gib, int_list, one_positive_int
 from pipetrain.planner.costs_file import load_costs
 from pipetrain.planner.search import DEFAULT_HEADROOM, Search, search
-from pipetrain.render.text import render_text
 
-
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(p) for p in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers >= 1, got {text!r}"
-        ) from None
-    if any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
-    return values
-
-
-def _positive(text: str) -> int:
-    (value,) = _int_list(text)
-    return value
-
-
-def _gib(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of GiB > 0, got {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number of GiB > 0, got {text!r}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {text!r}")
-    return value
-
-
-def add_plan_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--costs", required=True, metavar="FILE", help="costs file (JSON, version 1)")
-    p.add_argument(
-        "--ranks", "-p", type=_positive, required=True, metavar="P", help="pipeline ranks"
-    )
-    p.add_argument(
-        "--memory-gib", type=_gib, required=True, metavar="G", help="memory budget per rank (GiB)"
-    )
-    p.add_argument(
-        "--headroom",
-        type=_fraction,
+OPTIONS = (
+    Option(("--costs",), required=True, metavar="FILE", help="costs file (JSON, version 1)"),
+    Option(
+        ("--ranks", "-p"), type=one_positive_int, required=True, metavar="P", help="pipeline ranks"
+    ),
+    Option(
+        ("--memory-gib",),
+        type=gib,
+        required=True,
+        metavar="G",
+        help="memory budget per rank (GiB)",
+    ),
+    Option(
+        ("--headroom",),
+        type=fraction,
         default=DEFAULT_HEADROOM,
         metavar="F",
         help="share of --memory-gib kept free for what the costs file cannot see: allocator "
-        f"fragmentation, NCCL buffers, optimizer temporaries (default {DEFAULT_HEADROOM:g})",
-    )
-    p.add_argument(
-        "--microbatches",
-        "-m",
-        type=_int_list,
+        "fragmentation, NCCL buffers, optimizer temporaries",
+    ),
+    Option(
+        ("--microbatches", "-m"),
+        type=int_list,
         metavar="M1,M2,...",
         help="micro-batch counts to try (default: 1, 2 and 4 x ranks)",
-    )
-    p.add_argument(
-        "--schedules",
+    ),
+    Option(
+        ("--schedules",),
         metavar="A,B,...",
         help="families to search (default: every family Pipeline runs; see `pipetrain schedules`)",
-    )
-    p.add_argument("--global-batch", type=_positive, metavar="B", help="fixed global batch")
-    p.add_argument(
-        "--micro-batch-size", type=_positive, metavar="b", help="micro-batch size (with B)"
-    )
-    p.add_argument("--json", action="store_true", help="print the pick as one JSON object")
-    p.add_argument("--width", type=_positive, default=100, metavar="COLS", help="timeline width")
+    ),
+    Option(("--global-batch",), type=one_positive_int, metavar="B", help="fixed global batch"),
+    Option(
+        ("--micro-batch-size",),
+        type=one_positive_int,
+        metavar="b",
+        help="micro-batch size (with B)",
+    ),
+    Option(("--json",), switch=True, help="print the pick as one JSON object"),
+    Option(
+        ("--width",),
+        type=one_positive_int,
+        default=100,
+        metavar="COLS",
+        help="timeline width",
+        shown_default="",
+    ),
+)
 
 
-def run_plan(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     costs = load_costs(args.costs)
     found = search(
         costs,
@@ -100,6 +77,8 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(best.plan.to_json()))
         return 0
+    from pipetrain.render.text import render_text
+
     print(render_text(best.timeline, width=args.width, color=False))
     print()
     print(format_plan(found))
@@ -128,7 +107,17 @@ def format_plan(found: Search) -> str:
                 f"{s}: {n[0]}" + (f"..{n[-1]}" if len(n) > 1 else "") for s, n in enumerate(names)
             )
         )
-    lines += ["", "best plan of each family:"]
+    lines += ["", "best plan of each family:", *_family_table(found)]
+    if found.skipped:
+        lines.append(
+            f"({len(found.skipped)} shapes skipped: not legal for their family, or the family "
+            "splits the backward and the costs file has no backward_input/backward_weight)"
+        )
+    return "\n".join(lines)
+
+
+def _family_table(found: Search) -> list[str]:
+    """One row per family's best plan, the columns padded to their widest cell."""
     header = (
         "schedule",
         "v",
@@ -157,11 +146,12 @@ def format_plan(found: Search) -> str:
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
-    for r in rows:
-        lines.append("  ".join(f"{cell:<{w}}" for cell, w in zip(r, widths)) + "  " + r[-1])
-    if found.skipped:
-        lines.append(
-            f"({len(found.skipped)} shapes skipped: not legal for their family, or the family "
-            "splits the backward and the costs file has no backward_input/backward_weight)"
-        )
-    return "\n".join(lines)
+    return ["  ".join(f"{cell:<{w}}" for cell, w in zip(r, widths)) + "  " + r[-1] for r in rows]
+
+
+COMMAND = Command(
+    name="plan",
+    help="pick schedule, micro-batches and cut from a costs file",
+    options=lambda: OPTIONS,
+    run=run,
+)

@@ -1,0 +1,251 @@
+"""What one ``pipetrain train`` run is asked to do: ``TrainConfig``, its checks, and the pipeline
+layout it runs.
+
+``TrainConfig`` is the typed form of the ``train`` flags: the command line builds one from what it
+parsed (``cli.train_command``), and the launcher, the training loop and the report read it. A
+field is named as its flag (``--clip-grad-norm`` is ``clip_grad_norm``), so ``argv`` writes the
+command line that every worker parses back into the same config. Its defaults are the flags'
+defaults. Constructing one checks each field on its own (a value the flag would refuse raises
+``ValueError`` naming the flag and the legal values), so a config built in code is held to what
+the command line accepts.
+
+``check_arguments`` does the checks that read files or span fields (the model's shape, the plan
+file, the checkpoint to resume) and turns the config into a ``Layout``: the plan in ``--plan FILE``
+(``pipetrain plan --json``, read as ``Layout.from_json`` reads it, as ``Pipeline.from_plan``
+does), or the shape flags with the default cut (blocks spread evenly, embedding and head on the
+end stages). The launcher calls it before any process starts, so bad input exits 2 at once rather
+than in every worker; each worker calls it again for its layout.
+
+torch is imported inside functions only, so ``pipetrain --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, get_args
+
+from pipetrain.app.catalog import BYTE_VOCAB, MODELS, ModelShape, default_stage_layers
+from pipetrain.planner.layout import Layout
+from pipetrain.schedule.registry import FAMILIES, build_schedule, family
+
+#: the shape ``pipetrain train`` runs without flags or a plan
+DEFAULT_SCHEDULE, DEFAULT_RANKS, DEFAULT_MICROBATCHES = "1f1b", 2, 4
+
+Dtype = Literal["float32", "bfloat16", "float64"]
+DataParallel = Literal["ddp", "fsdp"]
+Device = Literal["auto", "cpu", "cuda"]
+WeightGrads = Literal["auto", "deferred", "replay"]
+#: field → its legal values
+CHOICES: dict[str, tuple[str, ...]] = {
+    "model": MODELS,
+    "dtype": get_args(Dtype),
+    "data_parallel": get_args(DataParallel),
+    "device": get_args(Device),
+    "weight_grads": get_args(WeightGrads),
+}
+#: the fields that give the pipeline's shape (a plan gives them instead)
+SHAPE_FIELDS = ("schedule", "ranks", "microbatches", "stages_per_rank")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """One training run, as its flags describe it (each field is the flag of its name)."""
+
+    # the pipeline's shape: None takes the plan's (``plan``), else the DEFAULT_* above
+    schedule: str | None = None
+    ranks: int | None = None
+    microbatches: int | None = None
+    stages_per_rank: int | None = None
+    # the model (``pipetrain profile`` takes these too)
+    model: str = "llama"
+    layers: int = 4
+    hidden: int = 64
+    heads: int = 4
+    kv_heads: int = 2
+    vocab: int = 256
+    seq_len: int = 64
+    tie_embeddings: bool = False
+    dtype: Dtype = "float32"
+    seed: int = 0
+    microbatch_size: int = 4
+    # the run
+    dp: int = 1
+    data_parallel: DataParallel = "fsdp"
+    steps: int = 60
+    lr: float = 3e-3
+    clip_grad_norm: float | None = None
+    text: str | None = None
+    corpus_out: str = "out/corpus.txt"
+    plan: str | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_every: int | None = None
+    resume: bool = False
+    svg: str = "out/train_step.svg"
+    device: Device = "auto"
+    weight_grads: WeightGrads = "auto"
+    receive_lead: int | None = 1
+    timeout: float = 300.0
+    #: set by the launcher on the processes it starts
+    worker: bool = False
+
+    def __post_init__(self) -> None:
+        for name in _field_names():
+            value, flag = getattr(self, name), _flag(name)
+            if name in CHOICES and value not in CHOICES[name]:
+                raise ValueError(f"{flag} must be one of {', '.join(CHOICES[name])}")
+            if name == "receive_lead":
+                if value is not None and (type(value) is not int or value < 0):
+                    raise ValueError(f"{flag} must be none or an integer >= 0, got {value}")
+            elif type(value) in (int, float) and name != "seed" and value <= 0:
+                raise ValueError(f"{flag} must be > 0, got {value}")
+
+    @property
+    def shape(self) -> ModelShape:
+        """The model these fields describe (a checkpoint is resumed only by the same shape)."""
+        return ModelShape(
+            model=self.model,
+            blocks=self.layers,
+            hidden=self.hidden,
+            heads=self.heads,
+            kv_heads=self.kv_heads,
+            vocab=self.vocab,
+            seq_len=self.seq_len,
+            dtype=self.dtype,
+            seed=self.seed,
+            tie_embeddings=self.tie_embeddings,
+        )
+
+    def argv(self) -> list[str]:
+        """The flags that reproduce this config (what the launcher passes to every worker)."""
+        out: list[str] = []
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if type(value) is bool:
+                out += [_flag(field.name)] if value else []
+            elif value is not None:
+                out += [_flag(field.name), str(value)]
+            elif field.default is not None:  # a flag that takes "none" (``--receive-lead``)
+                out += [_flag(field.name), "none"]
+        return out
+
+    def shape_flags_given(self) -> list[str]:
+        """The shape flags set (to name them when a plan gives the shape)."""
+        return [_flag(name) for name in SHAPE_FIELDS if getattr(self, name) is not None]
+
+
+def _field_names() -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(TrainConfig))
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def check_arguments(config: TrainConfig) -> Layout:
+    """Check everything that needs no process; return the pipeline layout.
+
+    Raises ``ValueError`` naming the bad value and the legal ones.
+    """
+    shape = config.shape
+    shape.check()
+    if config.model != "gpt" and importlib.util.find_spec("transformers") is None:
+        raise ValueError(
+            f"--model {config.model} needs transformers: pip install 'pipetrain[hf]' (or train "
+            "the built-in model: --model gpt)"
+        )
+    if config.vocab < BYTE_VOCAB:
+        raise ValueError(f"--vocab {config.vocab}: the tokens are bytes, so it must be >= 256")
+    if config.text is not None and not Path(config.text).is_file():
+        raise ValueError(f"--text {config.text}: no such file")
+    if config.resume:  # the checkpoint is there and of this model (a file read, no process)
+        if config.checkpoint_dir is None:
+            raise ValueError("--resume needs --checkpoint-dir DIR (where the checkpoints are)")
+        from pipetrain.app.checkpoints import Checkpoints
+
+        Checkpoints(config.checkpoint_dir, shape).latest()
+    if config.checkpoint_every is not None and config.checkpoint_dir is None:
+        raise ValueError("--checkpoint-every needs --checkpoint-dir DIR")
+    layout = _layout(config, shape)
+    if shape.num_layers < len(layout.stage_layers):
+        raise ValueError(
+            f"--layers {config.layers} gives {shape.num_layers} layers (with the embedding and "
+            f"head) for {len(layout.stage_layers)} stages; every stage needs a layer: use "
+            f"--layers >= {config.layers + len(layout.stage_layers) - shape.num_layers}"
+        )
+    if sum(layout.stage_layers) != shape.num_layers:
+        raise ValueError(
+            f"the plan in {config.plan} cuts {sum(layout.stage_layers)} layers "
+            f"{list(layout.stage_layers)}, but --model {config.model} --layers {config.layers} "
+            f"has {shape.num_layers}; plan from a profile of the same model (`pipetrain profile "
+            f"--model {config.model} --layers {config.layers}`)"
+        )
+    return layout
+
+
+def _layout(config: TrainConfig, shape: ModelShape) -> Layout:
+    if not family(config.schedule or DEFAULT_SCHEDULE).runnable:  # family() names unknown ones
+        runnable = ", ".join(f.name for f in FAMILIES.values() if f.runnable)
+        raise ValueError(
+            f"{config.schedule} is for planning only (two copies of the model); train with one "
+            f"of {runnable}"
+        )
+    if config.plan is not None:
+        given = config.shape_flags_given()
+        if given:
+            raise ValueError(
+                f"--plan {config.plan} gives the schedule and its shape; drop {', '.join(given)}"
+            )
+        return _read_plan(config.plan)
+    program = build_schedule(
+        config.schedule or DEFAULT_SCHEDULE,
+        config.ranks or DEFAULT_RANKS,
+        config.microbatches or DEFAULT_MICROBATCHES,
+        config.stages_per_rank,
+    )
+    if program.num_stages > shape.num_layers:
+        # one layer a stage: refused by the caller, which names the layer count
+        counts: tuple[int, ...] = (1,) * program.num_stages
+    else:
+        counts = default_stage_layers(shape.model, shape.blocks, program.num_stages)
+    return Layout(
+        schedule=program.name,
+        ranks=program.num_ranks,
+        stages_per_rank=program.num_stages // program.num_ranks,
+        microbatches=program.num_microbatches,
+        stage_layers=tuple(counts),
+    )
+
+
+def _read_plan(path: str) -> Layout:
+    try:
+        raw = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ValueError(f"--plan {path}: no such file") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"--plan {path} is not JSON ({e}); write it with `pipetrain plan --json`"
+        ) from None
+    try:
+        layout = Layout.from_json(raw)
+    except ValueError as e:
+        raise ValueError(f"--plan {path}: {e}") from None
+    program = build_schedule(
+        layout.schedule, layout.ranks, layout.microbatches, layout.stages_per_rank
+    )
+    if not family(program.name).runnable or program.placement.num_chains > 1:
+        raise ValueError(f"--plan {path}: {program.name} holds two copies of the model")
+    return dataclasses.replace(layout, schedule=program.name)
+
+
+__all__ = [
+    "CHOICES",
+    "DEFAULT_MICROBATCHES",
+    "DEFAULT_RANKS",
+    "DEFAULT_SCHEDULE",
+    "TrainConfig",
+    "check_arguments",
+]

@@ -1,0 +1,182 @@
+"""``pipetrain train``: its flags as one table, and the ``TrainConfig`` built from them.
+
+The table lists every flag in the order ``--help`` shows it; each flag is named as its
+``TrainConfig`` field and takes that field's default, so the parser, the config and the command
+line the launcher writes for its workers (``TrainConfig.argv``, parsed back here) name the same
+things. The config checks itself when built (exit 2 on a bad value) and the application reads
+only the config (``app.launch.run_train``). The application is imported when a parser is built
+or the command runs, and torch only when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from pipetrain.cli.flags import (
+    PROG,
+    Command,
+    Option,
+    add_options,
+    microbatches_option,
+    model_options,
+    one_of,
+    positive_float,
+    positive_int,
+    ranks_option,
+    receive_lead,
+    require_torch,
+    schedule_options,
+    stages_per_rank_option,
+    with_defaults,
+)
+from pipetrain.schedule.registry import FAMILIES
+
+if TYPE_CHECKING:
+    from pipetrain.app.config import TrainConfig
+
+HELP = (
+    "train a model (tiny Llama by default) on a text file, pipeline x data parallel "
+    "(launches the processes itself)"
+)
+
+
+def options() -> tuple[Option, ...]:
+    """The shape flags (default None: a plan gives them, else the defaults they name), the model
+    flags, then the run's."""
+    from pipetrain.app.config import (
+        CHOICES,
+        DEFAULT_MICROBATCHES,
+        DEFAULT_RANKS,
+        DEFAULT_SCHEDULE,
+        TrainConfig,
+    )
+
+    runnable = [f.name for f in FAMILIES.values() if f.runnable]
+    or_plan = ", or the plan's"
+    shape = (
+        *schedule_options(runnable, shown_default=DEFAULT_SCHEDULE + or_plan),
+        ranks_option(
+            help=f"pipeline ranks (default {DEFAULT_RANKS}{or_plan}); --ranks × --dp processes"
+        ),
+        stages_per_rank_option(runnable),
+        microbatches_option(shown_default=f"{DEFAULT_MICROBATCHES}{or_plan}"),
+    )
+    run = (*_run_options(CHOICES), *_process_options(CHOICES))
+    return (*shape, *model_options(), *with_defaults(run, TrainConfig()))
+
+
+def _run_options(choices: dict[str, tuple[str, ...]]) -> tuple[Option, ...]:
+    """The flags of the run: data parallel, steps, optimizer, data, plan, checkpoints, picture."""
+    return (
+        Option(
+            ("--dp",), type=positive_int, metavar="D", help="data-parallel replicas of the pipeline"
+        ),
+        one_of(
+            "--data-parallel",
+            choices["data_parallel"],
+            "how the replicas hold the stages: DDP, or FSDP2 (fully_shard)",
+        ),
+        Option(("--steps",), type=positive_int, metavar="N", help="optimizer steps"),
+        Option(("--lr",), type=positive_float, metavar="LR", help="AdamW learning rate"),
+        Option(
+            ("--clip-grad-norm",),
+            type=positive_float,
+            metavar="MAX",
+            help="clip gradients to this norm of the whole model (default: no clipping)",
+        ),
+        Option(
+            ("--text",),
+            metavar="FILE",
+            help="a text file to train on, its bytes the tokens (default: the generated corpus)",
+        ),
+        Option(
+            ("--corpus-out",),
+            metavar="FILE",
+            help="where the generated corpus is written when --text is not given",
+        ),
+        Option(
+            ("--plan",),
+            metavar="FILE",
+            help="run a plan (`pipetrain plan --json > FILE`): its schedule, ranks, stages per "
+            "rank, micro-batches and cut; give no shape flags with it",
+        ),
+        Option(
+            ("--checkpoint-dir",),
+            metavar="DIR",
+            help="write checkpoints (model and optimizer, DCP) under DIR",
+        ),
+        Option(
+            ("--checkpoint-every",),
+            type=positive_int,
+            metavar="K",
+            help="write one every K steps (default: after the last step only)",
+        ),
+        Option(
+            ("--resume",),
+            switch=True,
+            help="continue from the latest checkpoint in --checkpoint-dir (bit for bit on the "
+            "same layout)",
+        ),
+        Option(("--svg",), metavar="PATH", help="where to write the measured step as SVG"),
+    )
+
+
+def _process_options(choices: dict[str, tuple[str, ...]]) -> tuple[Option, ...]:
+    """The flags of each process: its device, how it splits the backward and waits on peers."""
+    return (
+        one_of(
+            "--device",
+            choices["device"],
+            "cuda needs a GPU per process (NCCL); cpu runs gloo; auto picks cuda when there are "
+            "enough GPUs",
+        ),
+        one_of(
+            "--weight-grads",
+            choices["weight_grads"],
+            "how I/W split the backward: deferred linear weight GEMMs (the zero-bubble paper's "
+            "way), graph replay (any module), or auto (deferred on stages made mostly of linears)",
+        ),
+        Option(
+            ("--receive-lead",),
+            type=receive_lead,
+            metavar="{none,0,1,...}",
+            help="post each receive at most this many compute actions before the one that reads "
+            "it (1: Megatron-Core's overlapped P2P; none: as soon as its value can have arrived)",
+        ),
+        Option(
+            ("--timeout",),
+            type=positive_float,
+            metavar="SECONDS",
+            help="how long a rank waits on a peer before failing",
+        ),
+        # set by the launcher on the processes it starts; users never pass it
+        Option(("--worker",), switch=True, help=argparse.SUPPRESS),
+    )
+
+
+def config_from(args: argparse.Namespace) -> TrainConfig:
+    """The ``TrainConfig`` the parsed flags describe (``ValueError`` for a value it refuses)."""
+    from pipetrain.app.config import TrainConfig
+
+    names = (f.name for f in dataclasses.fields(TrainConfig))
+    return TrainConfig(**{name: getattr(args, name) for name in names})
+
+
+def config_from_argv(argv: Sequence[str]) -> TrainConfig:
+    """Parse ``train``'s flags (what a worker is started with; the demo's jobs) into a config."""
+    parser = argparse.ArgumentParser(prog=f"{PROG} train")
+    add_options(parser, options())
+    return config_from(parser.parse_args(list(argv)))
+
+
+def run(args: argparse.Namespace) -> int:
+    require_torch()
+    from pipetrain.app.launch import run_train
+
+    return run_train(config_from(args))
+
+
+COMMAND = Command(name="train", help=HELP, options=options, run=run)
