@@ -1,4 +1,5 @@
-"""Layer rules: schedule, sim and render import only the standard library (docs/design.md)."""
+"""Layer rules: schedule, sim and render import only the standard library; the planner never
+imports the renderer or the command line; module basenames are unique (docs/design.md)."""
 
 from __future__ import annotations
 
@@ -44,3 +45,24 @@ def test_runtime_is_the_only_torch_importer() -> None:
         text = path.read_text()
         for banned in ("pipetrain.sim", "pipetrain.render", "pipetrain.cli"):
             assert banned not in text, (path, banned)
+
+
+def test_planner_and_app_stay_below_the_command_line() -> None:
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "pipetrain"
+    for path in (root / "planner").rglob("*.py"):
+        text = path.read_text()
+        for banned in ("pipetrain.render", "pipetrain.cli"):
+            assert banned not in text, (path, banned)
+    for path in (root / "app").rglob("*.py"):
+        assert "pipetrain.cli" not in path.read_text(), path
+
+
+def test_no_two_modules_share_a_basename() -> None:
+    from collections import Counter
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "pipetrain"
+    names = Counter(p.name for p in root.rglob("*.py") if p.name != "__init__.py")
+    assert [name for name, count in names.items() if count > 1] == []

@@ -246,3 +246,31 @@ def test_module_entry_point_runs() -> None:
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["makespan"] == 9
+
+
+def test_train_flags_are_the_config_fields_and_round_trip_through_argv() -> None:
+    """Each ``train`` flag is the ``TrainConfig`` field of its name (with its default), so the
+    command line the launcher writes for its workers parses back into the same config."""
+    import dataclasses
+
+    from pipetrain.app.config import TrainConfig
+    from pipetrain.cli.train_command import config_from_argv, options
+
+    dests = {opt.dest for opt in options()} - {"schedule_positional"}
+    assert dests == {f.name for f in dataclasses.fields(TrainConfig)}
+    assert config_from_argv([]) == TrainConfig()
+    given = ["zbv", "-p", "2", "--receive-lead", "none", "--lr", "0.01", "--resume"]
+    config = config_from_argv([*given, "--checkpoint-dir", "ckpt", "--clip-grad-norm", "1"])
+    assert config.receive_lead is None and config.schedule == "zbv"
+    assert config_from_argv(config.argv()) == config
+
+
+def test_a_config_refuses_what_its_flag_refuses() -> None:
+    from pipetrain.app.config import TrainConfig
+
+    with pytest.raises(ValueError, match="--device must be one of auto, cpu, cuda"):
+        TrainConfig(device="tpu")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="--steps must be > 0"):
+        TrainConfig(steps=0)
+    with pytest.raises(ValueError, match="--receive-lead must be none or an integer >= 0"):
+        TrainConfig(receive_lead=-1)
