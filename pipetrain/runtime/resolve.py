@@ -3,11 +3,11 @@
 Everything here is decided once, at construction (or in ``Pipeline.from_plan``, before it), and
 never touches a transfer: that torch.distributed is up, the process groups (given, or a mesh's),
 the stage count, the device, the checked and lowered program, this rank's modules, the second
-NCCL group, what each rank's row asks of its
-stages (where weight-gradient hooks fire, where a stage's data-parallel sync may start), the
-forward-only program of ``eval_step``, and a plan's layout turned into ``Pipeline`` arguments. It
-is apart from ``runtime.pipeline`` so that module holds only what a step does; every refusal
-here names the legal values and comes before any peer waits.
+NCCL group, the side stream, what each rank's row asks of its stages (where weight-gradient hooks
+fire, where a stage's data-parallel sync may start), the forward-only program of ``eval_step``,
+and a plan's layout turned into ``Pipeline`` arguments. It is apart from ``runtime.pipeline`` so
+that module holds only what a step does and the order construction takes; every refusal here
+names the legal values and comes before any peer waits.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ with ``**kwargs``; ``pipetrain.split``'s stages hand each layer the ones it name
 
 Side inputs carry no gradient: a side tensor that requires one is refused (its gradient would
 have to travel back to stage 0's rank, which only the stage outputs do). A name no stage takes
-is refused too — a misspelt ``attention_mask`` would otherwise be silently ignored.
+is refused too — a misspelt ``attention_mask`` would otherwise be silently ignored; the names
+every rank's stages take are gathered once (``everyones_keywords``).
 """
 
 from __future__ import annotations

@@ -81,7 +81,8 @@ def choose_split(
     if defer_weight_grads is None:
         defer = worth_deferring(module)
         in_linears, total = linear_share(module)
-        why = f"plain nn.Linear layers hold {in_linears} of its {total} trainable elements"
+        share = f"plain nn.Linear layers hold {in_linears} of its {total} trainable elements"
+        why = f"{share}; half defers"
     else:
         defer, why = defer_weight_grads, f"defer_weight_grads={defer_weight_grads}"
     way = "deferred linear weight GEMMs" if defer else "graph replay"
