@@ -8,9 +8,15 @@ first use.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+# The library logs decisions a user may want to see (INFO) and per-step detail (DEBUG) to the
+# ``pipetrain`` logger's children; whether and where they show is the application's choice
+# (docs/runtime.md, "Logging and profiling"), so the library adds no handler that prints.
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 if TYPE_CHECKING:
     from pipetrain.planner import plan

@@ -89,7 +89,9 @@ class LayerModel:
             return list(self.layers.values())
         return [self.layers(i) for i in range(len(self.names))]
 
-    def batch(self, inputs: torch.Tensor, targets: torch.Tensor):
+    def batch(
+        self, inputs: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(inputs, targets)`` for ``Pipeline.step`` from a window and its shift by one."""
         return (inputs, inputs) if self.labels_are_inputs else (inputs, targets)
 

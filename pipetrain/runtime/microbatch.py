@@ -37,6 +37,19 @@ def as_tuple(batch: object, what: str) -> tuple[torch.Tensor, ...]:
     return items
 
 
+def to_device(
+    inputs: object, targets: object, device: torch.device
+) -> tuple[tuple[torch.Tensor, ...], object]:
+    """``inputs`` as a tuple of tensors on ``device``, and ``targets`` there too where they are a
+    tensor or a tuple/list of them (anything else stays as given)."""
+    xs = tuple(x.to(device) for x in as_tuple(inputs, "inputs"))
+    if isinstance(targets, torch.Tensor):
+        return xs, targets.to(device)
+    if isinstance(targets, (tuple, list)):
+        return xs, tuple(t.to(device) for t in as_tuple(targets, "targets"))
+    return xs, targets
+
+
 def batch_size_of(tensors: Sequence[torch.Tensor], what: str) -> int:
     if any(t.dim() == 0 for t in tensors):
         raise ValueError(f"{what} must have a batch dimension (dim 0); got a 0-dim tensor")

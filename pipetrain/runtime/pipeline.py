@@ -14,15 +14,18 @@ trained in place (``module.to(device)``), so the caller's references see gradien
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipetrain.planner.judge import Plan
 from pipetrain.planner.layout import Layout
 from pipetrain.runtime import checkpoint, losses, microbatch, resolve, side_inputs
 from pipetrain.runtime.comm.agreement import Agreement, pipeline_prefix
@@ -31,13 +34,26 @@ from pipetrain.runtime.comm.p2p import DTYPE_CODE, DTYPES, Transport
 from pipetrain.runtime.executor import Executor, MetaCache, StepData
 from pipetrain.runtime.parallel import grad_norm
 from pipetrain.runtime.parallel import tied as tied_weights
-from pipetrain.runtime.parallel.data_parallel import DataParallel, check_wrapping, mesh_groups
-from pipetrain.runtime.resolve import Stages
+from pipetrain.runtime.parallel.data_parallel import DataParallel, check_wrapping
+from pipetrain.runtime.resolve import DataParallelKind, Groups, Stages
 from pipetrain.runtime.stage import StageRunner, arity
 from pipetrain.runtime.timing import Recorder, gather_timeline
 from pipetrain.schedule.action import Action
+from pipetrain.schedule.placement import Placement
 from pipetrain.schedule.program import Program
 from pipetrain.schedule.timeline import Timeline
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+_log = logging.getLogger(__name__)
+
+#: ``loss_fn(last_stage_output, targets) -> scalar`` (more outputs or targets: more arguments)
+LossFn = Callable[..., torch.Tensor]
+#: a batch as ``step`` takes it: one tensor, or several (stage 0's positional arguments)
+Tensors = torch.Tensor | Sequence[torch.Tensor]
+LossReduction = Literal["mean", "sum", "token_mean"]
+Mode = Literal["train", "eval"]
 
 
 class Pipeline:
@@ -67,13 +83,11 @@ class Pipeline:
     ``dp`` column holds DDP or FSDP2 replicas of its stages, each replica steps on its own shard
     of the global batch, and gradients are reduced once per step (``runtime.parallel.data_parallel``).
     ``receive_lead``: post each receive at most this many compute actions before the one that
-    reads it (``schedule.lower.post_receives_late``). Default 1, Megatron-Core's overlapped P2P:
-    the transfer runs under the compute just before its reader. On NCCL a posted receive is a
-    kernel resident on the GPU until its data comes, slowing the compute beside it; receives
-    posted where lowering puts them, as soon as the value can have arrived (``None``), were up
-    to 2–4% slower on interleaved 1F1B (docs/incumbents.md). 0 posts each right before its
-    reader. A program you pass already lowered is moved too; ``None`` runs it as given. The
-    moved program is checked against this runtime's transport (``validate(..., "posted")``).
+    reads it (``schedule.lower.post_receives_late``; why: docs/runtime.md, "Where receives are
+    posted"). Default 1, Megatron-Core's overlapped P2P: the transfer runs under the compute just
+    before its reader; 0: right before its reader; ``None``: where lowering puts them (a program
+    you pass already lowered is moved too, or with ``None`` run as given). The moved program is
+    checked against this runtime's transport (``validate(..., "posted")``).
     """
 
     @posts_failures
@@ -82,148 +96,167 @@ class Pipeline:
         stages: Stages,
         schedule: str | Program,
         num_microbatches: int | None = None,
-        loss_fn: Callable | None = None,
+        loss_fn: LossFn | None = None,
         *,
         stages_per_rank: int | None = None,
         num_stages: int | None = None,
-        group=None,
+        group: dist.ProcessGroup | None = None,
         device: torch.device | str | None = None,
         timeout: timedelta = timedelta(minutes=10),
         overlap_pairs: bool = False,
         defer_weight_grads: bool | None = None,
-        loss_reduction: str | None = None,
+        loss_reduction: LossReduction | None = None,
         ignore_index: int | None = None,
         tied: Sequence[Sequence[str]] = (),
-        mesh=None,
-        data_parallel: str | None = None,
+        mesh: DeviceMesh | None = None,
+        data_parallel: DataParallelKind | None = None,
         receive_lead: int | None = 1,
     ) -> None:
         resolve.require_process_group()
         if loss_fn is None:
             raise ValueError("loss_fn is required: loss_fn(last_stage_output, targets) -> scalar")
-        self.loss_reduction, self.ignore_index = losses.resolve(
+        self.loss_reduction, self._ignore_index = losses.resolve(
             loss_fn, loss_reduction, ignore_index
         )
-        #: data-parallel replicas of this pipeline (set by a data-parallel wrapper): the token
-        #: count of ``"token_mean"`` is summed over it
-        self.data_parallel_group: Any = None
-        #: groups whose ranks hold different gradient shards (FSDP): the norm is summed over them
-        self.norm_groups: list = []
-        dp_group = dp_mesh = None
-        if (mesh is None) != (data_parallel is None):
-            raise ValueError(
-                "mesh= and data_parallel= go together: a ('dp', 'pp') DeviceMesh and 'ddp' or "
-                "'fsdp'"
-            )
-        if mesh is not None:
-            if group is not None:
-                raise ValueError("pass either group= or mesh= (whose 'pp' dimension is the group)")
-            group, dp_group, dp_mesh = mesh_groups(mesh)
-            self.data_parallel_group = dp_group
-            if data_parallel == "fsdp":
-                self.norm_groups = [dp_group]
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
-        self.failures = Failures(
-            group, self.rank, self.world_size, pipeline_prefix(group, self.rank)
-        )
-        self.agreement = Agreement(group, self.rank, self.world_size, timeout, self.failures)
-        self.loss_fn = loss_fn
-        self.timeout = timeout
+        groups = resolve.resolve_groups(group, mesh, data_parallel)
+        self._join(groups, data_parallel, timeout)
         self.device = torch.device(device) if device is not None else resolve.default_device()
         total = resolve.count_stages(stages, num_stages)
         self.program = resolve.resolve_program(
             schedule, num_microbatches, total, self.world_size, stages_per_rank, receive_lead
         )
-        self.num_microbatches = self.program.num_microbatches
-        self.receive_lead = receive_lead
-        self.placement = self.program.placement
-        self.last_stage = self.placement.num_stages - 1
-        self.last_rank = self.placement.rank(self.last_stage)
-        self.modules = resolve.local_modules(
-            stages, self.placement.stages_of_rank(self.rank), self.device
-        )
+        self._receive_lead = receive_lead
+        self._last_stage = self.placement.num_stages - 1
+        self._last_rank = self.placement.rank(self._last_stage)
+        mine = self.placement.stages_of_rank(self.rank)
+        self.modules = resolve.local_modules(stages, mine, self.device)
         check_wrapping(self.modules, data_parallel)
-        # before data parallel wraps the stages: tied parameters are reduced by runtime.parallel.tied
-        self.tied_sets = tied_weights.build(
-            tied,
-            self.modules,
-            group,
-            self.rank,
-            self.world_size,
-            dp_group,
-            gather=lambda record: self.agreement.gather("tied weights", record),
+        self._tied_sets = self._build_tied_sets(tied, groups)
+        self._data_parallel = self._build_data_parallel(data_parallel, groups)
+        self._runners = self._build_runners(loss_fn, defer_weight_grads)
+        self._last_uses = resolve.last_uses(self.program.actions[self.rank])
+        self._tied_grads = self._build_tied_grads()
+        self._arities: list[tuple[int, float]] = self._agreement.construction(
+            self.program, {s: arity(m) for s, m in self.modules.items()}
         )
-        if (
-            data_parallel == "fsdp"
-            and self.tied_sets
-            and dist.get_backend(cast(Any, dp_group)) == "nccl"
-        ):
+        self._transport = self._build_transport(timeout)
+        self._side_stream = resolve.side_stream(overlap_pairs, self.device)
+        self._caches: dict[Mode, MetaCache] = {}
+        self._eval_program: Program | None = None
+        self._side: tuple[dict[str, object], ...] = ()
+        self._side_keywords_all: list[frozenset[str] | None] | None = None
+        self._failure: str | None = None
+        self.last_timeline: Timeline | None = None
+        self.closed = False
+
+    # -- construction, step by step -------------------------------------------------------------
+
+    def _join(
+        self, groups: Groups, data_parallel: DataParallelKind | None, timeout: timedelta
+    ) -> None:
+        """This rank's place in the pipeline's group, the groups its sums span, and the
+        exchanges through which the ranks agree (and hear of each other's failures)."""
+        self.group = groups.pipeline
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        #: this pipeline's data-parallel replicas: ``"token_mean"``'s token count is summed over it
+        self._data_parallel_group = groups.replicas
+        #: groups whose ranks hold different gradient shards (FSDP): the norm is summed over them
+        self._norm_groups = [groups.replicas] if data_parallel == "fsdp" else []
+        prefix = pipeline_prefix(self.group, self.rank)
+        self._failures = Failures(self.group, self.rank, self.world_size, prefix)
+        self._agreement = Agreement(self.group, self.rank, self.world_size, timeout, self._failures)
+        self._timeout = timeout
+
+    def _build_tied_sets(
+        self, tied: Sequence[Sequence[str]], groups: Groups
+    ) -> list[tied_weights.TiedSet]:
+        """The pipeline's tied sets (collective), found before data parallel wraps the stages:
+        ``runtime.parallel.tied`` reduces tied parameters itself."""
+        gather = functools.partial(self._agreement.gather, "tied weights")
+        ranks = (self.group, self.rank, self.world_size, groups.replicas)
+        return tied_weights.build(tied, self.modules, *ranks, gather=gather)
+
+    def _build_data_parallel(
+        self, kind: DataParallelKind | None, groups: Groups
+    ) -> DataParallel | None:
+        """The DDP or FSDP2 replicas of this rank's stages over the mesh's ``dp`` dimension."""
+        if kind is None:
+            return None
+        if kind == "fsdp" and self._tied_sets and dist.get_backend(groups.replicas) == "nccl":
             # Exact on gloo (tests), but a pp=2 x dp=2 zbv run on 4 GPUs hung before its first
             # step (docs/training-gpu.md): refused until that is understood, never a hang.
             raise ValueError(
                 "tied weights with data_parallel='fsdp' on NCCL are not supported yet (a 4-GPU "
                 "run hung); use data_parallel='ddp' or untie the weights"
             )
-        self.data_parallel = (
-            DataParallel(
-                data_parallel,
-                self.modules,
-                dp_group,
-                dp_mesh,
-                self.device,
-                # a sum, or a mean over the global token count, adds the replicas' gradients
-                reduction="mean" if self.loss_reduction == "mean" else "sum",
-                tied=frozenset(id(p) for t in self.tied_sets for p in t.local),
-            )
-            if data_parallel is not None
-            else None
-        )
-        self.runners = {
-            s: StageRunner(s, m, s == self.last_stage, loss_fn, defer_weight_grads)
+        # a sum, or a mean over the global token count, adds the replicas' gradients
+        reduction = "mean" if self.loss_reduction == "mean" else "sum"
+        tied = frozenset(id(p) for t in self._tied_sets for p in t.local)
+        replicas = (groups.replicas, groups.replica_mesh, self.device)
+        return DataParallel(kind, self.modules, *replicas, reduction=reduction, tied=tied)
+
+    def _build_runners(
+        self, loss_fn: LossFn, defer_weight_grads: bool | None
+    ) -> dict[int, StageRunner]:
+        """A runner per local stage, told which micro-batch's backward piece is its step's last
+        weight-gradient work (where ``.grad`` hooks fire)."""
+        last = self._last_stage
+        runners = {
+            s: StageRunner(s, m, s == last, loss_fn, defer_weight_grads)
             for s, m in self.modules.items()
         }
         for stage, mb in resolve.last_weight_pieces(self.program.actions[self.rank]).items():
-            self.runners[stage].last_weight_microbatch = mb
-        self._last_uses = resolve.last_uses(self.program.actions[self.rank])
-        self.arities = self.agreement.construction(
-            self.program, {s: arity(m) for s, m in self.modules.items()}
-        )
-        # On gloo, transfers and the loss go through a group of this pipeline's own, which it can
-        # close on failure (``failures``) and destroys on close or at interpreter exit.
-        self._owned = OwnedGroup.transfer_group(group, timeout)
+            runners[stage].last_weight_microbatch = mb
+        return runners
+
+    def _build_tied_grads(self) -> tied_weights.TiedGrads:
+        """The once-a-step sum of tied gradients (averaged over the replicas where they are)."""
+        dp = self._data_parallel
+        average_over = dp.size if dp is not None and dp.reduction == "mean" else 1
+        return tied_weights.TiedGrads(self._tied_sets, self._runners, average_over)
+
+    def _build_transport(self, timeout: timedelta) -> Transport:
+        """The transfers' groups and the transport over them. On gloo, transfers and the loss go
+        through a group of this pipeline's own, which it can close on failure (``failures``) and
+        destroys on close or at interpreter exit; on NCCL a second group of the same ranks
+        carries the transfers to lower ranks (``resolve.reverse_group``)."""
+        self._owned = OwnedGroup.transfer_group(self.group, timeout)
         self._release_at_exit = weakref.finalize(self, self._owned.release)
-        self._reverse_group = resolve.reverse_group(group)
-        dp = self.data_parallel
-        self.tied_grads = tied_weights.TiedGrads(
-            self.tied_sets,
-            self.runners,
-            dp.size if dp is not None and dp.reduction == "mean" else 1,
+        self._reverse_group = resolve.reverse_group(self.group)
+        group, reverse = self._owned.group or self.group, self._reverse_group
+        return Transport(
+            self.rank, group, self.device, timeout, reverse_group=reverse, failures=self._failures
         )
-        self.transport = Transport(
-            self.rank,
-            self._owned.group or group,
-            self.device,
-            timeout,
-            reverse_group=self._reverse_group,
-            failures=self.failures,
-        )
-        self.side_stream = (
-            torch.cuda.Stream(self.device) if overlap_pairs and self.device.type == "cuda" else None
-        )
-        self._caches: dict[str, MetaCache] = {}
-        self._eval_program: Program | None = None
-        self._side: tuple[dict, ...] = ()
-        self._side_keywords_all: list | None = None
-        self.last_timeline: Timeline | None = None
-        self.closed = False
+
+    # -- read-only facts ------------------------------------------------------------------------
+
+    @property
+    def placement(self) -> Placement:
+        """Which rank runs each stage (the program's)."""
+        return self.program.placement
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.program.num_microbatches
+
+    @property
+    def data_parallel(self) -> DataParallel | None:
+        """The data-parallel replicas of this rank's stages (``mesh=``), else ``None``; a
+        checkpoint reads it to know which processes write."""
+        return self._data_parallel
 
     #: the fields a plan must give (``pipetrain plan --json`` prints them, with ``predicted``)
     PLAN_FIELDS = Layout.FIELDS
 
     @classmethod
-    def from_plan(cls, layers, plan, loss_fn: Callable | None = None, **kwargs) -> Pipeline:
+    def from_plan(
+        cls,
+        layers: Sequence[nn.Module] | Mapping[str, nn.Module] | Callable[[int], nn.Module],
+        plan: Plan | Layout | Mapping[str, Any],
+        loss_fn: LossFn | None = None,
+        **kwargs: Any,
+    ) -> Pipeline:
         """Run a plan: ``layers`` (the model as an ordered list of layers, a mapping name →
         layer, or a factory ``index -> layer``) cut by the plan's ``stage_layers`` with
         ``pipetrain.split``, under the plan's schedule, stages per rank and micro-batches.
@@ -245,7 +278,7 @@ class Pipeline:
         )
 
     @classmethod
-    def plan_layout(cls, plan: object) -> Layout:
+    def plan_layout(cls, plan: Plan | Layout | Mapping[str, Any]) -> Layout:
         """The ``Layout`` of a ``Plan``, a ``Layout`` or a plan dict, checked (a ``ValueError``
         names the first missing or bad field)."""
         return resolve.plan_layout(plan)
@@ -259,16 +292,13 @@ class Pipeline:
             return
         self.closed = True
         try:
-            self.transport.drain()
+            self._transport.drain()
         finally:
-            for runner in self.runners.values():
-                runner.release()
             if self._reverse_group is not None and dist.is_initialized():
                 dist.destroy_process_group(self._reverse_group)
             self._reverse_group = None
-            self.transport.forget_groups()
-            self._release_at_exit()
-            self.side_stream = None
+            self._let_go()
+            self._side_stream = None
             self._caches.clear()
 
     def _stop_after(self, error: BaseException) -> None:
@@ -277,19 +307,24 @@ class Pipeline:
         if self.closed:
             return
         origin = getattr(error, "origin", self.rank)
-        self.failures.post(origin, f"{type(error).__name__}: {error}")
+        self._failures.post(origin, f"{type(error).__name__}: {error}")
         self.closed = True
         self._failure = f"{type(error).__name__}: {error}"
-        for runner in self.runners.values():
+        self._transport.abandon()
+        self._let_go()
+
+    def _let_go(self) -> None:
+        """Release each stage's held state and this pipeline's groups (the transport's were the
+        last references: destroying the owned group closes its connections)."""
+        for runner in self._runners.values():
             runner.release()
-        self.transport.abandon()
-        self.transport.forget_groups()  # the last reference: destroying the group closes it
+        self._transport.forget_groups()
         self._release_at_exit()
 
     def __enter__(self) -> Pipeline:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def parameters(self) -> Iterator[nn.Parameter]:
@@ -312,84 +347,79 @@ class Pipeline:
         checkpoint.load_model_state([self.modules[s] for s in sorted(self.modules)], state)
 
     @stops_on_failure
-    def step(self, inputs, targets, timeline: bool = False, *, side=None) -> torch.Tensor:
+    def step(
+        self,
+        inputs: Tensors,
+        targets: Tensors | None,
+        timeline: bool = False,
+        *,
+        side: Mapping[str, object] | None = None,
+    ) -> torch.Tensor:
         """One training step; returns the batch's loss (per ``loss_reduction``) on every rank.
 
+        ``inputs``: stage 0's positional arguments, each split along dim 0 into micro-batches;
+        ``targets`` likewise, given to ``loss_fn``. ``timeline``: measure the step; every rank's
+        spans are gathered into ``last_timeline``.
         Gradients accumulate into ``.grad`` (zero them as with any torch training loop).
         ``side``: side inputs by name (an attention mask...), given to the stages whose forward
         takes them, split per micro-batch where batched (``runtime.side_inputs``).
         """
         mbs = self._split(inputs, targets, side)
-        if self.data_parallel is not None:
-            self.data_parallel.check_batch(mbs.batch_size)
+        if self._data_parallel is not None:
+            self._data_parallel.check_batch(mbs.batch_size)
         weights = losses.weights(
-            self.loss_reduction,
-            mbs.weights,
-            targets,
-            self.ignore_index,
-            self.data_parallel_group,
+            self.loss_reduction, mbs.weights, targets, self._ignore_index, self._data_parallel_group
         )
         mbs = dataclasses.replace(mbs, weights=weights)
         rows = self.program.actions[self.rank]
-        self.tied_grads.begin_step()
+        self._tied_grads.begin_step()
         self._execute(rows, mbs, "train", timeline, self.program.name)
-        self.tied_grads.end_step(self.transport, self.rank)
+        self._tied_grads.end_step(self._transport, self.rank)
         loss = self._agree_on_loss(mbs.weights)
-        if self.data_parallel is not None:
-            loss = self.data_parallel.global_loss(loss)
+        if self._data_parallel is not None:
+            loss = self._data_parallel.global_loss(loss)
         return loss
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip every rank's gradients by the norm of the whole pipeline's (a tied parameter
         counted once), like ``torch.nn.utils.clip_grad_norm_`` on the unsplit model; returns
         that norm on every rank (collective: every rank calls it)."""
-        counted, scaled = self._grads_for_norm()
+        # with the norm summed over the replicas (FSDP), a tied parameter counts on the first
+        later_replica = bool(self._norm_groups) and dist.get_rank(self._data_parallel_group) > 0
+        counted, scaled = grad_norm.counted_and_scaled(
+            self.parameters(), self._tied_sets, self.rank, later_replica
+        )
         total = grad_norm.global_norm(
-            counted, float(norm_type), [self.group, *self.norm_groups], self.device
+            counted, float(norm_type), [self.group, *self._norm_groups], self.device
         )
         grad_norm.clip_(scaled, total, max_norm)
         return total
 
-    def _grads_for_norm(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(gradients this rank counts in the norm, gradients it scales): a tied parameter is
-        counted by its first owner, one replica, and scaled everywhere."""
-        skip = set()
-        # a tied parameter is whole on every replica (never sharded): with the norm summed
-        # over the replicas (norm_groups), only the first replica counts it
-        later_replica = bool(self.norm_groups) and dist.get_rank(self.data_parallel_group) > 0
-        for t in self.tied_sets:
-            for i, p in enumerate(t.local):
-                if i > 0 or self.rank != t.first_owner or later_replica:
-                    skip.add(id(p))
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        counted = [p.grad for p in self.parameters() if p.grad is not None and id(p) not in skip]
-        return counted, grads
-
     @stops_on_failure
-    def eval_step(self, inputs, *, side=None):
+    def eval_step(
+        self, inputs: Tensors, *, side: Mapping[str, object] | None = None
+    ) -> microbatch.Batch | None:
         """Forward only; the last stage's outputs (merged) on the rank that holds it, else None."""
         if self._eval_program is None:
-            self._eval_program = resolve.forward_only(self.program, self.receive_lead)
+            self._eval_program = resolve.forward_only(self.program, self._receive_lead)
         mbs = self._split(inputs, None, side)
         rows = self._eval_program.actions[self.rank]
         with torch.no_grad():
             results = self._execute(rows, mbs, "eval", False, self.program.name)
-        if self.rank != self.last_rank:
+        if self.rank != self._last_rank:
             return None
         outs = [results[j] for j in range(self.num_microbatches)]
         return microbatch.merge(outs, single=len(outs[0]) == 1)
 
-    def _split(self, inputs, targets, side=None) -> microbatch.MicroBatches:
+    def _split(
+        self, inputs: Tensors, targets: Tensors | None, side: Mapping[str, object] | None = None
+    ) -> microbatch.MicroBatches:
+        """The batch on this device in micro-batches (and the side inputs, in ``_side``)."""
         resolve.require_process_group()
         if self.closed:
-            why = f" after a failure ({self._failure})" if getattr(self, "_failure", None) else ""
+            why = f" after a failure ({self._failure})" if self._failure else ""
             raise RuntimeError(f"this Pipeline was closed{why}; build a new one to keep training")
-        xs = tuple(x.to(self.device) for x in microbatch.as_tuple(inputs, "inputs"))
-        ys = targets
-        if isinstance(targets, torch.Tensor):
-            ys = targets.to(self.device)
-        elif isinstance(targets, (tuple, list)):
-            ys = tuple(t.to(self.device) for t in microbatch.as_tuple(targets, "targets"))
+        xs, ys = microbatch.to_device(inputs, targets, self.device)
         mbs = microbatch.split(xs, ys, self.num_microbatches)
         self._side = ()
         if side:
@@ -397,77 +427,75 @@ class Pipeline:
             self._side = side_inputs.split(side, mbs.batch_size, self.num_microbatches, self.device)
         return mbs
 
-    def _side_keywords(self) -> list:
+    def _side_keywords(self) -> list[frozenset[str] | None]:
         """Every stage's side-input names (gathered from all ranks on first use)."""
         if self._side_keywords_all is None:
-            mine = [r.side_keywords for r in self.runners.values()]
-            everyone: list = [None] * self.world_size
-            if self.world_size > 1:
-                dist.all_gather_object(everyone, mine, group=self.group)
-            else:
-                everyone = [mine]
-            self._side_keywords_all = [k for part in everyone for k in part]
+            mine = [r.side_keywords for r in self._runners.values()]
+            everyone = side_inputs.everyones_keywords(mine, self.group, self.world_size)
+            self._side_keywords_all = everyone
         return self._side_keywords_all
 
-    def _execute(self, rows, mbs, mode: str, timeline: bool, name: str):
+    def _execute(
+        self,
+        rows: tuple[Action, ...],
+        mbs: microbatch.MicroBatches,
+        mode: Mode,
+        timeline: bool,
+        name: str,
+    ) -> dict[int, tuple[torch.Tensor, ...]]:
+        """Run ``rows`` on ``mbs``: this rank's share of the step (or of a forward-only pass);
+        returns the last stage's outputs by micro-batch (eval on its rank; empty otherwise)."""
         signature = (mbs.batch_size, *((tuple(x.shape), x.dtype) for x in mbs.inputs[0]))
         cache = self._caches.get(mode)
         discover = cache is None or cache.signature != signature
         if cache is None or discover:
+            _log.debug(
+                "rank %d, %s: new input shapes %s, transfer shapes learnt",
+                self.rank,
+                mode,
+                signature,
+            )
             cache = self._caches[mode] = MetaCache(signature=signature)
-        self.agreement.step(mode, mbs.inputs, mbs.targets, mbs.batch_size)
-        if self.data_parallel is not None:
-            self.data_parallel.begin(train=mode == "train")
-        for runner in self.runners.values():
+        self._agreement.step(mode, mbs.inputs, mbs.targets, mbs.batch_size)
+        if self._data_parallel is not None:
+            self._data_parallel.begin(train=mode == "train")
+        for runner in self._runners.values():
             runner.begin_step()
         recorder = Recorder(self.rank, self.device, timeline)
-        recorder.begin(self.transport.group)  # the pipeline's own group: its timeout holds
-        after = self._sync_after if self.data_parallel is not None and mode == "train" else None
+        recorder.begin(self._transport.group)  # the pipeline's own group: its timeout holds
+        after = self._sync_after if self._data_parallel is not None and mode == "train" else None
+        runners, transport = self._runners, self._transport
         executor = Executor(
-            self.rank,
-            self.placement,
-            self.runners,
-            self.transport,
-            self.arities,
-            self.side_stream,
-            after,
+            self.rank, self.placement, runners, transport, self._arities, self._side_stream, after
         )
         data = StepData(mbs.inputs, mbs.targets, mbs.weights, self._side)
         executor.run(rows, data, cache, recorder, train=mode == "train", discover=discover)
-        if self.data_parallel is not None:
+        if self._data_parallel is not None:
             if mode == "train":
-                self.data_parallel.finish_all()
+                self._data_parallel.finish_all()
             else:
-                self.data_parallel.end_eval()
+                self._data_parallel.end_eval()
         executor.check_empty()
         if timeline:
-            self.last_timeline = gather_timeline(
-                recorder,
-                self.transport.group,
-                self.world_size,
-                self.placement.num_stages,
-                name,
-            )
+            group, stages = self._transport.group, self.placement.num_stages
+            self.last_timeline = gather_timeline(recorder, group, self.world_size, stages, name)
         return executor.results
 
     def _sync_after(self, action: Action) -> None:
         """After a stage's last compute action of the step: its data-parallel gradient sync, so
         the reduction overlaps the rest of the row (on CUDA)."""
-        assert self.data_parallel is not None  # only installed with data parallel
+        assert self._data_parallel is not None  # only installed with data parallel
         for stage in self._last_uses.get(action, ()):
-            self.data_parallel.finish(stage)
+            self._data_parallel.finish(stage)
 
     def _agree_on_loss(self, weights: tuple[float, ...]) -> torch.Tensor:
         """Σ_j w_j · loss_j from the last stage, broadcast so every rank returns the same value."""
         value = torch.zeros(2, dtype=torch.float64, device=self.device)
-        if self.rank == self.last_rank:
-            losses = self.runners[self.last_stage].losses
-            dtype = losses[0].dtype
-            value[0] = sum(w * losses.pop(j).double() for j, w in enumerate(weights))
+        if self.rank == self._last_rank:
+            held = self._runners[self._last_stage].losses
+            dtype = held[0].dtype
+            value[0] = sum(w * held.pop(j).double() for j, w in enumerate(weights))
             value[1] = DTYPE_CODE.get(dtype, DTYPE_CODE[torch.float64])
         if self.world_size > 1:
-            group = self.transport.group
-            src = self.last_rank if group is None else dist.get_global_rank(group, self.last_rank)
-            work = dist.broadcast(value, src, group=group, async_op=True)
-            self.transport.wait_work(work, "the loss broadcast", self.last_rank)
+            self._transport.broadcast(value, self._last_rank, "the loss broadcast")
         return value[0].to(DTYPES[int(value[1].item())])

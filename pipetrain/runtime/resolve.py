@@ -1,24 +1,28 @@
 """What a ``Pipeline`` runs, resolved before it runs anything.
 
 Everything here is decided once, at construction (or in ``Pipeline.from_plan``, before it), and
-never touches a transfer: that torch.distributed is up, the stage count, the device, the checked
-and lowered program, this rank's modules, the second NCCL group, what each rank's row asks of its
-stages (where weight-gradient hooks fire, where a stage's data-parallel sync may start), the
-forward-only program of ``eval_step``, and a plan's layout turned into ``Pipeline`` arguments. It
-is apart from ``runtime.pipeline`` so that module holds only what a step does; every refusal
-here names the legal values and comes before any peer waits.
+never touches a transfer: that torch.distributed is up, the process groups (given, or a mesh's),
+the stage count, the device, the checked and lowered program, this rank's modules, the second
+NCCL group, the side stream, what each rank's row asks of its stages (where weight-gradient hooks
+fire, where a stage's data-parallel sync may start), the forward-only program of ``eval_step``,
+and a plan's layout turned into ``Pipeline`` arguments. It is apart from ``runtime.pipeline`` so
+that module holds only what a step does and the order construction takes; every refusal here
+names the legal values and comes before any peer waits.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from pipetrain.planner.layout import Layout, layout_of
+from pipetrain.runtime.parallel.data_parallel import mesh_groups
 from pipetrain.schedule import deps
 from pipetrain.schedule.action import Action, OpKind
 from pipetrain.schedule.lower import lower, post_receives_late
@@ -26,7 +30,43 @@ from pipetrain.schedule.posted_p2p import run_posted
 from pipetrain.schedule.program import Program
 from pipetrain.schedule.validate import validate
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+_log = logging.getLogger(__name__)
+
 Stages = Sequence[nn.Module] | Callable[[int], nn.Module]
+DataParallelKind = Literal["ddp", "fsdp"]
+
+
+@dataclass(frozen=True)
+class Groups:
+    """The process groups a pipeline runs on: its own ranks (``pipeline``; ``None``: the default
+    group) and, with a mesh, this rank's data-parallel replicas (``replicas``, and ``replica_mesh``
+    for FSDP2, which shards over a mesh rather than a group)."""
+
+    pipeline: dist.ProcessGroup | None
+    replicas: dist.ProcessGroup | None = None
+    replica_mesh: DeviceMesh | None = None
+
+
+def resolve_groups(
+    group: dist.ProcessGroup | None,
+    mesh: DeviceMesh | None,
+    data_parallel: DataParallelKind | None,
+) -> Groups:
+    """``group`` alone, or a ``("dp", "pp")`` mesh with ``data_parallel``: never both, and never a
+    mesh without saying how its replicas hold the stages (or the other way round)."""
+    if (mesh is None) != (data_parallel is None):
+        raise ValueError(
+            "mesh= and data_parallel= go together: a ('dp', 'pp') DeviceMesh and 'ddp' or 'fsdp'"
+        )
+    if mesh is None:
+        return Groups(group)
+    if group is not None:
+        raise ValueError("pass either group= or mesh= (whose 'pp' dimension is the group)")
+    pipeline, replicas, replica_mesh = mesh_groups(mesh)
+    return Groups(pipeline, replicas, replica_mesh)
 
 
 def last_weight_pieces(row: Sequence[Action]) -> dict[int, int]:
@@ -62,7 +102,7 @@ def require_process_group() -> None:
         )
 
 
-def reverse_group(group):
+def reverse_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     """A second group of the same ranks for transfers to lower ranks, where the backend runs a
     pair's operations on one stream in order (NCCL; see ``p2p``); ``None`` elsewhere (gloo
     matches by tag and never holds a send behind a receive)."""
@@ -70,6 +110,16 @@ def reverse_group(group):
         return None
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
     return dist.new_group(ranks, backend="nccl", use_local_synchronization=True)
+
+
+def side_stream(overlap_pairs: bool, device: torch.device) -> torch.cuda.Stream | None:
+    """The stream an overlapped pair's forward runs on while its backward runs (CUDA only)."""
+    if not overlap_pairs:
+        return None
+    if device.type != "cuda":
+        _log.info("overlap_pairs has no effect on %s: a pair runs one part, then the other", device)
+        return None
+    return torch.cuda.Stream(device)
 
 
 def default_device() -> torch.device:
@@ -94,7 +144,12 @@ def count_stages(stages: Stages, num_stages: int | None) -> int:
 
 
 def resolve_program(
-    schedule, num_microbatches, total, world, stages_per_rank, receive_lead: int | None = 1
+    schedule: str | Program,
+    num_microbatches: int | None,
+    total: int,
+    world: int,
+    stages_per_rank: int | None,
+    receive_lead: int | None = 1,
 ) -> Program:
     if isinstance(schedule, Program):
         program = schedule
@@ -144,8 +199,10 @@ def resolve_program(
     return validate(post_receives_late(program, receive_lead), "posted")
 
 
-def local_modules(stages: Stages, mine: tuple[int, ...], device) -> dict[int, nn.Module]:
-    out = {}
+def local_modules(
+    stages: Stages, mine: tuple[int, ...], device: torch.device
+) -> dict[int, nn.Module]:
+    out: dict[int, nn.Module] = {}
     for s in mine:
         if isinstance(stages, (Sequence, nn.Module)):  # nn.Sequential / nn.ModuleList index too
             module = cast(Any, stages)[s]

@@ -10,15 +10,18 @@ with ``**kwargs``; ``pipetrain.split``'s stages hand each layer the ones it name
 
 Side inputs carry no gradient: a side tensor that requires one is refused (its gradient would
 have to travel back to stage 0's rank, which only the stage outputs do). A name no stage takes
-is refused too — a misspelt ``attention_mask`` would otherwise be silently ignored.
+is refused too — a misspelt ``attention_mask`` would otherwise be silently ignored; the names
+every rank's stages take are gathered once (``everyones_keywords``).
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping
+from typing import cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 
@@ -101,3 +104,16 @@ def select(side: Mapping[str, object], accepted: frozenset[str] | None) -> dict[
     if accepted is None:
         return dict(side)
     return {k: v for k, v in side.items() if k in accepted}
+
+
+def everyones_keywords(
+    mine: list[frozenset[str] | None], group: dist.ProcessGroup | None, world_size: int
+) -> list[frozenset[str] | None]:
+    """Every stage's side-input names, from this rank's (``mine``) and every other rank's
+    (collective over ``group``), for ``check`` to know what some stage takes."""
+    everyone: list[object] = [None] * world_size
+    if world_size > 1:
+        dist.all_gather_object(everyone, mine, group=group)
+    else:
+        everyone = [mine]
+    return [k for part in everyone for k in cast(list[frozenset[str] | None], part)]

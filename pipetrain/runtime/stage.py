@@ -84,7 +84,7 @@ class StageRunner:
         self.module = module
         self.is_last = is_last
         self.loss_fn = loss_fn
-        self.split = split if split is not None else choose_split(module, defer_weight_grads)
+        self.split = split if split is not None else choose_split(module, defer_weight_grads, index)
         self.defer_weight_grads = self.split.defers_linear_weights
         self.saved: dict[int, _Saved] = {}
         self.weight_work: dict[int, object] = {}

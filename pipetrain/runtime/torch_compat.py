@@ -27,6 +27,7 @@ __all__ = [
     "engine_run_backward",
     "fsdp_post_backward",
     "get_gradient_edge",
+    "profiler_enabled",
     "store_of",
 ]
 
@@ -87,6 +88,13 @@ def store_of(group) -> dist.Store:
     from torch.distributed import distributed_c10d as c10d
 
     return c10d._get_default_store() if group is None else c10d._get_process_group_store(group)
+
+
+def profiler_enabled() -> bool:
+    """Whether a torch profiler records this thread (``torch.profiler.profile``, ``emit_nvtx``):
+    the executor labels its actions only then, since an idle ``record_function`` still makes a
+    dispatcher call per action, where this is a flag read."""
+    return torch._C._autograd._profiler_enabled()
 
 
 def _check_engine() -> None:
@@ -175,6 +183,14 @@ def _check_fsdp() -> None:
         raise AttributeError("FSDPParamGroup.post_backward is missing")
 
 
+def _check_profiler() -> None:
+    if profiler_enabled():
+        raise AssertionError("_profiler_enabled() is True with no profiler running")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        if not profiler_enabled():
+            raise AssertionError("_profiler_enabled() is False inside torch.profiler.profile()")
+
+
 #: (API, what pipetrain uses it for, check). ``check_private_apis`` runs every check.
 PRIVATE_APIS: tuple[tuple[str, str, Callable[[], None]], ...] = (
     (
@@ -203,6 +219,11 @@ PRIVATE_APIS: tuple[tuple[str, str, Callable[[], None]], ...] = (
         "FSDPParamGroup.post_backward",
         "reduce an FSDP2 stage's gradient once per step, after its last backward piece",
         _check_fsdp,
+    ),
+    (
+        "torch._C._autograd._profiler_enabled",
+        "label each action for a user's profile only while a profiler records",
+        _check_profiler,
     ),
 )
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from runtime_cases import run_features, run_two_pipelines
+from runtime_cases import run_features, run_profiled, run_two_pipelines
 from runtime_harness import launch
 
 
@@ -57,3 +57,26 @@ def test_two_pipelines_in_one_process_do_not_interfere():
         assert r["exact"] == [True, True]
         assert r["modules_unchanged"]
         assert "RuntimeError" in r["closed_refuses"] and "closed" in r["closed_refuses"]
+
+
+def test_profile_label_names_kind_stage_and_microbatch():
+    from pipetrain.runtime.executor import profile_label
+    from pipetrain.schedule.action import Action, OpKind, overlap
+
+    assert profile_label(Action(OpKind.F, 3, 5)) == "F 3 mb 5"
+    assert profile_label(Action(OpKind.SEND_B, 2, 0)) == "SEND_B 2 mb 0"
+    pair = overlap(Action(OpKind.F, 1, 4), Action(OpKind.B, 2, 1))
+    assert profile_label(pair) == "F 1 mb 4 & B 2 mb 1"
+
+
+@pytest.mark.slow
+def test_a_users_profile_shows_every_action_by_label():
+    """Under ``torch.profiler.profile()`` each action of the rank's row is one labelled event:
+    computes, overlapped pairs and transfers alike."""
+    for rank, r in enumerate(launch(2, run_profiled, ["zbv", "dualpipev"], timeout=90)):
+        for name, seen in r.items():
+            assert seen["profiled"] == seen["row"], (rank, name)
+            kinds = {label.split()[0] for label in seen["row"]}
+            assert {"F", "SEND_F", "RECV_F", "SEND_B", "RECV_B"} <= kinds, (rank, name)
+        assert any(" & " in label for label in r["dualpipev"]["row"])  # an overlapped pair
+        assert f"F {rank} mb 0" in r["zbv"]["row"]

@@ -173,8 +173,8 @@ def run_equivalence(
                 receive_lead=receive_lead,
             )
             if reverse is not None:
-                pipe.transport = Transport(
-                    rank, None, pipe.device, pipe.timeout, reverse_group=reverse
+                pipe._transport = Transport(
+                    rank, None, pipe.device, pipe._timeout, reverse_group=reverse
                 )
             inputs, y = batch(2 * m + 1)
             losses = [pipe.step(inputs, y) for _ in range(2)]
@@ -230,7 +230,7 @@ def run_features(rank: int, world: int, defer_weight_grads: bool | None = False)
         stage, "zbv", m, loss_fn, num_stages=num_stages, defer_weight_grads=defer_weight_grads
     )
     out["local_stages"] = sorted(built)
-    out["deferred"] = {s: r.defer_weight_grads for s, r in pipe.runners.items()}
+    out["deferred"] = {s: r.defer_weight_grads for s, r in pipe._runners.items()}
     refs = []
     orig = built[min(built)].forward
     built[min(built)].forward = lambda h, mask: (lambda r: (refs.append(weakref.ref(r[0])), r)[1])(
@@ -257,7 +257,7 @@ def run_features(rank: int, world: int, defer_weight_grads: bool | None = False)
         )
     gc.collect()
     out["activations_alive"] = sum(r() is not None for r in refs)
-    out["leftovers"] = sum(r.leftovers() + len(r.losses) for r in pipe.runners.values())
+    out["leftovers"] = sum(r.leftovers() + len(r.losses) for r in pipe._runners.values())
     out["hook_counts"] = sorted(set(fired.values()))
     tl = pipe.last_timeline
     out["timeline"] = (
@@ -352,7 +352,9 @@ def run_two_pipelines(rank: int, world: int) -> dict:
         pipetrain.Pipeline(deferring, "zbv", 4, loss_fn, defer_weight_grads=True) as a,
         pipetrain.Pipeline(replaying, "zbv", 5, loss_fn, defer_weight_grads=False) as b,
     ):
-        out["splits"] = sorted({type(r.split).__name__ for p in (a, b) for r in p.runners.values()})
+        out["splits"] = sorted(
+            {type(r.split).__name__ for p in (a, b) for r in p._runners.values()}
+        )
         losses = [(a.step(inputs, y), b.step(inputs, y)) for _ in range(2)]
         for stages, pipe in ((deferring, a), (replaying, b)):
             ok = all(close(la if pipe is a else lb, ref_loss) for la, lb in losses)
@@ -369,3 +371,26 @@ def run_two_pipelines(rank: int, world: int) -> dict:
 
 def _all_modules(stages: list[nn.Module]) -> list[nn.Module]:
     return [m for stage in stages for m in stage.modules()]
+
+
+def run_profiled(rank: int, world: int, names: list[str]) -> dict:
+    """Per schedule, one step under ``torch.profiler``: how often each of this rank's action
+    labels (``F 3 mb 5``) occurs in its row, and in the profile's events."""
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+
+    import pipetrain
+    from pipetrain.runtime.executor import profile_label
+
+    out: dict = {}
+    for name in names:
+        with pipetrain.Pipeline(build_stages(2 * world), name, 4, loss_fn) as pipe:
+            inputs, y = batch(9)
+            pipe.step(inputs, y)  # shapes are learnt here; the profiled step is a steady one
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                pipe.step(inputs, y)
+            row = Counter(profile_label(a) for a in pipe.program.actions[rank])
+        events = Counter(e.name for e in prof.events())
+        out[name] = {"row": dict(row), "profiled": {label: events[label] for label in row}}
+    return out

@@ -138,10 +138,9 @@ def plain_linears(module: nn.Module) -> list[nn.Linear]:
     return [m for m in module.modules() if isinstance(m, nn.Linear) and _plain_linear(m)]
 
 
-def worth_deferring(module: nn.Module) -> bool:
-    """Whether plain ``nn.Linear`` layers hold at least half of ``module``'s trainable parameter
-    elements (each parameter counted once), so deferring their weight GEMMs leaves ``W`` the bulk
-    of the weight-gradient work."""
+def linear_share(module: nn.Module) -> tuple[int, int]:
+    """(trainable parameter elements in ``module``'s plain ``nn.Linear`` layers, all its trainable
+    parameter elements), each parameter counted once."""
     trainable = {id(p): p.numel() for p in module.parameters() if p.requires_grad}
     in_linears = {
         id(p): p.numel()
@@ -149,8 +148,15 @@ def worth_deferring(module: nn.Module) -> bool:
         for p in m.parameters(recurse=False)
         if p.requires_grad
     }
-    total = sum(trainable.values())
-    return total > 0 and 2 * sum(in_linears.values()) >= total
+    return sum(in_linears.values()), sum(trainable.values())
+
+
+def worth_deferring(module: nn.Module) -> bool:
+    """Whether plain ``nn.Linear`` layers hold at least half of ``module``'s trainable parameter
+    elements (``linear_share``), so deferring their weight GEMMs leaves ``W`` the bulk of the
+    weight-gradient work."""
+    in_linears, total = linear_share(module)
+    return total > 0 and 2 * in_linears >= total
 
 
 class DeferredLinears:

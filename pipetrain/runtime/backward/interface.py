@@ -15,6 +15,7 @@ and pipelines in one process never see each other's.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -22,6 +23,8 @@ import torch
 from torch import nn
 
 from pipetrain.runtime.torch_compat import GradientEdge
+
+_log = logging.getLogger(__name__)
 
 
 class BackwardSplit(Protocol):
@@ -63,12 +66,25 @@ class BackwardSplit(Protocol):
         ...
 
 
-def choose_split(module: nn.Module, defer_weight_grads: bool | None) -> BackwardSplit:
+def choose_split(
+    module: nn.Module, defer_weight_grads: bool | None, stage: int | None = None
+) -> BackwardSplit:
     """``DeferredLinears`` with ``defer_weight_grads`` (``None``: where ``worth_deferring``),
-    else ``GraphReplay``."""
-    from pipetrain.runtime.backward.deferred_wgrad import DeferredLinears, worth_deferring
+    else ``GraphReplay``; the choice and its reason are logged (INFO) for ``stage``."""
+    from pipetrain.runtime.backward.deferred_wgrad import (
+        DeferredLinears,
+        linear_share,
+        worth_deferring,
+    )
     from pipetrain.runtime.backward.graph_replay import GraphReplay
 
     if defer_weight_grads is None:
-        defer_weight_grads = worth_deferring(module)
-    return DeferredLinears(module) if defer_weight_grads else GraphReplay()
+        defer = worth_deferring(module)
+        in_linears, total = linear_share(module)
+        share = f"plain nn.Linear layers hold {in_linears} of its {total} trainable elements"
+        why = f"{share}; half defers"
+    else:
+        defer, why = defer_weight_grads, f"defer_weight_grads={defer_weight_grads}"
+    way = "deferred linear weight GEMMs" if defer else "graph replay"
+    _log.info("stage %s splits its backward by %s (%s)", stage, way, why)
+    return DeferredLinears(module) if defer else GraphReplay()

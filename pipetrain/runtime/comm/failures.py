@@ -21,11 +21,17 @@ from __future__ import annotations
 import functools
 import json
 import time
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Concatenate, ParamSpec, Protocol, TypeVar
 
 import torch.distributed as dist
 
 from pipetrain.runtime.torch_compat import store_of
+
+P = ParamSpec("P")
+R = TypeVar("R")
+Built = TypeVar("Built")
 
 
 class PeerFailedError(RuntimeError):
@@ -142,28 +148,41 @@ class OwnedGroup:
         destroy_group(group)
 
 
-def posts_failures(init):
-    """Construction failing on this rank: post a notice, so peers waiting to agree stop now."""
+def posts_failures(
+    init: Callable[Concatenate[Built, P], None],
+) -> Callable[Concatenate[Built, P], None]:
+    """Construction failing on this rank: post a notice, so peers waiting to agree stop now
+    (once the object has its ``_failures``, and with it its ``rank``)."""
 
     @functools.wraps(init)
-    def wrapper(self, *args, **kwargs):
+    def wrapper(self: Built, *args: P.args, **kwargs: P.kwargs) -> None:
         try:
             init(self, *args, **kwargs)
         except BaseException as e:
-            failures = self.__dict__.get("failures")
+            state = vars(self)
+            failures = state.get("_failures")
             if failures is not None:
-                origin = getattr(e, "origin", self.rank)
+                origin = getattr(e, "origin", state["rank"])
                 failures.post(origin, f"building its Pipeline: {type(e).__name__}: {e}")
             raise
 
     return wrapper
 
 
-def stops_on_failure(step):
+class Stoppable(Protocol):
+    def _stop_after(self, error: BaseException) -> None: ...
+
+
+Stops = TypeVar("Stops", bound=Stoppable)
+
+
+def stops_on_failure(
+    step: Callable[Concatenate[Stops, P], R],
+) -> Callable[Concatenate[Stops, P], R]:
     """A step that raises stops the pipeline on every rank (the pipeline's ``_stop_after``)."""
 
     @functools.wraps(step)
-    def wrapper(self, *args, **kwargs):
+    def wrapper(self: Stops, *args: P.args, **kwargs: P.kwargs) -> R:
         try:
             return step(self, *args, **kwargs)
         except BaseException as e:

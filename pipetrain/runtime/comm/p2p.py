@@ -285,6 +285,14 @@ class Transport:
         while works:
             self.wait_work(works.pop(0), str(pending.action), pending.peer)
 
+    def broadcast(self, tensor: torch.Tensor, root: int, what: str) -> None:
+        """``tensor`` from group rank ``root`` to every rank of the transfer group, waited with the
+        timeout (a dead ``root`` fails naming it)."""
+        group = self.group
+        src = root if group is None else dist.get_global_rank(group, root)
+        work = dist.broadcast(tensor, src, group=group, async_op=True)
+        self.wait_work(work, what, root)
+
     def wait_work(self, work, what: str, peer: int) -> None:
         """Wait for ``work``; past the timeout, fail naming this rank, ``what`` and ``peer``; a
         peer that failed or closed its connection is named as such (``failures``)."""

@@ -42,7 +42,7 @@ every replica (``runtime.parallel.tied`` refuses one a caller's ``fully_shard`` 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -50,12 +50,15 @@ from torch import nn
 
 from pipetrain.runtime.torch_compat import fsdp_post_backward
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
 KINDS = ("ddp", "fsdp")
 REDUCTIONS = ("mean", "sum")
 DIM_NAMES = ("dp", "pp")
 
 
-def mesh_groups(mesh) -> tuple[object, object, object]:
+def mesh_groups(mesh: DeviceMesh) -> tuple[dist.ProcessGroup, dist.ProcessGroup, DeviceMesh]:
     """(pp group, dp group, dp sub-mesh) of a ``("dp", "pp")`` mesh; a clear error otherwise."""
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
     if sorted(names) != sorted(DIM_NAMES):

@@ -13,9 +13,32 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch import nn
+
+if TYPE_CHECKING:
+    from pipetrain.runtime.parallel.tied import TiedSet
+
+
+def counted_and_scaled(
+    parameters: Iterable[nn.Parameter], tied: Iterable[TiedSet], rank: int, later_replica: bool
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(gradients this rank counts in the norm, gradients it scales): a tied parameter is counted
+    by its first owner (``rank`` is this rank in the pipeline group), on the first replica only
+    (``later_replica``: this is another one, and the norm is summed over the replicas), since it
+    is whole on every replica, never sharded; every gradient is scaled."""
+    skip: set[int] = set()
+    for t in tied:
+        for i, p in enumerate(t.local):
+            if i > 0 or rank != t.first_owner or later_replica:
+                skip.add(id(p))
+    params = list(parameters)
+    grads = [p.grad for p in params if p.grad is not None]
+    counted = [p.grad for p in params if p.grad is not None and id(p) not in skip]
+    return counted, grads
 
 
 def local_total(
