@@ -102,7 +102,9 @@ def _layout(args: argparse.Namespace, shape: ModelShape) -> Layout:
         args.stages_per_rank,
     )
     if program.num_stages > shape.num_layers:
-        counts: tuple[int, ...] = (1,) * program.num_stages  # refused by the caller with the layer count
+        counts: tuple[int, ...] = (
+            1,
+        ) * program.num_stages  # refused by the caller with the layer count
     else:
         counts = default_stage_layers(shape.model, shape.blocks, program.num_stages)
     return Layout(

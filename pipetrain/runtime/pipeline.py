@@ -31,7 +31,13 @@ from pipetrain.runtime.comm.p2p import DTYPE_CODE, DTYPES, Transport
 from pipetrain.runtime.executor import Executor, MetaCache, StepData
 from pipetrain.runtime.parallel import grad_norm
 from pipetrain.runtime.parallel import tied as tied_weights
-from pipetrain.runtime.parallel.data_parallel import DataParallel, check_wrapping, mesh_groups
+from pipetrain.runtime.parallel.data_parallel import DataParallel, check_wrapping
+from pipetrain.runtime.parallel.mesh import (
+    MeshGroups,
+    norm_share,
+    refuse_dtensors_without_mesh,
+    resolve_mesh,
+)
 from pipetrain.runtime.resolve import Stages
 from pipetrain.runtime.stage import StageRunner, arity
 from pipetrain.runtime.timing import Recorder, gather_timeline
@@ -107,21 +113,21 @@ class Pipeline:
         #: data-parallel replicas of this pipeline (set by a data-parallel wrapper): the token
         #: count of ``"token_mean"`` is summed over it
         self.data_parallel_group: Any = None
-        #: groups whose ranks hold different gradient shards (FSDP): the norm is summed over them
-        self.norm_groups: list = []
+        #: the mesh's groups and this rank's coordinates (``runtime.parallel.mesh``), or None
+        self.mesh_groups: MeshGroups | None = None
         dp_group = dp_mesh = None
-        if (mesh is None) != (data_parallel is None):
-            raise ValueError(
-                "mesh= and data_parallel= go together: a ('dp', 'pp') DeviceMesh and 'ddp' or "
-                "'fsdp'"
-            )
         if mesh is not None:
             if group is not None:
                 raise ValueError("pass either group= or mesh= (whose 'pp' dimension is the group)")
-            group, dp_group, dp_mesh = mesh_groups(mesh)
+            self.mesh_groups = resolve_mesh(mesh, data_parallel)
+            group = self.mesh_groups.pipeline
+            dp_group, dp_mesh = self.mesh_groups.data, self.mesh_groups.data_mesh
             self.data_parallel_group = dp_group
-            if data_parallel == "fsdp":
-                self.norm_groups = [dp_group]
+        elif data_parallel is not None:
+            raise ValueError(
+                f"data_parallel={data_parallel!r} needs mesh=: a DeviceMesh with a 'pp' and a "
+                "'dp' (or 'dp_replicate' and 'dp_shard') dimension"
+            )
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -145,6 +151,8 @@ class Pipeline:
             stages, self.placement.stages_of_rank(self.rank), self.device
         )
         check_wrapping(self.modules, data_parallel)
+        if mesh is None:
+            refuse_dtensors_without_mesh(self.modules)
         # before data parallel wraps the stages: tied parameters are reduced by runtime.parallel.tied
         self.tied_sets = tied_weights.build(
             tied,
@@ -344,25 +352,28 @@ class Pipeline:
         counted once), like ``torch.nn.utils.clip_grad_norm_`` on the unsplit model; returns
         that norm on every rank (collective: every rank calls it)."""
         counted, scaled = self._grads_for_norm()
-        total = grad_norm.global_norm(
-            counted, float(norm_type), [self.group, *self.norm_groups], self.device
-        )
+        others = self.mesh_groups.norm_groups() if self.mesh_groups is not None else []
+        total = grad_norm.global_norm(counted, float(norm_type), [self.group, *others], self.device)
         grad_norm.clip_(scaled, total, max_norm)
         return total
 
     def _grads_for_norm(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(gradients this rank counts in the norm, gradients it scales): a tied parameter is
-        counted by its first owner, one replica, and scaled everywhere."""
+        """(what this rank counts in the norm, the gradients it scales): a tied parameter is
+        counted by its first owner only, and across the mesh's other dimensions each element by
+        one rank (``mesh.norm_share``: a shard where sharded, coordinate 0 where replicated)."""
         skip = set()
-        # a tied parameter is whole on every replica (never sharded): with the norm summed
-        # over the replicas (norm_groups), only the first replica counts it
-        later_replica = bool(self.norm_groups) and dist.get_rank(self.data_parallel_group) > 0
         for t in self.tied_sets:
             for i, p in enumerate(t.local):
-                if i > 0 or self.rank != t.first_owner or later_replica:
+                if i > 0 or self.rank != t.first_owner:
                     skip.add(id(p))
+        coordinates = self.mesh_groups.coordinates if self.mesh_groups is not None else {}
         grads = [p.grad for p in self.parameters() if p.grad is not None]
-        counted = [p.grad for p in self.parameters() if p.grad is not None and id(p) not in skip]
+        counted = []
+        for p in self.parameters():
+            if p.grad is not None and id(p) not in skip:
+                share = norm_share(p.grad, coordinates)
+                if share is not None:
+                    counted.append(share)
         return counted, grads
 
     @stops_on_failure
