@@ -35,6 +35,7 @@ from pipetrain.runtime.executor import Executor, MetaCache, StepData
 from pipetrain.runtime.parallel import grad_norm
 from pipetrain.runtime.parallel import tied as tied_weights
 from pipetrain.runtime.parallel.data_parallel import DataParallel, check_wrapping
+from pipetrain.runtime.parallel.mesh import MeshGroups, refuse_dtensors_without_mesh
 from pipetrain.runtime.resolve import DataParallelKind, Groups, Stages
 from pipetrain.runtime.stage import StageRunner, arity
 from pipetrain.runtime.timing import Recorder, gather_timeline
@@ -131,6 +132,8 @@ class Pipeline:
         mine = self.placement.stages_of_rank(self.rank)
         self.modules = resolve.local_modules(stages, mine, self.device)
         check_wrapping(self.modules, data_parallel)
+        if mesh is None:
+            refuse_dtensors_without_mesh(self.modules)
         self._tied_sets = self._build_tied_sets(tied, groups)
         self._data_parallel = self._build_data_parallel(data_parallel, groups)
         self._runners = self._build_runners(loss_fn, defer_weight_grads)
@@ -161,8 +164,8 @@ class Pipeline:
         self.world_size = dist.get_world_size(self.group)
         #: this pipeline's data-parallel replicas: ``"token_mean"``'s token count is summed over it
         self._data_parallel_group = groups.replicas
-        #: groups whose ranks hold different gradient shards (FSDP): the norm is summed over them
-        self._norm_groups = [groups.replicas] if data_parallel == "fsdp" else []
+        #: the mesh's groups and this rank's coordinates on it (``runtime.parallel.mesh``)
+        self._mesh: MeshGroups | None = groups.mesh
         prefix = pipeline_prefix(self.group, self.rank)
         self._failures = Failures(self.group, self.rank, self.world_size, prefix)
         self._agreement = Agreement(self.group, self.rank, self.world_size, timeout, self._failures)
@@ -384,14 +387,12 @@ class Pipeline:
         """Clip every rank's gradients by the norm of the whole pipeline's (a tied parameter
         counted once), like ``torch.nn.utils.clip_grad_norm_`` on the unsplit model; returns
         that norm on every rank (collective: every rank calls it)."""
-        # with the norm summed over the replicas (FSDP), a tied parameter counts on the first
-        later_replica = bool(self._norm_groups) and dist.get_rank(self._data_parallel_group) > 0
+        coordinates = self._mesh.coordinates if self._mesh is not None else {}
         counted, scaled = grad_norm.counted_and_scaled(
-            self.parameters(), self._tied_sets, self.rank, later_replica
+            self.parameters(), self._tied_sets, self.rank, coordinates
         )
-        total = grad_norm.global_norm(
-            counted, float(norm_type), [self.group, *self._norm_groups], self.device
-        )
+        others = self._mesh.norm_groups() if self._mesh is not None else []
+        total = grad_norm.global_norm(counted, float(norm_type), [self.group, *others], self.device)
         grad_norm.clip_(scaled, total, max_norm)
         return total
 

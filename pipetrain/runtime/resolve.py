@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipetrain.planner.layout import Layout, layout_of
-from pipetrain.runtime.parallel.data_parallel import mesh_groups
+from pipetrain.runtime.parallel.mesh import MeshGroups, resolve_mesh
 from pipetrain.schedule import deps
 from pipetrain.schedule.action import Action, OpKind
 from pipetrain.schedule.lower import lower, post_receives_late
@@ -43,11 +43,13 @@ DataParallelKind = Literal["ddp", "fsdp"]
 class Groups:
     """The process groups a pipeline runs on: its own ranks (``pipeline``; ``None``: the default
     group) and, with a mesh, this rank's data-parallel replicas (``replicas``, and ``replica_mesh``
-    for FSDP2, which shards over a mesh rather than a group)."""
+    for FSDP2, which shards over a mesh rather than a group) and the whole mesh's groups
+    (``mesh``: every reduction over the model spans them)."""
 
     pipeline: dist.ProcessGroup | None
     replicas: dist.ProcessGroup | None = None
     replica_mesh: DeviceMesh | None = None
+    mesh: MeshGroups | None = None
 
 
 def resolve_groups(
@@ -55,18 +57,19 @@ def resolve_groups(
     mesh: DeviceMesh | None,
     data_parallel: DataParallelKind | None,
 ) -> Groups:
-    """``group`` alone, or a ``("dp", "pp")`` mesh with ``data_parallel``: never both, and never a
-    mesh without saying how its replicas hold the stages (or the other way round)."""
-    if (mesh is None) != (data_parallel is None):
-        raise ValueError(
-            "mesh= and data_parallel= go together: a ('dp', 'pp') DeviceMesh and 'ddp' or 'fsdp'"
-        )
+    """``group`` alone, or a mesh with a ``"pp"`` dimension (``runtime.parallel.mesh``, which
+    refuses what it cannot run): never both, and ``data_parallel`` only with a mesh."""
     if mesh is None:
+        if data_parallel is not None:
+            raise ValueError(
+                f"data_parallel={data_parallel!r} needs mesh=: a DeviceMesh with a 'pp' and a "
+                "'dp' (or 'dp_replicate' and 'dp_shard') dimension"
+            )
         return Groups(group)
     if group is not None:
         raise ValueError("pass either group= or mesh= (whose 'pp' dimension is the group)")
-    pipeline, replicas, replica_mesh = mesh_groups(mesh)
-    return Groups(pipeline, replicas, replica_mesh)
+    found = resolve_mesh(mesh, data_parallel)
+    return Groups(found.pipeline, found.data, found.data_mesh, found)
 
 
 def last_weight_pieces(row: Sequence[Action]) -> dict[int, int]:

@@ -77,8 +77,25 @@ def accumulate_grad_variable(node: Node) -> torch.Tensor | None:
 
 
 def add_lists_(into: list[torch.Tensor], adds: list[torch.Tensor]) -> None:
-    """``into[i] += adds[i]`` for every ``i`` in one C++ loop (``torch._foreach_add_``)."""
-    torch._foreach_add_(into, adds)
+    """``into[i] += adds[i]`` for every ``i`` in one C++ loop (``torch._foreach_add_``).
+
+    ``DTensor`` gradients (tensor parallel, FSDP2) add their local shards where both sides are
+    placed alike — a pending sum (``Partial``) adds to a pending sum — and as DTensors otherwise;
+    ``_foreach_add_`` refuses a list mixing them with plain tensors."""
+    from torch.distributed.tensor import DTensor
+
+    plain_into, plain_adds = [], []
+    for i, a in zip(into, adds):
+        if isinstance(i, DTensor) and isinstance(a, DTensor) and i.placements == a.placements:
+            plain_into.append(i.to_local())
+            plain_adds.append(a.to_local())
+        elif isinstance(i, DTensor) or isinstance(a, DTensor):
+            i.add_(a)
+        else:
+            plain_into.append(i)
+            plain_adds.append(a)
+    if plain_into:
+        torch._foreach_add_(plain_into, plain_adds)
 
 
 def store_of(group) -> dist.Store:

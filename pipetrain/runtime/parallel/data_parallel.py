@@ -1,8 +1,8 @@
 """Data parallel on top of the pipeline: DDP or FSDP2 replicas of every stage, synced once a step.
 
-A ``DeviceMesh`` with dimensions ``("dp", "pp")`` lays the ranks out: each ``pp`` row runs the
-pipeline, each ``dp`` column holds replicas of the same stages, each fed its own shard of the
-global batch. What makes this exact is *when* the replicas talk. A stage runs one forward and
+A ``DeviceMesh`` lays the ranks out (``runtime.parallel.mesh``): each ``pp`` line runs the
+pipeline, each ``dp`` line (or HSDP's ``dp_replicate`` × ``dp_shard``) holds replicas of the same
+stages, each fed its own shard of the global batch. What makes this exact is *when* the replicas talk. A stage runs one forward and
 one or two backward pieces (``B``, or ``I`` then ``W``) per micro-batch, and its weight gradients
 are only whole after its last piece of the step; a wrapper that reduces on every backward would
 reduce partial sums (wrong gradients, not rounding: docs/training-gpu.md). So here, as in
@@ -51,22 +51,10 @@ from torch import nn
 from pipetrain.runtime.torch_compat import fsdp_post_backward
 
 if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
+    pass
 
 KINDS = ("ddp", "fsdp")
 REDUCTIONS = ("mean", "sum")
-DIM_NAMES = ("dp", "pp")
-
-
-def mesh_groups(mesh: DeviceMesh) -> tuple[dist.ProcessGroup, dist.ProcessGroup, DeviceMesh]:
-    """(pp group, dp group, dp sub-mesh) of a ``("dp", "pp")`` mesh; a clear error otherwise."""
-    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-    if sorted(names) != sorted(DIM_NAMES):
-        raise ValueError(
-            f"mesh must be a 2-D DeviceMesh with mesh_dim_names ('dp', 'pp'), got {names or None}; "
-            "e.g. init_device_mesh(device_type, (dp, pp), mesh_dim_names=('dp', 'pp'))"
-        )
-    return mesh.get_group("pp"), mesh.get_group("dp"), mesh["dp"]
 
 
 def check_wrapping(modules: dict[int, nn.Module], kind: str | None) -> None:

@@ -3,10 +3,11 @@
 ``torch.nn.utils.clip_grad_norm_`` on one rank's parameters sees only that rank's stages: each
 rank would clip by its own, smaller norm. Here each rank reduces its gradients to one number (the
 sum of squares for ``p = 2``, in general ``Σ|g|^p``; the maximum for ``inf``), the ranks combine
-those over the pipeline group (and a data-parallel group whose members hold *different* shards,
-e.g. FSDP; DDP replicas hold equal gradients and must not be summed), and every rank scales by
-``max_norm / (norm + 1e-6)`` clamped to 1 — torch's formula. A tied parameter (``runtime.parallel.tied``)
-counts once: only its first owner counts it, one replica.
+those over the pipeline group and every other dimension of the mesh, and every rank scales by
+``max_norm / (norm + 1e-6)`` clamped to 1 — torch's formula. Each element counts once: a tied
+parameter (``runtime.parallel.tied``) by its first owner, and across tensor- and data-parallel
+ranks a shard by its holder, replicated values by coordinate 0 only (``mesh.norm_share``), so
+tensor-parallel and data-parallel replicas clip by one norm.
 """
 
 from __future__ import annotations
@@ -19,25 +20,36 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipetrain.runtime.parallel.mesh import norm_share
+
 if TYPE_CHECKING:
     from pipetrain.runtime.parallel.tied import TiedSet
 
 
 def counted_and_scaled(
-    parameters: Iterable[nn.Parameter], tied: Iterable[TiedSet], rank: int, later_replica: bool
+    parameters: Iterable[nn.Parameter],
+    tied: Iterable[TiedSet],
+    rank: int,
+    coordinates: dict[str, int],
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """(gradients this rank counts in the norm, gradients it scales): a tied parameter is counted
-    by its first owner (``rank`` is this rank in the pipeline group), on the first replica only
-    (``later_replica``: this is another one, and the norm is summed over the replicas), since it
-    is whole on every replica, never sharded; every gradient is scaled."""
+    """(what this rank counts in the norm, the gradients it scales): a tied parameter is counted
+    by its first owner only (``rank`` is this rank in the pipeline group), and across the mesh's
+    other dimensions each element by one rank (``mesh.norm_share``: this rank's shard where the
+    gradient is sharded, coordinate 0's values where it is replicated); every gradient is
+    scaled."""
     skip: set[int] = set()
     for t in tied:
         for i, p in enumerate(t.local):
-            if i > 0 or rank != t.first_owner or later_replica:
+            if i > 0 or rank != t.first_owner:
                 skip.add(id(p))
     params = list(parameters)
     grads = [p.grad for p in params if p.grad is not None]
-    counted = [p.grad for p in params if p.grad is not None and id(p) not in skip]
+    counted = []
+    for p in params:
+        if p.grad is not None and id(p) not in skip:
+            share = norm_share(p.grad, coordinates)
+            if share is not None:
+                counted.append(share)
     return counted, grads
 
 
@@ -46,8 +58,7 @@ def local_total(
 ) -> torch.Tensor:
     """This rank's share on ``device``: ``Σ|g|^p`` (float64), or ``max|g|`` for ``p = inf``.
     Per-tensor norms stay on the gradients' device (no host sync per parameter)."""
-    # an FSDP2 shard (DTensor) counts this rank's part only
-    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    local = grads  # already this rank's shares (``counted_and_scaled``)
     norms = [
         torch.linalg.vector_norm(g.detach(), norm_type).to(device, torch.float64) for g in local
     ]

@@ -146,10 +146,11 @@ def build(
     for names in sets:
         if sharded_anywhere & set(names):
             raise ValueError(
-                f"tied weight {sorted(sharded_anywhere & set(names))[0]!r} is a sharded DTensor (a "
-                "fully_shard applied before the Pipeline?); the tied sum needs it whole: pass "
-                "fully_shard(..., ignored_params={the tied parameters}), or let the Pipeline "
-                "shard the stage (data_parallel='fsdp' leaves tied parameters whole)"
+                f"tied weight {sorted(sharded_anywhere & set(names))[0]!r} is a sharded DTensor "
+                "(tensor parallel or fully_shard applied before the Pipeline); the tied sum adds whole "
+                "gradients: leave the tied parameters replicated (a plain tensor under a "
+                "tensor-parallel plan, fully_shard(..., ignored_params={the tied parameters})), "
+                "or untie them"
             )
         missing = [n for n in names if n not in known]
         if missing:

@@ -1,0 +1,44 @@
+"""Tensor parallel inside the stages: torch's ``parallelize_module`` plans on ``mesh["tp"]`` of
+one DeviceMesh with the pipeline, float64 on gloo against the model unsplit and unparallelized:
+losses, every gradient, the clipped norm (each tp shard, stage and replica counted once) and
+the parameters after two AdamW steps."""
+
+from __future__ import annotations
+
+import pytest
+from runtime_harness import launch
+from tp_cases import run_tensor_parallel
+
+V_CUT = [2, 1, 1, 2]  # embed + 4 blocks + head over 4 stages
+CASES = [
+    {"schedule": "1f1b", "stage_layers": [3, 3], "defer": False},
+    {"schedule": "1f1b", "stage_layers": [3, 3], "defer": True, "loss": "token_mean"},
+    {"schedule": "interleaved-1f1b", "stage_layers": V_CUT, "defer": None},
+    {"schedule": "zbv", "stage_layers": V_CUT, "defer": False},
+    {"schedule": "zbv", "stage_layers": V_CUT, "defer": True},
+    {"schedule": "dualpipev", "stage_layers": V_CUT, "defer": False},
+    {"schedule": "dualpipev", "stage_layers": V_CUT, "defer": True, "loss": "token_mean"},
+    # sequence parallel: activations travel sharded along the sequence between stages
+    {"schedule": "zbv", "stage_layers": V_CUT, "defer": True, "sequence_parallel": True},
+    {"schedule": "1f1b", "stage_layers": [3, 3], "defer": False, "sequence_parallel": True},
+]
+
+
+@pytest.fixture(scope="module")
+def results():
+    return launch(4, run_tensor_parallel, (2, 2), ("pp", "tp"), CASES, timeout=400)
+
+
+@pytest.mark.slow
+def test_pp2_tp2_matches_the_unparallelized_model(results):
+    problems = [f for r in results for f in r["failures"]]
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.slow
+def test_what_cannot_be_counted_once_is_refused_on_every_rank(results):
+    for r in results:
+        e = r["errors"]
+        assert "mesh dimension 'cp' is not supported" in e["cp"], e["cp"]
+        assert "pass the DeviceMesh it lives on as Pipeline(mesh=...)" in e["group_with_dtensors"]
+        assert "needs a 'dp'" in e["ddp_without_dp"], e["ddp_without_dp"]
