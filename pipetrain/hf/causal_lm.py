@@ -29,11 +29,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipetrain.hf import masks
+from pipetrain.hf.masks import IGNORE_INDEX
 
 #: model types whose forward is exactly embedding → decoder layers → norm → head
 LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral")
 SUPPORTED = (*LLAMA_FAMILY, "gpt2")
-IGNORE_INDEX = -100
 
 
 def causal_lm_layers(model: Any) -> dict[str, nn.Module]:

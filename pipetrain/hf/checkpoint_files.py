@@ -23,7 +23,12 @@ import torch
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 #: safetensors' dtype names for the floating types a model is stored in
-FLOATING = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+FLOATING = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+}
 
 
 @dataclass(frozen=True)

@@ -83,7 +83,9 @@ def test_one_stage_reads_only_its_tensors_and_ties_within_a_stage(tmp_path, monk
     build("gpt2-tied", BLOCKS).save_pretrained(tmp_path, max_shard_size="4KB")
     read: list[str] = []
     original = ModelFiles.read
-    monkeypatch.setattr(ModelFiles, "read", lambda self, key: read.append(key) or original(self, key))
+    monkeypatch.setattr(
+        ModelFiles, "read", lambda self, key: read.append(key) or original(self, key)
+    )
     stages = from_pretrained(tmp_path, [1, 3, 1])
     assert len(stages) == 3 and read == []
     middle = stages[1]
@@ -161,7 +163,9 @@ GROUPS = [
 def test_the_groups_cover_every_runnable_schedule():
     from pipetrain.schedule.registry import FAMILIES
 
-    assert sorted(n for g in GROUPS for n in g) == sorted(str(n) for n in FAMILIES if n != "dualpipe")
+    assert sorted(n for g in GROUPS for n in g) == sorted(
+        str(n) for n in FAMILIES if n != "dualpipe"
+    )
 
 
 @pytest.mark.slow

@@ -139,9 +139,7 @@ def run_data_parallel_export(rank: int, world: int, folder: str, out: str) -> li
     failures = []
     for kind in ("fsdp", "ddp"):
         stages = from_pretrained(folder, even_counts(BLOCKS + 3, 2))
-        pipe = pipetrain.Pipeline(
-            stages, "1f1b", 2, causal_lm_loss, mesh=mesh, data_parallel=kind
-        )
+        pipe = pipetrain.Pipeline(stages, "1f1b", 2, causal_lm_loss, mesh=mesh, data_parallel=kind)
         pipe.step(mine, mine)
         with torch.no_grad():
             for p in pipe.parameters():
