@@ -96,7 +96,7 @@ def _flex_case(device: str):
 @pytest.mark.slow
 def test_flex_attention_forward_on_the_cpu():
     """FlexAttention builds a BlockMask per layer; on the CPU it runs forward only, in float32
-    (torch compiles it: about ten seconds a shape)."""
+    (torch compiles it for each shape)."""
     stage, model = _flex_case("cpu")
     ids = batch(ROWS)
     with torch.no_grad():
