@@ -7,7 +7,10 @@ Each layer consumes the previous layer's output: a tensor, or a tuple of tensors
 positional arguments. A stage registers every layer under its **global** name (``layers.17`` by
 default, or the names given), so ``stage.state_dict()`` keys such as ``layers.17.mlp.up.weight``
 are the same whatever the cut — checkpoints written at one pipeline size load at another
-(``runtime.checkpoint``). Side inputs (an attention mask, position ids) reach a layer as keyword
+(``runtime.checkpoint``). The layers are never changed: where one layer's name is a prefix of
+another's (GPT-2's embedding is ``transformer``, its blocks ``transformer.h.3``), the stage puts
+a container of its own at that path holding the layer's children, instead of adding the other
+layer to the given module. Side inputs (an attention mask, position ids) reach a layer as keyword
 arguments when its ``forward`` names them (``runtime.side_inputs``).
 
 The callable form ``split(layer_factory, stage_layers, num_layers=N)`` returns a lazy sequence
@@ -54,6 +57,12 @@ class Stage(nn.Module):
             out = result if isinstance(result, tuple) else (result,)
         return out[0] if len(out) == 1 else out
 
+    def train(self, mode: bool = True):
+        super().train(mode)
+        for layer, _ in self.chain:  # a layer held through a path container is not registered
+            layer.train(mode)
+        return self
+
     def accepted_keywords(self) -> frozenset[str] | None:
         """Keyword arguments some layer's ``forward`` takes (``None``: a layer takes any)."""
         names: set[str] = set()
@@ -64,21 +73,61 @@ class Stage(nn.Module):
         return frozenset(names)
 
 
+class _Path(nn.Module):
+    """A container on the way to a layer's name (``model`` in ``model.layers.3``)."""
+
+
 def _register(root: nn.Module, name: str, layer: nn.Module) -> None:
-    """``root.<a>.<b>.<c> = layer`` for ``name = "a.b.c"``, making plain containers on the way."""
+    """``root.<a>.<b>.<c> = layer`` for ``name = "a.b.c"``, making containers on the way.
+
+    A given layer never gains children: where the path runs through a layer (its name is a
+    prefix of this one's), a container holding that layer's children takes its place."""
     parts = name.split(".")
     if not all(parts):
         raise ValueError(f"layer name {name!r} has an empty part; use names like 'layers.3'")
     node = root
-    for part in parts[:-1]:
+    for depth, part in enumerate(parts[:-1]):
         child = node._modules.get(part)
         if child is None:
-            child = nn.Module()
-            node.add_module(part, child)
+            child = _Path()
+        elif not isinstance(child, _Path):
+            child = _holding(child, ".".join(parts[: depth + 1]))
+        node.add_module(part, child)
         node = child
-    if parts[-1] in node._modules:
+    existing = node._modules.get(parts[-1])
+    if existing is None:
+        node.add_module(parts[-1], layer)
+    elif isinstance(existing, _Path):  # a later layer named like a path already made
+        _adopt(existing, layer, name)
+    else:
         raise ValueError(f"two layers are named {name!r}; layer names must be unique")
-    node.add_module(parts[-1], layer)
+
+
+def _holding(layer: nn.Module, name: str) -> _Path:
+    path = _Path()
+    _adopt(path, layer, name)
+    return path
+
+
+def _adopt(path: _Path, layer: nn.Module, name: str) -> None:
+    """Register ``layer``'s children (the same objects) on ``path``. Its own parameters and
+    buffers are refused: moving or sharding replaces such tensors on the module that holds
+    them, and the layer, which is what runs, would keep the old ones."""
+    if next(layer.parameters(recurse=False), None) is not None or (
+        next(layer.buffers(recurse=False), None) is not None
+    ):
+        raise ValueError(
+            f"layer {name!r} holds parameters or buffers of its own and other layers are named "
+            f"under it ({name}.…); give the layers names that do not nest, or keep its tensors "
+            "in submodules"
+        )
+    for child_name, child in layer.named_children():
+        if child_name in path._modules:
+            raise ValueError(
+                f"layer {name!r} has a child {child_name!r} and another layer is named "
+                f"{name}.{child_name}; layer names must be unique"
+            )
+        path.add_module(child_name, child)
 
 
 def check_counts(stage_layers: Sequence[int], num_layers: int) -> tuple[int, ...]:

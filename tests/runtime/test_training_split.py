@@ -87,3 +87,42 @@ def test_lazy_form_builds_only_the_stage_asked_for_and_materialises_meta_layers(
     assert torch.equal(
         other.get_submodule("layers.3").lin.weight, stage.get_submodule("layers.3").lin.weight
     )
+
+
+def test_split_never_changes_the_layers_even_where_names_nest():
+    """A layer named ``body`` and layers named ``body.blocks.i`` (GPT-2's embedding and blocks):
+    the stage holds the embedding's children in a container of its own, so the given modules
+    keep their children and the same layers can be cut again, at another cut."""
+
+    class Embed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = nn.Embedding(11, 4)
+
+        def forward(self, tokens):
+            return self.table(tokens)
+
+    embed, blocks = Embed(), [nn.Linear(4, 4) for _ in range(3)]
+    layers = {"body": embed, **{f"body.blocks.{i}": b for i, b in enumerate(blocks)}}
+    first = pipetrain.split(layers, [2, 2])
+    again = pipetrain.split(layers, [3, 1])
+    assert [n for n, _ in embed.named_children()] == ["table"]
+    assert all(not list(b.children()) for b in blocks)
+    assert list(again[0].state_dict()) == [
+        "body.table.weight",
+        *(f"body.blocks.{i}.{w}" for i in (0, 1) for w in ("weight", "bias")),
+    ]
+    (whole,) = pipetrain.split(layers, [4])
+    tokens = torch.randint(0, 11, (2, 3))
+    assert torch.equal(whole(tokens), again[1](again[0](tokens)))
+    assert torch.equal(whole(tokens), first[1](first[0](tokens)))
+    whole.eval()
+    assert not embed.training  # the layer held through the container follows the stage
+    # the parameters are the layers' own (one object each)
+    assert whole.get_submodule("body.table") is embed.table
+    # a layer whose own tensors would sit on the path is refused, and a clash of names too
+    own = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="holds parameters or buffers of its own"):
+        pipetrain.split({"lin": own, "lin.sub": nn.Linear(4, 4)}, [2])
+    with pytest.raises(ValueError, match="has a child 'table' and another layer is named"):
+        pipetrain.split({"body.table": nn.Linear(4, 4), "body": Embed()}, [2])

@@ -1,28 +1,23 @@
-"""Hugging Face causal language models as an ordered list of layers, ready to cut into stages.
-
-    model = LlamaForCausalLM(config)
-    layers = pipetrain.hf.causal_lm_layers(model)      # {"model.embed_tokens": ..., ...}
-    stages = pipetrain.split(layers, [2, 2])            # names kept: HF state-dict keys
-    pipe = Pipeline(stages, "1f1b", 8, pipetrain.hf.causal_lm_loss)
-    pipe.step(input_ids, input_ids)                     # labels are the inputs, shifted inside
+"""Hugging Face causal LMs as an ordered list of layers under their model names.
 
 A ``transformers`` model runs its layers inside one ``forward`` that computes, once, what every
-layer needs: position ids, the rotary table (Llama family), the causal mask. Cut into stages those
-would have to be threaded through every stage's outputs. Here each decoder layer is wrapped so it
-makes its own from the hidden states it receives — position ids ``0..T-1``, the rotary table from
-the model's own ``rotary_emb`` module and the mask from ``transformers``' own mask functions, the
-sliding-window one where the config gives that layer a window — exactly what the unsplit
-``forward`` computes, recomputed per layer (a small cost next to attention).
+layer needs: position ids, the rotary table (Llama family), the attention mask. Cut into stages
+those would have to be threaded through every stage's outputs. Here each decoder layer is
+wrapped so it makes its own from the hidden states it receives and the side inputs it is given
+(``attention_mask``, ``position_ids``; ``pipetrain.hf.masks``) — position ids ``0..T-1`` unless
+given, the rotary table from the model's own ``rotary_emb`` module and the mask from
+``transformers``' own mask functions (the sliding-window one where the config gives that layer a
+window) — exactly what the unsplit ``forward`` computes from the same inputs, recomputed per
+layer (a small cost next to attention).
 
-Every layer keeps its model name, and a wrapper registers the wrapped layer's children as its own,
-so parameter names are the model's (``model.layers.3.self_attn.q_proj.weight``) and a
+Every layer keeps its model name, and a wrapper registers the wrapped layer's children as its
+own, so parameter names are the model's (``model.layers.3.self_attn.q_proj.weight``) and a
 ``transformers`` checkpoint loads by name whatever the cut. The modules are the model's own (no
-copies): the model and its layers share parameters.
+copies): the model and its layers share parameters, and nothing of the model is changed.
 
-Supported (model types checked, anything else refused): ``LlamaForCausalLM``, ``Qwen2ForCausalLM``,
-``Qwen3ForCausalLM``, ``MistralForCausalLM`` and ``GPT2LMHeadModel``. Inputs are whole rows of
-token ids: no padding mask, no KV cache (training). ``transformers`` is imported only by this
-module (``pip install pipetrain[hf]``).
+A model on the meta device is refused: its non-persistent buffers (RoPE's ``inv_freq``) are in
+no state dict, so ``to_empty`` and ``load_state_dict`` would leave them uninitialised, silently.
+``pipetrain.hf.from_pretrained`` builds a rank's layers that way and recomputes them.
 """
 
 from __future__ import annotations
@@ -33,16 +28,33 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipetrain.hf import masks
+from pipetrain.hf.masks import IGNORE_INDEX
+
 #: model types whose forward is exactly embedding → decoder layers → norm → head
 LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral")
 SUPPORTED = (*LLAMA_FAMILY, "gpt2")
-IGNORE_INDEX = -100
 
 
 def causal_lm_layers(model: Any) -> dict[str, nn.Module]:
     """The model's layers in call order, by their names in the model: embedding, decoder layers,
     final norm, LM head. Each consumes the previous one's output (token ids → hidden states →
-    logits). A ``ValueError`` names the supported model types for any other model."""
+    logits); the embedding (GPT-2) and the decoder layers also take ``attention_mask`` and
+    ``position_ids`` as side inputs. A ``ValueError`` names the supported model types for any
+    other model, and refuses a model on the meta device (see the module docstring)."""
+    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        raise ValueError(
+            "the model is on the meta device: its non-persistent buffers (RoPE's inv_freq) are "
+            "in no state dict or checkpoint, so to_empty + load_state_dict would leave them "
+            "uninitialised; load a model folder with pipetrain.hf.from_pretrained(model_dir, "
+            "stage_layers), which builds each rank's layers and recomputes them"
+        )
+    return layers_of(model)
+
+
+def layers_of(model: Any) -> dict[str, nn.Module]:
+    """``causal_lm_layers`` without the meta-device check (``from_pretrained`` materialises
+    the layers and recomputes their buffers itself)."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in SUPPORTED:
         raise ValueError(
@@ -98,13 +110,47 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     if (labels == IGNORE_INDEX).any():
         raise ValueError(
             "labels contain -100 (ignore_index): padded batches need a loss normalised by the "
-            "global token count; causal_lm_loss takes whole rows (every token counted)"
+            "global token count; causal_lm_loss takes whole rows (every token counted). Use "
+            "targets=pipetrain.hf.next_token_targets(labels, ...) with "
+            "pipetrain.hf.causal_lm_token_loss"
         )
     predicted = logits[:, :-1]
     if predicted.dtype not in (torch.float32, torch.float64):
         predicted = predicted.float()
     vocab = predicted.shape[-1]
     return F.cross_entropy(predicted.reshape(-1, vocab), labels[:, 1:].reshape(-1))
+
+
+class CausalLMTokenLoss:
+    """Cross entropy of logits ``(rows, T, vocab)`` against targets ``(rows, T)`` already shifted
+    (``pipetrain.hf.next_token_targets``), summed over targets that are not ``ignore_index``;
+    the pipeline divides by the whole batch's count (``loss_reduction = "token_mean"``), which is
+    ``transformers``' loss for labels with -100. Logits below float32 are upcast first, as
+    there."""
+
+    loss_reduction = "token_mean"
+
+    def __init__(self, ignore_index: int = IGNORE_INDEX) -> None:
+        self.ignore_index = ignore_index
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if logits.shape[:-1] != targets.shape:
+            raise ValueError(
+                f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} do not align; "
+                "pass targets=pipetrain.hf.next_token_targets(labels) (shifted, same length)"
+            )
+        if logits.dtype not in (torch.float32, torch.float64):
+            logits = logits.float()
+        return F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]),
+            targets.reshape(-1),
+            ignore_index=self.ignore_index,
+            reduction="sum",
+        )
+
+
+#: the next-token loss for padded or packed batches (``Pipeline`` reads its ``loss_reduction``)
+causal_lm_token_loss = CausalLMTokenLoss()
 
 
 class _Adopting(nn.Module):
@@ -149,21 +195,14 @@ class DecoderLayer(_Adopting):
         else:  # Mistral: one window for every layer, or none
             self.sliding = getattr(config, "sliding_window", None) is not None
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        from transformers.masking_utils import (
-            create_causal_mask,
-            create_sliding_window_causal_mask,
-        )
-
-        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        make_mask = create_sliding_window_causal_mask if self.sliding else create_causal_mask
-        mask = make_mask(
-            config=self.config,
-            inputs_embeds=hidden,
-            attention_mask=None,
-            cache=None,
-            position_ids=positions,
-        )
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        positions = masks.positions(hidden, position_ids)
+        mask = masks.layer_mask(self.config, hidden, attention_mask, positions, self.sliding)
         return self.wrapped(
             hidden,
             attention_mask=mask,
@@ -180,8 +219,10 @@ class GPT2Embedding(nn.Module):
         super().__init__()
         self.wte, self.wpe, self.drop = body.wte, body.wpe, body.drop
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        positions = masks.positions(input_ids, position_ids)
         return self.drop(self.wte(input_ids) + self.wpe(positions))
 
 
@@ -192,15 +233,12 @@ class GPT2Layer(_Adopting):
         super().__init__(block)
         self.config = config
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        from transformers.masking_utils import create_causal_mask
-
-        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=hidden,
-            attention_mask=None,
-            cache=None,
-            position_ids=positions,
-        )
-        return self.wrapped(hidden, None, mask)
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        positions = masks.positions(hidden, position_ids)
+        mask = masks.layer_mask(self.config, hidden, attention_mask, positions, sliding=False)
+        return self.wrapped(hidden, None, mask, position_ids=positions)

@@ -1,0 +1,62 @@
+"""Hugging Face causal language models, cut into pipeline stages.
+
+From a released model folder (each rank reads only its own layers' tensors)::
+
+    stages = pipetrain.hf.from_pretrained("Llama-3.2-1B", [9, 9])   # layers per stage
+    pipe = Pipeline(stages, "1f1b", 8, pipetrain.hf.causal_lm_loss)
+    pipe.step(input_ids, input_ids)                     # labels are the inputs, shifted inside
+    pipetrain.hf.save_pretrained(pipe, "out")           # every rank: a folder transformers loads
+
+From a model in memory::
+
+    layers = pipetrain.hf.causal_lm_layers(model)      # {"model.embed_tokens": ..., ...}
+    stages = pipetrain.split(layers, [2, 2])            # names kept: HF state-dict keys
+
+Padded or packed batches: ``side={"attention_mask": ..., "position_ids": ...}`` with
+``targets=next_token_targets(labels, ...)`` and ``causal_lm_token_loss`` (``masks``).
+
+Supported (model types checked, anything else refused): ``LlamaForCausalLM``, ``Qwen2ForCausalLM``,
+``Qwen3ForCausalLM``, ``MistralForCausalLM`` and ``GPT2LMHeadModel``; training only (no KV
+cache). ``transformers`` and ``safetensors`` are imported only by this package, when used
+(``pip install pipetrain[hf]``).
+
+Modules: ``causal_lm`` (layers, wrappers, losses, ties), ``masks`` (side inputs and targets),
+``pretrained`` (``from_pretrained``), ``checkpoint_files`` (reading and writing the folder's
+safetensors files), ``export`` (``save_pretrained``).
+"""
+
+from pipetrain.hf.causal_lm import (
+    IGNORE_INDEX,
+    LLAMA_FAMILY,
+    SUPPORTED,
+    CausalLMTokenLoss,
+    DecoderLayer,
+    GPT2Embedding,
+    GPT2Layer,
+    causal_lm_layers,
+    causal_lm_loss,
+    causal_lm_token_loss,
+    tied_weights,
+)
+from pipetrain.hf.export import save_pretrained
+from pipetrain.hf.masks import next_token_targets, packed_position_ids
+from pipetrain.hf.pretrained import PretrainedStages, from_pretrained
+
+__all__ = [
+    "IGNORE_INDEX",
+    "LLAMA_FAMILY",
+    "SUPPORTED",
+    "CausalLMTokenLoss",
+    "DecoderLayer",
+    "GPT2Embedding",
+    "GPT2Layer",
+    "PretrainedStages",
+    "causal_lm_layers",
+    "causal_lm_loss",
+    "causal_lm_token_loss",
+    "from_pretrained",
+    "next_token_targets",
+    "packed_position_ids",
+    "save_pretrained",
+    "tied_weights",
+]

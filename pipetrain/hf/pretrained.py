@@ -1,0 +1,221 @@
+"""``from_pretrained``: a released model folder as pipeline stages, each rank reading only its own.
+
+    stages = pipetrain.hf.from_pretrained("Llama-3.2-1B", [9, 9], dtype=torch.bfloat16)
+    pipe = Pipeline(stages, "1f1b", 8, pipetrain.hf.causal_lm_loss)   # builds its stages only
+
+The result is a lazy sequence of stages, like ``pipetrain.split``'s factory form: ``Pipeline``
+asks only for this rank's. Building stage ``s``:
+
+1. the whole model is built on the meta device from the folder's config (no memory, no
+   initialisation) with ``transformers``' own ``from_config``, and cut into layers by
+   ``causal_lm_layers``' rules;
+2. only stage ``s``'s layers are materialised (``to_empty``) on ``device``;
+3. each of their parameters and persistent buffers is read from the safetensors file that holds
+   it — no other tensor is read — and copied in, cast to ``dtype`` (a tied head reads the
+   embedding's tensor: files of tied models omit the copy);
+4. the non-persistent buffers (RoPE's ``inv_freq``), in no file, are recomputed by the model's
+   own ``_init_weights`` with the loaded tensors marked as initialised — what
+   ``transformers``' ``from_pretrained`` does after loading on the meta device. They are first
+   filled with NaN, and a buffer still holding one afterwards is refused: a buffer the model's
+   init does not recompute cannot be known.
+
+So every parameter and buffer equals ``AutoModelForCausalLM.from_pretrained(model_dir,
+dtype=dtype)``'s. Host memory while loading stays within the rank's own layers (when ``device``
+is the CPU) plus the largest tensor read, beside the meta-device model's Python objects: tensors
+are read one at a time (``checkpoint_files``), largest first, into memory that becomes resident
+only as it is written (``benchmarks/hf_load_memory.py`` measures it). A tensor the folder lacks is a
+``KeyError`` naming it (``transformers`` would initialise it randomly, with a warning).
+
+Stages are returned in training mode (``transformers`` returns its model in eval mode). Each
+carries the tie of embedding and head by global name (``Stage.tied_names``), so ``Pipeline``
+sums the tied gradient as for ``split``'s stages, and the model's config (``Stage.hf_config``)
+for ``pipetrain.hf.save_pretrained``.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipetrain.hf.causal_lm import layers_of, tied_weights
+from pipetrain.hf.checkpoint_files import ModelFiles
+from pipetrain.runtime.layers import Stage, check_counts, stage_ranges
+
+
+def from_pretrained(
+    model_dir: str | Path,
+    stage_layers: Sequence[int],
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    attn_implementation: str | None = None,
+) -> PretrainedStages:
+    """The model in ``model_dir`` (``config.json`` and safetensors files) cut into stages of
+    ``stage_layers`` consecutive layers each (embedding, decoder layers, final norm and head
+    are layers: a model of ``L`` decoder layers has ``L + 3``).
+
+    ``dtype``: the parameters' dtype; default what ``transformers`` picks (the config's
+    ``dtype``, else the stored tensors'). ``device``: where each rank's layers are materialised
+    and loaded (default the CPU; ``Pipeline`` moves them to its device — pass that device to
+    load straight onto it). ``attn_implementation``: as in ``transformers`` (``"sdpa"``,
+    ``"eager"``, ``"flex_attention"``...; default its choice)."""
+    from transformers import AutoConfig
+
+    files = ModelFiles.open(model_dir)
+    config = AutoConfig.from_pretrained(model_dir)
+    return PretrainedStages(
+        files, config, stage_layers, _dtype(dtype, config, files), device, attn_implementation
+    )
+
+
+def _dtype(dtype, config, files: ModelFiles) -> torch.dtype:
+    """``transformers``' ``dtype="auto"``: the argument, else the config's, else the stored one."""
+    if dtype is None:
+        dtype = getattr(config, "dtype", None) or files.stored_dtype() or torch.get_default_dtype()
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype={dtype!r}; give a floating torch.dtype such as torch.bfloat16")
+    return dtype
+
+
+class PretrainedStages(Sequence):
+    """The stages of a model folder, each built, materialised and loaded when first asked for
+    (see the module docstring); asking again builds it again."""
+
+    def __init__(
+        self,
+        files: ModelFiles,
+        config: Any,
+        stage_layers: Sequence[int],
+        dtype: torch.dtype,
+        device: torch.device | str | None,
+        attn_implementation: str | None,
+    ) -> None:
+        self.files, self.dtype = files, dtype
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self._config, self._attn = config, attn_implementation
+        skeleton = self._skeleton()
+        #: the global layer names, in call order
+        self.names = list(layers_of(skeleton))
+        self.counts = check_counts(stage_layers, len(self.names))
+        self.ranges = stage_ranges(self.counts)
+        #: (source, target) parameter names the model ties (the target is the source)
+        self.tied = tied_weights(skeleton)
+        self.prefix: str = getattr(skeleton, "base_model_prefix", "")
+        #: the model's config as loaded (its dtype and attention implementation set)
+        self.config = skeleton.config
+
+    def _skeleton(self) -> Any:
+        """The whole model on the meta device (parameters and buffers without storage)."""
+        from transformers import AutoModelForCausalLM
+
+        kwargs: dict[str, Any] = {"dtype": self.dtype}
+        if self._attn is not None:
+            kwargs["attn_implementation"] = self._attn
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(copy.deepcopy(self._config), **kwargs)
+
+    def __len__(self) -> int:
+        return len(self.counts)
+
+    def __getitem__(self, stage):  # type: ignore[override]
+        if isinstance(stage, slice):
+            return [self[s] for s in range(len(self))[stage]]
+        if not -len(self) <= stage < len(self):
+            raise IndexError(f"stage {stage} out of range: there are {len(self)} stages")
+        skeleton = self._skeleton()
+        layers = layers_of(skeleton)
+        named = [(self.names[i], layers[self.names[i]]) for i in self.ranges[stage]]
+        for _, layer in named:
+            layer.to_empty(device=self.device)
+        module = Stage(named)
+        self._retie(module)
+        loaded = self._load(module)
+        recompute_buffers(module, skeleton, loaded)
+        module.tied_names = [tuple(sorted(pair)) for pair in self.tied]
+        module.hf_config = self.config
+        return module.train()
+
+    def _retie(self, module: Stage) -> None:
+        """Where both ends of a tie are in this stage, make them one parameter again
+        (materialising gave each its own)."""
+        held = dict(module.named_parameters(remove_duplicate=False))
+        for source, target in self.tied:
+            if source in held and target in held:
+                owner, _, attr = target.rpartition(".")
+                module.get_submodule(owner).register_parameter(attr, held[source])
+
+    @torch.no_grad()
+    def _load(self, module: Stage) -> list[torch.Tensor]:
+        """Copy every parameter and persistent buffer of ``module`` from the files; returns
+        them (each tensor once)."""
+        sources = {target: source for source, target in self.tied}
+        loaded: list[torch.Tensor] = []
+        seen: set[int] = set()
+        state = module.state_dict(keep_vars=True).items()
+        # Largest first: materialised memory is resident only once written, so while the
+        # largest tensor is read (a copy of it held, beside the part of the stage written so
+        # far) the rest of the stage is not yet resident.
+        for name, tensor in sorted(state, key=lambda item: -item[1].numel()):
+            if id(tensor) in seen:
+                continue
+            value = self.files.read(self.files.key_for(name, sources.get(name), self.prefix))
+            if value.shape != tensor.shape:
+                raise ValueError(
+                    f"{name!r} has shape {tuple(value.shape)} in {self.files.folder} but "
+                    f"{tuple(tensor.shape)} in the model its config describes"
+                )
+            tensor.copy_(value)
+            del value
+            seen.add(id(tensor))
+            loaded.append(tensor)
+        return loaded
+
+
+def recompute_buffers(module: nn.Module, skeleton: Any, loaded: list[torch.Tensor]) -> None:
+    """Fill ``module``'s non-persistent buffers the way ``transformers`` does after loading:
+    the model's ``_init_weights`` on each module that owns one, with ``loaded`` marked as
+    initialised so that only what was not loaded is written (see the module docstring)."""
+    from transformers import initialization
+
+    owners: dict[nn.Module, list[str]] = {}
+    for sub in module.modules():
+        names = [n for n in sub._non_persistent_buffers_set if sub._buffers.get(n) is not None]
+        if names:
+            owners[sub] = names
+    if not owners:
+        return
+    with torch.no_grad():
+        for sub, names in owners.items():
+            for name in names:
+                buffer = sub._buffers[name]
+                if buffer is None or not buffer.is_floating_point():
+                    raise ValueError(
+                        f"{type(sub).__name__}.{name} is a non-floating non-persistent buffer; "
+                        "pipetrain.hf cannot check that the model's init recomputes it"
+                    )
+                buffer.fill_(math.nan)
+    for tensor in loaded:
+        tensor._is_hf_initialized = True  # type: ignore[attr-defined]
+    try:
+        with torch.no_grad(), initialization.guard_torch_init_functions():
+            for sub in owners:
+                skeleton._init_weights(sub)
+    finally:
+        for tensor in loaded:
+            del tensor._is_hf_initialized  # type: ignore[attr-defined]
+    for sub, names in owners.items():
+        for name in names:
+            if torch.isnan(sub._buffers[name]).any():  # type: ignore[arg-type]
+                raise ValueError(
+                    f"the non-persistent buffer {type(sub).__name__}.{name} is in no checkpoint "
+                    "and the model's _init_weights does not recompute it; pipetrain.hf cannot "
+                    "load this model per rank"
+                )
