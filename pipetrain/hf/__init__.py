@@ -22,7 +22,8 @@ cache). ``transformers`` and ``safetensors`` are imported only by this package, 
 
 Modules: ``causal_lm`` (layers, wrappers, losses, ties), ``masks`` (side inputs and targets),
 ``pretrained`` (``from_pretrained``), ``checkpoint_files`` (reading and writing the folder's
-safetensors files), ``export`` (``save_pretrained``).
+safetensors files), ``export`` (``save_pretrained``), ``tensor_parallel`` (the Llama family's tensor-parallel
+plan, ``parallelize_causal_lm``).
 """
 
 from pipetrain.hf.causal_lm import (
@@ -41,6 +42,7 @@ from pipetrain.hf.causal_lm import (
 from pipetrain.hf.export import save_pretrained
 from pipetrain.hf.masks import next_token_targets, packed_position_ids
 from pipetrain.hf.pretrained import PretrainedStages, from_pretrained
+from pipetrain.hf.tensor_parallel import parallelize_causal_lm
 
 __all__ = [
     "IGNORE_INDEX",
@@ -57,6 +59,7 @@ __all__ = [
     "from_pretrained",
     "next_token_targets",
     "packed_position_ids",
+    "parallelize_causal_lm",
     "save_pretrained",
     "tied_weights",
 ]

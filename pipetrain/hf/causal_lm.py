@@ -194,6 +194,9 @@ class DecoderLayer(_Adopting):
             self.sliding = kinds[index] == "sliding_attention"
         else:  # Mistral: one window for every layer, or none
             self.sliding = getattr(config, "sliding_window", None) is not None
+        #: how many sequence-parallel shards the hidden states arrive in (``tensor_parallel``):
+        #: positions and the mask are those of the whole sequence
+        self.sequence_shards = 1
 
     def forward(
         self,
@@ -201,8 +204,12 @@ class DecoderLayer(_Adopting):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        positions = masks.positions(hidden, position_ids)
-        mask = masks.layer_mask(self.config, hidden, attention_mask, positions, self.sliding)
+        whole = hidden
+        if self.sequence_shards > 1:  # a view of the whole sequence's shape, no copy
+            rows, tokens, width = hidden.shape
+            whole = hidden[:, :1].expand(rows, tokens * self.sequence_shards, width)
+        positions = masks.positions(whole, position_ids)
+        mask = masks.layer_mask(self.config, whole, attention_mask, positions, self.sliding)
         return self.wrapped(
             hidden,
             attention_mask=mask,
