@@ -290,19 +290,19 @@ def _torch_optimizer_state(optimizer, chosen: dict[int, str], state: dict) -> di
 
 def _dist_args(target) -> dict:
     """DCP's processes: a plain module (or no process group) reads and writes alone; a pipeline,
-    its group; a data-parallel one, every process of its ``(dp, pp)`` mesh. DCP needs one group
-    that holds them all, so the mesh must be the whole job (the default group): checked on every
-    rank from group sizes alone, so each refuses alike and none waits for the others."""
+    its group; one on a mesh (tensor or data parallel), every process of the mesh. DCP needs one
+    group that holds them all, so the mesh must be the whole job (the default group): checked on
+    every rank from sizes alone, so each refuses alike and none waits for the others."""
     if isinstance(target, nn.Module) or not (dist.is_available() and dist.is_initialized()):
         return {"no_dist": True}
-    dp = getattr(target, "data_parallel", None)
-    if dp is None:
+    size = getattr(target, "mesh_size", None)
+    if size is None:
         return {"process_group": target.group}
-    pp, world = dist.get_world_size(target.group), dist.get_world_size()
-    if pp * dp.size != world:
+    world = dist.get_world_size()
+    if size != world:
         raise ValueError(
-            f"checkpoints of a data-parallel pipeline are written by every process of its mesh "
-            f"(dp {dp.size} x pp {pp}), which must be the whole job, but the job has {world} "
-            "processes; give the pipeline a mesh of every process"
+            f"checkpoints of a pipeline on a mesh are written by every process of the mesh "
+            f"({size}), which must be the whole job, but the job has {world} processes; give "
+            "the pipeline a mesh of every process"
         )
     return {"process_group": None}

@@ -249,6 +249,12 @@ class Pipeline:
         checkpoint reads it to know which processes write."""
         return self._data_parallel
 
+    @property
+    def mesh_size(self) -> int | None:
+        """The processes of the mesh this pipeline runs on (``mesh=``: every stage, tensor- and
+        data-parallel rank), else ``None``; a checkpoint is written by all of them."""
+        return self._mesh.size if self._mesh is not None else None
+
     #: the fields a plan must give (``pipetrain plan --json`` prints them, with ``predicted``)
     PLAN_FIELDS = Layout.FIELDS
 

@@ -110,7 +110,7 @@ def parallelize(layers: dict[str, nn.Module], tp_mesh, sequence_parallel: bool) 
             parallelize_module(layer, tp_mesh, head)
 
 
-def reference(blocks: int, loss_of, padded: bool, max_norm: float):
+def reference(blocks: int, loss_of, padded: bool, max_norm: float, steps: int = STEPS):
     """The unsplit model trained ``STEPS`` steps: losses, first-step gradients and norm, final
     parameters."""
     layers = build_layers(blocks)
@@ -118,7 +118,7 @@ def reference(blocks: int, loss_of, padded: bool, max_norm: float):
     names = {id(p): f"{ln}.{pn}" for ln, m in layers.items() for pn, p in m.named_parameters()}
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     losses, grads, norms = [], {}, []
-    for step in range(STEPS):
+    for step in range(steps):
         x, y = batch(step, padded)
         loss = loss_of(model(x), y)
         loss.backward()
@@ -246,3 +246,84 @@ def refusals(mesh) -> dict[str, str]:
     }
     dist.barrier()
     return errors
+
+
+def _zeroed(layers: dict[str, nn.Module]) -> dict[str, nn.Module]:
+    """Layers whose parameters a load must set (all zero: nothing left from the seeded init)."""
+    with torch.no_grad():
+        for layer in layers.values():
+            for p in layer.parameters():
+                p.zero_()
+    return layers
+
+
+def _compare_loaded(stages, want: dict, label: str) -> list[str]:
+    out = []
+    for module in stages:
+        for name, p in module.named_parameters():
+            d = _differ(p.detach(), want[name])
+            if d > 1e-12:
+                out.append(f"{label}: {name} differs by {d:.3g}")
+    return out
+
+
+def save_at_pp2_tp2_and_load_at_pp4_and_unsplit(rank: int, world: int, path: str) -> list[str]:
+    """One AdamW step at (pp=2, tp=2), saved; loaded at pp=4 (no tensor parallel) and into the
+    unsplit model: every parameter equals the reference's after that step."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import pipetrain
+
+    *_, want = reference_after(1)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    layers = build_layers(4)
+    parallelize(layers, mesh["tp"], False)
+    pipe = pipetrain.Pipeline(pipetrain.split(layers, [3, 3]), "1f1b", 4, mean_loss, mesh=mesh)
+    opt = torch.optim.AdamW(list(pipe.parameters()), lr=0.05)
+    x, y = batch(0)
+    pipe.step(x, y)
+    opt.step()
+    pipetrain.save_checkpoint(path, pipe, opt)
+    failures = _compare_loaded(pipe.modules.values(), want, "saved at (pp=2, tp=2)")
+    pipe.close()
+    stages = pipetrain.split(_zeroed(build_layers(4)), [2, 1, 1, 2])
+    pp4 = pipetrain.Pipeline(stages, "1f1b", 4, mean_loss, device="cpu")
+    pipetrain.load_checkpoint(path, pp4)
+    failures += _compare_loaded(pp4.modules.values(), want, "loaded at pp=4")
+    pp4.close()
+    dist.barrier()
+    if rank == 0:
+        (whole,) = pipetrain.split(_zeroed(build_layers(4)), [6])
+        pipetrain.load_checkpoint(path, whole)
+        failures += _compare_loaded([whole], want, "loaded unsplit")
+    return failures
+
+
+def load_at_dp2_pp2_tp2(rank: int, world: int, path: str) -> list[str]:
+    """The (pp=2, tp=2) checkpoint loaded under FSDP2 at (dp=2, pp=2, tp=2)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import pipetrain
+
+    *_, want = reference_after(1)
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "pp", "tp"))
+    layers = _zeroed(build_layers(4))
+    parallelize(layers, mesh["tp"], False)
+    stages = pipetrain.split(layers, [3, 3])
+    pipe = pipetrain.Pipeline(stages, "1f1b", 4, mean_loss, mesh=mesh, data_parallel="fsdp")
+    pipetrain.load_checkpoint(path, pipe)
+    failures = _compare_loaded(pipe.modules.values(), want, "loaded at (dp=2, pp=2, tp=2)")
+    pipe.close()
+    return failures
+
+
+def reference_after(steps: int):
+    """``reference`` for ``steps`` steps of the mean loss, without clipping."""
+    return reference(4, mean_loss, False, max_norm=float("inf"), steps=steps)
+
+
+def run_3d(rank: int, world: int, cases: list[dict], path: str) -> list[str]:
+    """(dp=2, pp=2, tp=2) under FSDP2: the training cases, then the (pp=2, tp=2) checkpoint."""
+    result = run_tensor_parallel(rank, world, (2, 2, 2), ("dp", "pp", "tp"), cases)
+    return result["failures"] + load_at_dp2_pp2_tp2(rank, world, path)

@@ -54,6 +54,8 @@ class MeshGroups:
     coordinates: dict[str, int]
     #: one group per dimension but ``pp``, in the mesh's order
     groups: dict[str, Any]
+    #: the number of processes in the mesh
+    size: int = 1
 
     def norm_groups(self) -> list[Any]:
         """The groups a model-wide sum runs over besides the pipeline's: every other dimension
@@ -119,6 +121,7 @@ def resolve_mesh(mesh: Any, data_parallel: str | None) -> MeshGroups:
         data_mesh=data_mesh,
         coordinates=coordinates,
         groups=groups,
+        size=mesh.mesh.numel(),
     )
 
 
@@ -161,7 +164,9 @@ def norm_share(grad: torch.Tensor, coordinates: dict[str, int]) -> torch.Tensor 
                 grad.device_mesh,
                 [Replicate() if p.is_partial() else p for p in grad.placements],
             )
-        sharded = {n for n, p in zip(mesh_names, grad.placements) if p.is_shard()}
+        # every placement left but Replicate splits the values (Shard, and FSDP2's strided
+        # shard of a tensor-parallel shard, which is not a Shard subclass)
+        sharded = {n for n, p in zip(mesh_names, grad.placements) if not p.is_replicate()}
         grad = grad.to_local()
     if any(c != 0 and n not in sharded for n, c in coordinates.items()):
         return None
