@@ -146,7 +146,8 @@ def run_case(mesh, case: dict, blocks: int) -> list[str]:
 
     counts = case["stage_layers"]
     layers = build_layers(blocks)
-    parallelize(layers, mesh["tp"], case.get("sequence_parallel", False))
+    if "tp" in mesh.mesh_dim_names:
+        parallelize(layers, mesh["tp"], case.get("sequence_parallel", False))
     stages = pipetrain.split(layers, counts)
     padded = case.get("loss") == "token_mean"
     loss_fn, reduction, unsplit = (
@@ -155,7 +156,7 @@ def run_case(mesh, case: dict, blocks: int) -> list[str]:
     pipe = pipetrain.Pipeline(
         stages,
         case["schedule"],
-        4,
+        case.get("microbatches", 4),
         loss_fn,
         mesh=mesh,
         data_parallel=case.get("data_parallel"),
@@ -169,9 +170,11 @@ def run_case(mesh, case: dict, blocks: int) -> list[str]:
     opt = torch.optim.AdamW(list(pipe.parameters()), lr=0.05)
     failures = []
     label = f"{case}"
-    dims = mesh.mesh_dim_names
-    dp = mesh.get_local_rank("dp") if "dp" in dims else 0
-    dp_size = mesh.size(dims.index("dp")) if "dp" in dims else 1
+    dp, dp_size = 0, 1  # this replica's index and the replica count (HSDP: both dimensions)
+    for name in ("dp", "dp_replicate", "dp_shard"):
+        if name in mesh.mesh_dim_names:
+            dp = dp * mesh.size(mesh.mesh_dim_names.index(name)) + mesh.get_local_rank(name)
+            dp_size *= mesh.size(mesh.mesh_dim_names.index(name))
     for step in range(STEPS):
         x, y = batch(step, padded)
         rows = ROWS // dp_size
@@ -222,7 +225,8 @@ def run_tensor_parallel(rank: int, world: int, shape: tuple[int, ...], names, ca
         except Exception as e:  # reported with the case; later cases would wait on a peer
             failures.append(f"{case}: {type(e).__name__}: {e}")
             break
-    return {"failures": failures, "errors": refusals(mesh) if "dp" not in names else {}}
+    plain = "tp" in names and len(names) == 2
+    return {"failures": failures, "errors": refusals(mesh) if plain else {}}
 
 
 def refusals(mesh) -> dict[str, str]:
@@ -324,6 +328,11 @@ def reference_after(steps: int):
 
 
 def run_3d(rank: int, world: int, cases: list[dict], path: str) -> list[str]:
-    """(dp=2, pp=2, tp=2) under FSDP2: the training cases, then the (pp=2, tp=2) checkpoint."""
+    """(dp=2, pp=2, tp=2) under FSDP2: the training cases, then the (pp=2, tp=2) checkpoint;
+    then HSDP (dp_replicate=2, dp_shard=2, pp=2)."""
     result = run_tensor_parallel(rank, world, (2, 2, 2), ("dp", "pp", "tp"), cases)
-    return result["failures"] + load_at_dp2_pp2_tp2(rank, world, path)
+    failures = result["failures"] + load_at_dp2_pp2_tp2(rank, world, path)
+    hsdp = {"schedule": "zbv", "stage_layers": [2, 1, 1, 2], "defer": True}
+    hsdp |= {"data_parallel": "fsdp", "loss": "token_mean", "microbatches": 2}
+    shape, names = (2, 2, 2), ("dp_replicate", "dp_shard", "pp")
+    return failures + run_tensor_parallel(rank, world, shape, names, [hsdp])["failures"]
