@@ -36,7 +36,9 @@ def save_pretrained(pipe: Any, out_dir: str | Path, *, config: Any = None) -> No
     ``transformers`` config where the stages do not carry one."""
     config = _config_of(pipe, config)
     out = Path(out_dir)
-    first_replica = pipe.data_parallel_group is None or dist.get_rank(pipe.data_parallel_group) == 0
+    mesh = pipe.mesh_groups
+    # data- and tensor-parallel ranks hold the same whole tensors: coordinate 0 of each writes
+    first_replica = mesh is None or not any(mesh.coordinates.values())
     skipped = {target for _, target in _tied_pairs(config)}
     tensors = _whole_tensors(pipe, skipped, keep=first_replica)
     mine = {n: (t.numel() * t.element_size(), t.dtype) for n, t in tensors.items()}
@@ -62,8 +64,8 @@ def save_pretrained(pipe: Any, out_dir: str | Path, *, config: Any = None) -> No
             _write_config(config, out, {d for _, d in sizes.values() if d.is_floating_point})
     if pipe.world_size > 1:
         dist.barrier(group=pipe.group)  # every shard is written before any rank returns
-    if pipe.data_parallel_group is not None:
-        dist.barrier(group=pipe.data_parallel_group)
+    for group in mesh.groups.values() if mesh is not None else ():
+        dist.barrier(group=group)
 
 
 def _write_config(config: Any, out: Path, floating: set[torch.dtype]) -> None:

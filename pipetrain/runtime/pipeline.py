@@ -250,6 +250,12 @@ class Pipeline:
         return self._data_parallel
 
     @property
+    def mesh_groups(self) -> MeshGroups | None:
+        """The mesh's groups and this rank's coordinates on its dimensions but ``pp``
+        (``mesh=``), else ``None``: what a collective over every replica needs."""
+        return self._mesh
+
+    @property
     def mesh_size(self) -> int | None:
         """The processes of the mesh this pipeline runs on (``mesh=``: every stage, tensor- and
         data-parallel rank), else ``None``; a checkpoint is written by all of them."""

@@ -28,12 +28,13 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def results():
-    return launch(4, run_hf_tensor_parallel, CASES, timeout=400)
+def results(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("export"))
+    return launch(4, run_hf_tensor_parallel, CASES, out, timeout=400)
 
 
 @pytest.mark.slow
-def test_llama_tp_plan_matches_the_unsplit_model(results):
+def test_llama_tp_plan_matches_the_unsplit_model_and_exports_whole_weights(results):
     problems = [f for r in results for f in r["failures"]]
     assert not problems, "\n".join(problems)
 

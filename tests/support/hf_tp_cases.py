@@ -86,7 +86,31 @@ def run_case(mesh, case: dict, want) -> list[str]:
     return failures
 
 
-def run_hf_tensor_parallel(rank: int, world: int, cases: list[dict]) -> dict:
+def export_differences(mesh, out: str) -> list[str]:
+    """``save_pretrained`` of a (pp=2, tp=2) pipeline: the folder ``transformers`` loads holds
+    the pipeline's whole weights."""
+    import transformers
+
+    import pipetrain
+    from pipetrain.hf import causal_lm_layers, causal_lm_loss, parallelize_causal_lm
+    from pipetrain.hf.export import save_pretrained
+
+    model = build("llama", BLOCKS)
+    layers = causal_lm_layers(model)
+    parallelize_causal_lm(layers, mesh["tp"], sequence_parallel=True)
+    pipe = pipetrain.Pipeline(pipetrain.split(layers, [4, 3]), "1f1b", 2, causal_lm_loss, mesh=mesh)
+    opt = torch.optim.AdamW(list(pipe.parameters()), lr=0.02)
+    pipe.step(batch(8), batch(8))
+    opt.step()
+    save_pretrained(pipe, out, config=model.config)
+    mine = {n: _full(p.detach()) for s in pipe.modules.values() for n, p in s.named_parameters()}
+    pipe.close()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64)
+    theirs = dict(loaded.named_parameters())
+    return [f"export: {n}" for n, t in mine.items() if not torch.equal(t, theirs[n].detach())]
+
+
+def run_hf_tensor_parallel(rank: int, world: int, cases: list[dict], out: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from pipetrain.hf import causal_lm_layers, parallelize_causal_lm
@@ -100,6 +124,7 @@ def run_hf_tensor_parallel(rank: int, world: int, cases: list[dict]) -> dict:
         except Exception as e:  # later cases would wait on a peer
             failures.append(f"{case}: {type(e).__name__}: {e}")
             break
+    failures += export_differences(mesh, out)
     errors = {
         "gpt2": _error_of(
             lambda: parallelize_causal_lm(causal_lm_layers(build("gpt2", 2)), mesh["tp"])
