@@ -75,6 +75,8 @@ class TrainConfig:
     # the run
     dp: int = 1
     data_parallel: DataParallel = "fsdp"
+    tp: int = 1
+    sequence_parallel: bool = False
     steps: int = 60
     lr: float = 3e-3
     clip_grad_norm: float | None = None
@@ -169,6 +171,7 @@ def check_arguments(config: TrainConfig) -> Layout:
         Checkpoints(config.checkpoint_dir, shape).latest()
     if config.checkpoint_every is not None and config.checkpoint_dir is None:
         raise ValueError("--checkpoint-every needs --checkpoint-dir DIR")
+    _check_tensor_parallel(config)
     layout = _layout(config, shape)
     if shape.num_layers < len(layout.stage_layers):
         raise ValueError(
@@ -184,6 +187,35 @@ def check_arguments(config: TrainConfig) -> Layout:
             f"--model {config.model} --layers {config.layers}`)"
         )
     return layout
+
+
+def _check_tensor_parallel(config: TrainConfig) -> None:
+    """``--tp``: the Llama family's plan (``pipetrain.hf.parallelize_causal_lm``) splits heads,
+    key/value heads and the MLP's intermediate features (4 × hidden) over the tp ranks, and with
+    ``--sequence-parallel`` the tokens."""
+    if config.sequence_parallel and config.tp == 1:
+        raise ValueError("--sequence-parallel needs --tp N with N > 1")
+    if config.tp == 1:
+        return
+    if config.model == "gpt":
+        raise ValueError(
+            "--tp needs a Hugging Face Llama-family model (--model llama, qwen3 or mistral); the "
+            "built-in GPT has no tensor-parallel plan"
+        )
+    if config.data_parallel == "ddp" and config.dp > 1:
+        raise ValueError("--tp with --dp needs --data-parallel fsdp (DDP replicates plain tensors)")
+    for flag, value in (
+        ("--heads", config.heads),
+        ("--kv-heads", config.kv_heads),
+        ("--hidden", config.hidden),
+    ):
+        if value % config.tp:
+            raise ValueError(f"--tp {config.tp} must divide {flag} {value}")
+    if config.sequence_parallel and config.seq_len % config.tp:
+        raise ValueError(
+            f"--sequence-parallel shards the tokens: --tp {config.tp} must divide --seq-len "
+            f"{config.seq_len}"
+        )
 
 
 def _layout(config: TrainConfig, shape: ModelShape) -> Layout:

@@ -47,12 +47,17 @@ def run_train(config: TrainConfig) -> int:
 def _resolve_device(config: TrainConfig, layout: Layout) -> Device:
     import torch
 
-    need, gpus = layout.ranks * config.dp, torch.cuda.device_count()
+    need, gpus = processes_of(config, layout), torch.cuda.device_count()
     if config.device == "cuda" and gpus < need:
         raise ValueError(f"--device cuda needs {need} GPUs (one per process); found {gpus}")
     if config.device == "auto":
         return "cuda" if gpus >= need else "cpu"
     return config.device
+
+
+def processes_of(config: TrainConfig, layout: Layout) -> int:
+    """The job's processes: pipeline ranks × tensor-parallel size × data-parallel replicas."""
+    return layout.ranks * config.tp * config.dp
 
 
 def _launch(config: TrainConfig, layout: Layout) -> int:
@@ -61,12 +66,13 @@ def _launch(config: TrainConfig, layout: Layout) -> int:
     except ValueError as e:
         print(f"pipetrain train: error: {e}", file=sys.stderr)
         return 2
-    processes = layout.ranks * config.dp
+    processes = processes_of(config, layout)
     # every worker parses this back into the same config, the device resolved once here
     worker_argv = dataclasses.replace(config, device=device).argv()
     backend = "NCCL" if device == "cuda" else "gloo"
     print(
-        f"launching {processes} processes: {layout.ranks} pipeline × {config.dp} data parallel "
+        f"launching {processes} processes: {layout.ranks} pipeline × {config.tp} tensor parallel "
+        f"× {config.dp} data parallel "
         f"({backend} on {device}); {config.model}, {_describe(layout, config.plan)}"
     )
     sys.stdout.flush()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -134,7 +135,8 @@ def train(config: TrainConfig, device: torch.device) -> Run:
 def _pipeline(
     config: TrainConfig, layout: Layout, model: LayerModel, device: torch.device
 ) -> tuple[Pipeline, int]:
-    """This worker's pipeline on the layout (on a (dp, pp) mesh when ``--dp`` > 1), and its
+    """This worker's pipeline on the layout (on a (dp, pp, tp) mesh when ``--dp`` or ``--tp`` >
+    1, the layers tensor-parallelized by the Llama family's plan), and its
     data-parallel replica; ``Refused`` with the pipeline's message when it refuses."""
     from datetime import timedelta
 
@@ -142,12 +144,31 @@ def _pipeline(
 
     placement: dict[str, Any] = {}
     replica = 0
-    if config.dp > 1:
+    if config.dp > 1 or config.tp > 1:
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(device.type, (config.dp, layout.ranks), mesh_dim_names=("dp", "pp"))
-        placement = {"mesh": mesh, "data_parallel": config.data_parallel}
-        replica = mesh.get_local_rank("dp")
+        # dp-major, tp innermost (the tp ranks of a stage on one node's consecutive GPUs)
+        dims = [
+            (n, size) for n, size in (("dp", config.dp), ("pp", layout.ranks), ("tp", config.tp))
+        ]
+        dims = [(n, size) for n, size in dims if size > 1 or n == "pp"]
+        mesh = init_device_mesh(
+            device.type, tuple(size for _, size in dims), mesh_dim_names=tuple(n for n, _ in dims)
+        )
+        placement = {"mesh": mesh}
+        if config.dp > 1:
+            placement["data_parallel"] = config.data_parallel
+            replica = mesh.get_local_rank("dp")
+        if config.tp > 1:
+            from pipetrain.hf import parallelize_causal_lm
+
+            assert isinstance(model.layers, Mapping)  # Hugging Face models (checked at launch)
+            parallelize_causal_lm(
+                model.layers,
+                mesh["tp"],
+                sequence_parallel=config.sequence_parallel,
+                vocab_parallel=not model.tied,
+            )
     try:
         pipe = Pipeline.from_plan(
             model.layers,

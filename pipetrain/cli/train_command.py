@@ -59,7 +59,8 @@ def options() -> tuple[Option, ...]:
     shape = (
         *schedule_options(runnable, shown_default=DEFAULT_SCHEDULE + or_plan),
         ranks_option(
-            help=f"pipeline ranks (default {DEFAULT_RANKS}{or_plan}); --ranks × --dp processes"
+            help=f"pipeline ranks (default {DEFAULT_RANKS}{or_plan}); --ranks × --tp × --dp "
+            "processes"
         ),
         stages_per_rank_option(runnable),
         microbatches_option(shown_default=f"{DEFAULT_MICROBATCHES}{or_plan}"),
@@ -78,6 +79,20 @@ def _run_options(choices: dict[str, tuple[str, ...]]) -> tuple[Option, ...]:
             "--data-parallel",
             choices["data_parallel"],
             "how the replicas hold the stages: DDP, or FSDP2 (fully_shard)",
+        ),
+        Option(
+            ("--tp",),
+            type=positive_int,
+            metavar="T",
+            help="tensor-parallel size: each stage's layers split over T processes (Llama "
+            "family). Processes are numbered dp-major, then pipeline rank, tp innermost, so on "
+            "NCCL the T processes of a stage are consecutive GPUs of one node",
+        ),
+        Option(
+            ("--sequence-parallel",),
+            switch=True,
+            help="with --tp: also shard the norms' tokens; activations between stages travel "
+            "at 1/T of the bytes",
         ),
         Option(("--steps",), type=positive_int, metavar="N", help="optimizer steps"),
         Option(("--lr",), type=positive_float, metavar="LR", help="AdamW learning rate"),

@@ -218,6 +218,14 @@ def test_compare_ranks_every_applicable_family(capsys) -> None:
             "cannot write",
         ),
         (["train", "-s", "dualpipe"], "planning only"),
+        (["train", "--tp", "3"], "--tp 3 must divide --heads 4"),
+        (["train", "--tp", "2", "--model", "gpt"], "Llama-family model"),
+        (["train", "--sequence-parallel"], "--sequence-parallel needs --tp"),
+        (
+            ["train", "--tp", "2", "--dp", "2", "--data-parallel", "ddp"],
+            "needs --data-parallel fsdp",
+        ),
+        (["train", "--tp", "2", "--device", "cuda"], "needs 4 GPUs"),
         (
             ["show", "-s", "gpipe", "-p", "2", "-m", "2", "-v", "2"],
             "gpipe needs stages_per_rank = 1, got 2",

@@ -129,3 +129,24 @@ def test_profile_plan_train_chain_with_a_checkpoint_and_resume(tmp_path, capsys,
     done = _cli(*other, "--steps", "5", "--resume", cwd=tmp_path)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "--hidden 16 there, 32 here" in done.stderr and "Traceback" not in done.stderr
+
+
+def _losses(out: str) -> list[float]:
+    return [
+        float(line.split("loss ")[1].split()[0]) for line in out.splitlines() if "] loss " in line
+    ]
+
+
+@pytest.mark.slow
+def test_train_with_tensor_parallel_follows_the_same_losses(tmp_path):
+    """`pipetrain train --tp 2` (4 processes: 2 pipeline × 2 tensor parallel, sequence parallel)
+    trains the same float64 model to the same losses as the pipeline alone."""
+    common = ("train", "1f1b", "-p", "2", "-m", "2", "--steps", "3", "--dtype", "float64")
+    common += ("--svg", str(tmp_path / "s.svg"), "--corpus-out", str(tmp_path / "c.txt"))
+    alone = _cli(*common, cwd=tmp_path)
+    split = _cli(*common, "--tp", "2", "--sequence-parallel", cwd=tmp_path)
+    assert alone.returncode == 0 and split.returncode == 0, alone.stderr + split.stderr
+    assert "2 pipeline × 2 tensor parallel × 1 data parallel" in split.stdout
+    want, got = _losses(alone.stdout), _losses(split.stdout)
+    assert len(want) == 3 and len(got) == 3
+    assert all(abs(a - b) < 1e-4 for a, b in zip(want, got)), (want, got)
