@@ -134,7 +134,7 @@ class Pipeline:
         check_wrapping(self.modules, data_parallel)
         if mesh is None:
             refuse_dtensors_without_mesh(self.modules)
-        self._tied_sets = self._build_tied_sets(tied, groups)
+        self._tied_sets = self._build_tied_sets(tied, groups, stages)
         self._data_parallel = self._build_data_parallel(data_parallel, groups)
         self._runners = self._build_runners(loss_fn, defer_weight_grads)
         self._last_uses = resolve.last_uses(self.program.actions[self.rank])
@@ -172,13 +172,16 @@ class Pipeline:
         self._timeout = timeout
 
     def _build_tied_sets(
-        self, tied: Sequence[Sequence[str]], groups: Groups
+        self, tied: Sequence[Sequence[str]], groups: Groups, stages: Stages
     ) -> list[tied_weights.TiedSet]:
         """The pipeline's tied sets (collective), found before data parallel wraps the stages:
-        ``runtime.parallel.tied`` reduces tied parameters itself."""
+        ``runtime.parallel.tied`` reduces tied parameters itself. A ``Parameter`` that several
+        stages of a stage list share is tied as if declared (every rank holds the list)."""
+        found = tied_weights.shared_in_stage_list(stages) if isinstance(stages, Sequence) else []
         gather = functools.partial(self._agreement.gather, "tied weights")
         ranks = (self.group, self.rank, self.world_size, groups.replicas)
-        return tied_weights.build(tied, self.modules, *ranks, gather=gather)
+        declared = [*tied, *found]
+        return tied_weights.build(declared, self.modules, *ranks, gather=gather, found=found)
 
     def _build_data_parallel(
         self, kind: DataParallelKind | None, groups: Groups

@@ -92,8 +92,8 @@ def merge(sets: Iterable[Sequence[str]]) -> list[tuple[str, ...]]:
     merged: list[set[str]] = []
     for given in sets:
         names = set(given)
-        if len(names) < 2:
-            raise ValueError(f"a tied set needs at least two names, got {sorted(names)}")
+        if not names:
+            raise ValueError("a tied set needs at least one name")
         overlapping = [m for m in merged if m & names]
         for m in overlapping:
             names |= m
@@ -111,6 +111,7 @@ def build(
     dp_group=None,
     *,
     gather: Callable[[dict], list[dict]],
+    found: Sequence[tuple[str, ...]] = (),
 ) -> list[TiedSet]:
     """The tied sets of the whole pipeline, with this rank's replicas and the owners' groups.
 
@@ -123,8 +124,13 @@ def build(
     With data parallel (``dp_group``: this rank's replicas of the pipeline), a set's group spans
     its owners in every replica: one all-reduce then both sums the uses and reduces over the
     replicas (``TiedGrads(average_over=...)`` divides where the replicas are averaged); a set
-    of one owning rank uses ``dp_group`` itself. Collective over ``dp_group`` too."""
+    of one owning rank uses ``dp_group`` itself. Collective over ``dp_group`` too.
+
+    ``found``: sets ``shared_in_stage_list`` found (declared too), which may be one name."""
     local_sets = [tuple(s) for s in declared]
+    for given in local_sets:  # one name is a tie only when the stage list itself shares it
+        if len(set(given)) < 2 and tuple(given) not in found:
+            raise ValueError(f"a tied set needs at least two names, got {sorted(set(given))}")
     local_sets += [names for m in modules.values() for names in getattr(m, "tied_names", ())]
     by_name, ambiguous = named_parameters_everywhere(modules)
     sharded = sorted(n for n, p in by_name.items() if isinstance(p, DTensor))
@@ -132,6 +138,7 @@ def build(
         "sets": [list(s) for s in local_sets],
         "names": sorted(by_name),
         "sharded": sharded,
+        "frozen": sorted(n for n, p in by_name.items() if not p.requires_grad),
     }
     everyone: list[dict[str, Any]] = gather(mine) if world > 1 else [mine]
     sets = (
@@ -152,6 +159,7 @@ def build(
                 "tensor-parallel plan, fully_shard(..., ignored_params={the tied parameters})), "
                 "or untie them"
             )
+        _refuse_partly_frozen(names, {n for part in everyone for n in part["frozen"]} & known)
         missing = [n for n in names if n not in known]
         if missing:
             raise ValueError(
@@ -178,8 +186,8 @@ def build(
     covered = {id(p) for t in out for p in t.local}
     for p in _objects_shared_across(modules):
         if id(p) not in covered:
-            found = tuple(sorted({n for n, q in by_name.items() if q is p}))
-            out.append(TiedSet(found, (rank,), [p]))
+            names_here = tuple(sorted({n for n, q in by_name.items() if q is p}))
+            out.append(TiedSet(names_here, (rank,), [p]))
     # the owners' global ranks, in every data-parallel replica (replica 0's first owner first);
     # the replicas' pipelines are alike, so their sets are too
     owner_ranks = [[_global(group, r) for r in t.owners] for t in out]
@@ -199,6 +207,49 @@ def build(
             tied.group = _owners_group(ranks, whole_job)
         _make_equal(tied)
     return out
+
+
+def shared_in_stage_list(stages: Sequence[nn.Module]) -> list[tuple[str, ...]]:
+    """The name sets of every ``Parameter`` object that several stages of a stage list hold (a
+    tied embedding and head passed as modules): what ``Pipeline(tied=...)`` would declare.
+
+    Every rank holds the whole list, so every rank finds the same sets. A set is resolved by
+    name on each rank, so its names must mean that object in every stage; where another stage
+    uses one of them for another parameter the list is refused (``pipetrain.split`` gives
+    global names)."""
+    uses: dict[int, list[tuple[int, str]]] = {}
+    objects: dict[int, nn.Parameter] = {}
+    for s, module in enumerate(stages):
+        for name, p in module.named_parameters(remove_duplicate=False):
+            uses.setdefault(id(p), []).append((s, name))
+            objects[id(p)] = p
+    out = []
+    for key, where in uses.items():
+        if len({s for s, _ in where}) < 2:
+            continue
+        names = tuple(sorted({n for _, n in where}))
+        for s, module in enumerate(stages):
+            for name, p in module.named_parameters(remove_duplicate=False):
+                if name in names and p is not objects[key]:
+                    raise ValueError(
+                        f"stages {sorted({t for t, _ in where})} share one Parameter object "
+                        f"(named {list(names)}), but stage {s} names another parameter "
+                        f"{name!r}, so the tie cannot be found by name on every rank; cut the "
+                        "model with pipetrain.split (global names, ties found), or give the "
+                        "shared parameter names no other stage uses"
+                    )
+        out.append(names)
+    return out
+
+
+def _refuse_partly_frozen(names: Sequence[str], frozen: set[str]) -> None:
+    """A tied set is trained or frozen as a whole: a frozen use beside a trainable one would
+    hand the frozen one a gradient (and the ranks would disagree on whether to sum)."""
+    if frozen & set(names) and not set(names) <= frozen:
+        raise ValueError(
+            f"tied parameters {sorted(names)} are frozen ({sorted(frozen & set(names))}) on some "
+            "stages and trainable on others; freeze every use (requires_grad_(False)) or none"
+        )
 
 
 def _objects_shared_across(modules: Mapping[int, nn.Module]) -> list[nn.Parameter]:
@@ -251,7 +302,9 @@ class TiedGrads:
     """Per step: hold the tied replicas' ``.grad`` aside, then sum, reduce and write it back."""
 
     def __init__(self, sets: list[TiedSet], runners, average_over: int = 1) -> None:
-        self.sets = [t for t in sets if t.local]
+        # a frozen set (every use requires_grad=False, as fine-tuning recipes freeze embeddings)
+        # has no gradient to sum and no hook to fire
+        self.sets = [t for t in sets if t.local and any(p.requires_grad for p in t.local)]
         #: data-parallel replicas averaged (``reduction="mean"``), else 1 (summed)
         self.average_over = average_over
         ids = {id(p) for t in self.sets for p in t.local}
