@@ -22,8 +22,8 @@ lint: $(STAMP)
 	$(PY) -m ruff check pipetrain tests $(wildcard benchmarks)
 	$(PY) -m ruff format --check pipetrain tests $(wildcard benchmarks)
 
-# mypy (config in pyproject.toml): strict on schedule, sim and render, basic elsewhere; its cache
-# (.mypy_cache) makes a re-check take a few seconds.
+# mypy (config in pyproject.toml): strict on schedule, sim, render, planner and the Pipeline
+# module, basic elsewhere; its cache (.mypy_cache) makes a re-check take a few seconds.
 typecheck: $(STAMP)
 	$(PY) -m mypy
 

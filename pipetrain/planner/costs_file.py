@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,10 @@ _TOP_KEYS = ("version", "layers", "comm", "meta")
 
 class CostsFileError(ValueError):
     """A costs file that does not follow the schema; the message names the field."""
+
+
+#: how a parse reports a bad field: ``fail(where, problem)`` is the error to raise
+Fail = Callable[[str, str], CostsFileError]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -141,7 +145,7 @@ def parse_costs(data: object, source: str = "costs") -> ModelCosts:
     )
 
 
-def _layer(raw: object, where: str, fail) -> LayerCost:
+def _layer(raw: object, where: str, fail: Fail) -> LayerCost:
     if not isinstance(raw, dict):
         raise fail(where, f"expected a JSON object, got {type(raw).__name__}")
     unknown = sorted(set(raw) - set(_LAYER_KEYS))
@@ -189,7 +193,7 @@ def _layer(raw: object, where: str, fail) -> LayerCost:
 _LARGEST = 1e12
 
 
-def _number(value: object, where: str, fail) -> float:
+def _number(value: object, where: str, fail: Fail) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise fail(where, f"expected a number >= 0, got {value!r}")
     if not (0 <= value <= _LARGEST) or math.isnan(value):

@@ -14,11 +14,12 @@ between the stages of the best cuts of the fastest shapes, one or two at a time.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from pipetrain.planner.costs_file import ModelCosts
 from pipetrain.planner.judge import Budget, Candidate, evaluate, rank_key
 from pipetrain.planner.partition import (
+    Limit,
     bounds,
     even_min_max_cut,
     min_max_cut,
@@ -87,7 +88,10 @@ def candidates(
 
 
 def refine(
-    found: Sequence[Candidate], costs: ModelCosts, programs, budget: Budget
+    found: Sequence[Candidate],
+    costs: ModelCosts,
+    programs: Mapping[tuple[str, int, int], Program],
+    budget: Budget,
 ) -> list[Candidate]:
     """Hill-climb the cuts of the fastest fitting shapes with the simulation as the judge: from
     each distinct fitting cut of a shape (fastest first), move one boundary by one layer (from
@@ -136,7 +140,7 @@ PAIR_MOVES_UP_TO = 32
 FAR_PAIRS_UP_TO = 8
 
 
-def _neighbours(cut: tuple[int, ...], time: Sequence[float]):
+def _neighbours(cut: tuple[int, ...], time: Sequence[float]) -> Iterator[tuple[int, ...]]:
     """One-layer moves between neighbouring stages first; then, for chains up to
     ``PAIR_MOVES_UP_TO`` stages, one layer handed between two distant stages (every stage
     between them shifting by a layer: with several stages per rank the first and the last stage
@@ -206,7 +210,13 @@ def _inflight(timeline: Timeline, program: Program) -> list[float]:
     ]
 
 
-def _memory_limit(costs: ModelCosts, program: Program, inflight, memory_gib: float, scale):
+def _memory_limit(
+    costs: ModelCosts,
+    program: Program,
+    inflight: Sequence[float],
+    memory_gib: float,
+    scale: Sequence[float],
+) -> Limit:
     """``limit(stage, first, end)`` for ``min_max_cut``: the stage's static memory plus its
     in-flight activations within its share of its rank's budget."""
     placement = program.placement
@@ -217,7 +227,8 @@ def _memory_limit(costs: ModelCosts, program: Program, inflight, memory_gib: flo
         params.append(params[-1] + layer.params)
         act.append(act[-1] + layer.activation)
     # a chain position stands for every stage holding that block (DualPipe's two copies)
-    caps, counts = [], []
+    caps: list[float] = []
+    counts: list[float] = []
     for pos in range(chain):
         stages = range(pos, program.num_stages, chain)
         caps.append(

@@ -295,9 +295,10 @@ def _dist_args(target) -> dict:
     every rank from sizes alone, so each refuses alike and none waits for the others."""
     if isinstance(target, nn.Module) or not (dist.is_available() and dist.is_initialized()):
         return {"no_dist": True}
-    size = getattr(target, "mesh_size", None)
-    if size is None:
+    mesh = getattr(target, "mesh_groups", None)
+    if mesh is None:
         return {"process_group": target.group}
+    size = mesh.size
     world = dist.get_world_size()
     if size != world:
         raise ValueError(

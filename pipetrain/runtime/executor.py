@@ -17,6 +17,7 @@ its posting.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -62,6 +63,19 @@ class MetaCache:
     signature: object = None
     received: dict[Key, tuple[TensorMeta, ...]] = field(default_factory=dict)
     sent: dict[Key, tuple[TensorMeta, ...]] = field(default_factory=dict)
+
+
+def cache_for(caches: dict[str, MetaCache], mode: str, signature: object) -> tuple[MetaCache, bool]:
+    """The transfer metadata of ``mode``'s steps, and whether this step must discover it again
+    (the first step, or new input shapes: a new, empty cache)."""
+    cache = caches.get(mode)
+    if cache is not None and cache.signature == signature:
+        return cache, False
+    logging.getLogger(__name__).debug(
+        "%s: new input shapes %s, transfer shapes learnt", mode, signature
+    )
+    caches[mode] = MetaCache(signature=signature)
+    return caches[mode], True
 
 
 class Executor:

@@ -4,11 +4,10 @@
         opt = torch.optim.AdamW(pipe.parameters())    # this rank's stages only
         loss = pipe.step(inputs, targets)             # every rank, same arguments
 
-Construction checks everything it can before any transfer (stage count, world size, process
-group, module types) and raises ``ValueError`` naming the legal values; it then lowers and
-validates the program once. A step splits the batch, runs this rank's row with the ``Executor``,
-and agrees on the loss with one broadcast from the rank holding the last stage. Modules are
-trained in place (``module.to(device)``), so the caller's references see gradients and updates.
+Construction checks what it can before any transfer and raises ``ValueError`` naming the legal
+values; it lowers and validates the program once. A step splits the batch, runs this rank's row
+with the ``Executor`` and agrees on the loss with one broadcast from the last stage's rank.
+Modules are trained in place, so the caller's references see gradients and updates.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ from pipetrain.runtime import checkpoint, losses, microbatch, resolve, side_inpu
 from pipetrain.runtime.comm.agreement import Agreement, pipeline_prefix
 from pipetrain.runtime.comm.failures import Failures, OwnedGroup, posts_failures, stops_on_failure
 from pipetrain.runtime.comm.p2p import DTYPE_CODE, DTYPES, Transport
-from pipetrain.runtime.executor import Executor, MetaCache, StepData
+from pipetrain.runtime.executor import Executor, MetaCache, StepData, cache_for
 from pipetrain.runtime.parallel import grad_norm
 from pipetrain.runtime.parallel import tied as tied_weights
 from pipetrain.runtime.parallel.data_parallel import DataParallel, check_wrapping
@@ -180,8 +179,7 @@ class Pipeline:
         found = tied_weights.shared_in_stage_list(stages) if isinstance(stages, Sequence) else []
         gather = functools.partial(self._agreement.gather, "tied weights")
         ranks = (self.group, self.rank, self.world_size, groups.replicas)
-        declared = [*tied, *found]
-        return tied_weights.build(declared, self.modules, *ranks, gather=gather, found=found)
+        return tied_weights.build([*tied, *found], self.modules, *ranks, gather=gather, found=found)
 
     def _build_data_parallel(
         self, kind: DataParallelKind | None, groups: Groups
@@ -257,12 +255,6 @@ class Pipeline:
         """The mesh's groups and this rank's coordinates on its dimensions but ``pp``
         (``mesh=``), else ``None``: what a collective over every replica needs."""
         return self._mesh
-
-    @property
-    def mesh_size(self) -> int | None:
-        """The processes of the mesh this pipeline runs on (``mesh=``: every stage, tensor- and
-        data-parallel rank), else ``None``; a checkpoint is written by all of them."""
-        return self._mesh.size if self._mesh is not None else None
 
     #: the fields a plan must give (``pipetrain plan --json`` prints them, with ``predicted``)
     PLAN_FIELDS = Layout.FIELDS
@@ -462,16 +454,7 @@ class Pipeline:
         """Run ``rows`` on ``mbs``: this rank's share of the step (or of a forward-only pass);
         returns the last stage's outputs by micro-batch (eval on its rank; empty otherwise)."""
         signature = (mbs.batch_size, *((tuple(x.shape), x.dtype) for x in mbs.inputs[0]))
-        cache = self._caches.get(mode)
-        discover = cache is None or cache.signature != signature
-        if cache is None or discover:
-            _log.debug(
-                "rank %d, %s: new input shapes %s, transfer shapes learnt",
-                self.rank,
-                mode,
-                signature,
-            )
-            cache = self._caches[mode] = MetaCache(signature=signature)
+        cache, discover = cache_for(self._caches, mode, signature)  # type: ignore[arg-type]
         self._agreement.step(mode, mbs.inputs, mbs.targets, mbs.batch_size)
         if self._data_parallel is not None:
             self._data_parallel.begin(train=mode == "train")

@@ -102,51 +102,17 @@ def profile(
     loss; without, from a random output gradient (as every other layer's does). ``context``:
     layers per window timed as one stage to scale the lone times (1: no windows).
     """
-    if not layers:
-        raise ValueError("profile needs at least one layer")
-    if optimizer not in OPTIMIZER_STATES:
-        raise ValueError(f"unknown optimizer {optimizer!r}; legal: {', '.join(OPTIMIZER_STATES)}")
-    if repeats < 1 or warmup < 0 or in_flight < 1 or context < 1:
-        raise ValueError(
-            f"repeats, in_flight and context must be >= 1 and warmup >= 0, got {repeats}, "
-            f"{in_flight}, {context} and {warmup}"
-        )
-    if names is not None and len(names) != len(layers):
-        raise ValueError(f"{len(names)} names for {len(layers)} layers")
+    _check_arguments(layers, optimizer, repeats, warmup, in_flight, context, names)
     inputs = sample_input if isinstance(sample_input, tuple) else (sample_input,)
     device = inputs[0].device
     clock = _Clock(device)
-    seen: set[int] = set()
-    measured = []
-    layer_inputs = []
-    for index, layer in enumerate(layers):
-        layer_inputs.append(inputs)
-        is_last = index == len(layers) - 1 and loss_fn is not None
-        runner = StageRunner(index, layer, is_last, loss_fn if is_last else None)
-        args = leaves(inputs)
-        cost, outputs = _measure(runner, args, target, clock, repeats, warmup, in_flight)
-        static = _static_bytes(layer, seen, OPTIMIZER_STATES[optimizer])
-        comm = _transfer_ms(outputs, clock, repeats) if outputs else 0.0
-        name = names[index] if names is not None else f"{index}:{type(layer).__name__}"
-        measured.append(
-            LayerCost(name=name, params=static / GIB, comm=comm, **cost)  # type: ignore[arg-type]
-        )
-        with torch.no_grad():
-            out = layer(*inputs)
-        inputs = out if isinstance(out, tuple) else (out,)
-    windows = []
-    for first in range(0, len(layers), context):
-        end = min(first + context, len(layers))
-        if end - first < 2:
-            continue
-        ratios = _window_ratios(
-            layers, measured, layer_inputs[first], first, end, loss_fn, target, clock,
-            (repeats, warmup, in_flight),
-        )  # fmt: skip
-        for i in range(first, end):
-            scaled = {k: getattr(measured[i], k) * ratios[RATIO_OF[k]] for k in TIMES}
-            measured[i] = dataclasses.replace(measured[i], **scaled)
-        windows.append({"first": first, "end": end, **ratios})
+    rounds = (repeats, warmup, in_flight)
+    measured, layer_inputs = _measure_layers(
+        layers, inputs, loss_fn, target, clock, rounds, OPTIMIZER_STATES[optimizer], names
+    )
+    windows = _scale_by_windows(
+        layers, measured, layer_inputs, context, loss_fn, target, clock, rounds
+    )
     costs = ModelCosts(
         layers=tuple(measured),
         comm=max((layer.comm or 0.0) for layer in measured),
@@ -163,6 +129,86 @@ def profile(
     if path is not None:
         save_costs(costs, path)
     return costs
+
+
+def _check_arguments(
+    layers: Sequence[nn.Module],
+    optimizer: str,
+    repeats: int,
+    warmup: int,
+    in_flight: int,
+    context: int,
+    names: Sequence[str] | None,
+) -> None:
+    if not layers:
+        raise ValueError("profile needs at least one layer")
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"unknown optimizer {optimizer!r}; legal: {', '.join(OPTIMIZER_STATES)}")
+    if repeats < 1 or warmup < 0 or in_flight < 1 or context < 1:
+        raise ValueError(
+            f"repeats, in_flight and context must be >= 1 and warmup >= 0, got {repeats}, "
+            f"{in_flight}, {context} and {warmup}"
+        )
+    if names is not None and len(names) != len(layers):
+        raise ValueError(f"{len(names)} names for {len(layers)} layers")
+
+
+def _measure_layers(
+    layers: Sequence[nn.Module],
+    inputs: tuple[torch.Tensor, ...],
+    loss_fn: Callable | None,
+    target: object,
+    clock: _Clock,
+    rounds: tuple[int, int, int],
+    states: int,
+    names: Sequence[str] | None,
+) -> tuple[list[LayerCost], list[tuple[torch.Tensor, ...]]]:
+    """Every layer measured alone, each fed the previous one's output; also each layer's input
+    (the windows start from them)."""
+    seen: set[int] = set()
+    measured = []
+    layer_inputs = []
+    for index, layer in enumerate(layers):
+        layer_inputs.append(inputs)
+        is_last = index == len(layers) - 1 and loss_fn is not None
+        runner = StageRunner(index, layer, is_last, loss_fn if is_last else None)
+        cost, outputs = _measure(runner, leaves(inputs), target, clock, *rounds)
+        static = _static_bytes(layer, seen, states)
+        comm = _transfer_ms(outputs, clock, rounds[0]) if outputs else 0.0
+        name = names[index] if names is not None else f"{index}:{type(layer).__name__}"
+        measured.append(
+            LayerCost(name=name, params=static / GIB, comm=comm, **cost)  # type: ignore[arg-type]
+        )
+        with torch.no_grad():
+            out = layer(*inputs)
+        inputs = out if isinstance(out, tuple) else (out,)
+    return measured, layer_inputs
+
+
+def _scale_by_windows(
+    layers: Sequence[nn.Module],
+    measured: list[LayerCost],
+    layer_inputs: list[tuple[torch.Tensor, ...]],
+    context: int,
+    loss_fn: Callable | None,
+    target: object,
+    clock: _Clock,
+    rounds: tuple[int, int, int],
+) -> list[dict]:
+    """Scale ``measured`` in place by each window's ratios; the windows, for ``meta``."""
+    windows = []
+    for first in range(0, len(layers), context):
+        end = min(first + context, len(layers))
+        if end - first < 2:
+            continue
+        ratios = _window_ratios(
+            layers, measured, layer_inputs[first], first, end, loss_fn, target, clock, rounds
+        )
+        for i in range(first, end):
+            scaled = {k: getattr(measured[i], k) * ratios[RATIO_OF[k]] for k in TIMES}
+            measured[i] = dataclasses.replace(measured[i], **scaled)
+        windows.append({"first": first, "end": end, **ratios})
+    return windows
 
 
 def _window_ratios(
@@ -205,23 +251,7 @@ class _Clock:
 def _measure(
     runner: StageRunner, args, target, clock: _Clock, repeats: int, warmup: int, in_flight: int
 ):
-    # What the forward saves, counted once outside the timed runs (the hooks cost host time).
-    runner.begin_step()
-    saved = _SavedBytes(runner.module)
-    with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
-        outputs = runner.forward(0, args, target, 1.0)
-    grads = None
-    if not runner.is_last:
-        grads = [
-            torch.randn(m.shape, dtype=m.dtype, device=outputs[0].device)
-            for m in runner.grad_metas(0)
-        ]
-    runner.backward(0, grads)
-    # A training loop keeps .grad between steps (zero_grad(set_to_none=False)): later backward
-    # pieces add into it, through temporaries the workspace must count.
-    for p in runner.params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
+    saved, outputs, grads = _first_pass(runner, args, target)
     mbs = range(in_flight)
 
     def forwards() -> None:
@@ -275,6 +305,29 @@ def _measure(
         },
         outputs,
     )
+
+
+def _first_pass(runner: StageRunner, args, target) -> tuple[_SavedBytes, tuple, list | None]:
+    """One untimed forward and backward: what the forward saves (counted here, outside the timed
+    runs, as the hooks cost host time), its outputs, and the output gradients later backwards
+    start from (random; none for the last layer, whose backward starts from the loss)."""
+    runner.begin_step()
+    saved = _SavedBytes(runner.module)
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+        outputs = runner.forward(0, args, target, 1.0)
+    grads = None
+    if not runner.is_last:
+        grads = [
+            torch.randn(m.shape, dtype=m.dtype, device=outputs[0].device)
+            for m in runner.grad_metas(0)
+        ]
+    runner.backward(0, grads)
+    # A training loop keeps .grad between steps (zero_grad(set_to_none=False)): later backward
+    # pieces add into it, through temporaries the workspace must count.
+    for p in runner.params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    return saved, outputs, grads
 
 
 def _discard(_: object) -> None:

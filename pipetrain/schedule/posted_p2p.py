@@ -101,97 +101,112 @@ def run_posted(program: Program) -> None:
     inputs' RECVs) are ``transfer_checks``'s; this checks the order between every two ranks and
     then that every rank reaches its row's end with each direction's transfers run in order.
     """
-    placement = program.placement
-    per_chain = placement.stages_per_chain
-    rows = program.actions
-    sent = check_channel_order(program)
-    ends: dict[deps.Key, Channel] = {
-        key: channel for channel, values in sent.items() for key in values
-    }
-    # one first-in-first-out stream per rank and direction; each op is its transfer's key
-    streams: dict[tuple[int, bool], deque[deps.Key]] = {}
-    halves_first: dict[deps.Key, int] = {}  # how many halves of a transfer are first in line
-    arrived_keys: set[deps.Key] = set()
-    local: list[set[deps.Key]] = [set() for _ in rows]
-    pos = [0] * len(rows)
-    parked: dict[deps.Key, list[int]] = {}
-    blocked_on: dict[int, tuple[int, Action, deps.Key]] = {}
-    work = deque(range(len(rows)))
-    posted_at: dict[int, int] = {}  # a rank waiting at a RECV_F it has already posted: its step
+    _PostedRun(program, check_channel_order(program)).run()
 
-    def arrived(key: deps.Key) -> bool:
-        return key in arrived_keys
 
-    def first_in_line(key: deps.Key) -> None:
+class _PostedRun:
+    """The state of one play: each rank's position and values, the transfer streams, and who
+    waits for what."""
+
+    def __init__(self, program: Program, sent: dict[Channel, list[deps.Key]]) -> None:
+        self.program = program
+        self.per_chain = program.placement.stages_per_chain
+        self.rows = program.actions
+        self.ends: dict[deps.Key, Channel] = {
+            key: channel for channel, values in sent.items() for key in values
+        }
+        # one first-in-first-out stream per rank and direction; each op is its transfer's key
+        self.streams: dict[tuple[int, bool], deque[deps.Key]] = {}
+        self.halves_first: dict[deps.Key, int] = {}  # halves of a transfer first in line
+        self.arrived: set[deps.Key] = set()
+        self.local: list[set[deps.Key]] = [set() for _ in self.rows]
+        self.pos = [0] * len(self.rows)
+        self.parked: dict[deps.Key, list[int]] = {}
+        self.blocked_on: dict[int, tuple[int, Action, deps.Key]] = {}
+        self.work = deque(range(len(self.rows)))
+        # a rank waiting at a RECV_F it has already posted: its step
+        self.posted_at: dict[int, int] = {}
+
+    def run(self) -> None:
+        while self.work:
+            self.advance(self.work.popleft())
+        if any(p < len(row) for p, row in zip(self.pos, self.rows)):
+            waits = [
+                Wait(rank, step, action, describe_key(key, self.program.placement))
+                for rank, (step, action, key) in sorted(self.blocked_on.items())
+            ]
+            raise deadlock_error(self.program, waits)
+
+    def advance(self, rank: int) -> None:
+        """Run ``rank``'s row from where it stopped until it waits or ends."""
+        row = self.rows[rank]
+        self.blocked_on.pop(rank, None)
+        while self.pos[rank] < len(row):
+            action = row[self.pos[rank]]
+            if action.is_comm:
+                waiting = self.transfer(rank, action)
+            else:
+                waiting = self.compute(rank, action)
+            if waiting is not None:
+                self.blocked_on[rank] = (self.pos[rank], action, waiting)
+                self.parked.setdefault(waiting, []).append(rank)
+                return
+            self.pos[rank] += 1
+
+    def transfer(self, rank: int, action: Action) -> deps.Key | None:
+        """Post a SEND or RECV (once); the key a RECV_F waits for while shapes are discovered."""
+        key = deps.comm_key(action)
+        if self.posted_at.get(rank) != self.pos[rank]:
+            self.post(rank, key)
+        if action.kind is OpKind.RECV_F and key not in self.arrived:
+            self.posted_at[rank] = self.pos[rank]
+            return key
+        if action.kind in RECV_KINDS and key in self.arrived:
+            self.local[rank].add(key)
+        return None
+
+    def compute(self, rank: int, action: Action) -> deps.Key | None:
+        """Run a compute action whose inputs are all here; else the first one missing."""
+        here, ends = self.local[rank], self.ends
+        for key in deps.requires(action, self.per_chain):
+            if key in here:
+                continue
+            if key in ends and ends[key][1] == rank and key in self.arrived:
+                here.add(key)
+                continue
+            if key not in ends:
+                raise ScheduleError(
+                    f"rank {rank} step {self.pos[rank]}: {action} needs "
+                    f"{describe_key(key, self.program.placement)}, which nothing before it brings",
+                    self.program,
+                    [(rank, self.pos[rank])],
+                )
+            return key
+        here.update(deps.produces(action))
+        return None
+
+    def post(self, rank: int, key: deps.Key) -> None:
+        sender, receiver = self.ends[key]
+        stream = self.streams.setdefault((rank, receiver > sender), deque())
+        stream.append(key)
+        if len(stream) == 1:
+            self.first_in_line(key)
+
+    def first_in_line(self, key: deps.Key) -> None:
         """One half of ``key``'s transfer is first in its stream; with both, it runs, and the
         transfers behind it move up (iteratively: one can set off a long cascade)."""
         todo = [key]
         while todo:
             key = todo.pop()
-            halves_first[key] = halves_first.get(key, 0) + 1
-            if halves_first[key] < 2:
+            self.halves_first[key] = self.halves_first.get(key, 0) + 1
+            if self.halves_first[key] < 2:
                 continue
-            del halves_first[key]
-            arrived_keys.add(key)
-            work.extend(parked.pop(key, ()))
-            sender, receiver = ends[key]
+            del self.halves_first[key]
+            self.arrived.add(key)
+            self.work.extend(self.parked.pop(key, ()))
+            sender, receiver = self.ends[key]
             for end in (sender, receiver):
-                stream = streams[end, receiver > sender]
+                stream = self.streams[end, receiver > sender]
                 stream.popleft()
                 if stream:
                     todo.append(stream[0])
-
-    def post(rank: int, key: deps.Key) -> None:
-        sender, receiver = ends[key]
-        stream = streams.setdefault((rank, receiver > sender), deque())
-        stream.append(key)
-        if len(stream) == 1:
-            first_in_line(key)
-
-    while work:
-        rank = work.popleft()
-        row, here = rows[rank], local[rank]
-        blocked_on.pop(rank, None)
-        while pos[rank] < len(row):
-            action = row[pos[rank]]
-            if action.is_comm:
-                key = deps.comm_key(action)
-                if posted_at.get(rank) != pos[rank]:
-                    post(rank, key)
-                if action.kind is OpKind.RECV_F and not arrived(key):
-                    blocked_on[rank] = (pos[rank], action, key)
-                    posted_at[rank] = pos[rank]
-                    parked.setdefault(key, []).append(rank)
-                    break
-                if action.kind in RECV_KINDS and arrived(key):
-                    here.add(key)
-                pos[rank] += 1
-                continue
-            missing = None
-            for key in deps.requires(action, per_chain):
-                if key in here:
-                    continue
-                if key in ends and ends[key][1] == rank and arrived(key):
-                    here.add(key)
-                    continue
-                missing = key
-                break
-            if missing is not None:
-                if missing not in ends:
-                    raise ScheduleError(
-                        f"rank {rank} step {pos[rank]}: {action} needs "
-                        f"{describe_key(missing, placement)}, which nothing before it brings",
-                        program,
-                        [(rank, pos[rank])],
-                    )
-                blocked_on[rank] = (pos[rank], action, missing)
-                parked.setdefault(missing, []).append(rank)
-                break
-            here.update(deps.produces(action))
-            pos[rank] += 1
-    if any(p < len(row) for p, row in zip(pos, rows)):
-        waits = [
-            Wait(rank, step, action, describe_key(key, placement))
-            for rank, (step, action, key) in sorted(blocked_on.items())
-        ]
-        raise deadlock_error(program, waits)

@@ -127,20 +127,11 @@ def build(
     of one owning rank uses ``dp_group`` itself. Collective over ``dp_group`` too.
 
     ``found``: sets ``shared_in_stage_list`` found (declared too), which may be one name."""
-    local_sets = [tuple(s) for s in declared]
-    for given in local_sets:  # one name is a tie only when the stage list itself shares it
+    for given in declared:  # one name is a tie only when the stage list itself shares it
         if len(set(given)) < 2 and tuple(given) not in found:
             raise ValueError(f"a tied set needs at least two names, got {sorted(set(given))}")
-    local_sets += [names for m in modules.values() for names in getattr(m, "tied_names", ())]
     by_name, ambiguous = named_parameters_everywhere(modules)
-    sharded = sorted(n for n, p in by_name.items() if isinstance(p, DTensor))
-    mine: dict[str, Any] = {
-        "sets": [list(s) for s in local_sets],
-        "names": sorted(by_name),
-        "sharded": sharded,
-        "frozen": sorted(n for n, p in by_name.items() if not p.requires_grad),
-    }
-    everyone: list[dict[str, Any]] = gather(mine) if world > 1 else [mine]
+    everyone = _gather_names(declared, modules, by_name, world, gather)
     sets = (
         merge(s for part in everyone for s in part["sets"])
         if any(part["sets"] for part in everyone)
@@ -151,43 +142,87 @@ def build(
     sharded_anywhere = {n for part in everyone for n in part["sharded"]}
     out = []
     for names in sets:
-        if sharded_anywhere & set(names):
-            raise ValueError(
-                f"tied weight {sorted(sharded_anywhere & set(names))[0]!r} is a sharded DTensor "
-                "(tensor parallel or fully_shard applied before the Pipeline); the tied sum adds whole "
-                "gradients: leave the tied parameters replicated (a plain tensor under a "
-                "tensor-parallel plan, fully_shard(..., ignored_params={the tied parameters})), "
-                "or untie them"
-            )
+        _check_tieable(names, known, ambiguous, sharded_anywhere)
         _refuse_partly_frozen(names, {n for part in everyone for n in part["frozen"]} & known)
-        missing = [n for n in names if n not in known]
-        if missing:
-            raise ValueError(
-                f"tied parameter {missing[0]!r} is not a parameter of any stage; tied names are "
-                f"the stages' parameter names, e.g. {sorted(known)[:3]}"
-            )
-        unclear = sorted(ambiguous & set(names))
-        if unclear:
-            raise ValueError(
-                f"two different parameters are named {unclear[0]!r} on this rank, so it cannot "
-                "be tied; stage parameter names must be global (pipetrain.split keeps each "
-                "layer's model name)"
-            )
-        owners = tuple(r for r in range(world) if held[r] & set(names))
-        local: list[nn.Parameter] = []
-        for n in names:
-            p = by_name.get(n)
-            if p is not None and all(p is not q for q in local):
-                local.append(p)
-        shapes = {tuple(p.shape) for p in local}
-        if len(shapes) > 1:
-            raise ValueError(f"tied parameters {names} have different shapes {sorted(shapes)}")
-        out.append(TiedSet(names, owners, local))
+        out.append(_named_set(names, by_name, held, world))
     covered = {id(p) for t in out for p in t.local}
     for p in _objects_shared_across(modules):
         if id(p) not in covered:
             names_here = tuple(sorted({n for n, q in by_name.items() if q is p}))
             out.append(TiedSet(names_here, (rank,), [p]))
+    _make_groups(out, group, world, dp_group)
+    return out
+
+
+def _gather_names(
+    declared: Iterable[Sequence[str]],
+    modules: Mapping[int, nn.Module],
+    by_name: Mapping[str, nn.Parameter],
+    world: int,
+    gather: Callable[[dict], list[dict]],
+) -> list[dict[str, Any]]:
+    """Every pipeline rank's tied sets (declared or found by ``split``), parameter names and
+    sharded (DTensor) and frozen parameter names, in pipeline-rank order."""
+    local_sets = [tuple(s) for s in declared]
+    local_sets += [names for m in modules.values() for names in getattr(m, "tied_names", ())]
+    mine: dict[str, Any] = {
+        "sets": [list(s) for s in local_sets],
+        "names": sorted(by_name),
+        "sharded": sorted(n for n, p in by_name.items() if isinstance(p, DTensor)),
+        "frozen": sorted(n for n, p in by_name.items() if not p.requires_grad),
+    }
+    return gather(mine) if world > 1 else [mine]
+
+
+def _check_tieable(
+    names: tuple[str, ...], known: set[str], ambiguous: set[str], sharded: set[str]
+) -> None:
+    """Refuse a set whose names are sharded, held by no stage, or ambiguous on this rank."""
+    if sharded & set(names):
+        raise ValueError(
+            f"tied weight {sorted(sharded & set(names))[0]!r} is a sharded DTensor "
+            "(tensor parallel or fully_shard applied before the Pipeline); the tied sum adds whole "
+            "gradients: leave the tied parameters replicated (a plain tensor under a "
+            "tensor-parallel plan, fully_shard(..., ignored_params={the tied parameters})), "
+            "or untie them"
+        )
+    missing = [n for n in names if n not in known]
+    if missing:
+        raise ValueError(
+            f"tied parameter {missing[0]!r} is not a parameter of any stage; tied names are "
+            f"the stages' parameter names, e.g. {sorted(known)[:3]}"
+        )
+    unclear = sorted(ambiguous & set(names))
+    if unclear:
+        raise ValueError(
+            f"two different parameters are named {unclear[0]!r} on this rank, so it cannot "
+            "be tied; stage parameter names must be global (pipetrain.split keeps each "
+            "layer's model name)"
+        )
+
+
+def _named_set(
+    names: tuple[str, ...],
+    by_name: Mapping[str, nn.Parameter],
+    held: list[set[str]],
+    world: int,
+) -> TiedSet:
+    """One set named by global names: the ranks that hold any of them and this rank's distinct
+    replicas, which must have one shape."""
+    owners = tuple(r for r in range(world) if held[r] & set(names))
+    local: list[nn.Parameter] = []
+    for n in names:
+        p = by_name.get(n)
+        if p is not None and all(p is not q for q in local):
+            local.append(p)
+    shapes = {tuple(p.shape) for p in local}
+    if len(shapes) > 1:
+        raise ValueError(f"tied parameters {names} have different shapes {sorted(shapes)}")
+    return TiedSet(names, owners, local)
+
+
+def _make_groups(out: list[TiedSet], group, world: int, dp_group) -> None:
+    """Give each set its owners' group and source rank, then make its replicas equal."""
     # the owners' global ranks, in every data-parallel replica (replica 0's first owner first);
     # the replicas' pipelines are alike, so their sets are too
     owner_ranks = [[_global(group, r) for r in t.owners] for t in out]
@@ -206,7 +241,6 @@ def build(
         else:
             tied.group = _owners_group(ranks, whole_job)
         _make_equal(tied)
-    return out
 
 
 def shared_in_stage_list(stages: Sequence[nn.Module]) -> list[tuple[str, ...]]:
