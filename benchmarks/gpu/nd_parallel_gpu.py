@@ -18,8 +18,11 @@ layouts are a one-stage pipeline (gradient accumulation over the micro-batches).
 
 Reported per layout: step ms (median, min–max), tokens/s, model TFLOP/s per GPU (6·P + 12·L·s·h
 per token, P the parameters but the embedding, the PaLM/Megatron convention), peak GPU memory per
-process, the losses of the timed steps. Layouts whose tp does not divide the heads or the world
-are left out with a reason; a layout that fails becomes an error row and the next one runs.
+process, the losses of the timed steps. Needs ``transformers>=5.24`` (pipetrain's ``hf`` extra;
+older ones lack the ``create_causal_mask`` signature ``pipetrain.hf`` calls): where the machine's
+image holds an older one, carry the wheel and put it first on ``PYTHONPATH``. Layouts whose tp
+does not divide the heads or the world are left out with a reason; a layout that fails becomes
+an error row and the next one runs.
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ PRESETS = {
         heads=4,
         kv_heads=4,
         intermediate=128,
-        layers=4,
+        layers=2,
         seq=16,
         mb_size=1,
         microbatches=4,
@@ -74,6 +77,7 @@ PRESETS = {
         warmup=1,
     ),
 }
+
 
 #: (name, pp, tp) of a 4-process world; other worlds: (pp=2, tp=W/2), (pp=W, 1), (1, tp=W)
 def default_layouts(world: int) -> list[tuple[str, int, int]]:
@@ -262,9 +266,7 @@ def run_layout(ctx: Ctx, name: str, pp: int, tp: int, cfg: dict, dtype: torch.dt
     if ctx.cuda:
         peak = torch.cuda.max_memory_allocated(ctx.device) - base
         row["peak_gib"] = [v / 2**30 for v in ctx.gather(peak)]
-    pipe.close()
-    del pipe, opts, params
-    gc.collect()
+    pipe.close()  # the stages, optimizers and buffers go when this function returns
     return row
 
 
@@ -272,7 +274,7 @@ def guarded(ctx: Ctx, fn) -> dict:
     """``fn()`` on every process; any process's exception becomes the row's error (agreed)."""
     try:
         row, err = fn(), None
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         row, err = {}, f"{type(e).__name__}: {e}".splitlines()[0][:300]
         if ctx.args.verbose:
             traceback.print_exc()

@@ -3,9 +3,9 @@
     torchrun --nproc-per-node 2 benchmarks/gpu/tp_smoke_gpu.py --out $OUT/tp_smoke.json   # GPUs
     torchrun --nproc-per-node 2 benchmarks/gpu/tp_smoke_gpu.py                            # CPU, gloo
 
-Every (pp, tp) layout of the world (2 processes: (pp=2, tp=1) and (pp=1, tp=2); 4: also
-(pp=2, tp=2)) trains the token model of ``tests/support/tp_cases.py`` (embedding, 4 MLP blocks,
-head) in float32: ``parallelize`` on ``mesh["tp"]`` (torch's colwise/rowwise styles, with and
+Each (pp, tp) layout of the world W, (pp=2, tp=W/2) and (pp=1, tp=W) (2 processes: (2, 1) and
+(1, 2); 4: (2, 2) and (1, 4)), trains the token model of ``tests/support/tp_cases.py``
+(embedding, 4 MLP blocks, head) in float32 with TF32 off: ``parallelize`` on ``mesh["tp"]`` (torch's colwise/rowwise styles, with and
 without sequence parallel where tp > 1), ``pipetrain.split``, ``Pipeline(mesh=...)``, two steps
 of step + ``clip_grad_norm_`` + AdamW. The reference is the same model unsplit and
 unparallelized on the same device in every process. Checked: each step's loss within
@@ -131,7 +131,8 @@ def run_layout(pp: int, tp: int, case: dict, device: torch.device, want, tol: fl
 
 
 def layouts(world: int) -> list[tuple[int, int, dict]]:
-    """(pp, tp, case) for this world: every factorisation pp × tp = world with pp, tp ≤ 2 …"""
+    """(pp, tp, case) for this world: (pp=2, tp=world/2) under 1F1B and ZBV, (pp=1, tp=world)
+    under 1F1B; where tp > 1 with and without sequence parallel."""
     out = []
     for pp in (2, 1):
         if world % pp:
@@ -171,7 +172,7 @@ def main() -> int:
         t = time.perf_counter()
         try:
             row = run_layout(pp, tp, case, device, want, args.tol)
-        except Exception as e:  # noqa: BLE001  (reported as a row; later layouts would hang)
+        except Exception as e:  # reported as a row; the later layouts would wait on a peer
             row = {"pp": pp, "tp": tp, **case, "ok": False, "error": f"{type(e).__name__}: {e}"}
             rows.append(row)
             print(f"[rank {rank}] pp={pp} tp={tp} {case}: {row['error']}", flush=True)
