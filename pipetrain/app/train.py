@@ -82,7 +82,7 @@ def train(config: TrainConfig, device: torch.device) -> Run:
     rank = dist.get_rank()
     model = build(config.shape)
     pipe, replica = _pipeline(config, layout, model, device)
-    opt = torch.optim.AdamW(pipe.parameters(), lr=config.lr, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(_parameter_groups(pipe), lr=config.lr, betas=(0.9, 0.95))
     saver = (
         checkpoints.Checkpoints(config.checkpoint_dir, model.shape)
         if config.checkpoint_dir
@@ -185,6 +185,19 @@ def _pipeline(
         flags = f"--tie-embeddings with --dp {config.dp}: " if model.tied and config.dp > 1 else ""
         raise Refused(flags + str(e)) from None
     return pipe, replica
+
+
+def _parameter_groups(pipe: Pipeline) -> list[dict[str, Any]]:
+    """This rank's parameters in two groups, DTensors (tensor parallel, FSDP2) and plain ones:
+    AdamW's fused multi-tensor step refuses a list that mixes them (on CUDA, its default)."""
+    from torch.distributed.tensor import DTensor
+
+    params = list(pipe.parameters())
+    kinds = [
+        [p for p in params if isinstance(p, DTensor)],
+        [p for p in params if not isinstance(p, DTensor)],
+    ]
+    return [{"params": group} for group in kinds if group]
 
 
 def _local_state(pipe) -> dict[str, torch.Tensor]:
