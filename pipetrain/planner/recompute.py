@@ -19,18 +19,19 @@ sums over its layers (``judge.stage_costs``):
   activations are live again (added to its workspace: one layer is recomputed at a time).
 * ``"selective"``: the runtime keeps the outputs of matrix products and fused attention and
   recomputes the rest (pointwise ops, norms: cheap to run, costly to hold), after Korthikanti et
-  al.'s selective recompute. Modelled as what full recompute keeps plus ``SELECTIVE_KEPT`` of the
-  rest of the activation, paying ``SELECTIVE_TIME`` of the recompute time; the recomputed share
-  is live during the backward as above. These two numbers are modelling assumptions, not
-  measurements (they depend on the layer: an MLP keeps the matmul outputs its activation function
-  reads); they are checked only on CPU, for ordering (full holds less than selective, selective
-  less than none), not for size.
+  al.'s selective recompute. It holds the costs file's ``selective_activation``, which the
+  profiler measures (the saved tensors and the cached outputs); a file without it: what full
+  recompute keeps plus ``SELECTIVE_KEPT`` of the rest. It pays ``SELECTIVE_TIME`` of the
+  recompute time, and the part it does not keep is live again during the backward as above.
+  ``SELECTIVE_TIME`` is always a modelling assumption, not a measurement, and so is
+  ``SELECTIVE_KEPT`` where it stands in; neither is checked against a run. The measured sizes
+  are checked on CPU only (tests/runtime/test_profile.py counts them by hand).
 
 What recompute does not change, on purpose: a split backward's ``W`` still needs what its ``I``
 left for it (the deferred weight gradients stash the linears' inputs and output gradients while
-``I`` recomputes), so ``activation_for_weight`` stays as measured — conservative where graph replay's ``W``
-recomputes again instead (its extra recompute time is not modelled either). Offloading
-activations to host memory is not built (docs/planning.md).
+``I`` recomputes), so ``activation_for_weight`` stays as measured — conservative where graph
+replay's ``W`` recomputes again instead (whose extra recompute time is not modelled either).
+Offloading activations to host memory is not built (docs/planning.md).
 """
 
 from __future__ import annotations
@@ -52,11 +53,11 @@ class Recompute(StrEnum):
 
 #: the modes in the order the planner turns them on (each holds less and costs more)
 MODES: tuple[Recompute, ...] = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
-#: full recompute without a measured ``input``: the input's share of a transformer layer's
+#: full recompute without a measured ``recompute_activation``: the input's share of a transformer layer's
 #: activations (2sbh of 34sbh bytes; Korthikanti et al. 2022, §4.1)
 INPUT_SHARE = 2 / 34
-#: selective recompute: share of the activation beyond full recompute's still held (an
-#: assumption, see the docstring)
+#: selective recompute without a measured ``selective_activation``: share of the activation
+#: beyond full recompute's still held (an assumption, see the docstring)
 SELECTIVE_KEPT = 0.5
 #: selective recompute: share of the recompute time paid (an assumption, see the docstring)
 SELECTIVE_TIME = 0.3
@@ -86,16 +87,24 @@ def held_full(layer: LayerCost) -> float:
     return min(layer.activation, layer.activation * INPUT_SHARE if kept is None else kept)
 
 
+def held_selective(layer: LayerCost) -> float:
+    """What a layer under selective recompute keeps per micro-batch (GiB), as measured, else
+    what full recompute keeps and ``SELECTIVE_KEPT`` of the rest."""
+    full = held_full(layer)
+    kept = layer.selective_activation
+    if kept is None:
+        kept = full + (layer.activation - full) * SELECTIVE_KEPT
+    return min(layer.activation, max(full, kept))
+
+
 def recomputed_layer(layer: LayerCost, mode: Recompute) -> LayerCost:
     """``layer``'s costs when its stage runs ``mode`` (module docstring)."""
     if mode is Recompute.NONE:
         return layer
-    full = held_full(layer)
     if mode is Recompute.FULL:
-        kept, paid = full, layer.recompute_ms
+        kept, paid = held_full(layer), layer.recompute_ms
     else:
-        kept = full + (layer.activation - full) * SELECTIVE_KEPT
-        paid = layer.recompute_ms * SELECTIVE_TIME
+        kept, paid = held_selective(layer), layer.recompute_ms * SELECTIVE_TIME
     dropped = layer.activation - kept
     return dataclasses.replace(
         layer,

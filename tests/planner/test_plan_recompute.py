@@ -3,6 +3,7 @@ turns recompute on only when nothing fits without it, and plans that carry it (p
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -37,13 +38,15 @@ def heavy(num_layers: int = 8) -> ModelCosts:
 
 
 def test_version_2_round_trips_and_version_1_loads_with_defaults(tmp_path) -> None:
-    costs = ModelCosts(layers=(block("a"), block("b", kept=None)), host_bandwidth_gbs=25.0)
+    a = dataclasses.replace(block("a"), selective_activation=0.5)
+    costs = ModelCosts(layers=(a, block("b", kept=None)), host_bandwidth_gbs=25.0)
     path = tmp_path / "costs.json"
     save_costs(costs, path)
     data = json.loads(path.read_text())
     assert data["version"] == VERSION == 2 and data["host_bandwidth_gbs"] == 25.0
     assert data["layers"][0]["recompute"] == 0.8
     assert data["layers"][0]["recompute_activation"] == 0.05
+    assert data["layers"][0]["selective_activation"] == 0.5
     assert "recompute_activation" not in data["layers"][1]
     assert load_costs(path) == costs
     old = parse_costs(
@@ -74,6 +77,8 @@ def test_the_layer_model_of_full_and_selective_recompute() -> None:
     assert recomputed_layer(layer, Recompute.NONE) is layer
     unmeasured = recomputed_layer(block("y", act=2.0, kept=None), Recompute.FULL)
     assert unmeasured.activation == pytest.approx(2.0 * INPUT_SHARE)
+    measured = dataclasses.replace(layer, selective_activation=0.4)
+    assert recomputed_layer(measured, Recompute.SELECTIVE).activation == 0.4
 
 
 def test_a_recomputing_stage_pays_before_its_backward_and_holds_less() -> None:
