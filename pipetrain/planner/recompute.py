@@ -29,8 +29,11 @@ sums over its layers (``judge.stage_costs``):
 
 What recompute does not change, on purpose: a split backward's ``W`` still needs what its ``I``
 left for it (the deferred weight gradients stash the linears' inputs and output gradients while
-``I`` recomputes), so ``activation_for_weight`` stays as measured — conservative where graph
-replay's ``W`` recomputes again instead (whose extra recompute time is not modelled either).
+``I`` recomputes), so ``activation_for_weight`` stays as measured. One recompute per micro-batch
+is the cost of ``B`` and of deferred weight gradients (the runtime's default for stages made
+mostly of linear layers); where graph replay splits the backward, each engine call of its ``W``
+recomputes again, which this model does not count (its size is conservative there: replay holds
+less between ``I`` and ``W``).
 Offloading activations to host memory is not built (docs/planning.md).
 """
 
