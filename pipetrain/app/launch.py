@@ -118,6 +118,8 @@ def start_processes(count: int, cmd: list[str]) -> int:
 
 def _describe(layout: Layout, plan_file: str | None) -> str:
     cut = f"stage_layers {list(layout.stage_layers)}"
+    if layout.recomputes:
+        cut += f", recompute {list(layout.recompute)}"
     source = f" (plan {plan_file})" if plan_file else ""
     return (
         describe_shape(layout.schedule, layout.ranks, layout.stages_per_rank, layout.microbatches)

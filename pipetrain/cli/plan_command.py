@@ -1,18 +1,22 @@
-"""``pipetrain plan``: read a costs file, search, print the pick (JSON, or its timeline and a
-table of each family's best). Bad input raises ``ValueError`` (the command line exits 2 with it);
-so does a budget nothing fits (``NoPlanFits``)."""
+"""``pipetrain plan``: read a costs file, search, print the pick (JSON, or its timeline, its
+memory per rank over the step against the budget, and a table of each family's best; an SVG on
+request). Bad input raises ``ValueError`` (the command line exits 2 with it); so does a budget
+nothing fits, not even with full recompute (``NoPlanFits``)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from pipetrain.cli.flags import Command, Option, fraction, gib, int_list, one_positive_int
 from pipetrain.planner.costs_file import load_costs
+from pipetrain.planner.judge import Candidate
+from pipetrain.planner.recompute import describe
 from pipetrain.planner.search import DEFAULT_HEADROOM, Search, search
 
 OPTIONS = (
-    Option(("--costs",), required=True, metavar="FILE", help="costs file (JSON, version 1)"),
+    Option(("--costs",), required=True, metavar="FILE", help="costs file (JSON, version 1 or 2)"),
     Option(
         ("--ranks", "-p"), type=one_positive_int, required=True, metavar="P", help="pipeline ranks"
     ),
@@ -51,6 +55,11 @@ OPTIONS = (
     ),
     Option(("--json",), switch=True, help="print the pick as one JSON object"),
     Option(
+        ("--svg",),
+        metavar="FILE",
+        help="write the pick's simulated step as an SVG, with memory per rank against the budget",
+    ),
+    Option(
         ("--width",),
         type=one_positive_int,
         default=100,
@@ -74,19 +83,50 @@ def run(args: argparse.Namespace) -> int:
         micro_batch_size=args.micro_batch_size,
     )
     best = found.best  # NoPlanFits (a ValueError) when nothing fits: exit 2
+    if args.svg:
+        from pipetrain.render.svg import render_svg
+
+        Path(args.svg).write_text(
+            render_svg(
+                best.timeline,
+                title=f"plan: {best.plan.schedule}, stage_layers {list(best.plan.stage_layers)}",
+                memory=True,
+                static=static_per_rank(best),
+                limit=best.plan.usable_gib,
+            )
+        )
     if args.json:
         print(json.dumps(best.plan.to_json()))
         return 0
+    from pipetrain.render.memory_chart import render_memory_text
     from pipetrain.render.text import render_text
 
     print(render_text(best.timeline, width=args.width, color=False))
+    print(
+        render_memory_text(
+            best.timeline,
+            width=args.width,
+            static=static_per_rank(best),
+            limit=best.plan.usable_gib,
+            unit="GiB",
+        )
+    )
     print()
     print(format_plan(found))
+    if args.svg:
+        print(f"wrote {args.svg}")
     return 0
 
 
+def static_per_rank(c: Candidate) -> tuple[float, ...]:
+    """Each rank's static memory (GiB): its predicted peak less its peak of held activations."""
+    return tuple(p - a for p, a in zip(c.plan.peak_gib, c.timeline.peak_activations))
+
+
 def format_plan(found: Search) -> str:
-    """The pick in words, then each family's best (step ms, bubble, peak GiB, fits)."""
+    """The pick in words (what each stage recomputes, when nothing fitted without), then each
+    family's best (step ms, bubble, peak GiB, fits, recompute: ``f`` full, ``s`` selective,
+    ``-`` none per stage)."""
     best = found.best.plan
     lines = [
         f"plan: {best.schedule}, {best.ranks} ranks x {best.stages_per_rank} stage(s), "
@@ -99,6 +139,17 @@ def format_plan(found: Search) -> str:
             f", {best.usable_gib:.3g} after {best.headroom:.0%} headroom)" if best.headroom else ")"
         ),
     ]
+    if found.recompute_tried:
+        lines.append(
+            "no plan fits without recompute: "
+            + (
+                f"recompute per stage {list(best.recompute)}"
+                if best.layout.recomputes
+                else "recompute per stage none"
+            )
+            + " (full: each layer keeps its input and runs its forward again in the backward; "
+            "selective: keeps matmul outputs; docs/planning.md)"
+        )
     names = best.stage_layer_names()
     if names:
         lines.append(
@@ -127,6 +178,7 @@ def _family_table(found: Search) -> list[str]:
         "bubble",
         "peak GiB",
         "fits",
+        "recompute",
         "stage_layers",
     )
     rows = [header]
@@ -142,6 +194,7 @@ def _family_table(found: Search) -> list[str]:
                 f"{p.bubble_fraction:.1%}",
                 f"{max(p.peak_gib):.2f}",
                 "yes" if p.fits else "no",
+                describe(p.recompute),
                 ",".join(map(str, p.stage_layers)),
             )
         )

@@ -1,6 +1,7 @@
 """``pipetrain simulate``: one step of a schedule (or of a program file) under given costs — the
-timeline drawn in the terminal, its bubble and memory, or one JSON object; an SVG or a
-Chrome/Perfetto trace on request."""
+timeline drawn in the terminal with each rank's held activations over time under it, its bubble
+and memory, or one JSON object; an SVG (with the activation curves) or a Chrome/Perfetto trace on
+request."""
 
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     if args.svg:
         from pipetrain.render import render_svg
 
-        Path(args.svg).write_text(render_svg(timeline, title=shape_title(program)))
+        Path(args.svg).write_text(render_svg(timeline, title=shape_title(program), memory=True))
     if args.trace:
         from pipetrain.render import write_trace
 
@@ -67,10 +68,11 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary(program, timeline), indent=1))
         return 0
-    from pipetrain.render import render_text
+    from pipetrain.render import render_memory_text, render_text
 
     print(shape_title(program))
     print(render_text(timeline, width=width_of(args)))
+    print(render_memory_text(timeline, width=width_of(args)))
     print(summary_line(timeline))
     for path in (args.svg, args.trace):
         if path:

@@ -2,7 +2,7 @@
 
 One JSON object, versioned (docs/planning.md is the reference)::
 
-    {"version": 1,
+    {"version": 2,
      "layers": [{"name": "embed", "forward": 0.41, "backward_input": 0.10,
                  "backward_weight": 0.52, "activation": 0.25, "params": 3.91}, ...],
      "comm": 0.09}
@@ -15,7 +15,19 @@ given with the pair, it is the fused backward's own time. ``comm`` is the cross-
 one activation, overridable per layer (the transfer of that layer's output). Optional per layer:
 ``workspace`` (GiB used only while the layer's own forward or backward runs, e.g. a loss's float32
 logits) and ``activation_for_weight`` (GiB still held between a split backward's input half and
-its weight half; default ``activation``). Optional top level: ``meta`` (free-form provenance: model, device, dtype, batch shape).
+its weight half; default ``activation``). Optional top level: ``meta`` (free-form provenance:
+model, device, dtype, batch shape).
+
+Version 2 adds, optional: per layer ``recompute`` (ms to run the layer's forward again inside its
+backward when it is checkpointed; default its ``forward``), ``recompute_activation`` (GiB: what
+one micro-batch holds from the layer's forward to its backward when the layer is checkpointed:
+its input, and on the last layer what the loss saves) and ``selective_activation`` (GiB: the
+same under selective recompute, which also keeps matrix products' and attention's outputs) — the
+planner's recompute model, ``planner.recompute``; per file ``host_bandwidth_gbs`` (GB/s between
+the device and pinned host memory, measured by the profiler on CUDA; recorded for activation
+offload, which is not built yet). Version 1 files still load (those fields absent: their
+defaults); a version 1 file that gives them is refused, naming version 2. Files are written as
+version 2.
 
 Anything else is refused with the field's path, so a typo never silently becomes a default.
 """
@@ -29,12 +41,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-VERSION = 1
+#: the version this module writes; it reads every version in ``VERSIONS``
+VERSION = 2
+VERSIONS = (1, 2)
 
 _LAYER_NUMBERS = ("forward", "backward_input", "backward_weight", "backward", "activation")
 _LAYER_OPTIONAL = ("comm", "workspace", "activation_for_weight")
-_LAYER_KEYS = ("name", *_LAYER_NUMBERS, "params", *_LAYER_OPTIONAL)
-_TOP_KEYS = ("version", "layers", "comm", "meta")
+#: fields a version 1 file may not give
+_LAYER_V2 = ("recompute", "recompute_activation", "selective_activation")
+_TOP_V2 = ("host_bandwidth_gbs",)
+_LAYER_KEYS = ("name", *_LAYER_NUMBERS, "params", *_LAYER_OPTIONAL, *_LAYER_V2)
+_TOP_KEYS = ("version", "layers", "comm", "meta", *_TOP_V2)
 
 
 class CostsFileError(ValueError):
@@ -62,10 +79,20 @@ class LayerCost:
     workspace: float = 0.0
     #: held between ``backward_input`` and ``backward_weight``; ``None``: ``activation``
     activation_for_weight: float | None = None
+    #: ms to run the forward again when checkpointed; ``None``: ``forward``
+    recompute: float | None = None
+    #: GiB held per micro-batch when the layer is checkpointed; ``None``: not measured
+    recompute_activation: float | None = None
+    #: GiB held per micro-batch under selective recompute; ``None``: not measured
+    selective_activation: float | None = None
 
     @property
     def split_backward(self) -> bool:
         return self.backward_input is not None
+
+    @property
+    def recompute_ms(self) -> float:
+        return self.forward if self.recompute is None else self.recompute
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,6 +102,8 @@ class ModelCosts:
     layers: tuple[LayerCost, ...]
     comm: float = 0.0
     meta: Mapping[str, Any] = field(default_factory=dict)
+    #: GB/s between the device and pinned host memory (``None``: not measured)
+    host_bandwidth_gbs: float | None = None
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -109,8 +138,13 @@ class ModelCosts:
                 entry["workspace"] = layer.workspace
             if layer.activation_for_weight is not None:
                 entry["activation_for_weight"] = layer.activation_for_weight
+            for key in _LAYER_V2:
+                if getattr(layer, key) is not None:
+                    entry[key] = getattr(layer, key)
             layers.append(entry)
         out: dict[str, Any] = {"version": VERSION, "layers": layers, "comm": self.comm}
+        if self.host_bandwidth_gbs is not None:
+            out["host_bandwidth_gbs"] = self.host_bandwidth_gbs
         if self.meta:
             out["meta"] = dict(self.meta)
         return out
@@ -127,11 +161,26 @@ def parse_costs(data: object, source: str = "costs") -> ModelCosts:
     unknown = sorted(set(data) - set(_TOP_KEYS))
     if unknown:
         raise fail(unknown[0], f"unknown field; legal fields: {', '.join(_TOP_KEYS)}")
+    known = " or ".join(map(str, VERSIONS))
     if "version" not in data:
-        raise fail("version", f"missing; this reader knows version {VERSION}")
-    if data["version"] != VERSION or isinstance(data["version"], bool):
-        raise fail("version", f"expected {VERSION}, got {data['version']!r}")
+        raise fail("version", f"missing; this reader knows version {known}")
+    version = data["version"]
+    if version not in VERSIONS or isinstance(version, bool):
+        raise fail("version", f"expected {known}, got {version!r}")
+    if version == 1:
+        newer = [k for k in _TOP_V2 if k in data] + [
+            f"layers[{i}].{k}"
+            for i, raw in enumerate(data.get("layers") or [])
+            if isinstance(raw, dict)
+            for k in _LAYER_V2
+            if k in raw
+        ]
+        if newer:
+            raise fail(newer[0], "a version 2 field in a version 1 file; write version 2")
     comm = _number(data.get("comm", 0.0), "comm", fail)
+    bandwidth = data.get("host_bandwidth_gbs")
+    if bandwidth is not None:
+        bandwidth = _number(bandwidth, "host_bandwidth_gbs", fail)
     meta = data.get("meta", {})
     if not isinstance(meta, dict):
         raise fail("meta", f"expected a JSON object, got {type(meta).__name__}")
@@ -142,6 +191,7 @@ def parse_costs(data: object, source: str = "costs") -> ModelCosts:
         layers=tuple(_layer(raw, f"layers[{i}]", fail) for i, raw in enumerate(raw_layers)),
         comm=comm,
         meta=meta,
+        host_bandwidth_gbs=bandwidth,
     )
 
 
@@ -186,6 +236,9 @@ def _layer(raw: object, where: str, fail: Fail) -> LayerCost:
         comm=maybe("comm"),
         workspace=maybe("workspace") or 0.0,
         activation_for_weight=maybe("activation_for_weight"),
+        recompute=maybe("recompute"),
+        recompute_activation=maybe("recompute_activation"),
+        selective_activation=maybe("selective_activation"),
     )
 
 

@@ -8,7 +8,9 @@ exact; filled from the front, from the back, and evenly) are the ones to beat; w
 stages per rank a rank-balanced cut joins them, the uniform cut always does, and when the fastest
 does not fit, the same exact search runs under per-stage memory caps derived from the simulated
 in-flight counts. The simulation judges them all (``judge``); ``refine`` then moves layers
-between the stages of the best cuts of the fastest shapes, one or two at a time.
+between the stages of the best cuts of the fastest shapes, one or two at a time. With every stage
+recomputing one way (``mode``), the same searches run on the layers' costs under that mode, so
+the time balance counts the recompute and the memory caps the smaller activations.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pipetrain.planner.partition import (
     rank_balanced_cut,
     uniform_cut,
 )
+from pipetrain.planner.recompute import Recompute, recomputed_costs, uniform
 from pipetrain.schedule.program import Program
 from pipetrain.schedule.timeline import Timeline
 
@@ -38,11 +41,19 @@ _MEMORY_ROUNDS = 3
 
 
 def candidates(
-    costs: ModelCosts, program: Program, name: str, v: int, budget: Budget
+    costs: ModelCosts,
+    program: Program,
+    name: str,
+    v: int,
+    budget: Budget,
+    mode: Recompute = Recompute.NONE,
 ) -> list[Candidate]:
-    """The cuts worth simulating for one shape (module docstring), each simulated."""
+    """The cuts worth simulating for one shape (module docstring), each simulated, every stage
+    recomputing as ``mode`` says."""
     chain = program.placement.stages_per_chain
-    time = [layer.forward + layer.backward for layer in costs.layers]
+    modes = uniform(mode, chain) if mode is not Recompute.NONE else ()
+    view = recomputed_costs(costs, mode)
+    time = [layer.forward + layer.backward for layer in view.layers]
     cuts: dict[tuple[int, ...], str] = {}
     for cut, how in (
         (min_max_cut(time, chain), "balanced"),
@@ -57,7 +68,7 @@ def candidates(
         cuts.setdefault(
             rank_balanced_cut(time, even, program.placement.rank_of_stage), "rank-balanced"
         )
-    done = [evaluate(costs, program, name, v, cut, how, budget) for cut, how in cuts.items()]
+    done = [evaluate(costs, program, name, v, cut, how, budget, modes) for cut, how in cuts.items()]
     if min(done, key=rank_key).plan.fits:
         return done
     # The fastest cut does not fit: balance time under a per-stage memory cap, the cap of each stage its rank's
@@ -68,7 +79,7 @@ def candidates(
     for _ in range(_MEMORY_ROUNDS):
         inflight = _inflight(reference.timeline, program)
         tried = []
-        limit = _memory_limit(costs, program, inflight, budget.usable, scale)
+        limit = _memory_limit(view, program, inflight, budget.usable, scale)
         for cut, how in (
             (min_max_cut(time, chain, limit), "memory"),
             (min_max_cut(time, chain, limit, from_the_back=True), "memory-back"),
@@ -76,7 +87,7 @@ def candidates(
         ):
             if cut is not None and cut not in cuts:
                 cuts[cut] = how
-                tried.append(evaluate(costs, program, name, v, cut, how, budget))
+                tried.append(evaluate(costs, program, name, v, cut, how, budget, modes))
         done += tried
         if not tried or any(c.plan.fits for c in tried):
             break
@@ -101,16 +112,17 @@ def refine(
     drain, comm, W filling bubbles, several stages per rank) the simulation can. Climbing from every starting cut, not only the best, matters with several
     stages per rank, where a rank's load is a sum over distant stages and one climb can stop in
     a local minimum (interleaved 1F1B on small random models, climbing from the best start alone:
-    measured in docs/performance.md). Returns every cut it simulated."""
+    measured in docs/performance.md). A shape here includes what its stages recompute, which
+    the moves keep. Returns every cut it simulated."""
     out: list[Candidate] = []
-    shapes: dict[tuple[str, int, int], list[Candidate]] = {}
+    shapes: dict[tuple[str, int, int, tuple[str, ...]], list[Candidate]] = {}
     for c in sorted((c for c in found if c.plan.fits), key=rank_key):
-        key = (c.plan.schedule, c.plan.stages_per_rank, c.plan.microbatches)
+        key = (c.plan.schedule, c.plan.stages_per_rank, c.plan.microbatches, c.plan.recompute)
         if key in shapes or len(shapes) < REFINE_SHAPES:
             shapes.setdefault(key, []).append(c)
     actions_left = REFINE_ACTIONS
     time = [layer.forward + layer.backward for layer in costs.layers]
-    for (name, v, m), starts in shapes.items():
+    for (name, v, m, modes), starts in shapes.items():
         program = programs[name, v, m]
         size = sum(len(row) for row in program.actions)
         seen = {c.plan.stage_layers for c in starts}
@@ -125,7 +137,7 @@ def refine(
                         return out
                     actions_left -= size
                     seen.add(cut)
-                    c = evaluate(costs, program, name, v, cut, "refined", budget)
+                    c = evaluate(costs, program, name, v, cut, "refined", budget, modes)
                     out.append(c)
                     if c.plan.fits and rank_key(c) < rank_key(best):
                         best, improved = c, True

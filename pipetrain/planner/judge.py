@@ -2,7 +2,9 @@
 file), the program is simulated with them (``sim.simulate``), and each rank's peak memory is the
 simulator's own model (``sim.costs.rank_peak_memory``: static memory of the rank's stages plus
 its peak of held activations over the simulated step), so the planner has one memory model, not
-two. A ``Plan`` is what comes out: everything a ``Pipeline`` needs besides the model, with its
+two. A stage that recomputes is judged with its layers' costs under that mode
+(``recompute.recomputed_layer``), so recompute too is only other numbers to the simulator. A
+``Plan`` is what comes out: everything a ``Pipeline`` needs besides the model, with its
 prediction."""
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 from pipetrain.planner.costs_file import ModelCosts
 from pipetrain.planner.layout import Layout
 from pipetrain.planner.partition import bounds
+from pipetrain.planner.recompute import Recompute, recomputed_layer
 from pipetrain.schedule.program import Program
 from pipetrain.schedule.timeline import Timeline
 from pipetrain.sim.costs import Costs, rank_peak_memory
@@ -71,6 +74,10 @@ class Plan:
         return self.layout.stage_layers
 
     @property
+    def recompute(self) -> tuple[str, ...]:
+        return self.layout.recompute
+
+    @property
     def usable_gib(self) -> float:
         """What a rank's predicted peak may reach: the budget less the headroom."""
         return self.memory_gib * (1.0 - self.headroom)
@@ -116,16 +123,27 @@ def family_key(c: Candidate) -> tuple[bool, float, float, str]:
     return (not c.plan.fits, *rank_key(c))
 
 
-def stage_costs(costs: ModelCosts, program: Program, cut: Sequence[int]) -> Costs:
+def stage_costs(
+    costs: ModelCosts,
+    program: Program,
+    cut: Sequence[int],
+    recompute: Sequence[str] = (),
+) -> Costs:
     """Simulator costs of the stages ``cut`` makes: sums over each stage's layers (a stage's
-    ``comm`` is its last layer's output transfer, its workspace the largest of its layers')."""
+    ``comm`` is its last layer's output transfer, its workspace the largest of its layers'), each
+    layer's costs under its stage's ``recompute`` mode (one per entry of ``cut``; empty: none)."""
     blocks = bounds(cut)
+    modes = [Recompute(m) for m in recompute] or [Recompute.NONE] * len(blocks)
+    assert len(modes) == len(blocks), (recompute, cut)
+    per_block = [
+        [recomputed_layer(layer, mode) for layer in costs.layers[a:b]]
+        for (a, b), mode in zip(blocks, modes)
+    ]
     per_stage = [blocks[s % len(blocks)] for s in range(program.num_stages)]
+    layers_of = [per_block[s % len(blocks)] for s in range(program.num_stages)]
 
     def total(attr: str) -> list[float]:
-        return [
-            sum(getattr(layer, attr) or 0.0 for layer in costs.layers[a:b]) for a, b in per_stage
-        ]
+        return [sum(getattr(layer, attr) or 0.0 for layer in stage) for stage in layers_of]
 
     b = total("backward")
     if costs.split_backward:
@@ -144,20 +162,21 @@ def stage_costs(costs: ModelCosts, program: Program, cut: Sequence[int]) -> Cost
                 layer.activation
                 if layer.activation_for_weight is None
                 else layer.activation_for_weight
-                for layer in costs.layers[a:e]
+                for layer in stage
             )
-            for a, e in per_stage
+            for stage in layers_of
         ],
-        workspace=[max(layer.workspace for layer in costs.layers[a:e]) for a, e in per_stage],
+        workspace=[max(layer.workspace for layer in stage) for stage in layers_of],
         static=total("params"),
     )
 
 
 def simulate_plan(
-    costs: ModelCosts, program: Program, cut: Sequence[int]
+    costs: ModelCosts, program: Program, cut: Sequence[int], recompute: Sequence[str] = ()
 ) -> tuple[Timeline, tuple[float, ...]]:
-    """The simulated timeline of ``program`` cut by ``cut`` and each rank's peak memory (GiB)."""
-    sim_costs = stage_costs(costs, program, cut)
+    """The simulated timeline of ``program`` cut by ``cut`` (each stage recomputing as
+    ``recompute`` says; empty: none) and each rank's peak memory (GiB)."""
+    sim_costs = stage_costs(costs, program, cut, recompute)
     timeline = simulate(program, sim_costs)
     peaks = rank_peak_memory(
         timeline, sim_costs.per_stage(program.num_stages), program.placement.rank_of_stage
@@ -173,10 +192,18 @@ def evaluate(
     cut: tuple[int, ...],
     how: str,
     budget: Budget,
+    recompute: Sequence[str] = (),
 ) -> Candidate:
     """``cut`` of ``program`` simulated and judged against ``budget`` (``how``: where the cut
-    came from)."""
-    timeline, peaks = simulate_plan(costs, program, cut)
+    came from), each stage recomputing as ``recompute`` says (empty: none) — except a stage whose
+    layers hold no parameters, which the runtime refuses to recompute."""
+    recompute = tuple(
+        Recompute.NONE.value
+        if mode != Recompute.NONE and not any(x.params > 0 for x in costs.layers[a:b])
+        else str(mode)
+        for mode, (a, b) in zip(recompute, bounds(cut))
+    )
+    timeline, peaks = simulate_plan(costs, program, cut, recompute)
     return Candidate(
         plan=Plan(
             layout=Layout(
@@ -185,6 +212,7 @@ def evaluate(
                 stages_per_rank=v,
                 microbatches=program.num_microbatches,
                 stage_layers=cut,
+                recompute=tuple(recompute),
             ),
             step_ms=timeline.makespan,
             bubble_fraction=timeline.bubble_fraction,

@@ -1,10 +1,15 @@
 """What a plan says to run: the ``Layout`` — schedule family, pipeline ranks, stages per rank,
-micro-batches and layers per stage — and the default cut when no plan is given.
+micro-batches, layers per stage and what each stage recomputes — and the default cut when no
+plan is given.
 
 One type for every reader: the planner's ``Plan`` is a layout and its prediction, ``pipetrain
 plan --json`` writes a layout's fields, ``Pipeline.from_plan`` and ``pipetrain train --plan`` read
 them back through ``Layout.from_json``, which checks them once and names the first missing or bad
-field. Pure data, standard library only.
+field. Plans written before recompute (no ``recompute`` key) read as recomputing nothing. Pure
+data, standard library only.
+
+Activation offload is not built: a plan that asks for it (an ``offload`` fraction above 0 for
+some stage) is refused, not run without it.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
+
+from pipetrain.planner.recompute import MODES, Recompute, parse_modes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -24,8 +31,11 @@ class Layout:
     microbatches: int
     #: layers per stage, in stage order (for DualPipe's two model copies: one copy's stages)
     stage_layers: tuple[int, ...]
+    #: per stage, in the order of ``stage_layers``: ``"none"``, ``"selective"`` or ``"full"``
+    #: (``planner.recompute``); empty: ``"none"`` for every stage
+    recompute: tuple[str, ...] = ()
 
-    #: the JSON fields of a layout, in the order ``pipetrain plan --json`` prints them
+    #: the JSON fields every layout gives, in the order ``pipetrain plan --json`` prints them
     FIELDS: ClassVar[tuple[str, ...]] = (
         "schedule",
         "ranks",
@@ -33,6 +43,16 @@ class Layout:
         "microbatches",
         "stage_layers",
     )
+
+    def __post_init__(self) -> None:
+        modes = self.recompute or (Recompute.NONE.value,) * len(self.stage_layers)
+        parsed = parse_modes(modes, len(self.stage_layers), "recompute")
+        object.__setattr__(self, "recompute", tuple(m.value for m in parsed))
+
+    @property
+    def recomputes(self) -> bool:
+        """Whether some stage recomputes."""
+        return any(m != Recompute.NONE for m in self.recompute)
 
     @property
     def num_stages(self) -> int:
@@ -49,13 +69,15 @@ class Layout:
             "stages_per_rank": self.stages_per_rank,
             "microbatches": self.microbatches,
             "stage_layers": list(self.stage_layers),
+            "recompute": list(self.recompute),
         }
 
     @classmethod
     def from_json(cls, raw: object) -> Layout:
         """The layout in ``raw`` (what ``pipetrain plan --json`` prints; other keys, such as
         ``predicted``, are ignored), checked: a ``ValueError`` names the first missing or bad
-        field and the legal values."""
+        field and the legal values. ``recompute`` is optional (a plan from before it: none);
+        ``offload`` fractions above 0 are refused (not built)."""
         if not isinstance(raw, Mapping):
             raise ValueError(
                 f"a plan is a pipetrain Plan or the dict `pipetrain plan --json` prints, got "
@@ -86,7 +108,39 @@ class Layout:
                 f"the plan's 'stage_layers' has {len(stage_layers)} stages but ranks × "
                 f"stages_per_rank = {expected}"
             )
-        return cls(schedule=schedule, **counts, stage_layers=tuple(stage_layers))
+        recompute = raw.get("recompute", [Recompute.NONE.value] * len(stage_layers))
+        modes = parse_modes(recompute, len(stage_layers), "the plan's 'recompute'")
+        _refuse_offload(raw.get("offload"), len(stage_layers))
+        return cls(
+            schedule=schedule,
+            **counts,
+            stage_layers=tuple(stage_layers),
+            recompute=tuple(m.value for m in modes),
+        )
+
+
+def _refuse_offload(offload: object, num_stages: int) -> None:
+    """An ``offload`` key (per stage, the fraction of activations kept in host memory) is checked
+    and refused unless every fraction is 0: activation offload is not built."""
+    if offload is None:
+        return
+    if (
+        not isinstance(offload, list | tuple)
+        or len(offload) != num_stages
+        or not all(
+            isinstance(f, int | float) and not isinstance(f, bool) and 0 <= f <= 1 for f in offload
+        )
+    ):
+        raise ValueError(
+            f"the plan's 'offload' must be one fraction in [0, 1] per stage ({num_stages}), "
+            f"got {offload!r}"
+        )
+    if any(offload):
+        raise ValueError(
+            "the plan asks to offload activations (offload "
+            f"{list(offload)}), but activation offload is not implemented in the runtime yet; "
+            f"plan with recompute instead ({', '.join(m.value for m in MODES)} per stage)"
+        )
 
 
 def _positive(raw: Mapping[str, object], name: str) -> int:

@@ -3,7 +3,9 @@ candidate simulated, the fastest per micro-batch that fits the memory budget cho
 
 This module walks the shapes (family, stages per rank ``v``, micro-batches ``M``); ``cuts`` says
 which layer boundaries are simulated for each and refines the best, ``judge`` how one cut is
-simulated and scored (docs/planning.md).
+simulated and scored (docs/planning.md). When no candidate fits, the shapes are tried again with
+stages recomputing their activations (``recompute_search``): a plan recomputes only when memory
+asks for it, and ``NoPlanFits`` means that not even full recompute on every stage fits.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from pipetrain.planner.judge import (
     simulate_plan,
     stage_costs,
 )
+from pipetrain.planner.recompute import describe
+from pipetrain.planner.recompute_search import recompute_candidates
 from pipetrain.schedule.action import OpKind
 from pipetrain.schedule.program import Program
 from pipetrain.schedule.registry import FAMILIES, Family, build_schedule, family
@@ -45,7 +49,8 @@ DEFAULT_MICROBATCH_FACTORS = (1, 2, 4)
 
 
 class NoPlanFits(ValueError):
-    """No candidate fits the memory budget; the message names the smallest peak reached."""
+    """No candidate fits the memory budget, recompute included; the message names the smallest
+    peak reached and the budget."""
 
 
 @dataclass
@@ -54,6 +59,8 @@ class Search:
 
     candidates: list[Candidate] = field(default_factory=list)
     skipped: list[tuple[str, int, int, str]] = field(default_factory=list)
+    #: whether the shapes were tried again with recompute (nothing fitted without)
+    recompute_tried: bool = False
 
     @property
     def fitting(self) -> list[Candidate]:
@@ -87,6 +94,7 @@ class Search:
                 c.plan.stages_per_rank,
                 c.plan.microbatches,
                 c.plan.stage_layers,
+                c.plan.recompute,
             )
             if c.plan.ms_per_microbatch <= pick * (1 + fraction) and key not in seen:
                 seen.add(key)
@@ -101,12 +109,13 @@ class Search:
         p = low.plan
         peak = max(p.peak_gib)
         kept = f" less {p.headroom:.0%} headroom = {p.usable_gib:.3g} GiB" if p.headroom else ""
+        even = ", even with full recompute on every stage" if self.recompute_tried else ""
         return (
-            f"no plan fits {p.memory_gib:g} GiB per rank{kept}: the smallest peak any candidate "
-            f"reached is {peak:.3f} GiB on rank {p.peak_gib.index(peak)} ({p.schedule}, "
-            f"{p.stages_per_rank} stage(s) per rank, {p.microbatches} micro-batches, "
-            f"stage_layers {list(p.stage_layers)}); raise --memory-gib, lower --headroom or "
-            "add ranks"
+            f"no plan fits {p.memory_gib:g} GiB per rank{kept}{even}: the smallest peak any "
+            f"candidate reached is {peak:.3f} GiB on rank {p.peak_gib.index(peak)} "
+            f"({p.schedule}, {p.stages_per_rank} stage(s) per rank, {p.microbatches} "
+            f"micro-batches, stage_layers {list(p.stage_layers)}, recompute "
+            f"{describe(p.recompute)}); raise --memory-gib, lower --headroom or add ranks"
         )
 
 
@@ -122,8 +131,9 @@ def plan(
     headroom: float = DEFAULT_HEADROOM,
 ) -> Plan:
     """The fastest plan per micro-batch whose every rank's predicted peak fits ``memory_gib``
-    less ``headroom`` (a fraction kept free, see ``DEFAULT_HEADROOM``); ``NoPlanFits`` (a
-    ``ValueError``) when none does, naming the smallest peak reached and its rank."""
+    less ``headroom`` (a fraction kept free, see ``DEFAULT_HEADROOM``); without recompute if any
+    such plan fits, else with stages recomputing; ``NoPlanFits`` (a ``ValueError``) when not even
+    full recompute on every stage fits, naming the smallest peak reached and its rank."""
     return search(
         costs,
         num_ranks=num_ranks,
@@ -192,6 +202,9 @@ def search(
                     continue
                 out.candidates += candidates(costs, program, fam.name, v, budget)
                 programs[fam.name, v, m] = program
+    if programs and not out.fitting:
+        out.recompute_tried = True
+        out.candidates += recompute_candidates(costs, programs, out.candidates, budget)
     out.candidates += refine(out.candidates, costs, programs, budget)
     return out
 

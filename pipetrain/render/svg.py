@@ -12,6 +12,7 @@ small: fills are CSS classes, labels and tooltips are dropped where they would n
 from __future__ import annotations
 
 import textwrap
+from collections.abc import Sequence
 from dataclasses import dataclass
 from xml.sax.saxutils import escape
 
@@ -41,6 +42,8 @@ class _Layout:
     lane: float
     gap: float
     strip: float = 0.0  # height of the activation strip under each lane (0 = none)
+    static: tuple[float, ...] | None = None  # per rank, under the activation curve
+    limit: float | None = None  # the memory budget drawn in each strip
 
     @property
     def scale(self) -> float:
@@ -57,11 +60,20 @@ class _Layout:
         return self.y(self.timeline.num_ranks) - self.gap
 
 
-def render_svg(timeline: Timeline, title: str = "", memory: bool = False) -> str:
+def render_svg(
+    timeline: Timeline,
+    title: str = "",
+    memory: bool = False,
+    static: Sequence[float] | None = None,
+    limit: float | None = None,
+) -> str:
     """Draw ``timeline`` as a standalone SVG document (a string).
 
     ``title`` defaults to the timeline's name. With ``memory``, each lane also carries its rank's
-    activation curve (``timeline.memory``) as a thin line, scaled to the largest peak.
+    activation curve (``timeline.memory``) as a thin line, scaled to the largest peak; with
+    ``static`` (per rank) the curve stands on the rank's static memory (the planner's curve:
+    ``sim.costs.rank_peak_memory``), and with ``limit`` it is scaled to at least that budget,
+    drawn dashed.
     """
     title = title or timeline.name
     lane = min(36.0, max(10.0, 480.0 / max(1, timeline.num_ranks)))
@@ -71,6 +83,8 @@ def render_svg(timeline: Timeline, title: str = "", memory: bool = False) -> str
         lane=lane,
         gap=max(1.0, lane * 0.15),
         strip=lane * 0.6 if memory else 0.0,
+        static=None if static is None else tuple(static),
+        limit=limit,
     )
     caption = _caption(timeline)
     height = lay.bottom + 34 + 26 + 16 * len(caption) + 8
@@ -114,6 +128,7 @@ def _defs(lay: _Layout) -> str:
         ".lane{fill:#f2f2f2}",
         ".grid{stroke:#d0d0d0;stroke-width:0.5}",
         ".mem{fill:none;stroke:#222;stroke-width:1;stroke-opacity:0.8}",
+        ".limit{stroke:#c0392b;stroke-width:0.8;stroke-dasharray:4 3}",
         "text{font-size:11px;fill:#222}",
         ".title{font-size:16px;font-weight:bold}",
         ".caption{font-size:12px}",
@@ -189,19 +204,28 @@ def _span_label(s: Span, cx: float, y: float, w: float, h: float, odd: bool) -> 
 
 
 def _memory(lay: _Layout) -> list[str]:
-    """Each rank's activation curve as a step line in the strip under its lane, scaled to the
-    largest peak over all ranks."""
+    """Each rank's activation curve (on its static memory, when given) as a step line in the
+    strip under its lane, scaled to the largest peak over all ranks or the limit, whichever is
+    larger; the limit as a dashed line."""
     tl = lay.timeline
-    top = max(tl.peak_activations, default=0.0)
+    static = lay.static or (0.0,) * tl.num_ranks
+    top = max((s + p for s, p in zip(static, tl.peak_activations)), default=0.0)
+    top = max(top, lay.limit or 0.0)
     if top <= 0:
         return []
     out = []
     for rank, curve in enumerate(tl.memory):
         base = lay.y(rank) + lay.lane + lay.strip
         height = lay.strip * 0.85
-        pts: list[str] = [f"{lay.x(tl.start):.2f},{base:.2f}"]
-        held = 0.0
+        if lay.limit is not None:
+            y = base - lay.limit / top * height
+            out.append(
+                f'<line class="limit" x1="{LEFT}" y1="{y:.2f}" x2="{WIDTH - RIGHT}" y2="{y:.2f}"/>'
+            )
+        held = static[rank]
+        pts: list[str] = [f"{lay.x(tl.start):.2f},{base - held / top * height:.2f}"]
         for t, now in curve:
+            now += static[rank]
             x = lay.x(min(max(t, tl.start), tl.end))
             pts.append(f"{x:.2f},{base - held / top * height:.2f}")
             pts.append(f"{x:.2f},{base - now / top * height:.2f}")
@@ -250,8 +274,15 @@ def _legend(lay: _Layout, memory: bool) -> list[str]:
         out.append(f'<text x="{x + 19:.1f}" y="{y + 10}">{escape(text)}</text>')
         x += 19 + 6.2 * len(text) + 18
     if memory:
+        what = "memory (static + activations)" if lay.static is not None else "activations held"
         out.append(f'<line class="mem" x1="{x:.1f}" y1="{y + 6}" x2="{x + 14:.1f}" y2="{y + 6}"/>')
-        out.append(f'<text x="{x + 19:.1f}" y="{y + 10}">activations held</text>')
+        out.append(f'<text x="{x + 19:.1f}" y="{y + 10}">{what}</text>')
+        if lay.limit is not None:
+            x += 19 + 6.2 * len(what) + 18
+            out.append(
+                f'<line class="limit" x1="{x:.1f}" y1="{y + 6}" x2="{x + 14:.1f}" y2="{y + 6}"/>'
+            )
+            out.append(f'<text x="{x + 19:.1f}" y="{y + 10}">limit {fmt(lay.limit)}</text>')
     return out
 
 

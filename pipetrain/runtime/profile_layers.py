@@ -24,6 +24,15 @@ so ``I`` and ``W`` are split exactly as a pipeline splits them):
   from this GPU to another one (peer-to-peer, what NCCL's send/recv rides on within a host);
   with one GPU, a device-to-device copy on it (a lower bound); on a CPU, a stated model:
   ``CPU_LATENCY_MS`` plus the bytes at ``CPU_BANDWIDTH`` (gloo over loopback);
+* ``recompute_activation``: the same count with the layer checkpointed as a plan's recompute
+  runs it (``activation_checkpoint.Recomputed``, full): its input, and on the last layer what
+  ``loss_fn`` saves, which runs outside the checkpointed region; ``recompute``, the time to run
+  the layer's forward again, is written as its ``forward`` (on the last layer that includes the
+  loss, which recompute does not rerun: an over-estimate); ``selective_activation``, the same
+  under selective recompute, with the outputs it caches (matrix products, fused attention)
+  counted as they are made;
+* ``host_bandwidth_gbs`` (CUDA only, per file): a copy of the largest layer output to pinned
+  host memory, GB/s (for activation offload, which is not built yet);
 * ``activation_for_weight`` (CUDA only): what the allocator still holds per micro-batch after
   the layer's ``I`` pieces (the input gradients they returned let go), i.e. what waits for ``W``: the runtime keeps the
   retained graph or the deferred GEMMs' inputs and output gradients, which can exceed the
@@ -60,6 +69,8 @@ import torch
 from torch import nn
 
 from pipetrain.planner.costs_file import LayerCost, ModelCosts, save_costs
+from pipetrain.runtime import torch_compat
+from pipetrain.runtime.backward.activation_checkpoint import Recomputed
 from pipetrain.runtime.layers import Stage
 from pipetrain.runtime.stage import StageRunner, leaves
 
@@ -107,15 +118,18 @@ def profile(
     device = inputs[0].device
     clock = _Clock(device)
     rounds = (repeats, warmup, in_flight)
-    measured, layer_inputs = _measure_layers(
+    measured, layer_inputs, largest = _measure_layers(
         layers, inputs, loss_fn, target, clock, rounds, OPTIMIZER_STATES[optimizer], names
     )
     windows = _scale_by_windows(
         layers, measured, layer_inputs, context, loss_fn, target, clock, rounds
     )
+    # recompute runs the forward again: its time is the (scaled) forward's
+    measured = [dataclasses.replace(x, recompute=x.forward) for x in measured]
     costs = ModelCosts(
         layers=tuple(measured),
         comm=max((layer.comm or 0.0) for layer in measured),
+        host_bandwidth_gbs=_host_bandwidth(largest, clock, repeats) if clock.cuda else None,
         meta={
             "device": _device_name(device),
             "optimizer": optimizer,
@@ -162,27 +176,35 @@ def _measure_layers(
     rounds: tuple[int, int, int],
     states: int,
     names: Sequence[str] | None,
-) -> tuple[list[LayerCost], list[tuple[torch.Tensor, ...]]]:
+) -> tuple[list[LayerCost], list[tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]]:
     """Every layer measured alone, each fed the previous one's output; also each layer's input
-    (the windows start from them)."""
+    (the windows start from them) and the largest layer output (the host copy's sample)."""
     seen: set[int] = set()
     measured = []
     layer_inputs = []
+    largest: tuple[torch.Tensor, ...] = ()
     for index, layer in enumerate(layers):
         layer_inputs.append(inputs)
         is_last = index == len(layers) - 1 and loss_fn is not None
         runner = StageRunner(index, layer, is_last, loss_fn if is_last else None)
-        cost, outputs = _measure(runner, leaves(inputs), target, clock, *rounds)
+        args = leaves(inputs)
+        cost, outputs = _measure(runner, args, target, clock, *rounds)
         static = _static_bytes(layer, seen, states)
         comm = _transfer_ms(outputs, clock, rounds[0]) if outputs else 0.0
         name = names[index] if names is not None else f"{index}:{type(layer).__name__}"
+        kept = {m: _checkpointed_bytes(index, layer, is_last, loss_fn, args, target, m) / GIB
+                for m in ("full", "selective")}  # fmt: skip
         measured.append(
-            LayerCost(name=name, params=static / GIB, comm=comm, **cost)  # type: ignore[arg-type]
-        )
+            LayerCost(
+                name=name, params=static / GIB, comm=comm, recompute_activation=kept["full"],
+                selective_activation=kept["selective"], **cost,  # type: ignore[arg-type]
+            )
+        )  # fmt: skip
+        largest = max(largest, outputs, key=_nbytes) if outputs else largest
         with torch.no_grad():
             out = layer(*inputs)
         inputs = out if isinstance(out, tuple) else (out,)
-    return measured, layer_inputs
+    return measured, layer_inputs, largest
 
 
 def _scale_by_windows(
@@ -209,6 +231,41 @@ def _scale_by_windows(
             measured[i] = dataclasses.replace(measured[i], **scaled)
         windows.append({"first": first, "end": end, **ratios})
     return windows
+
+
+def _checkpointed_bytes(
+    index: int, layer: nn.Module, is_last: bool, loss_fn, args, target, mode: str
+) -> int:
+    """What one micro-batch's forward holds with ``layer`` recomputed as ``mode``, the loss
+    included on the last layer: the ``saved_tensors_hooks`` count, as for ``activation``, and
+    under selective recompute the outputs it caches (the saved ops', counted at dispatch)."""
+    stage = Stage([("layer", Recomputed(layer, mode))])
+    runner = StageRunner(index, stage, is_last, loss_fn if is_last else None)
+    runner.begin_step()
+    saved = _SavedBytes(stage)
+    cached = torch_compat.saved_by_selective_recompute() if mode == "selective" else []
+    with (
+        torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack),
+        torch_compat.count_output_bytes(cached) as outputs,
+    ):
+        runner.forward(0, args, target, 1.0)  # the runner and what it holds go with this call
+    return saved.bytes + outputs[0]
+
+
+def _host_bandwidth(outputs: tuple[torch.Tensor, ...], clock: _Clock, repeats: int) -> float:
+    """GB/s of a copy of ``outputs`` (the largest layer output) from the device to pinned host
+    memory: what offloading one activation would move."""
+    sources = [o.detach() for o in outputs]
+    dests = [torch.empty(o.shape, dtype=o.dtype, pin_memory=True) for o in sources]
+    nbytes = _nbytes(sources)
+
+    def copy() -> None:
+        for d, src in zip(dests, sources):
+            d.copy_(src, non_blocking=True)
+
+    copy()
+    ms = statistics.median(clock.time(copy)[0] for _ in range(repeats))
+    return nbytes / (ms * 1e-3) / 1e9 if ms > 0 else 0.0
 
 
 def _window_ratios(

@@ -244,9 +244,10 @@ def forward_only(program: Program, receive_lead: int | None = None) -> Program:
 
 def plan_stages(layers, layout: Layout, kwargs: dict):
     """``Pipeline.from_plan``'s stages: ``layers`` cut by the checked ``layout``'s
-    ``stage_layers`` with ``pipetrain.split``, after refusing options the plan sets and a plan
-    made for another number of pipeline ranks than this process group's (the mesh's ``pp``
-    dimension with ``mesh=``): its cut and its schedule were chosen for that size."""
+    ``stage_layers`` with ``pipetrain.split``, each stage recomputing as ``layout.recompute``
+    says (``backward.activation_checkpoint.recompute_stages``), after refusing options the plan
+    sets and a plan made for another number of pipeline ranks than this process group's (the
+    mesh's ``pp`` dimension with ``mesh=``): its cut and its schedule were chosen for that size."""
     from pipetrain.runtime.layers import split
 
     given = sorted({"schedule", "num_microbatches", "stages_per_rank"} & set(kwargs))
@@ -265,7 +266,12 @@ def plan_stages(layers, layout: Layout, kwargs: dict):
         )
     counts = layout.stage_layers
     callable_form = callable(layers) and not isinstance(layers, (nn.Module, Sequence, dict))
-    return split(layers, counts, num_layers=sum(counts) if callable_form else None)
+    stages = split(layers, counts, num_layers=sum(counts) if callable_form else None)
+    if not layout.recomputes:
+        return stages
+    from pipetrain.runtime.backward.activation_checkpoint import recompute_stages
+
+    return recompute_stages(stages, layout.recompute)
 
 
 def plan_layout(plan: object) -> Layout:

@@ -10,7 +10,8 @@ inside a step with an ``AttributeError``. Nothing else in ``pipetrain`` touches 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 
 import torch
@@ -24,10 +25,12 @@ __all__ = [
     "accumulate_grad_variable",
     "add_lists_",
     "check_private_apis",
+    "count_output_bytes",
     "engine_run_backward",
     "fsdp_post_backward",
     "get_gradient_edge",
     "profiler_enabled",
+    "saved_by_selective_recompute",
     "store_of",
 ]
 
@@ -112,6 +115,72 @@ def profiler_enabled() -> bool:
     the executor labels its actions only then, since an idle ``record_function`` still makes a
     dispatcher call per action, where this is a flag read."""
     return torch._C._autograd._profiler_enabled()
+
+
+#: the attention kernels whose outputs selective recompute keeps (private aten ops: each
+#: ``torch.nn.functional.scaled_dot_product_attention`` backend is one)
+_ATTENTION_OPS = (
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+)
+
+
+def saved_by_selective_recompute() -> list:
+    """The aten ops whose outputs selective recompute keeps: the matrix products and the fused
+    attention kernels (``runtime.backward.activation_checkpoint``); an attention op this torch
+    lacks is left out (``_check_attention_ops`` says when none is left)."""
+    aten = torch.ops.aten
+    ops = [aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default]
+    for name in _ATTENTION_OPS:
+        packet = getattr(aten, name, None)
+        if packet is not None:
+            ops.append(packet.default)
+    return ops
+
+
+@contextlib.contextmanager
+def count_output_bytes(ops: Sequence) -> Iterator[list[int]]:
+    """Inside the block, count the bytes of the distinct storages the aten ``ops`` return (a
+    ``TorchDispatchMode``); the yielded one-element list holds the total. The profiler counts
+    what selective recompute caches this way: the cache is not a saved tensor, so
+    ``saved_tensors_hooks`` never see it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    wanted = set(ops)
+    seen: set[int] = set()
+    total = [0]
+
+    class _Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in wanted:
+                for t in out if isinstance(out, tuple | list) else (out,):
+                    if isinstance(t, torch.Tensor):
+                        storage = t.untyped_storage()
+                        if storage.data_ptr() not in seen:
+                            seen.add(storage.data_ptr())
+                            total[0] += storage.nbytes()
+            return out
+
+    with _Count():
+        yield total
+
+
+def _check_count_output_bytes() -> None:
+    a = torch.ones(2, 3)
+    with count_output_bytes([torch.ops.aten.mm.default]) as total:
+        torch.mm(a, a.t())
+        _ = a * 2.0  # not counted
+    if total != [2 * 2 * 4]:
+        raise AssertionError(f"counted {total[0]} bytes of one 2x2 float32 mm output, not 16")
+
+
+def _check_attention_ops() -> None:
+    missing = [n for n in _ATTENTION_OPS if getattr(torch.ops.aten, n, None) is None]
+    if len(missing) == len(_ATTENTION_OPS):
+        raise AttributeError(f"none of the attention ops {', '.join(missing)} exists")
 
 
 def _check_engine() -> None:
@@ -236,6 +305,16 @@ PRIVATE_APIS: tuple[tuple[str, str, Callable[[], None]], ...] = (
         "FSDPParamGroup.post_backward",
         "reduce an FSDP2 stage's gradient once per step, after its last backward piece",
         _check_fsdp,
+    ),
+    (
+        "torch.utils._python_dispatch.TorchDispatchMode",
+        "count what selective recompute caches (the profiler)",
+        _check_count_output_bytes,
+    ),
+    (
+        "torch.ops.aten._scaled_dot_product_*_attention",
+        "keep fused attention outputs under selective recompute",
+        _check_attention_ops,
     ),
     (
         "torch._C._autograd._profiler_enabled",

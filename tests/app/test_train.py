@@ -172,6 +172,15 @@ def test_a_plan_file_gives_the_layout_and_must_fit_the_model(tmp_path: Path) -> 
         check_arguments(_args("--plan", str(tmp_path / "plan.json")))
 
 
+def test_a_plan_file_carries_recompute_and_offload_is_refused(tmp_path: Path) -> None:
+    modes = ["full", "selective", "none", "full"]
+    layout = check_arguments(_args("--plan", _plan_file(tmp_path, recompute=modes)))
+    assert layout.recompute == tuple(modes)
+    assert check_arguments(_args("--plan", _plan_file(tmp_path))).recompute == ("none",) * 4
+    with pytest.raises(ValueError, match="--plan .*activation offload is not implemented"):
+        check_arguments(_args("--plan", _plan_file(tmp_path, offload=[0, 0, 0, 0.5])))
+
+
 def test_train_takes_the_shared_shape_flags_and_relaunches_with_them() -> None:
     args = _args("zb-h1", "-p", "2", "-m", "4", "--steps", "3")
     assert (args.schedule, args.ranks, args.microbatches) == ("zb-h1", 2, 4)

@@ -74,7 +74,9 @@ def test_costs_file_round_trips(tmp_path) -> None:
     "change, field",
     [
         (lambda d: d.pop("version"), "version"),
-        (lambda d: d.update(version=2), "version"),
+        (lambda d: d.update(version=3), "version"),
+        (lambda d: d["layers"][0].update(recompute=0.1), "layers[0].recompute"),
+        (lambda d: d.update(host_bandwidth_gbs=20), "host_bandwidth_gbs"),
         (lambda d: d.update(layers=[]), "layers"),
         (lambda d: d.update(comm=-1), "comm"),
         (lambda d: d.update(extra=1), "extra"),
@@ -261,8 +263,10 @@ def test_cli_plan_json_text_and_errors(tmp_path, capsys) -> None:
         "stages_per_rank",
         "microbatches",
         "stage_layers",
+        "recompute",
         "predicted",
     }
+    assert out["recompute"] == ["none"] * 4
     assert set(out["predicted"]) == {"step_ms", "bubble_fraction", "peak_gib"}
     assert len(out["predicted"]["peak_gib"]) == 4 and sum(out["stage_layers"]) == 16
     assert main(["plan", "--costs", str(path), "--ranks", "4", "--memory-gib", "1000"]) == 0

@@ -28,6 +28,15 @@ def test_profile_counts_activation_and_static_bytes_by_hand(tmp_path) -> None:
     # the loss (last layer) saves y - t
     assert first.activation * GIB == 8 * b * d
     assert second.activation * GIB == 8 * b * (h + 2 * h + 2 * h + d)
+    # checkpointed (a plan's full recompute): the input alone; on the last layer also what the
+    # loss saves, which runs outside the checkpointed region
+    assert first.recompute_activation * GIB == 8 * b * d
+    assert second.recompute_activation * GIB == 8 * b * (h + d)
+    # selective: also the outputs of matrix products (the Linear's addmm; the MLP's two)
+    assert first.selective_activation * GIB == 8 * b * (d + h)
+    assert second.selective_activation * GIB == 8 * b * (h + 2 * h + d + d)
+    assert all(x.recompute == x.forward for x in costs.layers)
+    assert costs.host_bandwidth_gbs is None  # measured on CUDA only
     # AdamW: parameter + gradient + two states, float64
     params = sum(p.numel() for p in linear.parameters())
     assert first.params * GIB == 8 * params * 4

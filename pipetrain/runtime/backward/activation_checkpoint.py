@@ -1,5 +1,7 @@
 """Activation checkpointing inside stages: ``torch.utils.checkpoint`` with ``use_reentrant=False``
-is exact under every schedule; the reentrant variant is refused at the first step.
+is exact under every schedule; the reentrant variant is refused at the first step. A plan's
+per-stage recompute (``Layout.recompute``) is applied here: ``recompute_stage`` wraps each layer
+of a stage in a non-reentrant checkpoint, full or selective (``Recomputed``).
 
 Non-reentrant checkpointing (saved-tensor hooks: a checkpointed region's saved tensors are
 recomputed when a backward unpacks them) keeps the region's nodes in the stage's autograd graph,
@@ -18,9 +20,21 @@ nodes), each recomputing: more forward runs, same numbers.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
+import torch
+from torch import nn
 from torch.autograd.graph import Node
+from torch.utils.checkpoint import (
+    checkpoint,
+    create_selective_checkpoint_contexts,
+    noop_context_fn,
+)
+
+from pipetrain.runtime import torch_compat
+from pipetrain.runtime.layers import LazyStages, Stage
 
 REENTRANT_NODE = "CheckpointFunctionBackward"
 
@@ -42,3 +56,100 @@ def refuse_reentrant(roots: Iterable[Node], stage: int) -> None:
                 "use_reentrant=False (exact under every schedule)"
             )
         todo.extend(child for child, _ in node.next_functions if child is not None)
+
+
+#: what a stage may recompute (the planner's ``planner.recompute`` modes)
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+class Recomputed(nn.Module):
+    """Runs ``layer`` inside ``torch.utils.checkpoint.checkpoint`` (``use_reentrant=False``):
+    ``"full"`` keeps only the layer's inputs and runs its forward again when a backward reaches
+    it; ``"selective"`` also keeps the outputs of matrix products and fused attention
+    (``torch_compat.saved_by_selective_recompute``) and recomputes the rest — pointwise ops and
+    norms, cheap to run and costly to hold (Korthikanti et al. 2022, "Reducing Activation
+    Recomputation in Large Transformer Models").
+
+    Held only in a ``Stage``'s call list, never registered on it: the stage's parameters,
+    buffers and state-dict keys stay those of the layer as given, and the layer is not changed.
+    Without autograd (``eval_step``, ``torch.no_grad``) the layer runs plainly: nothing is saved
+    that recompute could spare."""
+
+    def __init__(self, layer: nn.Module, mode: str) -> None:
+        super().__init__()
+        self.layer = layer
+        self.mode = mode
+        self.context_fn: Callable[[], tuple[Any, Any]] = noop_context_fn
+        if mode == "selective":
+            ops = torch_compat.saved_by_selective_recompute()
+            self.context_fn = functools.partial(create_selective_checkpoint_contexts, ops)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return self.layer(*args, **kwargs)
+        return checkpoint(
+            self.layer, *args, use_reentrant=False, context_fn=self.context_fn, **kwargs
+        )
+
+
+def recompute_stage(stage: nn.Module, mode: str, index: int) -> nn.Module:
+    """``stage`` with every layer in its call list wrapped in ``Recomputed`` for ``mode`` (the
+    planner models a stage's recompute layer by layer: ``planner.recompute``); ``"none"`` leaves
+    it as it is. Refused with a ``ValueError``: an unknown mode, a stage already recomputing
+    another way, and a stage none of whose layers holds parameters (nothing a backward would
+    reach to recompute). Idempotent for the same mode."""
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(
+            f"stage {index}: unknown recompute mode {mode!r}; legal: "
+            + ", ".join(map(repr, RECOMPUTE_MODES))
+        )
+    if mode == "none":
+        return stage
+    if not isinstance(stage, Stage):
+        raise ValueError(
+            f"stage {index}: recompute {mode!r} applies to a stage of layers (pipetrain.split "
+            f"makes them), got a {type(stage).__name__}"
+        )
+    current = {layer.mode for layer, _ in stage.chain if isinstance(layer, Recomputed)}
+    if current == {mode}:
+        return stage
+    if current:
+        raise ValueError(
+            f"stage {index} already recomputes {sorted(current)[0]!r}; it cannot also recompute "
+            f"{mode!r}"
+        )
+    if next(stage.parameters(), None) is None:
+        raise ValueError(
+            f"stage {index} (layers {', '.join(stage.layer_names)}) recomputes {mode!r}, but none "
+            "of its layers holds parameters: nothing there is worth checkpointing; plan it with "
+            "recompute 'none'"
+        )
+    stage.chain = [(Recomputed(layer, mode), accepts) for layer, accepts in stage.chain]
+    return stage
+
+
+def recompute_stages(stages: Sequence[nn.Module], modes: Sequence[str]) -> Sequence[nn.Module]:
+    """``stages`` (``pipetrain.split``'s) with ``recompute_stage`` applied per ``modes``: all at
+    once for a list, so every process refuses the same plan before any waits for another;
+    on first access for the lazy stages of a layer factory (each rank builds only its own)."""
+    if len(modes) != len(stages):
+        raise ValueError(
+            f"recompute gives {len(modes)} modes for {len(stages)} stages; give one per stage"
+        )
+    if isinstance(stages, LazyStages):
+        return _LazyRecomputed(stages, tuple(modes))
+    return [recompute_stage(stage, mode, s) for s, (stage, mode) in enumerate(zip(stages, modes))]
+
+
+class _LazyRecomputed(Sequence[nn.Module]):
+    def __init__(self, stages: LazyStages, modes: tuple[str, ...]) -> None:
+        self.stages, self.modes = stages, modes
+
+    def __len__(self) -> int:
+        return len(self.stages)
+
+    def __getitem__(self, stage):  # type: ignore[override]
+        if isinstance(stage, slice):
+            return [self[s] for s in range(len(self))[stage]]
+        index = range(len(self))[stage]
+        return recompute_stage(self.stages[index], self.modes[index], index)

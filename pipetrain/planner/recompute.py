@@ -1,0 +1,141 @@
+"""Activation recompute in the planner: what a stage holds and pays when its layers are
+checkpointed, as a transformation of its layers' costs (the simulator stays generic: it sees
+only other per-stage numbers).
+
+The runtime checkpoints a recomputed stage **layer by layer**
+(``runtime.backward.activation_checkpoint``: each layer its own non-reentrant
+``torch.utils.checkpoint`` region), so the transformation is per layer and a stage's costs stay
+sums over its layers (``judge.stage_costs``):
+
+* ``"full"``: a layer keeps only its input between its forward and its backward — plus, on the
+  last layer, what the loss saves, since the loss runs outside the region. That is the costs
+  file's ``recompute_activation``, which the profiler measures (the bytes the forward saves with
+  the layer checkpointed); a file without it: ``INPUT_SHARE`` of ``activation``, the share of a
+  transformer layer's input (2sbh bytes) in its activations (34sbh bytes, attention scores not
+  kept: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
+  §4.1). The first backward piece to reach the layer (``B``, or ``I`` of a split backward) runs
+  its forward again first (``recompute`` ms; default its ``forward``, which on the last layer
+  includes the loss the region does not rerun: an over-estimate), and while it does the layer's
+  activations are live again (added to its workspace: one layer is recomputed at a time).
+* ``"selective"``: the runtime keeps the outputs of matrix products and fused attention and
+  recomputes the rest (pointwise ops, norms: cheap to run, costly to hold), after Korthikanti et
+  al.'s selective recompute. It holds the costs file's ``selective_activation``, which the
+  profiler measures (the saved tensors and the cached outputs); a file without it: what full
+  recompute keeps plus ``SELECTIVE_KEPT`` of the rest. It pays ``SELECTIVE_TIME`` of the
+  recompute time, and the part it does not keep is live again during the backward as above.
+  ``SELECTIVE_TIME`` is always a modelling assumption, not a measurement, and so is
+  ``SELECTIVE_KEPT`` where it stands in; neither is checked against a run. The measured sizes
+  are checked on CPU only (tests/runtime/test_profile.py counts them by hand).
+
+What recompute does not change, on purpose: a split backward's ``W`` still needs what its ``I``
+left for it (the deferred weight gradients stash the linears' inputs and output gradients while
+``I`` recomputes), so ``activation_for_weight`` stays as measured. One recompute per micro-batch
+is the cost of ``B`` and of deferred weight gradients (the runtime's default for stages made
+mostly of linear layers); where graph replay splits the backward, each engine call of its ``W``
+recomputes again, which this model does not count (its size is conservative there: replay holds
+less between ``I`` and ``W``).
+Offloading activations to host memory is not built (docs/planning.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from enum import StrEnum
+
+from pipetrain.planner.costs_file import LayerCost, ModelCosts
+
+
+class Recompute(StrEnum):
+    """What a stage recomputes in its backward instead of holding from its forward."""
+
+    NONE = "none"
+    SELECTIVE = "selective"
+    FULL = "full"
+
+
+#: the modes in the order the planner turns them on (each holds less and costs more)
+MODES: tuple[Recompute, ...] = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
+#: full recompute without a measured ``recompute_activation``: the input's share of a transformer layer's
+#: activations (2sbh of 34sbh bytes; Korthikanti et al. 2022, §4.1)
+INPUT_SHARE = 2 / 34
+#: selective recompute without a measured ``selective_activation``: share of the activation
+#: beyond full recompute's still held (an assumption, see the docstring)
+SELECTIVE_KEPT = 0.5
+#: selective recompute: share of the recompute time paid (an assumption, see the docstring)
+SELECTIVE_TIME = 0.3
+
+
+def parse_modes(values: object, num_stages: int, where: str) -> tuple[Recompute, ...]:
+    """Per-stage recompute modes, checked: a ``ValueError`` names ``where``, the bad value and
+    the legal ones."""
+    legal = ", ".join(repr(m.value) for m in MODES)
+    if not isinstance(values, list | tuple) or not all(isinstance(v, str) for v in values):
+        raise ValueError(f"{where} must be a list of {legal} per stage, got {values!r}")
+    if len(values) != num_stages:
+        raise ValueError(
+            f"{where} has {len(values)} entries but the plan has {num_stages} stages; give one "
+            f"of {legal} per stage"
+        )
+    bad = [v for v in values if v not in {m.value for m in MODES}]
+    if bad:
+        raise ValueError(f"{where}: unknown recompute mode {bad[0]!r}; legal: {legal}")
+    return tuple(Recompute(v) for v in values)
+
+
+def held_full(layer: LayerCost) -> float:
+    """What a fully recomputed layer keeps per micro-batch (GiB): its input (and the loss's
+    saved tensors on the last layer), as measured, else ``INPUT_SHARE`` of its activation."""
+    kept = layer.recompute_activation
+    return min(layer.activation, layer.activation * INPUT_SHARE if kept is None else kept)
+
+
+def held_selective(layer: LayerCost) -> float:
+    """What a layer under selective recompute keeps per micro-batch (GiB), as measured, else
+    what full recompute keeps and ``SELECTIVE_KEPT`` of the rest."""
+    full = held_full(layer)
+    kept = layer.selective_activation
+    if kept is None:
+        kept = full + (layer.activation - full) * SELECTIVE_KEPT
+    return min(layer.activation, max(full, kept))
+
+
+def recomputed_layer(layer: LayerCost, mode: Recompute) -> LayerCost:
+    """``layer``'s costs when its stage runs ``mode`` (module docstring)."""
+    if mode is Recompute.NONE:
+        return layer
+    if mode is Recompute.FULL:
+        kept, paid = held_full(layer), layer.recompute_ms
+    else:
+        kept, paid = held_selective(layer), layer.recompute_ms * SELECTIVE_TIME
+    dropped = layer.activation - kept
+    return dataclasses.replace(
+        layer,
+        backward=layer.backward + paid,
+        backward_input=None if layer.backward_input is None else layer.backward_input + paid,
+        activation=kept,
+        # W needs what I left it, as measured without recompute (module docstring)
+        activation_for_weight=layer.activation
+        if layer.activation_for_weight is None
+        else layer.activation_for_weight,
+        workspace=layer.workspace + dropped,
+    )
+
+
+def recomputed_costs(costs: ModelCosts, mode: Recompute) -> ModelCosts:
+    """Every layer of ``costs`` under one mode (for the cut searches' weights and memory caps)."""
+    if mode is Recompute.NONE:
+        return costs
+    return dataclasses.replace(costs, layers=tuple(recomputed_layer(x, mode) for x in costs.layers))
+
+
+def uniform(mode: Recompute, num_stages: int) -> tuple[Recompute, ...]:
+    return (mode,) * num_stages
+
+
+def describe(modes: Sequence[str]) -> str:
+    """Per-stage modes in a few characters: ``none``, or ``f,f,s,-`` (full, selective, none)."""
+    if all(m == Recompute.NONE for m in modes):
+        return "none"
+    short = {Recompute.NONE: "-", Recompute.SELECTIVE: "s", Recompute.FULL: "f"}
+    return ",".join(short[Recompute(m)] for m in modes)

@@ -1,0 +1,191 @@
+"""Recompute in the planner: the costs file's version 2, the per-layer model, the search that
+turns recompute on only when nothing fits without it, and plans that carry it (pure Python)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipetrain.cli import main
+from pipetrain.planner import Layout, ModelCosts, NoPlanFits, parse_costs, plan, search
+from pipetrain.planner.costs_file import VERSION, LayerCost, load_costs, save_costs
+from pipetrain.planner.recompute import (
+    INPUT_SHARE,
+    SELECTIVE_KEPT,
+    SELECTIVE_TIME,
+    Recompute,
+    recomputed_layer,
+)
+from pipetrain.planner.search import simulate_plan, stage_costs
+from pipetrain.schedule.action import OpKind
+from pipetrain.schedule.registry import build_schedule
+
+
+def block(name: str, act: float = 1.0, kept: float | None = 0.05, params: float = 0.1):
+    return LayerCost(
+        name=name, forward=1.0, backward_input=1.0, backward_weight=1.0, backward=2.0,
+        activation=act, params=params, recompute=0.8, recompute_activation=kept,
+    )  # fmt: skip
+
+
+def heavy(num_layers: int = 8) -> ModelCosts:
+    """Activations dominate memory: the shape where recompute decides what fits."""
+    return ModelCosts(layers=tuple(block(f"l{i}") for i in range(num_layers)))
+
+
+def test_version_2_round_trips_and_version_1_loads_with_defaults(tmp_path) -> None:
+    a = dataclasses.replace(block("a"), selective_activation=0.5)
+    costs = ModelCosts(layers=(a, block("b", kept=None)), host_bandwidth_gbs=25.0)
+    path = tmp_path / "costs.json"
+    save_costs(costs, path)
+    data = json.loads(path.read_text())
+    assert data["version"] == VERSION == 2 and data["host_bandwidth_gbs"] == 25.0
+    assert data["layers"][0]["recompute"] == 0.8
+    assert data["layers"][0]["recompute_activation"] == 0.05
+    assert data["layers"][0]["selective_activation"] == 0.5
+    assert "recompute_activation" not in data["layers"][1]
+    assert load_costs(path) == costs
+    old = parse_costs(
+        {"version": 1, "layers": [{"forward": 2, "backward": 3, "activation": 1, "params": 0}]}
+    )
+    (layer,) = old.layers
+    assert layer.recompute is None and layer.recompute_ms == 2.0
+    assert layer.recompute_activation is None and old.host_bandwidth_gbs is None
+    with pytest.raises(ValueError, match=r"host_bandwidth_gbs: a version 2 field"):
+        parse_costs({**data, "version": 1})
+    data.pop("host_bandwidth_gbs")
+    with pytest.raises(ValueError, match=r"layers\[0\].recompute: a version 2 field"):
+        parse_costs({**data, "version": 1})
+    with pytest.raises(ValueError, match=r"host_bandwidth_gbs: expected a finite number"):
+        parse_costs({**data, "host_bandwidth_gbs": -1})
+
+
+def test_the_layer_model_of_full_and_selective_recompute() -> None:
+    layer = block("x", act=1.0, kept=0.1)
+    full = recomputed_layer(layer, Recompute.FULL)
+    assert full.activation == 0.1  # what a checkpointed layer keeps, as measured
+    assert full.backward == 2.8 and full.backward_input == 1.8 and full.backward_weight == 1.0
+    assert full.workspace == pytest.approx(0.9)  # live again while it is recomputed
+    assert full.activation_for_weight == 1.0  # W needs what I left it
+    selective = recomputed_layer(layer, Recompute.SELECTIVE)
+    assert selective.activation == pytest.approx(0.1 + 0.9 * SELECTIVE_KEPT)
+    assert selective.backward == pytest.approx(2.0 + 0.8 * SELECTIVE_TIME)
+    assert recomputed_layer(layer, Recompute.NONE) is layer
+    unmeasured = recomputed_layer(block("y", act=2.0, kept=None), Recompute.FULL)
+    assert unmeasured.activation == pytest.approx(2.0 * INPUT_SHARE)
+    measured = dataclasses.replace(layer, selective_activation=0.4)
+    assert recomputed_layer(measured, Recompute.SELECTIVE).activation == 0.4
+
+
+def test_a_recomputing_stage_pays_before_its_backward_and_holds_less() -> None:
+    costs = heavy(4)
+    program = build_schedule("1f1b", 2, 4)
+    sc = stage_costs(costs, program, (2, 2), ("full", "none"))
+    assert sc.backward == [2 * 2.8, 2 * 2.0] and sc.activation == pytest.approx([0.1, 2.0])
+    timeline, peaks = simulate_plan(costs, program, (2, 2), ("full", "none"))
+    b0 = [s.end - s.start for s in timeline.spans if s.action.kind is OpKind.B and s.rank == 0]
+    assert b0 == [pytest.approx(5.6)] * 4
+    _, plain = simulate_plan(costs, program, (2, 2))
+    # rank 0 holds two micro-batches at its peak under 1F1B, and one layer's recompute
+    assert plain[0] == pytest.approx(0.2 + 2 * 2.0)
+    assert peaks[0] == pytest.approx(0.2 + 2 * 0.1 + 0.95) and peaks[1] == plain[1]
+
+
+def test_recompute_only_when_nothing_fits_without_it() -> None:
+    roomy = search(heavy(), num_ranks=2, memory_gib=100, headroom=0)
+    assert not roomy.recompute_tried and roomy.best.plan.recompute == ("none",) * len(
+        roomy.best.plan.stage_layers
+    )
+    lowest_plain = min(max(c.plan.peak_gib) for c in roomy.candidates)
+    budget = lowest_plain * 0.5
+    tight = search(heavy(), num_ranks=2, memory_gib=budget, headroom=0)
+    pick = tight.best.plan
+    assert tight.recompute_tried and pick.fits and pick.layout.recomputes
+    assert max(pick.peak_gib) <= budget
+    assert pick.ms_per_microbatch >= roomy.best.plan.ms_per_microbatch
+    assert pick.ms_per_microbatch == min(c.plan.ms_per_microbatch for c in tight.fitting)
+    # the raising pass found a mix cheaper than recomputing every stage fully
+    all_full = [c for c in tight.fitting if set(c.plan.recompute) == {"full"}]
+    assert all_full and pick.ms_per_microbatch < min(c.plan.ms_per_microbatch for c in all_full)
+
+
+def test_nothing_fits_even_with_full_recompute_names_the_gib() -> None:
+    with pytest.raises(NoPlanFits, match=r"even with full recompute on every stage: the smallest "
+                       r"peak any candidate reached is [\d.]+ GiB"):  # fmt: skip
+        plan(heavy(), num_ranks=2, memory_gib=0.5, headroom=0)
+
+
+def test_a_stage_without_parameters_never_recomputes() -> None:
+    layers = (block("a"), block("free", params=0.0), block("b"), block("c"))
+    costs = ModelCosts(layers=layers)
+    found = search(costs, num_ranks=4, memory_gib=1.3, headroom=0, schedules=["1f1b"])
+    assert found.recompute_tried
+    for c in found.candidates:
+        if c.plan.stage_layers == (1, 1, 1, 1):
+            assert c.plan.recompute[1] == "none", c.plan.recompute
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    acts=st.lists(st.floats(0.1, 2.0), min_size=3, max_size=6),
+    squeeze=st.floats(0.2, 1.0),
+)
+def test_a_pick_fits_and_names_a_mode_per_stage(acts, squeeze) -> None:
+    costs = ModelCosts(layers=tuple(block(f"l{i}", act=a) for i, a in enumerate(acts)))
+    roomy = search(costs, num_ranks=2, memory_gib=1e6, headroom=0, schedules=["1f1b", "zb-h1"])
+    budget = min(max(c.plan.peak_gib) for c in roomy.candidates) * squeeze
+    try:
+        pick = plan(costs, num_ranks=2, memory_gib=budget, headroom=0, schedules=["1f1b", "zb-h1"])
+    except NoPlanFits as e:
+        assert "GiB" in str(e)
+        return
+    assert max(pick.peak_gib) <= budget * (1 + 1e-12)
+    assert len(pick.recompute) == len(pick.stage_layers) and sum(pick.stage_layers) == len(acts)
+
+
+def test_layouts_carry_recompute_and_refuse_offload() -> None:
+    old = {"schedule": "1f1b", "ranks": 2, "stages_per_rank": 1, "microbatches": 4,
+           "stage_layers": [3, 3]}  # fmt: skip
+    assert Layout.from_json(old).recompute == ("none", "none")
+    new = Layout.from_json({**old, "recompute": ["full", "selective"]})
+    assert new.recompute == ("full", "selective") and new.recomputes
+    assert Layout.from_json(new.to_json()) == new
+    assert Layout.from_json({**old, "offload": [0, 0.0]}).recompute == ("none", "none")
+    bad = {
+        "recompute": (["full"], "has 1 entries but the plan has 2 stages"),
+        "recompute ": (["full", "most"], "unknown recompute mode 'most'; legal: 'none', "),
+        "offload": ([0.5, 0], "activation offload is not implemented in the runtime yet"),
+        "offload ": ([1.5, 0], r"one fraction in \[0, 1\] per stage"),
+    }
+    for key, (value, message) in bad.items():
+        with pytest.raises(ValueError, match=message):
+            Layout.from_json({**old, key.strip(): value})
+    with pytest.raises(ValueError, match="unknown recompute mode"):
+        Layout(schedule="1f1b", ranks=1, stages_per_rank=1, microbatches=1, stage_layers=(2,),
+               recompute=("some",))  # fmt: skip
+
+
+def test_cli_plan_prints_recompute_and_memory_per_rank(tmp_path, capsys) -> None:
+    path = tmp_path / "costs.json"
+    save_costs(heavy(), path)
+    argv = ["plan", "--costs", str(path), "--ranks", "2", "--memory-gib", "3", "--headroom", "0"]
+    assert main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["recompute"]) == len(out["stage_layers"]) and "full" in out["recompute"]
+    assert max(out["predicted"]["peak_gib"]) <= 3
+    svg = tmp_path / "plan.svg"
+    assert main([*argv, "--svg", str(svg), "--width", "80"]) == 0
+    text = capsys.readouterr().out
+    assert "no plan fits without recompute: recompute per stage ['full'" in text
+    assert "memory per rank (static + held; █ = 3 GiB, the limit):" in text
+    rows = [line for line in text.splitlines() if line.startswith("rank 0 |")]
+    assert len(rows) >= 2 and len(rows[-1]) == 80  # the timeline's row, then memory's
+    assert "recompute" in text.split("best plan of each family:")[1].splitlines()[1]
+    drawn = svg.read_text()
+    assert drawn.count('class="mem"') >= 2 and 'class="limit"' in drawn
+    assert main([*argv[:-3], "0.5", "--headroom", "0"]) == 2
+    assert "even with full recompute on every stage" in capsys.readouterr().err

@@ -1,0 +1,107 @@
+"""Per-rank runner for ``test_runtime_recompute``: ``Pipeline.from_plan`` with per-stage
+recompute against the same plan without, in float64 on gloo (the built-in GPT from a layer
+factory; the Hugging Face Llama from a mapping when transformers is installed), and the plans
+the runtime refuses."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+#: (label, schedule, stages per rank, micro-batches, stage_layers, recompute, defer_weight_grads)
+PLANS = [
+    ("1f1b", "1f1b", 1, 2, [3, 2], ["full", "selective"], None),
+    ("zbv deferred", "zbv", 2, 4, [2, 1, 1, 1], ["full", "selective", "none", "full"], True),
+    ("zbv replayed", "zbv", 2, 4, [1, 2, 1, 1], ["selective", "full", "full", "selective"], False),
+]
+
+
+def run_recompute_plans(rank: int, world: int) -> dict:
+    """Per model and plan: the largest relative difference of the loss and of every gradient
+    from the plan run without recompute, and whether the state-dict keys are the same; then the
+    refusals."""
+    from pipetrain.app.catalog import ModelShape, build
+
+    out: dict = {"differences": {}, "same_keys": {}, "recomputed": {}}
+    models = ["gpt"]
+    try:
+        import transformers  # noqa: F401
+
+        models.append("llama")
+    except ImportError:
+        pass
+    tokens = torch.randint(0, 256, (8, 8), generator=torch.Generator().manual_seed(1))
+    targets = torch.roll(tokens, -1, dims=1)
+    for model in models:
+        shape = ModelShape(
+            model=model, blocks=3, hidden=16, heads=4, kv_heads=2 if model == "llama" else None,
+            vocab=256, seq_len=8, dtype="float64", seed=5,
+        )  # fmt: skip
+        for label, schedule, v, m, cut, recompute, defer in PLANS:
+            cut = [*cut[:-1], cut[-1] + len(build(shape).names) - sum(cut)]  # the rest: last
+            plain = {"schedule": schedule, "ranks": world, "stages_per_rank": v,
+                     "microbatches": m, "stage_layers": cut}  # fmt: skip
+            runs = [_run(build(shape), p, tokens, targets, defer)
+                    for p in (plain, {**plain, "recompute": recompute})]  # fmt: skip
+            (loss0, grads0, keys0, _), (loss1, grads1, keys1, wrapped) = runs
+            worst = abs(loss1 - loss0) / abs(loss0)
+            for name, g in grads0.items():
+                worst = max(worst, float((grads1[name] - g).abs().max() / g.abs().max()))
+            key = f"{model} {label}"
+            out["differences"][key] = worst
+            out["same_keys"][key] = keys0 == keys1 and grads0.keys() == grads1.keys()
+            out["recomputed"][key] = wrapped
+    out["refusals"] = _refusals(world)
+    return out
+
+
+def _run(model, plan: dict, tokens, targets, defer):
+    from pipetrain.runtime.backward.activation_checkpoint import Recomputed
+    from pipetrain.runtime.pipeline import Pipeline
+
+    pipe = Pipeline.from_plan(
+        model.layers, plan, loss_fn=model.loss_fn, device="cpu", defer_weight_grads=defer
+    )
+    loss = float(pipe.step(*model.batch(tokens, targets)))
+    grads = {
+        n: p.grad.clone()
+        for s in pipe.modules.values()
+        for n, p in s.named_parameters()
+        if p.grad is not None
+    }
+    keys = sorted(k for s in pipe.modules.values() for k in s.state_dict())
+    # per local stage, the modes its layers run under
+    wrapped = {
+        s: sorted({layer.mode for layer, _ in st.chain if isinstance(layer, Recomputed)})
+        for s, st in pipe.modules.items()
+    }
+    pipe.close()
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (grads, keys, wrapped))
+    all_grads = {n: g for part, _, _ in gathered for n, g in part.items()}
+    all_keys = sorted(k for _, part, _ in gathered for k in part)
+    all_wrapped = {s: m for _, _, part in gathered for s, m in part.items()}
+    return loss, all_grads, all_keys, all_wrapped
+
+
+def _refusals(world: int) -> dict:
+    from torch import nn
+
+    from pipetrain.runtime.pipeline import Pipeline
+
+    layers = {"lin": nn.Linear(4, 4), "act": nn.ReLU()}
+    base = {"schedule": "1f1b", "ranks": world, "stages_per_rank": 1, "microbatches": 2,
+            "stage_layers": [1, 1]}  # fmt: skip
+    cases = {
+        "no parameters": {**base, "recompute": ["none", "full"]},
+        "offload": {**base, "offload": [0.5, 0.0]},
+        "mode": {**base, "recompute": ["none", "everything"]},
+    }
+    out = {}
+    for label, plan in cases.items():
+        try:
+            Pipeline.from_plan(layers, plan, loss_fn=lambda y, t: y.sum())
+            out[label] = ""
+        except ValueError as e:
+            out[label] = str(e)
+    return out
