@@ -42,6 +42,11 @@ class Refused(ValueError):
     """The pipeline refused the configuration at construction (the same on every rank)."""
 
 
+class NonFinite(ArithmeticError):
+    """The loss was nan or inf and ``--on-nonfinite stop`` (the same on every rank: every rank
+    returns the same loss)."""
+
+
 @dataclass
 class Run:
     """What a worker's training loop gives back."""
@@ -83,7 +88,9 @@ def train(config: TrainConfig, device: torch.device) -> Run:
     pipe, replica = _pipeline(config, layout, model, device)
     opt = torch.optim.AdamW(pipe.parameters(), lr=config.lr, betas=(0.9, 0.95))
     saver = (
-        checkpoints.Checkpoints(config.checkpoint_dir, model.shape)
+        checkpoints.Checkpoints(
+            config.checkpoint_dir, model.shape, overwrite=config.overwrite_checkpoints
+        )
         if config.checkpoint_dir
         else None
     )
@@ -105,14 +112,28 @@ def train(config: TrainConfig, device: torch.device) -> Run:
     bar = Progress(config.steps, enabled=rank == 0, start=start)
     losses: list[float] = []
     measured: list[Timeline] = []
+    skipped: list[int] = []
     for step in range(start, config.steps):
         inputs, targets = (t[mine].to(device) for t in next(data))
         timed = step >= config.steps - MEASURED_STEPS
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = pipe.step(*model.batch(inputs, targets), timeline=timed)
-        norm = pipe.clip_grad_norm_(config.clip_grad_norm) if config.clip_grad_norm else None
-        opt.step()
+        norm = None
+        if pipe.loss_is_finite(loss):  # the same answer on every rank, no collective
+            if config.clip_grad_norm:
+                norm = pipe.clip_grad_norm_(config.clip_grad_norm)
+            opt.step()
+        elif config.on_nonfinite == "skip":
+            skipped.append(step + 1)
+            opt.zero_grad(set_to_none=True)
+        else:
+            bar.close()
+            raise NonFinite(
+                f"the loss is {float(loss)} at step {step + 1}: stopped before its optimizer "
+                f"step (lower --lr {config.lr:g}, or clip with --clip-grad-norm; --on-nonfinite "
+                "skip skips such steps instead)"
+            )
         losses.append(float(loss))
         rate = inputs.numel() * config.dp / (time.perf_counter() - t0)
         bar.update(step + 1, losses[-1], rate, None if norm is None else float(norm))
@@ -126,6 +147,12 @@ def train(config: TrainConfig, device: torch.device) -> Run:
         run.report = report(
             config.svg, losses, measured, pipe.program, shared_cores=device.type == "cpu"
         )
+        if skipped:
+            shown = ", ".join(map(str, skipped[:10])) + (" ..." if len(skipped) > 10 else "")
+            run.report += (
+                f"\nskipped the optimizer step of {len(skipped)} step(s) whose loss was not "
+                f"finite (--on-nonfinite skip): {shown}"
+            )
         if saver is not None:
             run.report += f"\ncheckpoints in {config.checkpoint_dir} (latest: step {config.steps})"
     return run
@@ -174,4 +201,4 @@ def _local_state(pipe) -> dict[str, torch.Tensor]:
     return out
 
 
-__all__ = ["MEASURED_STEPS", "Refused", "Run", "read_tokens", "train"]
+__all__ = ["MEASURED_STEPS", "NonFinite", "Refused", "Run", "read_tokens", "train"]
