@@ -144,9 +144,9 @@ def train(config: TrainConfig, device: torch.device) -> Run:
     bar.close()
     run = Run(losses, start, {k: v.detach().clone() for k, v in _local_state(pipe).items()})
     if rank == 0:
-        run.report = report(
-            config.svg, losses, measured, pipe.program, shared_cores=device.type == "cpu"
-        )
+        cpu_processes = dist.get_world_size() if device.type == "cpu" else 0
+        planned = _planned(config.plan)
+        run.report = report(config.svg, losses, measured, pipe.program, cpu_processes, planned)
         if skipped:
             shown = ", ".join(map(str, skipped[:10])) + (" ..." if len(skipped) > 10 else "")
             run.report += (
@@ -191,6 +191,16 @@ def _pipeline(
         flags = f"--tie-embeddings with --dp {config.dp}: " if model.tied and config.dp > 1 else ""
         raise Refused(flags + str(e)) from None
     return pipe, replica
+
+
+def _planned(plan_file: str | None) -> dict[str, Any] | None:
+    """The ``predicted`` record of ``--plan FILE`` (checked before launch), if it has one."""
+    if plan_file is None:
+        return None
+    import json
+
+    predicted = json.loads(Path(plan_file).read_text()).get("predicted")
+    return predicted if isinstance(predicted, dict) else None
 
 
 def _local_state(pipe) -> dict[str, torch.Tensor]:
