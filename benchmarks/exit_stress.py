@@ -6,7 +6,7 @@ process ended (0, another status, a signal such as SIGABRT).
 
 ``finished``: the README's example as a user writes it (``init_process_group``, a Pipeline,
 steps, one measured; no ``close``, no ``destroy_process_group``). ``refused``: the same, then
-``load_checkpoint`` of a deeper model's checkpoint, which every rank refuses; the script catches
+``load_checkpoint`` of a shallower model's checkpoint, which every rank refuses (a missing key); the script catches
 the refusal and exits. What is tested is the interpreter's own teardown, so each rank is a
 fresh process (no multiprocessing). Prints one line per outcome and a summary; exits 1 if any
 process ended otherwise than with status 0.
@@ -49,12 +49,12 @@ for _ in range(3):
             p.grad = None
 pipe.step(x, y, timeline=True)
 if case == "refused":
-    deep = pipetrain.Pipeline(stages(3), "zb-h1", 8, nn.functional.mse_loss)
-    pipetrain.save_checkpoint(folder, deep)
+    shallow = pipetrain.Pipeline(stages(1), "zb-h1", 8, nn.functional.mse_loss)
+    pipetrain.save_checkpoint(folder, shallow)
     try:
         pipetrain.load_checkpoint(folder, pipe)
         sys.exit("the load was not refused")
-    except ValueError:
+    except (KeyError, ValueError):
         pass
 """
 
