@@ -1,6 +1,10 @@
-"""The README's code runs as written: its training job (FSDP2 on a (dp, pp) mesh of 2 × 2, the
-token-mean loss, clipping, a checkpoint) on 4 gloo processes in float32 and bfloat16, the
-precisions people train in, not only float64; its planning block in this process."""
+"""The documentation's code runs as written, on gloo in float32 and bfloat16 (the precisions
+people train in, not only float64): the README's first training block (2 processes that
+initialise their own group, as under torchrun), its training job (FSDP2 on a (dp, pp) mesh of
+2 × 2, the token-mean loss, clipping, a checkpoint; 4 processes) and docs/training.md's first
+block (split, side inputs, the token-mean loss, clipping, a checkpoint; 2 processes); and the
+README's planning block, in this process. What a block leaves to the reader (a model, a batch) is
+made by ``tests/support/readme_cases.py``."""
 
 from __future__ import annotations
 
@@ -11,7 +15,12 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from readme_cases import code_block, run_training_job
+from readme_cases import (
+    code_block,
+    run_api_block,
+    run_training_guide_block,
+    run_training_job,
+)
 from runtime_harness import launch
 
 
@@ -29,3 +38,19 @@ def test_the_readme_planning_block_runs() -> None:
     scope: dict = {}
     exec(code_block("README.md", "### Planning only (no torch needed)"), scope)
     assert scope["timeline"].makespan > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_readme_api_block_runs(dtype: str) -> None:
+    for code, said in run_api_block(dtype):
+        assert code == 0, said
+        assert 0 <= float(said.strip().splitlines()[-1]) < 1, said  # the bubble fraction
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_training_guide_block_runs(tmp_path: Path, dtype: str) -> None:
+    results = launch(2, run_training_guide_block, dtype, str(tmp_path), timeout=180)
+    assert len({r["loss"] for r in results}) == 1 and 0 < results[0]["loss"] < 100, results
+    assert all(r["saved"] for r in results)
