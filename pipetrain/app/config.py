@@ -173,7 +173,7 @@ def check_arguments(config: TrainConfig) -> Layout:
 
     if not config.worker:  # the launcher's: workers may find this run's first checkpoints
         check_directory(config)
-    if config.resume:  # the checkpoint is complete and of this model (file reads, no process)
+    if config.resume and config.checkpoint_dir is not None:  # complete and of this model
         Checkpoints(config.checkpoint_dir, shape).latest()
     layout = _layout(config, shape)
     _check_text(config, layout)

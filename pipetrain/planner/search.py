@@ -146,7 +146,7 @@ def as_costs(costs: object) -> ModelCosts:
     if isinstance(costs, ModelCosts):
         return costs
     if isinstance(costs, (str, os.PathLike)):
-        return load_costs(costs)
+        return load_costs(os.fspath(costs))
     if isinstance(costs, Mapping):
         return parse_costs(dict(costs))
     raise TypeError(

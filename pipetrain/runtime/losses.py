@@ -103,7 +103,9 @@ def weights(
     return (1.0 / total,) * len(row_weights)
 
 
-def agree(held: list[torch.Tensor] | None, weights, transport, last_rank: int, world_size: int):
+def agree(
+    held: dict[int, torch.Tensor] | None, weights, transport, last_rank: int, world_size: int
+) -> torch.Tensor:
     """The batch's loss on every rank: ``Σ_j w_j · loss_j`` of the micro-batch losses ``held``
     by the last stage's rank (``None`` elsewhere), in float64, broadcast with its dtype's code
     and returned in that dtype. Every rank then holds the same value, so a decision on it (is it

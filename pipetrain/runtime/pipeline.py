@@ -278,8 +278,9 @@ class Pipeline:
         size (``runtime.resolve``)."""
         layout = cls.plan_layout(plan)
         stages = resolve.plan_stages(layers, layout, kwargs)  # cut in construction's phases
-        shape = {"stages_per_rank": layout.stages_per_rank, "num_stages": len(layout.stage_layers)}
-        return cls(stages, layout.schedule, layout.microbatches, loss_fn, **shape, **kwargs)
+        per_rank, total = layout.stages_per_rank, len(layout.stage_layers)
+        args = (stages, layout.schedule, layout.microbatches, loss_fn)
+        return cls(*args, stages_per_rank=per_rank, num_stages=total, **kwargs)
 
     @classmethod
     def plan_layout(cls, plan: Plan | Layout | Mapping[str, Any]) -> Layout:
