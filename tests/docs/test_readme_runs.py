@@ -54,3 +54,32 @@ def test_the_training_guide_block_runs(tmp_path: Path, dtype: str) -> None:
     results = launch(2, run_training_guide_block, dtype, str(tmp_path), timeout=180)
     assert len({r["loss"] for r in results}) == 1 and 0 < results[0]["loss"] < 100, results
     assert all(r["saved"] for r in results)
+
+
+def test_the_planning_guide_block_runs(tmp_path: Path, monkeypatch) -> None:
+    """docs/planning.md's first block: profile four small layers, plan them for 4 ranks; the plan
+    also comes from the costs file's path and from its JSON (``pipetrain.plan`` takes all
+    three)."""
+    import json
+
+    import torch
+    from torch import nn
+
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(0)
+    scope: dict = {
+        "layers": [nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4)],
+        "sample_microbatch": torch.randn(4, 16),
+        "loss": nn.functional.mse_loss,
+        "targets": torch.randn(4, 16),
+    }
+    exec(code_block("docs/planning.md", "# Planning from measured costs"), scope)
+    import pipetrain
+
+    plan = scope["plan"]
+    assert sum(plan.stage_layers) == 4
+    again = pipetrain.plan("costs.json", num_ranks=4, memory_gib=40)
+    from_json = pipetrain.plan(
+        json.loads(Path("costs.json").read_text()), num_ranks=4, memory_gib=40
+    )
+    assert again.layout == from_json.layout
