@@ -9,7 +9,9 @@ pipeline's norm), writes checkpoints every ``--checkpoint-every`` steps (``app.c
 ``--resume`` continues from the latest one, bit for bit on the same layout), and on rank 0 shows
 a progress bar (loss, tokens/s). The last ``MEASURED_STEPS`` steps are measured
 (``timeline=True``) for the end-of-run report (``app.report``). What the pipeline refuses at
-construction is raised as ``Refused``, the same on every rank.
+construction is raised as ``Refused``, the same on every rank; a loss that is not finite raises
+``NonFinite`` before that step's update (``--on-nonfinite skip``: the update is skipped), the same
+on every rank too, since every rank returns the same loss.
 
 torch is imported inside functions only, so ``pipetrain --help`` stays fast.
 """
@@ -119,21 +121,11 @@ def train(config: TrainConfig, device: torch.device) -> Run:
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = pipe.step(*model.batch(inputs, targets), timeline=timed)
-        norm = None
-        if pipe.loss_is_finite(loss):  # the same answer on every rank, no collective
-            if config.clip_grad_norm:
-                norm = pipe.clip_grad_norm_(config.clip_grad_norm)
-            opt.step()
-        elif config.on_nonfinite == "skip":
-            skipped.append(step + 1)
-            opt.zero_grad(set_to_none=True)
-        else:
+        try:
+            norm = _update(config, pipe, opt, loss, step + 1, skipped)
+        except NonFinite:
             bar.close()
-            raise NonFinite(
-                f"the loss is {float(loss)} at step {step + 1}: stopped before its optimizer "
-                f"step (lower --lr {config.lr:g}, or clip with --clip-grad-norm; --on-nonfinite "
-                "skip skips such steps instead)"
-            )
+            raise
         losses.append(float(loss))
         rate = inputs.numel() * config.dp / (time.perf_counter() - t0)
         bar.update(step + 1, losses[-1], rate, None if norm is None else float(norm))
@@ -149,13 +141,31 @@ def train(config: TrainConfig, device: torch.device) -> Run:
         run.report = report(config.svg, losses, measured, pipe.program, cpu_processes, planned)
         if skipped:
             shown = ", ".join(map(str, skipped[:10])) + (" ..." if len(skipped) > 10 else "")
-            run.report += (
-                f"\nskipped the optimizer step of {len(skipped)} step(s) whose loss was not "
-                f"finite (--on-nonfinite skip): {shown}"
-            )
+            run.report += f"\nskipped the update of {len(skipped)} step(s) whose loss was not "
+            run.report += f"finite (--on-nonfinite skip): {shown}"
         if saver is not None:
             run.report += f"\ncheckpoints in {config.checkpoint_dir} (latest: step {config.steps})"
     return run
+
+
+def _update(config: TrainConfig, pipe, opt, loss, step: int, skipped: list[int]):
+    """The optimizer's update after ``step``'s backward (clipped first with
+    ``--clip-grad-norm``; its norm returned), unless the loss is not finite: then the step is
+    added to ``skipped`` (``--on-nonfinite skip``) or ``NonFinite`` raised. Every rank holds the
+    same loss, so every rank decides alike with no collective."""
+    if not pipe.loss_is_finite(loss):
+        if config.on_nonfinite == "skip":
+            skipped.append(step)
+            opt.zero_grad(set_to_none=True)
+            return None
+        raise NonFinite(
+            f"the loss is {float(loss)} at step {step}: stopped before its optimizer step (lower "
+            f"--lr {config.lr:g}, or clip with --clip-grad-norm; --on-nonfinite skip skips such "
+            "steps instead)"
+        )
+    norm = pipe.clip_grad_norm_(config.clip_grad_norm) if config.clip_grad_norm else None
+    opt.step()
+    return norm
 
 
 def _pipeline(

@@ -132,3 +132,26 @@ def test_bad_folders_exit_2_with_one_line_before_any_process(tmp_path: Path) -> 
         assert done.returncode == 2, done.stderr
         assert done.stderr.count("\n") == 1 and said in done.stderr, done.stderr
         assert "launching" not in done.stdout
+
+
+def test_overwrite_checkpoints_replaces_a_previous_runs_checkpoints(tmp_path: Path) -> None:
+    tiny = ["--model", "gpt", "--layers", "2", "--hidden", "16", "--heads", "2", "--seq-len", "16"]
+    tiny += [
+        "-m",
+        "2",
+        "--microbatch-size",
+        "2",
+        "--timeout",
+        "60",
+        "--svg",
+        str(tmp_path / "s.svg"),
+    ]
+    tiny += ["--corpus-out", str(tmp_path / "corpus.txt"), "--checkpoint-dir", str(tmp_path / "c")]
+    done = _train(*tiny, "--steps", "3", "--checkpoint-every", "1")
+    assert done.returncode == 0, done.stdout + done.stderr
+    done = _train(*tiny, "--steps", "2")
+    assert done.returncode == 2 and "--overwrite-checkpoints" in done.stderr, done.stderr
+    done = _train(*tiny, "--steps", "1", "--overwrite-checkpoints")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["latest", "step-000001"]
+    assert (tmp_path / "c" / "latest").read_text().strip() == "step-000001"

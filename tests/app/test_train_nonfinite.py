@@ -38,4 +38,4 @@ def test_a_nonfinite_loss_stops_the_run_naming_the_step(tmp_path: Path) -> None:
 def test_on_nonfinite_skip_finishes_and_names_the_skipped_steps(tmp_path: Path) -> None:
     done = _train(tmp_path, "--on-nonfinite", "skip")
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "skipped the optimizer step of" in done.stdout, done.stdout
+    assert "skipped the update of" in done.stdout, done.stdout
