@@ -5,15 +5,23 @@ the latest.
     DIR/step-000040/train.json   the step and the model's shape
     DIR/latest             "step-000040", written once the whole checkpoint is on disk
 
+A step's folder appears only once complete (``runtime.checkpoint_disk``: written as
+``step-000040.partial``, then renamed), so a run stopped while saving (a signal, a dead process)
+leaves a ``.partial`` folder that ``--resume`` ignores and names, never a half-written
+``step-*``. Before any process starts (``check_directory``) the directory must be a writable
+folder, and one that already holds checkpoints needs ``--resume`` (continue from them) or
+``--overwrite-checkpoints`` (replace them: removed when this run writes its first one), so that a
+new run never moves ``latest`` back to an older step among a previous run's checkpoints.
+
 State is keyed by the model's global layer names (``runtime.checkpoint``), so a run may resume
 at another pipeline size or schedule, and with or without data parallel (DDP or FSDP2, whose
-replicas write their shards). Resuming checks the model's shape first and names the
-first field that differs. The step count is all the training loop needs besides: the data
-order is a function of the seed and the step, and AdamW's state (its step included) is in the
-checkpoint — so a run resumed on the same layout continues bit for bit. On another layout it
-continues to float64 round-off only: the layout decides which stages accumulate a linear's weight
-gradient inside the GEMM and which add it after, and a BLAS may round the two differently
-(docs/training.md).
+replicas write their shards). Resuming checks the latest checkpoint's files and the model's shape
+first and names the first problem, and the last complete checkpoint where the latest is corrupt.
+The step count is all the training loop needs besides: the data order is a function of the seed
+and the step, and AdamW's state (its step included) is in the checkpoint — so a run resumed on
+the same layout continues bit for bit. On another layout it continues to float64 round-off only:
+the layout decides which stages accumulate a linear's weight gradient inside the GEMM and which
+add it after, and a BLAS may round the two differently (docs/training.md).
 """
 
 from __future__ import annotations
@@ -21,23 +29,33 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
+import tempfile
 from pathlib import Path
 
 from pipetrain.app.catalog import ModelShape
+from pipetrain.runtime.checkpoint_disk import PARTIAL, remove
 
 LATEST = "latest"
 INFO = "train.json"
+_STEP = re.compile(r"step-(\d+)(\.partial)?")
 #: fields of the shape a checkpoint must share with the run resuming it (the seed only orders
 #: the data and initialises weights the checkpoint replaces)
 _MUST_MATCH = tuple(f.name for f in dataclasses.fields(ModelShape) if f.name != "seed")
 
 
 class Checkpoints:
-    """Save and resume under one directory (every process of the run calls both)."""
+    """Save and resume under one directory (every process of the run calls both).
 
-    def __init__(self, directory: str | os.PathLike, shape: ModelShape) -> None:
+    ``overwrite``: the first save removes the checkpoints already there (``--overwrite-
+    checkpoints``)."""
+
+    def __init__(
+        self, directory: str | os.PathLike, shape: ModelShape, overwrite: bool = False
+    ) -> None:
         self.directory = Path(directory)
         self.shape = shape
+        self.overwrite = overwrite
 
     def save(self, step: int, pipe, optimizer) -> Path:
         """Write step ``step``: every process writes its part (with data parallel, each DDP
@@ -47,21 +65,25 @@ class Checkpoints:
 
         from pipetrain.runtime.checkpoint import save_checkpoint
 
+        lead = dist.get_rank() == 0
+        if self.overwrite and lead:  # save_checkpoint's first barrier orders this before it
+            for path in checkpoint_folders(self.directory):
+                remove(path)
+            remove(self.directory / LATEST)
+        self.overwrite = False
         path = self.directory / f"step-{step:06d}"
-        save_checkpoint(path, pipe, optimizer)
-        dist.barrier()  # every writer is done before the pointer moves
-        if dist.get_rank() == 0:
-            info = {"step": step, "model": dataclasses.asdict(self.shape)}
-            (path / INFO).write_text(json.dumps(info, indent=1) + "\n")
+        info = {"step": step, "model": dataclasses.asdict(self.shape)}
+        save_checkpoint(path, pipe, optimizer, files={INFO: json.dumps(info, indent=1) + "\n"})
+        if lead:  # the checkpoint is complete on disk: the pointer moves
             tmp = self.directory / f"{LATEST}.tmp"
             tmp.write_text(path.name + "\n")
             tmp.replace(self.directory / LATEST)
-        dist.barrier()
         return path
 
     def latest(self) -> tuple[Path, int]:
-        """The latest checkpoint's directory and step; ``ValueError`` when there is none or it
-        is of another model."""
+        """The latest checkpoint's directory and step, its files checked; ``ValueError`` when
+        there is none, it is incomplete or corrupt (naming the last complete one), or it is of
+        another model."""
         pointer = self.directory / LATEST
         if not pointer.is_file():
             raise ValueError(
@@ -69,11 +91,13 @@ class Checkpoints:
                 "run without --resume first, with --checkpoint-dir"
             )
         path = self.directory / pointer.read_text().strip()
+        if not path.exists():  # removed by hand (it was corrupt): the newest complete one
+            path = latest_complete(self.directory) or path
         try:
-            info = json.loads((path / INFO).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"checkpoint {path} is incomplete ({e})") from None
-        saved = info.get("model", {})
+            step = _checked(path)
+        except ValueError as e:
+            raise ValueError(f"{e}; {_fallback(self.directory, path)}") from None
+        saved = json.loads((path / INFO).read_text()).get("model", {})
         for name in _MUST_MATCH:
             if saved.get(name) != getattr(self.shape, name):
                 flag = "--" + {"blocks": "layers"}.get(name, name).replace("_", "-")
@@ -81,15 +105,120 @@ class Checkpoints:
                     f"checkpoint {path} is of another model: {flag} {saved.get(name)} there, "
                     f"{getattr(self.shape, name)} here; resume with the same model flags"
                 )
-        return path, int(info["step"])
+        return path, step
 
     def resume(self, pipe, optimizer) -> int:
-        """Load the latest checkpoint into ``pipe`` and ``optimizer``; the step it was saved at."""
+        """Load the latest checkpoint into ``pipe`` and ``optimizer``; the step it was saved at.
+        A refusal (``ValueError``) names the checkpoint and the last complete one; nothing of
+        the pipeline or the optimizer changed then."""
         from pipetrain.runtime.checkpoint import load_checkpoint
 
         path, step = self.latest()
         try:
             load_checkpoint(path, pipe, optimizer)
-        except KeyError as e:
-            raise ValueError(str(e.args[0]) if e.args else str(e)) from None
+        except (KeyError, ValueError) as e:
+            message = str(e.args[0]) if e.args else str(e)
+            raise ValueError(f"{message}; {_fallback(self.directory, path)}") from None
         return step
+
+
+def _checked(path: Path) -> int:
+    """A complete checkpoint's step (its ``train.json`` and DCP files checked), or ``ValueError``
+    naming what is wrong."""
+    from pipetrain.runtime.checkpoint_disk import verify
+
+    try:
+        info = json.loads((path / INFO).read_text())
+        step = int(info["step"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(
+            f"checkpoint {path} is incomplete: {path / INFO} cannot be read ({e})"
+        ) from None
+    verify(path)
+    return step
+
+
+def checkpoint_folders(directory: str | os.PathLike) -> list[Path]:
+    """Every ``step-*`` folder in ``directory``, complete or not (``.partial``), in step order."""
+    folder = Path(directory)
+    if not folder.is_dir():
+        return []
+    found = {p: m for p in folder.iterdir() if (m := _STEP.fullmatch(p.name)) and p.is_dir()}
+    return sorted(found, key=lambda p: (int(found[p].group(1)), p.name))
+
+
+def latest_complete(directory: str | os.PathLike, before: Path | None = None) -> Path | None:
+    """The newest checkpoint in ``directory`` whose files are all there (older than ``before``
+    when given), or None."""
+    for path in reversed(checkpoint_folders(directory)):
+        if path.name.endswith(PARTIAL) or path == before:
+            continue
+        try:
+            _checked(path)
+        except ValueError:
+            continue
+        return path
+    return None
+
+
+def _fallback(directory: Path, broken: Path) -> str:
+    """What to do when ``broken`` cannot be resumed from."""
+    good = latest_complete(directory, before=broken)
+    if good is None:
+        return f"{directory} holds no complete checkpoint to resume from"
+    return (
+        f"the last complete checkpoint in {directory} is {good.name} (remove {broken.name} to "
+        "resume from it)"
+    )
+
+
+def incomplete_checkpoints(config) -> list[Path]:
+    """The ``.partial`` folders a ``--resume`` run ignores (runs stopped while writing them)."""
+    if config.checkpoint_dir is None or not config.resume:
+        return []
+    return [p for p in checkpoint_folders(config.checkpoint_dir) if p.name.endswith(PARTIAL)]
+
+
+def check_directory(config) -> None:
+    """Before any process starts: ``--checkpoint-dir`` is a writable folder (made if missing),
+    and one holding checkpoints is resumed from or overwritten on purpose; ``ValueError``
+    naming the flags otherwise."""
+    if config.checkpoint_dir is None:
+        if config.overwrite_checkpoints:
+            raise ValueError("--overwrite-checkpoints needs --checkpoint-dir DIR")
+        return
+    flag = f"--checkpoint-dir {config.checkpoint_dir}"
+    if config.resume and config.overwrite_checkpoints:
+        raise ValueError(
+            "--resume continues from the checkpoints in --checkpoint-dir and "
+            "--overwrite-checkpoints replaces them: give one of them"
+        )
+    folder = Path(config.checkpoint_dir)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"{flag} is a file, not a folder; name a folder (made if missing)")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):  # permissions alone say nothing as root
+            pass
+    except OSError as e:
+        raise ValueError(f"{flag} is not a writable folder ({e.strerror or e})") from None
+    if config.resume or config.overwrite_checkpoints:
+        return
+    held = [p for p in checkpoint_folders(folder) if not p.name.endswith(PARTIAL)]
+    if held or (folder / LATEST).exists():
+        newest = f" (up to {held[-1].name})" if held else ""
+        raise ValueError(
+            f"{flag} holds checkpoints{newest}; continue from them with --resume, or replace "
+            "them with --overwrite-checkpoints"
+        )
+
+
+__all__ = [
+    "INFO",
+    "LATEST",
+    "Checkpoints",
+    "check_directory",
+    "checkpoint_folders",
+    "incomplete_checkpoints",
+    "latest_complete",
+]

@@ -39,6 +39,7 @@ Dtype = Literal["float32", "bfloat16", "float64"]
 DataParallel = Literal["ddp", "fsdp"]
 Device = Literal["auto", "cpu", "cuda"]
 WeightGrads = Literal["auto", "deferred", "replay"]
+OnNonfinite = Literal["stop", "skip"]
 #: field → its legal values
 CHOICES: dict[str, tuple[str, ...]] = {
     "model": MODELS,
@@ -46,6 +47,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "data_parallel": get_args(DataParallel),
     "device": get_args(Device),
     "weight_grads": get_args(WeightGrads),
+    "on_nonfinite": get_args(OnNonfinite),
 }
 #: the fields that give the pipeline's shape (a plan gives them instead)
 SHAPE_FIELDS = ("schedule", "ranks", "microbatches", "stages_per_rank")
@@ -86,6 +88,8 @@ class TrainConfig:
     checkpoint_dir: str | None = None
     checkpoint_every: int | None = None
     resume: bool = False
+    overwrite_checkpoints: bool = False
+    on_nonfinite: OnNonfinite = "stop"
     svg: str = "out/train_step.svg"
     device: Device = "auto"
     weight_grads: WeightGrads = "auto"
@@ -163,16 +167,19 @@ def check_arguments(config: TrainConfig) -> Layout:
         raise ValueError(f"--vocab {config.vocab}: the tokens are bytes, so it must be >= 256")
     if config.text is not None and not Path(config.text).is_file():
         raise ValueError(f"--text {config.text}: no such file")
-    if config.resume:  # the checkpoint is there and of this model (a file read, no process)
-        if config.checkpoint_dir is None:
-            raise ValueError("--resume needs --checkpoint-dir DIR (where the checkpoints are)")
-        from pipetrain.app.checkpoints import Checkpoints
-
-        Checkpoints(config.checkpoint_dir, shape).latest()
+    if config.resume and config.checkpoint_dir is None:
+        raise ValueError("--resume needs --checkpoint-dir DIR (where the checkpoints are)")
     if config.checkpoint_every is not None and config.checkpoint_dir is None:
         raise ValueError("--checkpoint-every needs --checkpoint-dir DIR")
     _check_tensor_parallel(config)
+    from pipetrain.app.checkpoints import Checkpoints, check_directory
+
+    if not config.worker:  # the launcher's: workers may find this run's first checkpoints
+        check_directory(config)
+    if config.resume and config.checkpoint_dir is not None:  # complete and of this model
+        Checkpoints(config.checkpoint_dir, shape).latest()
     layout = _layout(config, shape)
+    _check_text(config, layout)
     if shape.num_layers < len(layout.stage_layers):
         raise ValueError(
             f"--layers {config.layers} gives {shape.num_layers} layers (with the embedding and "
@@ -215,6 +222,23 @@ def _check_tensor_parallel(config: TrainConfig) -> None:
         raise ValueError(
             f"--sequence-parallel shards the tokens: --tp {config.tp} must divide --seq-len "
             f"{config.seq_len}"
+        )
+
+
+def _check_text(config: TrainConfig, layout: Layout) -> None:
+    """``--text`` holds one batch of the asked shape: every row a window of ``--seq-len`` bytes
+    and the byte after it (its target)."""
+    if config.text is None:
+        return
+    rows = config.microbatch_size * layout.microbatches * config.dp
+    need = rows * (config.seq_len + 1)
+    size = Path(config.text).stat().st_size
+    if size < need:
+        raise ValueError(
+            f"--text {config.text} has {size} bytes; one batch of {rows} rows (--microbatch-size "
+            f"{config.microbatch_size} × --microbatches {layout.microbatches} × --dp {config.dp}) "
+            f"of --seq-len {config.seq_len} bytes and a target byte each needs at least {need}: "
+            "give a longer text, or smaller flags"
         )
 
 

@@ -21,19 +21,22 @@ torch is imported inside functions only, so ``pipetrain --help`` stays fast.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
-import subprocess
 import sys
-import time
 
+from pipetrain.app.checkpoints import incomplete_checkpoints, latest_complete
 from pipetrain.app.config import Device, TrainConfig, check_arguments
-from pipetrain.app.train import Refused, train
+from pipetrain.app.processes import Ended, signal_name, start_processes, watch_launcher
+from pipetrain.app.train import NonFinite, Refused, train
 from pipetrain.planner.layout import Layout
 from pipetrain.schedule.program import describe_shape
 
 
 def run_train(config: TrainConfig) -> int:
     """Launch the workers (outside torchrun) or be one (inside); return the exit status."""
+    if config.worker:
+        watch_launcher()  # first: a launcher gone while this one starts up is noticed
     try:
         layout = check_arguments(config)
     except ValueError as e:
@@ -55,9 +58,15 @@ def _resolve_device(config: TrainConfig, layout: Layout) -> Device:
     return config.device
 
 
+def process_grid(config: TrainConfig, layout: Layout) -> dict[str, int]:
+    """The run's processes as named dimensions (their product is the process count), in the
+    order the launch line names them; the one place that says how many processes a run has."""
+    return {"pipeline": layout.ranks, "tensor parallel": config.tp, "data parallel": config.dp}
+
+
 def processes_of(config: TrainConfig, layout: Layout) -> int:
     """The job's processes: pipeline ranks × tensor-parallel size × data-parallel replicas."""
-    return layout.ranks * config.tp * config.dp
+    return math.prod(process_grid(config, layout).values())
 
 
 def _launch(config: TrainConfig, layout: Layout) -> int:
@@ -66,54 +75,80 @@ def _launch(config: TrainConfig, layout: Layout) -> int:
     except ValueError as e:
         print(f"pipetrain train: error: {e}", file=sys.stderr)
         return 2
-    processes = processes_of(config, layout)
+    grid = process_grid(config, layout)
+    processes = math.prod(grid.values())
     # every worker parses this back into the same config, the device resolved once here
     worker_argv = dataclasses.replace(config, device=device).argv()
     backend = "NCCL" if device == "cuda" else "gloo"
+    shape = " × ".join(f"{n} {name}" for name, n in grid.items())
     print(
-        f"launching {processes} processes: {layout.ranks} pipeline × {config.tp} tensor parallel "
-        f"× {config.dp} data parallel "
-        f"({backend} on {device}); {config.model}, {_describe(layout, config.plan)}"
+        f"launching {processes} processes: {shape} ({backend} on {device}); "
+        f"{config.model}, {_describe(layout, config.plan)}"
     )
+    for path in incomplete_checkpoints(config):
+        print(f"note: ignoring {path}: an incomplete checkpoint (a run stopped while writing it)")
     sys.stdout.flush()
-    status = start_processes(processes, [sys.executable, "-m", "pipetrain", "train", *worker_argv])
-    return 2 if status == _REFUSED else status
+    cmd = [sys.executable, "-m", "pipetrain", "train", *worker_argv, "--worker"]
+    ended = start_processes(processes, cmd, worker_environment(processes))
+    status, message = _outcome(ended, config)
+    if message:
+        lead = "\n" if sys.stderr.isatty() else ""  # after a progress line still being drawn
+        print(f"{lead}pipetrain train: {message}", file=sys.stderr)
+    return status
 
 
-def start_processes(count: int, cmd: list[str]) -> int:
-    """Run ``cmd --worker`` as ``count`` processes of one local process group (the environment
-    torchrun sets: rank, world size, a free port); the first failure stops the others. Returns
-    0, or the first failed process's status."""
+def worker_environment(count: int) -> dict[str, str]:
+    """The environment torchrun sets, less the per-rank variables (``start_processes`` adds
+    them): one local process group of ``count`` processes on a free port."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     # one thread per process: they share the cores
-    base = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
-    base |= {"MASTER_PORT": str(port), "WORLD_SIZE": str(count)}
-    base |= {"LOCAL_WORLD_SIZE": str(count)}
-    procs = [
-        subprocess.Popen([*cmd, "--worker"], env={**base, "RANK": str(r), "LOCAL_RANK": str(r)})
-        for r in range(count)
-    ]
-    status = 0
-    try:
-        while procs:
-            for p in list(procs):
-                code = p.poll()
-                if code is None:
-                    continue
-                procs.remove(p)
-                if code and not status:
-                    status = code
-                    for other in procs:  # peers would wait for it until their timeout
-                        other.terminate()
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            p.kill()
-    return status
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
+    return env | {
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": str(count),
+        "LOCAL_WORLD_SIZE": str(count),
+    }
+
+
+def _outcome(ended: Ended, config: TrainConfig) -> tuple[int, str]:
+    """The launcher's exit status and the line it prints (none where a worker said it)."""
+    if ended.signalled:
+        name = signal_name(ended.signalled)
+        return 128 + ended.signalled, f"stopped by {name}; every worker stopped{_kept(config)}"
+    if ended.status == 0:
+        return 0, ""
+    if ended.status == _REFUSED:
+        return 2, ""  # the worker printed the pipeline's refusal
+    if ended.status == _STOPPED:
+        return 1, ""  # the worker printed why it stopped
+    who = f"rank {ended.rank} (pid {ended.pid})"
+    if ended.status < 0:
+        name = signal_name(-ended.status)
+        why = (
+            " (the kernel's out-of-memory killer sends it, among others)"
+            if name == "SIGKILL"
+            else ""
+        )
+        return (
+            1,
+            f"error: {who} killed by {name}{why}; the other workers were stopped{_kept(config)}",
+        )
+    return ended.status, (
+        f"error: {who} exited with status {ended.status} (its error is above); the other workers "
+        f"were stopped{_kept(config)}"
+    )
+
+
+def _kept(config: TrainConfig) -> str:
+    """Where the run can resume from, if it wrote a checkpoint."""
+    if config.checkpoint_dir is None:
+        return ""
+    latest = latest_complete(config.checkpoint_dir)
+    return f"; latest checkpoint: {latest}" if latest is not None else ""
 
 
 def _describe(layout: Layout, plan_file: str | None) -> str:
@@ -129,6 +164,8 @@ def _describe(layout: Layout, plan_file: str | None) -> str:
 
 #: a worker's exit status when the library refused the configuration (the launcher exits 2)
 _REFUSED = 3
+#: a worker's exit status when the run stopped for a reason rank 0 printed (the launcher exits 1)
+_STOPPED = 4
 
 
 def _worker(config: TrainConfig, layout: Layout) -> int:
@@ -150,18 +187,19 @@ def _worker(config: TrainConfig, layout: Layout) -> int:
     try:
         try:
             run = train(config, device)
-        except Refused as e:
-            if dist.get_rank() == 0:
-                print(f"pipetrain train: error: {e}", file=sys.stderr)
-            return _REFUSED
+            status, said, stream = 0, run.report, sys.stdout
+        except Refused as e:  # the same on every rank
+            status, said, stream = _REFUSED, f"pipetrain train: error: {e}", sys.stderr
+        except NonFinite as e:  # the same on every rank: every rank has the same loss
+            status, said, stream = _STOPPED, f"pipetrain train: error: {e}", sys.stderr
         if dist.get_rank() == 0:
-            print(run.report)
-        # Tear down together: a gloo group destroyed while a peer is still busy (rank 0 writing
-        # the report) can abort the process at exit.
+            print(said, file=stream, flush=True)
+        # Tear down together, also after a refusal: a gloo group destroyed while a peer is
+        # still busy (rank 0 writing the report) can abort the process at exit.
         dist.barrier()
-        return 0
+        return status
     finally:
         dist.destroy_process_group()
 
 
-__all__ = ["run_train", "start_processes"]
+__all__ = ["process_grid", "run_train", "worker_environment"]

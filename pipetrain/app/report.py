@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from statistics import fmean
 from typing import Any
@@ -76,13 +76,16 @@ def report(
     losses: Sequence[float],
     measured: Sequence[Timeline],
     program: Any,
-    shared_cores: bool = False,
+    cpu_processes: int = 0,
+    planned: Mapping[str, Any] | None = None,
 ) -> str:
     """The end-of-run text: loss trend, measured vs simulated bubble, pictures (writes the
     measured step as SVG to ``svg``).
 
-    ``shared_cores``: the ranks ran as processes on this machine's CPU cores (notes when there
-    were more processes than cores, as the measured times then include waiting for a core).
+    ``cpu_processes``: how many processes of the run shared this machine's CPU cores (0: they
+    ran on GPUs); with more processes than cores the measured times include waiting for a core.
+    ``planned``: the ``predicted`` record of the plan the run followed (``pipetrain plan
+    --json``), shown next to the measured step.
     """
     k = max(1, min(LOSS_WINDOW, len(losses) // 4))
     first, last = fmean(losses[:k]), fmean(losses[-k:])
@@ -113,14 +116,44 @@ def report(
         f"{predicted.bubble_fraction:6.1%}   (from the measured times above, communication "
         "taken as free)",
     ]
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    if shared_cores and cores and program.num_ranks > cores:
-        lines.append(
-            f"note: {program.num_ranks} processes share {cores} CPU cores, so measured times "
-            "include waiting for a core"
-        )
+    if planned:
+        lines.append(_planned_line(planned, step))
+    lines += _cpu_note(cpu_processes, planned is not None)
     lines += _pictures(Path(svg), step, title)
     return "\n".join(lines)
+
+
+def _planned_line(planned: Mapping[str, Any], step: Timeline) -> str:
+    """The plan's predicted step next to the measured one."""
+    ms = float(planned.get("step_ms", float("nan")))
+    bubble = planned.get("bubble_fraction")
+    shown = f"   bubble {float(bubble):6.1%}" if bubble is not None else ""
+    ratio = f"measured/planned {step.makespan / ms:.2f}" if ms > 0 else "no step time in the plan"
+    return (
+        f"planned step:    makespan {ms:8.2f} ms{shown}   (the plan's prediction, from its costs "
+        f"file; {ratio})"
+    )
+
+
+def _cpu_note(processes: int, planned: bool) -> list[str]:
+    """Why measured times on a CPU differ from a profile's and include waiting."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if not processes or not cores:
+        return []
+    notes = []
+    if processes > cores:
+        notes.append(
+            f"note: {processes} processes share {cores} CPU cores, so measured times include "
+            "waiting for a core"
+        )
+    if planned:
+        notes.append(
+            f"note: the plan's costs were profiled in one process with the machine's cores to "
+            f"itself; here {processes} processes of one thread each share {cores} cores, so its "
+            "prediction and the measured step differ on a CPU (on GPUs, a device each, they "
+            "agree closely: docs/planning.md)"
+        )
+    return notes
 
 
 def _pictures(path: Path, step: Timeline, title: str) -> list[str]:

@@ -9,7 +9,9 @@ pipeline's norm), writes checkpoints every ``--checkpoint-every`` steps (``app.c
 ``--resume`` continues from the latest one, bit for bit on the same layout), and on rank 0 shows
 a progress bar (loss, tokens/s). The last ``MEASURED_STEPS`` steps are measured
 (``timeline=True``) for the end-of-run report (``app.report``). What the pipeline refuses at
-construction is raised as ``Refused``, the same on every rank.
+construction is raised as ``Refused``, the same on every rank; a loss that is not finite raises
+``NonFinite`` before that step's update (``--on-nonfinite skip``: the update is skipped), the same
+on every rank too, since every rank returns the same loss.
 
 torch is imported inside functions only, so ``pipetrain --help`` stays fast.
 """
@@ -41,6 +43,11 @@ _DEFER = {"auto": None, "deferred": True, "replay": False}
 
 class Refused(ValueError):
     """The pipeline refused the configuration at construction (the same on every rank)."""
+
+
+class NonFinite(ArithmeticError):
+    """The loss was nan or inf and ``--on-nonfinite stop`` (the same on every rank: every rank
+    returns the same loss)."""
 
 
 @dataclass
@@ -84,7 +91,9 @@ def train(config: TrainConfig, device: torch.device) -> Run:
     pipe, replica = _pipeline(config, layout, model, device)
     opt = torch.optim.AdamW(_parameter_groups(pipe), lr=config.lr, betas=(0.9, 0.95))
     saver = (
-        checkpoints.Checkpoints(config.checkpoint_dir, model.shape)
+        checkpoints.Checkpoints(
+            config.checkpoint_dir, model.shape, overwrite=config.overwrite_checkpoints
+        )
         if config.checkpoint_dir
         else None
     )
@@ -106,14 +115,18 @@ def train(config: TrainConfig, device: torch.device) -> Run:
     bar = Progress(config.steps, enabled=rank == 0, start=start)
     losses: list[float] = []
     measured: list[Timeline] = []
+    skipped: list[int] = []
     for step in range(start, config.steps):
         inputs, targets = (t[mine].to(device) for t in next(data))
         timed = step >= config.steps - MEASURED_STEPS
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = pipe.step(*model.batch(inputs, targets), timeline=timed)
-        norm = pipe.clip_grad_norm_(config.clip_grad_norm) if config.clip_grad_norm else None
-        opt.step()
+        try:
+            norm = _update(config, pipe, opt, loss, step + 1, skipped)
+        except NonFinite:
+            bar.close()
+            raise
         losses.append(float(loss))
         rate = inputs.numel() * config.dp / (time.perf_counter() - t0)
         bar.update(step + 1, losses[-1], rate, None if norm is None else float(norm))
@@ -124,12 +137,36 @@ def train(config: TrainConfig, device: torch.device) -> Run:
     bar.close()
     run = Run(losses, start, {k: v.detach().clone() for k, v in _local_state(pipe).items()})
     if rank == 0:
-        run.report = report(
-            config.svg, losses, measured, pipe.program, shared_cores=device.type == "cpu"
-        )
+        cpu_processes = dist.get_world_size() if device.type == "cpu" else 0
+        planned = _planned(config.plan)
+        run.report = report(config.svg, losses, measured, pipe.program, cpu_processes, planned)
+        if skipped:
+            shown = ", ".join(map(str, skipped[:10])) + (" ..." if len(skipped) > 10 else "")
+            run.report += f"\nskipped the update of {len(skipped)} step(s) whose loss was not "
+            run.report += f"finite (--on-nonfinite skip): {shown}"
         if saver is not None:
             run.report += f"\ncheckpoints in {config.checkpoint_dir} (latest: step {config.steps})"
     return run
+
+
+def _update(config: TrainConfig, pipe, opt, loss, step: int, skipped: list[int]):
+    """The optimizer's update after ``step``'s backward (clipped first with
+    ``--clip-grad-norm``; its norm returned), unless the loss is not finite: then the step is
+    added to ``skipped`` (``--on-nonfinite skip``) or ``NonFinite`` raised. Every rank holds the
+    same loss, so every rank decides alike with no collective."""
+    if not pipe.loss_is_finite(loss):
+        if config.on_nonfinite == "skip":
+            skipped.append(step)
+            opt.zero_grad(set_to_none=True)
+            return None
+        raise NonFinite(
+            f"the loss is {float(loss)} at step {step}: stopped before its optimizer step (lower "
+            f"--lr {config.lr:g}, or clip with --clip-grad-norm; --on-nonfinite skip skips such "
+            "steps instead)"
+        )
+    norm = pipe.clip_grad_norm_(config.clip_grad_norm) if config.clip_grad_norm else None
+    opt.step()
+    return norm
 
 
 def _pipeline(
@@ -200,6 +237,16 @@ def _parameter_groups(pipe: Pipeline) -> list[dict[str, Any]]:
     return [{"params": group} for group in kinds if group]
 
 
+def _planned(plan_file: str | None) -> dict[str, Any] | None:
+    """The ``predicted`` record of ``--plan FILE`` (checked before launch), if it has one."""
+    if plan_file is None:
+        return None
+    import json
+
+    predicted = json.loads(Path(plan_file).read_text()).get("predicted")
+    return predicted if isinstance(predicted, dict) else None
+
+
 def _local_state(pipe) -> dict[str, torch.Tensor]:
     """This rank's parameters and buffers by global name."""
     out = {}
@@ -208,4 +255,4 @@ def _local_state(pipe) -> dict[str, torch.Tensor]:
     return out
 
 
-__all__ = ["MEASURED_STEPS", "Refused", "Run", "read_tokens", "train"]
+__all__ = ["MEASURED_STEPS", "NonFinite", "Refused", "Run", "read_tokens", "train"]

@@ -135,6 +135,18 @@ def _run_options(choices: dict[str, tuple[str, ...]]) -> tuple[Option, ...]:
             help="continue from the latest checkpoint in --checkpoint-dir (bit for bit on the "
             "same layout)",
         ),
+        Option(
+            ("--overwrite-checkpoints",),
+            switch=True,
+            help="replace the checkpoints already in --checkpoint-dir (removed when this run "
+            "writes its first); without it or --resume, a folder holding checkpoints is refused",
+        ),
+        one_of(
+            "--on-nonfinite",
+            choices["on_nonfinite"],
+            "at a loss that is nan or inf: stop the run (exit 1, naming the step), or skip that "
+            "step's optimizer update",
+        ),
         Option(("--svg",), metavar="PATH", help="where to write the measured step as SVG"),
     )
 

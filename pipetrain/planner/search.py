@@ -10,10 +10,11 @@ asks for it, and ``NoPlanFits`` means that not even full recompute on every stag
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import os
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from pipetrain.planner.costs_file import ModelCosts
+from pipetrain.planner.costs_file import ModelCosts, load_costs, parse_costs
 from pipetrain.planner.cuts import candidates, refine
 from pipetrain.planner.judge import (
     DEFAULT_HEADROOM,
@@ -120,7 +121,7 @@ class Search:
 
 
 def plan(
-    costs: ModelCosts,
+    costs: ModelCosts | Mapping[str, object] | str | os.PathLike[str],
     *,
     num_ranks: int,
     memory_gib: float,
@@ -133,9 +134,12 @@ def plan(
     """The fastest plan per micro-batch whose every rank's predicted peak fits ``memory_gib``
     less ``headroom`` (a fraction kept free, see ``DEFAULT_HEADROOM``); without recompute if any
     such plan fits, else with stages recomputing; ``NoPlanFits`` (a ``ValueError``) when not even
-    full recompute on every stage fits, naming the smallest peak reached and its rank."""
+    full recompute on every stage fits, naming the smallest peak reached and its rank.
+
+    ``costs``: a ``ModelCosts``, a costs file's path (``pipetrain profile > costs.json``) or
+    its parsed JSON (a dict); anything else is a ``TypeError`` naming the three."""
     return search(
-        costs,
+        as_costs(costs),
         num_ranks=num_ranks,
         memory_gib=memory_gib,
         headroom=headroom,
@@ -144,6 +148,21 @@ def plan(
         global_batch=global_batch,
         micro_batch_size=micro_batch_size,
     ).best.plan
+
+
+def as_costs(costs: object) -> ModelCosts:
+    """``plan``'s ``costs`` as a ``ModelCosts`` (read or parsed; a ``CostsFileError`` names what
+    is wrong in the file or dict)."""
+    if isinstance(costs, ModelCosts):
+        return costs
+    if isinstance(costs, (str, os.PathLike)):
+        return load_costs(os.fspath(costs))
+    if isinstance(costs, Mapping):
+        return parse_costs(dict(costs))
+    raise TypeError(
+        f"costs must be a ModelCosts, a costs file's path or its JSON as a dict; got "
+        f"{type(costs).__name__}"
+    )
 
 
 def search(

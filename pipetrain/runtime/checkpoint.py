@@ -15,9 +15,13 @@ layout wrote it. Flat keys:
   each name the parameter has (a tied weight under each of its names);
 * ``optim_group.<param>.<key>`` — its parameter group's settings (``lr``, ``betas``).
 
-Loading first checks that the checkpoint holds every key the target needs, with the same shapes,
-and names the first missing key otherwise; nothing is read before that, and where one rank
-refuses every rank of the checkpoint raises (none waits in DCP's collectives).
+Loading is all or nothing: it checks the folder (``runtime.checkpoint_disk``), that the
+checkpoint holds every key the target needs with the same shapes and dtypes, and (``strict``)
+no model key that no rank's stages hold, naming the first key otherwise; then DCP reads every
+tensor into new memory, and only once every process read all of its share are the model and
+the optimizer written. Where one rank refuses, every rank of the checkpoint raises (none waits
+in DCP's collectives). A checkpoint appears under its name only once complete: DCP writes it as
+``<path>.partial``, renamed when every process is done.
 
 Data parallel (``runtime.parallel.data_parallel``) changes who takes part, not the format. Under FSDP2
 every parameter is a ``DTensor`` sharded over the replicas, and so is each optimizer state shaped
@@ -34,12 +38,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import TypeVar, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+
+from pipetrain.runtime import checkpoint_disk
 
 MODEL, OPTIM, GROUP = "model.", "optim.", "optim_group."
 T = TypeVar("T")
@@ -78,13 +85,14 @@ def load_model_state(modules: list[nn.Module], state: Mapping[str, torch.Tensor]
     """Copy ``state`` (which may hold other ranks' names too) into the local modules."""
     need = model_state(modules)
     _require(need, state, lambda k: f"the state dict has no {k!r}")
+    for name, tensor in need.items():  # every check before the first copy
+        if tuple(state[name].shape) != tuple(tensor.shape):
+            raise ValueError(
+                f"{name!r} has shape {tuple(state[name].shape)} in the state dict but "
+                f"{tuple(tensor.shape)} in the model"
+            )
     with torch.no_grad():
         for name, tensor in need.items():
-            if tuple(state[name].shape) != tuple(tensor.shape):
-                raise ValueError(
-                    f"{name!r} has shape {tuple(state[name].shape)} in the state dict but "
-                    f"{tuple(tensor.shape)} in the model"
-                )
             value = state[name]
             if isinstance(tensor, DTensor) and not isinstance(value, DTensor):
                 # a whole tensor into a sharded parameter: each rank keeps its own slice
@@ -136,11 +144,22 @@ def optimizer_state(optimizer: torch.optim.Optimizer, modules: list[nn.Module]) 
     return out
 
 
-def save_checkpoint(path: str | os.PathLike, target, optimizer=None) -> None:
+def save_checkpoint(
+    path: str | os.PathLike,
+    target,
+    optimizer=None,
+    *,
+    files: Mapping[str, str] | None = None,
+) -> None:
     """Write ``target``'s (a ``Pipeline`` or a module) model and optimizer state with DCP.
 
     Collective: every rank of the pipeline's group calls this, and with data parallel every
-    process of its ``(dp, pp)`` mesh (each FSDP2 replica writes its shards)."""
+    process of its ``(dp, pp)`` mesh (each FSDP2 replica writes its shards). The folder appears
+    under ``path`` only once complete (``runtime.checkpoint_disk``: written as
+    ``<path>.partial``, then renamed), replacing one already there. ``files``: small text files
+    (name → text) to put in the folder, written before it appears."""
+    import torch.distributed.checkpoint as dcp
+
     modules = modules_of(target)
     processes = _dist_args(target)
 
@@ -150,27 +169,93 @@ def save_checkpoint(path: str | os.PathLike, target, optimizer=None) -> None:
             state.update(optimizer_state(optimizer, modules))
         return state
 
-    import torch.distributed.checkpoint as dcp
+    final = Path(path)
+    partial = checkpoint_disk.partial_path(final)
+    lead = _coordinator(processes)
+    if lead:  # what a writer killed earlier left
+        checkpoint_disk.remove(partial)
+    _barrier(processes)
+    dcp.save(_agreed(processes, gather), checkpoint_id=partial, **processes)
+    if lead:
+        for name, text in (files or {}).items():
+            (partial / name).write_text(text)
+        checkpoint_disk.publish(partial, final)
+    _barrier(processes)
 
-    dcp.save(_agreed(processes, gather), checkpoint_id=path, **processes)
 
-
-def load_checkpoint(path: str | os.PathLike, target, optimizer=None) -> None:
+def load_checkpoint(
+    path: str | os.PathLike, target, optimizer=None, *, strict: bool = True
+) -> None:
     """Read what ``target`` (a ``Pipeline`` at any size, with or without data parallel, or the
     plain model) and ``optimizer`` (built over its parameters, before its first step) need from
     a checkpoint of any layout.
 
-    Collective over the same processes as ``save_checkpoint``. A refusal (a missing key, another
-    shape) is raised on every one of them, before anything is read."""
+    All or nothing: the folder is checked first (``runtime.checkpoint_disk.verify``: metadata,
+    every file there and long enough), then every key, shape and dtype the target needs, then
+    every tensor is read into new memory; the model and the optimizer change only once all of
+    it was read on every process (which costs one more copy of this rank's state meanwhile).
+    ``strict``: refuse a checkpoint holding model keys that no rank's stages have (a deeper
+    model's, say); ``False`` loads what the target has and ignores the rest.
+
+    Collective over the same processes as ``save_checkpoint``. A refusal (a missing key,
+    another shape or dtype, a corrupt file) is raised on every one of them: a ``KeyError`` for
+    a missing key, a ``ValueError`` otherwise, one line naming the key or file."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     modules = modules_of(target)
     processes = _dist_args(target)
-    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    state, chosen = _agreed(processes, lambda: _load_targets(stored, modules, optimizer))
-    dcp.load(state, checkpoint_id=path, **processes)
+
+    def prepare() -> tuple[dict, dict[int, str], list[str]]:
+        stored = checkpoint_disk.verify(path).state_dict_metadata
+        state, chosen = _load_targets(stored, modules, optimizer)
+        return state, chosen, sorted(k for k in stored if k.startswith(MODEL))
+
+    state, chosen, stored_model = _agreed(processes, prepare)
+    if strict:
+        _refuse_unexpected(processes, modules, stored_model, path)
+    try:
+        dcp.load(state, checkpoint_id=path, **processes)
+    except (CheckpointException, Exception) as e:
+        raise checkpoint_disk.read_failure(path, e) from None
+    with torch.no_grad():  # everything is read: now the model changes
+        for name, tensor in model_state(modules).items():
+            tensor.copy_(cast(torch.Tensor, state[MODEL + name]))
     if optimizer is not None:
         optimizer.load_state_dict(_torch_optimizer_state(optimizer, chosen, state))
+
+
+def _refuse_unexpected(processes: dict, modules: list[nn.Module], stored: list[str], path) -> None:
+    """Refuse (on every process alike) a checkpoint whose model keys are not all held by some
+    process's modules: a deeper or wider model's would otherwise load its first layers silently."""
+    mine = sorted(model_state(modules))
+    if processes.get("no_dist"):
+        held = set(mine)
+    else:
+        group = processes["process_group"]
+        everyone: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, mine, group=group)
+        held = {k for keys in everyone for k in keys}
+    extra = [k[len(MODEL) :] for k in stored if k[len(MODEL) :] not in held]
+    if extra:
+        more = f" and {len(extra) - 1} more" if len(extra) > 1 else ""
+        raise ValueError(
+            f"checkpoint {path} holds {extra[0]!r}{more}, which the model does not have (a "
+            "checkpoint of a deeper or another model?); load_checkpoint(..., strict=False) "
+            "loads what the model has and ignores the rest"
+        )
+
+
+def _coordinator(processes: dict) -> bool:
+    """Whether this process is DCP's coordinator (it writes the metadata)."""
+    if processes.get("no_dist"):
+        return True
+    return dist.get_rank(processes["process_group"]) == 0
+
+
+def _barrier(processes: dict) -> None:
+    if not processes.get("no_dist"):
+        dist.barrier(group=processes["process_group"])
 
 
 def _load_targets(stored, modules: list[nn.Module], optimizer) -> tuple[dict, dict[int, str]]:
@@ -189,7 +274,14 @@ def _load_targets(stored, modules: list[nn.Module], optimizer) -> tuple[dict, di
                 f"{name!r} has shape {size} in the checkpoint but {tuple(tensor.shape)} in the "
                 "model; is it a checkpoint of this model?"
             )
-    state: dict[str, object] = {MODEL + k: v for k, v in model.items()}
+        if meta.properties.dtype != tensor.dtype:
+            raise ValueError(
+                f"{name!r} is {meta.properties.dtype} in the checkpoint but {tensor.dtype} in the "
+                "model; build the model in the checkpoint's dtype to load it (then convert it)"
+            )
+    # new memory (a DTensor placed like the parameter): the model is written only once all of
+    # the checkpoint was read
+    state: dict[str, object] = {MODEL + k: torch.empty_like(v) for k, v in model.items()}
     chosen: dict[int, str] = {}
     if optimizer is None:
         return state, chosen

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from pipetrain.runtime.comm.p2p import DTYPE_CODE, DTYPES
+
 REDUCTIONS = ("mean", "sum", "token_mean")
 
 
@@ -99,3 +101,20 @@ def weights(
             "token is counted and the mean is undefined"
         )
     return (1.0 / total,) * len(row_weights)
+
+
+def agree(
+    held: dict[int, torch.Tensor] | None, weights, transport, last_rank: int, world_size: int
+) -> torch.Tensor:
+    """The batch's loss on every rank: ``Σ_j w_j · loss_j`` of the micro-batch losses ``held``
+    by the last stage's rank (``None`` elsewhere), in float64, broadcast with its dtype's code
+    and returned in that dtype. Every rank then holds the same value, so a decision on it (is it
+    finite?) is the same everywhere without another collective."""
+    value = torch.zeros(2, dtype=torch.float64, device=transport.device)
+    if held is not None:
+        dtype = held[0].dtype
+        value[0] = sum(w * held.pop(j).double() for j, w in enumerate(weights))
+        value[1] = DTYPE_CODE.get(dtype, DTYPE_CODE[torch.float64])
+    if world_size > 1:
+        transport.broadcast(value, last_rank, "the loss broadcast")
+    return value[0].to(DTYPES[int(value[1].item())])

@@ -29,7 +29,7 @@ from pipetrain.planner.layout import Layout
 from pipetrain.runtime import checkpoint, losses, microbatch, resolve, side_inputs
 from pipetrain.runtime.comm.agreement import Agreement, pipeline_prefix
 from pipetrain.runtime.comm.failures import Failures, OwnedGroup, posts_failures, stops_on_failure
-from pipetrain.runtime.comm.p2p import DTYPE_CODE, DTYPES, Transport
+from pipetrain.runtime.comm.p2p import Transport
 from pipetrain.runtime.executor import Executor, MetaCache, StepData, cache_for
 from pipetrain.runtime.parallel import grad_norm
 from pipetrain.runtime.parallel import tied as tied_weights
@@ -56,6 +56,16 @@ LossReduction = Literal["mean", "sum", "token_mean"]
 Mode = Literal["train", "eval"]
 
 
+#: construction's phases, each named by what it makes: a failure names the first phase whose
+#: attribute is not there yet (``failures.posts_failures``)
+_PHASES = (
+    *(("program", "checking its arguments"), ("modules", "building its stages")),
+    *(("_tied_sets", "finding tied weights"), ("_data_parallel", "wrapping it for data parallel")),
+    *(("_tied_grads", "preparing its stages"), ("_arities", "agreeing on the program")),
+    ("_transport", "making its transfer groups"),
+)
+
+
 class Pipeline:
     """Pipeline-parallel training of ``stages`` under ``schedule`` (see the module docstring).
 
@@ -65,12 +75,11 @@ class Pipeline:
     ``timeout``: how long any wait on a peer may take before it fails naming rank, action, peer.
     ``overlap_pairs``: on CUDA, run an overlapped F&B pair's forward on a side stream while its
     backward runs (DualPipe's overlap; off: one after the other). Ignored on CPU.
-    ``defer_weight_grads``: split I/W the zero-bubble paper's way — while a stage runs, its plain
-    ``nn.Linear`` layers' weight GEMMs are left out of ``I`` and run as ``W``, and a ``B`` adds
-    them straight into ``.grad`` (``runtime.backward.deferred_wgrad``; the modules themselves are never
-    changed). ``False``: ``graph_replay``'s graph replay, which splits any module.
-    ``None`` (default): per stage, on where plain linears hold at least half of its trainable
-    parameters. Either way exact.
+    ``defer_weight_grads``: split I/W the zero-bubble paper's way — plain ``nn.Linear`` weight
+    GEMMs left out of ``I`` and run as ``W``, a ``B`` adding them straight into ``.grad``
+    (``runtime.backward.deferred_wgrad``; modules never changed). ``False``: graph replay, which
+    splits any module. ``None`` (default): per stage, where plain linears hold at least half of
+    its trainable parameters. Either way exact.
     ``loss_reduction``: what ``loss_fn`` returns for a micro-batch — ``"mean"`` over its rows,
     its ``"sum"``, or its sum over tokens whose target is not ``ignore_index`` (``"token_mean"``:
     divided by the whole batch's count); default ``loss_fn.loss_reduction`` or ``"mean"``
@@ -84,13 +93,12 @@ class Pipeline:
     of the global batch, and gradients are reduced once per step (``runtime.parallel.data_parallel``).
     ``receive_lead``: post each receive at most this many compute actions before the one that
     reads it (``schedule.lower.post_receives_late``; why: docs/runtime.md, "Where receives are
-    posted"). Default 1, Megatron-Core's overlapped P2P: the transfer runs under the compute just
-    before its reader; 0: right before its reader; ``None``: where lowering puts them (a program
-    you pass already lowered is moved too, or with ``None`` run as given). The moved program is
-    checked against this runtime's transport (``validate(..., "posted")``).
+    posted"). Default 1, Megatron-Core's overlapped P2P; 0: right before its reader; ``None``:
+    where lowering puts them (a lowered program you pass is moved too, or with ``None`` run as
+    given). The moved program is checked against this transport (``validate(..., "posted")``).
     """
 
-    @posts_failures
+    @posts_failures(_PHASES)
     def __init__(
         self,
         stages: Stages,
@@ -113,13 +121,13 @@ class Pipeline:
         receive_lead: int | None = 1,
     ) -> None:
         resolve.require_process_group()
+        groups = resolve.resolve_groups(group, mesh, data_parallel)
+        self._join(groups, data_parallel, timeout)  # from here on peers hear of a failure
         if loss_fn is None:
             raise ValueError("loss_fn is required: loss_fn(last_stage_output, targets) -> scalar")
         self.loss_reduction, self._ignore_index = losses.resolve(
             loss_fn, loss_reduction, ignore_index
         )
-        groups = resolve.resolve_groups(group, mesh, data_parallel)
-        self._join(groups, data_parallel, timeout)
         self.device = torch.device(device) if device is not None else resolve.default_device()
         total = resolve.count_stages(stages, num_stages)
         self.program = resolve.resolve_program(
@@ -221,10 +229,9 @@ class Pipeline:
         return tied_weights.TiedGrads(self._tied_sets, self._runners, average_over)
 
     def _build_transport(self, timeout: timedelta) -> Transport:
-        """The transfers' groups and the transport over them. On gloo, transfers and the loss go
-        through a group of this pipeline's own, which it can close on failure (``failures``) and
-        destroys on close or at interpreter exit; on NCCL a second group of the same ranks
-        carries the transfers to lower ranks (``resolve.reverse_group``)."""
+        """The transfers' groups and the transport over them: on gloo a group of its own, closed on
+        failure (``failures``), close or interpreter exit; on NCCL a second group of the same
+        ranks for the transfers to lower ranks (``resolve.reverse_group``)."""
         self._owned = OwnedGroup.transfer_group(self.group, timeout)
         self._release_at_exit = weakref.finalize(self, self._owned.release)
         self._reverse_group = resolve.reverse_group(self.group)
@@ -277,15 +284,10 @@ class Pipeline:
         dimension with ``mesh=``) is refused: its cut and its schedule were chosen for that
         size (``runtime.resolve``)."""
         layout = cls.plan_layout(plan)
-        stages = resolve.plan_stages(layers, layout, kwargs)
-        return cls(
-            stages,
-            layout.schedule,
-            layout.microbatches,
-            loss_fn,
-            stages_per_rank=layout.stages_per_rank,
-            **kwargs,
-        )
+        stages = resolve.plan_stages(layers, layout, kwargs)  # cut in construction's phases
+        per_rank, total = layout.stages_per_rank, len(layout.stage_layers)
+        args = (stages, layout.schedule, layout.microbatches, loss_fn)
+        return cls(*args, stages_per_rank=per_rank, num_stages=total, **kwargs)
 
     @classmethod
     def plan_layout(cls, plan: Plan | Layout | Mapping[str, Any]) -> Layout:
@@ -294,10 +296,9 @@ class Pipeline:
         return resolve.plan_layout(plan)
 
     def close(self) -> None:
-        """Finish what is in flight and let go of everything this pipeline made: transfers still
-        posted, the second process group it created (NCCL), each stage's held state. The stage
-        modules stay as they were given (trained in place, never altered). Idempotent; a closed
-        pipeline refuses to step. ``with Pipeline(...) as pipe:`` closes on the way out."""
+        """Finish what is in flight and let go of what this pipeline made (posted transfers, its
+        process groups, each stage's held state; the modules stay, trained in place). Idempotent;
+        a closed pipeline refuses to step. ``with Pipeline(...) as pipe:`` closes on the way out."""
         if self.closed:
             return
         self.closed = True
@@ -390,10 +391,15 @@ class Pipeline:
             loss = self._data_parallel.global_loss(loss)
         return loss
 
+    @staticmethod
+    def loss_is_finite(loss: torch.Tensor) -> bool:
+        """Whether ``step``'s loss is finite: the same on every rank with no collective (every
+        rank returns the loss the last stage's rank broadcast)."""
+        return bool(torch.isfinite(loss).all())
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip every rank's gradients by the norm of the whole pipeline's (a tied parameter
-        counted once), like ``torch.nn.utils.clip_grad_norm_`` on the unsplit model; returns
-        that norm on every rank (collective: every rank calls it)."""
+        """Clip every rank's gradients by the whole model's norm, each element counted once, like
+        ``torch.nn.utils.clip_grad_norm_`` unsplit; returns it on every rank (collective)."""
         coordinates = self._mesh.coordinates if self._mesh is not None else {}
         counted, scaled = grad_norm.counted_and_scaled(
             self.parameters(), self._tied_sets, self.rank, coordinates
@@ -439,8 +445,9 @@ class Pipeline:
         """Every stage's side-input names (gathered from all ranks on first use)."""
         if self._side_keywords_all is None:
             mine = [r.side_keywords for r in self._runners.values()]
-            everyone = side_inputs.everyones_keywords(mine, self.group, self.world_size)
-            self._side_keywords_all = everyone
+            self._side_keywords_all = side_inputs.everyones_keywords(
+                mine, self.group, self.world_size
+            )
         return self._side_keywords_all
 
     def _execute(
@@ -489,12 +496,5 @@ class Pipeline:
 
     def _agree_on_loss(self, weights: tuple[float, ...]) -> torch.Tensor:
         """Σ_j w_j · loss_j from the last stage, broadcast so every rank returns the same value."""
-        value = torch.zeros(2, dtype=torch.float64, device=self.device)
-        if self.rank == self._last_rank:
-            held = self._runners[self._last_stage].losses
-            dtype = held[0].dtype
-            value[0] = sum(w * held.pop(j).double() for j, w in enumerate(weights))
-            value[1] = DTYPE_CODE.get(dtype, DTYPE_CODE[torch.float64])
-        if self.world_size > 1:
-            self._transport.broadcast(value, self._last_rank, "the loss broadcast")
-        return value[0].to(DTYPES[int(value[1].item())])
+        held = self._runners[self._last_stage].losses if self.rank == self._last_rank else None
+        return losses.agree(held, weights, self._transport, self._last_rank, self.world_size)

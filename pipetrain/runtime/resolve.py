@@ -242,15 +242,16 @@ def forward_only(program: Program, receive_lead: int | None = None) -> Program:
     return moved
 
 
-def plan_stages(layers, layout: Layout, kwargs: dict):
-    """``Pipeline.from_plan``'s stages: ``layers`` cut by the checked ``layout``'s
-    ``stage_layers`` with ``pipetrain.split``, each stage recomputing as ``layout.recompute``
-    says (``backward.activation_checkpoint.recompute_stages``), after refusing options the plan
-    sets and a plan made for another number of pipeline ranks than this process group's (the
-    mesh's ``pp`` dimension with ``mesh=``): its cut and its schedule were chosen for that size."""
+def plan_stages(layers, layout: Layout, kwargs: dict) -> Callable[[int], nn.Module]:
+    """``Pipeline.from_plan``'s stages, as a callable ``stage_index -> nn.Module``: ``layers``
+    cut by the checked ``layout``'s ``stage_layers`` with ``pipetrain.split`` (each stage recomputing as ``layout.recompute``
+    says: ``backward.activation_checkpoint.recompute_stages``) when the ``Pipeline`` first asks (where a failure is told to the peers), after refusing options the
+    plan sets and a plan made for another number of pipeline ranks than this process group's
+    (the mesh's ``pp`` dimension with ``mesh=``): its cut and its schedule were chosen for that
+    size."""
     from pipetrain.runtime.layers import split
 
-    given = sorted({"schedule", "num_microbatches", "stages_per_rank"} & set(kwargs))
+    given = sorted({"schedule", "num_microbatches", "stages_per_rank", "num_stages"} & set(kwargs))
     if given:
         raise ValueError(f"the plan sets the schedule and its shape; drop {', '.join(given)}")
     require_process_group()
@@ -266,12 +267,20 @@ def plan_stages(layers, layout: Layout, kwargs: dict):
         )
     counts = layout.stage_layers
     callable_form = callable(layers) and not isinstance(layers, (nn.Module, Sequence, dict))
-    stages = split(layers, counts, num_layers=sum(counts) if callable_form else None)
-    if not layout.recomputes:
-        return stages
-    from pipetrain.runtime.backward.activation_checkpoint import recompute_stages
+    cut: list[Sequence[nn.Module]] = []
 
-    return recompute_stages(stages, layout.recompute)
+    def stage(index: int) -> nn.Module:
+        # cut on first use, inside construction: a cut that fails on one rank reaches its peers
+        if not cut:
+            stages = split(layers, counts, num_layers=sum(counts) if callable_form else None)
+            if layout.recomputes:
+                from pipetrain.runtime.backward.activation_checkpoint import recompute_stages
+
+                stages = recompute_stages(stages, layout.recompute)
+            cut.append(stages)
+        return cut[0][index]
+
+    return stage
 
 
 def plan_layout(plan: object) -> Layout:

@@ -118,6 +118,9 @@ def test_profile_plan_train_chain_with_a_checkpoint_and_resume(tmp_path, capsys,
     assert done.returncode == 0, done.stdout + done.stderr
     assert "(plan plan.json)" in done.stdout and "grad norm" in done.stdout
     assert "measured step" in done.stdout and "simulated step" in done.stdout
+    planned = json.loads((tmp_path / "plan.json").read_text())["predicted"]["step_ms"]
+    assert f"planned step:    makespan {planned:8.2f} ms" in done.stdout, done.stdout
+    assert "2 processes of one thread each share" in done.stdout  # why they differ on a CPU
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step-000003"
     assert (tmp_path / "ckpt" / "step-000002").is_dir()
     done = _cli(*train, "--steps", "4", "--resume", cwd=tmp_path)

@@ -70,6 +70,18 @@ def test_costs_file_round_trips(tmp_path) -> None:
     assert load_costs(path) == costs
 
 
+def test_plan_takes_a_costs_file_its_json_or_model_costs(tmp_path) -> None:
+    path = tmp_path / "costs.json"
+    save_costs(parse_costs(GOOD), path)
+    given = [parse_costs(GOOD), GOOD, path, str(path)]
+    plans = [plan(costs, num_ranks=2, memory_gib=100) for costs in given]
+    assert all(p == plans[0] for p in plans)
+    with pytest.raises(TypeError, match="a ModelCosts, a costs file's path or its JSON"):
+        plan(42, num_ranks=2, memory_gib=100)  # type: ignore[arg-type]
+    with pytest.raises(CostsFileError, match="version"):
+        plan({k: v for k, v in GOOD.items() if k != "version"}, num_ranks=2, memory_gib=100)
+
+
 @pytest.mark.parametrize(
     "change, field",
     [

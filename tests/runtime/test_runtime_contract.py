@@ -47,6 +47,27 @@ def test_construction_failing_on_one_rank_stops_the_others_naming_it(outcomes):
         assert seconds < STOP_WITHIN, seconds
 
 
+@pytest.mark.parametrize(
+    ("case", "error", "phase", "said"),
+    [
+        ("no_loss_fn", "ValueError", "checking its arguments", "loss_fn is required"),
+        ("plan_cut_fails", "ValueError", "building its stages", "layers"),
+    ],
+)
+def test_a_failure_in_any_construction_phase_reaches_every_rank_naming_that_phase(
+    outcomes, case, error, phase, said
+):
+    world, outs = outcomes
+    for rank, (text, seconds) in enumerate(_all(outs, case)):
+        if rank == world - 1:
+            assert text.startswith(error) and said in text, text
+        else:
+            assert text.startswith("PeerFailedError"), text
+            assert f"rank {world - 1} failed: building its Pipeline ({phase})" in text, text
+            assert said in text and "tied weights" not in text, text
+        assert seconds < STOP_WITHIN, (case, seconds)
+
+
 def test_inputs_of_other_shapes_or_values_are_refused_at_their_first_step(outcomes):
     world, outs = outcomes
     assert all(t == "no error" for t, _ in _all(outs, "ok_step"))

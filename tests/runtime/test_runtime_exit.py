@@ -1,11 +1,14 @@
-"""A finished run exits 0, every time: the README-shaped script run many times as real processes
-(the interpreter's own teardown is what is tested, so no multiprocessing workers)."""
+"""A finished run exits 0, every time, and so does one whose checkpoint load was refused: the
+README-shaped script run many times as real processes (the interpreter's own teardown is what is
+tested, so no multiprocessing workers). ``benchmarks/exit_stress.py`` runs such jobs by the
+hundred."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -13,8 +16,9 @@ import pytest
 from runtime_harness import free_port
 
 SCRIPT = Path(__file__).parents[1] / "support" / "runtime_exit_script.py"
-RUNS = [  # (ranks, schedule, variant): 12 runs, most of them zb-h1 (where exits died most)
+RUNS = [  # (ranks, schedule, variant): 14 runs, most of them zb-h1 (where exits died most)
     *((2, "zb-h1", variant) for variant in ("plain",) * 4 + ("with",) * 2 + ("destroy",) * 2),
+    *((2, "zb-h1", "refused") for _ in range(2)),
     (2, "zbv", "plain"),
     (2, "1f1b", "plain"),
     (4, "zb-h1", "plain"),
@@ -23,6 +27,11 @@ RUNS = [  # (ranks, schedule, variant): 12 runs, most of them zb-h1 (where exits
 
 
 def _run(world: int, schedule: str, variant: str) -> list[tuple[int, str]]:
+    with tempfile.TemporaryDirectory() as folder:
+        return _run_in(world, schedule, variant, folder)
+
+
+def _run_in(world: int, schedule: str, variant: str, folder: str) -> list[tuple[int, str]]:
     port = str(free_port())
     procs = []
     for rank in range(world):
@@ -38,7 +47,7 @@ def _run(world: int, schedule: str, variant: str) -> list[tuple[int, str]]:
         )
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(SCRIPT), variant],
+                [sys.executable, str(SCRIPT), variant, os.path.join(folder, "ckpt")],
                 env=env,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,

@@ -92,6 +92,17 @@ def run_contract(rank: int, world: int) -> dict:
     if rank == last:
         bad[last] = "not a module"  # type: ignore[call-overload]
     out["construction_fails"] = _outcome(lambda: build(modules=bad))
+    # before the pipeline has its process groups, and in a cut made inside ``from_plan``
+    missing = None if rank == last else loss_fn
+    out["no_loss_fn"] = _outcome(
+        lambda: pipetrain.Pipeline(stages(world), "1f1b", 4, missing, timeout=TIMEOUT)
+    )
+    layers = [nn.Linear(4, 4).double() for _ in range(world + (rank == last))]
+    plan = {"schedule": "1f1b", "ranks": world, "stages_per_rank": 1, "microbatches": 4}
+    plan["stage_layers"] = [1] * world
+    out["plan_cut_fails"] = _outcome(
+        lambda: pipetrain.Pipeline.from_plan(layers, plan, loss_fn, timeout=TIMEOUT)
+    )
 
     pipe = build()
     x, y = data()

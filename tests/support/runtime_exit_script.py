@@ -1,7 +1,8 @@
 """The README's example, shaped as a user's script (run by test_runtime_exit.py, one process per
 rank, env:// rendezvous): build, train a few steps, measure one, exit, by the variant in argv[1]:
 ``plain`` (no close, no destroy_process_group), ``with`` (context manager), ``destroy``
-(destroy_process_group at the end)."""
+(destroy_process_group at the end), ``refused`` (then a load of a shallower model's checkpoint,
+written to the folder in argv[2], which every rank refuses; caught, then exit)."""
 
 import os
 import sys
@@ -45,3 +46,11 @@ else:
     train(pipe)
     if variant == "destroy":
         dist.destroy_process_group()
+    if variant == "refused":
+        shallow = [nn.Linear(16, 16) for _ in stages]
+        pipetrain.save_checkpoint(sys.argv[2], pipetrain.Pipeline(shallow, *args[1:]))
+        try:
+            pipetrain.load_checkpoint(sys.argv[2], pipe)
+            sys.exit("the load was not refused")
+        except (KeyError, ValueError):
+            pass

@@ -84,8 +84,9 @@ class Agreement:
             # between the two reads: then every record is here and this rank refuses on its own
             if notices and not self.store.check(keys):
                 origin, message = next(iter(notices.values()))
+                # the notice names its own phase; this rank's wait (``what``) would mislead
                 error = PeerFailedError(
-                    f"rank {self.rank}: {what}: rank {origin} failed: {message}"
+                    f"rank {self.rank} stopped: rank {origin} failed: {message}"
                 )
                 error.origin = origin
                 raise error

@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Concatenate, ParamSpec, Protocol, TypeVar
 
@@ -149,24 +149,39 @@ class OwnedGroup:
 
 
 def posts_failures(
-    init: Callable[Concatenate[Built, P], None],
-) -> Callable[Concatenate[Built, P], None]:
-    """Construction failing on this rank: post a notice, so peers waiting to agree stop now
-    (once the object has its ``_failures``, and with it its ``rank``)."""
+    phases: Sequence[tuple[str, str]],
+) -> Callable[[Callable[Concatenate[Built, P], None]], Callable[Concatenate[Built, P], None]]:
+    """Construction failing on this rank: post a notice naming the phase it failed in, so peers
+    waiting to agree stop now and say what really failed (once the object has its
+    ``_failures``, and with it its ``rank``). ``phases``: (attribute, phase) in construction
+    order; the phase is the first whose attribute is not made yet."""
 
-    @functools.wraps(init)
-    def wrapper(self: Built, *args: P.args, **kwargs: P.kwargs) -> None:
-        try:
-            init(self, *args, **kwargs)
-        except BaseException as e:
-            state = vars(self)
-            failures = state.get("_failures")
-            if failures is not None:
-                origin = getattr(e, "origin", state["rank"])
-                failures.post(origin, f"building its Pipeline: {type(e).__name__}: {e}")
-            raise
+    def decorate(
+        init: Callable[Concatenate[Built, P], None],
+    ) -> Callable[Concatenate[Built, P], None]:
+        @functools.wraps(init)
+        def wrapper(self: Built, *args: P.args, **kwargs: P.kwargs) -> None:
+            try:
+                init(self, *args, **kwargs)
+            except BaseException as e:
+                state = vars(self)
+                failures = state.get("_failures")
+                if failures is not None:
+                    origin = getattr(e, "origin", state["rank"])
+                    phase = next((p for a, p in phases if a not in state), "finishing")
+                    failures.post(origin, f"building its Pipeline ({phase}): {_named(e)}")
+                raise
 
-    return wrapper
+        return wrapper
+
+    return decorate
+
+
+def _named(error: BaseException) -> str:
+    """A peer's own report of a failure it heard of passes on as it is (it names its origin)."""
+    if isinstance(error, PeerFailedError):
+        return str(error)
+    return f"{type(error).__name__}: {error}"
 
 
 class Stoppable(Protocol):

@@ -132,10 +132,15 @@ class DataParallel:
                     ignored = {p for p in module.parameters() if id(p) in tied}
                     fully_shard(module, mesh=dp_mesh, ignored_params=ignored or None)
                 self.wrappers[s] = module
+                # gloo has no AVG or PREMUL_SUM, which FSDP2 picks in float32 and bfloat16: sum,
+                # then divide (what it does in float64 anyway)
+                gloo = dist.get_backend(dp_group) == "gloo"
                 for m in _fsdp_modules(module):
                     m.set_reshard_after_forward(False, recurse=False)
                     if reduction == "sum":
                         m.set_gradient_divide_factor(1.0)
+                    if gloo:
+                        m.set_force_sum_reduction_for_comms(True)
 
     # -- a step ---------------------------------------------------------------------------------
 
