@@ -28,6 +28,7 @@ from torch import nn
 from pipetrain.planner.judge import Plan
 from pipetrain.planner.layout import Layout
 from pipetrain.runtime import checkpoint, losses, microbatch, resolve, side_inputs
+from pipetrain.runtime.comm import failures
 from pipetrain.runtime.comm.agreement import Agreement, pipeline_prefix
 from pipetrain.runtime.comm.failures import Failures, OwnedGroup, posts_failures, stops_on_failure
 from pipetrain.runtime.comm.p2p import Transport
@@ -311,7 +312,7 @@ class Pipeline:
         if self.closed:
             return
         origin = getattr(error, "origin", self.rank)
-        self._failures.post(origin, f"{type(error).__name__}: {error}")
+        self._failures.post(origin, failures.notice_of(error))
         self.closed = True
         self._failure = f"{type(error).__name__}: {error}"
         self._transport.abandon()
