@@ -12,8 +12,11 @@ any process starts) and starts ``--ranks`` × ``--dp`` worker processes with the
 torchrun sets — gloo on CPU, NCCL with a GPU per process — each running this same command with
 the flags that reproduce the config (``TrainConfig.argv``). A worker sets up its device and the
 process group, runs the training loop (``app.train``) and, on rank 0, prints the report
-(``app.report``). A configuration the pipeline refuses makes the launcher exit 2 too, with the
-library's message and no traceback.
+(``app.report``). ``app.processes`` supervises them: a stop signal to the launcher stops them all
+(exit 128 + the signal), a worker killed by a signal is named. Exit status: 0; 2 for bad input
+or a configuration the pipeline refuses (the library's message, no traceback); 1 when the run
+stopped (a loss that is not finite, a worker killed); else the first failed worker's status.
+How many processes a run has, and along which dimensions, is ``process_grid``'s alone.
 
 torch is imported inside functions only, so ``pipetrain --help`` stays fast.
 """
@@ -50,7 +53,7 @@ def run_train(config: TrainConfig) -> int:
 def _resolve_device(config: TrainConfig, layout: Layout) -> Device:
     import torch
 
-    need, gpus = layout.ranks * config.dp, torch.cuda.device_count()
+    need, gpus = math.prod(process_grid(config, layout).values()), torch.cuda.device_count()
     if config.device == "cuda" and gpus < need:
         raise ValueError(f"--device cuda needs {need} GPUs (one per process); found {gpus}")
     if config.device == "auto":
