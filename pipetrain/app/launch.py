@@ -28,7 +28,7 @@ import math
 import os
 import sys
 
-from pipetrain.app.checkpoints import incomplete_checkpoints, latest_complete
+from pipetrain.app.checkpoints import incomplete_checkpoints, latest_pointer
 from pipetrain.app.config import Device, TrainConfig, check_arguments
 from pipetrain.app.processes import Ended, signal_name, start_processes, watch_launcher
 from pipetrain.app.train import NonFinite, Refused, train
@@ -145,7 +145,7 @@ def _kept(config: TrainConfig) -> str:
     """Where the run can resume from, if it wrote a checkpoint."""
     if config.checkpoint_dir is None:
         return ""
-    latest = latest_complete(config.checkpoint_dir)
+    latest = latest_pointer(config.checkpoint_dir)  # a file read: no time lost stopping
     return f"; latest checkpoint: {latest}" if latest is not None else ""
 
 
