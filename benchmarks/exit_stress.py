@@ -70,6 +70,7 @@ def one_run(script: Path, case: str, root: Path) -> list[int]:
     port, folder = str(_port()), tempfile.mkdtemp(dir=root)
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2"}
     env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONFAULTHANDLER"] = "1"  # a fatal signal prints where Python was
     procs = [
         subprocess.Popen(
             [sys.executable, str(script), case, str(Path(folder) / "ckpt")],
@@ -80,7 +81,7 @@ def one_run(script: Path, case: str, root: Path) -> list[int]:
         for r in range(2)
     ]
     codes = []
-    for p in procs:
+    for rank, p in enumerate(procs):
         try:
             _, err = p.communicate(timeout=180)
         except subprocess.TimeoutExpired:
@@ -88,8 +89,9 @@ def one_run(script: Path, case: str, root: Path) -> list[int]:
             _, err = p.communicate()
         codes.append(p.returncode)
         if p.returncode:
-            tail = err.decode(errors="replace").strip().splitlines()[-1:] or [""]
-            print(f"  exit {p.returncode}: {tail[0][:200]}", flush=True)
+            said = err.decode(errors="replace").strip().splitlines()
+            print(f"  rank {rank}: {describe(p.returncode)}; its stderr ends:", flush=True)
+            print("\n".join(f"    {line[:200]}" for line in said[-12:]), flush=True)
     return codes
 
 

@@ -147,6 +147,15 @@ def checkpoint_folders(directory: str | os.PathLike) -> list[Path]:
     return sorted(found, key=lambda p: (int(found[p].group(1)), p.name))
 
 
+def latest_pointer(directory: str | os.PathLike) -> Path | None:
+    """The checkpoint ``DIR/latest`` names (written only once it was complete), or None."""
+    try:
+        name = (Path(directory) / LATEST).read_text().strip()
+    except OSError:
+        return None
+    return Path(directory) / name if name else None
+
+
 def latest_complete(directory: str | os.PathLike, before: Path | None = None) -> Path | None:
     """The newest checkpoint in ``directory`` whose files are all there (older than ``before``
     when given), or None."""
@@ -221,4 +230,5 @@ __all__ = [
     "checkpoint_folders",
     "incomplete_checkpoints",
     "latest_complete",
+    "latest_pointer",
 ]

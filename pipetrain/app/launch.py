@@ -12,8 +12,11 @@ any process starts) and starts ``--ranks`` × ``--dp`` worker processes with the
 torchrun sets — gloo on CPU, NCCL with a GPU per process — each running this same command with
 the flags that reproduce the config (``TrainConfig.argv``). A worker sets up its device and the
 process group, runs the training loop (``app.train``) and, on rank 0, prints the report
-(``app.report``). A configuration the pipeline refuses makes the launcher exit 2 too, with the
-library's message and no traceback.
+(``app.report``). ``app.processes`` supervises them: a stop signal to the launcher stops them all
+(exit 128 + the signal), a worker killed by a signal is named. Exit status: 0; 2 for bad input
+or a configuration the pipeline refuses (the library's message, no traceback); 1 when the run
+stopped (a loss that is not finite, a worker killed); else the first failed worker's status.
+How many processes a run has, and along which dimensions, is ``process_grid``'s alone.
 
 torch is imported inside functions only, so ``pipetrain --help`` stays fast.
 """
@@ -25,7 +28,7 @@ import math
 import os
 import sys
 
-from pipetrain.app.checkpoints import incomplete_checkpoints, latest_complete
+from pipetrain.app.checkpoints import incomplete_checkpoints, latest_pointer
 from pipetrain.app.config import Device, TrainConfig, check_arguments
 from pipetrain.app.processes import Ended, signal_name, start_processes, watch_launcher
 from pipetrain.app.train import NonFinite, Refused, train
@@ -147,7 +150,7 @@ def _kept(config: TrainConfig) -> str:
     """Where the run can resume from, if it wrote a checkpoint."""
     if config.checkpoint_dir is None:
         return ""
-    latest = latest_complete(config.checkpoint_dir)
+    latest = latest_pointer(config.checkpoint_dir)  # a file read: no time lost stopping
     return f"; latest checkpoint: {latest}" if latest is not None else ""
 
 

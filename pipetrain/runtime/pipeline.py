@@ -27,6 +27,7 @@ from torch import nn
 from pipetrain.planner.judge import Plan
 from pipetrain.planner.layout import Layout
 from pipetrain.runtime import checkpoint, losses, microbatch, resolve, side_inputs
+from pipetrain.runtime.comm import failures, teardown
 from pipetrain.runtime.comm.agreement import Agreement, pipeline_prefix
 from pipetrain.runtime.comm.failures import Failures, OwnedGroup, posts_failures, stops_on_failure
 from pipetrain.runtime.comm.p2p import Transport
@@ -232,6 +233,7 @@ class Pipeline:
         """The transfers' groups and the transport over them: on gloo a group of its own, closed on
         failure (``failures``), close or interpreter exit; on NCCL a second group of the same
         ranks for the transfers to lower ranks (``resolve.reverse_group``)."""
+        teardown.leave_together_at_exit(timeout)  # every group destroyed at exit, together
         self._owned = OwnedGroup.transfer_group(self.group, timeout)
         self._release_at_exit = weakref.finalize(self, self._owned.release)
         self._reverse_group = resolve.reverse_group(self.group)
@@ -318,7 +320,7 @@ class Pipeline:
         if self.closed:
             return
         origin = getattr(error, "origin", self.rank)
-        self._failures.post(origin, f"{type(error).__name__}: {error}")
+        self._failures.post(origin, failures.notice_of(error))
         self.closed = True
         self._failure = f"{type(error).__name__}: {error}"
         self._transport.abandon()

@@ -27,7 +27,7 @@ from datetime import timedelta
 
 import torch
 
-from pipetrain.runtime.comm.failures import Failures, PeerFailedError
+from pipetrain.runtime.comm.failures import Failures, PeerFailedError, first_notice
 from pipetrain.runtime.comm.p2p import PipelineTimeoutError
 from pipetrain.runtime.torch_compat import store_of
 from pipetrain.schedule.program import Program
@@ -83,12 +83,12 @@ class Agreement:
             # a peer may have written its record, refused the exchange and posted its failure
             # between the two reads: then every record is here and this rank refuses on its own
             if notices and not self.store.check(keys):
-                origin, message = next(iter(notices.values()))
+                origin, message = first_notice(notices)
                 # the notice names its own phase; this rank's wait (``what``) would mislead
                 error = PeerFailedError(
                     f"rank {self.rank} stopped: rank {origin} failed: {message}"
                 )
-                error.origin = origin
+                error.origin, error.notice = origin, message
                 raise error
             if stepping is not None:
                 self._refuse_announced(what, stepping)

@@ -36,9 +36,26 @@ Built = TypeVar("Built")
 
 class PeerFailedError(RuntimeError):
     """Another rank of the pipeline failed (or closed its connection) first; ``origin`` is the
-    first rank known to have failed."""
+    first rank known to have failed, ``notice`` what it said (passed on as it is, so the news
+    does not nest as it travels down the pipeline)."""
 
     origin: int = -1
+    notice: str | None = None
+
+
+def notice_of(error: BaseException, phase: str | None = None) -> str:
+    """What a rank stopping because of ``error`` tells its peers: a failure it heard of, as its
+    origin said it; its own, named (and the construction ``phase`` it happened in)."""
+    if isinstance(error, PeerFailedError) and error.notice is not None:
+        return error.notice
+    text = f"{type(error).__name__}: {error}"
+    return f"building its Pipeline ({phase}): {text}" if phase else text
+
+
+def first_notice(notices: dict[int, tuple[int, str]]) -> tuple[int, str]:
+    """Of the notices read (poster -> (origin, message)), the origin's own where it posted one."""
+    own = [n for r, n in notices.items() if r == n[0]]
+    return min(own or notices.values())
 
 
 class StageError(RuntimeError):
@@ -93,9 +110,9 @@ class Failures:
         """The error for ``what`` (a wait on rank ``peer``) that failed with ``error``, given the
         ``notices`` read: the first failing rank and its message, or the closed connection."""
         if notices:
-            origin, message = min(notices.values(), key=lambda n: n[0] != peer)
+            origin, message = first_notice(notices)
             found = PeerFailedError(f"{what} stopped because rank {origin} failed: {message}")
-            found.origin = origin
+            found.origin, found.notice = origin, message
             return found
         found = PeerFailedError(
             f"{what}: rank {peer} closed the connection (it failed or exited before saying why; "
@@ -169,19 +186,12 @@ def posts_failures(
                 if failures is not None:
                     origin = getattr(e, "origin", state["rank"])
                     phase = next((p for a, p in phases if a not in state), "finishing")
-                    failures.post(origin, f"building its Pipeline ({phase}): {_named(e)}")
+                    failures.post(origin, notice_of(e, phase))
                 raise
 
         return wrapper
 
     return decorate
-
-
-def _named(error: BaseException) -> str:
-    """A peer's own report of a failure it heard of passes on as it is (it names its origin)."""
-    if isinstance(error, PeerFailedError):
-        return str(error)
-    return f"{type(error).__name__}: {error}"
 
 
 class Stoppable(Protocol):
