@@ -212,8 +212,7 @@ class Pipeline:
     def _build_runners(
         self, loss_fn: LossFn, defer_weight_grads: bool | None
     ) -> dict[int, StageRunner]:
-        """A runner per local stage, told which micro-batch's backward piece is its step's last
-        weight-gradient work (where ``.grad`` hooks fire)."""
+        """A runner per local stage, told its step's last weight-gradient piece (hooks fire)."""
         last = self._last_stage
         runners = {
             s: StageRunner(s, m, s == last, loss_fn, defer_weight_grads)
@@ -255,8 +254,7 @@ class Pipeline:
 
     @property
     def data_parallel(self) -> DataParallel | None:
-        """The data-parallel replicas of this rank's stages (``mesh=``), else ``None``; a
-        checkpoint reads it to know which processes write."""
+        """This rank's stages' data-parallel replicas (``mesh=``; checkpoints ask), else None."""
         return self._data_parallel
 
     @property
