@@ -203,16 +203,23 @@ def run_layout(ctx: Ctx, name: str, pp: int, tp: int, cfg: dict, dtype: torch.dt
     v = 2 if row["schedule"] in ("interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev") else 1
     counts = balanced(layers, pp * v) if pp > 1 else [len(layers)]
     row["stage_layers"] = counts
-    pipe = pipetrain.Pipeline(
-        pipetrain.split(layers, counts),
-        row["schedule"],
-        a.microbatches,
-        causal_lm_loss,
-        stages_per_rank=v,
-        mesh=mesh,
-        device=ctx.device,
-        timeout=timedelta(seconds=a.op_timeout),
-    )
+    row["engine"], row["defer"] = a.engine, a.defer
+    if a.engine == "plain":  # torch alone: the layers in one module, gradient accumulation
+        if pp > 1:
+            return row | {"skipped": "--engine plain runs pp=1 layouts only"}
+        pipe = PlainAccumulation(pipetrain.split(layers, [len(layers)])[0], a.microbatches)
+    else:
+        pipe = pipetrain.Pipeline(
+            pipetrain.split(layers, counts),
+            row["schedule"],
+            a.microbatches,
+            causal_lm_loss,
+            stages_per_rank=v,
+            mesh=mesh,
+            device=ctx.device,
+            timeout=timedelta(seconds=a.op_timeout),
+            defer_weight_grads={"auto": None, "on": True, "off": False}[a.defer],
+        )
     del model, layers  # only this process's stages stay (in pipe.modules)
     gc.collect()
     params = [p for p in pipe.parameters() if p.requires_grad]
@@ -239,6 +246,22 @@ def run_layout(ctx: Ctx, name: str, pp: int, tp: int, cfg: dict, dtype: torch.dt
     for _ in range(a.warmup):
         step()
     ctx.sync()
+    if a.profile_dir:  # one profiled step: where the time goes (rank 0's table)
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.cuda else [])
+        with profile(activities=acts) as prof:
+            step()
+            ctx.sync()
+        if ctx.rank == 0:
+            out = Path(a.profile_dir) / f"{name}-{a.engine}-{a.defer}.txt"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            key = "self_cuda_time_total" if ctx.cuda else "self_cpu_time_total"
+            out.write_text(
+                prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+                + "\n\n"
+                + prof.key_averages().table(sort_by=key, row_limit=25)
+            )
     times = []
     for _ in range(a.steps):
         dist.barrier()
@@ -268,6 +291,42 @@ def run_layout(ctx: Ctx, name: str, pp: int, tp: int, cfg: dict, dtype: torch.dt
         row["peak_gib"] = [v / 2**30 for v in ctx.gather(peak)]
     pipe.close()  # the stages, optimizers and buffers go when this function returns
     return row
+
+
+class PlainAccumulation:
+    """The reference without pipetrain: one module of every layer, each micro-batch's forward
+    and backward in turn (what a torchtitan user runs with tp alone); ``step`` as the pipeline's."""
+
+    def __init__(self, module: torch.nn.Module, microbatches: int) -> None:
+        self.module, self.m = module, microbatches
+
+    def parameters(self):
+        return self.module.parameters()
+
+    def step(self, ids: torch.Tensor, labels: torch.Tensor) -> float:
+        total = 0.0
+        for x, y in zip(ids.chunk(self.m), labels.chunk(self.m), strict=True):
+            loss = causal_lm_loss(self.module(x), y) / self.m
+            loss.backward()
+            total += loss.detach()
+        return float(total)
+
+    def clip_grad_norm_(self, max_norm: float):
+        # torch's clip_grad_norm_ refuses a mix of DTensors and plain tensors (the norms stay
+        # plain without SP): each gradient's norm, DTensor ones made whole, then one scale
+        from torch.distributed.tensor import DTensor
+
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        norms = [g.norm(dtype=torch.float32) for g in grads]
+        norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
+        total = torch.stack(norms).norm()
+        scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(scale.to(g.dtype))
+        return total
+
+    def close(self) -> None:
+        pass
 
 
 def guarded(ctx: Ctx, fn) -> dict:
@@ -319,6 +378,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", choices=("auto", "cpu"), default="auto")
     p.add_argument("--op-timeout", type=float, default=60.0, help="pipetrain wait timeout (s)")
     p.add_argument("--pg-timeout", type=float, default=300.0, help="process-group timeout (s)")
+    p.add_argument(
+        "--engine",
+        choices=("pipetrain", "plain"),
+        default="pipetrain",
+        help="plain: torch alone, gradient accumulation (pp=1 layouts)",
+    )
+    p.add_argument(
+        "--defer",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="Pipeline(defer_weight_grads=): auto (None), on (True), off (False)",
+    )
+    p.add_argument("--profile-dir", default=None, help="a torch.profiler table per layout here")
     p.add_argument("--verbose", action="store_true", help="print tracebacks of failures")
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available() and args.device == "auto"
