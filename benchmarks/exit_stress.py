@@ -91,7 +91,7 @@ def one_run(script: Path, case: str, root: Path) -> list[int]:
         if p.returncode:
             said = err.decode(errors="replace").strip().splitlines()
             print(f"  rank {rank}: {describe(p.returncode)}; its stderr ends:", flush=True)
-            print("\n".join(f"    {line[:200]}" for line in said[-12:]), flush=True)
+            print("\n".join(f"    {line[:200]}" for line in said[-60:]), flush=True)
     return codes
 
 

@@ -229,17 +229,18 @@ class Pipeline:
         return tied_weights.TiedGrads(self._tied_sets, self._runners, average_over)
 
     def _build_transport(self, timeout: timedelta) -> Transport:
-        """The transfers' groups and the transport over them: on gloo a group of its own, closed on
-        failure (``failures``), close or interpreter exit; on NCCL a second group of the same
-        ranks for the transfers to lower ranks (``resolve.reverse_group``)."""
+        """The transfers' groups and transport: on gloo a group of its own, let go of (with the
+        stores) on failure, close or exit; on NCCL a second group (``resolve.reverse_group``)."""
         teardown.leave_together_at_exit(timeout)  # every group destroyed at exit, together
         self._owned = OwnedGroup.transfer_group(self.group, timeout)
-        self._release_at_exit = weakref.finalize(self, self._owned.release)
         self._reverse_group = resolve.reverse_group(self.group)
         group, reverse = self._owned.group or self.group, self._reverse_group
-        return Transport(
+        transport = Transport(
             self.rank, group, self.device, timeout, reverse_group=reverse, failures=self._failures
         )
+        holders = (transport, self._failures, self._agreement)
+        self._release_at_exit = weakref.finalize(self, self._owned.release, *holders)
+        return transport
 
     # -- read-only facts ------------------------------------------------------------------------
 
@@ -329,7 +330,6 @@ class Pipeline:
         last references: destroying the owned group closes its connections)."""
         for runner in self._runners.values():
             runner.release()
-        self._transport.forget_groups()
         self._release_at_exit()
 
     def __enter__(self) -> Pipeline:

@@ -29,7 +29,9 @@ def _run(world: int, schedule: str, variant: str) -> list[tuple[int, str]]:
         return _run_in(world, schedule, variant, folder)
 
 
-def _run_in(world: int, schedule: str, variant: str, folder: str) -> list[tuple[int, str]]:
+def _run_in(
+    world: int, schedule: str, variant: str, folder: str, **extra_env: str
+) -> list[tuple[int, str]]:
     port = str(free_port())
     procs = []
     for rank in range(world):
@@ -42,6 +44,7 @@ def _run_in(world: int, schedule: str, variant: str, folder: str) -> list[tuple[
             LOCAL_RANK=str(rank),
             PIPETRAIN_SCHEDULE=schedule,
             OMP_NUM_THREADS="1",
+            **extra_env,
         )
         procs.append(
             subprocess.Popen(
@@ -74,3 +77,13 @@ def test_the_readme_script_exits_zero_every_time():
         if code != 0
     ]
     assert not failed, "\n".join(failed)
+
+
+@pytest.mark.slow
+def test_nothing_of_the_job_is_left_for_the_interpreters_teardown(tmp_path):
+    """After a README-style run the rendezvous store's server is gone before the interpreter's
+    own teardown: every group destroyed, and nothing of the pipeline's (nor a module it imported,
+    such as torch.distributed.fsdp) holding the store."""
+    results = _run_in(2, "zb-h1", "plain", str(tmp_path), PIPETRAIN_EXIT_PROBE="1")
+    assert [code for code, _ in results] == [0, 0], results
+    assert "store server at exit: gone" in results[0][1], results[0][1]

@@ -2,16 +2,33 @@
 rank, env:// rendezvous): build, train a few steps, measure one, exit, by the variant in argv[1]:
 ``plain`` (no close, no destroy_process_group), ``with`` (context manager), ``destroy``
 (destroy_process_group at the end), ``refused`` (then a load of a shallower model's checkpoint,
-written to the folder in argv[2], which every rank refuses; caught, then exit)."""
+written to the folder in argv[2], which every rank refuses; caught, then exit).
 
+With ``PIPETRAIN_EXIT_PROBE`` set, rank 0 says on stderr, from the last exit handler Python runs
+(registered first), whether the rendezvous store's server still accepts connections: one left
+for the interpreter's own teardown is freed among C++ static objects, where it aborted now and
+then."""
+
+import atexit
 import os
+import socket
 import sys
 
-import torch
-import torch.distributed as dist
-from torch import nn
 
-import pipetrain
+def _probe_store_server() -> None:
+    with socket.socket() as s:
+        up = s.connect_ex((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))) == 0
+    print(f"store server at exit: {'up' if up else 'gone'}", file=sys.stderr, flush=True)
+
+
+if os.environ.get("PIPETRAIN_EXIT_PROBE") and os.environ["RANK"] == "0":
+    atexit.register(_probe_store_server)  # before torch: its exit handlers run before this one
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+
+import pipetrain  # noqa: E402
 
 torch.set_num_threads(1)
 variant = sys.argv[1]

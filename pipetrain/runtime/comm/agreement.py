@@ -58,6 +58,10 @@ class Agreement:
         self.steps = 0
         self.step_records: dict[str, dict] = {}  # per mode, the last shapes all ranks agreed on
 
+    def let_go(self) -> None:
+        """Drop the store (the pipeline is closed, or the interpreter exits; see ``Failures``)."""
+        del self.store
+
     def exchange(self, what: str, record: dict, stepping: dict | None = None) -> list[dict]:
         """Write ``record``, read every rank's (rank order), refuse the first differing field.
 

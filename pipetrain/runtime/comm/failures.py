@@ -23,7 +23,7 @@ import json
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Concatenate, ParamSpec, Protocol, TypeVar
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 import torch.distributed as dist
 
@@ -72,6 +72,13 @@ class Failures:
         self.world_size = world_size
         self.prefix = prefix
         self.posted = False
+
+    def let_go(self) -> None:
+        """Drop the store (the pipeline is closed or the interpreter exits), so that it is not
+        left to the interpreter's teardown, which frees it in no defined order with what its
+        threads use (``teardown``). Posting and reading then find no store, as when its host
+        died."""
+        del self.store
 
     def _key(self, rank: int) -> str:
         return f"{self.prefix}/failed/{rank}"
@@ -160,9 +167,13 @@ class OwnedGroup:
             return OwnedGroup(None)
         return OwnedGroup(dist.new_group(timeout=timeout, backend="gloo"))
 
-    def release(self) -> None:
+    def release(self, *holders: Any) -> None:
+        """Destroy the group, and have each holder (the transport, the failure notices, the
+        agreement) let go of its groups and stores while Python still runs."""
         group, self.group = self.group, None
         destroy_group(group)
+        for holder in holders:
+            holder.let_go()
 
 
 def posts_failures(

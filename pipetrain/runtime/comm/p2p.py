@@ -249,8 +249,10 @@ class Transport:
             pending.works.clear()
         self._sends = []
 
-    def forget_groups(self) -> None:
-        """Let go of the process groups (the pipeline destroys the one it owns)."""
+    def let_go(self) -> None:
+        """Let go of the process groups and of finished sends' works (the pipeline destroys the
+        group it owns): nothing of a group may be left for the interpreter's teardown to free."""
+        self.abandon()
         self.group = self.reverse_group = None
 
     def reap(self) -> None:

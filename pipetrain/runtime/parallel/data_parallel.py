@@ -41,6 +41,7 @@ every replica (``runtime.parallel.tied`` refuses one a caller's ``fully_shard`` 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -58,9 +59,14 @@ REDUCTIONS = ("mean", "sum")
 
 
 def check_wrapping(modules: dict[int, nn.Module], kind: str | None) -> None:
-    """Refuse stages wrapped for data parallel where the pipeline would not drive the wrapper."""
-    from torch.distributed.fsdp import FSDPModule
+    """Refuse stages wrapped for data parallel where the pipeline would not drive the wrapper.
+
+    FSDP is looked for only where it was imported (no module can be an ``FSDPModule`` before):
+    importing ``torch.distributed.fsdp`` keeps the default group's store alive until the
+    interpreter's own teardown, where rank 0 freeing its server aborted now and then."""
     from torch.nn.parallel import DistributedDataParallel
+
+    fsdp = sys.modules.get("torch.distributed.fsdp")
 
     for s, module in modules.items():
         if isinstance(module, DistributedDataParallel):
@@ -69,7 +75,11 @@ def check_wrapping(modules: dict[int, nn.Module], kind: str | None) -> None:
                 "gradients on every micro-batch; pass the plain module with "
                 "mesh=..., data_parallel='ddp' and the Pipeline wraps it and syncs once per step"
             )
-        if kind != "fsdp" and any(isinstance(m, FSDPModule) for m in module.modules()):
+        if (
+            kind != "fsdp"
+            and fsdp
+            and any(isinstance(m, fsdp.FSDPModule) for m in module.modules())
+        ):
             raise ValueError(
                 f"stage {s} contains fully_shard modules, which would reduce-scatter partial "
                 "gradients on every micro-batch; pass mesh=..., data_parallel='fsdp' so the "
