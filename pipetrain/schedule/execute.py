@@ -22,7 +22,8 @@ from itertools import repeat
 from typing import NamedTuple
 
 from pipetrain.schedule import deps
-from pipetrain.schedule.action import COMPUTE_KINDS, Action, OpKind
+from pipetrain.schedule.action import COMPUTE_KINDS, COPY_KINDS, Action, OpKind
+from pipetrain.schedule.copy_engine import CopyEngine
 from pipetrain.schedule.placement import Placement
 from pipetrain.schedule.program import Program, ScheduleError
 from pipetrain.schedule.timeline import Span
@@ -75,6 +76,8 @@ class Run:
     ends: list[list[float]]
     #: each stretch a rank ran without waiting, in order
     stretches: list[Stretch]
+    #: the OFFLOAD/RELOAD copies, on the copy engine beside compute (``copy_engine``)
+    copies: tuple[Span, ...] = ()
 
     def spans(self) -> list[Span]:
         spans: list[Span] = []
@@ -125,6 +128,11 @@ def run(
     plans = _plans(rule, duration, latency)
     pairs = _PairPlans(plans, stride, duration)
     rows = [[a for a in row if a.kind in COMPUTE_KINDS] for row in program.actions]
+    copies = (
+        CopyEngine(program.actions, duration)
+        if any(a.kind in COPY_KINDS for row in program.actions for a in row)
+        else None
+    )
     produced: dict[int, float] = {}  # value -> when it was produced
     waiting: dict[int, list[int]] = {}  # value -> ranks parked on it
     pos = [0] * len(rows)
@@ -140,6 +148,8 @@ def run(
         first = step
         while step < len(row):
             action = row[step]
+            if copies is not None:
+                copies.issue(rank, step, free)
             if action.parts:
                 plan = pairs.plan(action, produced)
             else:
@@ -158,6 +168,8 @@ def run(
                 if arrived > start:
                     start = arrived
             else:  # every input is here: run it
+                if copies is not None:
+                    start = copies.ready(action, start)
                 free = start + cost
                 rank_starts.append(start)
                 rank_ends.append(free)
@@ -170,6 +182,8 @@ def run(
                 continue
             waiting.setdefault(value + shift, []).append(rank)
             break
+        if copies is not None and step == len(row):
+            copies.issue(rank, step, free)
         if step > first:
             stretches.append(Stretch(rank, first, step))
         pos[rank], free_at[rank] = step, free
@@ -177,7 +191,7 @@ def run(
         raise deadlock_error(
             program.with_actions(rows), _stuck_computes(program, rows, pos, produced)
         )
-    return Run(rows, starts, ends, stretches)
+    return Run(rows, starts, ends, stretches, tuple(copies.spans) if copies else ())
 
 
 def _plans(
