@@ -26,6 +26,7 @@ from pipetrain.runtime.parallel.mesh import MeshGroups, resolve_mesh
 from pipetrain.schedule import deps
 from pipetrain.schedule.action import Action, OpKind
 from pipetrain.schedule.lower import lower, post_receives_late
+from pipetrain.schedule.offload import check_fractions, insert_offload
 from pipetrain.schedule.posted_p2p import run_posted
 from pipetrain.schedule.program import Program
 from pipetrain.schedule.validate import validate
@@ -153,6 +154,7 @@ def resolve_program(
     world: int,
     stages_per_rank: int | None,
     receive_lead: int | None = 1,
+    offload: Sequence[float] | None = None,
 ) -> Program:
     if isinstance(schedule, Program):
         program = schedule
@@ -196,6 +198,8 @@ def resolve_program(
             f"the schedule has {program.num_stages} stages but {total} stages were given"
         )
     program = validate(lower(program))
+    if offload is not None and any(f > 0 for f in check_fractions(offload, total)):
+        program = validate(insert_offload(program, offload))
     if receive_lead is None:
         return program
     # the moved receives are checked against the transport that runs them (``runtime.comm.p2p``)
