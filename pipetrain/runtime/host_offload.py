@@ -80,7 +80,7 @@ class StageOffload:
 
     def capture(self, mb: int) -> AbstractContextManager[object]:
         """Around micro-batch ``mb``'s forward: wrap what autograd saves (if it is offloaded)."""
-        if mb not in self.microbatches:
+        if mb not in self.microbatches or not torch.is_grad_enabled():  # eval saves nothing
             return nullcontext()
         micro = self.micro[mb] = _Micro()
 

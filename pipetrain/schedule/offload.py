@@ -49,6 +49,15 @@ def has_copies(program: Program) -> bool:
     return any(a.kind in COPY_KINDS for row in program.actions for a in row)
 
 
+def offloadable_stages(program: Program, lead: int = 1) -> frozenset[int]:
+    """The stages with at least one micro-batch ``insert_offload`` would offload at ``lead``."""
+    everything = (1.0,) * program.num_stages
+    found: set[int] = set()
+    for row in program.actions:
+        found |= _row_with_copies(row, everything, lead)[1]
+    return frozenset(found)
+
+
 def insert_offload(program: Program, fractions: Sequence[float], lead: int = 1) -> Program:
     """``program`` with an OFFLOAD/RELOAD pair for every (stage, micro-batch) of a stage whose
     fraction is > 0 and whose activations wait long enough (module docstring).
