@@ -6,8 +6,9 @@ and its backward while other micro-batches run, so they can live in host memory 
 forward of an offloaded micro-batch runs under ``torch.autograd.graph.saved_tensors_hooks``: each
 tensor autograd saves is wrapped in a ``_Packed`` entry (parameters and tensors under
 ``min_bytes`` are left as they are: moving them saves nothing). ``OFFLOAD`` copies the first
-entries, in the order they were saved, up to ``fraction`` of the saved bytes, into host memory and
-drops the device copy; ``RELOAD`` copies them back; the backward's unpack hook hands autograd the
+entries, in the order they were saved, until at least ``fraction`` of the saved bytes are moved
+(whole tensors: never less than the planner counted on), into host memory and drops the device
+copy; ``RELOAD`` copies them back; the backward's unpack hook hands autograd the
 reloaded tensor.
 
 On CUDA the copies run on a copy stream of their own, ordered by events: the offload waits for
@@ -98,15 +99,16 @@ class StageOffload:
         return torch.autograd.graph.saved_tensors_hooks(pack, _unpack)
 
     def offload(self, mb: int) -> None:
-        """``OFFLOAD``: copy up to ``fraction`` of the saved bytes to host memory."""
+        """``OFFLOAD``: copy at least ``fraction`` of the saved bytes to host memory."""
         micro = self.micro[mb]
         micro.by_id.clear()  # ids of freed tensors may be reused: only the entries count now
         budget = self.fraction * sum(e.nbytes for e in micro.entries)
         chosen, total = [], 0
-        for entry in micro.entries:
-            if total + entry.nbytes <= budget:
-                chosen.append(entry)
-                total += entry.nbytes
+        for entry in micro.entries:  # whole tensors: at least the fraction, so memory is as planned
+            if total >= budget:
+                break
+            chosen.append(entry)
+            total += entry.nbytes
         with self._on_copy_stream():
             for entry in chosen:
                 source = entry.device
