@@ -286,6 +286,7 @@ class Pipeline:
         stages = resolve.plan_stages(layers, layout, kwargs)  # cut in construction's phases
         per_rank, total = layout.stages_per_rank, len(layout.stage_layers)
         args = (stages, layout.schedule, layout.microbatches, loss_fn)
+        kwargs = {**kwargs, "offload": layout.offload if layout.offloads else None}
         return cls(*args, stages_per_rank=per_rank, num_stages=total, **kwargs)
 
     @classmethod

@@ -255,7 +255,8 @@ def plan_stages(layers, layout: Layout, kwargs: dict) -> Callable[[int], nn.Modu
     size."""
     from pipetrain.runtime.layers import split
 
-    given = sorted({"schedule", "num_microbatches", "stages_per_rank", "num_stages"} & set(kwargs))
+    plan_sets = {"schedule", "num_microbatches", "stages_per_rank", "num_stages", "offload"}
+    given = sorted(plan_sets & set(kwargs))
     if given:
         raise ValueError(f"the plan sets the schedule and its shape; drop {', '.join(given)}")
     require_process_group()
