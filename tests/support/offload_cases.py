@@ -97,7 +97,27 @@ def run_offload(rank: int, world: int, defer_weight_grads: bool) -> dict:
         assert all(r.leftovers() == 0 for r in pipe._runners.values())
         pipe.close()
     out["refusals"] = _refusals(world)
+    out["from_plan"] = _from_plan(world)
     return out
+
+
+def _from_plan(world: int) -> tuple[float | None, int]:
+    """A plan's ``offload`` applied by ``Pipeline.from_plan``: (the bytes stage 0 moved where it
+    lives on this rank, else None; how many OFFLOAD actions this rank's program holds)."""
+    import pipetrain
+    from pipetrain.schedule.action import OpKind
+
+    layers = build(world)
+    plan = {"schedule": "1f1b", "ranks": world, "stages_per_rank": 1, "microbatches": 4,
+            "stage_layers": [1] * world, "offload": [1.0] + [0.0] * (world - 1)}  # fmt: skip
+    pipe = pipetrain.Pipeline.from_plan(layers, plan, loss_fn=loss_fn, device="cpu")
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(ROWS * 4, WIDTH, generator=g, dtype=torch.float64)
+    pipe.step(x, torch.randn(ROWS * 4, 2, generator=g, dtype=torch.float64))
+    offload = pipe._runners[0].offload if 0 in pipe._runners else None
+    copies = sum(a.kind is OpKind.OFFLOAD for a in pipe.program.actions[pipe.rank])
+    pipe.close()
+    return (None if offload is None else offload.moved_bytes), copies
 
 
 def _refusals(world: int) -> dict[str, str]:
