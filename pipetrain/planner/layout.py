@@ -51,6 +51,17 @@ class Layout:
         object.__setattr__(self, "recompute", tuple(m.value for m in parsed))
         fractions = self.offload or (0.0,) * len(self.stage_layers)
         object.__setattr__(self, "offload", check_fractions(fractions, len(self.stage_layers)))
+        both = [
+            s
+            for s, (mode, f) in enumerate(zip(self.recompute, self.offload))
+            if mode == Recompute.SELECTIVE and f > 0
+        ]
+        if both:
+            raise ValueError(
+                f"stage(s) {', '.join(map(str, both))} recompute 'selective' and offload: not "
+                "run together (a selective checkpoint's saved outputs cannot be read twice under "
+                "offload's hooks); use 'full' recompute with offload, or no offload there"
+            )
 
     @property
     def offloads(self) -> bool:

@@ -202,4 +202,18 @@ def attach(
             chosen.setdefault(action.stage, set()).add(action.microbatch)
     for s, runner in runners.items():
         if fractions[s] > 0:
+            _refuse_selective(runner.module, s)
             runner.offload = StageOffload(s, fractions[s], frozenset(chosen.get(s, ())), device)
+
+
+def _refuse_selective(module: nn.Module, stage: int) -> None:
+    """Selective checkpoints (``torch.utils.checkpoint`` with a policy) raise when a backward
+    reads their saved outputs under saved-tensor hooks a second time, as a split backward does;
+    refused here rather than at the first ``W``."""
+    from pipetrain.runtime.backward.activation_checkpoint import Recomputed
+
+    if any(isinstance(m, Recomputed) and m.mode == "selective" for m in module.modules()):
+        raise ValueError(
+            f"stage {stage} recomputes 'selective' and offloads: not run together; use 'full' "
+            "recompute with offload, or no offload on that stage"
+        )

@@ -70,3 +70,12 @@ def test_nothing_fits_even_with_full_recompute_and_full_offload_names_the_gib() 
     with pytest.raises(NoPlanFits, match=r"even with full recompute and full offload on every "
                        r"stage: the smallest peak any candidate reached is [\d.]+ GiB"):  # fmt: skip
         plan(costs(1e5), num_ranks=2, memory_gib=0.5, headroom=0)
+
+
+def test_selective_recompute_with_offload_on_one_stage_is_refused() -> None:
+    old = {"schedule": "1f1b", "ranks": 2, "stages_per_rank": 1, "microbatches": 4,
+           "stage_layers": [3, 3]}  # fmt: skip
+    with pytest.raises(ValueError, match=r"stage\(s\) 0 recompute 'selective' and offload"):
+        Layout.from_json({**old, "recompute": ["selective", "none"], "offload": [0.5, 0.0]})
+    both = Layout.from_json({**old, "recompute": ["full", "selective"], "offload": [0.5, 0.0]})
+    assert both.offloads and both.recomputes

@@ -6,7 +6,7 @@ training under 1F1B, interleaved 1F1B, ZB-H1, ZBV and DualPipeV with either weig
 from __future__ import annotations
 
 import pytest
-from offload_cases import run_offload
+from offload_cases import run_offload, run_offload_with_recompute
 from runtime_harness import launch
 
 
@@ -31,3 +31,20 @@ def test_offloaded_training_is_exact_and_moves_the_bytes(defer):
     # a plan's offload through Pipeline.from_plan: stage 0 (rank 0) moves bytes, rank 1 none
     (moved0, copies0), (moved1, copies1) = (r["from_plan"] for r in results)
     assert moved0 and copies0 > 0 and moved1 is None and copies1 == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("defer", [False, True], ids=["graph-replay", "deferred-wgrad"])
+def test_offload_composes_with_a_plans_recompute(defer):
+    """A zbv plan's stages recomputing (full) and offloading at once, through
+    ``Pipeline.from_plan``: what a checkpoint saves stays the checkpoint's, the rest is offloaded,
+    and the loss and every gradient equal the plan's without either; selective recompute with
+    offload on one stage is refused from the plan."""
+    results = launch(2, run_offload_with_recompute, defer, timeout=300)
+    for r in results:
+        assert r["difference"] < 1e-12, r["difference"]
+        assert r["same_names"]
+    moved = {s: b for r in results for s, b in r["moved"].items()}
+    assert set(moved) == {0, 1, 2} and moved[1] > 0 and moved[2] > 0, moved
+    for r in results:
+        assert "recompute 'selective' and offload: not run together" in r["refused"]
