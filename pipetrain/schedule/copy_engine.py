@@ -62,7 +62,13 @@ class CopyEngine:
             key = (copy.stage, copy.microbatch)
             start = max(now, queues[copy.kind])
             if copy.kind is OpKind.RELOAD:
-                start = max(start, self.offloaded[key])
+                offloaded = self.offloaded.get(key)
+                if offloaded is None:
+                    raise ValueError(
+                        f"rank {rank}: {copy} runs before its OFFLOAD; validate the program "
+                        "(offload.check_copies) before simulating it"
+                    )
+                start = max(start, offloaded)
             end = queues[copy.kind] = start + self.cost[copy.kind, copy.stage]
             (self.offloaded if copy.kind is OpKind.OFFLOAD else self.reloaded)[key] = end
             self.spans.append(Span(rank, copy, start, end))

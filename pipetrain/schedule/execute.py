@@ -6,7 +6,8 @@ and every value it needs (``deps.requires``) has arrived — ``latency(key)`` af
 ended when producer and consumer live on different ranks. A rank that waits is parked on the
 missing value and woken when it is produced, so a run is O(actions) however long the program.
 If ranks remain parked when nothing is left to run, the program deadlocks and ``ScheduleError``
-says who waits on whom.
+says who waits on whom. A program's OFFLOAD/RELOAD copies run beside compute on each rank's copy
+engine (``copy_engine`` states that model); a backward waits for its reload.
 
 The loop runs once per action of every lowering, validation and simulation, so it reads the rule
 through ``deps.compile_rule`` (values as integers) and asks ``duration`` and ``latency`` up front,

@@ -154,3 +154,14 @@ def test_the_copy_engine_queues_by_direction_and_backwards_wait_for_reloads() ->
     for span in slow.spans:
         if span.action.kind is OpKind.B and (span.rank, span.action.microbatch) in reload_end:
             assert span.start >= reload_end[span.rank, span.action.microbatch] - 1e-9
+
+
+def test_programs_with_copies_round_trip_through_files(tmp_path) -> None:
+    from pipetrain.schedule.program_io import load_program, save_program
+
+    program = insert_offload(_one_f_one_b(), [1.0, 1.0, 1.0, 0.0])
+    for ext in ("csv", "json"):
+        path = tmp_path / f"program.{ext}"
+        save_program(program, path)
+        loaded = validate(load_program(path))
+        assert loaded.actions == program.actions and loaded.placement == program.placement
