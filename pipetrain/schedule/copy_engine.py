@@ -18,11 +18,20 @@ rank and earlier in the row, so a copy never waits on another rank.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from operator import attrgetter
 
 from pipetrain.schedule.action import COPY_KINDS, Action, OpKind
+from pipetrain.schedule.program import Program
 from pipetrain.schedule.timeline import Span
 
 _WAITS = (OpKind.B, OpKind.I)
+_kind = attrgetter("kind")
+
+
+def has_copies(program: Program) -> bool:
+    """Whether ``program`` has OFFLOAD/RELOAD actions (each row's kinds read in C, as
+    ``Program.is_lowered`` does: this runs on every simulation)."""
+    return any(not COPY_KINDS.isdisjoint(map(_kind, row)) for row in program.actions)
 
 
 class CopyEngine:

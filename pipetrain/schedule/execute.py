@@ -23,8 +23,8 @@ from itertools import repeat
 from typing import NamedTuple
 
 from pipetrain.schedule import deps
-from pipetrain.schedule.action import COMPUTE_KINDS, COPY_KINDS, Action, OpKind
-from pipetrain.schedule.copy_engine import CopyEngine
+from pipetrain.schedule.action import COMPUTE_KINDS, Action, OpKind
+from pipetrain.schedule.copy_engine import CopyEngine, has_copies
 from pipetrain.schedule.placement import Placement
 from pipetrain.schedule.program import Program, ScheduleError
 from pipetrain.schedule.timeline import Span
@@ -129,11 +129,7 @@ def run(
     plans = _plans(rule, duration, latency)
     pairs = _PairPlans(plans, stride, duration)
     rows = [[a for a in row if a.kind in COMPUTE_KINDS] for row in program.actions]
-    copies = (
-        CopyEngine(program.actions, duration)
-        if any(a.kind in COPY_KINDS for row in program.actions for a in row)
-        else None
-    )
+    copies = CopyEngine(program.actions, duration) if has_copies(program) else None
     produced: dict[int, float] = {}  # value -> when it was produced
     waiting: dict[int, list[int]] = {}  # value -> ranks parked on it
     pos = [0] * len(rows)

@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pipetrain.schedule.action import COPY_KINDS, Action, OpKind
+from pipetrain.schedule.copy_engine import has_copies
 from pipetrain.schedule.program import Program, ScheduleError
 
 _BACKWARDS = (OpKind.B, OpKind.I)
@@ -43,10 +44,6 @@ def check_fractions(fractions: Sequence[float], num_stages: int) -> tuple[float,
                 f"saved activation bytes moved to host memory), got {value!r}"
             )
     return tuple(float(v) for v in values)
-
-
-def has_copies(program: Program) -> bool:
-    return any(a.kind in COPY_KINDS for row in program.actions for a in row)
 
 
 def offloadable_stages(program: Program, lead: int = 1) -> frozenset[int]:

@@ -25,8 +25,9 @@ from itertools import chain
 from operator import add, attrgetter
 
 from pipetrain.schedule.action import Action, OpKind
+from pipetrain.schedule.copy_engine import has_copies
 from pipetrain.schedule.execute import run, unit_duration
-from pipetrain.schedule.offload import check_copies, has_copies
+from pipetrain.schedule.offload import check_copies
 from pipetrain.schedule.posted_p2p import check_channel_order, run_posted
 from pipetrain.schedule.program import Program, ScheduleError, microbatch_chains
 from pipetrain.schedule.transfer_checks import check_pairing, execute_lowered, scan_lowered
