@@ -28,6 +28,8 @@ def test_offloaded_training_is_exact_and_moves_the_bytes(defer):
     assert "offload fraction of stage 0 must be a number in [0, 1]" in refusals["range"]
     assert "give one per stage (2)" in refusals["length"]
     assert "nothing to offload there" in refusals["nothing"]
+    assert "the program has OFFLOAD/RELOAD actions; pass offload=" in refusals["copies"]
+    assert int(refusals["own copies moved"]) > 0
     # a plan's offload through Pipeline.from_plan: stage 0 (rank 0) moves bytes, rank 1 none
     (moved0, copies0), (moved1, copies1) = (r["from_plan"] for r in results)
     assert moved0 and copies0 > 0 and moved1 is None and copies1 == 0

@@ -124,11 +124,26 @@ def _refusals(world: int) -> dict[str, str]:
     import pipetrain
 
     found = {}
-    for label, offload in (("range", [1.5, 0.0]), ("length", [0.5]), ("nothing", [0.0, 1.0])):
+    from pipetrain.schedule.lower import lower
+    from pipetrain.schedule.offload import insert_offload
+    from pipetrain.schedule.registry import build_schedule
+
+    with_copies = insert_offload(lower(build_schedule("1f1b", world, 4)), [1.0, 0.0])
+    cases = (("range", "1f1b", [1.5, 0.0]), ("length", "1f1b", [0.5]),
+             ("nothing", "1f1b", [0.0, 1.0]), ("copies", with_copies, None))  # fmt: skip
+    for label, schedule, offload in cases:
         try:
-            pipetrain.Pipeline(build(world), "1f1b", 4, loss_fn, device="cpu", offload=offload)
+            pipetrain.Pipeline(build(world), schedule, 4, loss_fn, device="cpu", offload=offload)
         except ValueError as e:
             found[label] = str(e)
+    # a program that carries its own copies runs them, moving what offload= says
+    pipe = pipetrain.Pipeline(build(world), with_copies, 4, loss_fn, device="cpu",
+                              offload=[1.0, 0.0])  # fmt: skip
+    x = torch.randn(ROWS * 4, WIDTH, dtype=torch.float64)
+    pipe.step(x, torch.randn(ROWS * 4, 2, dtype=torch.float64))
+    runner = pipe._runners.get(0)
+    found["own copies moved"] = str(runner.offload.moved_bytes if runner and runner.offload else 0)
+    pipe.close()
     return found
 
 
