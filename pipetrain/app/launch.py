@@ -158,6 +158,8 @@ def _describe(layout: Layout, plan_file: str | None) -> str:
     cut = f"stage_layers {list(layout.stage_layers)}"
     if layout.recomputes:
         cut += f", recompute {list(layout.recompute)}"
+    if layout.offloads:
+        cut += f", offload {list(layout.offload)}"
     source = f" (plan {plan_file})" if plan_file else ""
     return (
         describe_shape(layout.schedule, layout.ranks, layout.stages_per_rank, layout.microbatches)

@@ -150,6 +150,11 @@ def format_plan(found: Search) -> str:
             + " (full: each layer keeps its input and runs its forward again in the backward; "
             "selective: keeps matmul outputs; docs/planning.md)"
         )
+        if best.layout.offloads:
+            lines.append(
+                f"offload per stage {list(best.offload)} (the share of its activations each "
+                "stage keeps in host memory between forward and backward; docs/runtime.md)"
+            )
     names = best.stage_layer_names()
     if names:
         lines.append(

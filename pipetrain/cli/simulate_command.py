@@ -1,11 +1,13 @@
 """``pipetrain simulate``: one step of a schedule (or of a program file) under given costs — the
 timeline drawn in the terminal with each rank's held activations over time under it, its bubble
 and memory, or one JSON object; an SVG (with the activation curves) or a Chrome/Perfetto trace on
-request."""
+request. ``--offload`` inserts activation offload copies (``schedule.offload``) and draws them
+under the memory rows."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from pipetrain.cli.flags import (
     Option,
     UsageError,
     cost_options,
+    cost_value,
     costs_from,
     microbatches_option,
     ranks_option,
@@ -25,12 +28,17 @@ from pipetrain.cli.flags import (
     width_of,
 )
 from pipetrain.schedule.lower import lower
+from pipetrain.schedule.offload import insert_offload, offloadable_stages
 from pipetrain.schedule.program import Program, describe_shape
 from pipetrain.schedule.registry import build_schedule, family
 from pipetrain.schedule.timeline import Timeline
 from pipetrain.schedule.validate import validate
 from pipetrain.sim.compare import summary
 from pipetrain.sim.simulate import simulate
+
+COSTS_GROUP = (
+    "costs (time units per stage; one number, or a comma-separated list with one per stage)"
+)
 
 OPTIONS = (
     *schedule_options(),
@@ -45,6 +53,24 @@ OPTIONS = (
         "--schedule",
     ),
     *cost_options(),
+    Option(
+        ("--offload",),
+        type=cost_value,
+        metavar="FRAC",
+        help="share of each stage's activation kept in host memory between forward and "
+        "backward, in [0, 1]: one number (every stage whose micro-batches wait long enough) or "
+        "one per stage",
+        shown_default="none",
+        group=COSTS_GROUP,
+    ),
+    Option(
+        ("--host-copy",),
+        type=cost_value,
+        default=0.0,
+        metavar="HC",
+        help="time to copy one micro-batch's whole activation of a stage to host memory, one way",
+        group=COSTS_GROUP,
+    ),
     Option(("--json",), switch=True, help="print one JSON object instead of the timeline"),
     Option(("--svg",), metavar="FILE", help="write an SVG Gantt chart"),
     Option(("--trace",), metavar="FILE", help="write a Chrome/Perfetto trace JSON"),
@@ -56,7 +82,11 @@ def run(args: argparse.Namespace) -> int:
     if not args.program and args.schedule:
         family(args.schedule)  # an unknown name is refused first, with the legal ones
     program = program_from(args)
-    timeline = simulate(program, costs_from(args))
+    costs = costs_from(args)
+    if args.offload is not None:
+        program, fractions = _offloaded(program, args.offload)
+        costs = dataclasses.replace(costs, offload=fractions, host_copy=args.host_copy)
+    timeline = simulate(program, costs)
     if args.svg:
         from pipetrain.render import render_svg
 
@@ -78,6 +108,22 @@ def run(args: argparse.Namespace) -> int:
         if path:
             print(f"wrote {path}")
     return 0
+
+
+def _offloaded(
+    program: Program, offload: float | tuple[float, ...]
+) -> tuple[Program, tuple[float, ...]]:
+    """The program with its offload copies, and the fraction per stage (one number: every stage
+    with a micro-batch to offload)."""
+    if isinstance(offload, tuple):
+        fractions = offload
+    else:
+        able = offloadable_stages(program)
+        fractions = tuple(offload if s in able else 0.0 for s in range(program.num_stages))
+    try:
+        return validate(insert_offload(program, fractions)), fractions
+    except ValueError as e:
+        raise UsageError(f"--offload: {e}") from None
 
 
 def program_from(args: argparse.Namespace) -> Program:

@@ -113,16 +113,17 @@ def refine(
     stages per rank, where a rank's load is a sum over distant stages and one climb can stop in
     a local minimum (interleaved 1F1B on small random models, climbing from the best start alone:
     measured in docs/performance.md). A shape here includes what its stages recompute, which
-    the moves keep. Returns every cut it simulated."""
+    the moves keep, and what they offload. Returns every cut it simulated."""
     out: list[Candidate] = []
-    shapes: dict[tuple[str, int, int, tuple[str, ...]], list[Candidate]] = {}
+    shapes: dict[tuple[str, int, int, tuple[str, ...], tuple[float, ...]], list[Candidate]] = {}
     for c in sorted((c for c in found if c.plan.fits), key=rank_key):
-        key = (c.plan.schedule, c.plan.stages_per_rank, c.plan.microbatches, c.plan.recompute)
+        plan = c.plan
+        key = (plan.schedule, plan.stages_per_rank, plan.microbatches, plan.recompute, plan.offload)
         if key in shapes or len(shapes) < REFINE_SHAPES:
             shapes.setdefault(key, []).append(c)
     actions_left = REFINE_ACTIONS
     time = [layer.forward + layer.backward for layer in costs.layers]
-    for (name, v, m, modes), starts in shapes.items():
+    for (name, v, m, modes, offload), starts in shapes.items():
         program = programs[name, v, m]
         size = sum(len(row) for row in program.actions)
         seen = {c.plan.stage_layers for c in starts}
@@ -137,7 +138,7 @@ def refine(
                         return out
                     actions_left -= size
                     seen.add(cut)
-                    c = evaluate(costs, program, name, v, cut, "refined", budget, modes)
+                    c = evaluate(costs, program, name, v, cut, "refined", budget, modes, offload)
                     out.append(c)
                     if c.plan.fits and rank_key(c) < rank_key(best):
                         best, improved = c, True

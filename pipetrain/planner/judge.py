@@ -4,7 +4,10 @@ simulator's own model (``sim.costs.rank_peak_memory``: static memory of the rank
 its peak of held activations over the simulated step), so the planner has one memory model, not
 two. A stage that recomputes is judged with its layers' costs under that mode
 (``recompute.recomputed_layer``), so recompute too is only other numbers to the simulator. A
-``Plan`` is what comes out: everything a ``Pipeline`` needs besides the model, with its
+stage that offloads (PipeOffload, arXiv 2503.01328) is judged on its program with the copies
+inserted (``schedule.offload``), each copy lasting its share of the stage's activation over the
+costs file's ``host_bandwidth_gbs``, so the simulator's copy engine says what it costs and saves.
+A ``Plan`` is what comes out: everything a ``Pipeline`` needs besides the model, with its
 prediction."""
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pipetrain.planner.costs_file import ModelCosts
 from pipetrain.planner.layout import Layout
 from pipetrain.planner.partition import bounds
 from pipetrain.planner.recompute import Recompute, recomputed_layer
+from pipetrain.schedule.offload import insert_offload, offloadable_stages
 from pipetrain.schedule.program import Program
 from pipetrain.schedule.timeline import Timeline
 from pipetrain.sim.costs import Costs, rank_peak_memory
@@ -78,6 +82,10 @@ class Plan:
         return self.layout.recompute
 
     @property
+    def offload(self) -> tuple[float, ...]:
+        return self.layout.offload
+
+    @property
     def usable_gib(self) -> float:
         """What a rank's predicted peak may reach: the budget less the headroom."""
         return self.memory_gib * (1.0 - self.headroom)
@@ -123,15 +131,21 @@ def family_key(c: Candidate) -> tuple[bool, float, float, str]:
     return (not c.plan.fits, *rank_key(c))
 
 
+#: bytes per GiB over bytes per GB: a GiB at ``host_bandwidth_gbs`` GB/s takes this many seconds
+_GIB_PER_GB = 2**30 / 1e9
+
+
 def stage_costs(
     costs: ModelCosts,
     program: Program,
     cut: Sequence[int],
     recompute: Sequence[str] = (),
+    offload: Sequence[float] = (),
 ) -> Costs:
     """Simulator costs of the stages ``cut`` makes: sums over each stage's layers (a stage's
     ``comm`` is its last layer's output transfer, its workspace the largest of its layers'), each
-    layer's costs under its stage's ``recompute`` mode (one per entry of ``cut``; empty: none)."""
+    layer's costs under its stage's ``recompute`` mode (one per entry of ``cut``; empty: none)
+    and each stage offloading its ``offload`` fraction (one per entry of ``cut``; empty: none)."""
     blocks = bounds(cut)
     modes = [Recompute(m) for m in recompute] or [Recompute.NONE] * len(blocks)
     assert len(modes) == len(blocks), (recompute, cut)
@@ -168,15 +182,27 @@ def stage_costs(
         ],
         workspace=[max(layer.workspace for layer in stage) for stage in layers_of],
         static=total("params"),
+        host_copy=[a * _GIB_PER_GB / bandwidth * 1e3 for a in total("activation")]
+        if (bandwidth := costs.host_bandwidth_gbs)
+        else 0.0,
+        offload=[offload[s % len(blocks)] for s in range(program.num_stages)] if offload else 0.0,
     )
 
 
 def simulate_plan(
-    costs: ModelCosts, program: Program, cut: Sequence[int], recompute: Sequence[str] = ()
+    costs: ModelCosts,
+    program: Program,
+    cut: Sequence[int],
+    recompute: Sequence[str] = (),
+    offload: Sequence[float] = (),
 ) -> tuple[Timeline, tuple[float, ...]]:
     """The simulated timeline of ``program`` cut by ``cut`` (each stage recomputing as
-    ``recompute`` says; empty: none) and each rank's peak memory (GiB)."""
-    sim_costs = stage_costs(costs, program, cut, recompute)
+    ``recompute`` says and offloading as ``offload`` says; empty: none) and each rank's peak
+    memory (GiB)."""
+    sim_costs = stage_costs(costs, program, cut, recompute, offload)
+    if any(offload):
+        per_stage = [offload[s % len(cut)] for s in range(program.num_stages)]
+        program = insert_offload(program, per_stage)
     timeline = simulate(program, sim_costs)
     peaks = rank_peak_memory(
         timeline, sim_costs.per_stage(program.num_stages), program.placement.rank_of_stage
@@ -193,17 +219,21 @@ def evaluate(
     how: str,
     budget: Budget,
     recompute: Sequence[str] = (),
+    offload: Sequence[float] = (),
 ) -> Candidate:
     """``cut`` of ``program`` simulated and judged against ``budget`` (``how``: where the cut
     came from), each stage recomputing as ``recompute`` says (empty: none) — except a stage whose
-    layers hold no parameters, which the runtime refuses to recompute."""
+    layers hold no parameters, which the runtime refuses to recompute — and offloading as
+    ``offload`` says (empty: none) — except a stage none of whose micro-batches waits long enough
+    (``schedule.offload``), which the runtime refuses to offload."""
+    offload = usable_offload(program, len(cut), offload)
     recompute = tuple(
         Recompute.NONE.value
         if mode != Recompute.NONE and not any(x.params > 0 for x in costs.layers[a:b])
         else str(mode)
         for mode, (a, b) in zip(recompute, bounds(cut))
     )
-    timeline, peaks = simulate_plan(costs, program, cut, recompute)
+    timeline, peaks = simulate_plan(costs, program, cut, recompute, offload)
     return Candidate(
         plan=Plan(
             layout=Layout(
@@ -213,6 +243,7 @@ def evaluate(
                 microbatches=program.num_microbatches,
                 stage_layers=cut,
                 recompute=tuple(recompute),
+                offload=offload,
             ),
             step_ms=timeline.makespan,
             bubble_fraction=timeline.bubble_fraction,
@@ -223,4 +254,16 @@ def evaluate(
         ),
         timeline=timeline,
         cut_by=how,
+    )
+
+
+def usable_offload(program: Program, positions: int, offload: Sequence[float]) -> tuple[float, ...]:
+    """``offload`` (one fraction per position of the cut; empty: none) with 0 where no stage at
+    that position has a micro-batch ``insert_offload`` would offload (it would refuse them)."""
+    if not any(offload):
+        return ()
+    able = offloadable_stages(program)
+    return tuple(
+        f if all(s in able for s in range(pos, program.num_stages, positions)) else 0.0
+        for pos, f in enumerate(offload)
     )

@@ -1,15 +1,12 @@
 """What a plan says to run: the ``Layout`` — schedule family, pipeline ranks, stages per rank,
-micro-batches, layers per stage and what each stage recomputes — and the default cut when no
-plan is given.
+micro-batches, layers per stage, what each stage recomputes and what share of its activations it
+offloads to host memory — and the default cut when no plan is given.
 
 One type for every reader: the planner's ``Plan`` is a layout and its prediction, ``pipetrain
 plan --json`` writes a layout's fields, ``Pipeline.from_plan`` and ``pipetrain train --plan`` read
 them back through ``Layout.from_json``, which checks them once and names the first missing or bad
-field. Plans written before recompute (no ``recompute`` key) read as recomputing nothing. Pure
-data, standard library only.
-
-Activation offload is not built: a plan that asks for it (an ``offload`` fraction above 0 for
-some stage) is refused, not run without it.
+field. Plans written before recompute or offload (no ``recompute`` or ``offload`` key) read as
+recomputing and offloading nothing. Pure data, standard library only.
 """
 
 from __future__ import annotations
@@ -18,7 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
-from pipetrain.planner.recompute import MODES, Recompute, parse_modes
+from pipetrain.planner.recompute import Recompute, parse_modes
+from pipetrain.schedule.offload import check_fractions
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,6 +32,9 @@ class Layout:
     #: per stage, in the order of ``stage_layers``: ``"none"``, ``"selective"`` or ``"full"``
     #: (``planner.recompute``); empty: ``"none"`` for every stage
     recompute: tuple[str, ...] = ()
+    #: per stage, in the order of ``stage_layers``: the fraction of its saved activation bytes
+    #: held in host memory between forward and backward (``schedule.offload``); empty: none
+    offload: tuple[float, ...] = ()
 
     #: the JSON fields every layout gives, in the order ``pipetrain plan --json`` prints them
     FIELDS: ClassVar[tuple[str, ...]] = (
@@ -48,6 +49,24 @@ class Layout:
         modes = self.recompute or (Recompute.NONE.value,) * len(self.stage_layers)
         parsed = parse_modes(modes, len(self.stage_layers), "recompute")
         object.__setattr__(self, "recompute", tuple(m.value for m in parsed))
+        fractions = self.offload or (0.0,) * len(self.stage_layers)
+        object.__setattr__(self, "offload", check_fractions(fractions, len(self.stage_layers)))
+        both = [
+            s
+            for s, (mode, f) in enumerate(zip(self.recompute, self.offload))
+            if mode == Recompute.SELECTIVE and f > 0
+        ]
+        if both:
+            raise ValueError(
+                f"stage(s) {', '.join(map(str, both))} recompute 'selective' and offload: not "
+                "run together (a selective checkpoint's saved outputs cannot be read twice under "
+                "offload's hooks); use 'full' recompute with offload, or no offload there"
+            )
+
+    @property
+    def offloads(self) -> bool:
+        """Whether some stage offloads activations."""
+        return any(f > 0 for f in self.offload)
 
     @property
     def recomputes(self) -> bool:
@@ -70,14 +89,15 @@ class Layout:
             "microbatches": self.microbatches,
             "stage_layers": list(self.stage_layers),
             "recompute": list(self.recompute),
+            "offload": list(self.offload),
         }
 
     @classmethod
     def from_json(cls, raw: object) -> Layout:
         """The layout in ``raw`` (what ``pipetrain plan --json`` prints; other keys, such as
         ``predicted``, are ignored), checked: a ``ValueError`` names the first missing or bad
-        field and the legal values. ``recompute`` is optional (a plan from before it: none);
-        ``offload`` fractions above 0 are refused (not built)."""
+        field and the legal values. ``recompute`` and ``offload`` are optional (a plan from
+        before them: none)."""
         if not isinstance(raw, Mapping):
             raise ValueError(
                 f"a plan is a pipetrain Plan or the dict `pipetrain plan --json` prints, got "
@@ -110,36 +130,18 @@ class Layout:
             )
         recompute = raw.get("recompute", [Recompute.NONE.value] * len(stage_layers))
         modes = parse_modes(recompute, len(stage_layers), "the plan's 'recompute'")
-        _refuse_offload(raw.get("offload"), len(stage_layers))
+        offload = raw.get("offload", [0.0] * len(stage_layers))
+        if not isinstance(offload, list | tuple):
+            raise ValueError(
+                f"the plan's 'offload' must be one fraction in [0, 1] per stage "
+                f"({len(stage_layers)}), got {offload!r}"
+            )
         return cls(
             schedule=schedule,
             **counts,
             stage_layers=tuple(stage_layers),
             recompute=tuple(m.value for m in modes),
-        )
-
-
-def _refuse_offload(offload: object, num_stages: int) -> None:
-    """An ``offload`` key (per stage, the fraction of activations kept in host memory) is checked
-    and refused unless every fraction is 0: activation offload is not built."""
-    if offload is None:
-        return
-    if (
-        not isinstance(offload, list | tuple)
-        or len(offload) != num_stages
-        or not all(
-            isinstance(f, int | float) and not isinstance(f, bool) and 0 <= f <= 1 for f in offload
-        )
-    ):
-        raise ValueError(
-            f"the plan's 'offload' must be one fraction in [0, 1] per stage ({num_stages}), "
-            f"got {offload!r}"
-        )
-    if any(offload):
-        raise ValueError(
-            "the plan asks to offload activations (offload "
-            f"{list(offload)}), but activation offload is not implemented in the runtime yet; "
-            f"plan with recompute instead ({', '.join(m.value for m in MODES)} per stage)"
+            offload=check_fractions(offload, len(stage_layers)),
         )
 
 

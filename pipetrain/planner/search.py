@@ -4,8 +4,10 @@ candidate simulated, the fastest per micro-batch that fits the memory budget cho
 This module walks the shapes (family, stages per rank ``v``, micro-batches ``M``); ``cuts`` says
 which layer boundaries are simulated for each and refines the best, ``judge`` how one cut is
 simulated and scored (docs/planning.md). When no candidate fits, the shapes are tried again with
-stages recomputing their activations (``recompute_search``): a plan recomputes only when memory
-asks for it, and ``NoPlanFits`` means that not even full recompute on every stage fits.
+stages recomputing their activations (``recompute_search``) and, where the costs file gives a
+host bandwidth, offloading them (``offload_search``): a plan recomputes or offloads only when
+memory asks for it, and ``NoPlanFits`` means that not even full recompute (with full offload,
+where it can be planned) on every stage fits.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pipetrain.planner.judge import (
     simulate_plan,
     stage_costs,
 )
+from pipetrain.planner.offload_search import offload_candidates
 from pipetrain.planner.recompute import describe
 from pipetrain.planner.recompute_search import recompute_candidates
 from pipetrain.schedule.action import OpKind
@@ -62,6 +65,8 @@ class Search:
     skipped: list[tuple[str, int, int, str]] = field(default_factory=list)
     #: whether the shapes were tried again with recompute (nothing fitted without)
     recompute_tried: bool = False
+    #: whether they were also tried with activation offload (a measured host bandwidth)
+    offload_tried: bool = False
 
     @property
     def fitting(self) -> list[Candidate]:
@@ -96,6 +101,7 @@ class Search:
                 c.plan.microbatches,
                 c.plan.stage_layers,
                 c.plan.recompute,
+                c.plan.offload,
             )
             if c.plan.ms_per_microbatch <= pick * (1 + fraction) and key not in seen:
                 seen.add(key)
@@ -111,12 +117,16 @@ class Search:
         peak = max(p.peak_gib)
         kept = f" less {p.headroom:.0%} headroom = {p.usable_gib:.3g} GiB" if p.headroom else ""
         even = ", even with full recompute on every stage" if self.recompute_tried else ""
+        if self.offload_tried:
+            even = ", even with full recompute and full offload on every stage"
         return (
             f"no plan fits {p.memory_gib:g} GiB per rank{kept}{even}: the smallest peak any "
             f"candidate reached is {peak:.3f} GiB on rank {p.peak_gib.index(peak)} "
             f"({p.schedule}, {p.stages_per_rank} stage(s) per rank, {p.microbatches} "
             f"micro-batches, stage_layers {list(p.stage_layers)}, recompute "
-            f"{describe(p.recompute)}); raise --memory-gib, lower --headroom or add ranks"
+            f"{describe(p.recompute)}"
+            + (f", offload {list(p.offload)}" if p.layout.offloads else "")
+            + "); raise --memory-gib, lower --headroom or add ranks"
         )
 
 
@@ -223,7 +233,10 @@ def search(
                 programs[fam.name, v, m] = program
     if programs and not out.fitting:
         out.recompute_tried = True
-        out.candidates += recompute_candidates(costs, programs, out.candidates, budget)
+        plain = list(out.candidates)
+        out.candidates += recompute_candidates(costs, programs, plain, budget)
+        out.offload_tried = bool(costs.host_bandwidth_gbs)
+        out.candidates += offload_candidates(costs, programs, plain, budget)
     out.candidates += refine(out.candidates, costs, programs, budget)
     return out
 

@@ -6,8 +6,10 @@ A column shows the most its rank holds at any moment inside it: the timeline's a
 (``Timeline.memory``: held activations and the running action's workspace), plus, when given, the
 rank's static memory (parameters, gradients, optimizer state) — together the curve the planner
 judges a plan by (``sim.costs.rank_peak_memory``). Heights are eighths of ``limit`` (a budget) or,
-without one, of the largest value drawn; a column above the limit is drawn ``!``. Offload has no
-marks: activation offload is not built.
+without one, of the largest value drawn; a column above the limit is drawn ``!``. Where the
+timeline has offload copies (``schedule.offload``), a row under each rank marks the columns where
+an offload ends (``v``: its share of the activation left for host memory), where a reload starts
+(``^``: it came back) or both (``x``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import math
 from collections.abc import Sequence
 
 from pipetrain.render.style import fmt
+from pipetrain.schedule.action import OpKind
 from pipetrain.schedule.timeline import Timeline
 
 #: heights 0 to 8 eighths
@@ -48,14 +51,32 @@ def render_memory_text(
     scale = "the limit" if limit is not None else "the largest peak"
     suffix = f" {unit}" if unit else ""
     lines = [f"memory per rank ({what}; █ = {fmt(top)}{suffix}, {scale}):"]
+    marks = _copy_marks(timeline, cols) if timeline.copies else None
     for r, row in enumerate(rows):
         lines.append(f"{f'rank {r}':<{label_w}} |{''.join(_block(x, top, limit) for x in row)}|")
+        if marks is not None:
+            lines.append(f"{'':<{label_w}} |{''.join(marks[r])}|")
+    if marks is not None:
+        lines.append("v: an offload ends (to host memory), ^: a reload starts, x: both")
     lines.append(
         "peak per rank: " + ", ".join(f"{fmt(p)}" for p in peaks) + suffix
         if timeline.spans
         else "(no spans)"
     )
     return "\n".join(lines)
+
+
+def _copy_marks(timeline: Timeline, cols: int) -> list[list[str]]:
+    """Per rank, per column: where offloads end and reloads start (the curve's steps)."""
+    marks = [[" "] * cols for _ in range(timeline.num_ranks)]
+    span = timeline.makespan or 1.0
+    for copy in timeline.copies:
+        offload = copy.action.kind is OpKind.OFFLOAD
+        at = copy.end if offload else copy.start
+        col = min(cols - 1, max(0, int((at - timeline.start) / span * cols)))
+        now, mark = marks[copy.rank][col], "v" if offload else "^"
+        marks[copy.rank][col] = mark if now in (" ", mark) else "x"
+    return marks
 
 
 def _block(value: float, top: float, limit: float | None) -> str:

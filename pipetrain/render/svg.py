@@ -70,7 +70,8 @@ def render_svg(
     """Draw ``timeline`` as a standalone SVG document (a string).
 
     ``title`` defaults to the timeline's name. With ``memory``, each lane also carries its rank's
-    activation curve (``timeline.memory``) as a thin line, scaled to the largest peak; with
+    activation curve (``timeline.memory``) as a thin line, scaled to the largest peak, and its
+    offload (blue) and reload (orange) copies as bars along the strip's bottom; with
     ``static`` (per rank) the curve stands on the rank's static memory (the planner's curve:
     ``sim.costs.rank_peak_memory``), and with ``limit`` it is scaled to at least that budget,
     drawn dashed.
@@ -128,6 +129,7 @@ def _defs(lay: _Layout) -> str:
         ".lane{fill:#f2f2f2}",
         ".grid{stroke:#d0d0d0;stroke-width:0.5}",
         ".mem{fill:none;stroke:#222;stroke-width:1;stroke-opacity:0.8}",
+        ".offload{fill:#1f77b4}.reload{fill:#ff7f0e}",
         ".limit{stroke:#c0392b;stroke-width:0.8;stroke-dasharray:4 3}",
         "text{font-size:11px;fill:#222}",
         ".title{font-size:16px;font-weight:bold}",
@@ -232,6 +234,22 @@ def _memory(lay: _Layout) -> list[str]:
             held = now
         pts.append(f"{lay.x(tl.end):.2f},{base - held / top * height:.2f}")
         out.append(f'<polyline class="mem" points="{" ".join(pts)}"/>')
+    return out + _copies(lay)
+
+
+def _copies(lay: _Layout) -> list[str]:
+    """Offload and reload copies (``schedule.offload``) as thin bars along the bottom of each
+    rank's memory strip, offloads above reloads, each titled with its action."""
+    out = []
+    for copy in lay.timeline.copies:
+        offload = copy.action.kind is OpKind.OFFLOAD
+        y = lay.y(copy.rank) + lay.lane + lay.strip * (0.86 if offload else 0.93)
+        x, w = lay.x(copy.start), max(copy.duration * lay.scale, 0.5)
+        kind = "offload" if offload else "reload"
+        out.append(
+            f'<rect class="{kind}" x="{x:.2f}" y="{y:.2f}" width="{w:.2f}" '
+            f'height="{lay.strip * 0.06:.2f}"><title>{copy.action}</title></rect>'
+        )
     return out
 
 

@@ -6,7 +6,9 @@ microseconds, so ``ts = start × 1000``. Times are not shifted: a span starting 
 
 One process (pid 0) holds one thread per rank (tid = rank, named ``rank r``). Each span is a
 complete ("X") event named by its action (``1F3``, ``(0F7;7B3)OVERLAP_F_B``) with the op kind as
-category; each rank's activation curve is a counter ("C") track ``activations rank r``.
+category; each rank's activation curve is a counter ("C") track ``activations rank r``. Offload
+and reload copies (``schedule.offload``), which run beside compute, go on a thread of their own
+per rank (tid = ranks + rank, named ``rank r copies``).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ def render_trace(timeline: Timeline) -> dict[str, Any]:
             }
         )
     events.extend(_span_event(s) for s in sorted(timeline.spans, key=lambda s: (s.start, s.rank)))
+    events.extend(_copy_events(timeline))
     events.extend(_counter_events(timeline))
     return {
         "traceEvents": events,
@@ -69,6 +72,24 @@ def write_trace(timeline: Timeline, path: str | os.PathLike[str]) -> None:
     """Write ``render_trace(timeline)`` to ``path`` as JSON."""
     with open(path, "w", encoding="utf-8") as f:
         json.dump(render_trace(timeline), f)
+
+
+def _copy_events(timeline: Timeline) -> list[dict[str, Any]]:
+    """The copies on one thread per rank, after the ranks' threads."""
+    if not timeline.copies:
+        return []
+    events: list[dict[str, Any]] = []
+    for rank in range(timeline.num_ranks):
+        tid = timeline.num_ranks + rank
+        events.append(
+            {"name": "thread_name", "ph": "M", "pid": PID, "tid": tid,
+             "args": {"name": f"rank {rank} copies"}}
+        )  # fmt: skip
+    for copy in sorted(timeline.copies, key=lambda s: (s.start, s.rank)):
+        event = _span_event(copy)
+        event["tid"] = timeline.num_ranks + copy.rank
+        events.append(event)
+    return events
 
 
 def _span_event(span: Span) -> dict[str, Any]:

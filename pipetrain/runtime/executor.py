@@ -40,7 +40,7 @@ from pipetrain.runtime.stage import StageRunner, leaves
 from pipetrain.runtime.timing import Recorder
 from pipetrain.runtime.torch_compat import profiler_enabled
 from pipetrain.schedule import deps
-from pipetrain.schedule.action import Action, OpKind
+from pipetrain.schedule.action import COPY_KINDS, Action, OpKind
 from pipetrain.schedule.placement import Placement
 
 Key = tuple[int, int]
@@ -127,7 +127,9 @@ class Executor:
     def _run(self, actions: tuple[Action, ...], recorder: Recorder) -> None:
         done = None  # the last compute action, handed to ``after_compute`` once its sends are out
         for action in actions:
-            if not action.is_comm:
+            if action.kind in COPY_KINDS:  # issued on the stage's copy stream, not timed
+                self.dispatch(action)
+            elif not action.is_comm:
                 self.flush()
                 self._after(done)
                 self.transport.reap()
@@ -202,6 +204,10 @@ class Executor:
             case OpKind.RECV_B:
                 metas = tuple(self.runners[s].grad_metas(j))
                 self.recv(action, self._peer_rank(action), metas, self.grads)
+            case OpKind.OFFLOAD | OpKind.RELOAD:
+                offload = self.runners[s].offload
+                assert offload is not None, f"{action}: stage {s} has no offload"
+                (offload.offload if action.kind is OpKind.OFFLOAD else offload.reload)(j)
 
     def overlapped(self, action: Action) -> None:
         """An F&B pair: one after the other, or with a side stream (CUDA) the forward on it while

@@ -26,7 +26,7 @@ from torch import nn
 
 from pipetrain.planner.judge import Plan
 from pipetrain.planner.layout import Layout
-from pipetrain.runtime import checkpoint, losses, microbatch, resolve, side_inputs
+from pipetrain.runtime import checkpoint, host_offload, losses, microbatch, resolve, side_inputs
 from pipetrain.runtime.comm import failures, teardown
 from pipetrain.runtime.comm.agreement import Agreement, pipeline_prefix
 from pipetrain.runtime.comm.failures import Failures, OwnedGroup, posts_failures, stops_on_failure
@@ -92,11 +92,11 @@ class Pipeline:
     ``group``) and ``"ddp"`` or ``"fsdp"``: each ``pp`` row of the mesh runs the pipeline, each
     ``dp`` column holds DDP or FSDP2 replicas of its stages, each replica steps on its own shard
     of the global batch, and gradients are reduced once per step (``runtime.parallel.data_parallel``).
-    ``receive_lead``: post each receive at most this many compute actions before the one that
-    reads it (``schedule.lower.post_receives_late``; why: docs/runtime.md, "Where receives are
-    posted"). Default 1, Megatron-Core's overlapped P2P; 0: right before its reader; ``None``:
-    where lowering puts them (a lowered program you pass is moved too, or with ``None`` run as
-    given). The moved program is checked against this transport (``validate(..., "posted")``).
+    ``receive_lead``: post each receive at most this many compute actions before its reader
+    (``schedule.lower.post_receives_late``; docs/runtime.md, "Where receives are posted"); default
+    1, Megatron-Core's; 0: right before it; ``None``: where lowering puts them. ``offload``: per
+    stage, the fraction of its saved activation bytes held in host memory between forward and
+    backward (``runtime.host_offload``; docs/runtime.md, "Activation offload").
     """
 
     @posts_failures(_PHASES)
@@ -120,6 +120,7 @@ class Pipeline:
         mesh: DeviceMesh | None = None,
         data_parallel: DataParallelKind | None = None,
         receive_lead: int | None = 1,
+        offload: Sequence[float] | None = None,
     ) -> None:
         resolve.require_process_group()
         groups = resolve.resolve_groups(group, mesh, data_parallel)
@@ -131,9 +132,8 @@ class Pipeline:
         )
         self.device = torch.device(device) if device is not None else resolve.default_device()
         total = resolve.count_stages(stages, num_stages)
-        self.program = resolve.resolve_program(
-            schedule, num_microbatches, total, self.world_size, stages_per_rank, receive_lead
-        )
+        spec = (num_microbatches, total, self.world_size, stages_per_rank, receive_lead, offload)
+        self.program = resolve.resolve_program(schedule, *spec)
         self._receive_lead = receive_lead
         self._last_stage = self.placement.num_stages - 1
         self._last_rank = self.placement.rank(self._last_stage)
@@ -144,7 +144,7 @@ class Pipeline:
             refuse_dtensors_without_mesh(self.modules)
         self._tied_sets = self._build_tied_sets(tied, groups, stages)
         self._data_parallel = self._build_data_parallel(data_parallel, groups)
-        self._runners = self._build_runners(loss_fn, defer_weight_grads)
+        self._runners = self._build_runners(loss_fn, defer_weight_grads, offload)
         self._last_uses = resolve.last_uses(self.program.actions[self.rank])
         self._tied_grads = self._build_tied_grads()
         self._arities: list[tuple[int, float]] = self._agreement.construction(
@@ -210,15 +210,14 @@ class Pipeline:
         return DataParallel(kind, self.modules, *replicas, reduction=reduction, tied=tied)
 
     def _build_runners(
-        self, loss_fn: LossFn, defer_weight_grads: bool | None
+        self, loss_fn: LossFn, defer_weight_grads: bool | None, offload: Sequence[float] | None
     ) -> dict[int, StageRunner]:
         """A runner per local stage, told its step's last weight-gradient piece (hooks fire)."""
-        last = self._last_stage
-        runners = {
-            s: StageRunner(s, m, s == last, loss_fn, defer_weight_grads)
-            for s, m in self.modules.items()
-        }
-        for stage, mb in resolve.last_weight_pieces(self.program.actions[self.rank]).items():
+        last, row = self._last_stage, self.program.actions[self.rank]
+        split = defer_weight_grads
+        runners = {s: StageRunner(s, m, s == last, loss_fn, split) for s, m in self.modules.items()}
+        host_offload.attach(runners, offload, row, self.device)
+        for stage, mb in resolve.last_weight_pieces(row).items():
             runners[stage].last_weight_microbatch = mb
         return runners
 
@@ -288,6 +287,7 @@ class Pipeline:
         stages = resolve.plan_stages(layers, layout, kwargs)  # cut in construction's phases
         per_rank, total = layout.stages_per_rank, len(layout.stage_layers)
         args = (stages, layout.schedule, layout.microbatches, loss_fn)
+        kwargs = {**kwargs, "offload": layout.offload if layout.offloads else None}
         return cls(*args, stages_per_rank=per_rank, num_stages=total, **kwargs)
 
     @classmethod

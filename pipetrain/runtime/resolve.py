@@ -25,7 +25,9 @@ from pipetrain.planner.layout import Layout, layout_of
 from pipetrain.runtime.parallel.mesh import MeshGroups, resolve_mesh
 from pipetrain.schedule import deps
 from pipetrain.schedule.action import Action, OpKind
+from pipetrain.schedule.copy_engine import has_copies
 from pipetrain.schedule.lower import lower, post_receives_late
+from pipetrain.schedule.offload import check_fractions, insert_offload
 from pipetrain.schedule.posted_p2p import run_posted
 from pipetrain.schedule.program import Program
 from pipetrain.schedule.validate import validate
@@ -153,6 +155,7 @@ def resolve_program(
     world: int,
     stages_per_rank: int | None,
     receive_lead: int | None = 1,
+    offload: Sequence[float] | None = None,
 ) -> Program:
     if isinstance(schedule, Program):
         program = schedule
@@ -196,10 +199,27 @@ def resolve_program(
             f"the schedule has {program.num_stages} stages but {total} stages were given"
         )
     program = validate(lower(program))
+    program = _with_offload(program, offload, total)
     if receive_lead is None:
         return program
     # the moved receives are checked against the transport that runs them (``runtime.comm.p2p``)
     return validate(post_receives_late(program, receive_lead), "posted")
+
+
+def _with_offload(program: Program, offload: Sequence[float] | None, total: int) -> Program:
+    """The program with its offload copies: inserted for ``offload``'s fractions, or the
+    program's own (a program file may carry them; then ``offload`` says how much they move)."""
+    fractions = check_fractions(offload, total) if offload is not None else None
+    if has_copies(program):
+        if fractions is None or not any(fractions):
+            raise ValueError(
+                "the program has OFFLOAD/RELOAD actions; pass offload= (per stage, the fraction "
+                "of its saved activation bytes they move)"
+            )
+        return program
+    if fractions is not None and any(fractions):
+        return validate(insert_offload(program, fractions))
+    return program
 
 
 def local_modules(
@@ -251,7 +271,8 @@ def plan_stages(layers, layout: Layout, kwargs: dict) -> Callable[[int], nn.Modu
     size."""
     from pipetrain.runtime.layers import split
 
-    given = sorted({"schedule", "num_microbatches", "stages_per_rank", "num_stages"} & set(kwargs))
+    plan_sets = {"schedule", "num_microbatches", "stages_per_rank", "num_stages", "offload"}
+    given = sorted(plan_sets & set(kwargs))
     if given:
         raise ValueError(f"the plan sets the schedule and its shape; drop {', '.join(given)}")
     require_process_group()

@@ -25,6 +25,7 @@ from pipetrain.runtime import side_inputs
 from pipetrain.runtime.backward import activation_checkpoint
 from pipetrain.runtime.backward.interface import BackwardSplit, choose_split
 from pipetrain.runtime.comm.p2p import TensorMeta
+from pipetrain.runtime.host_offload import StageOffload
 from pipetrain.runtime.torch_compat import GradientEdge, get_gradient_edge
 
 
@@ -98,6 +99,8 @@ class StageRunner:
         self.params: list[torch.Tensor] = []
         self.side_keywords = side_inputs.keywords(module)
         self.graph_checked = False
+        #: the stage's activation offload (``host_offload``), where the program offloads it
+        self.offload: StageOffload | None = None
         self.begin_step()
 
     def begin_step(self) -> None:
@@ -115,7 +118,11 @@ class StageRunner:
         side: dict | None = None,
     ) -> tuple[torch.Tensor, ...]:
         """Run the module; keep what backward needs. Returns the outputs (empty on the last stage)."""
-        outputs = self.call(args, side)
+        if self.offload is not None:
+            with self.offload.capture(mb):
+                outputs = self.call(args, side)
+        else:
+            outputs = self.call(args, side)
         need = [a for a in args if a.requires_grad]
         if not self.is_last:
             roots = [o for o in outputs if o.requires_grad]
@@ -178,6 +185,8 @@ class StageRunner:
 
     def backward(self, mb: int, grads: list[torch.Tensor] | None) -> list[torch.Tensor]:
         """``B``: input gradients (zeros where unused) and weight gradients accumulated."""
+        if self.offload is not None:
+            self.offload.ready(mb)
         saved = self.saved.pop(mb)
         root_grads = self._root_grads(saved, grads)
         hooks, fire = self._hook_plan(mb)
@@ -202,6 +211,8 @@ class StageRunner:
 
     def backward_input(self, mb: int, grads: list[torch.Tensor] | None) -> list[torch.Tensor]:
         """``I``: input gradients only; what ``W`` needs is kept until ``backward_weight``."""
+        if self.offload is not None:
+            self.offload.ready(mb)
         saved = self.saved.pop(mb)
         root_grads = self._root_grads(saved, grads)
         hold = self._is_last_weight_piece(mb) and not self.quiet_params
@@ -229,6 +240,8 @@ class StageRunner:
         """Drop every micro-batch's held state (a step that failed part-way, or ``close``)."""
         self.saved.clear()
         self.weight_work.clear()
+        if self.offload is not None:
+            self.offload.release()
         self.losses.clear()
 
     def leftovers(self) -> int:

@@ -1,7 +1,8 @@
 """Actions: one instruction on one rank, and their text notation.
 
 The notation is torch.distributed.pipelining's (``_Action.__repr__`` / ``_Action.from_str``):
-``<stage><KIND><microbatch>`` — ``2F0``, ``0I3``, ``1W3``, ``0SEND_F3``, ``1RECV_B2`` — and for an
+``<stage><KIND><microbatch>`` — ``2F0``, ``0I3``, ``1W3``, ``0SEND_F3``, ``1RECV_B2``, and
+pipetrain's own copies ``0OFFLOAD3``, ``0RELOAD3`` — and for an
 overlapped forward & backward pair (DualPipe) ``(0F7;7B3)OVERLAP_F_B``. ``format`` and ``parse``
 round-trip. This module owns the vocabulary of op kinds and the category sets the rest dispatch on;
 what an action *needs* lives in ``deps``.
@@ -26,6 +27,8 @@ class OpKind(StrEnum):
     RECV_F = "RECV_F"
     SEND_B = "SEND_B"
     RECV_B = "RECV_B"
+    OFFLOAD = "OFFLOAD"  # copy a forward's saved activations to host memory (``schedule.offload``)
+    RELOAD = "RELOAD"  # copy them back before the backward that reads them
 
 
 # module constants for the checks below: reading a member off the enum class is slow
@@ -36,6 +39,8 @@ BACKWARD_KINDS = frozenset({OpKind.B, OpKind.I, OpKind.W})
 COMM_KINDS = frozenset({OpKind.SEND_F, OpKind.RECV_F, OpKind.SEND_B, OpKind.RECV_B})
 SEND_KINDS = frozenset({OpKind.SEND_F, OpKind.SEND_B})
 RECV_KINDS = frozenset({OpKind.RECV_F, OpKind.RECV_B})
+#: copies between device and host memory: neither compute nor communication (``schedule.offload``)
+COPY_KINDS = frozenset({OpKind.OFFLOAD, OpKind.RELOAD})
 
 
 @dataclass(slots=True, unsafe_hash=True)

@@ -11,6 +11,12 @@ else re-derives it. Values are named by ``Key = (Token, stage, microbatch)``:
 * ``W(s, j)`` needs the input gradient of ``(s, j)`` from ``I`` — i.e. that ``I`` ran — and
   produces the weight gradient.
 
+* ``OFFLOAD(s, j)`` and ``RELOAD(s, j)`` (``schedule.offload``) move the activation of ``(s, j)``
+  to host memory and back on its own rank; they need and produce no value of the rule above.
+  Their order is a rank's own: ``OFFLOAD`` after ``F(s, j)``, ``RELOAD`` after the ``OFFLOAD``,
+  the ``B``/``I`` of ``(s, j)`` after the ``RELOAD`` — ``offload.check_copies`` checks it, and
+  the simulator's copy engine (``execute``) and the runtime wait on it.
+
 Stages are counted within a chain (``Placement.stages_per_chain``, every stage unless the
 placement holds several copies of the model, as DualPipe does): "stage 0" is a chain's first
 stage, "the last stage" its last.
@@ -54,6 +60,8 @@ def produces(action: Action) -> tuple[Key, ...]:
                 out.append((Token.INPUT_GRAD, s, j))
             case OpKind.W:
                 out.append((Token.WEIGHT_GRAD, s, j))
+            case OpKind.OFFLOAD | OpKind.RELOAD:
+                pass  # a copy moves a value within its rank (see the module docstring)
             case _:
                 raise TypeError(f"not a compute part: {a}")
     return tuple(out)
@@ -74,6 +82,8 @@ def requires(action: Action, stages_per_chain: int) -> tuple[Key, ...]:
                     out.append((Token.INPUT_GRAD, s + 1, j))
             case OpKind.W:
                 out.append((Token.INPUT_GRAD, s, j))
+            case OpKind.OFFLOAD | OpKind.RELOAD:
+                pass  # a copy moves a value within its rank (see the module docstring)
             case _:
                 raise TypeError(f"not a compute part: {a}")
     return tuple(out)

@@ -6,7 +6,8 @@ and every value it needs (``deps.requires``) has arrived — ``latency(key)`` af
 ended when producer and consumer live on different ranks. A rank that waits is parked on the
 missing value and woken when it is produced, so a run is O(actions) however long the program.
 If ranks remain parked when nothing is left to run, the program deadlocks and ``ScheduleError``
-says who waits on whom.
+says who waits on whom. A program's OFFLOAD/RELOAD copies run beside compute on each rank's copy
+engine (``copy_engine`` states that model); a backward waits for its reload.
 
 The loop runs once per action of every lowering, validation and simulation, so it reads the rule
 through ``deps.compile_rule`` (values as integers) and asks ``duration`` and ``latency`` up front,
@@ -23,6 +24,7 @@ from typing import NamedTuple
 
 from pipetrain.schedule import deps
 from pipetrain.schedule.action import COMPUTE_KINDS, Action, OpKind
+from pipetrain.schedule.copy_engine import CopyEngine, has_copies
 from pipetrain.schedule.placement import Placement
 from pipetrain.schedule.program import Program, ScheduleError
 from pipetrain.schedule.timeline import Span
@@ -75,6 +77,8 @@ class Run:
     ends: list[list[float]]
     #: each stretch a rank ran without waiting, in order
     stretches: list[Stretch]
+    #: the OFFLOAD/RELOAD copies, on the copy engine beside compute (``copy_engine``)
+    copies: tuple[Span, ...] = ()
 
     def spans(self) -> list[Span]:
         spans: list[Span] = []
@@ -125,6 +129,7 @@ def run(
     plans = _plans(rule, duration, latency)
     pairs = _PairPlans(plans, stride, duration)
     rows = [[a for a in row if a.kind in COMPUTE_KINDS] for row in program.actions]
+    copies = CopyEngine(program.actions, duration) if has_copies(program) else None
     produced: dict[int, float] = {}  # value -> when it was produced
     waiting: dict[int, list[int]] = {}  # value -> ranks parked on it
     pos = [0] * len(rows)
@@ -140,6 +145,8 @@ def run(
         first = step
         while step < len(row):
             action = row[step]
+            if copies is not None:
+                copies.issue(rank, step, free)
             if action.parts:
                 plan = pairs.plan(action, produced)
             else:
@@ -158,6 +165,8 @@ def run(
                 if arrived > start:
                     start = arrived
             else:  # every input is here: run it
+                if copies is not None:
+                    start = copies.ready(action, start)
                 free = start + cost
                 rank_starts.append(start)
                 rank_ends.append(free)
@@ -170,6 +179,8 @@ def run(
                 continue
             waiting.setdefault(value + shift, []).append(rank)
             break
+        if copies is not None and step == len(row):
+            copies.issue(rank, step, free)
         if step > first:
             stretches.append(Stretch(rank, first, step))
         pos[rank], free_at[rank] = step, free
@@ -177,7 +188,7 @@ def run(
         raise deadlock_error(
             program.with_actions(rows), _stuck_computes(program, rows, pos, produced)
         )
-    return Run(rows, starts, ends, stretches)
+    return Run(rows, starts, ends, stretches, tuple(copies.spans) if copies else ())
 
 
 def _plans(

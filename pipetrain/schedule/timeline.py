@@ -17,7 +17,12 @@ Metrics, as the ZB paper (Qi et al. 2024, §2) uses them:
   an overlapped pair allocates its forward at its start and frees its backward at its end;
   where a ``workspace_size`` is given, each action also uses its stage's workspace while it runs
   (an overlapped pair: the larger of its two stages'), so ``peak_activations`` is the peak of
-  held activations plus the running action's temporaries.
+  held activations plus the running action's temporaries;
+* offload (``schedule.offload``): where ``copies`` holds OFFLOAD/RELOAD spans, an OFFLOAD of stage
+  ``s`` frees ``offload_size[s]`` when it ends and its RELOAD takes it back when it starts
+  (PipeOffload, arXiv 2503.01328: the device copy lives until the copy has read it, and the
+  reloaded one from the start of the copy that writes it). Copies are not compute: they count in
+  no busy time, span or makespan.
 """
 
 from __future__ import annotations
@@ -75,6 +80,10 @@ class Timeline:
     weight_activation_size: tuple[float, ...] | None = None
     host_bound_idle: tuple[float, ...] | None = None
     workspace_size: tuple[float, ...] | None = None
+    #: OFFLOAD/RELOAD spans on the ranks' copy engines (``schedule.copy_engine``)
+    copies: tuple[Span, ...] = ()
+    #: per stage, what one OFFLOAD moves off the device, in activation units (``None``: nothing)
+    offload_size: tuple[float, ...] | None = None
 
     @cached_property
     def start(self) -> float:
@@ -123,8 +132,12 @@ class Timeline:
                 self.activation_size,
                 self.weight_activation_size or self.activation_size,
                 self.workspace_size,
+                rank_copies,
+                self.offload_size,
             )
-            for rank_spans in _by_rank(self.spans, self.num_ranks)
+            for rank_spans, rank_copies in zip(
+                _by_rank(self.spans, self.num_ranks), _by_rank(self.copies, self.num_ranks)
+            )
         )
 
     @cached_property
@@ -174,6 +187,8 @@ def _activation_curve(
     activation_size: Sequence[float],
     weight_activation_size: Sequence[float],
     workspace_size: Sequence[float] | None = None,
+    copies: Sequence[Span] = (),
+    offload_size: Sequence[float] | None = None,
 ) -> tuple[tuple[float, float], ...]:
     """Allocate at the start of F; between I and W hold the weight-gradient size; free at the end
     of the last backward piece of (stage, mb); each action's workspace for its span alone."""
@@ -196,6 +211,13 @@ def _activation_curve(
             used = max(workspace_size[p.stage] for p in s.action.compute_parts)
             if used:
                 events += [(s.start, 1, used), (s.end, 0, -used)]
+    if offload_size is not None:
+        for s in copies:
+            moved = offload_size[s.action.stage]
+            if s.action.kind is OpKind.OFFLOAD:
+                events.append((s.end, 0, -moved))
+            else:
+                events.append((s.start, 1, moved))
     if not events:
         return ((0.0, 0.0),)
     events.sort(key=itemgetter(0, 1))

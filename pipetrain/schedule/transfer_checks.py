@@ -15,7 +15,7 @@ from functools import partial
 from typing import NamedTuple
 
 from pipetrain.schedule import deps
-from pipetrain.schedule.action import SEND_KINDS, Action, OpKind
+from pipetrain.schedule.action import COPY_KINDS, SEND_KINDS, Action, OpKind
 from pipetrain.schedule.execute import Wait, deadlock_error, describe_key, pair_shape
 from pipetrain.schedule.program import Program, ScheduleError
 
@@ -73,6 +73,8 @@ def scan_lowered(program: Program) -> list[_RowScan] | None:
         }
         for kind, needs_of_stage in rule.needs.items()
     }
+    for kind in COPY_KINDS:  # a copy waits for no value here and closes a batch, as compute does
+        steps[kind] = {stage: _Step((), ()) for stage in range(program.num_stages)}
     scans = []
     for rank, row in enumerate(program.actions):
         scan = _scan_row(program, rank, row, rule, steps)

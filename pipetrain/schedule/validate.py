@@ -12,6 +12,9 @@ first failure:
    and the rank waits until each of them has its counterpart posted — what ``batch_isend_irecv``
    followed by ``wait`` does, and (with runs of length one) what blocking send/recv does.
 
+A program with OFFLOAD/RELOAD copies is also checked by ``offload.check_copies`` (after step 2):
+each offload reloaded exactly once, every reload before the backward that reads it.
+
 The dependency rule is ``deps``; a deadlock reports each stuck rank, its action and what it waits
 for.
 """
@@ -22,7 +25,9 @@ from itertools import chain
 from operator import add, attrgetter
 
 from pipetrain.schedule.action import Action, OpKind
+from pipetrain.schedule.copy_engine import has_copies
 from pipetrain.schedule.execute import run, unit_duration
+from pipetrain.schedule.offload import check_copies
 from pipetrain.schedule.posted_p2p import check_channel_order, run_posted
 from pipetrain.schedule.program import Program, ScheduleError, microbatch_chains
 from pipetrain.schedule.transfer_checks import check_pairing, execute_lowered, scan_lowered
@@ -42,6 +47,8 @@ def validate(program: Program, p2p: str = "blocking") -> Program:
         raise ValueError(f"p2p must be one of {', '.join(P2P_MODELS)}, got {p2p!r}")
     _check_placement(program)
     chains = _check_counts(program)
+    if has_copies(program):
+        check_copies(program)
     if program.is_lowered:
         scans = scan_lowered(program)
         check_pairing(program, scans, chains)

@@ -5,7 +5,8 @@ chunk as placed: with two stages per rank each is its own chunk). Defaults follo
 unit model: forward = input-gradient = weight-gradient = 1, full backward = input + weight,
 an overlapped F&B pair = its forward + its backward (no overlap gain unless measured), no
 communication, activation size 1, held unchanged between a split backward's I and W, no
-workspace.
+workspace, nothing offloaded (an OFFLOAD/RELOAD moves ``offload`` of its stage's activation and
+lasts that share of ``host_copy``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ class StageCosts:
     activation_for_weight: tuple[float, ...]
     workspace: tuple[float, ...]
     static: tuple[float, ...] = ()
+    host_copy: tuple[float, ...] = ()
+    offload: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,6 +59,11 @@ class Costs:
     #: memory a stage holds for the whole step whatever runs (parameters, gradients, optimizer
     #: state); same unit as ``activation``; ``rank_peak_memory`` adds it to the held activations
     static: Cost = 0.0
+    #: time to copy one micro-batch's whole activation of a stage between device and host memory,
+    #: one way (activation bytes / host bandwidth); same unit as ``forward``
+    host_copy: Cost = 0.0
+    #: the fraction of a stage's activation each of its OFFLOAD actions moves, in [0, 1]
+    offload: Cost = 0.0
 
     def scaled(self, factor: float) -> Costs:
         """Every time and size multiplied by ``factor`` (e.g. 1/v to split a rank's share of the
@@ -72,6 +80,7 @@ class Costs:
             "activation_for_weight",
             "workspace",
             "static",
+            "host_copy",
         ):
             value = getattr(self, name)
             if value is not None and not isinstance(value, int | float):
@@ -80,7 +89,9 @@ class Costs:
                     "give one number here (per-stage lists work with simulate)"
                 )
             values[name] = None if value is None else value * (1.0 if name == "comm" else factor)
-        return Costs(**values)
+        if not isinstance(self.offload, int | float):
+            raise ValueError("cost offload: compare needs one fraction for every stage")
+        return Costs(**values, offload=self.offload)
 
     def per_stage(self, num_stages: int) -> StageCosts:
         """Resolve to per-stage tuples; ``ValueError`` names a bad value and the legal ones."""
@@ -111,6 +122,8 @@ class Costs:
             else _resolve("activation_for_weight", self.activation_for_weight, num_stages),
             workspace=_resolve("workspace", self.workspace, num_stages),
             static=_resolve("static", self.static, num_stages),
+            host_copy=_resolve("host_copy", self.host_copy, num_stages),
+            offload=_resolve_fraction(self.offload, num_stages),
         )
 
 
@@ -124,6 +137,13 @@ def _resolve(name: str, value: Cost, num_stages: int) -> tuple[float, ...]:
         if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= MAX_COST:
             raise ValueError(f"cost {name} must be a number in [0, {MAX_COST:g}], got {v!r}")
     return tuple(float(v) for v in values)
+
+
+def _resolve_fraction(value: Cost, num_stages: int) -> tuple[float, ...]:
+    values = _resolve("offload", value, num_stages)
+    if any(v > 1 for v in values):
+        raise ValueError(f"cost offload is a fraction in [0, 1] per stage, got {list(values)}")
+    return values
 
 
 def rank_peak_memory(

@@ -282,3 +282,14 @@ def test_a_config_refuses_what_its_flag_refuses() -> None:
         TrainConfig(steps=0)
     with pytest.raises(ValueError, match="--receive-lead must be none or an integer >= 0"):
         TrainConfig(receive_lead=-1)
+
+
+def test_simulate_offload_marks_the_copies_and_refuses_bad_fractions(capsys) -> None:
+    argv = ["simulate", "1f1b", "--ranks", "4", "--microbatches", "8", "--width", "80"]
+    assert main([*argv, "--offload", "1", "--host-copy", "0.3"]) == 0
+    out = capsys.readouterr().out
+    assert "v: an offload ends" in out and "peak activations per rank [3, 3, 2, 1]" in out
+    assert main([*argv, "--offload", "1.5"]) == 2
+    assert "offload fraction of stage 0 must be a number in [0, 1]" in capsys.readouterr().err
+    assert main([*argv, "--offload", "0,0,0,1"]) == 2
+    assert "nothing to offload there" in capsys.readouterr().err

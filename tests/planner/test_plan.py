@@ -276,9 +276,10 @@ def test_cli_plan_json_text_and_errors(tmp_path, capsys) -> None:
         "microbatches",
         "stage_layers",
         "recompute",
+        "offload",
         "predicted",
     }
-    assert out["recompute"] == ["none"] * 4
+    assert out["recompute"] == ["none"] * 4 and out["offload"] == [0.0] * 4
     assert set(out["predicted"]) == {"step_ms", "bubble_fraction", "peak_gib"}
     assert len(out["predicted"]["peak_gib"]) == 4 and sum(out["stage_layers"]) == 16
     assert main(["plan", "--costs", str(path), "--ranks", "4", "--memory-gib", "1000"]) == 0

@@ -147,7 +147,7 @@ def test_a_pick_fits_and_names_a_mode_per_stage(acts, squeeze) -> None:
     assert len(pick.recompute) == len(pick.stage_layers) and sum(pick.stage_layers) == len(acts)
 
 
-def test_layouts_carry_recompute_and_refuse_offload() -> None:
+def test_layouts_carry_recompute_and_offload() -> None:
     old = {"schedule": "1f1b", "ranks": 2, "stages_per_rank": 1, "microbatches": 4,
            "stage_layers": [3, 3]}  # fmt: skip
     assert Layout.from_json(old).recompute == ("none", "none")
@@ -155,11 +155,16 @@ def test_layouts_carry_recompute_and_refuse_offload() -> None:
     assert new.recompute == ("full", "selective") and new.recomputes
     assert Layout.from_json(new.to_json()) == new
     assert Layout.from_json({**old, "offload": [0, 0.0]}).recompute == ("none", "none")
+    assert Layout.from_json(old).offload == (0.0, 0.0) and not Layout.from_json(old).offloads
+    offloading = Layout.from_json({**old, "offload": [0.5, 0]})
+    assert offloading.offload == (0.5, 0.0) and offloading.offloads
+    assert Layout.from_json(offloading.to_json()) == offloading
     bad = {
         "recompute": (["full"], "has 1 entries but the plan has 2 stages"),
         "recompute ": (["full", "most"], "unknown recompute mode 'most'; legal: 'none', "),
-        "offload": ([0.5, 0], "activation offload is not implemented in the runtime yet"),
-        "offload ": ([1.5, 0], r"one fraction in \[0, 1\] per stage"),
+        "offload": ([0.5], "give one per stage"),
+        "offload ": ([1.5, 0], r"offload fraction of stage 0 must be a number in \[0, 1\]"),
+        "offload  ": ("half", r"one fraction in \[0, 1\] per stage"),
     }
     for key, (value, message) in bad.items():
         with pytest.raises(ValueError, match=message):

@@ -65,3 +65,39 @@ def test_svg_curves_stand_on_static_memory_under_a_dashed_limit() -> None:
     assert first_y[0] > min(first_y)  # starts at its static memory, rises with the forwards
     texts = "".join(t.text or "" for t in root.iter(f"{SVG}text"))
     assert "memory (static + activations)" in texts and "limit 4" in texts
+
+
+def offloaded() -> Timeline:
+    from pipetrain.schedule.lower import lower
+    from pipetrain.schedule.offload import insert_offload
+    from pipetrain.schedule.registry import build_schedule
+    from pipetrain.sim.costs import Costs
+    from pipetrain.sim.simulate import simulate
+
+    program = insert_offload(lower(build_schedule("1f1b", 4, 8)), [1.0, 1.0, 1.0, 0.0])
+    return simulate(program, Costs(offload=[1.0, 1.0, 1.0, 0.0], host_copy=0.3))
+
+
+def test_offload_and_reload_are_marked_under_each_rank() -> None:
+    text = render_memory_text(offloaded(), width=80)
+    lines = text.splitlines()
+    marks = [line for line in lines[1:] if line.startswith(" ") and "|" in line]
+    assert len(marks) == 4  # one row of marks per rank
+    assert "v" in marks[0] and "^" in marks[0]
+    assert not marks[3].strip(" |")  # the last stage offloads nothing
+    assert "v: an offload ends" in text
+    assert "v:" not in render_memory_text(two_ranks(), width=80)  # no copies, no marks
+
+
+def test_svg_and_trace_draw_the_copies() -> None:
+    from pipetrain.render.trace import render_trace
+
+    timeline = offloaded()
+    root = ET.fromstring(render_svg(timeline, memory=True))
+    classes = [el.get("class") for el in root.iter()]
+    assert classes.count("offload") == classes.count("reload") == len(timeline.copies) // 2
+    trace = render_trace(timeline)["traceEvents"]
+    names = {e["args"]["name"] for e in trace if e["name"] == "thread_name"}
+    assert "rank 0 copies" in names
+    copies = [e for e in trace if e.get("ph") == "X" and "OFFLOAD" in e["name"]]
+    assert copies and all(e["tid"] >= timeline.num_ranks for e in copies)

@@ -1,0 +1,81 @@
+"""The planner's activation offload: a stage's copies timed at the costs file's host bandwidth on
+the simulator's copy engine, offload planned only when nothing fits without, only on stages whose
+micro-batches wait long enough, and ``NoPlanFits`` only when full recompute with full offload does
+not fit (PipeOffload, arXiv 2503.01328)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipetrain.planner import Layout, ModelCosts, NoPlanFits, plan, search
+from pipetrain.planner.costs_file import LayerCost
+from pipetrain.planner.judge import Budget, evaluate, stage_costs, usable_offload
+from pipetrain.planner.search import simulate_plan
+from pipetrain.schedule.action import OpKind
+from pipetrain.schedule.registry import build_schedule
+
+
+def block(name: str) -> LayerCost:
+    return LayerCost(
+        name=name, forward=1.0, backward_input=1.0, backward_weight=1.0, backward=2.0,
+        activation=1.0, params=0.1, recompute=0.8, recompute_activation=0.05,
+    )  # fmt: skip
+
+
+def costs(bandwidth: float | None, num_layers: int = 8) -> ModelCosts:
+    layers = tuple(block(f"l{i}") for i in range(num_layers))
+    return ModelCosts(layers=layers, host_bandwidth_gbs=bandwidth)
+
+
+def test_copies_last_their_share_of_the_activation_over_the_host_bandwidth() -> None:
+    program = build_schedule("1f1b", 4, 8)
+    sc = stage_costs(costs(2**30 / 1e9), program, (2, 2, 2, 2), (), (1.0, 0.5, 0.5, 0.0))
+    # 2 GiB of activation per stage at 1 GiB/s: 2000 ms one way
+    assert sc.host_copy == pytest.approx([2000.0] * 4)
+    assert sc.offload == [1.0, 0.5, 0.5, 0.0]
+    fast = costs(1e6)
+    timeline, peaks = simulate_plan(fast, program, (2, 2, 2, 2), (), (1.0, 1.0, 1.0, 0.0))
+    _, plain = simulate_plan(fast, program, (2, 2, 2, 2))
+    kinds = {s.action.kind for s in timeline.copies}
+    assert kinds == {OpKind.OFFLOAD, OpKind.RELOAD}
+    assert peaks[0] < plain[0] and peaks[3] == pytest.approx(plain[3])
+    slow, _ = simulate_plan(costs(1.0), program, (2, 2, 2, 2), (), (1.0, 1.0, 1.0, 0.0))
+    assert slow.makespan > timeline.makespan  # backwards wait for slow reloads
+
+
+def test_stages_that_cannot_offload_plan_zero() -> None:
+    program = build_schedule("1f1b", 2, 4)  # the last stage's backward follows its forward
+    assert usable_offload(program, 2, (1.0, 1.0)) == (1.0, 0.0)
+    judged = evaluate(costs(10.0), program, "1f1b", 1, (4, 4), "offload", Budget(1e3, 0), (),
+                      (1.0, 1.0))  # fmt: skip
+    assert judged.plan.offload == (1.0, 0.0)
+    assert Layout.from_json(judged.plan.to_json()).offload == (1.0, 0.0)
+
+
+def test_offload_only_when_nothing_fits_and_only_with_a_measured_bandwidth() -> None:
+    roomy = search(costs(1e5), num_ranks=2, memory_gib=1000, headroom=0)
+    assert not roomy.best.plan.layout.offloads and not roomy.offload_tried
+    low = min(max(c.plan.peak_gib) for c in roomy.candidates)
+    tight = search(costs(1e5), num_ranks=2, memory_gib=low * 0.6, headroom=0)
+    pick = tight.best.plan
+    assert tight.offload_tried and pick.fits and pick.layout.offloads
+    # copies this fast are free: offload beats recomputing, which pays in time
+    assert pick.ms_per_microbatch == pytest.approx(roomy.best.plan.ms_per_microbatch)
+    without = search(costs(None), num_ranks=2, memory_gib=low * 0.6, headroom=0)
+    assert not without.offload_tried
+    assert not any(c.plan.layout.offloads for c in without.candidates)
+
+
+def test_nothing_fits_even_with_full_recompute_and_full_offload_names_the_gib() -> None:
+    with pytest.raises(NoPlanFits, match=r"even with full recompute and full offload on every "
+                       r"stage: the smallest peak any candidate reached is [\d.]+ GiB"):  # fmt: skip
+        plan(costs(1e5), num_ranks=2, memory_gib=0.5, headroom=0)
+
+
+def test_selective_recompute_with_offload_on_one_stage_is_refused() -> None:
+    old = {"schedule": "1f1b", "ranks": 2, "stages_per_rank": 1, "microbatches": 4,
+           "stage_layers": [3, 3]}  # fmt: skip
+    with pytest.raises(ValueError, match=r"stage\(s\) 0 recompute 'selective' and offload"):
+        Layout.from_json({**old, "recompute": ["selective", "none"], "offload": [0.5, 0.0]})
+    both = Layout.from_json({**old, "recompute": ["full", "selective"], "offload": [0.5, 0.0]})
+    assert both.offloads and both.recomputes
