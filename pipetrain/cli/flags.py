@@ -455,6 +455,20 @@ def model_options() -> tuple[Option, ...]:
     return with_defaults(table, TrainConfig())
 
 
+def folder_options() -> tuple[Option, ...]:
+    """``--model-dir``: fine-tune a local Hugging Face folder instead of building a model."""
+    return (
+        Option(
+            ("--model-dir",),
+            metavar="DIR",
+            help="fine-tune the Hugging Face model in DIR (config.json, safetensors files, "
+            "tokenizer; Llama family or GPT-2): its config gives the model, so the model flags "
+            "below do not apply; the text is tokenized by its tokenizer, rows right-padded",
+            group="a Hugging Face model folder",
+        ),
+    )
+
+
 def model_shape(args: argparse.Namespace) -> ModelShape:
     """The model the model flags in ``args`` describe, read as ``pipetrain train`` reads them."""
     from pipetrain.app.config import TrainConfig

@@ -20,6 +20,7 @@ from pipetrain.cli.flags import (
     Command,
     Option,
     add_options,
+    folder_options,
     microbatches_option,
     model_options,
     one_of,
@@ -66,7 +67,8 @@ def options() -> tuple[Option, ...]:
         microbatches_option(shown_default=f"{DEFAULT_MICROBATCHES}{or_plan}"),
     )
     run = (*_run_options(CHOICES), *_process_options(CHOICES))
-    return (*shape, *model_options(), *with_defaults(run, TrainConfig()))
+    folder = with_defaults(folder_options(), TrainConfig())
+    return (*shape, *folder, *model_options(), *with_defaults(run, TrainConfig()))
 
 
 def _run_options(choices: dict[str, tuple[str, ...]]) -> tuple[Option, ...]:
@@ -146,6 +148,17 @@ def _run_options(choices: dict[str, tuple[str, ...]]) -> tuple[Option, ...]:
             choices["on_nonfinite"],
             "at a loss that is nan or inf: stop the run (exit 1, naming the step), or skip that "
             "step's optimizer update",
+        ),
+        Option(
+            ("--export",),
+            metavar="DIR",
+            help="with --model-dir: write the trained model there at the end, a Hugging Face "
+            "folder (safetensors, config, tokenizer) that transformers loads",
+        ),
+        Option(
+            ("--overwrite-export",),
+            switch=True,
+            help="replace what the --export folder holds (without it, a non-empty one is refused)",
         ),
         Option(("--svg",), metavar="PATH", help="where to write the measured step as SVG"),
     )
