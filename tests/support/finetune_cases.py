@@ -74,7 +74,7 @@ def reference_run(config, steps: int):
     from transformers import AutoModelForCausalLM
 
     from pipetrain.app.model_folder import padded_batches
-    from pipetrain.hf import IGNORE_INDEX
+    from pipetrain.hf import IGNORE_INDEX, causal_lm_token_loss
 
     model = AutoModelForCausalLM.from_pretrained(config.model_dir, dtype=torch.float64).train()
     opt = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95))
@@ -83,12 +83,14 @@ def reference_run(config, steps: int):
     losses = []
     for _ in range(steps):
         ids, targets, side = next(data)
-        labels = ids.masked_fill(side["attention_mask"] == 0, IGNORE_INDEX)
         opt.zero_grad(set_to_none=True)
-        loss = model(ids, attention_mask=side["attention_mask"], labels=labels).loss
+        logits = model(ids, attention_mask=side["attention_mask"]).logits
+        # transformers' loss for labels with -100 at the padding, without its float32 upcast
+        count = (targets != IGNORE_INDEX).sum()
+        loss = causal_lm_token_loss(logits, targets) / count
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     return losses, model.state_dict()
 
 
