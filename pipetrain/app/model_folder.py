@@ -41,7 +41,15 @@ if TYPE_CHECKING:
     from pipetrain.planner.layout import Layout
 
 #: the fields of the built-in model's flags; the folder's config gives the model instead
-BUILT_IN_MODEL_FIELDS = ("model", "layers", "hidden", "heads", "kv_heads", "vocab", "tie_embeddings")
+BUILT_IN_MODEL_FIELDS = (
+    "model",
+    "layers",
+    "hidden",
+    "heads",
+    "kv_heads",
+    "vocab",
+    "tie_embeddings",
+)
 #: files that hold a tokenizer (``transformers``' fast or slow formats)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
 #: what ``--overwrite-export`` removes before writing (a previous export's weights and index;
@@ -182,11 +190,10 @@ def token_rows(config: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
     tokenizer = _tokenizer(config)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     width = config.seq_len
+    text = text_path(config).read_text(errors="replace")
+    lines = [line for line in text.splitlines() if line.strip()]
     rows: list[list[int]] = []
-    for line in text_path(config).read_text(errors="replace").splitlines():
-        if not line.strip():
-            continue
-        ids = tokenizer(line)["input_ids"]
+    for ids in tokenizer(lines)["input_ids"] if lines else []:  # one call: fast tokenizers batch
         rows += [ids[i : i + width] for i in range(0, len(ids), width)]
     rows = [row for row in rows if len(row) >= 2]
     if not rows:
@@ -262,4 +269,3 @@ def export(config: TrainConfig, pipe: Any) -> None:
         _tokenizer(config).save_pretrained(out)
     dist.barrier()  # the old files are gone before any rank writes its shard
     save_pretrained(pipe, out)
-

@@ -225,7 +225,9 @@ def _pipeline(
             from pipetrain.hf import causal_lm_token_loss
 
             stages, tied = folder_stages(config, layout, tp_mesh)
-            shape = dict(stages_per_rank=layout.stages_per_rank, num_stages=len(layout.stage_layers))
+            shape = dict(
+                stages_per_rank=layout.stages_per_rank, num_stages=len(layout.stage_layers)
+            )
             args = (stages, layout.schedule, layout.microbatches, causal_lm_token_loss)
             return Pipeline(*args, **shape, **options), replica
         tied = bool(model.tied)

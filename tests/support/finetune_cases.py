@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 VOCAB = 64
 #: the corpus's characters (``app.models.data``: sentences and sums)
@@ -94,15 +95,30 @@ def reference_run(config, steps: int):
     return losses, model.state_dict()
 
 
-def finetune_runs(rank: int, world: int, directory: str, folder: str, schedule: str) -> dict:
+def finetune_runs(rank: int, world: int, directory: str, folders: dict[str, str]) -> dict:
+    """``finetune_run`` of each folder (schedule -> folder), in one launch."""
+    return {
+        schedule: finetune_run(rank, f"{directory}/{schedule}", folder)
+        for schedule, folder in folders.items()
+    }
+
+
+def finetune_run(rank: int, directory: str, folder: str) -> dict:
     """``pipetrain train --model-dir`` (float64): 4 steps straight with ``--export``; 2 steps
     with a checkpoint, then a resume to step 4. Rank 0 also trains the unsplit reference and
     compares the export with it."""
     from pipetrain.app.train import train
 
+    schedule = Path(directory).name
+    text = Path(directory) / "text.txt"
+    if rank == 0:
+        from pipetrain.app.models.data import make_corpus
+
+        text.parent.mkdir(parents=True, exist_ok=True)
+        text.write_bytes(make_corpus(4096))
+    dist.barrier()
     common = ["--model-dir", folder, "--dtype", "float64", "--seq-len", "24", "-s", schedule,
-              "-m", "4", "--microbatch-size", "2", "--lr", "0.01",
-              "--corpus-out", f"{directory}/corpus.txt", "--svg", f"{directory}/step.svg",
+              "-m", "4", "--microbatch-size", "2", "--lr", "0.01", "--text", str(text), "--svg", f"{directory}/step.svg",
               "--timeout", "60"]  # fmt: skip
     out = f"{directory}/export"
     straight = train(train_args(*common, "--steps", "4", "--export", out), torch.device("cpu"))
