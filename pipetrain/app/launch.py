@@ -188,10 +188,12 @@ def _worker(config: TrainConfig, layout: Layout) -> int:
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=config.timeout))
     try:
+        from pipetrain.runtime.comm.failures import PipelineRefused
+
         try:
             run = train(config, device)
             status, said, stream = 0, run.report, sys.stdout
-        except Refused as e:  # the same on every rank
+        except (Refused, PipelineRefused) as e:  # the same on every rank
             status, said, stream = _REFUSED, f"pipetrain train: error: {e}", sys.stderr
         except NonFinite as e:  # the same on every rank: every rank has the same loss
             status, said, stream = _STOPPED, f"pipetrain train: error: {e}", sys.stderr
