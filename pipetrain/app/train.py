@@ -225,11 +225,16 @@ def _pipeline(
             from pipetrain.hf import causal_lm_token_loss
 
             stages, tied = folder_stages(config, layout, tp_mesh)
-            shape = dict(
-                stages_per_rank=layout.stages_per_rank, num_stages=len(layout.stage_layers)
+            pipe = Pipeline(
+                stages,
+                layout.schedule,
+                layout.microbatches,
+                causal_lm_token_loss,
+                stages_per_rank=layout.stages_per_rank,
+                num_stages=len(layout.stage_layers),
+                **options,
             )
-            args = (stages, layout.schedule, layout.microbatches, causal_lm_token_loss)
-            return Pipeline(*args, **shape, **options), replica
+            return pipe, replica
         tied = bool(model.tied)
         if tp_mesh is not None:
             from pipetrain.hf import parallelize_causal_lm

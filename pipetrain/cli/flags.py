@@ -456,7 +456,8 @@ def model_options() -> tuple[Option, ...]:
 
 
 def folder_options() -> tuple[Option, ...]:
-    """``--model-dir``: fine-tune a local Hugging Face folder instead of building a model."""
+    """``--model-dir``: fine-tune a local Hugging Face folder instead of building a model;
+    ``--export``: write the result as one."""
     return (
         Option(
             ("--model-dir",),
@@ -464,6 +465,19 @@ def folder_options() -> tuple[Option, ...]:
             help="fine-tune the Hugging Face model in DIR (config.json, safetensors files, "
             "tokenizer; Llama family or GPT-2): its config gives the model, so the model flags "
             "below do not apply; the text is tokenized by its tokenizer, rows right-padded",
+            group="a Hugging Face model folder",
+        ),
+        Option(
+            ("--export",),
+            metavar="DIR",
+            help="with --model-dir: write the trained model there at the end, a Hugging Face "
+            "folder (safetensors, config, tokenizer) that transformers loads",
+            group="a Hugging Face model folder",
+        ),
+        Option(
+            ("--overwrite-export",),
+            switch=True,
+            help="replace what the --export folder holds (without it, a non-empty one is refused)",
             group="a Hugging Face model folder",
         ),
     )

@@ -149,17 +149,6 @@ def _run_options(choices: dict[str, tuple[str, ...]]) -> tuple[Option, ...]:
             "at a loss that is nan or inf: stop the run (exit 1, naming the step), or skip that "
             "step's optimizer update",
         ),
-        Option(
-            ("--export",),
-            metavar="DIR",
-            help="with --model-dir: write the trained model there at the end, a Hugging Face "
-            "folder (safetensors, config, tokenizer) that transformers loads",
-        ),
-        Option(
-            ("--overwrite-export",),
-            switch=True,
-            help="replace what the --export folder holds (without it, a non-empty one is refused)",
-        ),
         Option(("--svg",), metavar="PATH", help="where to write the measured step as SVG"),
     )
 
