@@ -1,7 +1,7 @@
 """``pipetrain train --model-dir``: a tiny Llama folder fine-tuned on 2 gloo processes in
 float64 equals the unsplit ``transformers`` model trained with the same AdamW on the same padded
-batches (losses and the exported folder), ``--resume`` continues bit for bit, GPT-2 with tied
-embeddings too, and bad input is one line with exit 2 before any process starts."""
+batches (losses and the exported folder; with ``--tp 2`` too), ``--resume`` continues bit for
+bit, GPT-2 with tied embeddings too, and bad input is one line with exit 2 before any process starts."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_folders_fine_tune_as_the_unsplit_model_resume_and_export(tmp_path):
-    """A Llama folder under 1f1b and a GPT-2 folder with tied embeddings under zbv."""
+    """A Llama folder under 1f1b (and with --tp 2) and a GPT-2 folder with tied embeddings under
+    zbv."""
     folders = {
         "1f1b": write_folder(tmp_path / "llama", "llama"),
         "zbv": write_folder(tmp_path / "gpt2-tied", "gpt2-tied"),
@@ -33,6 +34,9 @@ def test_folders_fine_tune_as_the_unsplit_model_resume_and_export(tmp_path):
         assert lead["straight"] == pytest.approx(lead["reference"], rel=1e-12, abs=0), schedule
         assert lead["export_error"] < 1e-10, (schedule, lead["export_error"])
         assert "exported to" in lead["report"]
+        if schedule == "1f1b":  # tensor parallel: the same sums in another order
+            assert lead["tp"] == pytest.approx(lead["reference"], rel=1e-10, abs=0)
+            assert lead["tp_export_error"] < 1e-8, lead["tp_export_error"]
         for result in (r[schedule] for r in results):
             assert result["resumed"] == (2, result["straight"][2:])  # bit for bit
             assert result["differ"] == [], result["differ"]

@@ -105,8 +105,8 @@ def finetune_runs(rank: int, world: int, directory: str, folders: dict[str, str]
 
 def finetune_run(rank: int, directory: str, folder: str) -> dict:
     """``pipetrain train --model-dir`` (float64): 4 steps straight with ``--export``; 2 steps
-    with a checkpoint, then a resume to step 4. Rank 0 also trains the unsplit reference and
-    compares the export with it."""
+    with a checkpoint, then a resume to step 4; for the Llama folder, 4 steps with ``--tp 2``.
+    Rank 0 also trains the unsplit reference and compares the exports with it."""
     from pipetrain.app.train import train
 
     schedule = Path(directory).name
@@ -131,9 +131,15 @@ def finetune_run(rank: int, directory: str, folder: str) -> dict:
         "resumed": (resumed.first_step, resumed.losses),
         "differ": differ + sorted(resumed.state.keys() - straight.state.keys()),
     }
+    if schedule == "1f1b":  # the Llama folder: also one stage split over 2 tensor-parallel ranks
+        tp = train(train_args(*common, "-p", "1", "--tp", "2", "--steps", "4", "--export",
+                              f"{directory}/export-tp"), torch.device("cpu"))  # fmt: skip
+        result["tp"] = tp.losses
     if rank == 0:
         result["reference"], expected = reference_run(train_args(*common), 4)
         result["export_error"] = _export_error(out, expected)
+        if schedule == "1f1b":
+            result["tp_export_error"] = _export_error(f"{directory}/export-tp", expected)
         result["report"] = straight.report
     return result
 
