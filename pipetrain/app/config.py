@@ -9,8 +9,9 @@ defaults. Constructing one checks each field on its own (a value the flag would 
 ``ValueError`` naming the flag and the legal values), so a config built in code is held to what
 the command line accepts.
 
-``check_arguments`` does the checks that read files or span fields (the model's shape, the plan
-file, the checkpoint to resume) and turns the config into a ``Layout``: the plan in ``--plan FILE``
+``check_arguments`` does the checks that read files or span fields (the model's shape, or the
+``--model-dir`` folder's with its tokenizer and the ``--export`` folder: ``app.model_folder``;
+the plan file, the checkpoint to resume) and turns the config into a ``Layout``: the plan in ``--plan FILE``
 (``pipetrain plan --json``, read as ``Layout.from_json`` reads it, as ``Pipeline.from_plan``
 does), or the shape flags with the default cut (blocks spread evenly, embedding and head on the
 end stages). The launcher calls it before any process starts, so bad input exits 2 at once rather
