@@ -4,8 +4,8 @@ ranks × dp processes (``app.launch`` starts them).
 A worker builds its own stages (same seed everywhere, so the weights equal the unsplit model's)
 and runs them with ``Pipeline.from_plan`` on the run's layout (``app.config``); with
 ``--model-dir`` it loads its stages from the folder and trains on the folder tokenizer's padded
-rows instead (``app.model_folder``), and ``--export`` writes the folder back at the end. Tokens are the
-bytes of a text file (``--text``; by default the corpus ``app.models.data`` generates, written to
+rows instead (``app.model_folder``), and ``--export`` writes the folder back at the end. Tokens
+are the bytes of a text file (``--text``; by default the corpus ``app.models.data`` generates, written to
 ``--corpus-out`` first). It trains with AdamW (``--clip-grad-norm``: clipped by the whole
 pipeline's norm), writes checkpoints every ``--checkpoint-every`` steps (``app.checkpoints``;
 ``--resume`` continues from the latest one, bit for bit on the same layout), and on rank 0 shows

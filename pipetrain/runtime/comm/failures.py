@@ -15,8 +15,9 @@ down the pipeline. A refusal — a ``ValueError`` while building the pipeline, o
 ``PipelineRefused`` at a step (a stage's graph pipetrain cannot run exactly) — is marked in its
 notice, and every peer raises ``PipelineRefused`` (a ``ValueError``) instead, with the same
 words: a configuration error is the same type on every rank, the one the docs name, so a
-launcher that catches ``ValueError`` treats every rank alike. Where no notice arrives (the failing process died, or took the store with it)
-the error says the peer closed the connection. Notices are read only after a wait has failed:
+launcher that catches ``ValueError`` treats every rank alike. Where no notice arrives (the
+failing process died, or took the store with it) the error says the peer closed the
+connection. Notices are read only after a wait has failed:
 nothing of this runs in a healthy step.
 """
 
