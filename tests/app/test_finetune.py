@@ -21,6 +21,7 @@ from runtime_harness import launch
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_folders_fine_tune_as_the_unsplit_model_resume_and_export(tmp_path):
     """A Llama folder under 1f1b (and with --tp 2) and a GPT-2 folder with tied embeddings under
     zbv."""

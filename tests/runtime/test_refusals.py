@@ -4,12 +4,14 @@ naming that rank and its message (docs/runtime.md, "When something fails")."""
 
 from __future__ import annotations
 
+import pytest
 from refusal_cases import run_refusals
 from runtime_harness import launch
 
 from pipetrain.runtime.comm.failures import PipelineRefused
 
 
+@pytest.mark.slow
 def test_a_refusal_is_pipeline_refused_on_every_rank():
     results = launch(2, run_refusals, timeout=120)
     # the reentrant checkpoint is found by rank 0 at its first forward
