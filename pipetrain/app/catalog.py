@@ -26,9 +26,12 @@ if TYPE_CHECKING:
 
 MODELS = ("gpt", "llama", "qwen3", "mistral")
 HF_MODELS = MODELS[1:]
+#: the model types ``--model-dir`` loads (``pipetrain.hf.SUPPORTED``, named here so that the
+#: launcher checks a folder without importing torch)
+FOLDER_MODELS = ("llama", "qwen2", "qwen3", "mistral", "gpt2")
 BYTE_VOCAB = 256
 #: layers besides the blocks: GPT's embedding and head; HF's embedding, final norm and head
-EXTRA_LAYERS = {"gpt": (1, 1), **dict.fromkeys(HF_MODELS, (1, 2))}
+EXTRA_LAYERS = {"gpt": (1, 1), **dict.fromkeys((*HF_MODELS, *FOLDER_MODELS), (1, 2))}
 
 
 @dataclass(frozen=True, kw_only=True)

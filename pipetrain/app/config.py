@@ -9,8 +9,9 @@ defaults. Constructing one checks each field on its own (a value the flag would 
 ``ValueError`` naming the flag and the legal values), so a config built in code is held to what
 the command line accepts.
 
-``check_arguments`` does the checks that read files or span fields (the model's shape, the plan
-file, the checkpoint to resume) and turns the config into a ``Layout``: the plan in ``--plan FILE``
+``check_arguments`` does the checks that read files or span fields (the model's shape, or the
+``--model-dir`` folder's with its tokenizer and the ``--export`` folder: ``app.model_folder``;
+the plan file, the checkpoint to resume) and turns the config into a ``Layout``: the plan in ``--plan FILE``
 (``pipetrain plan --json``, read as ``Layout.from_json`` reads it, as ``Pipeline.from_plan``
 does), or the shape flags with the default cut (blocks spread evenly, embedding and head on the
 end stages). The launcher calls it before any process starts, so bad input exits 2 at once rather
@@ -62,6 +63,8 @@ class TrainConfig:
     ranks: int | None = None
     microbatches: int | None = None
     stages_per_rank: int | None = None
+    # a Hugging Face model folder to fine-tune (its config.json gives the model)
+    model_dir: str | None = None
     # the model (``pipetrain profile`` takes these too)
     model: str = "llama"
     layers: int = 4
@@ -90,6 +93,8 @@ class TrainConfig:
     resume: bool = False
     overwrite_checkpoints: bool = False
     on_nonfinite: OnNonfinite = "stop"
+    export: str | None = None
+    overwrite_export: bool = False
     svg: str = "out/train_step.svg"
     device: Device = "auto"
     weight_grads: WeightGrads = "auto"
@@ -156,6 +161,59 @@ def check_arguments(config: TrainConfig) -> Layout:
 
     Raises ``ValueError`` naming the bad value and the legal ones.
     """
+    shape = run_shape(config)
+    if config.text is not None and not Path(config.text).is_file():
+        raise ValueError(f"--text {config.text}: no such file")
+    if config.resume and config.checkpoint_dir is None:
+        raise ValueError("--resume needs --checkpoint-dir DIR (where the checkpoints are)")
+    if config.checkpoint_every is not None and config.checkpoint_dir is None:
+        raise ValueError("--checkpoint-every needs --checkpoint-dir DIR")
+    _check_tensor_parallel(config, shape)
+    from pipetrain.app.checkpoints import Checkpoints, check_directory
+    from pipetrain.app.model_folder import check_data, check_export
+
+    if not config.worker:  # the launcher's: workers may find this run's first files
+        check_directory(config)
+        check_export(config)
+    if config.resume and config.checkpoint_dir is not None:  # complete and of this model
+        Checkpoints(config.checkpoint_dir, shape).latest()
+    layout = _layout(config, shape)
+    if config.model_dir is None:
+        _check_text(config, layout)
+    elif not config.worker:  # tokenized once, by the launcher
+        check_data(config, shape.vocab)
+    if shape.num_layers < len(layout.stage_layers):
+        more = shape.num_layers - len(layout.stage_layers)
+        raise ValueError(
+            f"{_blocks(config, shape)} gives {shape.num_layers} layers (with the embedding and "
+            f"head) for {len(layout.stage_layers)} stages; every stage needs a layer: "
+            + (
+                f"use --layers >= {config.layers - more}"
+                if config.model_dir is None
+                else "use fewer stages"
+            )
+        )
+    if sum(layout.stage_layers) != shape.num_layers:
+        raise ValueError(
+            f"the plan in {config.plan} cuts {sum(layout.stage_layers)} layers "
+            f"{list(layout.stage_layers)}, but {_blocks(config, shape)} has {shape.num_layers}; "
+            "plan from a profile of the same model"
+            + (
+                f" (`pipetrain profile --model {config.model} --layers {config.layers}`)"
+                if config.model_dir is None
+                else ""
+            )
+        )
+    return layout
+
+
+def run_shape(config: TrainConfig) -> ModelShape:
+    """The model the run trains: the folder's (``--model-dir``) or the built-in model flags',
+    checked."""
+    if config.model_dir is not None:
+        from pipetrain.app.model_folder import folder_config, folder_shape
+
+        return folder_shape(config, folder_config(config))
     shape = config.shape
     shape.check()
     if config.model != "gpt" and importlib.util.find_spec("transformers") is None:
@@ -165,38 +223,17 @@ def check_arguments(config: TrainConfig) -> Layout:
         )
     if config.vocab < BYTE_VOCAB:
         raise ValueError(f"--vocab {config.vocab}: the tokens are bytes, so it must be >= 256")
-    if config.text is not None and not Path(config.text).is_file():
-        raise ValueError(f"--text {config.text}: no such file")
-    if config.resume and config.checkpoint_dir is None:
-        raise ValueError("--resume needs --checkpoint-dir DIR (where the checkpoints are)")
-    if config.checkpoint_every is not None and config.checkpoint_dir is None:
-        raise ValueError("--checkpoint-every needs --checkpoint-dir DIR")
-    _check_tensor_parallel(config)
-    from pipetrain.app.checkpoints import Checkpoints, check_directory
-
-    if not config.worker:  # the launcher's: workers may find this run's first checkpoints
-        check_directory(config)
-    if config.resume and config.checkpoint_dir is not None:  # complete and of this model
-        Checkpoints(config.checkpoint_dir, shape).latest()
-    layout = _layout(config, shape)
-    _check_text(config, layout)
-    if shape.num_layers < len(layout.stage_layers):
-        raise ValueError(
-            f"--layers {config.layers} gives {shape.num_layers} layers (with the embedding and "
-            f"head) for {len(layout.stage_layers)} stages; every stage needs a layer: use "
-            f"--layers >= {config.layers + len(layout.stage_layers) - shape.num_layers}"
-        )
-    if sum(layout.stage_layers) != shape.num_layers:
-        raise ValueError(
-            f"the plan in {config.plan} cuts {sum(layout.stage_layers)} layers "
-            f"{list(layout.stage_layers)}, but --model {config.model} --layers {config.layers} "
-            f"has {shape.num_layers}; plan from a profile of the same model (`pipetrain profile "
-            f"--model {config.model} --layers {config.layers}`)"
-        )
-    return layout
+    return shape
 
 
-def _check_tensor_parallel(config: TrainConfig) -> None:
+def _blocks(config: TrainConfig, shape: ModelShape) -> str:
+    """The flags that gave the model's layers, to name them."""
+    if config.model_dir is not None:
+        return f"--model-dir {config.model_dir} ({shape.blocks} decoder layers)"
+    return f"--model {config.model} --layers {config.layers}"
+
+
+def _check_tensor_parallel(config: TrainConfig, shape: ModelShape) -> None:
     """``--tp``: the Llama family's plan (``pipetrain.hf.parallelize_causal_lm``) splits heads,
     key/value heads and the MLP's intermediate features (4 × hidden) over the tp ranks, and with
     ``--sequence-parallel`` the tokens."""
@@ -204,17 +241,17 @@ def _check_tensor_parallel(config: TrainConfig) -> None:
         raise ValueError("--sequence-parallel needs --tp N with N > 1")
     if config.tp == 1:
         return
-    if config.model == "gpt":
+    if shape.model in ("gpt", "gpt2"):
         raise ValueError(
-            "--tp needs a Hugging Face Llama-family model (--model llama, qwen3 or mistral); the "
-            "built-in GPT has no tensor-parallel plan"
+            "--tp needs a Hugging Face Llama-family model (--model llama, qwen3 or mistral, or a "
+            f"--model-dir of one); {shape.model} has no tensor-parallel plan"
         )
     if config.data_parallel == "ddp" and config.dp > 1:
         raise ValueError("--tp with --dp needs --data-parallel fsdp (DDP replicates plain tensors)")
     for flag, value in (
-        ("--heads", config.heads),
-        ("--kv-heads", config.kv_heads),
-        ("--hidden", config.hidden),
+        ("--heads", shape.heads),
+        ("--kv-heads", shape.kv_heads),
+        ("--hidden", shape.hidden),
     ):
         if value % config.tp:
             raise ValueError(f"--tp {config.tp} must divide {flag} {value}")
@@ -304,4 +341,5 @@ __all__ = [
     "DEFAULT_SCHEDULE",
     "TrainConfig",
     "check_arguments",
+    "run_shape",
 ]

@@ -83,10 +83,11 @@ def _launch(config: TrainConfig, layout: Layout) -> int:
     # every worker parses this back into the same config, the device resolved once here
     worker_argv = dataclasses.replace(config, device=device).argv()
     backend = "NCCL" if device == "cuda" else "gloo"
+    model = config.model if config.model_dir is None else f"--model-dir {config.model_dir}"
     shape = " × ".join(f"{n} {name}" for name, n in grid.items())
     print(
         f"launching {processes} processes: {shape} ({backend} on {device}); "
-        f"{config.model}, {_describe(layout, config.plan)}"
+        f"{model}, {_describe(layout, config.plan)}"
     )
     for path in incomplete_checkpoints(config):
         print(f"note: ignoring {path}: an incomplete checkpoint (a run stopped while writing it)")
@@ -190,10 +191,12 @@ def _worker(config: TrainConfig, layout: Layout) -> int:
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=config.timeout))
     try:
+        from pipetrain.runtime.comm.failures import PipelineRefused
+
         try:
             run = train(config, device)
             status, said, stream = 0, run.report, sys.stdout
-        except Refused as e:  # the same on every rank
+        except (Refused, PipelineRefused) as e:  # the same on every rank
             status, said, stream = _REFUSED, f"pipetrain train: error: {e}", sys.stderr
         except NonFinite as e:  # the same on every rank: every rank has the same loss
             status, said, stream = _STOPPED, f"pipetrain train: error: {e}", sys.stderr

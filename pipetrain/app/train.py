@@ -2,8 +2,10 @@
 ranks × dp processes (``app.launch`` starts them).
 
 A worker builds its own stages (same seed everywhere, so the weights equal the unsplit model's)
-and runs them with ``Pipeline.from_plan`` on the run's layout (``app.config``). Tokens are the
-bytes of a text file (``--text``; by default the corpus ``app.models.data`` generates, written to
+and runs them with ``Pipeline.from_plan`` on the run's layout (``app.config``); with
+``--model-dir`` it loads its stages from the folder and trains on the folder tokenizer's padded
+rows instead (``app.model_folder``), and ``--export`` writes the folder back at the end. Tokens
+are the bytes of a text file (``--text``; by default the corpus ``app.models.data`` generates, written to
 ``--corpus-out`` first). It trains with AdamW (``--clip-grad-norm``: clipped by the whole
 pipeline's norm), writes checkpoints every ``--checkpoint-every`` steps (``app.checkpoints``;
 ``--resume`` continues from the latest one, bit for bit on the same layout), and on rank 0 shows
@@ -20,12 +22,12 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipetrain.app.config import TrainConfig, check_arguments
+from pipetrain.app.config import TrainConfig, check_arguments, run_shape
 from pipetrain.app.report import Progress, report
 from pipetrain.schedule.timeline import Timeline
 
@@ -36,6 +38,8 @@ if TYPE_CHECKING:
     from pipetrain.planner.layout import Layout
     from pipetrain.runtime.pipeline import Pipeline
 
+#: one step's batch: stage 0's inputs, the loss's targets, side inputs by name
+Batch = tuple["torch.Tensor", "torch.Tensor", dict[str, "torch.Tensor"]]
 MEASURED_STEPS = 5  # the last steps run with timeline=True; the median one is reported
 #: ``--weight-grads`` → ``Pipeline(defer_weight_grads=...)``
 _DEFER = {"auto": None, "deferred": True, "replay": False}
@@ -61,10 +65,8 @@ class Run:
     report: str = ""
 
 
-def read_tokens(config: TrainConfig) -> torch.Tensor:
-    """The text file's bytes as token ids (the generated corpus, written first, by default)."""
-    import torch
-
+def text_path(config: TrainConfig) -> Path:
+    """The text to train on: ``--text``, else the generated corpus (written first if missing)."""
     path = Path(config.text) if config.text is not None else Path(config.corpus_out)
     if config.text is None and not path.is_file():
         from pipetrain.app.models.data import make_corpus
@@ -73,7 +75,30 @@ def read_tokens(config: TrainConfig) -> torch.Tensor:
         tmp = path.with_suffix(f".{os.getpid()}.tmp")  # several ranks may write at once
         tmp.write_bytes(make_corpus())
         tmp.replace(path)
+    return path
+
+
+def read_tokens(config: TrainConfig) -> torch.Tensor:
+    """The text file's bytes as token ids (the generated corpus, written first, by default)."""
+    import torch
+
+    path = text_path(config)
     return torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8).long()
+
+
+def _batches(config: TrainConfig, model: LayerModel | None, rows: int) -> Iterator[Batch]:
+    """Endless ``(inputs, targets, side inputs)`` of ``rows`` rows (every replica's): windows of
+    the text's bytes for the built-in models, padded rows of the folder's tokens for
+    ``--model-dir`` (``app.model_folder``)."""
+    if model is None:
+        from pipetrain.app.model_folder import padded_batches
+
+        yield from padded_batches(config, rows)
+        return
+    from pipetrain.app.models.data import batches
+
+    for inputs, targets in batches(read_tokens(config), rows, config.seq_len, config.seed):
+        yield (*model.batch(inputs, targets), {})
 
 
 def train(config: TrainConfig, device: torch.device) -> Run:
@@ -83,16 +108,15 @@ def train(config: TrainConfig, device: torch.device) -> Run:
 
     from pipetrain.app import checkpoints
     from pipetrain.app.catalog import build
-    from pipetrain.app.models.data import batches
 
     layout = check_arguments(config)
     rank = dist.get_rank()
-    model = build(config.shape)
+    model = build(config.shape) if config.model_dir is None else None  # None: the folder's
     pipe, replica = _pipeline(config, layout, model, device)
     opt = torch.optim.AdamW(_parameter_groups(pipe), lr=config.lr, betas=(0.9, 0.95))
     saver = (
         checkpoints.Checkpoints(
-            config.checkpoint_dir, model.shape, overwrite=config.overwrite_checkpoints
+            config.checkpoint_dir, run_shape(config), overwrite=config.overwrite_checkpoints
         )
         if config.checkpoint_dir
         else None
@@ -107,7 +131,7 @@ def train(config: TrainConfig, device: torch.device) -> Run:
             "leaves nothing to run (give more steps)"
         )
     local = config.microbatch_size * layout.microbatches
-    data = batches(read_tokens(config), local * config.dp, config.seq_len, config.seed)
+    data = _batches(config, model, local * config.dp)
     for _ in range(start):  # the batches the checkpointed steps used
         next(data)
     mine = slice(replica * local, (replica + 1) * local)
@@ -117,11 +141,13 @@ def train(config: TrainConfig, device: torch.device) -> Run:
     measured: list[Timeline] = []
     skipped: list[int] = []
     for step in range(start, config.steps):
-        inputs, targets = (t[mine].to(device) for t in next(data))
+        inputs, targets, side = next(data)
+        inputs, targets = inputs[mine].to(device), targets[mine].to(device)
+        side = {k: v[mine].to(device) for k, v in side.items()}
         timed = step >= config.steps - MEASURED_STEPS
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        loss = pipe.step(*model.batch(inputs, targets), timeline=timed)
+        loss = pipe.step(inputs, targets, timeline=timed, side=side)
         try:
             norm = _update(config, pipe, opt, loss, step + 1, skipped)
         except NonFinite:
@@ -135,6 +161,10 @@ def train(config: TrainConfig, device: torch.device) -> Run:
         if saver is not None and ((step + 1) % every == 0 or step + 1 == config.steps):
             saver.save(step + 1, pipe, opt)
     bar.close()
+    if config.export is not None:
+        from pipetrain.app.model_folder import export
+
+        export(config, pipe)
     run = Run(losses, start, {k: v.detach().clone() for k, v in _local_state(pipe).items()})
     if rank == 0:
         cpu_processes = dist.get_world_size() if device.type == "cpu" else 0
@@ -146,6 +176,8 @@ def train(config: TrainConfig, device: torch.device) -> Run:
             run.report += f"finite (--on-nonfinite skip): {shown}"
         if saver is not None:
             run.report += f"\ncheckpoints in {config.checkpoint_dir} (latest: step {config.steps})"
+        if config.export is not None:
+            run.report += f"\nexported to {config.export} (a Hugging Face model folder)"
     return run
 
 
@@ -170,58 +202,82 @@ def _update(config: TrainConfig, pipe, opt, loss, step: int, skipped: list[int])
 
 
 def _pipeline(
-    config: TrainConfig, layout: Layout, model: LayerModel, device: torch.device
+    config: TrainConfig, layout: Layout, model: LayerModel | None, device: torch.device
 ) -> tuple[Pipeline, int]:
     """This worker's pipeline on the layout (on a (dp, pp, tp) mesh when ``--dp`` or ``--tp`` >
-    1, the layers tensor-parallelized by the Llama family's plan), and its
-    data-parallel replica; ``Refused`` with the pipeline's message when it refuses."""
+    1, the layers tensor-parallelized by the Llama family's plan), and its data-parallel
+    replica; ``Refused`` with the pipeline's message when it refuses. ``model`` None: the
+    ``--model-dir`` folder's stages (``app.model_folder``)."""
     from datetime import timedelta
 
     from pipetrain.runtime.pipeline import Pipeline
 
-    placement: dict[str, Any] = {}
-    replica = 0
-    if config.dp > 1 or config.tp > 1:
-        from torch.distributed.device_mesh import init_device_mesh
+    placement, replica = _placement(config, layout, device)
+    tp_mesh = placement["mesh"]["tp"] if config.tp > 1 else None
+    options: dict[str, Any] = dict(
+        device=device,
+        timeout=timedelta(seconds=config.timeout),
+        defer_weight_grads=_DEFER[config.weight_grads],
+        receive_lead=config.receive_lead,
+        **placement,
+    )
+    try:
+        if model is None:
+            from pipetrain.app.model_folder import folder_stages
+            from pipetrain.hf import causal_lm_token_loss
 
-        # dp-major, tp innermost (the tp ranks of a stage on one node's consecutive GPUs)
-        dims = [
-            (n, size) for n, size in (("dp", config.dp), ("pp", layout.ranks), ("tp", config.tp))
-        ]
-        dims = [(n, size) for n, size in dims if size > 1 or n == "pp"]
-        mesh = init_device_mesh(
-            device.type, tuple(size for _, size in dims), mesh_dim_names=tuple(n for n, _ in dims)
-        )
-        placement = {"mesh": mesh}
-        if config.dp > 1:
-            placement["data_parallel"] = config.data_parallel
-            replica = mesh.get_local_rank("dp")
-        if config.tp > 1:
+            stages, tied = folder_stages(config, layout, tp_mesh)
+            pipe = Pipeline(
+                stages,
+                layout.schedule,
+                layout.microbatches,
+                causal_lm_token_loss,
+                stages_per_rank=layout.stages_per_rank,
+                num_stages=len(layout.stage_layers),
+                **options,
+            )
+            return pipe, replica
+        tied = bool(model.tied)
+        if tp_mesh is not None:
             from pipetrain.hf import parallelize_causal_lm
 
             assert isinstance(model.layers, Mapping)  # Hugging Face models (checked at launch)
             parallelize_causal_lm(
                 model.layers,
-                mesh["tp"],
+                tp_mesh,
                 sequence_parallel=config.sequence_parallel,
-                vocab_parallel=not model.tied,
+                vocab_parallel=not tied,
             )
-    try:
         pipe = Pipeline.from_plan(
-            model.layers,
-            layout,
-            loss_fn=model.loss_fn,
-            device=device,
-            timeout=timedelta(seconds=config.timeout),
-            defer_weight_grads=_DEFER[config.weight_grads],
-            receive_lead=config.receive_lead,
-            tied=model.tied,
-            **placement,
+            model.layers, layout, loss_fn=model.loss_fn, tied=model.tied, **options
         )
     except ValueError as e:
-        flags = f"--tie-embeddings with --dp {config.dp}: " if model.tied and config.dp > 1 else ""
+        what = "--tie-embeddings" if model is not None else "the folder's tied embeddings"
+        flags = f"{what} with --dp {config.dp}: " if tied and config.dp > 1 else ""
         raise Refused(flags + str(e)) from None
     return pipe, replica
+
+
+def _placement(
+    config: TrainConfig, layout: Layout, device: torch.device
+) -> tuple[dict[str, Any], int]:
+    """``Pipeline``'s placement options (a (dp, pp, tp) mesh when ``--dp`` or ``--tp`` > 1,
+    dp-major and tp innermost: the tp ranks of a stage on one node's consecutive GPUs) and this
+    process's data-parallel replica."""
+    if config.dp == 1 and config.tp == 1:
+        return {}, 0
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dims = [(n, size) for n, size in (("dp", config.dp), ("pp", layout.ranks), ("tp", config.tp))]
+    dims = [(n, size) for n, size in dims if size > 1 or n == "pp"]
+    mesh = init_device_mesh(
+        device.type, tuple(size for _, size in dims), mesh_dim_names=tuple(n for n, _ in dims)
+    )
+    placement: dict[str, Any] = {"mesh": mesh}
+    if config.dp == 1:
+        return placement, 0
+    placement["data_parallel"] = config.data_parallel
+    return placement, mesh.get_local_rank("dp")
 
 
 def _parameter_groups(pipe: Pipeline) -> list[dict[str, Any]]:

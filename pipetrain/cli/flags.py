@@ -455,6 +455,34 @@ def model_options() -> tuple[Option, ...]:
     return with_defaults(table, TrainConfig())
 
 
+def folder_options() -> tuple[Option, ...]:
+    """``--model-dir``: fine-tune a local Hugging Face folder instead of building a model;
+    ``--export``: write the result as one."""
+    return (
+        Option(
+            ("--model-dir",),
+            metavar="DIR",
+            help="fine-tune the Hugging Face model in DIR (config.json, safetensors files, "
+            "tokenizer; Llama family or GPT-2): its config gives the model, so the model flags "
+            "below do not apply; the text is tokenized by its tokenizer, rows right-padded",
+            group="a Hugging Face model folder",
+        ),
+        Option(
+            ("--export",),
+            metavar="DIR",
+            help="with --model-dir: write the trained model there at the end, a Hugging Face "
+            "folder (safetensors, config, tokenizer) that transformers loads",
+            group="a Hugging Face model folder",
+        ),
+        Option(
+            ("--overwrite-export",),
+            switch=True,
+            help="replace what the --export folder holds (without it, a non-empty one is refused)",
+            group="a Hugging Face model folder",
+        ),
+    )
+
+
 def model_shape(args: argparse.Namespace) -> ModelShape:
     """The model the model flags in ``args`` describe, read as ``pipetrain train`` reads them."""
     from pipetrain.app.config import TrainConfig

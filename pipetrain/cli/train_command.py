@@ -20,6 +20,7 @@ from pipetrain.cli.flags import (
     Command,
     Option,
     add_options,
+    folder_options,
     microbatches_option,
     model_options,
     one_of,
@@ -66,7 +67,8 @@ def options() -> tuple[Option, ...]:
         microbatches_option(shown_default=f"{DEFAULT_MICROBATCHES}{or_plan}"),
     )
     run = (*_run_options(CHOICES), *_process_options(CHOICES))
-    return (*shape, *model_options(), *with_defaults(run, TrainConfig()))
+    folder = with_defaults(folder_options(), TrainConfig())
+    return (*shape, *folder, *model_options(), *with_defaults(run, TrainConfig()))
 
 
 def _run_options(choices: dict[str, tuple[str, ...]]) -> tuple[Option, ...]:

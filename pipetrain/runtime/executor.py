@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
-from pipetrain.runtime.comm.failures import PeerFailedError, StageError
+from pipetrain.runtime.comm.failures import PeerFailedError, PipelineRefused, StageError
 from pipetrain.runtime.comm.p2p import (
     Pending,
     PipelineTimeoutError,
@@ -163,7 +163,7 @@ class Executor:
         self._given: tuple[str, tuple[TensorMeta, ...]] | None = None
         try:
             self.dispatch(action)
-        except (PeerFailedError, PipelineTimeoutError, StageError):
+        except (PeerFailedError, PipelineRefused, PipelineTimeoutError, StageError):
             raise
         except Exception as e:
             raise StageError(self._describe(action, e)) from e

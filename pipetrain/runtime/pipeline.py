@@ -319,7 +319,7 @@ class Pipeline:
         if self.closed:
             return
         origin = getattr(error, "origin", self.rank)
-        self._failures.post(origin, failures.notice_of(error))
+        self._failures.post(origin, failures.notice_of(error), failures.refusal(error))
         self.closed = True
         self._failure = f"{type(error).__name__}: {error}"
         self._transport.abandon()

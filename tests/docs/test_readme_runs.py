@@ -83,3 +83,21 @@ def test_the_planning_guide_block_runs(tmp_path: Path, monkeypatch) -> None:
         json.loads(Path("costs.json").read_text()), num_ranks=4, memory_gib=40
     )
     assert again.layout == from_json.layout
+
+
+def test_the_fine_tuning_commands_are_train_flags() -> None:
+    """docs/training.md's fine-tuning commands parse as ``pipetrain train`` flags (running them
+    needs a released model; ``tests/app/test_finetune.py`` runs the same flags on a tiny one)."""
+    import shlex
+
+    from pipetrain.cli.train_command import config_from_argv
+
+    block = code_block("docs/training.md", "## Fine-tuning a Hugging Face folder", "bash")
+    commands = block.replace("\\\n", " ").strip().splitlines()
+    assert len(commands) == 2
+    for command in commands:
+        words = shlex.split(command)
+        assert words[:2] == ["pipetrain", "train"], command
+        config = config_from_argv(words[2:])
+        assert config.model_dir == "Llama-3.2-1B" and config.export == "Llama-3.2-1B-tuned"
+    assert config.resume and config.overwrite_export

@@ -75,12 +75,14 @@ def test_gradients_are_reduced_once_per_stage_per_step(results):
 def test_what_cannot_be_exact_is_refused(results):
     for r in results:
         e = r["errors"]
-        assert e["mesh_alone"].startswith("ValueError: mesh= and data_parallel= go together")
+        assert e["mesh_alone"].startswith("PipelineRefused: mesh= and data_parallel= go together")
         assert "legal values: ddp, fsdp" in e["bad_kind"]
         assert "either group= or mesh=" in e["group_and_mesh"]
         assert "wrapped in DistributedDataParallel" in e["wrapped_ddp"]
         assert "data_parallel='fsdp'" in e["fsdp_without_mesh"]
         assert "local batches of 9 to 10 rows" in e["unequal_batches"]
-        assert "ValueError: tied weight 'embed.weight' is a sharded DTensor" in e["tied_sharded"]
+        assert (
+            "PipelineRefused: tied weight 'embed.weight' is a sharded DTensor" in e["tied_sharded"]
+        )
         for kind in ("ddp", "fsdp"):
             assert "'spare' got no gradient" in e[f"unused_{kind}"], e[f"unused_{kind}"]

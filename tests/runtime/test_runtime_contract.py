@@ -50,19 +50,21 @@ def test_construction_failing_on_one_rank_stops_the_others_naming_it(outcomes):
 @pytest.mark.parametrize(
     ("case", "error", "phase", "said"),
     [
-        ("no_loss_fn", "ValueError", "checking its arguments", "loss_fn is required"),
-        ("plan_cut_fails", "ValueError", "building its stages", "layers"),
+        ("no_loss_fn", "PipelineRefused", "checking its arguments", "loss_fn is required"),
+        ("plan_cut_fails", "PipelineRefused", "building its stages", "layers"),
     ],
 )
 def test_a_failure_in_any_construction_phase_reaches_every_rank_naming_that_phase(
     outcomes, case, error, phase, said
 ):
+    """A refusal (a ValueError) is ``PipelineRefused`` on every rank, the peers naming the rank
+    and phase it came from."""
     world, outs = outcomes
     for rank, (text, seconds) in enumerate(_all(outs, case)):
         if rank == world - 1:
             assert text.startswith(error) and said in text, text
         else:
-            assert text.startswith("PeerFailedError"), text
+            assert text.startswith("PipelineRefused"), text
             assert f"rank {world - 1} failed: building its Pipeline ({phase})" in text, text
             assert said in text and "tied weights" not in text, text
         assert seconds < STOP_WITHIN, (case, seconds)

@@ -27,12 +27,12 @@ def test_uneven_split_weights_sum_to_one_and_too_many_microbatches_are_refused()
 @pytest.mark.slow
 def test_bad_input_on_two_ranks():
     r0, r1 = launch(2, run_errors, timeout=90)
-    for r in (r0, r1):
-        assert "ValueError" in r["stage_count"] and "3 stages" in r["stage_count"]
-        assert "ValueError" in r["world"] and "process group has 2" in r["world"]
+    for r in (r0, r1):  # a refusal: the same type on every rank
+        assert "PipelineRefused" in r["stage_count"] and "3 stages" in r["stage_count"]
+        assert "PipelineRefused" in r["world"] and "process group has 2" in r["world"]
         assert "ValueError" in r["too_many_mb"] and "batch size 3" in r["too_many_mb"]
-        assert "ValueError" in r["two_copies"] and "use dualpipev" in r["two_copies"]
-        assert "ValueError" in r["receive_lead"] and ">= 0, got -1" in r["receive_lead"]
+        assert "PipelineRefused" in r["two_copies"] and "use dualpipev" in r["two_copies"]
+        assert "PipelineRefused" in r["receive_lead"] and ">= 0, got -1" in r["receive_lead"]
     # The last stage's rank sees the bad loss; the other stops on its wait, naming the failing
     # rank and its error (these pipelines run on a group of the caller's: the notice is read
     # when the wait ends, after the 2 s timeout).

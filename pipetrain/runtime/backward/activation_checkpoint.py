@@ -34,6 +34,7 @@ from torch.utils.checkpoint import (
 )
 
 from pipetrain.runtime import torch_compat
+from pipetrain.runtime.comm.failures import PipelineRefused
 from pipetrain.runtime.layers import LazyStages, Stage
 
 REENTRANT_NODE = "CheckpointFunctionBackward"
@@ -41,7 +42,8 @@ REENTRANT_NODE = "CheckpointFunctionBackward"
 
 def refuse_reentrant(roots: Iterable[Node], stage: int) -> None:
     """Walk the stage's graph from ``roots`` (once per stage: its inputs are leaves, so the
-    walk stays inside the stage) and refuse a reentrant checkpoint node."""
+    walk stays inside the stage) and refuse a reentrant checkpoint node (``PipelineRefused``, a
+    ``ValueError``: every peer raises it too)."""
     seen: set[Node] = set()
     todo = [r for r in roots if r is not None]
     while todo:
@@ -50,7 +52,7 @@ def refuse_reentrant(roots: Iterable[Node], stage: int) -> None:
             continue
         seen.add(node)
         if type(node).__name__ == REENTRANT_NODE:
-            raise ValueError(
+            raise PipelineRefused(
                 f"stage {stage} uses torch.utils.checkpoint with use_reentrant=True, whose "
                 "backward cannot be split or held back for the schedule; pass "
                 "use_reentrant=False (exact under every schedule)"

@@ -27,13 +27,13 @@ from datetime import timedelta
 
 import torch
 
-from pipetrain.runtime.comm.failures import Failures, PeerFailedError, first_notice
+from pipetrain.runtime.comm.failures import Failures, PipelineRefused, first_notice, peer_error
 from pipetrain.runtime.comm.p2p import PipelineTimeoutError
 from pipetrain.runtime.torch_compat import store_of
 from pipetrain.schedule.program import Program
 
 
-class RankMismatchError(ValueError):
+class RankMismatchError(PipelineRefused):
     """Ranks were given different arguments (every rank must pass the same)."""
 
 
@@ -87,13 +87,10 @@ class Agreement:
             # a peer may have written its record, refused the exchange and posted its failure
             # between the two reads: then every record is here and this rank refuses on its own
             if notices and not self.store.check(keys):
-                origin, message = first_notice(notices)
+                notice = first_notice(notices)
                 # the notice names its own phase; this rank's wait (``what``) would mislead
-                error = PeerFailedError(
-                    f"rank {self.rank} stopped: rank {origin} failed: {message}"
-                )
-                error.origin, error.notice = origin, message
-                raise error
+                text = f"rank {self.rank} stopped: rank {notice[0]} failed: {notice[1]}"
+                raise peer_error(text, notice)
             if stepping is not None:
                 self._refuse_announced(what, stepping)
             if time.monotonic() >= deadline:

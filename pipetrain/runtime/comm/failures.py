@@ -11,8 +11,13 @@ reporting a receive timeout with no hint of the cause. So a rank that fails (``F
 
 A peer whose wait fails reads the notices (``Failures.explain``) and raises ``PeerFailedError``
 naming the first failing rank and its message, then does the same two steps, so the news travels
-down the pipeline. Where no notice arrives (the failing process died, or took the store with it)
-the error says the peer closed the connection. Notices are read only after a wait has failed:
+down the pipeline. A refusal — a ``ValueError`` while building the pipeline, or
+``PipelineRefused`` at a step (a stage's graph pipetrain cannot run exactly) — is marked in its
+notice, and every peer raises ``PipelineRefused`` (a ``ValueError``) instead, with the same
+words: a configuration error is the same type on every rank, the one the docs name, so a
+launcher that catches ``ValueError`` treats every rank alike. Where no notice arrives (the
+failing process died, or took the store with it) the error says the peer closed the
+connection. Notices are read only after a wait has failed:
 nothing of this runs in a healthy step.
 """
 
@@ -43,19 +48,48 @@ class PeerFailedError(RuntimeError):
     notice: str | None = None
 
 
+class PipelineRefused(ValueError):
+    """pipetrain refused the configuration (while building the pipeline, or at the first step
+    that showed it), raised on every rank: where it was found with its own message, on the peers
+    naming that rank and its message (``origin``, ``notice``: as for ``PeerFailedError``, set
+    on the peers' only, so that the rank that raises it first is taken as the origin)."""
+
+    origin: int
+    notice: str | None
+
+
+def refusal(error: BaseException) -> bool:
+    """Whether ``error`` is a refusal every peer should raise as ``PipelineRefused``."""
+    return isinstance(error, PipelineRefused)
+
+
 def notice_of(error: BaseException, phase: str | None = None) -> str:
     """What a rank stopping because of ``error`` tells its peers: a failure it heard of, as its
     origin said it; its own, named (and the construction ``phase`` it happened in)."""
-    if isinstance(error, PeerFailedError) and error.notice is not None:
-        return error.notice
+    heard = getattr(error, "notice", None)
+    if isinstance(error, (PeerFailedError, PipelineRefused)) and heard is not None:
+        return heard
     text = f"{type(error).__name__}: {error}"
     return f"building its Pipeline ({phase}): {text}" if phase else text
 
 
-def first_notice(notices: dict[int, tuple[int, str]]) -> tuple[int, str]:
-    """Of the notices read (poster -> (origin, message)), the origin's own where it posted one."""
+#: a notice read: (the first failing rank, its message, whether it was a refusal)
+Notice = tuple[int, str, bool]
+
+
+def first_notice(notices: dict[int, Notice]) -> Notice:
+    """Of the notices read (poster -> notice), the origin's own where it posted one."""
     own = [n for r, n in notices.items() if r == n[0]]
     return min(own or notices.values())
+
+
+def peer_error(text: str, notice: Notice) -> PeerFailedError | PipelineRefused:
+    """The error a peer raises for ``notice`` (``text`` names it): ``PipelineRefused`` for a
+    refusal, else ``PeerFailedError``."""
+    origin, message, refused = notice
+    error = PipelineRefused(text) if refused else PeerFailedError(text)
+    error.origin, error.notice = origin, message
+    return error
 
 
 class StageError(RuntimeError):
@@ -83,19 +117,20 @@ class Failures:
     def _key(self, rank: int) -> str:
         return f"{self.prefix}/failed/{rank}"
 
-    def post(self, origin: int, message: str) -> None:
-        """Say (once) that this rank stops because rank ``origin`` failed with ``message``."""
+    def post(self, origin: int, message: str, refused: bool = False) -> None:
+        """Say (once) that this rank stops because rank ``origin`` failed with ``message``
+        (``refused``: it refused the configuration)."""
         if self.posted:
             return
         self.posted = True
         try:
-            self.store.set(self._key(self.rank), json.dumps([origin, message]))
+            self.store.set(self._key(self.rank), json.dumps([origin, message, refused]))
         except Exception:  # the store went with a dead rank 0: the closed connection still tells
             pass
 
-    def read(self, wait: timedelta = timedelta(seconds=1)) -> dict[int, tuple[int, str]]:
-        """Every notice posted within ``wait`` (rank -> (origin, message))."""
-        found: dict[int, tuple[int, str]] = {}
+    def read(self, wait: timedelta = timedelta(seconds=1)) -> dict[int, Notice]:
+        """Every notice posted within ``wait`` (rank -> (origin, message, refused))."""
+        found: dict[int, Notice] = {}
         deadline = time.monotonic() + wait.total_seconds()
         while True:
             for r in range(self.world_size):
@@ -103,8 +138,8 @@ class Failures:
                     continue
                 try:
                     if self.store.check([self._key(r)]):
-                        origin, message = json.loads(self.store.get(self._key(r)))
-                        found[r] = (origin, message)
+                        origin, message, refused = json.loads(self.store.get(self._key(r)))
+                        found[r] = (origin, message, bool(refused))
                 except Exception:
                     return found  # the store is gone with its host
             if found or time.monotonic() >= deadline:
@@ -112,15 +147,15 @@ class Failures:
             time.sleep(0.05)
 
     def explain(
-        self, what: str, peer: int, error: Exception, notices: dict[int, tuple[int, str]]
-    ) -> PeerFailedError:
+        self, what: str, peer: int, error: Exception, notices: dict[int, Notice]
+    ) -> PeerFailedError | PipelineRefused:
         """The error for ``what`` (a wait on rank ``peer``) that failed with ``error``, given the
-        ``notices`` read: the first failing rank and its message, or the closed connection."""
+        ``notices`` read: the first failing rank and its message (``peer_error``), or the
+        closed connection."""
         if notices:
-            origin, message = first_notice(notices)
-            found = PeerFailedError(f"{what} stopped because rank {origin} failed: {message}")
-            found.origin, found.notice = origin, message
-            return found
+            notice = first_notice(notices)
+            text = f"{what} stopped because rank {notice[0]} failed: {notice[1]}"
+            return peer_error(text, notice)
         found = PeerFailedError(
             f"{what}: rank {peer} closed the connection (it failed or exited before saying why; "
             f"see its log): {error}"
@@ -182,7 +217,9 @@ def posts_failures(
     """Construction failing on this rank: post a notice naming the phase it failed in, so peers
     waiting to agree stop now and say what really failed (once the object has its
     ``_failures``, and with it its ``rank``). ``phases``: (attribute, phase) in construction
-    order; the phase is the first whose attribute is not made yet."""
+    order; the phase is the first whose attribute is not made yet. A ``ValueError`` is a
+    refusal: raised as ``PipelineRefused`` (its message unchanged, the original its cause) and
+    marked so in the notice, so that the peers raise ``PipelineRefused`` too."""
 
     def decorate(
         init: Callable[Concatenate[Built, P], None],
@@ -194,10 +231,13 @@ def posts_failures(
             except BaseException as e:
                 state = vars(self)
                 failures = state.get("_failures")
+                refused = isinstance(e, ValueError)  # a refusal here or a peer's
                 if failures is not None:
                     origin = getattr(e, "origin", state["rank"])
                     phase = next((p for a, p in phases if a not in state), "finishing")
-                    failures.post(origin, notice_of(e, phase))
+                    failures.post(origin, notice_of(e, phase), refused)
+                if refused and not isinstance(e, PipelineRefused):
+                    raise PipelineRefused(str(e)) from e
                 raise
 
         return wrapper

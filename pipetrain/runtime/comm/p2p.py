@@ -309,7 +309,7 @@ class Transport:
                 f"{self.timeout.total_seconds():g} s"
             )
 
-    def _failed(self, what: str, error: RuntimeError, peer: int) -> RuntimeError:
+    def _failed(self, what: str, error: RuntimeError, peer: int) -> Exception:
         """The error for a transfer that failed: a peer's failure where one was posted or the
         peer closed its connection, else a timeout."""
         closed = closed_connection(error)

@@ -1,0 +1,271 @@
+"""``pipetrain train --model-dir DIR``: fine-tune a local Hugging Face model folder.
+
+The folder (``config.json``, safetensors files, a tokenizer) gives the model; the flags give the
+run. Each worker builds only its own stages with ``pipetrain.hf.from_pretrained`` (a lazy stage
+sequence: only this rank's tensors are read), tensor-parallelized by the Llama family's plan with
+``--tp`` and recomputing as a plan's ``recompute`` says.
+
+Data: ``--text`` (default the generated corpus) is cut into lines, each line tokenized by the
+folder's own tokenizer (special tokens as it adds them) and cut into rows of at most ``--seq-len``
+tokens; rows of fewer than two tokens predict nothing and are dropped. Each row is right-padded to
+``--seq-len`` with an ``attention_mask`` (1 for a token, 0 for padding), so the mask comes from
+the padding and ``next_token_targets`` ignores the padded targets: the loss is
+``causal_lm_token_loss`` under the pipeline's ``token_mean``, a mean over the real tokens of the
+whole batch (all micro-batches and data-parallel replicas), as ``transformers`` computes it with
+``labels`` of -100 at the padding. A step's rows are drawn from the seed and the step (with
+replacement), so a resumed run sees the batches the uninterrupted one would.
+
+A folder without tokenizer files is refused rather than fed bytes as token ids: a released model's
+ids are its tokenizer's, and bytes would train it on a different language without an error.
+
+``--export OUT`` writes the trained model with ``pipetrain.hf.save_pretrained`` at the end (every
+process takes part; the tokenizer's files are copied beside it), a folder that ``transformers``
+and ``--model-dir`` load. The checks here run before any process starts (``app.config``), so a
+bad folder, flag or export folder is one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pipetrain.app.catalog import FOLDER_MODELS, ModelShape
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from pipetrain.app.config import TrainConfig
+    from pipetrain.planner.layout import Layout
+
+#: the fields of the built-in model's flags; the folder's config gives the model instead
+BUILT_IN_MODEL_FIELDS = (
+    "model",
+    "layers",
+    "hidden",
+    "heads",
+    "kv_heads",
+    "vocab",
+    "tie_embeddings",
+)
+#: files that hold a tokenizer (``transformers``' fast or slow formats)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+#: what ``--overwrite-export`` removes before writing (a previous export's weights and index;
+#: ``config.json`` and the tokenizer's files are written over)
+_EXPORTED = ("*.safetensors", "model.safetensors.index.json")
+
+
+def folder_config(config: TrainConfig) -> Any:
+    """The ``transformers`` config of ``--model-dir``, checked: a folder with ``config.json`` and
+    safetensors files, of a model type ``pipetrain.hf`` supports; ``ValueError`` otherwise."""
+    from pipetrain.app.config import TrainConfig as Defaults
+
+    flag = f"--model-dir {config.model_dir}"
+    folder = Path(str(config.model_dir))
+    if not folder.is_dir():
+        raise ValueError(f"{flag}: no such folder (a local Hugging Face model folder)")
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"{flag} has no config.json: is it a Hugging Face model folder?")
+    if not any(folder.glob("*.safetensors")):
+        found = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
+        held = f" (it has {', '.join(found)})" if found else ""
+        raise ValueError(
+            f"{flag} has no safetensors files{held}; pipetrain reads safetensors only "
+            "(transformers' save_pretrained writes them)"
+        )
+    given = [
+        "--" + name.replace("_", "-")
+        for name in BUILT_IN_MODEL_FIELDS
+        if getattr(config, name) != getattr(Defaults(), name)
+    ]
+    if given:
+        raise ValueError(
+            f"{flag} gives the model (its config.json): drop {', '.join(given)}, the built-in "
+            "model's flags"
+        )
+    try:
+        from transformers import AutoConfig
+    except ImportError as e:
+        raise ValueError(f"{flag} needs transformers ({e}): pip install 'pipetrain[hf]'") from None
+    try:
+        hf_config = AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"{flag}: config.json cannot be read ({e})") from None
+    if hf_config.model_type not in FOLDER_MODELS:
+        raise ValueError(
+            f"{flag} holds a {hf_config.model_type!r} model; supported model types: "
+            f"{', '.join(FOLDER_MODELS)}"
+        )
+    limit = getattr(hf_config, "max_position_embeddings", None)
+    if limit is not None and config.seq_len > limit:
+        raise ValueError(
+            f"--seq-len {config.seq_len} is longer than the model's max_position_embeddings "
+            f"{limit} ({flag}/config.json): give --seq-len <= {limit}"
+        )
+    return hf_config
+
+
+def folder_shape(config: TrainConfig, hf_config: Any) -> ModelShape:
+    """The model of the folder as the checkpoints record it (resumed only by the same shape)."""
+    heads = hf_config.num_attention_heads
+    return ModelShape(
+        model=hf_config.model_type,
+        blocks=hf_config.num_hidden_layers,
+        hidden=hf_config.hidden_size,
+        heads=heads,
+        kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+        vocab=hf_config.vocab_size,
+        seq_len=config.seq_len,
+        dtype=config.dtype,
+        seed=config.seed,
+        tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+    )
+
+
+def check_data(config: TrainConfig, vocab: int) -> None:
+    """The folder has a tokenizer, and ``--text`` gives at least one row whose ids fit the
+    vocabulary (the launcher's check: it tokenizes the text once)."""
+    ids, _ = token_rows(config)
+    top = int(ids.max())
+    if top >= vocab:
+        raise ValueError(
+            f"the tokenizer of --model-dir {config.model_dir} gives token id {top}, but the "
+            f"model's vocabulary has {vocab} entries: is the tokenizer the model's?"
+        )
+
+
+def check_export(config: TrainConfig) -> None:
+    """``--export OUT``: needs ``--model-dir``; a writable folder (made if missing), empty unless
+    ``--overwrite-export``, and not the model folder itself."""
+    if config.export is None:
+        if config.overwrite_export:
+            raise ValueError("--overwrite-export needs --export DIR")
+        return
+    flag = f"--export {config.export}"
+    if config.model_dir is None:
+        raise ValueError(f"{flag} writes a Hugging Face folder: it needs --model-dir DIR")
+    out = Path(config.export)
+    if out.resolve() == Path(config.model_dir).resolve():
+        raise ValueError(f"{flag} is the --model-dir folder: export to another folder")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{flag} is a file, not a folder; name a folder (made if missing)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):  # permissions alone say nothing as root
+            pass
+    except OSError as e:
+        raise ValueError(f"{flag} is not a writable folder ({e.strerror or e})") from None
+    if any(out.iterdir()) and not config.overwrite_export:
+        raise ValueError(
+            f"{flag} is not empty; name an empty or new folder, or replace what it holds with "
+            "--overwrite-export"
+        )
+
+
+def _tokenizer(config: TrainConfig) -> Any:
+    folder = Path(str(config.model_dir))
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(
+            f"--model-dir {folder} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): "
+            "copy the model's tokenizer files into it; its token ids are the tokenizer's, so "
+            "pipetrain does not feed it bytes instead"
+        )
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"--model-dir {folder}: its tokenizer cannot be loaded ({e})") from None
+
+
+def token_rows(config: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)``, each ``(rows, --seq-len)``: the text's lines tokenized,
+    cut into rows and right-padded (see the module docstring)."""
+    import torch
+
+    from pipetrain.app.train import text_path
+
+    tokenizer = _tokenizer(config)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    width = config.seq_len
+    text = text_path(config).read_text(errors="replace")
+    lines = [line for line in text.splitlines() if line.strip()]
+    rows: list[list[int]] = []
+    for ids in tokenizer(lines)["input_ids"] if lines else []:  # one call: fast tokenizers batch
+        rows += [ids[i : i + width] for i in range(0, len(ids), width)]
+    rows = [row for row in rows if len(row) >= 2]
+    if not rows:
+        raise ValueError(
+            f"--text {config.text or config.corpus_out} gives no line of two tokens or more: "
+            "nothing to predict"
+        )
+    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        input_ids[i, : len(row)] = torch.tensor(row)
+        mask[i, : len(row)] = 1
+    return input_ids, mask
+
+
+def padded_batches(
+    config: TrainConfig, rows: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]:
+    """Endless batches of ``rows`` token rows drawn from the seed: ``(input_ids, targets,
+    {"attention_mask": mask})``, the targets shifted and padding ignored."""
+    import torch
+
+    from pipetrain.hf import next_token_targets
+
+    ids, mask = token_rows(config)
+    gen = torch.Generator().manual_seed(config.seed)
+    while True:
+        pick = torch.randint(0, ids.shape[0], (rows,), generator=gen)
+        batch, batch_mask = ids[pick], mask[pick]
+        targets = next_token_targets(batch, attention_mask=batch_mask)
+        yield batch, targets, {"attention_mask": batch_mask}
+
+
+def folder_stages(config: TrainConfig, layout: Layout, tp_mesh: Any) -> tuple[Any, bool]:
+    """This worker's stages, a callable ``stage -> module`` that builds only the stage asked for
+    (each carries the model's ties by global name), and whether the model ties any weights."""
+    import torch
+
+    from pipetrain.hf import from_pretrained, parallelize_causal_lm
+    from pipetrain.runtime.backward.activation_checkpoint import recompute_stage
+
+    stages = from_pretrained(
+        str(config.model_dir), layout.stage_layers, dtype=getattr(torch, config.dtype)
+    )
+    recompute = layout.recompute if layout.recomputes else ("none",) * len(layout.stage_layers)
+
+    def stage(index: int) -> nn.Module:
+        module = stages[index]
+        if tp_mesh is not None:
+            parallelize_causal_lm(
+                module,
+                tp_mesh,
+                sequence_parallel=config.sequence_parallel,
+                vocab_parallel=not stages.tied,
+            )
+        return recompute_stage(module, recompute[index], index)
+
+    return stage, bool(stages.tied)
+
+
+def export(config: TrainConfig, pipe: Any) -> None:
+    """Write the trained model to ``--export`` (every process calls; see the module docstring)."""
+    import torch.distributed as dist
+
+    from pipetrain.hf import save_pretrained
+
+    out = Path(str(config.export))
+    if dist.get_rank() == 0:
+        if config.overwrite_export:
+            for pattern in _EXPORTED:
+                for path in out.glob(pattern):
+                    path.unlink()
+        _tokenizer(config).save_pretrained(out)
+    dist.barrier()  # the old files are gone before any rank writes its shard
+    save_pretrained(pipe, out)
