@@ -21,13 +21,19 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 if TYPE_CHECKING:
     from pipetrain.planner import plan
     from pipetrain.runtime.checkpoint import load_checkpoint, save_checkpoint
+    from pipetrain.runtime.comm.failures import PeerFailedError, PipelineRefused, StageError
+    from pipetrain.runtime.comm.p2p import PipelineTimeoutError
     from pipetrain.runtime.layers import split
     from pipetrain.runtime.losses import TokenCrossEntropy
     from pipetrain.runtime.pipeline import Pipeline
     from pipetrain.runtime.profile_layers import profile
 
 __all__ = [
+    "PeerFailedError",
     "Pipeline",
+    "PipelineRefused",
+    "PipelineTimeoutError",
+    "StageError",
     "TokenCrossEntropy",
     "__version__",
     "load_checkpoint",
@@ -40,6 +46,10 @@ __all__ = [
 # Loaded on first use: name -> module that defines it (all but ``plan`` import torch).
 _LAZY = {
     "Pipeline": "pipetrain.runtime.pipeline",
+    "PipelineRefused": "pipetrain.runtime.comm.failures",
+    "PeerFailedError": "pipetrain.runtime.comm.failures",
+    "StageError": "pipetrain.runtime.comm.failures",
+    "PipelineTimeoutError": "pipetrain.runtime.comm.p2p",
     "plan": "pipetrain.planner",
     "profile": "pipetrain.runtime.profile_layers",
     "split": "pipetrain.runtime.layers",
