@@ -56,9 +56,14 @@ def _resolve_device(config: TrainConfig, layout: Layout) -> Device:
     need, gpus = processes_of(config, layout), torch.cuda.device_count()
     if config.device == "cuda" and gpus < need:
         raise ValueError(f"--device cuda needs {need} GPUs (one per process); found {gpus}")
-    if config.device == "auto":
-        return "cuda" if gpus >= need else "cpu"
-    return config.device
+    device = ("cuda" if gpus >= need else "cpu") if config.device == "auto" else config.device
+    if device == "cpu" and layout.offloads:
+        raise ValueError(
+            f"the plan offloads activations to host memory (offload {list(layout.offload)}), "
+            "which saves nothing on a CPU run, where the host is the device; run on GPUs "
+            "(--device cuda) or plan without offload (a costs file without host_bandwidth_gbs)"
+        )
+    return device
 
 
 def process_grid(config: TrainConfig, layout: Layout) -> dict[str, int]:

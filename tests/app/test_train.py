@@ -172,13 +172,21 @@ def test_a_plan_file_gives_the_layout_and_must_fit_the_model(tmp_path: Path) -> 
         check_arguments(_args("--plan", str(tmp_path / "plan.json")))
 
 
-def test_a_plan_file_carries_recompute_and_offload_is_refused(tmp_path: Path) -> None:
+def test_a_plan_file_carries_recompute_and_offload_refused_on_a_cpu_run(tmp_path: Path) -> None:
+    from pipetrain.app.launch import _resolve_device
+
     modes = ["full", "selective", "none", "full"]
     layout = check_arguments(_args("--plan", _plan_file(tmp_path, recompute=modes)))
     assert layout.recompute == tuple(modes)
     assert check_arguments(_args("--plan", _plan_file(tmp_path))).recompute == ("none",) * 4
-    with pytest.raises(ValueError, match="--plan .*activation offload is not implemented"):
-        check_arguments(_args("--plan", _plan_file(tmp_path, offload=[0, 0, 0, 0.5])))
+    config = _args("--plan", _plan_file(tmp_path, offload=[0, 0, 0, 0.5]), "--device", "cpu")
+    layout = check_arguments(config)
+    assert layout.offload == (0, 0, 0, 0.5)
+    refused = r"offload \[0.0, 0.0, 0.0, 0.5\]\), which saves nothing on a CPU run"
+    with pytest.raises(ValueError, match=refused):
+        _resolve_device(config, layout)
+    with pytest.raises(ValueError, match="offload"):
+        check_arguments(_args("--plan", _plan_file(tmp_path, offload=[0, 0, 0, 1.5])))
 
 
 def test_train_takes_the_shared_shape_flags_and_relaunches_with_them() -> None:
