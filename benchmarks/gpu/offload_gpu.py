@@ -102,9 +102,13 @@ def run_variant(args: argparse.Namespace, label: str, fraction: float, recompute
         stages_per_rank=args.stages_per_rank, num_stages=num_stages, offload=offload,
     )  # fmt: skip
     rows = args.microbatches * args.microbatch_size
+    torch.manual_seed(1234)  # the same batch for every variant: their first steps must agree
     x = torch.randn(rows, args.seq, args.hidden, device="cuda", dtype=torch.bfloat16)
     y = torch.randn_like(x)
-    for _ in range(args.warmup):
+    first_loss = pipe.step(x, y)
+    # the first step's gradients, as a checksum per rank: offload moves tensors, not values
+    grad_sum = sum(float(p.grad.float().square().sum()) for p in pipe.parameters())
+    for _ in range(args.warmup - 1):
         pipe.step(x, y)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -118,7 +122,7 @@ def run_variant(args: argparse.Namespace, label: str, fraction: float, recompute
     moved = (_moved(pipe) - moved_before) / args.steps
     pipe.close()
     gathered: list = [None] * world
-    dist.all_gather_object(gathered, (step_ms, peak, moved))
+    dist.all_gather_object(gathered, (step_ms, peak, moved, grad_sum))
     return {
         "variant": label,
         "offload": offload,
@@ -126,6 +130,8 @@ def run_variant(args: argparse.Namespace, label: str, fraction: float, recompute
         "step_ms": max(g[0] for g in gathered),
         "peak_gib": [g[1] for g in gathered],
         "offloaded_gib_per_step": [g[2] / GIB for g in gathered],
+        "first_loss": None if first_loss is None else float(first_loss),
+        "first_grad_sq_sum": [g[3] for g in gathered],
     }
 
 
@@ -169,7 +175,7 @@ def main() -> None:
             moved = ", ".join(f"{m:.2f}" for m in row["offloaded_gib_per_step"])
             print(
                 f"[offload_gpu] {label}: step {row['step_ms']:.1f} ms, peak GiB [{peaks}], "
-                f"offloaded GiB/step [{moved}]",
+                f"offloaded GiB/step [{moved}], first grads² {row['first_grad_sq_sum']}",
                 flush=True,
             )
     if rank == 0:
