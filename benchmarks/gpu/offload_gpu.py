@@ -23,6 +23,7 @@ time without offload, and at the offloaded run's peak, >= 1.25x faster than full
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import time
@@ -91,6 +92,7 @@ def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def run_variant(args: argparse.Namespace, label: str, fraction: float, recompute: bool) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
+    left_over = torch.cuda.memory_allocated() / GIB  # should be ~0: what earlier variants left
     num_stages = world * args.stages_per_rank
     program = build_schedule(args.schedule, world, args.microbatches, args.stages_per_rank)
     able = offloadable_stages(program)
@@ -122,7 +124,7 @@ def run_variant(args: argparse.Namespace, label: str, fraction: float, recompute
     moved = (_moved(pipe) - moved_before) / args.steps
     pipe.close()
     gathered: list = [None] * world
-    dist.all_gather_object(gathered, (step_ms, peak, moved, grad_sum))
+    dist.all_gather_object(gathered, (step_ms, peak, moved, grad_sum, left_over))
     return {
         "variant": label,
         "offload": offload,
@@ -132,6 +134,7 @@ def run_variant(args: argparse.Namespace, label: str, fraction: float, recompute
         "offloaded_gib_per_step": [g[2] / GIB for g in gathered],
         "first_loss": None if first_loss is None else float(first_loss),
         "first_grad_sq_sum": [g[3] for g in gathered],
+        "left_over_gib": [g[4] for g in gathered],
     }
 
 
@@ -168,6 +171,7 @@ def main() -> None:
         if rank == 0:
             print(f"[offload_gpu] {label}: running", flush=True)
         row = run_variant(args, label, fraction, recompute)
+        gc.collect()  # a pipeline in a reference cycle would hold its stages into the next variant
         torch.cuda.empty_cache()  # the variant's stages are gone: start the next one clean
         results.append(row)
         if rank == 0:
@@ -175,7 +179,7 @@ def main() -> None:
             moved = ", ".join(f"{m:.2f}" for m in row["offloaded_gib_per_step"])
             print(
                 f"[offload_gpu] {label}: step {row['step_ms']:.1f} ms, peak GiB [{peaks}], "
-                f"offloaded GiB/step [{moved}], first grads² {row['first_grad_sq_sum']}",
+                f"offloaded GiB/step [{moved}], left over before {row['left_over_gib']}",
                 flush=True,
             )
     if rank == 0:
