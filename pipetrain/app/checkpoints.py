@@ -203,14 +203,7 @@ def check_directory(config) -> None:
             "--overwrite-checkpoints replaces them: give one of them"
         )
     folder = Path(config.checkpoint_dir)
-    if folder.exists() and not folder.is_dir():
-        raise ValueError(f"{flag} is a file, not a folder; name a folder (made if missing)")
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):  # permissions alone say nothing as root
-            pass
-    except OSError as e:
-        raise ValueError(f"{flag} is not a writable folder ({e.strerror or e})") from None
+    make_writable_folder(folder, flag)
     if config.resume or config.overwrite_checkpoints:
         return
     held = [p for p in checkpoint_folders(folder) if not p.name.endswith(PARTIAL)]
@@ -222,6 +215,19 @@ def check_directory(config) -> None:
         )
 
 
+def make_writable_folder(folder: Path, flag: str) -> None:
+    """Make ``folder`` (the value of ``flag``) if missing and check that a file can be written in
+    it, or raise a one-line ``ValueError`` naming the flag."""
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"{flag} is a file, not a folder; name a folder (made if missing)")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):  # permissions alone say nothing as root
+            pass
+    except OSError as e:
+        raise ValueError(f"{flag} is not a writable folder ({e.strerror or e})") from None
+
+
 __all__ = [
     "INFO",
     "LATEST",
@@ -231,4 +237,5 @@ __all__ = [
     "incomplete_checkpoints",
     "latest_complete",
     "latest_pointer",
+    "make_writable_folder",
 ]

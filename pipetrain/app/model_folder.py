@@ -26,12 +26,12 @@ bad folder, flag or export folder is one line and exit 2.
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipetrain.app.catalog import FOLDER_MODELS, ModelShape
+from pipetrain.app.checkpoints import make_writable_folder
 
 if TYPE_CHECKING:
     import torch
@@ -149,14 +149,7 @@ def check_export(config: TrainConfig) -> None:
     out = Path(config.export)
     if out.resolve() == Path(config.model_dir).resolve():
         raise ValueError(f"{flag} is the --model-dir folder: export to another folder")
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"{flag} is a file, not a folder; name a folder (made if missing)")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out):  # permissions alone say nothing as root
-            pass
-    except OSError as e:
-        raise ValueError(f"{flag} is not a writable folder ({e.strerror or e})") from None
+    make_writable_folder(out, flag)
     if any(out.iterdir()) and not config.overwrite_export:
         raise ValueError(
             f"{flag} is not empty; name an empty or new folder, or replace what it holds with "
