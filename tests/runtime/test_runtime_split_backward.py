@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import weakref
 
+import pytest
 import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
@@ -75,6 +76,8 @@ def test_first_stage_puts_everything_in_w_and_frees_the_graph():
 
 
 class Square(torch.autograd.Function):
+    calls = 0
+
     @staticmethod
     def forward(ctx, x, w):
         ctx.save_for_backward(x, w)
@@ -82,19 +85,30 @@ class Square(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        Square.calls += 1
         x, w = ctx.saved_tensors
         return 2 * x * w * g, (x * x * g).sum(0)
 
 
-def test_custom_function_and_parameter_free_stage_stay_exact():
+@pytest.mark.parametrize("last_piece", [False, True])
+def test_custom_function_runs_once_and_parameter_free_stage_stays_exact(last_piece):
+    """An opaque node (custom Function, a compiled region) computes every output whenever it
+    runs: its parameters' gradients are taken in I (quietly, or held for W's AccumulateGrad in
+    the step's last piece), never replayed."""
     w = nn.Parameter(torch.rand(3, dtype=torch.float64))
+    fired = []
+    w.register_post_accumulate_grad_hook(lambda p: fired.append(1))
     x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
     g = torch.randn(2, 3, dtype=torch.float64)
     out = Square.apply(x, w)
     split = GraphReplay()
-    (dx,), work = split.backward_input([get_gradient_edge(out)], [g], [x], [w])
-    assert w.grad is None
-    split.backward_weight(work)
+    Square.calls = 0
+    (dx,), work = split.backward_input([get_gradient_edge(out)], [g], [x], [w], last_piece)
+    assert (w.grad is None) == last_piece
+    assert work.empty, "nothing of the graph is left for W"
+    split.backward_weight(work, hooks=last_piece)
+    assert Square.calls == 1, "the custom backward ran twice"
+    assert fired == ([1] if last_piece else [])
     assert torch.allclose(dx, 2 * x * w * g)
     assert torch.allclose(w.grad, (x * x * g).sum(0))
     y = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)

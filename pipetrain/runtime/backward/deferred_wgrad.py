@@ -45,8 +45,15 @@ several linears, or by a linear and another op, gets each use's term). Not alway
 ``addmm_`` adds ``.grad`` inside the GEMM, where graph replay and plain autograd round the GEMM
 first and add after, and a BLAS that folds ``.grad`` into its sums (MKL on some x86 CPUs) rounds
 the two differently. So a run whose layout defers other stages than another run's agrees with it
-to round-off, not bit for bit; the same layout repeats its bits. Not for modules traced by
-``torch.compile`` (the mode is Python state the trace would not see).
+to round-off, not bit for bit; the same layout repeats its bits.
+
+Under ``torch.compile`` (a block compiled on its own, as torchtitan compiles them) the deferred
+linear's forward is kept out of the trace (``torch.compiler.disable``): the mode is Python state
+a compiled backward would have fixed at trace time, deferring nothing. Dynamo breaks the graph
+around each deferred linear, so the linears run as here and the code between them compiles in
+pieces. Only on request (``defer_weight_grads=True``): a compiled stage defaults to graph replay,
+which takes a compiled region's weight gradients in ``I``. A module compiled with
+``fullgraph=True`` forbids the breaks: refused at the first step, naming both ways out.
 """
 
 from __future__ import annotations
@@ -60,6 +67,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipetrain.runtime.backward.graph_replay import accumulate_quietly, backward_full, run_engine
+from pipetrain.runtime.comm.failures import PipelineRefused
 from pipetrain.runtime.torch_compat import GradientEdge
 
 #: ``DeferredLinears.mode`` during a quiet ``B``: add ``dW``/``db`` into ``.grad`` at once (one
@@ -171,6 +179,7 @@ class DeferredLinears:
         self._forwards = [self._deferred_forward(m) for m in self.linears]
 
     def _deferred_forward(self, linear: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+        @torch.compiler.disable  # not traced: the mode must be read when the backward runs
         def forward(x: torch.Tensor) -> torch.Tensor:
             weight, bias = linear.weight, linear.bias
             wants = weight.requires_grad or (bias is not None and bias.requires_grad)
@@ -194,7 +203,17 @@ class DeferredLinears:
 
     def call(self, module: nn.Module, args: tuple[torch.Tensor, ...]):
         with self.deferring():
-            return module(*args)
+            try:
+                return module(*args)
+            except torch._dynamo.exc.Unsupported as e:
+                if "_deferred_forward" not in str(e):
+                    raise
+                raise PipelineRefused(
+                    "a module compiled with fullgraph=True holds linear layers whose weight "
+                    "gradients this stage defers (the graph must break around each); compile "
+                    "it without fullgraph=True, or pass defer_weight_grads=False (a compiled "
+                    "stage's default)"
+                ) from e
 
     def backward_full(
         self,

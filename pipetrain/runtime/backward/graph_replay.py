@@ -24,22 +24,17 @@ How (the idea of torch.distributed.pipelining's ``_backward.py``, written afresh
   gradient to its captured value, which keeps the result exact at the price of re-running the ``P``
   nodes between them.
 
-Limits: a boundary node is re-run in ``W`` for its weight outputs only, which for built-in ops
-costs what the weight half costs. A custom ``autograd.Function`` cannot tell which outputs are
-wanted (``ctx.needs_input_grad`` reflects ``requires_grad``, not the engine's plan), so its
-``backward`` computes everything in ``I`` and again in ``W``: results stay exact, time does not.
-
-Host cost: the plan is a function of the graph's *shape* only (its edges, which nodes are the
-inputs' and the parameters' gradient nodes, which are the roots), and a stage builds the same shape
-for every micro-batch. So each call does one cheap walk (breadth-first from the roots, children in
-``next_functions`` order) that numbers the nodes and writes the shape down as a ``GraphShape`` of
-those numbers; the plan is computed once per distinct shape, in node numbers, and cached under it
-by the ``GraphReplay`` object (one per stage: nothing is shared between stages or pipelines). The
-shape records the whole reachable graph, so an equal shape means an identical plan and a different
-graph (another ``requires_grad`` pattern, other control flow; tensor shapes do not matter) gets its
-own plan. The engine is entered directly where every root has a gradient tensor
-(``torch_compat.engine_run_backward``); the engine still validates root gradients against the
-roots' metadata.
+Opaque nodes: a boundary node is re-run in ``W`` for its weight outputs only, which for built-in
+ops costs what the weight half costs. A custom ``autograd.Function`` — a ``torch.compile``d
+region's whole backward, a float8 linear's — cannot tell which outputs are wanted
+(``ctx.needs_input_grad`` reflects ``requires_grad``, not the engine's plan): its ``backward``
+computes every output whenever it runs, so replaying it in ``W`` would run it twice. And a
+compiled backward that donates its buffers refuses to run under ``retain_graph``, which replay
+needs. So a graph with such a boundary node is not split: ``I`` asks the engine for the stage's
+weight gradients too and frees the graph, adding them into ``.grad`` at once — or, for the
+step's last weight piece, handing them to ``W`` to pass through ``AccumulateGrad``. Exact,
+nothing runs twice; such a stage's ``W`` has no work to fill a zero-bubble schedule's bubbles
+with (``deferred_wgrad`` does split a compiled stage's plain linears).
 """
 
 from __future__ import annotations
@@ -50,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
+from torch.autograd.function import BackwardCFunction
 
 from pipetrain.runtime.torch_compat import (
     GradientEdge,
@@ -105,9 +101,14 @@ class WeightWork:
     roots: list[GradientEdge]
     root_grads: list[torch.Tensor]
     root_params: list[torch.Tensor]
+    #: parameters whose gradients ``I`` computes (a graph with opaque nodes), and with
+    #: ``last_piece`` those gradients, held for ``W``'s ``AccumulateGrad``
+    taken: list[torch.Tensor] = field(default_factory=list)
+    held: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
+        """Whether ``W`` needs nothing of the graph."""
         return not self.groups and not self.roots
 
 
@@ -265,24 +266,31 @@ class GraphReplay:
         params: Sequence[torch.Tensor],
         last_piece: bool = False,
     ) -> tuple[list[torch.Tensor | None], WeightWork]:
-        """``I``: gradients of ``inputs`` (``None`` where unused) and the work ``W`` will finish
-        (``last_piece`` makes no difference here: ``I`` touches no weight gradient)."""
+        """``I``: gradients of ``inputs`` (``None`` where unused) and the work ``W`` will finish.
+        Where the graph has opaque nodes, the weight gradients too: into ``.grad`` quietly, or
+        with ``last_piece`` into the work for ``W`` to pass through ``AccumulateGrad``."""
         groups, work = self._bind(roots, grads, inputs, params)
         handles = []
         for group in groups:
             for i, node in enumerate(group.nodes):
                 handles.append(node.register_prehook(_capture(group, i)))
+        wanted = [*inputs, *work.taken]
         try:
-            if inputs and roots:
+            if wanted and roots:
                 found = run_engine(
-                    roots, grads, inputs, retain_graph=not work.empty, accumulate=False
+                    roots, grads, wanted, retain_graph=not work.empty, accumulate=False
                 )
             else:
-                found = (None,) * len(inputs)
+                found = (None,) * len(wanted)
         finally:
             for h in handles:
                 h.remove()
-        return list(found), work
+        n = len(inputs)
+        if last_piece:
+            work.held = [(p, g) for p, g in zip(work.taken, found[n:]) if g is not None]
+        else:
+            accumulate_quietly(work.taken, found[n:])
+        return list(found[:n]), work
 
     def backward_weight(self, work: WeightWork, hooks: bool = True) -> None:
         """``W``: weight gradients into ``.grad`` (through ``AccumulateGrad`` and its hooks only
@@ -306,12 +314,23 @@ class GraphReplay:
                 for h in handles:
                     h.remove()
         if work.roots:
-            _weights(work.roots, work.root_grads, work.root_params, hooks)
+            _weights(work.roots, work.root_grads, work.root_params, hooks, retain=False)
+        if work.held:
+            taken = [p for p, _ in work.held]
+            found = [g for _, g in work.held]
+            if hooks:
+                torch.autograd.backward(taken, found)
+            else:
+                accumulate_quietly(taken, found)
 
     def _bind(self, roots, grads, inputs, params) -> tuple[list[_Group], WeightWork]:
         """The plan for this graph (cached by its shape), bound to this micro-batch's nodes."""
         order, shape = walk(roots, inputs, params)
         plan = self.plans.get(shape)
+        opaque = any(isinstance(order[i], BackwardCFunction) for g in plan.groups for i in g.nodes)
+        if opaque:  # I takes every weight gradient; W only accumulates (module docstring)
+            reached = {j for g in plan.groups for j in g.params} | set(plan.outside_params)
+            return [], WeightWork([], [], [], [], taken=[params[j] for j in sorted(reached)])
         groups = [
             _Group(nodes=[order[i] for i in g.nodes], params=[params[j] for j in g.params])
             for g in plan.groups
@@ -363,12 +382,14 @@ def accumulate_quietly(
         add_lists_(into, adds)  # one launch loop in C++, not one Python call per weight
 
 
-def _weights(roots, grads, params, hooks: bool) -> None:
+def _weights(roots, grads, params, hooks: bool, retain: bool = True) -> None:
+    """One ``W`` engine call; ``retain``: another call of this ``W`` still needs the graph
+    (the last one frees it: a compiled backward that donates buffers refuses to be retained)."""
     if hooks:
-        run_engine(roots, grads, params, retain_graph=True, accumulate=True)
+        run_engine(roots, grads, params, retain_graph=retain, accumulate=True)
     else:
         accumulate_quietly(
-            params, run_engine(roots, grads, params, retain_graph=True, accumulate=False)
+            params, run_engine(roots, grads, params, retain_graph=retain, accumulate=False)
         )
 
 

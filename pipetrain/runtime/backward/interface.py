@@ -69,8 +69,11 @@ class BackwardSplit(Protocol):
 def choose_split(
     module: nn.Module, defer_weight_grads: bool | None, stage: int | None = None
 ) -> BackwardSplit:
-    """``DeferredLinears`` with ``defer_weight_grads`` (``None``: where ``worth_deferring``),
-    else ``GraphReplay``; the choice and its reason are logged (INFO) for ``stage``."""
+    """``DeferredLinears`` with ``defer_weight_grads`` (``None``: where ``worth_deferring`` and
+    nothing is compiled), else ``GraphReplay``; the choice and its reason are logged (INFO) for
+    ``stage``. A compiled stage defaults to graph replay: deferral breaks a compiled block's graph
+    around each linear (``defer_weight_grads=True`` still does; docs/benchmarks.md compares the
+    two)."""
     from pipetrain.runtime.backward.deferred_wgrad import (
         DeferredLinears,
         linear_share,
@@ -78,7 +81,10 @@ def choose_split(
     )
     from pipetrain.runtime.backward.graph_replay import GraphReplay
 
-    if defer_weight_grads is None:
+    if defer_weight_grads is None and _compiled(module):
+        defer = False
+        why = "it holds compiled regions, whose graphs deferral would break around each linear"
+    elif defer_weight_grads is None:
         defer = worth_deferring(module)
         in_linears, total = linear_share(module)
         share = f"plain nn.Linear layers hold {in_linears} of its {total} trainable elements"
@@ -86,5 +92,30 @@ def choose_split(
     else:
         defer, why = defer_weight_grads, f"defer_weight_grads={defer_weight_grads}"
     way = "deferred linear weight GEMMs" if defer else "graph replay"
-    _log.info("stage %s splits its backward by %s (%s)", stage, way, why)
+    _log.info("stage %s splits its backward by %s (%s)%s", stage, way, why, _caveats(module, defer))
     return DeferredLinears(module) if defer else GraphReplay()
+
+
+def _caveats(module: nn.Module, defer: bool) -> str:
+    """What of the stage that split leaves in ``I``: linear subclasses (torchao's float8
+    linears: their own forward and backward, not deferred) and, under graph replay, compiled
+    regions (their backward runs whole, in ``I``)."""
+    subclasses = sorted(
+        {type(m).__name__ for m in module.modules() if isinstance(m, nn.Linear)}
+        - {nn.Linear.__name__}
+    )
+    notes = []
+    if subclasses:
+        notes.append(f"{', '.join(subclasses)} layers: weight gradients in I, not deferred")
+    if not defer and _compiled(module):
+        notes.append("compiled regions: their whole backward runs in I")
+    return "".join(f"; {n}" for n in notes)
+
+
+def _compiled(module: nn.Module) -> bool:
+    """Whether ``module`` or a submodule was compiled in place (``module.compile()``) or is
+    ``torch.compile``'s wrapper (``OptimizedModule``, which keeps ``_orig_mod``)."""
+    return any(
+        getattr(m, "_compiled_call_impl", None) is not None or hasattr(m, "_orig_mod")
+        for m in module.modules()
+    )
