@@ -82,7 +82,7 @@ pack() {  # everything so far into $OUT (few files; each rewritten whole)
   tar czf "$OUT/results.tar.gz" -C "$WORK" --exclude '*.json.gz' .
   for lib in megatron pipetrain torch deepspeed; do
     local traces
-    traces=$(cd "$WORK" && ls ./*/trace-*-"$lib"-r*.json.gz 2>/dev/null)
+    traces=$(cd "$WORK" && ls ./*/trace-*-"$lib"*-r*.json.gz 2>/dev/null)
     # shellcheck disable=SC2086
     [ -n "$traces" ] && tar cf "$OUT/traces-$lib.tar" -C "$WORK" $traces
   done

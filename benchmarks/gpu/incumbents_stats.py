@@ -19,6 +19,7 @@ incumbent (the winner's luck counts for it).
 from __future__ import annotations
 
 import json
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 
@@ -130,10 +131,10 @@ def _gib(row: dict) -> str:
 
 def table(g: Group) -> list[str]:
     lines = [
-        "| schedule | lib | v | launches × steps | step ms | step CV | launch spread "
-        "| eff [95%] | peak GiB per rank | / Megatron same [95%] | / Megatron best [95%] "
-        "| / torch same [95%] | / DeepSpeed same [95%] |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| schedule | lib | v | launches × steps | step ms | step CV | slowest / median "
+        "| launch spread | eff [95%] | peak GiB per rank | / Megatron same [95%] "
+        "| / Megatron best [95%] | / torch same [95%] | / DeepSpeed same [95%] |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     best = g.megatron_best()
     keys = sorted(g.rows, key=lambda k: (ORDER.index(k[0]), _lib_rank(k[1])))
@@ -141,7 +142,7 @@ def table(g: Group) -> list[str]:
         row, (schedule, lib) = g.rows[key], key
         if not g.measured(key):
             why = (row.get("error") or row.get("skipped") or "?")[:160]
-            lines.append(f"| {schedule} | {lib} | {row.get('v', '')} | {why} |" + " |" * 9)
+            lines.append(f"| {schedule} | {lib} | {row.get('v', '')} | {why} |" + " |" * 10)
             continue
         runs = [x for x in g.steps[key] if x]
         cv, spread = step_cv(runs), launch_spread(runs)
@@ -150,6 +151,7 @@ def table(g: Group) -> list[str]:
             f"{len(runs)} × {min(map(len, runs))}",
             f"{g.ms(key):.1f}",
             "" if cv is None else f"{cv:.2%}",
+            f"{max(max(x) / statistics.median(x) for x in runs):.3f}",  # intermittent slow steps
             "" if spread is None else f"{spread:.2%}",
             _cell(g.efficiency(key)) if mine else "",
             _gib(row),
