@@ -74,11 +74,12 @@ EOF
 } > "$OUT/env.txt" 2>&1
 tail -6 "$OUT/env.txt"
 
-pack() {  # everything so far into $OUT (few files; each rewritten whole)
+pack() {  # everything so far into $OUT (few files; each rewritten whole); $1: bootstrap draws
   local jsons
   jsons=$(ls "$WORK"/*/incumbents.json 2>/dev/null)
   # shellcheck disable=SC2086
-  [ -n "$jsons" ] && $PYTHON $SCRIPT --report $jsons > "$OUT/summary.md" 2>&1
+  [ -n "$jsons" ] && INCUMBENTS_RESAMPLES=${1:-300} $PYTHON benchmarks/gpu/incumbents_stats.py \
+    $jsons > "$OUT/summary.md" 2>&1  # no torch import: a second or two
   tar czf "$OUT/results.tar.gz" -C "$WORK" --exclude '*.json.gz' .
   for lib in megatron pipetrain torch deepspeed; do
     local traces
@@ -204,6 +205,7 @@ part p3-blocks2 2 150 180 --shapes "$BLOCKS" --microbatches 16,8 --schedules $AL
 left=$((TOTAL - SECONDS - 10))
 [ "$NPROC4" = 2 ] || part p4-wide2 2 $((left - 30)) "$left" --shapes "$WIDE" --microbatches 8,16 --steps 4 --schedules $ALL
 fi
+pack 2000  # the final summary: 2000 bootstrap draws per interval (between parts: 300)
 echo "== done at ${SECONDS}s (TOTAL ${TOTAL}s)"
 cat "$OUT/summary.md" 2>/dev/null | grep -v '^$' | head -150
 ls -la "$OUT"

@@ -19,6 +19,7 @@ incumbent (the winner's luck counts for it).
 from __future__ import annotations
 
 import json
+import os
 import statistics
 from collections.abc import Callable
 from pathlib import Path
@@ -37,6 +38,8 @@ ORDER = ("1f1b", "zb-h1", "interleaved-1f1b", "interleaved-zb", "zbv", "dualpipe
 LIBS = ("pipetrain", "megatron", "deepspeed", "torch")
 #: 2 ranks: pipetrain's best ≤ 0.97 × Megatron's best; 4 ranks: ≤ 0.93 (issue 21)
 BEST_TARGET = {2: 0.97, 4: 0.93}
+#: bootstrap draws per interval (incumbents_call.sh asks for fewer in its summaries between parts)
+RESAMPLES = int(os.environ.get("INCUMBENTS_RESAMPLES", "2000"))
 
 
 class Group:
@@ -47,6 +50,7 @@ class Group:
         self.steps: dict[tuple[str, str], list[list[float]]] = {}
         self.rows: dict[tuple[str, str], dict] = {}
         self.limits: dict[str, list[list[float]]] = {}
+        self._ratios: dict[tuple, Interval | None] = {}
 
     def add(self, launch: int, row: dict, limits: dict) -> None:
         key = (row["schedule"], row["lib"])
@@ -72,13 +76,18 @@ class Group:
     def ratio(self, a, b) -> Interval | None:
         if a is None or b is None:
             return None
-        return ratio_interval(self.steps[a], self.steps[b])
+        if (a, b) not in self._ratios:
+            self._ratios[a, b] = ratio_interval(self.steps[a], self.steps[b], resamples=RESAMPLES)
+        return self._ratios[a, b]
 
     def efficiency(self, key) -> Interval | None:
         lk = self.rows[key].get("limit_key")
         if not lk or lk not in self.limits:
             return None
-        return ratio_interval(self.limits[lk], self.steps[key])
+        if ("limit", key) not in self._ratios:
+            iv = ratio_interval(self.limits[lk], self.steps[key], resamples=RESAMPLES)
+            self._ratios["limit", key] = iv
+        return self._ratios["limit", key]
 
     def megatron_same(self, schedule: str):
         return self.fastest(lambda k: k[0] == schedule and k[1].startswith("megatron"))
