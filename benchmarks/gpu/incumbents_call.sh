@@ -55,6 +55,9 @@ fi
 export PYTHONUNBUFFERED=1
 # one allocator and NCCL environment for every library (issue 21); NVLink multicast off
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+# the carried DeepSpeed wheel was built on a CPU box: name its accelerator rather than rely on
+# detection
+command -v nvidia-smi > /dev/null && export DS_ACCELERATOR=cuda
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 {
   date -u

@@ -69,9 +69,9 @@ class Plan:
             extra.append("deepspeed-dualpipev")
         rows += [Row(shape, schedule, n, lib, fam.v, inc) for lib in extra]
         if schedule == "interleaved-1f1b":
-            for lib in self.megatron_interleaved(shape, n):
-                from incumbents_megatron import parse
+            from incumbents_megatron import parse
 
+            for lib in self.megatron_interleaved(shape, n):
                 v = parse(lib).v
                 rows.append(Row(shape, schedule, n, lib, v, incumbent_cut(shape, v * world)))
         return rows
