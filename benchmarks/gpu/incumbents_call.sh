@@ -1,47 +1,63 @@
 #!/bin/bash
-# One GPU call for docs/incumbents.md: benchmarks/gpu/incumbents.py in four parts, the
-# most needed first, inside one wall budget (TOTAL seconds, default 540; 4 GPUs):
-#   p1-wide4    the wide/long shape at 4 ranks, 16 and 8 micro-batches, every library and
-#               family (interleaved-zb last)                       budget 175 s, timeout 215 s
-#   p2-prof4    one torch.profiler step each of Megatron's and pipetrain's interleaved 1F1B
-#               (GPT, 4 ranks, 16 micro-batches), with the per-rank device-time summary
-#                                                                  budget  45 s, timeout 100 s
-#   p2e-exact4  float64 exactness of pipetrain on NCCL against unsplit training (gpu_equivalence.py:
-#               1f1b, interleaved-1f1b, zbv, dualpipev+overlap; 10 training steps) timeout 60 s
-#   p3-blocks2  the block stack at 2 ranks, 16 and 8 micro-batches budget 150 s, timeout 180 s
-#   p4-wide2    the wide shape at 2 ranks (8 micro-batches first, 4 timed steps), with whatever
-#               time is left (about 90 s: the 8-micro-batch 1F1B and interleaved rows)
-# PLAN=leads2, PLAN=confirm2 and PLAN=full2 run other lists on 2 GPUs instead (receives posted late against
-# where lowering puts them, and Megatron-Core): see their parts below.
+# One GPU call for docs/incumbents.md: benchmarks/gpu/incumbents.py in parts, the most needed
+# first, inside one wall budget (TOTAL seconds, default 540). Each part is one launch (a
+# separate torchrun; --launch K rotates the libraries' order); summary.md pools every launch
+# with 95% intervals (incumbents_stats.py). PLAN picks the list:
+#   issue21 (2 GPUs; issue 21, ~525 s): the GPT at 16 micro-batches, 1F1B and interleaved 1F1B:
+#     pipetrain (defaults) and pipetrain-nodefer (plain autograd weight gradients: the
+#     incumbents' kernels) against Megatron's 1F1B without batch sync and every interleaved
+#     variant (launch 0: v = 2, 4, 8 × group p, 2p × warm-up/flush overlap on, off; launches 1
+#     and 2: launch 0's two fastest), 20 timed steps a row; then the Llama-3-8B-like block stack
+#     (8 layers, 8 micro-batches; pipetrain cut by its planner, Megatron by its
+#     account-for-embedding/loss rule), one launch.
+#   issue21-llama (2 GPUs): the Llama shape alone, three launches.
+#   issue21x4 (4 GPUs, ~530 s): the GPT at 16 and 8 micro-batches, 1F1B, interleaved, ZBV and
+#     DualPipeV: pipetrain and pipetrain-nodefer, Megatron (1F1B without batch sync; launch 0
+#     every interleaved variant, launches 1 and 2 its two fastest), the limit for ZBV/DualPipeV
+#     efficiency; three launches, each 16 micro-batches first.
+#   issue21-extra (2 GPUs): the rows those leave out: torch's ZB-H1, interleaved-ZB, ZBV and
+#     DualPipeV, DeepSpeed (1F1B, bf16 optimizer, DualPipeV), Megatron 1F1B with batch sync.
+#   (older) default: the 4-GPU list of issue 13; leads2, confirm2, full2 (2 GPUs): see below.
 # Each part's harness stops starting rows at its budget (--budget-s: a row starts only if the
-# longest row so far still fits); the timeout adds start-up (~15 s) and one overrunning row.
+# longest row so far still fits); the timeout adds start-up (~20 s) and one overrunning row.
+# ONLY=name1,name2 runs only those parts; TUNED=FILE gives launches 1 and 2 an earlier launch 0
+# (its incumbents.json) to pick Megatron's fastest interleaved variants from, e.g. from a call
+# that was cut off. STEPS overrides the timed steps (20).
 # Run from a folder holding pipetrain/, benchmarks/ and .whl/ (the carried wheels of
 # megatron-core, deepspeed and their needs; the GPU machine has no internet), with $OUT set:
-#     cd .dev/incumb && TOTAL=540 bash benchmarks/gpu/incumbents_call.sh
-# What comes back (the device tool returns at most 8 files): $OUT/env.txt, $OUT/summary.md (every
-# part's tables and target lines so far), $OUT/results.tar.gz (each part's incumbents.json and
-# log) and $OUT/traces-<lib>.tar (the Chrome traces), all rewritten after each part, so a part cut
-# off by its timeout still leaves the rows it finished.
-# CPU check of the plumbing (gloo, tiny shapes):
-#     OUT=/tmp/o WIDE=wide-tiny GPT=gpt-tiny BLOCKS=blocks-tiny NPROC4=2 \
-#         PYTHON=.venv/bin/python bash benchmarks/gpu/incumbents_call.sh
+#     PLAN=issue21 TOTAL=540 bash benchmarks/gpu/incumbents_call.sh
+# What comes back (the device tool returns at most 8 files): $OUT/env.txt, $OUT/summary.md (the
+# pooled tables, intervals and target lines so far), $OUT/results.tar.gz (each part's
+# incumbents.json and log) and $OUT/traces-<lib>.tar (Chrome traces), all rewritten after each
+# part, so a part cut off by its timeout still leaves the rows it finished.
+# CPU check of the plumbing (gloo, tiny shapes; WHEELS=none: use EXTRA_PATH's Megatron/DeepSpeed):
+#     OUT=/tmp/o WIDE=wide-tiny GPT=gpt-tiny BLOCKS=blocks-tiny LLAMA=llama-tiny NPROC4=2 \
+#         STEPS=3 WHEELS=none EXTRA_PATH=/tmp/incsite PYTHON=.venv/bin/python PLAN=issue21 \
+#         bash benchmarks/gpu/incumbents_call.sh
 set -u
 : "${OUT:?set OUT to the folder for results}"
 TOTAL=${TOTAL:-540}
 PYTHON=${PYTHON:-python3}
-WIDE=${WIDE:-wide} GPT=${GPT:-gpt} BLOCKS=${BLOCKS:-blocks}
+WIDE=${WIDE:-wide} GPT=${GPT:-gpt} BLOCKS=${BLOCKS:-blocks} LLAMA=${LLAMA:-llama}
+LLAMA4=${LLAMA4:-llama-x4} STEPS=${STEPS:-20} ONLY=${ONLY:-} WHEELS=${WHEELS:-.whl}
 NPROC4=${NPROC4:-4}  # the "4-rank" parts (2 on a CPU check, or on a 2-GPU machine: then p4 is p1)
 WORK=$(mktemp -d /tmp/incumbents.XXXXXX)
 SCRIPT=benchmarks/gpu/incumbents.py
 
-if [ -d .whl ]; then
+if [ -d "$WHEELS" ]; then
   $PYTHON -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 3
+    --target /tmp/site "$WHEELS"/*.whl || exit 3
   export PYTHONPATH=/tmp/site:.
 else
   export PYTHONPATH=.
 fi
+[ -n "${EXTRA_PATH:-}" ] && export PYTHONPATH=$PYTHONPATH:$EXTRA_PATH
 export PYTHONUNBUFFERED=1
+# one allocator and NCCL environment for every library (issue 21); NVLink multicast off
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+# the carried DeepSpeed wheel was built on a CPU box: name its accelerator rather than rely on
+# detection
+command -v nvidia-smi > /dev/null && export DS_ACCELERATOR=cuda
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 {
   date -u
@@ -61,15 +77,16 @@ EOF
 } > "$OUT/env.txt" 2>&1
 tail -6 "$OUT/env.txt"
 
-pack() {  # everything so far into $OUT (few files; each rewritten whole)
+pack() {  # everything so far into $OUT (few files; each rewritten whole); $1: bootstrap draws
   local jsons
   jsons=$(ls "$WORK"/*/incumbents.json 2>/dev/null)
   # shellcheck disable=SC2086
-  [ -n "$jsons" ] && $PYTHON $SCRIPT --report $jsons > "$OUT/summary.md" 2>&1
+  [ -n "$jsons" ] && INCUMBENTS_RESAMPLES=${1:-300} $PYTHON benchmarks/gpu/incumbents_stats.py \
+    $jsons > "$OUT/summary.md" 2>&1  # no torch import: a second or two
   tar czf "$OUT/results.tar.gz" -C "$WORK" --exclude '*.json.gz' .
   for lib in megatron pipetrain torch deepspeed; do
     local traces
-    traces=$(cd "$WORK" && ls ./*/trace-*-"$lib"-r*.json.gz 2>/dev/null)
+    traces=$(cd "$WORK" && ls ./*/trace-*-"$lib"*-r*.json.gz 2>/dev/null)
     # shellcheck disable=SC2086
     [ -n "$traces" ] && tar cf "$OUT/traces-$lib.tar" -C "$WORK" $traces
   done
@@ -78,6 +95,9 @@ pack() {  # everything so far into $OUT (few files; each rewritten whole)
 part() {  # name nproc budget-s limit-s harness-args...: run one part if it still fits TOTAL
   local name=$1 nproc=$2 budget=$3 limit=$4
   shift 4
+  if [ -n "$ONLY" ] && [[ ",$ONLY," != *",$name,"* ]]; then
+    return
+  fi
   local left=$((TOTAL - SECONDS - 10))  # 10 s to pack at the end
   if [ "$left" -lt 45 ]; then
     echo "== $name skipped: ${left}s left"
@@ -110,7 +130,46 @@ exact() {  # name nproc limit-s: float64 exactness on NCCL of the runtime measur
 }
 
 ALL=1f1b,interleaved-1f1b,zbv,dualpipev,interleaved-zb
-if [ "${PLAN:-issue13}" = leads2 ]; then
+# issue 21's common settings: 20 timed steps, pipetrain with and without deferred weight
+# gradients, no timeline step (diagnostics cost device time), torch rows only where asked
+C21="--steps $STEPS --warmup 2 --timeline-steps 0 --variants nodefer --torch-schedules none"
+tuned() {  # the launch-0 file launches 1 and 2 pick Megatron's fastest interleaved rows from
+  echo "--libraries megatron-nosync,megatron-tuned --megatron-tuned-from ${TUNED:-$WORK/$1/incumbents.json}"
+}
+if [ "${PLAN:-issue13}" = issue21 ]; then
+  G="--shapes $GPT --microbatches 16 --schedules 1f1b,interleaved-1f1b --limit-schedules none"
+  part i1-gpt16-l0 2 170 210 --launch 0 $G $C21 --plan issue21 \
+    --libraries megatron-nosync,megatron-sweep,megatron-gaf
+  part i2-gpt16-l1 2 75 110 --launch 1 $G $C21 --plan issue21 $(tuned i1-gpt16-l0)
+  part i3-gpt16-l2 2 75 110 --launch 2 $G $C21 --plan issue21 $(tuned i1-gpt16-l0)
+  part i4-llama8-l0 2 125 165 --launch 0 --shapes "$LLAMA" --microbatches 8 \
+    --schedules 1f1b,interleaved-1f1b --limit-schedules none $C21 --plan issue21 \
+    --libraries megatron-nosync,megatron-sweep
+elif [ "${PLAN:-issue13}" = issue21-llama ]; then
+  L="--shapes $LLAMA --microbatches 8 --schedules 1f1b,interleaved-1f1b --limit-schedules none"
+  part j1-llama8-l0 2 125 165 --launch 0 $L $C21 --plan issue21-llama \
+    --libraries megatron-nosync,megatron-sweep,megatron-gaf
+  part j2-llama8-l1 2 110 150 --launch 1 $L $C21 --plan issue21-llama $(tuned j1-llama8-l0)
+  part j3-llama8-l2 2 110 150 --launch 2 $L $C21 --plan issue21-llama $(tuned j1-llama8-l0)
+elif [ "${PLAN:-issue13}" = issue21x4 ]; then
+  X="--shapes $GPT --microbatches 16,8 --schedules 1f1b,interleaved-1f1b,zbv,dualpipev"
+  X="$X --limit-schedules zbv,dualpipev --plan issue21x4"
+  part x1-gpt-l0 "$NPROC4" 190 225 --launch 0 $X $C21 \
+    --libraries megatron-nosync,megatron-sweep,megatron-gaf
+  part x2-gpt-l1 "$NPROC4" 125 160 --launch 1 $X $C21 $(tuned x1-gpt-l0)
+  part x3-gpt-l2 "$NPROC4" 125 160 --launch 2 $X $C21 $(tuned x1-gpt-l0)
+elif [ "${PLAN:-issue13}" = issue21-extra ]; then
+  E="--shapes $GPT --microbatches 16 --limit-schedules zbv,dualpipev --plan issue21-extra"
+  part e1-zb 2 150 190 --launch 0 $E --steps $STEPS --warmup 2 --timeline-steps 0 \
+    --schedules zb-h1,interleaved-zb,zbv,dualpipev --libraries deepspeed-dualpipev \
+    --torch-schedules zb-h1,interleaved-zb,zbv,dualpipev
+  part e2-ds 2 120 160 --launch 0 $E --steps $STEPS --warmup 2 --timeline-steps 0 \
+    --schedules 1f1b --libraries megatron,megatron-nosync,deepspeed,deepspeed-bf16 \
+    --torch-schedules 1f1b --variants nodefer
+  part e3-llama-v 2 120 160 --launch 0 --shapes "$LLAMA" --microbatches 8 --steps $STEPS \
+    --warmup 2 --timeline-steps 0 --schedules zbv,dualpipev --limit-schedules zbv,dualpipev \
+    --libraries deepspeed-dualpipev --torch-schedules zbv,dualpipev --plan issue21-extra
+elif [ "${PLAN:-issue13}" = leads2 ]; then
   # PLAN=leads2 (2 GPUs): receives posted late (Pipeline(receive_lead=0|1), rows pipetrain-leadN)
   # against pipetrain's default and Megatron-Core, then the 8-micro-batch V rows
   L="--receive-leads 0,1 --torch-schedules none"
@@ -143,12 +202,13 @@ else
 part p1-wide4 "$NPROC4" 175 215 --shapes "$WIDE" --microbatches 16,8 --schedules $ALL
 part p2-prof4 "$NPROC4" 45 100 --shapes "$GPT" --microbatches 16 --schedules interleaved-1f1b \
   --libraries megatron --torch-schedules none --timeline-steps 0 \
-  --profile megatron:interleaved-1f1b,pipetrain:interleaved-1f1b
+  --profile megatron-v2:interleaved-1f1b,pipetrain:interleaved-1f1b
 exact p2e-exact4 "$NPROC4" 60
 part p3-blocks2 2 150 180 --shapes "$BLOCKS" --microbatches 16,8 --schedules $ALL
 left=$((TOTAL - SECONDS - 10))
 [ "$NPROC4" = 2 ] || part p4-wide2 2 $((left - 30)) "$left" --shapes "$WIDE" --microbatches 8,16 --steps 4 --schedules $ALL
 fi
+pack 2000  # the final summary: 2000 bootstrap draws per interval (between parts: 300)
 echo "== done at ${SECONDS}s (TOTAL ${TOTAL}s)"
 cat "$OUT/summary.md" 2>/dev/null | grep -v '^$' | head -150
 ls -la "$OUT"
