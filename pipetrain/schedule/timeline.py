@@ -18,11 +18,15 @@ Metrics, as the ZB paper (Qi et al. 2024, §2) uses them:
   where a ``workspace_size`` is given, each action also uses its stage's workspace while it runs
   (an overlapped pair: the larger of its two stages'), so ``peak_activations`` is the peak of
   held activations plus the running action's temporaries;
-* offload (``schedule.offload``): where ``copies`` holds OFFLOAD/RELOAD spans, an OFFLOAD of stage
-  ``s`` frees ``offload_size[s]`` when it ends and its RELOAD takes it back when it starts
-  (PipeOffload, arXiv 2503.01328: the device copy lives until the copy has read it, and the
-  reloaded one from the start of the copy that writes it). Copies are not compute: they count in
-  no busy time, span or makespan.
+* offload (``schedule.offload``): where ``copies`` holds OFFLOAD/RELOAD spans, an offloaded
+  micro-batch of stage ``s`` keeps ``moved_size[s]`` of its activation in host memory. Its OFFLOAD
+  frees ``offload_size[s]`` when it ends and its RELOAD takes ``reload_size[s]`` back when it
+  starts (PipeOffload, arXiv 2503.01328: the device copy lives until the copy has read it, and the
+  reloaded one from the start of the copy that writes it); what is moved beyond those (a stage
+  that offloads layer by layer streams the rest during the forward and the backward, a couple of
+  layers on the device at a time: ``sim.offload_model``) is never held: its ``F`` allocates, and
+  its last backward piece frees, that much less. Copies are not compute: they count in no busy
+  time, span or makespan.
 """
 
 from __future__ import annotations
@@ -82,8 +86,12 @@ class Timeline:
     workspace_size: tuple[float, ...] | None = None
     #: OFFLOAD/RELOAD spans on the ranks' copy engines (``schedule.copy_engine``)
     copies: tuple[Span, ...] = ()
-    #: per stage, what one OFFLOAD moves off the device, in activation units (``None``: nothing)
+    #: per stage, what one OFFLOAD frees when it ends, in activation units (``None``: nothing)
     offload_size: tuple[float, ...] | None = None
+    #: per stage, what one RELOAD takes back when it starts (``None``: ``offload_size``)
+    reload_size: tuple[float, ...] | None = None
+    #: per stage, what an offloaded micro-batch keeps in host memory (``None``: ``offload_size``)
+    moved_size: tuple[float, ...] | None = None
 
     @cached_property
     def start(self) -> float:
@@ -133,12 +141,18 @@ class Timeline:
                 self.weight_activation_size or self.activation_size,
                 self.workspace_size,
                 rank_copies,
-                self.offload_size,
+                self._offload_sizes(),
             )
             for rank_spans, rank_copies in zip(
                 _by_rank(self.spans, self.num_ranks), _by_rank(self.copies, self.num_ranks)
             )
         )
+
+    def _offload_sizes(self) -> _Moves | None:
+        if self.offload_size is None:
+            return None
+        out = self.offload_size
+        return _Moves(out, self.reload_size or out, self.moved_size or out)
 
     @cached_property
     def peak_activations(self) -> tuple[float, ...]:
@@ -182,28 +196,45 @@ def _by_rank(spans: Sequence[Span], num_ranks: int) -> list[list[Span]]:
     return rows
 
 
+class _Moves(NamedTuple):
+    """Per stage: freed when an OFFLOAD ends, taken when a RELOAD starts, kept in host memory."""
+
+    out: Sequence[float]
+    back: Sequence[float]
+    moved: Sequence[float]
+
+
 def _activation_curve(
     spans: Sequence[Span],
     activation_size: Sequence[float],
     weight_activation_size: Sequence[float],
     workspace_size: Sequence[float] | None = None,
     copies: Sequence[Span] = (),
-    offload_size: Sequence[float] | None = None,
+    moves: _Moves | None = None,
 ) -> tuple[tuple[float, float], ...]:
     """Allocate at the start of F; between I and W hold the weight-gradient size; free at the end
-    of the last backward piece of (stage, mb); each action's workspace for its span alone."""
+    of the last backward piece of (stage, mb); each action's workspace for its span alone; an
+    offloaded micro-batch's streamed share never held (module docstring)."""
     parts = [(s, p) for s in spans for p in s.action.compute_parts]
     split = {(p.stage, p.microbatch) for _, p in parts if p.kind is OpKind.W}
+    offloaded = {
+        (c.action.stage, c.action.microbatch) for c in copies if c.action.kind is OpKind.OFFLOAD
+    }
     events: list[tuple[float, int, float]] = []  # (time, order, delta): frees sort before allocs
     for s, p in parts:
+        size, key = activation_size[p.stage], (p.stage, p.microbatch)
+        streamed_out = streamed_in = 0.0
+        if moves is not None and key in offloaded:
+            streamed_out = moves.moved[p.stage] - moves.out[p.stage]
+            streamed_in = moves.moved[p.stage] - moves.back[p.stage]
         if p.kind is OpKind.F:
-            events.append((s.start, 1, activation_size[p.stage]))
+            events.append((s.start, 1, size - streamed_out))
         elif p.kind is OpKind.W:
             events.append((s.end, 0, -weight_activation_size[p.stage]))
-        elif (p.stage, p.microbatch) not in split:  # B, or an I whose W never runs here
-            events.append((s.end, 0, -activation_size[p.stage]))
+        elif key not in split:  # B, or an I whose W never runs here
+            events.append((s.end, 0, -(size - streamed_in)))
         else:  # I of a split backward: what W still needs stays
-            change = weight_activation_size[p.stage] - activation_size[p.stage]
+            change = weight_activation_size[p.stage] - (size - streamed_in)
             if change:
                 events.append((s.end, 0 if change < 0 else 1, change))
     if workspace_size is not None:
@@ -211,13 +242,12 @@ def _activation_curve(
             used = max(workspace_size[p.stage] for p in s.action.compute_parts)
             if used:
                 events += [(s.start, 1, used), (s.end, 0, -used)]
-    if offload_size is not None:
+    if moves is not None:
         for s in copies:
-            moved = offload_size[s.action.stage]
             if s.action.kind is OpKind.OFFLOAD:
-                events.append((s.end, 0, -moved))
+                events.append((s.end, 0, -moves.out[s.action.stage]))
             else:
-                events.append((s.start, 1, moved))
+                events.append((s.start, 1, moves.back[s.action.stage]))
     if not events:
         return ((0.0, 0.0),)
     events.sort(key=itemgetter(0, 1))
