@@ -72,15 +72,30 @@ class _Group:
 
 
 class _Packed:
-    """One saved tensor: on the device, or in host memory between its offload and reload."""
+    """One saved tensor: on the device, or in host memory (a view of its ``blob``) between its
+    offload and reload."""
 
-    __slots__ = ("device", "group", "host", "nbytes")
+    __slots__ = ("blob", "device", "group", "nbytes", "view")
 
     def __init__(self, tensor: torch.Tensor, group: _Group) -> None:
         self.device: torch.Tensor | None = tensor
-        self.host: torch.Tensor | None = None
         self.nbytes = tensor.numel() * tensor.element_size()
         self.group = group
+        self.blob: _Blob | None = None
+        #: (dtype, size, stride, storage offset) of the tensor over its blob's bytes
+        self.view: tuple[torch.dtype, torch.Size, tuple[int, ...], int] | None = None
+
+
+class _Blob:
+    """Bytes copied to host memory in one piece: a saved tensor's whole storage where the saved
+    views cover at least half of it (SwiGLU's gate and up, the chunks of one product, move as one
+    contiguous copy), else one view's elements."""
+
+    __slots__ = ("device", "host")
+
+    def __init__(self, host: torch.Tensor) -> None:
+        self.host: torch.Tensor | None = host
+        self.device: torch.Tensor | None = None
 
 
 class _Micro:
@@ -182,17 +197,48 @@ class StageOffload:
         group.offloaded = True
         if not group.entries:
             return
+        sources = self._blob_sources(group.entries)  # on the compute stream: any .contiguous()
         with self._on(self.d2h):
-            for entry in group.entries:
-                source = entry.device
-                assert source is not None
-                entry.host = torch.empty_like(source, device="cpu", pin_memory=self.cuda)
-                entry.host.copy_(source, non_blocking=self.cuda)
+            for source, entries in sources:
+                host = torch.empty(source.numel(), dtype=torch.uint8, pin_memory=self.cuda)
+                host.copy_(source, non_blocking=self.cuda)
                 if self.d2h is not None:
                     source.record_stream(self.d2h)
-                entry.device = None
-                self.moved_bytes += entry.nbytes
+                blob = _Blob(host)
+                for entry in entries:
+                    entry.blob, entry.device = blob, None
+                self.moved_bytes += source.numel()
             group.out_event = self._record(self.d2h)
+
+    @staticmethod
+    def _blob_sources(entries: list[_Packed]) -> list[tuple[torch.Tensor, list[_Packed]]]:
+        """The bytes to copy, each with the entries it holds (their ``view`` set over it)."""
+        by_storage: dict[int, list[_Packed]] = {}
+        for entry in entries:
+            assert entry.device is not None
+            by_storage.setdefault(entry.device.untyped_storage().data_ptr(), []).append(entry)
+        out = []
+        for shared in by_storage.values():
+            first = shared[0].device
+            assert first is not None
+            storage = first.untyped_storage()
+            if 2 * sum(e.nbytes for e in shared) >= storage.nbytes():
+                whole = torch.empty(0, dtype=torch.uint8, device=first.device)
+                whole.set_(storage, 0, (storage.nbytes(),), (1,))  # type: ignore[call-overload]
+                for e in shared:
+                    t = e.device
+                    assert t is not None
+                    offset = int(t.storage_offset())  # in elements of its dtype
+                    e.view = (t.dtype, t.shape, t.stride(), offset)
+                out.append((whole, shared))
+                continue
+            for e in shared:  # a small view of a large storage: only its elements
+                t = e.device
+                assert t is not None
+                dense = t.contiguous()
+                e.view = (t.dtype, t.shape, dense.stride(), 0)
+                out.append((dense.reshape(-1).view(torch.uint8), [e]))
+        return out
 
     def offload(self, mb: int) -> None:
         """``OFFLOAD``: layer by layer, the offloaded layers have left already (any whose forward
@@ -236,22 +282,31 @@ class StageOffload:
         if group.read is not None:
             return
         group.read = set()
+        blobs = list({id(e.blob): e.blob for e in group.entries if e.blob is not None}.values())
         # allocated on the compute stream, which reads and frees them: the caching allocator
         # keeps a pool per stream, and blocks made on a copy stream would never be reused by
         # compute (measured on CUDA: the peak rose instead of falling)
-        for entry in group.entries:
-            assert entry.host is not None
-            entry.device = torch.empty_like(entry.host, device=self.device)
+        for blob in blobs:
+            assert blob.host is not None
+            blob.device = torch.empty_like(blob.host, device=self.device)
         with self._on(self.h2d):
             if self.h2d is not None and group.out_event is not None:
                 self.h2d.wait_event(group.out_event)
-            for entry in group.entries:
-                assert entry.device is not None and entry.host is not None
-                entry.device.copy_(entry.host, non_blocking=self.cuda)
+            for blob in blobs:
+                assert blob.device is not None and blob.host is not None
+                blob.device.copy_(blob.host, non_blocking=self.cuda)
                 if self.h2d is not None:
-                    entry.device.record_stream(self.h2d)
-                entry.host = None  # pinned: its block is reused only after the copy is done
+                    blob.device.record_stream(self.h2d)
+                blob.host = None  # pinned: its block is reused only after the copy is done
             group.in_event = self._record(self.h2d)
+        for entry in group.entries:
+            assert entry.blob is not None and entry.blob.device is not None
+            assert entry.view is not None
+            dtype, size, stride, offset = entry.view
+            tensor = torch.empty(0, dtype=dtype, device=self.device)
+            storage = entry.blob.device.untyped_storage()
+            entry.device = tensor.set_(storage, offset, size, stride)  # type: ignore[call-overload]
+            entry.blob = None
         group.entries = []  # from here on only the autograd graph holds them
 
     def _unpack(self, saved: object) -> torch.Tensor:

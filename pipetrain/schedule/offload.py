@@ -15,17 +15,17 @@ Where the reload goes is one of two rules:
   offloads layer by layer and keeps its last layers reloads its first layers while it runs the
   backward of the kept ones: Megatron-Core's and torchtitan's per-module offload). Issuing later
   would make the backward wait; issuing earlier would hold the reloaded bytes on the device
-  longer, and could bring back two micro-batches' activations where one suffices. A micro-batch
-  whose wait between forward and backward cannot hold the copy out (``away``) and back is left on
-  the device, as PipeOffload does.
+  longer, and could bring back two micro-batches' activations where one suffices.
 * **a fixed lead** per stage: ``lead`` compute actions before the backward (``reload_leads``
   reduces the just-in-time rule to one lead per stage, the largest any micro-batch needed: what a
-  plan records, ``planner.layout``). A micro-batch whose backward follows its forward too closely
-  (fewer than ``lead + 1`` compute actions between them, e.g. every micro-batch of 1F1B's last
-  stage) is left on the device.
+  plan records, ``planner.layout``).
 
-Either way a reload stands after at least one compute action that follows its forward, and
-before its backward. A copy is issued at its position in the row and runs on the rank's copy
+Either way a reload stands after at least one compute action that follows its forward (no
+earlier: the copy out would have nothing to overlap), and before its backward; where the wait is
+too short for the copies, the backward waits for them (the simulator says how long, and the
+planner weighs that against the memory saved: the warm-up's micro-batches, whose reloads cannot
+hide, are the ones that set 1F1B's peak). A micro-batch whose backward directly follows its
+forward (every micro-batch of 1F1B's last stage) stays on the device. A copy is issued at its position in the row and runs on the rank's copy
 engine, one queue per direction, beside compute (``copy_engine``); the backward of ``(s, j)``
 waits for what ``RELOAD(s, j)`` brings back (the simulator's ``schedule.execute`` and the
 runtime's executor both wait there).
@@ -63,13 +63,11 @@ def offloaded_layers(fraction: float, num_layers: int) -> int:
 @dataclass(frozen=True)
 class ReloadTiming:
     """What the just-in-time rule reads, in one time unit: how long a compute action takes
-    (``duration``), how long before a backward piece (``B`` or ``I``, given as that part) starts
-    its reload must start (``need``), and how long after a stage's forward ends its offload still
-    copies (``away``, by stage)."""
+    (``duration``), and how long before a backward piece (``B`` or ``I``, given as that part)
+    starts its reload must start (``need``)."""
 
     duration: Callable[[Action], float]
     need: Callable[[Action], float]
-    away: Callable[[int], float]
 
 
 @dataclass(frozen=True)
@@ -204,13 +202,12 @@ def _placements(
                 forward_at[key] = k
             elif part.kind in _BACKWARDS and key in forward_at:
                 f = forward_at.pop(key)
+                if k < f + 2:
+                    continue  # the backward follows the forward: keep these on the device
                 if timing is None:
-                    fixed = k - leads[part.stage]
-                    issue = fixed if fixed >= f + 2 else None
+                    issue = max(k - leads[part.stage], f + 2)
                 else:
                     issue = _just_in_time(durations, f, k, part, timing)
-                if issue is None:
-                    continue  # the backward follows too soon: keep these on the device
                 placed[key] = (f, issue)
                 leads_used[part.stage] = max(leads_used.get(part.stage, 0), k - issue)
     return placed, leads_used
@@ -218,15 +215,10 @@ def _placements(
 
 def _just_in_time(
     durations: Sequence[float], f: int, k: int, backward: Action, timing: ReloadTiming
-) -> int | None:
+) -> int:
     """The compute index to issue the reload of ``backward`` (at ``k``, forward at ``f``) before:
-    the latest one whose compute until ``k`` lasts ``need``, never before ``f + 2``; ``None`` when
-    the compute between forward and backward cannot hide the copies out and back."""
-    if k < f + 2:
-        return None
+    the latest one whose compute until ``k`` lasts ``need``, never before ``f + 2``."""
     need = max(0.0, timing.need(backward))
-    if sum(durations[f + 1 : k]) + 1e-12 < timing.away(backward.stage) + need:
-        return None
     issue, covered = k, 0.0
     while covered + 1e-12 < need and issue > f + 2:
         issue -= 1

@@ -16,13 +16,18 @@ runtime does the second where a stage is a list of layers (``runtime.host_offloa
   ``a/L`` copied in ``t = c/L``. The OFFLOAD streams during the forward: it starts when the first
   layer's forward ends (``early = F·(L−1)/L`` before the forward's end) and ends no sooner than
   ``t`` after the last offloaded layer's forward. The forward holds the kept layers plus a window
-  of ``max(RESIDENT_LAYERS, copy backlog at its end)`` offloaded layers (at most ``n``), freed
-  when the OFFLOAD ends; the rest of the ``n`` layers is never held. The RELOAD (``n·t``) brings
-  back the last offloaded layer first and the others one ahead of the backward; it takes
-  ``RESIDENT_LAYERS`` layers back when it starts, and the backward, which runs its ``L − n`` kept
+  of ``max(RESIDENT_LAYERS, copy backlog at its end)`` offloaded layers (at most ``n``), which
+  leave one at a time, the last when the OFFLOAD ends and each earlier one ``max(t, F/L)`` before
+  the next; the rest of the ``n`` layers is never held. Where a program has copies, each forward
+  of a stage of layers allocates layer by layer over its span (``Timeline``). The RELOAD (``n·t``) brings
+  back the last offloaded layer first and the others one ahead of the backward: it takes one
+  layer back when it starts while the kept layers wait for the backward, ``RESIDENT_LAYERS`` where
+  fewer than that are kept (once the kept layers are consumed, the backward reads one reloaded
+  layer while the next comes back; the backward still frees its activation at its end, as
+  without offload, so this bounds what it holds). The backward, which runs its ``L − n`` kept
   layers first, may start ``need = max(t − (L−n)·b, n·t − (L−1)·b)`` after the RELOAD starts
   (``b = B/L``): early enough that every reloaded layer is back when its backward begins, with the
-  copies back to back. The backward still frees its activation at its end, as without offload.
+  copies back to back.
 
 ``reload_timing`` gives ``schedule.offload``'s just-in-time rule the same numbers.
 """
@@ -34,23 +39,29 @@ from dataclasses import dataclass
 from pipetrain.schedule.action import Action, OpKind
 from pipetrain.schedule.copy_engine import CopyPlan
 from pipetrain.schedule.offload import RESIDENT_LAYERS, ReloadTiming, offloaded_layers
+from pipetrain.schedule.timeline import OffloadMemory
 from pipetrain.sim.costs import StageCosts
 
 
 @dataclass(frozen=True)
 class StageOffload:
-    """One stage's offload under the model (module docstring), in the costs' units."""
+    """One stage's offload under the model (module docstring), in the costs' units: how its
+    copies run on the copy engine, and what they move (``Timeline``'s memory accounting)."""
 
-    #: how its copies run on the copy engine
     plan: CopyPlan
-    #: what an offloaded micro-batch keeps in host memory
-    moved: float
-    #: of that, what its forward still holds when it ends (freed when the OFFLOAD ends)
-    out: float
-    #: what the RELOAD takes back when it starts
-    back: float
-    #: how long after the forward ends the OFFLOAD still copies
-    away: float
+    memory: OffloadMemory
+
+    @property
+    def moved(self) -> float:
+        return self.memory.moved
+
+    @property
+    def out(self) -> float:
+        return self.memory.out
+
+    @property
+    def back(self) -> float:
+        return self.memory.back
 
 
 def stage_offload(costs: StageCosts, stage: int) -> StageOffload:
@@ -60,10 +71,10 @@ def stage_offload(costs: StageCosts, stage: int) -> StageOffload:
     c = costs.host_copy[stage] if costs.host_copy else 0.0
     layers = costs.layers[stage] if costs.layers else 1
     if fraction <= 0:
-        return StageOffload(CopyPlan(0.0, 0.0), 0.0, 0.0, 0.0, 0.0)
+        return StageOffload(CopyPlan(0.0, 0.0), OffloadMemory(0.0, 0.0, 0.0, layers=layers))
     if layers == 1:
         moved, copy = fraction * a, fraction * c
-        return StageOffload(CopyPlan(copy, copy), moved, moved, moved, copy)
+        return StageOffload(CopyPlan(copy, copy), OffloadMemory(moved, moved, moved))
     n = offloaded_layers(fraction, layers)
     t, per_layer = c / layers, a / layers
     forward = costs.forward[stage]
@@ -72,7 +83,9 @@ def stage_offload(costs: StageCosts, stage: int) -> StageOffload:
     early = forward - step
     backlog = n - early / t if t > 0 else 0.0
     window_out = min(n, max(RESIDENT_LAYERS, backlog))
-    window_in = min(n, RESIDENT_LAYERS)
+    # the RELOAD brings back one layer while the kept ones wait for the backward; once those are
+    # consumed, the backward reads one reloaded layer while the next comes back
+    window_in = min(n, max(RESIDENT_LAYERS - 1, RESIDENT_LAYERS - (layers - n)))
 
     def need(backward: float) -> float:
         b = backward / layers
@@ -85,8 +98,17 @@ def stage_offload(costs: StageCosts, stage: int) -> StageOffload:
         need_b=need(costs.backward[stage]),
         need_i=need(costs.backward_input[stage]),
     )
-    away = max(0.0, offload_time - early)
-    return StageOffload(plan, n * per_layer, window_out * per_layer, window_in * per_layer, away)
+    # the forward's window leaves a layer at a time as each copy ends: back to back where the
+    # copies are the bottleneck, a layer's forward apart where compute is (whichever is longer)
+    memory = OffloadMemory(
+        moved=n * per_layer,
+        out=window_out * per_layer,
+        back=window_in * per_layer,
+        layer=per_layer,
+        gap=max(t, step),
+        layers=layers,
+    )
+    return StageOffload(plan, memory)
 
 
 def offload_stages(costs: StageCosts, num_stages: int) -> tuple[StageOffload, ...]:
@@ -95,7 +117,7 @@ def offload_stages(costs: StageCosts, num_stages: int) -> tuple[StageOffload, ..
 
 def reload_timing(costs: StageCosts, num_stages: int) -> ReloadTiming:
     """The just-in-time rule's numbers (``schedule.offload``) under the same model: each compute
-    action's simulated duration, each backward piece's ``need`` and each stage's ``away``."""
+    action's simulated duration and each backward piece's ``need``."""
     from pipetrain.sim.simulate import duration
 
     stages = offload_stages(costs, num_stages)
@@ -105,8 +127,4 @@ def reload_timing(costs: StageCosts, num_stages: int) -> ReloadTiming:
         wait = plan.need_i if backward.kind is OpKind.I else plan.need_b
         return plan.reload if wait is None else wait
 
-    return ReloadTiming(
-        duration=lambda action: duration(action, costs),
-        need=need,
-        away=lambda stage: stages[stage].away,
-    )
+    return ReloadTiming(duration=lambda action: duration(action, costs), need=need)

@@ -63,7 +63,7 @@ def _grads(model, x, offload: StageOffload | None, checkpointed: bool):
             loss = run()
         offload.offload(0)
         moved = [e for g in offload.micro[0].groups if g.offloaded for e in g.entries]
-        assert moved and all(e.device is None and e.host is not None for e in moved)
+        assert moved and all(e.device is None and e.blob.host is not None for e in moved)
         offload.reload(0)
         offload.ready(0)
     loss.backward()
@@ -96,6 +96,34 @@ def test_parameters_their_views_and_the_stage_input_are_never_copied() -> None:
     offload.offload(0)
     # saved: x (the input leaf: kept), the weight's transpose (kept), tanh's output (moved)
     assert offload.saved_bytes == offload.moved_bytes == UNIT
+
+
+def test_views_of_one_storage_move_as_one_copy_and_small_views_alone() -> None:
+    """SwiGLU saves both halves of one product (``silu(gate) * up``): one copy of the product's
+    storage, both views rebuilt over it on the way back; a small slice of a large tensor moves
+    its own elements only."""
+    w = nn.Linear(WIDTH, 2 * WIDTH).double()
+    big = nn.Linear(WIDTH, 8 * WIDTH).double()
+
+    def run(x):
+        gate, up = w(x).chunk(2, dim=-1)  # non-contiguous views of one storage
+        corner = big(x)[:, :8]  # a small view: 1/64 of its storage
+        return (torch.nn.functional.silu(gate) * up).sum() + torch.sin(corner).sum()
+
+    x = _input().requires_grad_()
+    expected = torch.autograd.grad(run(x), [x, *w.parameters(), *big.parameters()])
+    offload = _offload(w, 1.0)
+    offload.params = (*w.parameters(), *big.parameters())
+    with offload.capture(0):
+        loss = run(x)
+    offload.offload(0)
+    # saved: gate and up (views of the 2-UNIT product: one copy), silu(gate) (1 UNIT), the corner
+    # (ROWS x 8 float64: its own bytes, not its 8-UNIT storage)
+    assert offload.moved_bytes == 3 * UNIT + ROWS * 8 * 8
+    offload.reload(0)
+    offload.ready(0)
+    got = torch.autograd.grad(loss, [x, *w.parameters(), *big.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
 
 
 @pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])

@@ -267,44 +267,43 @@ def _peaks_and_makespan(program, costs, **insert):
 
 def test_layer_by_layer_offload_lowers_the_peak_of_1f1b_on_two_ranks() -> None:
     """1F1B on 2 ranks holds two micro-batches on rank 0: moving one whole micro-batch after its
-    forward cannot help (the next one's reload lands while the other's forward runs), moving it
-    layer by layer, reloaded just in time, leaves rank 0 with the last stage's one micro-batch."""
+    forward cannot help (its reload lands while the next one's forward runs); moving it layer by
+    layer, its first layers leave during its forward and only one comes back ahead of its
+    backward, which leaves rank 0 with the last stage's one micro-batch."""
     program = lower(build_schedule("1f1b", 2, 8))
     plain = simulate(program)
     assert plain.peak_activations == (2.0, 1.0)
     whole = Costs(offload=[1.0, 0.0], host_copy=0.3)
-    _, peaks = _peaks_and_makespan(program, whole, lead=1)
-    assert peaks == (2.0, 1.0)
+    timing = reload_timing(whole.per_stage(2), 2)
+    assert _peaks_and_makespan(program, whole, timing=timing)[1] == (2.0, 1.0)
     layered = dataclasses.replace(whole, layers=4)
     timing = reload_timing(layered.per_stage(2), 2)
     makespan, peaks = _peaks_and_makespan(program, layered, timing=timing)
     assert makespan == pytest.approx(plain.makespan) and peaks == (1.0, 1.0)
-    _, lead_one = _peaks_and_makespan(program, layered, lead=1)
-    assert lead_one[0] > peaks[0]  # one action ahead holds a reloaded layer through a forward
+    # right before the backward would hold less, but every backward would wait for its first layer
+    late, lower_peaks = _peaks_and_makespan(program, layered, lead=0)
+    assert late > makespan and lower_peaks[0] < peaks[0]
     half = dataclasses.replace(layered, offload=[0.5, 0.0])
     timing = reload_timing(half.per_stage(2), 2)
     makespan, peaks = _peaks_and_makespan(program, half, timing=timing)
-    assert makespan == pytest.approx(plain.makespan) and peaks == (1.5, 1.0)
+    assert makespan == pytest.approx(plain.makespan) and peaks == (1.25, 1.0)
     assert reload_leads(program, [0.5, 0.0], timing) == (0, 1)  # kept layers hide the reload
 
 
 def test_just_in_time_reloads_avoid_the_wait_a_fixed_lead_pays() -> None:
-    """A copy three forwards long: one action ahead, backwards wait for their reloads; just in
-    time the reloads start early enough, and micro-batches whose wait cannot hide the round trip
-    stay on the device."""
-    program = lower(build_schedule("1f1b", 4, 8))
+    """Copies two forwards long under ZBV: one action ahead, backwards wait for their reloads;
+    just in time, steady-state reloads start early enough and only the warm-up's wait."""
+    program = lower(build_schedule("zbv", 2, 16))
     plain = simulate(program)
-    slow = Costs(offload=[1.0, 1.0, 1.0, 0.0], host_copy=3.0)
+    slow = Costs(offload=[1.0, 1.0, 1.0, 0.0], host_copy=2.0)
     late, _ = _peaks_and_makespan(program, slow, lead=1)
     timing = reload_timing(slow.per_stage(4), 4)
-    able = offloadable_stages(program, 1, timing)
-    assert able == {0, 1}  # stage 2's micro-batches wait 4 actions: too short for 3 out, 3 back
-    slow = dataclasses.replace(slow, offload=[1.0, 1.0, 0.0, 0.0])
-    timing = reload_timing(slow.per_stage(4), 4)
-    on_time, peaks = _peaks_and_makespan(program, slow, timing=timing)
-    assert late > plain.makespan + 5 and on_time == pytest.approx(plain.makespan)
-    assert peaks[0] <= plain.peak_activations[0]
-    assert reload_leads(program, slow.offload, timing)[:2] == (2, 2)
+    on_time, _ = _peaks_and_makespan(program, slow, timing=timing)
+    assert late > 1.3 * plain.makespan and on_time < 1.1 * plain.makespan
+    leads = reload_leads(program, slow.offload, timing)
+    assert min(leads[:3]) >= 2
+    # the fixed leads a plan records place every reload at least as early, as fast
+    assert _peaks_and_makespan(program, slow, lead=leads)[0] == pytest.approx(on_time)
 
 
 def test_a_bad_lead_is_refused() -> None:

@@ -22,7 +22,7 @@ def test_one_piece_moves_the_share_after_the_forward() -> None:
     one = stage_offload(sc, 0)
     assert (one.moved, one.out, one.back) == (1.0, 1.0, 1.0)
     assert (one.plan.offload, one.plan.reload, one.plan.early) == (0.4, 0.4, 0.0)
-    assert one.plan.need_b is None and one.away == 0.4  # the backward waits for the whole reload
+    assert one.plan.need_b is None  # the backward waits for the whole reload
 
 
 def test_layer_by_layer_numbers() -> None:
@@ -31,7 +31,9 @@ def test_layer_by_layer_numbers() -> None:
                backward_weight=1.0).per_stage(1)  # fmt: skip
     two = stage_offload(sc, 0)
     assert two.moved == pytest.approx(0.5)
-    assert two.out == two.back == pytest.approx(0.5)  # RESIDENT_LAYERS of them at most
+    assert two.out == pytest.approx(0.5)  # RESIDENT_LAYERS of them at most
+    assert two.back == pytest.approx(0.25)  # one layer back while two kept ones wait
+    assert stage_offload(Costs(offload=1.0, layers=4).per_stage(1), 0).back == 0.5  # none kept
     assert two.plan.early == pytest.approx(0.75)  # starts when the first layer's forward ends
     assert two.plan.offload == pytest.approx(0.35)  # the second layer's copy ends 0.1 after it
     assert two.plan.reload == pytest.approx(0.2)
