@@ -27,7 +27,8 @@ measured. ``--budget-s`` skips the variants that would start after that many sec
 
 On 2 GPUs, from the repository root::
 
-    PYTHONPATH=$PWD torchrun --standalone --nproc-per-node 2 benchmarks/gpu/offload_gpu.py
+    PYTHONPATH=$PWD PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+      python3 -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/gpu/offload_gpu.py
 
 A CPU dry run (gloo, a tiny shape, float32, every code path; spawns its 2 processes itself)::
 

@@ -101,8 +101,7 @@ class _Blob:
 class _Micro:
     """A micro-batch's groups, in forward order."""
 
-    def __init__(self, mb: int) -> None:
-        self.mb = mb
+    def __init__(self) -> None:
         self.groups: list[_Group] = []
         self.saved_bytes = 0
         self.kept: set[int] = set()  # ids of the kept layers' saved tensors (counted once)
@@ -152,7 +151,7 @@ class StageOffload:
         and offload each offloaded layer's as its forward ends."""
         if mb not in self.microbatches or not torch.is_grad_enabled():  # eval saves nothing
             return nullcontext()
-        micro = self.micro[mb] = _Micro(mb)
+        micro = self.micro[mb] = _Micro()
         micro.groups.append(_Group(0, micro))
         return self._capturing(micro)
 
@@ -161,7 +160,8 @@ class StageOffload:
         params = _storages(self.params)
         pack = functools.partial(self._pack, micro, params)
         done = functools.partial(self._layer_done, micro)
-        handles = [layer.register_forward_hook(done) for layer in self.layers]
+        once = {id(layer): layer for layer in self.layers}.values()  # a layer used twice: one hook
+        handles = [layer.register_forward_hook(done) for layer in once]
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
                 yield

@@ -25,10 +25,10 @@ earlier: the copy out would have nothing to overlap), and before its backward; w
 too short for the copies, the backward waits for them (the simulator says how long, and the
 planner weighs that against the memory saved: the warm-up's micro-batches, whose reloads cannot
 hide, are the ones that set 1F1B's peak). A micro-batch whose backward directly follows its
-forward (every micro-batch of 1F1B's last stage) stays on the device. A copy is issued at its position in the row and runs on the rank's copy
-engine, one queue per direction, beside compute (``copy_engine``); the backward of ``(s, j)``
-waits for what ``RELOAD(s, j)`` brings back (the simulator's ``schedule.execute`` and the
-runtime's executor both wait there).
+forward (every micro-batch of 1F1B's last stage) stays on the device. A copy is issued at its
+position in the row and runs on the rank's copy engine, one queue per direction, beside compute
+(``copy_engine``); the backward of ``(s, j)`` waits for what ``RELOAD(s, j)`` brings back (the
+simulator's ``schedule.execute`` and the runtime's executor both wait there).
 
 ``check_copies`` states what a program with copies must satisfy; ``validate`` calls it.
 """
