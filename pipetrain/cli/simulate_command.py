@@ -1,8 +1,9 @@
 """``pipetrain simulate``: one step of a schedule (or of a program file) under given costs — the
 timeline drawn in the terminal with each rank's held activations over time under it, its bubble
 and memory, or one JSON object; an SVG (with the activation curves) or a Chrome/Perfetto trace on
-request. ``--offload`` inserts activation offload copies (``schedule.offload``) and draws them
-under the memory rows."""
+request. ``--offload`` inserts activation offload copies (``schedule.offload``), each reload just
+in time under the given costs, moved whole or, with ``--stage-layers`` > 1, layer by layer
+(``sim.offload_model``), and draws them under the memory rows."""
 
 from __future__ import annotations
 
@@ -28,12 +29,14 @@ from pipetrain.cli.flags import (
     width_of,
 )
 from pipetrain.schedule.lower import lower
-from pipetrain.schedule.offload import insert_offload, offloadable_stages
+from pipetrain.schedule.offload import check_fractions, insert_offload, offloadable_stages
 from pipetrain.schedule.program import Program, describe_shape
 from pipetrain.schedule.registry import build_schedule, family
 from pipetrain.schedule.timeline import Timeline
 from pipetrain.schedule.validate import validate
 from pipetrain.sim.compare import summary
+from pipetrain.sim.costs import Costs
+from pipetrain.sim.offload_model import reload_timing
 from pipetrain.sim.simulate import simulate
 
 COSTS_GROUP = (
@@ -58,8 +61,8 @@ OPTIONS = (
         type=cost_value,
         metavar="FRAC",
         help="share of each stage's activation kept in host memory between forward and "
-        "backward, in [0, 1]: one number (every stage whose micro-batches wait long enough) or "
-        "one per stage",
+        "backward, in [0, 1]: one number (every stage whose micro-batches wait long enough for "
+        "the copies) or one per stage; reloads are placed just in time",
         shown_default="none",
         group=COSTS_GROUP,
     ),
@@ -69,6 +72,16 @@ OPTIONS = (
         default=0.0,
         metavar="HC",
         help="time to copy one micro-batch's whole activation of a stage to host memory, one way",
+        group=COSTS_GROUP,
+    ),
+    Option(
+        ("--stage-layers",),
+        type=cost_value,
+        default=1,
+        metavar="L",
+        help="layers per stage (as a plan's stage_layers): with more than 1, --offload moves a stage's first ⌈FRAC·L⌉ "
+        "layers, each as its forward ends, and reloads them one ahead of its backward (as the "
+        "runtime does for a stage of layers); 1: the share moves in one copy after the forward",
         group=COSTS_GROUP,
     ),
     Option(("--json",), switch=True, help="print one JSON object instead of the timeline"),
@@ -84,8 +97,9 @@ def run(args: argparse.Namespace) -> int:
     program = program_from(args)
     costs = costs_from(args)
     if args.offload is not None:
-        program, fractions = _offloaded(program, args.offload)
-        costs = dataclasses.replace(costs, offload=fractions, host_copy=args.host_copy)
+        costs = dataclasses.replace(costs, host_copy=args.host_copy, layers=args.stage_layers)
+        program, fractions = _offloaded(program, args.offload, costs)
+        costs = dataclasses.replace(costs, offload=fractions)
     timeline = simulate(program, costs)
     if args.svg:
         from pipetrain.render import render_svg
@@ -111,17 +125,21 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _offloaded(
-    program: Program, offload: float | tuple[float, ...]
+    program: Program, offload: float | tuple[float, ...], costs: Costs
 ) -> tuple[Program, tuple[float, ...]]:
-    """The program with its offload copies, and the fraction per stage (one number: every stage
-    with a micro-batch to offload)."""
-    if isinstance(offload, tuple):
-        fractions = offload
-    else:
-        able = offloadable_stages(program)
-        fractions = tuple(offload if s in able else 0.0 for s in range(program.num_stages))
+    """The program with its offload copies, reloads just in time under ``costs``, and the
+    fraction per stage (one number: every stage with a micro-batch whose wait hides the copies)."""
+    n = program.num_stages
     try:
-        return validate(insert_offload(program, fractions)), fractions
+        check_fractions(offload if isinstance(offload, tuple) else (offload,) * n, n)
+        if isinstance(offload, tuple):
+            fractions = offload
+        else:
+            timing = reload_timing(dataclasses.replace(costs, offload=offload).per_stage(n), n)
+            able = offloadable_stages(program, 1, timing)
+            fractions = tuple(offload if s in able else 0.0 for s in range(n))
+        timing = reload_timing(dataclasses.replace(costs, offload=fractions).per_stage(n), n)
+        return validate(insert_offload(program, fractions, timing=timing)), fractions
     except ValueError as e:
         raise UsageError(f"--offload: {e}") from None
 

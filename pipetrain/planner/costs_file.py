@@ -24,8 +24,8 @@ one micro-batch holds from the layer's forward to its backward when the layer is
 its input, and on the last layer what the loss saves) and ``selective_activation`` (GiB: the
 same under selective recompute, which also keeps matrix products' and attention's outputs) — the
 planner's recompute model, ``planner.recompute``; per file ``host_bandwidth_gbs`` (GB/s between
-the device and pinned host memory, measured by the profiler on CUDA; recorded for activation
-offload, which is not built yet). Version 1 files still load (those fields absent: their
+the device and pinned host memory, measured by the profiler on CUDA; what the planner times
+activation offload's copies at). Version 1 files still load (those fields absent: their
 defaults); a version 1 file that gives them is refused, naming version 2. Files are written as
 version 2.
 

@@ -5,8 +5,10 @@ its peak of held activations over the simulated step), so the planner has one me
 two. A stage that recomputes is judged with its layers' costs under that mode
 (``recompute.recomputed_layer``), so recompute too is only other numbers to the simulator. A
 stage that offloads (PipeOffload, arXiv 2503.01328) is judged on its program with the copies
-inserted (``schedule.offload``), each copy lasting its share of the stage's activation over the
-costs file's ``host_bandwidth_gbs``, so the simulator's copy engine says what it costs and saves.
+inserted (``schedule.offload``), its reloads as far ahead of their backward as the just-in-time
+rule needs (``reload_leads``: the plan records them, so the runtime places them alike), its
+first layers moved layer by layer at the costs file's ``host_bandwidth_gbs``
+(``sim.offload_model``), so the simulator's copy engine says what it costs and saves.
 A ``Plan`` is what comes out: everything a ``Pipeline`` needs besides the model, with its
 prediction."""
 
@@ -19,10 +21,11 @@ from pipetrain.planner.costs_file import ModelCosts
 from pipetrain.planner.layout import Layout
 from pipetrain.planner.partition import bounds
 from pipetrain.planner.recompute import Recompute, recomputed_layer
-from pipetrain.schedule.offload import insert_offload, offloadable_stages
+from pipetrain.schedule.offload import insert_offload, offloadable_stages, reload_leads
 from pipetrain.schedule.program import Program
 from pipetrain.schedule.timeline import Timeline
 from pipetrain.sim.costs import Costs, rank_peak_memory
+from pipetrain.sim.offload_model import reload_timing
 from pipetrain.sim.simulate import simulate
 
 #: share of the budget kept free by default for what a costs file cannot see: the allocator's
@@ -186,7 +189,33 @@ def stage_costs(
         if (bandwidth := costs.host_bandwidth_gbs)
         else 0.0,
         offload=[offload[s % len(blocks)] for s in range(program.num_stages)] if offload else 0.0,
+        layers=[b - a for a, b in per_stage],
     )
+
+
+def planned_offload(
+    costs: ModelCosts,
+    program: Program,
+    cut: Sequence[int],
+    recompute: Sequence[str] = (),
+    offload: Sequence[float] = (),
+) -> tuple[tuple[float, ...], tuple[int, ...]]:
+    """Per position of ``cut``: the offload fraction the runtime can run (``offload``'s, or 0
+    where some stage at that position has no micro-batch whose wait hides the copies — the
+    just-in-time rule's judgement under the simulator's costs, ``schedule.offload``) and its
+    reload lead (``schedule.offload.reload_leads``)."""
+    if not any(offload):
+        return (), ()
+    n, positions = program.num_stages, len(cut)
+    sc = stage_costs(costs, program, cut, recompute, offload).per_stage(n)
+    timing = reload_timing(sc, n)
+    per_stage = [offload[s % positions] for s in range(n)]
+    leads = reload_leads(program, per_stage, timing)
+    lead = tuple(max(leads[s] for s in range(p, n, positions)) for p in range(positions))
+    able = offloadable_stages(program, 1, timing)
+    hidden = [f if all(s in able for s in range(p, n, positions)) else 0.0
+              for p, f in enumerate(offload)]  # fmt: skip
+    return usable_offload(program, positions, hidden, lead), lead
 
 
 def simulate_plan(
@@ -195,14 +224,18 @@ def simulate_plan(
     cut: Sequence[int],
     recompute: Sequence[str] = (),
     offload: Sequence[float] = (),
+    reload_lead: Sequence[int] = (),
 ) -> tuple[Timeline, tuple[float, ...]]:
     """The simulated timeline of ``program`` cut by ``cut`` (each stage recomputing as
-    ``recompute`` says and offloading as ``offload`` says; empty: none) and each rank's peak
-    memory (GiB)."""
+    ``recompute`` says and offloading as ``offload`` says, reloading ``reload_lead`` compute
+    actions ahead — empty: ``planned_offload``'s) and each rank's peak memory (GiB)."""
+    if any(offload) and not reload_lead:
+        offload, reload_lead = planned_offload(costs, program, cut, recompute, offload)
     sim_costs = stage_costs(costs, program, cut, recompute, offload)
     if any(offload):
         per_stage = [offload[s % len(cut)] for s in range(program.num_stages)]
-        program = insert_offload(program, per_stage)
+        leads = [reload_lead[s % len(cut)] for s in range(program.num_stages)]
+        program = insert_offload(program, per_stage, leads)
     timeline = simulate(program, sim_costs)
     peaks = rank_peak_memory(
         timeline, sim_costs.per_stage(program.num_stages), program.placement.rank_of_stage
@@ -226,14 +259,14 @@ def evaluate(
     layers hold no parameters, which the runtime refuses to recompute — and offloading as
     ``offload`` says (empty: none) — except a stage none of whose micro-batches waits long enough
     (``schedule.offload``), which the runtime refuses to offload."""
-    offload = usable_offload(program, len(cut), offload)
     recompute = tuple(
         Recompute.NONE.value
         if mode != Recompute.NONE and not any(x.params > 0 for x in costs.layers[a:b])
         else str(mode)
         for mode, (a, b) in zip(recompute, bounds(cut))
     )
-    timeline, peaks = simulate_plan(costs, program, cut, recompute, offload)
+    offload, lead = planned_offload(costs, program, cut, recompute, offload)
+    timeline, peaks = simulate_plan(costs, program, cut, recompute, offload, lead)
     return Candidate(
         plan=Plan(
             layout=Layout(
@@ -244,6 +277,7 @@ def evaluate(
                 stage_layers=cut,
                 recompute=tuple(recompute),
                 offload=offload,
+                reload_lead=lead if any(offload) else (),
             ),
             step_ms=timeline.makespan,
             bubble_fraction=timeline.bubble_fraction,
@@ -257,12 +291,16 @@ def evaluate(
     )
 
 
-def usable_offload(program: Program, positions: int, offload: Sequence[float]) -> tuple[float, ...]:
+def usable_offload(
+    program: Program, positions: int, offload: Sequence[float], lead: Sequence[int] = ()
+) -> tuple[float, ...]:
     """``offload`` (one fraction per position of the cut; empty: none) with 0 where no stage at
-    that position has a micro-batch ``insert_offload`` would offload (it would refuse them)."""
+    that position has a micro-batch ``insert_offload`` would offload at its position's ``lead``
+    (empty: 1) — it would refuse them."""
     if not any(offload):
         return ()
-    able = offloadable_stages(program)
+    per_stage = [lead[s % positions] for s in range(program.num_stages)] if lead else 1
+    able = offloadable_stages(program, per_stage)
     return tuple(
         f if all(s in able for s in range(pos, program.num_stages, positions)) else 0.0
         for pos, f in enumerate(offload)

@@ -6,7 +6,7 @@ One type for every reader: the planner's ``Plan`` is a layout and its prediction
 plan --json`` writes a layout's fields, ``Pipeline.from_plan`` and ``pipetrain train --plan`` read
 them back through ``Layout.from_json``, which checks them once and names the first missing or bad
 field. Plans written before recompute or offload (no ``recompute`` or ``offload`` key) read as
-recomputing and offloading nothing. Pure data, standard library only.
+recomputing and offloading nothing; plans without ``reload_lead`` reload 1 compute action ahead. Pure data, standard library only.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from pipetrain.planner.recompute import Recompute, parse_modes
-from pipetrain.schedule.offload import check_fractions
+from pipetrain.schedule.offload import OffloadSpec, check_fractions, check_leads
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,9 +32,14 @@ class Layout:
     #: per stage, in the order of ``stage_layers``: ``"none"``, ``"selective"`` or ``"full"``
     #: (``planner.recompute``); empty: ``"none"`` for every stage
     recompute: tuple[str, ...] = ()
-    #: per stage, in the order of ``stage_layers``: the fraction of its saved activation bytes
-    #: held in host memory between forward and backward (``schedule.offload``); empty: none
+    #: per stage, in the order of ``stage_layers``: the share of its activations held in host
+    #: memory between forward and backward — its first ⌈share × layers⌉ layers, moved layer by
+    #: layer (``schedule.offload``, ``runtime.host_offload``); empty: none
     offload: tuple[float, ...] = ()
+    #: per stage, in the order of ``stage_layers``: how many compute actions ahead of its backward
+    #: its reloads are issued (``schedule.offload.reload_leads``, the just-in-time rule reduced to
+    #: one number per stage); empty: 1 for every stage
+    reload_lead: tuple[int, ...] = ()
 
     #: the JSON fields every layout gives, in the order ``pipetrain plan --json`` prints them
     FIELDS: ClassVar[tuple[str, ...]] = (
@@ -51,6 +56,9 @@ class Layout:
         object.__setattr__(self, "recompute", tuple(m.value for m in parsed))
         fractions = self.offload or (0.0,) * len(self.stage_layers)
         object.__setattr__(self, "offload", check_fractions(fractions, len(self.stage_layers)))
+        if self.reload_lead:
+            leads = check_leads(self.reload_lead, len(self.stage_layers))
+            object.__setattr__(self, "reload_lead", leads)
         both = [
             s
             for s, (mode, f) in enumerate(zip(self.recompute, self.offload))
@@ -69,6 +77,11 @@ class Layout:
         return any(f > 0 for f in self.offload)
 
     @property
+    def offload_spec(self) -> OffloadSpec | None:
+        """What ``Pipeline(offload=...)`` takes to run this layout's offload (``None``: none)."""
+        return OffloadSpec(self.offload, self.reload_lead) if self.offloads else None
+
+    @property
     def recomputes(self) -> bool:
         """Whether some stage recomputes."""
         return any(m != Recompute.NONE for m in self.recompute)
@@ -82,7 +95,8 @@ class Layout:
         return sum(self.stage_layers)
 
     def to_json(self) -> dict[str, object]:
-        return {
+        """The JSON fields (``reload_lead`` only where the layout offloads and gives them)."""
+        out: dict[str, object] = {
             "schedule": self.schedule,
             "ranks": self.ranks,
             "stages_per_rank": self.stages_per_rank,
@@ -91,6 +105,9 @@ class Layout:
             "recompute": list(self.recompute),
             "offload": list(self.offload),
         }
+        if self.offloads and self.reload_lead:
+            out["reload_lead"] = list(self.reload_lead)
+        return out
 
     @classmethod
     def from_json(cls, raw: object) -> Layout:
@@ -136,12 +153,19 @@ class Layout:
                 f"the plan's 'offload' must be one fraction in [0, 1] per stage "
                 f"({len(stage_layers)}), got {offload!r}"
             )
+        leads = raw.get("reload_lead", [])
+        if not isinstance(leads, list | tuple):
+            raise ValueError(
+                f"the plan's 'reload_lead' must be one whole number >= 0 per stage "
+                f"({len(stage_layers)}), got {leads!r}"
+            )
         return cls(
             schedule=schedule,
             **counts,
             stage_layers=tuple(stage_layers),
             recompute=tuple(m.value for m in modes),
             offload=check_fractions(offload, len(stage_layers)),
+            reload_lead=check_leads(leads, len(stage_layers)) if leads else (),
         )
 
 

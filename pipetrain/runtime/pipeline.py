@@ -95,8 +95,8 @@ class Pipeline:
     ``receive_lead``: post each receive at most this many compute actions before its reader
     (``schedule.lower.post_receives_late``; docs/runtime.md, "Where receives are posted"); default
     1, Megatron-Core's; 0: right before it; ``None``: where lowering puts them. ``offload``: per
-    stage, the fraction of its saved activation bytes held in host memory between forward and
-    backward (``runtime.host_offload``; docs/runtime.md, "Activation offload").
+    stage, the share of its activations held in host memory between forward and backward (its
+    first layers, layer by layer), or an ``OffloadSpec`` (``runtime.host_offload``; docs/runtime.md).
     """
 
     @posts_failures(_PHASES)
@@ -120,7 +120,7 @@ class Pipeline:
         mesh: DeviceMesh | None = None,
         data_parallel: DataParallelKind | None = None,
         receive_lead: int | None = 1,
-        offload: Sequence[float] | None = None,
+        offload: resolve.Offload = None,
     ) -> None:
         resolve.require_process_group()
         groups = resolve.resolve_groups(group, mesh, data_parallel)
@@ -210,13 +210,13 @@ class Pipeline:
         return DataParallel(kind, self.modules, *replicas, reduction=reduction, tied=tied)
 
     def _build_runners(
-        self, loss_fn: LossFn, defer_weight_grads: bool | None, offload: Sequence[float] | None
+        self, loss_fn: LossFn, defer_weight_grads: bool | None, offload: resolve.Offload
     ) -> dict[int, StageRunner]:
         """A runner per local stage, told its step's last weight-gradient piece (hooks fire)."""
         last, row = self._last_stage, self.program.actions[self.rank]
         split = defer_weight_grads
         runners = {s: StageRunner(s, m, s == last, loss_fn, split) for s, m in self.modules.items()}
-        host_offload.attach(runners, offload, row, self.device)
+        host_offload.attach(runners, resolve.offload_fractions(offload), row, self.device)
         for stage, mb in resolve.last_weight_pieces(row).items():
             runners[stage].last_weight_microbatch = mb
         return runners
@@ -287,7 +287,7 @@ class Pipeline:
         stages = resolve.plan_stages(layers, layout, kwargs)  # cut in construction's phases
         per_rank, total = layout.stages_per_rank, len(layout.stage_layers)
         args = (stages, layout.schedule, layout.microbatches, loss_fn)
-        kwargs = {**kwargs, "offload": layout.offload if layout.offloads else None}
+        kwargs = {**kwargs, "offload": layout.offload_spec}
         return cls(*args, stages_per_rank=per_rank, num_stages=total, **kwargs)
 
     @classmethod

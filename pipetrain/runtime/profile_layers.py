@@ -32,7 +32,7 @@ so ``I`` and ``W`` are split exactly as a pipeline splits them):
   under selective recompute, with the outputs it caches (matrix products, fused attention)
   counted as they are made;
 * ``host_bandwidth_gbs`` (CUDA only, per file): a copy of the largest layer output to pinned
-  host memory, GB/s (for activation offload, which is not built yet);
+  host memory, GB/s (what the planner times activation offload's copies at);
 * ``activation_for_weight`` (CUDA only): what the allocator still holds per micro-batch after
   the layer's ``I`` pieces (the input gradients they returned let go), i.e. what waits for ``W``: the runtime keeps the
   retained graph or the deferred GEMMs' inputs and output gradients, which can exceed the

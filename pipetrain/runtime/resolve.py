@@ -27,7 +27,7 @@ from pipetrain.schedule import deps
 from pipetrain.schedule.action import Action, OpKind
 from pipetrain.schedule.copy_engine import has_copies
 from pipetrain.schedule.lower import lower, post_receives_late
-from pipetrain.schedule.offload import check_fractions, insert_offload
+from pipetrain.schedule.offload import OffloadSpec, check_fractions, insert_offload
 from pipetrain.schedule.posted_p2p import run_posted
 from pipetrain.schedule.program import Program
 from pipetrain.schedule.validate import validate
@@ -39,6 +39,10 @@ _log = logging.getLogger(__name__)
 
 Stages = Sequence[nn.Module] | Callable[[int], nn.Module]
 DataParallelKind = Literal["ddp", "fsdp"]
+
+
+#: what ``Pipeline(offload=...)`` takes: per-stage fractions, or fractions with reload leads
+Offload = Sequence[float] | OffloadSpec | None
 
 
 @dataclass(frozen=True)
@@ -155,7 +159,7 @@ def resolve_program(
     world: int,
     stages_per_rank: int | None,
     receive_lead: int | None = 1,
-    offload: Sequence[float] | None = None,
+    offload: Offload = None,
 ) -> Program:
     if isinstance(schedule, Program):
         program = schedule
@@ -206,9 +210,17 @@ def resolve_program(
     return validate(post_receives_late(program, receive_lead), "posted")
 
 
-def _with_offload(program: Program, offload: Sequence[float] | None, total: int) -> Program:
-    """The program with its offload copies: inserted for ``offload``'s fractions, or the
-    program's own (a program file may carry them; then ``offload`` says how much they move)."""
+def offload_fractions(offload: Offload) -> Sequence[float] | None:
+    """The per-stage fractions of ``Pipeline(offload=...)``, in either form."""
+    return offload.fractions if isinstance(offload, OffloadSpec) else offload
+
+
+def _with_offload(program: Program, offload: Offload, total: int) -> Program:
+    """The program with its offload copies: inserted for ``offload``'s fractions (each stage's
+    reloads its lead ahead of the backward), or the program's own (a program file may carry them;
+    then ``offload`` says how much they move)."""
+    leads = offload.leads(total) if isinstance(offload, OffloadSpec) else 1
+    offload = offload_fractions(offload)
     fractions = check_fractions(offload, total) if offload is not None else None
     if has_copies(program):
         if fractions is None or not any(fractions):
@@ -218,7 +230,7 @@ def _with_offload(program: Program, offload: Sequence[float] | None, total: int)
             )
         return program
     if fractions is not None and any(fractions):
-        return validate(insert_offload(program, fractions))
+        return validate(insert_offload(program, fractions, leads))
     return program
 
 

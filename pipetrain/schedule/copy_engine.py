@@ -7,9 +7,12 @@ GPU's copy engines, one per direction. The model ``schedule.execute`` runs with 
   (at time 0 before the first); it never holds up the rank's next compute action;
 * each rank has one queue per direction — device to host (``OFFLOAD``) and host to device
   (``RELOAD``) — and a copy starts when it is issued and its queue is free (a ``RELOAD`` also
-  not before its ``OFFLOAD`` ended), lasting its ``duration``;
+  not before its ``OFFLOAD`` ended), lasting its stage's ``CopyPlan`` time;
+* an ``OFFLOAD`` of a stage that offloads layer by layer streams during its forward: it may start
+  ``early`` before it is issued (its first layer's copy starts when that layer's forward ends);
 * the ``B`` or ``I`` of an offloaded (stage, micro-batch) starts no earlier than its ``RELOAD``
-  ends.
+  ends — or, where the stage reloads layer by layer inside its backward, ``need`` after the
+  ``RELOAD`` starts (the backward runs its kept layers, and each reloaded layer once it is back).
 
 The order within a row (``offload.check_copies``) guarantees that a copy's inputs are on its own
 rank and earlier in the row, so a copy never waits on another rank.
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from operator import attrgetter
+from typing import NamedTuple
 
 from pipetrain.schedule.action import COPY_KINDS, Action, OpKind
 from pipetrain.schedule.program import Program
@@ -26,6 +30,18 @@ from pipetrain.schedule.timeline import Span
 
 _WAITS = (OpKind.B, OpKind.I)
 _kind = attrgetter("kind")
+
+
+class CopyPlan(NamedTuple):
+    """How one stage's copies run: an ``OFFLOAD`` lasts ``offload`` and may start ``early`` before
+    it is issued; a ``RELOAD`` lasts ``reload``; a ``B`` (``I``) of an offloaded micro-batch may
+    start ``need_b`` (``need_i``) after its ``RELOAD`` starts (``None``: when it ends)."""
+
+    offload: float
+    reload: float
+    early: float = 0.0
+    need_b: float | None = None
+    need_i: float | None = None
 
 
 def has_copies(program: Program) -> bool:
@@ -38,8 +54,13 @@ class CopyEngine:
     """Per rank, the copies issued before each compute step; their spans once run."""
 
     def __init__(
-        self, rows: Sequence[Sequence[Action]], duration: Callable[[Action], float]
+        self,
+        rows: Sequence[Sequence[Action]],
+        duration: Callable[[Action], float],
+        plan: Callable[[int], CopyPlan] | None = None,
     ) -> None:
+        """``plan``: each stage's ``CopyPlan`` (``None``: each copy lasts ``duration`` of it and a
+        backward waits for its whole reload)."""
         #: [rank] -> compute index -> the copies issued just before it (after the previous one)
         self.pending: list[dict[int, list[Action]]] = []
         for row in rows:
@@ -51,14 +72,19 @@ class CopyEngine:
                 elif action.is_compute:
                     k += 1
             self.pending.append(issued)
-        self.cost = {
-            (kind, stage): duration(Action(kind, stage, 0))
-            for kind in COPY_KINDS
-            for stage in {a.stage for row in rows for a in row if a.kind in COPY_KINDS}
+        stages = {a.stage for row in rows for a in row if a.kind in COPY_KINDS}
+        self.plans = {
+            s: plan(s)
+            if plan is not None
+            else CopyPlan(
+                duration(Action(OpKind.OFFLOAD, s, 0)), duration(Action(OpKind.RELOAD, s, 0))
+            )
+            for s in stages
         }
         self.queue_free = [{OpKind.OFFLOAD: 0.0, OpKind.RELOAD: 0.0} for _ in rows]
         self.offloaded: dict[tuple[int, int], float] = {}  # (stage, mb) -> its OFFLOAD's end
-        self.reloaded: dict[tuple[int, int], float] = {}  # (stage, mb) -> its RELOAD's end
+        #: (stage, mb) -> when its B, and its I, may start (after what its RELOAD brings back)
+        self.reloaded: dict[tuple[int, int], tuple[float, float]] = {}
         self.spans: list[Span] = []
 
     def issue(self, rank: int, step: int, now: float) -> None:
@@ -69,22 +95,31 @@ class CopyEngine:
         queues = self.queue_free[rank]
         for copy in copies:
             key = (copy.stage, copy.microbatch)
-            start = max(now, queues[copy.kind])
-            if copy.kind is OpKind.RELOAD:
+            plan = self.plans[copy.stage]
+            if copy.kind is OpKind.OFFLOAD:
+                start = max(now - plan.early, queues[copy.kind])
+                end = queues[copy.kind] = start + plan.offload
+                self.offloaded[key] = end
+            else:
                 offloaded = self.offloaded.get(key)
                 if offloaded is None:
                     raise ValueError(
                         f"rank {rank}: {copy} runs before its OFFLOAD; validate the program "
                         "(offload.check_copies) before simulating it"
                     )
-                start = max(start, offloaded)
-            end = queues[copy.kind] = start + self.cost[copy.kind, copy.stage]
-            (self.offloaded if copy.kind is OpKind.OFFLOAD else self.reloaded)[key] = end
+                start = max(now, queues[copy.kind], offloaded)
+                end = queues[copy.kind] = start + plan.reload
+                self.reloaded[key] = (
+                    end if plan.need_b is None else start + max(0.0, plan.need_b),
+                    end if plan.need_i is None else start + max(0.0, plan.need_i),
+                )
             self.spans.append(Span(rank, copy, start, end))
 
     def ready(self, action: Action, start: float) -> float:
         """When ``action`` may start, given it could at ``start``: after the reloads it reads."""
         for part in action.compute_parts:
             if part.kind in _WAITS:
-                start = max(start, self.reloaded.get((part.stage, part.microbatch), start))
+                ready = self.reloaded.get((part.stage, part.microbatch))
+                if ready is not None:
+                    start = max(start, ready[part.kind is OpKind.I])
         return start

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 from pipetrain.schedule import deps
 from pipetrain.schedule.action import COMPUTE_KINDS, Action, OpKind
-from pipetrain.schedule.copy_engine import CopyEngine, has_copies
+from pipetrain.schedule.copy_engine import CopyEngine, CopyPlan, has_copies
 from pipetrain.schedule.placement import Placement
 from pipetrain.schedule.program import Program, ScheduleError
 from pipetrain.schedule.timeline import Span
@@ -122,14 +122,16 @@ def run(
     program: Program,
     duration: Callable[[Action], float],
     latency: Callable[[deps.Key], float] = _no_latency,
+    copy_plan: Callable[[int], CopyPlan] | None = None,
 ) -> Run:
-    """``execute``, with the times left per rank (see ``Run``)."""
+    """``execute``, with the times left per rank (see ``Run``); ``copy_plan``: how each stage's
+    copies run (``copy_engine.CopyPlan``; ``None``: each lasts ``duration`` of it)."""
     rule = deps.compile_rule(program.placement)
     stride = rule.stride
     plans = _plans(rule, duration, latency)
     pairs = _PairPlans(plans, stride, duration)
     rows = [[a for a in row if a.kind in COMPUTE_KINDS] for row in program.actions]
-    copies = CopyEngine(program.actions, duration) if has_copies(program) else None
+    copies = CopyEngine(program.actions, duration, copy_plan) if has_copies(program) else None
     produced: dict[int, float] = {}  # value -> when it was produced
     waiting: dict[int, list[int]] = {}  # value -> ranks parked on it
     pos = [0] * len(rows)

@@ -18,11 +18,16 @@ Metrics, as the ZB paper (Qi et al. 2024, §2) uses them:
   where a ``workspace_size`` is given, each action also uses its stage's workspace while it runs
   (an overlapped pair: the larger of its two stages'), so ``peak_activations`` is the peak of
   held activations plus the running action's temporaries;
-* offload (``schedule.offload``): where ``copies`` holds OFFLOAD/RELOAD spans, an OFFLOAD of stage
-  ``s`` frees ``offload_size[s]`` when it ends and its RELOAD takes it back when it starts
-  (PipeOffload, arXiv 2503.01328: the device copy lives until the copy has read it, and the
-  reloaded one from the start of the copy that writes it). Copies are not compute: they count in
-  no busy time, span or makespan.
+* offload (``schedule.offload``): where ``copies`` holds OFFLOAD/RELOAD spans, an offloaded
+  micro-batch of stage ``s`` keeps ``offload_memory[s].moved`` of its activation in host memory.
+  Its OFFLOAD frees ``out`` by the time it ends — ``layer`` at a time, each ``gap`` before the
+  next, the last at its end (the device copy lives until the copy has read it) — and its RELOAD
+  takes ``back`` when it starts (the reloaded copy lives from the start of the copy that writes
+  it; PipeOffload, arXiv 2503.01328). What is moved beyond those (a stage that offloads layer by
+  layer streams the rest during the forward and the backward, a couple of layers on the device at
+  a time: ``sim.offload_model``) is never held: its ``F`` allocates, and its last backward piece
+  frees, that much less; and an ``F`` of a stage of ``layers`` allocates layer by layer over its
+  span. Copies are not compute: they count in no busy time, span or makespan.
 """
 
 from __future__ import annotations
@@ -48,6 +53,22 @@ class Span(NamedTuple):
     @property
     def duration(self) -> float:
         return self.end - self.start
+
+
+class OffloadMemory(NamedTuple):
+    """What offload moves on one stage, in activation units: what an offloaded micro-batch keeps in
+    host memory (``moved``), what its forward still holds when it ends and its OFFLOAD frees
+    (``out``, ``layer`` at a time, the copies ``gap`` apart; ``layer`` 0: at once), and what its
+    RELOAD takes back when it starts (``back``); with ``layers`` > 1, a forward of the stage
+    allocates layer by layer over its span (on a rank where copies free memory during a forward,
+    allocating it all at its start would count what has left already)."""
+
+    moved: float
+    out: float
+    back: float
+    layer: float = 0.0
+    gap: float = 0.0
+    layers: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,8 +103,8 @@ class Timeline:
     workspace_size: tuple[float, ...] | None = None
     #: OFFLOAD/RELOAD spans on the ranks' copy engines (``schedule.copy_engine``)
     copies: tuple[Span, ...] = ()
-    #: per stage, what one OFFLOAD moves off the device, in activation units (``None``: nothing)
-    offload_size: tuple[float, ...] | None = None
+    #: per stage, what offload moves, in activation units (``None``: nothing)
+    offload_memory: tuple[OffloadMemory, ...] | None = None
 
     @cached_property
     def start(self) -> float:
@@ -133,7 +154,7 @@ class Timeline:
                 self.weight_activation_size or self.activation_size,
                 self.workspace_size,
                 rank_copies,
-                self.offload_size,
+                self.offload_memory,
             )
             for rank_spans, rank_copies in zip(
                 _by_rank(self.spans, self.num_ranks), _by_rank(self.copies, self.num_ranks)
@@ -188,22 +209,35 @@ def _activation_curve(
     weight_activation_size: Sequence[float],
     workspace_size: Sequence[float] | None = None,
     copies: Sequence[Span] = (),
-    offload_size: Sequence[float] | None = None,
+    moves: Sequence[OffloadMemory] | None = None,
 ) -> tuple[tuple[float, float], ...]:
     """Allocate at the start of F; between I and W hold the weight-gradient size; free at the end
-    of the last backward piece of (stage, mb); each action's workspace for its span alone."""
+    of the last backward piece of (stage, mb); each action's workspace for its span alone; an
+    offloaded micro-batch's streamed share never held (module docstring)."""
     parts = [(s, p) for s in spans for p in s.action.compute_parts]
     split = {(p.stage, p.microbatch) for _, p in parts if p.kind is OpKind.W}
+    offloaded = {
+        (c.action.stage, c.action.microbatch) for c in copies if c.action.kind is OpKind.OFFLOAD
+    }
     events: list[tuple[float, int, float]] = []  # (time, order, delta): frees sort before allocs
     for s, p in parts:
+        size, key = activation_size[p.stage], (p.stage, p.microbatch)
+        streamed_out = streamed_in = 0.0
+        if moves is not None and key in offloaded:
+            streamed_out = moves[p.stage].moved - moves[p.stage].out
+            streamed_in = moves[p.stage].moved - moves[p.stage].back
         if p.kind is OpKind.F:
-            events.append((s.start, 1, activation_size[p.stage]))
+            steps = moves[p.stage].layers if moves is not None else 1
+            for i in range(steps):
+                events.append(
+                    (s.start + i * (s.end - s.start) / steps, 1, (size - streamed_out) / steps)
+                )
         elif p.kind is OpKind.W:
             events.append((s.end, 0, -weight_activation_size[p.stage]))
-        elif (p.stage, p.microbatch) not in split:  # B, or an I whose W never runs here
-            events.append((s.end, 0, -activation_size[p.stage]))
+        elif key not in split:  # B, or an I whose W never runs here
+            events.append((s.end, 0, -(size - streamed_in)))
         else:  # I of a split backward: what W still needs stays
-            change = weight_activation_size[p.stage] - activation_size[p.stage]
+            change = weight_activation_size[p.stage] - (size - streamed_in)
             if change:
                 events.append((s.end, 0 if change < 0 else 1, change))
     if workspace_size is not None:
@@ -211,13 +245,17 @@ def _activation_curve(
             used = max(workspace_size[p.stage] for p in s.action.compute_parts)
             if used:
                 events += [(s.start, 1, used), (s.end, 0, -used)]
-    if offload_size is not None:
+    if moves is not None:
         for s in copies:
-            moved = offload_size[s.action.stage]
-            if s.action.kind is OpKind.OFFLOAD:
-                events.append((s.end, 0, -moved))
-            else:
-                events.append((s.start, 1, moved))
+            move = moves[s.action.stage]
+            if s.action.kind is OpKind.RELOAD:
+                events.append((s.start, 1, move.back))
+                continue
+            left, at = move.out, s.end
+            while left > 1e-12:  # the window leaves a layer at a time, the last at the end
+                piece = min(left, move.layer) if move.layer > 0 else left
+                events.append((max(s.start, at), 0, -piece))
+                left, at = left - piece, at - move.gap
     if not events:
         return ((0.0, 0.0),)
     events.sort(key=itemgetter(0, 1))

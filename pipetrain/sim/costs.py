@@ -5,8 +5,8 @@ chunk as placed: with two stages per rank each is its own chunk). Defaults follo
 unit model: forward = input-gradient = weight-gradient = 1, full backward = input + weight,
 an overlapped F&B pair = its forward + its backward (no overlap gain unless measured), no
 communication, activation size 1, held unchanged between a split backward's I and W, no
-workspace, nothing offloaded (an OFFLOAD/RELOAD moves ``offload`` of its stage's activation and
-lasts that share of ``host_copy``).
+workspace, nothing offloaded (how an OFFLOAD/RELOAD moves ``offload`` of its stage's activation,
+whole or layer by layer over the stage's ``layers``, is ``sim.offload_model``'s).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ class StageCosts:
     static: tuple[float, ...] = ()
     host_copy: tuple[float, ...] = ()
     offload: tuple[float, ...] = ()
+    layers: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,6 +65,11 @@ class Costs:
     host_copy: Cost = 0.0
     #: the fraction of a stage's activation each of its OFFLOAD actions moves, in [0, 1]
     offload: Cost = 0.0
+    #: layers in a stage, over which its activation is spread evenly: with more than one, offload
+    #: moves its first ⌈offload × layers⌉ layers, each as soon as its forward ends, and brings
+    #: them back one ahead of its backward (``sim.offload_model``); 1: the share moves in one copy
+    #: after the forward
+    layers: Cost = 1
 
     def scaled(self, factor: float) -> Costs:
         """Every time and size multiplied by ``factor`` (e.g. 1/v to split a rank's share of the
@@ -89,9 +95,10 @@ class Costs:
                     "give one number here (per-stage lists work with simulate)"
                 )
             values[name] = None if value is None else value * (1.0 if name == "comm" else factor)
-        if not isinstance(self.offload, int | float):
-            raise ValueError("cost offload: compare needs one fraction for every stage")
-        return Costs(**values, offload=self.offload)
+        for name in ("offload", "layers"):
+            if not isinstance(getattr(self, name), int | float):
+                raise ValueError(f"cost {name}: compare needs one number for every stage")
+        return Costs(**values, offload=self.offload, layers=self.layers)
 
     def per_stage(self, num_stages: int) -> StageCosts:
         """Resolve to per-stage tuples; ``ValueError`` names a bad value and the legal ones."""
@@ -124,6 +131,7 @@ class Costs:
             static=_resolve("static", self.static, num_stages),
             host_copy=_resolve("host_copy", self.host_copy, num_stages),
             offload=_resolve_fraction(self.offload, num_stages),
+            layers=_resolve_layers(self.layers, num_stages),
         )
 
 
@@ -144,6 +152,13 @@ def _resolve_fraction(value: Cost, num_stages: int) -> tuple[float, ...]:
     if any(v > 1 for v in values):
         raise ValueError(f"cost offload is a fraction in [0, 1] per stage, got {list(values)}")
     return values
+
+
+def _resolve_layers(value: Cost, num_stages: int) -> tuple[int, ...]:
+    values = _resolve("layers", value, num_stages)
+    if any(v < 1 or v != int(v) for v in values):
+        raise ValueError(f"cost layers is a whole number >= 1 per stage, got {list(values)}")
+    return tuple(int(v) for v in values)
 
 
 def rank_peak_memory(

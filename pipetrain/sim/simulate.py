@@ -13,10 +13,10 @@ The model (the one the ZB paper, Qi et al. 2024 §2 and Table 2, uses to state i
 * SEND/RECV actions in a lowered program cost nothing themselves: communication is the latency
   above, so the same program simulates the same lowered or not;
 * OFFLOAD/RELOAD copies (``schedule.offload``) run on the rank's copy engine, one queue per
-  direction, beside compute (``schedule.copy_engine``: PipeOffload, arXiv 2503.01328); each lasts
-  ``offload × host_copy`` of its stage, and the backward of an offloaded micro-batch waits for
-  its reload. Each OFFLOAD frees ``offload × activation`` when it ends, its RELOAD takes it back
-  when it starts (``Timeline``).
+  direction, beside compute (``schedule.copy_engine``: PipeOffload, arXiv 2503.01328); how long
+  each lasts, when the backward of an offloaded micro-batch may start, and what the copies free
+  and take back (``Timeline``) is ``sim.offload_model``'s: the share in one copy after the
+  forward, or layer by layer where a stage has ``layers`` > 1.
 
 Activations are accounted by the ``Timeline`` (held from the start of F to the end of the last
 backward piece, times the stage's activation size). The event loop is ``schedule.execute``, the
@@ -30,6 +30,7 @@ from pipetrain.schedule.execute import run
 from pipetrain.schedule.program import Program
 from pipetrain.schedule.timeline import Timeline
 from pipetrain.sim.costs import Costs, StageCosts
+from pipetrain.sim.offload_model import offload_stages, stage_offload
 
 
 def duration(action: Action, costs: StageCosts) -> float:
@@ -43,8 +44,10 @@ def duration(action: Action, costs: StageCosts) -> float:
             return costs.backward_input[action.stage]
         case OpKind.W:
             return costs.backward_weight[action.stage]
-        case OpKind.OFFLOAD | OpKind.RELOAD:
-            return costs.host_copy[action.stage] * costs.offload[action.stage]
+        case OpKind.OFFLOAD:
+            return stage_offload(costs, action.stage).plan.offload
+        case OpKind.RELOAD:
+            return stage_offload(costs, action.stage).plan.reload
         case OpKind.OVERLAP_F_B:
             pair = costs.forward_backward[action.stage]
             if pair is not None:
@@ -59,13 +62,18 @@ def simulate(program: Program, costs: Costs | None = None) -> Timeline:
     sc = (costs or Costs()).per_stage(program.num_stages)
     # The event loop asks a plain action's duration and a value's latency once per stage (they
     # depend on kind and stage only), so neither costs a call per action.
-    ran = run(program, lambda action: duration(action, sc), lambda key: sc.comm[key[1]])
-    offload = tuple(f * a for f, a in zip(sc.offload, sc.activation))
+    offload = offload_stages(sc, program.num_stages)
+    ran = run(
+        program,
+        lambda action: duration(action, sc),
+        lambda key: sc.comm[key[1]],
+        lambda stage: offload[stage].plan,
+    )
     return Timeline(
         num_ranks=program.num_ranks,
         spans=tuple(ran.spans()),
         copies=ran.copies,
-        offload_size=offload if ran.copies else None,
+        offload_memory=tuple(o.memory for o in offload) if ran.copies else None,
         activation_size=sc.activation,
         weight_activation_size=sc.activation_for_weight,
         workspace_size=sc.workspace if any(sc.workspace) else None,

@@ -293,3 +293,12 @@ def test_simulate_offload_marks_the_copies_and_refuses_bad_fractions(capsys) -> 
     assert "offload fraction of stage 0 must be a number in [0, 1]" in capsys.readouterr().err
     assert main([*argv, "--offload", "0,0,0,1"]) == 2
     assert "nothing to offload there" in capsys.readouterr().err
+    # layer by layer (4 layers per stage), reloads just in time: rank 0 of 1F1B on 2 ranks
+    # holds what the last stage holds, one micro-batch, instead of two
+    two = ["simulate", "1f1b", "--ranks", "2", "--microbatches", "8", "--offload", "1"]
+    assert main([*two, "--host-copy", "0.3", "--stage-layers", "4"]) == 0
+    assert "peak activations per rank [1, 1]" in capsys.readouterr().out
+    assert main([*two, "--host-copy", "0.3"]) == 0  # in one piece it cannot help there
+    assert "peak activations per rank [2, 1]" in capsys.readouterr().out
+    assert main([*two, "--stage-layers", "0"]) == 2
+    assert "cost layers is a whole number >= 1" in capsys.readouterr().err

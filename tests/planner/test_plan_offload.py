@@ -9,7 +9,13 @@ import pytest
 
 from pipetrain.planner import Layout, ModelCosts, NoPlanFits, plan, search
 from pipetrain.planner.costs_file import LayerCost
-from pipetrain.planner.judge import Budget, evaluate, stage_costs, usable_offload
+from pipetrain.planner.judge import (
+    Budget,
+    evaluate,
+    planned_offload,
+    stage_costs,
+    usable_offload,
+)
 from pipetrain.planner.search import simulate_plan
 from pipetrain.schedule.action import OpKind
 from pipetrain.schedule.registry import build_schedule
@@ -39,17 +45,34 @@ def test_copies_last_their_share_of_the_activation_over_the_host_bandwidth() -> 
     kinds = {s.action.kind for s in timeline.copies}
     assert kinds == {OpKind.OFFLOAD, OpKind.RELOAD}
     assert peaks[0] < plain[0] and peaks[3] == pytest.approx(plain[3])
-    slow, _ = simulate_plan(costs(1.0), program, (2, 2, 2, 2), (), (1.0, 1.0, 1.0, 0.0))
-    assert slow.makespan > timeline.makespan  # backwards wait for slow reloads
+    assert sc.layers == [2, 2, 2, 2]  # offload moves each stage's first layers, layer by layer
+    # copies slower than compute: the backwards wait, and the planner sees it ...
+    slow = costs(200.0)
+    offload, leads = planned_offload(slow, program, (2, 2, 2, 2), (), (1.0, 1.0, 1.0, 0.0))
+    assert offload == (1.0, 1.0, 1.0, 0.0) and leads[0] > 1  # reloads issued further ahead
+    waited, _ = simulate_plan(slow, program, (2, 2, 2, 2), (), offload)
+    assert waited.makespan > timeline.makespan
+    # ... no more than with the reloads one action ahead of their backward
+    late, _ = simulate_plan(slow, program, (2, 2, 2, 2), (), offload, (1, 1, 1, 1))
+    assert late.makespan >= waited.makespan - 1e-9
 
 
 def test_stages_that_cannot_offload_plan_zero() -> None:
     program = build_schedule("1f1b", 2, 4)  # the last stage's backward follows its forward
     assert usable_offload(program, 2, (1.0, 1.0)) == (1.0, 0.0)
-    judged = evaluate(costs(10.0), program, "1f1b", 1, (4, 4), "offload", Budget(1e3, 0), (),
+    judged = evaluate(costs(1e5), program, "1f1b", 1, (4, 4), "offload", Budget(1e3, 0), (),
                       (1.0, 1.0))  # fmt: skip
     assert judged.plan.offload == (1.0, 0.0)
-    assert Layout.from_json(judged.plan.to_json()).offload == (1.0, 0.0)
+    assert judged.plan.to_json()["reload_lead"] == [1, 1]  # every layer moved: reload one ahead
+    judged = evaluate(costs(1e5), program, "1f1b", 1, (4, 4), "offload", Budget(1e3, 0), (),
+                      (0.5, 1.0))  # fmt: skip
+    layout = Layout.from_json(judged.plan.to_json())
+    assert layout.offload == (0.5, 0.0) and layout.reload_lead == judged.plan.layout.reload_lead
+    # fast copies and two kept layers: the reloads go right before their backward (lead 0) ...
+    assert judged.plan.to_json()["reload_lead"] == [0, 1]
+    # ... and Pipeline.from_plan runs them there
+    spec = layout.offload_spec
+    assert spec is not None and spec.leads(2) == (0, 1)
 
 
 def test_offload_only_when_nothing_fits_and_only_with_a_measured_bandwidth() -> None:

@@ -40,7 +40,7 @@ def test_plans_the_runtime_cannot_run_are_refused_on_every_rank(two_ranks):
         "stage 1 (layers act) recomputes 'full', but none of its layers holds parameters"
         in (r0["no parameters"])
     )
-    # 1F1B on 2 ranks with 2 micro-batches: stage 0's backward follows its forward too closely
+    # 1F1B on 2 ranks: the last stage's backward directly follows its forward
     assert "nothing to offload there" in r0["offload"]
     assert "unknown recompute mode 'everything'; legal: 'none', 'selective', 'full'" in r0["mode"]
 

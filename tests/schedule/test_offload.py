@@ -1,10 +1,13 @@
 """Offload as data: ``insert_offload`` keeps every family's programs valid and deadlock-free
 (compute-only and lowered, blocking and posted transport, receives posted late), every OFFLOAD
 has exactly one RELOAD before the backward that reads it, the validator refuses copies out of
-order, and the simulator's copy engine times them (PipeOffload, arXiv 2503.01328)."""
+order, the simulator's copy engine times them (PipeOffload, arXiv 2503.01328), and reloads placed
+just in time come as late as their copy allows — which, with layer-by-layer offload, lowers the
+peak where moving whole micro-batches cannot."""
 
 from __future__ import annotations
 
+import dataclasses
 from itertools import pairwise
 
 import pytest
@@ -13,11 +16,12 @@ from hypothesis import strategies as st
 
 from pipetrain.schedule.action import Action, OpKind, parse_action
 from pipetrain.schedule.lower import lower, post_receives_late
-from pipetrain.schedule.offload import insert_offload, offloadable_stages
+from pipetrain.schedule.offload import insert_offload, offloadable_stages, reload_leads
 from pipetrain.schedule.program import ScheduleError
 from pipetrain.schedule.registry import FAMILIES, build_schedule
 from pipetrain.schedule.validate import validate
 from pipetrain.sim.costs import Costs
+from pipetrain.sim.offload_model import reload_timing
 from pipetrain.sim.simulate import simulate
 
 
@@ -165,3 +169,145 @@ def test_programs_with_copies_round_trip_through_files(tmp_path) -> None:
         save_program(program, path)
         loaded = validate(load_program(path))
         assert loaded.actions == program.actions and loaded.placement == program.placement
+
+
+# -- the just-in-time rule --------------------------------------------------------------------
+
+
+def _compute_positions(row):
+    """Per (stage, mb): (compute index of its F, of its RELOAD's next compute action, of its
+    first backward piece), for the micro-batches ``row`` offloads."""
+    k, forward, reload, backward = 0, {}, {}, {}
+    for action in row:
+        if action.kind is OpKind.RELOAD:
+            reload[action.stage, action.microbatch] = k
+        elif action.is_compute:
+            for part in action.compute_parts:
+                key = (part.stage, part.microbatch)
+                if part.kind is OpKind.F:
+                    forward[key] = k
+                elif part.kind in (OpKind.B, OpKind.I) and key not in backward:
+                    backward[key] = (k, part)
+            k += 1
+    return {key: (forward[key], issue, *backward[key]) for key, issue in reload.items()}
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    name=st.sampled_from(list(FAMILIES)),
+    p=st.integers(1, 6),
+    v=st.integers(1, 3),
+    m=st.integers(1, 16),
+    fraction=st.floats(0.05, 1.0),
+    layers=st.integers(1, 5),
+    copy=st.floats(0.0, 6.0),
+    forward=st.floats(0.2, 2.0),
+    backward_input=st.floats(0.2, 2.0),
+)
+def test_reloads_come_just_in_time(
+    name, p, v, m, fraction, layers, copy, forward, backward_input
+) -> None:
+    """Every reload is issued as late as its copy allows — the compute actions between it and its
+    backward last at least its ``need``, one action fewer would not — never before the action after
+    its forward, and so never brings a second micro-batch back where waiting for the first's
+    backward would have been enough; programs stay valid, and free copies change nothing but
+    memory."""
+    try:
+        program = lower(build_schedule(name, p, m, v if FAMILIES[name].multi_stage else None))
+    except ValueError:
+        return
+    n = program.num_stages
+    costs = Costs(forward=forward, backward_input=backward_input, host_copy=copy, layers=layers,
+                  offload=fraction)  # fmt: skip
+    sc = costs.per_stage(n)
+    timing = reload_timing(sc, n)
+    able = offloadable_stages(program, 1, timing)
+    fractions = [fraction if s in able else 0.0 for s in range(n)]
+    if not any(fractions):
+        return
+    costs = Costs(forward=forward, backward_input=backward_input, host_copy=copy, layers=layers,
+                  offload=fractions)  # fmt: skip
+    timing = reload_timing(costs.per_stage(n), n)
+    offloaded = validate(insert_offload(program, fractions, timing=timing))
+    validate(post_receives_late(offloaded, 1), "posted")
+    assert offloaded.compute_only() == program.compute_only()
+    for row in offloaded.actions:
+        compute = [a for a in row if a.is_compute]
+        durations = [timing.duration(a) for a in compute]
+        places = _compute_positions(row)
+        for key, (f, issue, k, backward) in places.items():
+            need = max(0.0, timing.need(backward))
+            assert f + 2 <= issue <= k, (key, f, issue, k)
+            covered = sum(durations[issue:k])
+            assert covered >= need - 1e-9 or issue == f + 2, (key, covered, need)
+            if issue < k:  # one action later would be late
+                assert sum(durations[issue + 1 : k]) < need, (key, issue, k)
+            for other, (_, other_issue, other_k, _) in places.items():
+                if other != key and other_issue <= issue <= other_k < k:
+                    # two micro-batches' reloads at once: only where waiting was too late
+                    assert sum(durations[other_k + 1 : k]) < need, (key, other)
+    plain = simulate(program)
+    free = simulate(offloaded, dataclasses.replace(costs, host_copy=0.0, forward=1.0,
+                                                   backward_input=1.0))  # fmt: skip
+    assert free.makespan == pytest.approx(plain.makespan)
+    assert all(a <= b + 1e-9 for a, b in zip(free.peak_activations, plain.peak_activations))
+    # the fixed leads reload_leads records are at least as early for every micro-batch
+    leads = reload_leads(program, fractions, timing)
+    fixed = _compute_positions(insert_offload(program, fractions, leads).actions[0])
+    for key, (_, issue, _, _) in _compute_positions(offloaded.actions[0]).items():
+        if key in fixed:
+            assert fixed[key][1] <= issue
+
+
+def _peaks_and_makespan(program, costs, **insert):
+    offloaded = validate(insert_offload(program, costs.offload, **insert))
+    timeline = simulate(offloaded, costs)
+    return timeline.makespan, timeline.peak_activations
+
+
+def test_layer_by_layer_offload_lowers_the_peak_of_1f1b_on_two_ranks() -> None:
+    """1F1B on 2 ranks holds two micro-batches on rank 0: moving one whole micro-batch after its
+    forward cannot help (its reload lands while the next one's forward runs); moving it layer by
+    layer, its first layers leave during its forward and only one comes back ahead of its
+    backward, which leaves rank 0 with the last stage's one micro-batch."""
+    program = lower(build_schedule("1f1b", 2, 8))
+    plain = simulate(program)
+    assert plain.peak_activations == (2.0, 1.0)
+    whole = Costs(offload=[1.0, 0.0], host_copy=0.3)
+    timing = reload_timing(whole.per_stage(2), 2)
+    assert _peaks_and_makespan(program, whole, timing=timing)[1] == (2.0, 1.0)
+    layered = dataclasses.replace(whole, layers=4)
+    timing = reload_timing(layered.per_stage(2), 2)
+    makespan, peaks = _peaks_and_makespan(program, layered, timing=timing)
+    assert makespan == pytest.approx(plain.makespan) and peaks == (1.0, 1.0)
+    # right before the backward would hold less, but every backward would wait for its first layer
+    late, lower_peaks = _peaks_and_makespan(program, layered, lead=0)
+    assert late > makespan and lower_peaks[0] < peaks[0]
+    half = dataclasses.replace(layered, offload=[0.5, 0.0])
+    timing = reload_timing(half.per_stage(2), 2)
+    makespan, peaks = _peaks_and_makespan(program, half, timing=timing)
+    assert makespan == pytest.approx(plain.makespan) and peaks == (1.25, 1.0)
+    assert reload_leads(program, [0.5, 0.0], timing) == (0, 1)  # kept layers hide the reload
+
+
+def test_just_in_time_reloads_avoid_the_wait_a_fixed_lead_pays() -> None:
+    """Copies two forwards long under ZBV: one action ahead, backwards wait for their reloads;
+    just in time, steady-state reloads start early enough and only the warm-up's wait."""
+    program = lower(build_schedule("zbv", 2, 16))
+    plain = simulate(program)
+    slow = Costs(offload=[1.0, 1.0, 1.0, 0.0], host_copy=2.0)
+    late, _ = _peaks_and_makespan(program, slow, lead=1)
+    timing = reload_timing(slow.per_stage(4), 4)
+    on_time, _ = _peaks_and_makespan(program, slow, timing=timing)
+    assert late > 1.3 * plain.makespan and on_time < 1.1 * plain.makespan
+    leads = reload_leads(program, slow.offload, timing)
+    assert min(leads[:3]) >= 2
+    # the fixed leads a plan records place every reload at least as early, as fast
+    assert _peaks_and_makespan(program, slow, lead=leads)[0] == pytest.approx(on_time)
+
+
+def test_a_bad_lead_is_refused() -> None:
+    with pytest.raises(ValueError, match="reload lead has 3 values"):
+        insert_offload(_one_f_one_b(), [1.0, 0.0, 0.0, 0.0], [1, 1, 1])
+    with pytest.raises(ValueError, match="number of compute actions >= 0"):
+        insert_offload(_one_f_one_b(), [1.0, 0.0, 0.0, 0.0], -1)

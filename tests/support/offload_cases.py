@@ -1,7 +1,11 @@
 """Per-rank runner for ``test_runtime_offload``: ``Pipeline(offload=...)`` against unsplit
-training in float64 on gloo, where a copy to host memory is a plain copy into new storage."""
+training in float64 on gloo, where a copy to host memory is a plain copy into new storage. Each
+stage is a list of ``LAYERS`` blocks (the last one's ends in the head), so offload moves layer by
+layer; one case runs plain modules, which move in one piece."""
 
 from __future__ import annotations
+
+from itertools import pairwise
 
 import torch
 from torch import nn
@@ -29,20 +33,36 @@ class Head(nn.Module):
         return self.out(torch.relu(h))
 
 
-def build(num_stages: int) -> list[nn.Module]:
+#: layers per stage of a layered case
+LAYERS = 3
+#: one saved activation of a micro-batch, in bytes
+UNIT = ROWS * WIDTH * 8
+
+
+def build(num_stages: int, layered: bool = False) -> list[nn.Module]:
     stages: list[nn.Module] = []
     for i in range(num_stages):
         torch.manual_seed(100 + i)
-        stages.append((Head() if i == num_stages - 1 else Block()).double())
+        if not layered:
+            stages.append((Head() if i == num_stages - 1 else Block()).double())
+            continue
+        layers = [Block() for _ in range(LAYERS)]
+        stages.append(nn.Sequential(*layers, *([Head()] if i == num_stages - 1 else [])).double())
     return stages
+
+
+def layer_bytes(layers: int) -> list[int]:
+    """What each block of a layered stage saves that offload moves: its input (but the first
+    block's, the stage's input, a leaf the stage holds anyway), ``tanh``'s output and ``b``'s."""
+    return [2 * UNIT] + [3 * UNIT] * (layers - 1)
 
 
 def loss_fn(out, y):
     return nn.functional.mse_loss(out, y)
 
 
-def _reference(num_stages: int, x, y, steps: int):
-    stages = build(num_stages)
+def _reference(num_stages: int, x, y, steps: int, layered: bool):
+    stages = build(num_stages, layered)
     for _ in range(steps):
         h = x
         for m in stages:
@@ -53,35 +73,45 @@ def _reference(num_stages: int, x, y, steps: int):
     return loss.detach(), grads
 
 
-#: (schedule, stages per rank, micro-batches, offload fraction of every stage but the last)
+#: (schedule, stages per rank, micro-batches, offload fraction of every stage but the last,
+#: whether stages are lists of layers)
 CASES = [
-    ("1f1b", 1, 4, 1.0),
-    ("interleaved-1f1b", 2, 4, 0.5),
-    ("zb-h1", 1, 4, 1.0),
-    ("zbv", 2, 4, 0.75),
-    ("dualpipev", 2, 6, 1.0),
+    ("1f1b", 1, 4, 1.0, True),
+    ("1f1b", 1, 4, 0.5, False),
+    ("interleaved-1f1b", 2, 4, 0.5, True),
+    ("zb-h1", 1, 4, 1.0, True),
+    ("zbv", 2, 4, 0.75, True),
+    ("zbv", 2, 4, 0.3, True),
+    ("dualpipev", 2, 6, 1.0, True),
 ]
+STEPS = 2
 
 
 def run_offload(rank: int, world: int, defer_weight_grads: bool) -> dict:
     """Per case: the differences from unsplit training (empty when exact), and per local
-    offloaded stage (bytes moved to host, bytes the offloaded micro-batches saved, fraction)."""
+    offloaded stage (bytes moved to host, bytes the offloaded micro-batches saved, fraction,
+    the bytes layer-by-layer offload should have moved — ``None`` for a stage in one piece)."""
     import pipetrain
+    from pipetrain.schedule.action import OpKind
+    from pipetrain.schedule.offload import offloaded_layers
 
     out: dict = {"differences": [], "moved": {}}
-    for name, v, m, fraction in CASES:
+    for name, v, m, fraction, layered in CASES:
         num_stages = world * v
-        stages = build(num_stages)
+        stages = build(num_stages, layered)
         offload = [fraction] * (num_stages - 1) + [0.0]
         pipe = pipetrain.Pipeline(
             stages, name, m, loss_fn, stages_per_rank=v, device="cpu",
             defer_weight_grads=defer_weight_grads, offload=offload,
         )  # fmt: skip
+        for runner in pipe._runners.values():
+            if runner.offload is not None:
+                runner.offload.min_bytes = 0  # every activation here is 2 KiB
         g = torch.Generator().manual_seed(3)
         x = torch.randn(ROWS * m, WIDTH, generator=g, dtype=torch.float64)
         y = torch.randn(ROWS * m, 2, generator=g, dtype=torch.float64)
-        losses = [pipe.step(x, y) for _ in range(2)]
-        ref_loss, ref_grads = _reference(num_stages, x, y, steps=2)
+        losses = [pipe.step(x, y) for _ in range(STEPS)]
+        ref_loss, ref_grads = _reference(num_stages, x, y, STEPS, layered)
         for i, loss in enumerate(losses):
             if abs(float(loss) - float(ref_loss)) > 1e-12 * abs(float(ref_loss)):
                 out["differences"].append(f"{name}: step {i} loss {float(loss)} != {ref_loss}")
@@ -92,8 +122,13 @@ def run_offload(rank: int, world: int, defer_weight_grads: bool) -> dict:
                     out["differences"].append(f"{name}: stage {s} {n} gradient differs")
             stage_offload = pipe._runners[s].offload
             if stage_offload is not None:
-                moved = (stage_offload.moved_bytes, stage_offload.saved_bytes, fraction)
-                out["moved"][f"{name} stage {s}"] = moved
+                row = pipe.program.actions[rank]
+                copies = sum(a.kind is OpKind.OFFLOAD and a.stage == s for a in row)
+                moved_layers = offloaded_layers(fraction, LAYERS)
+                expected = STEPS * copies * sum(layer_bytes(LAYERS)[:moved_layers])
+                moved = (stage_offload.moved_bytes, stage_offload.saved_bytes, fraction,
+                         expected if layered else None)  # fmt: skip
+                out["moved"][f"{name} {fraction} stage {s}"] = moved
         assert all(r.leftovers() == 0 for r in pipe._runners.values())
         pipe.close()
     out["refusals"] = _refusals(world)
@@ -101,23 +136,34 @@ def run_offload(rank: int, world: int, defer_weight_grads: bool) -> dict:
     return out
 
 
-def _from_plan(world: int) -> tuple[float | None, int]:
-    """A plan's ``offload`` applied by ``Pipeline.from_plan``: (the bytes stage 0 moved where it
-    lives on this rank, else None; how many OFFLOAD actions this rank's program holds)."""
+def _from_plan(world: int) -> tuple[float | None, int, bool]:
+    """A plan's ``offload`` and ``reload_lead`` applied by ``Pipeline.from_plan``: (the bytes
+    stage 0 moved where it lives on this rank, else None; how many OFFLOAD actions this rank's
+    program holds; whether each RELOAD is issued right before its backward, as lead 0 says)."""
     import pipetrain
     from pipetrain.schedule.action import OpKind
 
     layers = build(world)
     plan = {"schedule": "1f1b", "ranks": world, "stages_per_rank": 1, "microbatches": 4,
-            "stage_layers": [1] * world, "offload": [1.0] + [0.0] * (world - 1)}  # fmt: skip
+            "stage_layers": [1] * world, "offload": [1.0] + [0.0] * (world - 1),
+            "reload_lead": [0] * world}  # fmt: skip
     pipe = pipetrain.Pipeline.from_plan(layers, plan, loss_fn=loss_fn, device="cpu")
+    for runner in pipe._runners.values():
+        if runner.offload is not None:
+            runner.offload.min_bytes = 0
     g = torch.Generator().manual_seed(4)
     x = torch.randn(ROWS * 4, WIDTH, generator=g, dtype=torch.float64)
     pipe.step(x, torch.randn(ROWS * 4, 2, generator=g, dtype=torch.float64))
     offload = pipe._runners[0].offload if 0 in pipe._runners else None
+    row = [a for a in pipe.program.actions[pipe.rank] if a.is_compute or a.kind is OpKind.RELOAD]
     copies = sum(a.kind is OpKind.OFFLOAD for a in pipe.program.actions[pipe.rank])
+    just_before = all(
+        nxt.kind is OpKind.B and nxt.microbatch == a.microbatch
+        for a, nxt in pairwise(row)
+        if a.kind is OpKind.RELOAD
+    )
     pipe.close()
-    return (None if offload is None else offload.moved_bytes), copies
+    return (None if offload is None else offload.moved_bytes), copies, just_before
 
 
 def _refusals(world: int) -> dict[str, str]:
@@ -139,6 +185,9 @@ def _refusals(world: int) -> dict[str, str]:
     # a program that carries its own copies runs them, moving what offload= says
     pipe = pipetrain.Pipeline(build(world), with_copies, 4, loss_fn, device="cpu",
                               offload=[1.0, 0.0])  # fmt: skip
+    for runner in pipe._runners.values():
+        if runner.offload is not None:
+            runner.offload.min_bytes = 0
     x = torch.randn(ROWS * 4, WIDTH, dtype=torch.float64)
     pipe.step(x, torch.randn(ROWS * 4, 2, dtype=torch.float64))
     runner = pipe._runners.get(0)
@@ -156,15 +205,17 @@ def run_offload_with_recompute(rank: int, world: int, defer_weight_grads: bool) 
     from pipetrain.app.catalog import ModelShape
     from pipetrain.app.catalog import build as build_model
 
-    shape = ModelShape(model="gpt", blocks=3, hidden=32, heads=4, kv_heads=None, vocab=64,
+    shape = ModelShape(model="gpt", blocks=5, hidden=32, heads=4, kv_heads=None, vocab=64,
                        seq_len=16, dtype="float64", seed=5)  # fmt: skip
     tokens = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(1))
     targets = torch.roll(tokens, -1, dims=1)
     layers = len(build_model(shape).names)
+    # stages 1 and 2 hold two checkpointed blocks each: what autograd saves outside a checkpoint
+    # is its input, and the second block's (the first's is the stage's input) moves
     base = {"schedule": "zbv", "ranks": world, "stages_per_rank": 2, "microbatches": 4,
-            "stage_layers": [1, 1, 1, layers - 3]}  # fmt: skip
+            "stage_layers": [1, 2, 2, layers - 5]}  # fmt: skip
     both = {**base, "recompute": ["none", "full", "full", "none"],
-            "offload": [1.0, 0.5, 1.0, 0.0]}  # fmt: skip
+            "offload": [1.0, 1.0, 0.6, 0.0]}  # fmt: skip
     runs = []
     for plan in (base, both):
         model = build_model(shape)
@@ -172,6 +223,9 @@ def run_offload_with_recompute(rank: int, world: int, defer_weight_grads: bool) 
             model.layers, plan, loss_fn=model.loss_fn, device="cpu",
             defer_weight_grads=defer_weight_grads,
         )  # fmt: skip
+        for runner in pipe._runners.values():
+            if runner.offload is not None:
+                runner.offload.min_bytes = 0  # this model's activations are a few KiB
         loss = float(pipe.step(*model.batch(tokens, targets)))
         grads = {n: p.grad.clone() for m in pipe.modules.values()
                  for n, p in m.named_parameters() if p.grad is not None}  # fmt: skip

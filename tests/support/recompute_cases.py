@@ -94,7 +94,7 @@ def _refusals(world: int) -> dict:
             "stage_layers": [1, 1]}  # fmt: skip
     cases = {
         "no parameters": {**base, "recompute": ["none", "full"]},
-        "offload": {**base, "offload": [0.5, 0.0]},
+        "offload": {**base, "offload": [0.0, 0.5]},
         "mode": {**base, "recompute": ["none", "everything"]},
     }
     out = {}
