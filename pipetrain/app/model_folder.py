@@ -98,6 +98,12 @@ def folder_config(config: TrainConfig) -> Any:
             f"{flag} holds a {hf_config.model_type!r} model; supported model types: "
             f"{', '.join(FOLDER_MODELS)}"
         )
+    from pipetrain.hf.pretrained import check_folder
+
+    try:
+        check_folder(folder)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{flag}: {e}") from None
     limit = getattr(hf_config, "max_position_embeddings", None)
     if limit is not None and config.seq_len > limit:
         raise ValueError(

@@ -85,6 +85,40 @@ def _dtype(dtype, config, files: ModelFiles) -> torch.dtype:
     return dtype
 
 
+def check_folder(model_dir: str | Path) -> None:
+    """``model_dir`` holds every tensor its config describes (a launcher's check before any
+    process loads anything; ``from_pretrained`` makes the same check on every rank)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    files = ModelFiles.open(model_dir)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    check_tensors(
+        files, skeleton, tied_weights(skeleton), getattr(skeleton, "base_model_prefix", "")
+    )
+
+
+def check_tensors(files: ModelFiles, skeleton: Any, tied, prefix: str) -> None:
+    """Every tensor of ``skeleton``'s state dict is in ``files`` (the index or file list only, no
+    tensor read): a ``ValueError`` naming the missing ones, on every rank alike, rather than a
+    ``KeyError`` mid-load on the ranks whose stages hold them."""
+    sources = {target: source for source, target in tied}
+    names = list(skeleton.state_dict(keep_vars=True))
+    missing = []
+    for name in names:
+        try:
+            files.key_for(name, sources.get(name), prefix)
+        except KeyError:
+            missing.append(name)
+    if missing:
+        shown = ", ".join(repr(n) for n in missing[:4]) + (" ..." if len(missing) > 4 else "")
+        raise ValueError(
+            f"{files.folder} holds no tensor for {len(missing)} of the {len(names)} its "
+            f"config.json describes ({shown}); is it a complete checkpoint of this model? "
+            "pipetrain.hf loads tensors under the model's own names"
+        )
+
+
 class PretrainedStages(Sequence):
     """The stages of a model folder, each built, materialised and loaded when first asked for
     (see the module docstring); asking again builds it again."""
@@ -111,6 +145,7 @@ class PretrainedStages(Sequence):
         self.prefix: str = getattr(skeleton, "base_model_prefix", "")
         #: the model's config as loaded (its dtype and attention implementation set)
         self.config = skeleton.config
+        check_tensors(files, skeleton, self.tied, self.prefix)
 
     def _skeleton(self) -> Any:
         """The whole model on the meta device (parameters and buffers without storage)."""

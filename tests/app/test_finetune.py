@@ -80,6 +80,14 @@ def test_bad_folders_and_flags_are_refused_before_launching(tmp_path):
             check_arguments(train_args("--model-dir", *args, *corpus))
     with pytest.raises(ValueError, match="needs --model-dir"):
         check_arguments(train_args("--export", str(tmp_path / "out")))
+    from safetensors.torch import load_file, save_file
+
+    partial = write_folder(tmp_path / "partial")
+    weights = load_file(f"{partial}/model.safetensors")
+    del weights["model.layers.1.mlp.down_proj.weight"]
+    save_file(weights, f"{partial}/model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="no tensor for 1 of .*'model.layers.1.mlp.down_proj"):
+        check_arguments(train_args("--model-dir", partial, "--seq-len", "16", *corpus))
     (bare / "model.safetensors").unlink()
     with pytest.raises(ValueError, match="has no safetensors files"):
         check_arguments(train_args("--model-dir", str(bare), "--seq-len", "16"))
