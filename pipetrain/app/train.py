@@ -154,7 +154,9 @@ def train(config: TrainConfig, device: torch.device) -> Run:
             bar.close()
             raise
         losses.append(float(loss))
-        rate = inputs.numel() * config.dp / (time.perf_counter() - t0)
+        mask = side.get("attention_mask")  # padded rows: count the real tokens only
+        tokens = inputs.numel() if mask is None else int(mask.sum())
+        rate = tokens * config.dp / (time.perf_counter() - t0)
         bar.update(step + 1, losses[-1], rate, None if norm is None else float(norm))
         if timed and pipe.last_timeline is not None:
             measured.append(pipe.last_timeline)
