@@ -5,11 +5,6 @@ bit, GPT-2 with tied embeddings too, and bad input is one line with exit 2 befor
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("transformers")
@@ -17,8 +12,6 @@ pytest.importorskip("tokenizers")
 
 from finetune_cases import finetune_runs, write_folder
 from runtime_harness import launch
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
@@ -41,12 +34,6 @@ def test_folders_fine_tune_as_the_unsplit_model_resume_and_export(tmp_path):
         for result in (r[schedule] for r in results):
             assert result["resumed"] == (2, result["straight"][2:])  # bit for bit
             assert result["differ"] == [], result["differ"]
-
-
-def _train(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    cmd = [sys.executable, "-m", "pipetrain", "train", *argv]
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
 
 
 def test_bad_folders_and_flags_are_refused_before_launching(tmp_path):
@@ -93,12 +80,18 @@ def test_bad_folders_and_flags_are_refused_before_launching(tmp_path):
         check_arguments(train_args("--model-dir", str(bare), "--seq-len", "16"))
 
 
-def test_a_refusal_is_one_line_with_exit_2(tmp_path):
+def test_a_refusal_is_one_line_with_exit_2(tmp_path, capsys, monkeypatch):
+    """``pipetrain train --model-dir`` in this process (the launcher refuses before any process
+    starts; test_train.py and test_train_checks.py run such refusals as real processes too)."""
+    from pipetrain.cli import main
+
+    monkeypatch.chdir(tmp_path)
     good = write_folder(tmp_path / "llama")
-    done = _train("--model-dir", good, "--hidden", "32", cwd=tmp_path)
-    assert done.returncode == 2, (done.stdout, done.stderr)
-    assert done.stderr.strip().splitlines() == [
+    capsys.readouterr()  # what writing the folder printed
+    assert main(["train", "--model-dir", good, "--hidden", "32"]) == 2
+    said = capsys.readouterr()
+    assert said.err.strip().splitlines() == [
         f"pipetrain train: error: --model-dir {good} gives the model (its config.json): drop "
         "--hidden, the built-in model's flags"
     ]
-    assert "launching" not in done.stdout
+    assert "launching" not in said.out

@@ -121,20 +121,31 @@ def _train(*flags: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
 
 
-def test_bad_folders_exit_2_with_one_line_before_any_process(tmp_path: Path) -> None:
+def _train_here(capsys, *flags: str) -> tuple[int, str, str]:
+    """``pipetrain train FLAGS`` in this process (the launcher's side: what it checks before
+    any process starts): exit status, stdout, stderr."""
+    from pipetrain.cli import main
+
+    code = main(["train", *flags])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_bad_folders_exit_2_with_one_line_before_any_process(tmp_path: Path, capsys) -> None:
+    """The first as a real process (the status the shell sees), the second in this process."""
     file = tmp_path / "file"
     file.write_text("x")
-    for flags, said in [
-        (("--checkpoint-dir", str(file)), "is a file, not a folder"),
-        (("--text", str(file)), "has 1 bytes"),
-    ]:
-        done = _train(*flags)
-        assert done.returncode == 2, done.stderr
-        assert done.stderr.count("\n") == 1 and said in done.stderr, done.stderr
-        assert "launching" not in done.stdout
+    done = _train("--checkpoint-dir", str(file))
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1 and "is a file, not a folder" in done.stderr, done.stderr
+    assert "launching" not in done.stdout
+    code, out, err = _train_here(capsys, "--text", str(file))
+    assert code == 2, err
+    assert err.count("\n") == 1 and "has 1 bytes" in err, err
+    assert "launching" not in out
 
 
-def test_overwrite_checkpoints_replaces_a_previous_runs_checkpoints(tmp_path: Path) -> None:
+def test_overwrite_checkpoints_replaces_a_previous_runs_checkpoints(tmp_path: Path, capsys) -> None:
     tiny = ["--model", "gpt", "--layers", "2", "--hidden", "16", "--heads", "2", "--seq-len", "16"]
     tiny += [
         "-m",
@@ -149,8 +160,8 @@ def test_overwrite_checkpoints_replaces_a_previous_runs_checkpoints(tmp_path: Pa
     tiny += ["--corpus-out", str(tmp_path / "corpus.txt"), "--checkpoint-dir", str(tmp_path / "c")]
     done = _train(*tiny, "--steps", "3", "--checkpoint-every", "1")
     assert done.returncode == 0, done.stdout + done.stderr
-    done = _train(*tiny, "--steps", "2")
-    assert done.returncode == 2 and "--overwrite-checkpoints" in done.stderr, done.stderr
+    code, _, err = _train_here(capsys, *tiny, "--steps", "2")  # refused before any process
+    assert code == 2 and "--overwrite-checkpoints" in err, err
     done = _train(*tiny, "--steps", "1", "--overwrite-checkpoints")
     assert done.returncode == 0, done.stdout + done.stderr
     assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["latest", "step-000001"]

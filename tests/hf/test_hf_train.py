@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from runtime_harness import launch
-from train_cases import from_plan_gradients, resume_runs, train_args
+from train_cases import ALONE, from_plan_gradients, pipeline_alone_losses, resume_runs, train_args
 
 from pipetrain.app.catalog import default_stage_layers
 
@@ -60,12 +60,25 @@ def test_one_rank_run_trains_on_the_corpus_file(tmp_path):
     assert len(run.losses) == 12 and run.first_step == 0
 
 
-def test_from_plan_matches_the_unsplit_model_and_resume_is_bit_identical(tmp_path):
-    """One launch of 2 ranks: from_plan (a plan dict on zbv, a ``Plan`` on 1f1b) against the
-    unsplit Llama in float64, and a plan for 4 ranks refused; then ``pipetrain train``'s loop
-    (tied embeddings, clipping, float64): 4 steps straight against 2 steps, a checkpoint and a
-    resume to step 4 — the same losses and parameters, bit for bit."""
-    results = launch(2, _both, str(tmp_path), timeout=300)
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """One launch of 2 ranks for the tests below: (from_plan's gradients, the resume runs, the
+    losses of ``pipetrain train``'s loop on the pipeline alone) on each rank."""
+    directory = str(tmp_path_factory.mktemp("two_ranks"))
+    return launch(2, _two_ranks, directory, timeout=300)
+
+
+def _two_ranks(rank, world, directory):
+    alone = pipeline_alone_losses(directory)
+    return from_plan_gradients(rank, world), resume_runs(rank, world, directory), alone
+
+
+def test_from_plan_matches_the_unsplit_model_and_resume_is_bit_identical(two_ranks):
+    """from_plan (a plan dict on zbv, a ``Plan`` on 1f1b) against the unsplit Llama in float64,
+    and a plan for 4 ranks refused; then ``pipetrain train``'s loop (tied embeddings, clipping,
+    float64): 4 steps straight against 2 steps, a checkpoint and a resume to step 4 — the same
+    losses and parameters, bit for bit."""
+    results = [r[:2] for r in two_ranks]
     for planned, resumed in results:
         for label, error in planned["errors"].items():
             assert error < 1e-12, (label, error)
@@ -77,10 +90,6 @@ def test_from_plan_matches_the_unsplit_model_and_resume_is_bit_identical(tmp_pat
     assert "the loss went DOWN" in results[0][1]["report"]
 
 
-def _both(rank, world, directory):
-    return from_plan_gradients(rank, world), resume_runs(rank, world, directory)
-
-
 def _cli(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     cmd = [sys.executable, "-m", "pipetrain", *argv]
@@ -90,7 +99,7 @@ def _cli(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
 def test_profile_plan_train_chain_with_a_checkpoint_and_resume(tmp_path, capsys, monkeypatch):
     """``pipetrain profile --model llama > costs.json``, ``pipetrain plan ... --json >
     plan.json`` (in this process), then ``pipetrain train --plan plan.json`` (2 processes) with
-    checkpoints, a resume, and a resume refused for another model."""
+    checkpoints, a resume, and (in this process) a resume refused for another model."""
     import torch
 
     from pipetrain.cli import main
@@ -129,9 +138,10 @@ def test_profile_plan_train_chain_with_a_checkpoint_and_resume(tmp_path, capsys,
     # another model cannot resume from it: exit 2, the flag named, no traceback
     other = [*train[:6], "32", *train[7:]]
     assert other[5:7] == ["--hidden", "32"]
-    done = _cli(*other, "--steps", "5", "--resume", cwd=tmp_path)
-    assert done.returncode == 2, done.stdout + done.stderr
-    assert "--hidden 16 there, 32 here" in done.stderr and "Traceback" not in done.stderr
+    # (in this process: the launcher refuses before any process starts)
+    assert main([*other, "--steps", "5", "--resume"]) == 2
+    said = capsys.readouterr().err
+    assert "--hidden 16 there, 32 here" in said and "Traceback" not in said
 
 
 def _losses(out: str) -> list[float]:
@@ -141,15 +151,15 @@ def _losses(out: str) -> list[float]:
 
 
 @pytest.mark.slow
-def test_train_with_tensor_parallel_follows_the_same_losses(tmp_path):
+def test_train_with_tensor_parallel_follows_the_same_losses(tmp_path, two_ranks):
     """`pipetrain train --tp 2` (4 processes: 2 pipeline × 2 tensor parallel, sequence parallel)
-    trains the same float64 model to the same losses as the pipeline alone."""
-    common = ("train", "1f1b", "-p", "2", "-m", "2", "--steps", "3", "--dtype", "float64")
-    common += ("--svg", str(tmp_path / "s.svg"), "--corpus-out", str(tmp_path / "c.txt"))
-    alone = _cli(*common, cwd=tmp_path)
+    trains the same float64 model to the same losses as the pipeline alone (``ALONE``: the
+    same flags without ``--tp``, run by the command's training loop in the 2-rank launch)."""
+    common = ("train", *ALONE, "--svg", str(tmp_path / "s.svg"))
+    common += ("--corpus-out", str(tmp_path / "c.txt"))
     split = _cli(*common, "--tp", "2", "--sequence-parallel", cwd=tmp_path)
-    assert alone.returncode == 0 and split.returncode == 0, alone.stderr + split.stderr
+    assert split.returncode == 0, split.stderr
     assert "2 pipeline × 2 tensor parallel × 1 data parallel" in split.stdout
-    want, got = _losses(alone.stdout), _losses(split.stdout)
-    assert len(want) == 3 and len(got) == 3
+    want, got = two_ranks[0][2], _losses(split.stdout)
+    assert want == two_ranks[1][2] and len(want) == 3 and len(got) == 3
     assert all(abs(a - b) < 1e-4 for a, b in zip(want, got)), (want, got)

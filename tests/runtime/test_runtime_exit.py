@@ -16,17 +16,20 @@ import pytest
 from runtime_harness import free_port
 
 SCRIPT = Path(__file__).parents[1] / "support" / "runtime_exit_script.py"
-RUNS = [  # (ranks, schedule, variant): 7 runs, most of them zb-h1 (where exits died most); the
-    # hundreds are benchmarks/exit_stress.py's
-    *((2, "zb-h1", variant) for variant in ("plain", "plain", "with", "destroy", "refused")),
-    (2, "zbv", "plain"),
-    (4, "zb-h1", "with"),
+RUNS = [  # (ranks, schedule, variant, probe): 7 runs, most of them zb-h1 (where exits died
+    # most); the hundreds are benchmarks/exit_stress.py's. The first also probes the store's
+    # server from the last exit handler (test_nothing_of_the_job_is_left_...)
+    (2, "zb-h1", "plain", True),
+    *((2, "zb-h1", variant, False) for variant in ("plain", "with", "destroy", "refused")),
+    (2, "zbv", "plain", False),
+    (4, "zb-h1", "with", False),
 ]
 
 
-def _run(world: int, schedule: str, variant: str) -> list[tuple[int, str]]:
+def _run(world: int, schedule: str, variant: str, probe: bool) -> list[tuple[int, str]]:
+    extra_env = {"PIPETRAIN_EXIT_PROBE": "1"} if probe else {}
     with tempfile.TemporaryDirectory() as folder:
-        return _run_in(world, schedule, variant, folder)
+        return _run_in(world, schedule, variant, folder, **extra_env)
 
 
 def _run_in(
@@ -66,10 +69,15 @@ def _run_in(
     return results
 
 
-@pytest.mark.slow
-def test_the_readme_script_exits_zero_every_time():
+@pytest.fixture(scope="module")
+def outcomes() -> list[tuple[tuple, list[tuple[int, str]]]]:
+    """Every run of ``RUNS`` (four at a time): (run, each rank's (exit status, end of stderr))."""
     with ThreadPoolExecutor(4) as pool:
-        outcomes = list(pool.map(lambda run: (run, _run(*run)), RUNS))
+        return list(pool.map(lambda run: (run, _run(*run)), RUNS))
+
+
+@pytest.mark.slow
+def test_the_readme_script_exits_zero_every_time(outcomes):
     failed = [
         f"{run}: rank {rank} exit {code}: {err}"
         for run, results in outcomes
@@ -80,10 +88,11 @@ def test_the_readme_script_exits_zero_every_time():
 
 
 @pytest.mark.slow
-def test_nothing_of_the_job_is_left_for_the_interpreters_teardown(tmp_path):
+def test_nothing_of_the_job_is_left_for_the_interpreters_teardown(outcomes):
     """After a README-style run the rendezvous store's server is gone before the interpreter's
     own teardown: every group destroyed, and nothing of the pipeline's (nor a module it imported,
     such as torch.distributed.fsdp) holding the store."""
-    results = _run_in(2, "zb-h1", "plain", str(tmp_path), PIPETRAIN_EXIT_PROBE="1")
+    (run, results), *_ = outcomes
+    assert run == (2, "zb-h1", "plain", True)
     assert [code for code, _ in results] == [0, 0], results
     assert "store server at exit: gone" in results[0][1], results[0][1]

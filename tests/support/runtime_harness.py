@@ -1,9 +1,16 @@
 """Launch gloo process groups for runtime tests: one launch runs a whole list of cases.
 
-``launch(world_size, fn, *args)`` spawns ``world_size`` processes, initialises a gloo group on a
+``launch(world_size, fn, *args)`` starts ``world_size`` processes, initialises a gloo group on a
 free local port in each, calls ``fn(rank, world_size, *args)`` and returns every rank's result
 (rank order). A rank that raises sends its traceback back; the launch fails with all of them.
-Starting processes dominates the runtime suite's time, so tests share launches.
+
+Starting processes dominates the runtime suite's time: a fresh interpreter spends seconds in
+``import torch`` (and DTensor, FSDP2, transformers), several of them per launch on a small CPU
+box. So ranks are forked from one ``forkserver`` that imported those once (``PRELOAD``), and
+tests share launches too. The server only imports: no tensor op, thread pool or process group
+exists before the fork, so each rank starts as clean as a spawned one and builds its own. (A
+rank ends with ``os._exit`` after sending its result, as forked children do: the interpreter's
+own teardown is ``tests/runtime/test_runtime_exit.py``'s, with real processes.)
 """
 
 from __future__ import annotations
@@ -12,6 +19,29 @@ import multiprocessing as mp
 import socket
 import traceback
 from datetime import timedelta
+
+#: what the fork server imports once, before it forks any rank; a module that fails to import
+#: is skipped (the rank imports it, or fails, as it would have)
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.device_mesh",
+    "torch.distributed.tensor",
+    "torch.distributed.tensor.parallel",
+    "torch.distributed.fsdp",
+    "torch.distributed.checkpoint",
+    "torch.nn.parallel",
+    "torch.utils.checkpoint",
+    "pipetrain.runtime.pipeline",
+    "pipetrain.runtime.checkpoint",
+    "pipetrain.hf",
+    "transformers",
+    "transformers.masking_utils",
+    *(
+        f"transformers.models.{m}.modeling_{m}"
+        for m in ("llama", "gpt2", "qwen2", "qwen3", "mistral")
+    ),
+]
 
 
 def free_port() -> int:
@@ -41,8 +71,16 @@ def _worker(rank, world_size, port, fn, args, queue) -> None:
             dist.destroy_process_group()
 
 
+def context():
+    """The forkserver context, its preload set (the server starts at the first launch, with
+    this process's ``sys.path``, and serves every later one)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 def launch(world_size: int, fn, *args, timeout: float = 120.0) -> list:
-    ctx = mp.get_context("spawn")
+    ctx = context()
     queue = ctx.Queue()
     port = free_port()
     procs = [

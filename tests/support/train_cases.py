@@ -1,6 +1,7 @@
 """Per-rank runners for the real-model training tests (``test_hf_train``): ``Pipeline.from_plan``
-against the unsplit model, and ``pipetrain train``'s loop run k steps straight against j steps,
-a checkpoint and a resume — all in float64 on gloo, in one launch."""
+against the unsplit model, ``pipetrain train``'s loop run k steps straight against j steps,
+a checkpoint and a resume, and that loop on the pipeline alone (the losses ``--tp 2`` must
+follow) — all in float64 on gloo, in one launch."""
 
 from __future__ import annotations
 
@@ -96,3 +97,15 @@ def resume_runs(rank: int, world: int, directory: str) -> dict:
         "differ": differ + sorted(resumed.state.keys() - straight.state.keys()),
         "report": straight.report,
     }
+
+
+#: ``pipetrain train``'s flags for the pipeline alone, which ``--tp 2`` must follow
+ALONE = ("1f1b", "-p", "2", "-m", "2", "--steps", "3", "--dtype", "float64")
+
+
+def pipeline_alone_losses(directory: str) -> list[float]:
+    """The losses of ``pipetrain train ALONE``'s loop (a worker's ``train``), on 2 ranks."""
+    from pipetrain.app.train import train
+
+    files = ("--svg", f"{directory}/alone.svg", "--corpus-out", f"{directory}/alone.txt")
+    return train(train_args(*ALONE, *files), torch.device("cpu")).losses
