@@ -29,6 +29,7 @@ __all__ = [
     "engine_run_backward",
     "fsdp_post_backward",
     "get_gradient_edge",
+    "graph_break_refused",
     "profiler_enabled",
     "saved_by_selective_recompute",
     "store_of",
@@ -277,6 +278,22 @@ def _check_profiler() -> None:
             raise AssertionError("_profiler_enabled() is False inside torch.profiler.profile()")
 
 
+def graph_break_refused(error: BaseException) -> bool:
+    """Whether ``error`` is dynamo refusing a graph break (a module compiled with
+    ``fullgraph=True`` reaching a ``torch.compiler.disable``d function). Dynamo is looked up in
+    ``sys.modules`` only: a process that compiled nothing never imports it here."""
+    import sys
+
+    exc = sys.modules.get("torch._dynamo.exc")
+    return exc is not None and isinstance(error, exc.Unsupported)
+
+
+def _check_graph_break() -> None:
+    import torch._dynamo.exc as exc
+
+    assert issubclass(exc.Unsupported, Exception)
+
+
 #: (API, what pipetrain uses it for, check). ``check_private_apis`` runs every check.
 PRIVATE_APIS: tuple[tuple[str, str, Callable[[], None]], ...] = (
     (
@@ -315,6 +332,11 @@ PRIVATE_APIS: tuple[tuple[str, str, Callable[[], None]], ...] = (
         "torch.ops.aten._scaled_dot_product_*_attention",
         "keep fused attention outputs under selective recompute",
         _check_attention_ops,
+    ),
+    (
+        "torch._dynamo.exc.Unsupported",
+        "name a fullgraph=True block that deferral would break (deferred_wgrad)",
+        _check_graph_break,
     ),
     (
         "torch._C._autograd._profiler_enabled",

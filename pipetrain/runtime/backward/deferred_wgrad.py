@@ -68,7 +68,7 @@ from torch import nn
 
 from pipetrain.runtime.backward.graph_replay import accumulate_quietly, backward_full, run_engine
 from pipetrain.runtime.comm.failures import PipelineRefused
-from pipetrain.runtime.torch_compat import GradientEdge
+from pipetrain.runtime.torch_compat import GradientEdge, graph_break_refused
 
 #: ``DeferredLinears.mode`` during a quiet ``B``: add ``dW``/``db`` into ``.grad`` at once (one
 #: ``addmm_`` instead of a GEMM, a temporary and an add: Megatron-LM's gradient-accumulation
@@ -176,10 +176,12 @@ class DeferredLinears:
     def __init__(self, module: nn.Module) -> None:
         self.mode: list[Entry] | str | None = None
         self.linears = plain_linears(module)
-        self._forwards = [self._deferred_forward(m) for m in self.linears]
+        compiled = has_compiled_parts(module)
+        self._forwards = [self._deferred_forward(m, compiled) for m in self.linears]
 
-    def _deferred_forward(self, linear: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
-        @torch.compiler.disable  # not traced: the mode must be read when the backward runs
+    def _deferred_forward(
+        self, linear: nn.Linear, compiled: bool
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
         def forward(x: torch.Tensor) -> torch.Tensor:
             weight, bias = linear.weight, linear.bias
             wants = weight.requires_grad or (bias is not None and bias.requires_grad)
@@ -187,7 +189,9 @@ class DeferredLinears:
                 return F.linear(x, weight, bias)
             return _LinearFunction.apply(self, x, weight, bias)
 
-        return forward
+        # Inside a compiled module, not traced: the mode must be read when the backward runs.
+        # (Only there: disable imports dynamo, which a run that compiles nothing never needs.)
+        return torch.compiler.disable(forward) if compiled else forward
 
     @contextlib.contextmanager
     def deferring(self) -> Iterator[None]:
@@ -205,8 +209,8 @@ class DeferredLinears:
         with self.deferring():
             try:
                 return module(*args)
-            except torch._dynamo.exc.Unsupported as e:
-                if "_deferred_forward" not in str(e):
+            except Exception as e:
+                if not (graph_break_refused(e) and "_deferred_forward" in str(e)):
                     raise
                 raise PipelineRefused(
                     "a module compiled with fullgraph=True holds linear layers whose weight "
@@ -319,3 +323,12 @@ def _sum_into(total: dict[int, list], p: torch.Tensor, g: torch.Tensor) -> None:
         total[id(p)] = [p, g]
     else:
         slot[1] = slot[1] + g
+
+
+def has_compiled_parts(module: nn.Module) -> bool:
+    """Whether ``module`` or a submodule was compiled in place (``module.compile()``) or is
+    ``torch.compile``'s wrapper (``OptimizedModule``, which keeps ``_orig_mod``)."""
+    return any(
+        getattr(m, "_compiled_call_impl", None) is not None or hasattr(m, "_orig_mod")
+        for m in module.modules()
+    )

@@ -76,12 +76,13 @@ def choose_split(
     two)."""
     from pipetrain.runtime.backward.deferred_wgrad import (
         DeferredLinears,
+        has_compiled_parts,
         linear_share,
         worth_deferring,
     )
     from pipetrain.runtime.backward.graph_replay import GraphReplay
 
-    if defer_weight_grads is None and _compiled(module):
+    if defer_weight_grads is None and has_compiled_parts(module):
         defer = False
         why = "it holds compiled regions, whose graphs deferral would break around each linear"
     elif defer_weight_grads is None:
@@ -107,15 +108,8 @@ def _caveats(module: nn.Module, defer: bool) -> str:
     notes = []
     if subclasses:
         notes.append(f"{', '.join(subclasses)} layers: weight gradients in I, not deferred")
-    if not defer and _compiled(module):
+    from pipetrain.runtime.backward.deferred_wgrad import has_compiled_parts
+
+    if not defer and has_compiled_parts(module):
         notes.append("compiled regions: their whole backward runs in I")
     return "".join(f"; {n}" for n in notes)
-
-
-def _compiled(module: nn.Module) -> bool:
-    """Whether ``module`` or a submodule was compiled in place (``module.compile()``) or is
-    ``torch.compile``'s wrapper (``OptimizedModule``, which keeps ``_orig_mod``)."""
-    return any(
-        getattr(m, "_compiled_call_impl", None) is not None or hasattr(m, "_orig_mod")
-        for m in module.modules()
-    )
