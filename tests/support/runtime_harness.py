@@ -73,7 +73,11 @@ def _worker(rank, world_size, port, fn, args, queue) -> None:
 
 def context():
     """The forkserver context, its preload set (the server starts at the first launch, with
-    this process's ``sys.path``, and serves every later one)."""
+    this process's ``sys.path`` and environment, and serves every later one; each rank still
+    takes the launching test's working directory and ``sys.path``). Spawn where there is no
+    fork server (Windows)."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     return ctx
