@@ -68,7 +68,7 @@ def test_a_compiled_block_splits_exactly_and_runs_its_backward_once(split_kind):
     else:
         assert work.empty and net[0].a.weight.grad is not None
     split.backward_weight(work)
-    assert torch.equal(dx, xr.grad)
+    assert torch.allclose(dx, xr.grad, rtol=1e-12, atol=0)  # other kernels than eager's
     for p, q in zip(net.parameters(), ref.parameters()):
         assert torch.allclose(p.grad, q.grad, rtol=1e-12, atol=0)
 
