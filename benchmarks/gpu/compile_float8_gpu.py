@@ -59,7 +59,7 @@ def float8(module: torch.nn.Module, emulate: bool) -> None:
     )
 
 
-def prepare(module, variant: dict, args, device) -> torch.nn.Module:
+def prepare(module, variant: dict, device) -> torch.nn.Module:
     module = module.to(
         device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32
     )
@@ -108,7 +108,7 @@ def make_step(args, variant: dict, cfg: GPTConfig, x, y, device, world: int):
     AdamW; returns the loss."""
     n = PRESETS[args.preset]["n"]
     if args.part == "unsplit":
-        model = prepare(build_gpt(cfg), variant, args, device)
+        model = prepare(build_gpt(cfg), variant, device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
 
         def step():
@@ -127,7 +127,7 @@ def make_step(args, variant: dict, cfg: GPTConfig, x, y, device, world: int):
     v = family(args.schedule).default_stages_per_rank
     num_stages = v * world
     pipe = pipetrain.Pipeline(
-        lambda s: prepare(make_stage(cfg, s, num_stages), variant, args, device),
+        lambda s: prepare(make_stage(cfg, s, num_stages), variant, device),
         args.schedule,
         n,
         lm_loss,
