@@ -53,6 +53,7 @@ is the process group's own timeout and watchdog (``init_process_group(timeout=..
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -62,6 +63,12 @@ import torch.distributed as dist
 
 from pipetrain.runtime.comm.failures import Failures, closed_connection
 from pipetrain.schedule.action import Action
+
+#: a host wait on CUDA: how often it checks its transfer; after how long it starts reading the
+#: failure notices (a healthy step's wait reads none), and how often then (s)
+POLL_WORK_S = 0.0001
+QUIET_WAIT_S = 1.0
+POLL_NOTICES_S = 0.05
 
 DTYPES = (  # what travels between stages; a dtype's code is its position
     torch.float64,
@@ -113,7 +120,12 @@ def encode(metas: tuple[TensorMeta, ...], device: torch.device) -> torch.Tensor:
         )
     out = torch.zeros(META_LEN, dtype=torch.int64)
     out[: len(flat)] = torch.tensor(flat, dtype=torch.int64)
-    return out.to(device)
+    if device.type != "cuda":
+        return out.to(device)
+    # From pinned memory without blocking: a pageable copy would wait for the device's stream,
+    # which may itself wait on a transfer from a peer that failed, so the host would never read
+    # that peer's notice.
+    return out.pin_memory().to(device, non_blocking=True)
 
 
 def decode(buffer: torch.Tensor) -> tuple[TensorMeta, ...]:
@@ -323,12 +335,40 @@ class Transport:
         )
 
     def recv_meta(self, action: Action, peer: int) -> tuple[TensorMeta, ...]:
-        """Blocking receive of a metadata message (shape discovery)."""
+        """Blocking receive of a metadata message (shape discovery). The host needs its
+        content, so on CUDA it waits for the transfer itself — polling, not blocking in a device
+        synchronisation, so that a peer's failure notice (a peer that failed before sending)
+        stops this rank within moments rather than at the process group's timeout."""
         buf = torch.empty(META_LEN, dtype=torch.int64, device=self.device)
         pending = Pending(action, peer, [buf], [])
         self.post([("recv", pending, buf)])
+        if self.device.type == "cuda":
+            self._poll(pending.works, f"{action} waited on rank {peer} for its shapes", peer)
         self.wait(pending)
         return decode(buf.cpu())
+
+    def _poll(self, works: list[Any], what: str, peer: int) -> None:
+        """Until every work in ``works`` has finished (the host needs their result next): after
+        the first ``QUIET_WAIT_S``, read the failure notices now and then (a notice: raise the
+        peer's error), and stop at the timeout. The wait itself is what a device
+        synchronisation would cost, to within ``POLL_WORK_S``."""
+        start = time.monotonic()
+        deadline = start + self.timeout.total_seconds()
+        next_read = start + QUIET_WAIT_S
+        while not all(_done(w) is not False for w in works):
+            now = time.monotonic()
+            if self.failures is not None and now >= next_read:
+                notices = self.failures.read(timedelta(0))
+                if notices:
+                    raise self.failures.explain(
+                        f"rank {self.rank}: {what}", peer, RuntimeError("no transfer"), notices
+                    )
+                next_read = now + POLL_NOTICES_S
+            if now >= deadline:
+                raise PipelineTimeoutError(
+                    f"rank {self.rank}: {what} for more than {self.timeout.total_seconds():g} s"
+                )
+            time.sleep(POLL_WORK_S)
 
     def send_meta(self, action: Action, peer: int, metas: tuple[TensorMeta, ...]) -> None:
         buf = encode(metas, self.device)
