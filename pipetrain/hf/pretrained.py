@@ -74,10 +74,11 @@ def from_pretrained(
     ``"eager"``, ``"flex_attention"``...; default its choice). ``recompute``: activation
     checkpointing of decoder layers — one mode for every decoder layer (``"none"``,
     ``"selective"``, ``"full"``), or a mapping from a decoder layer's index (global, 0-based: the
-    ``N`` of ``model.layers.N``, GPT-2's ``transformer.h.N``) to its mode, unnamed layers ``"none"``. Each chosen layer runs
-    inside a non-reentrant checkpoint (``runtime.backward.activation_checkpoint.Recomputed``,
-    held in the stage's call list only, so parameter names and state-dict keys are the model's);
-    the embedding, the final norm and the head are never wrapped."""
+    ``N`` of ``model.layers.N``, GPT-2's ``transformer.h.N``) to its mode, unnamed layers
+    ``"none"``. Each chosen layer runs inside a non-reentrant checkpoint
+    (``runtime.backward.activation_checkpoint.Recomputed``, held in the stage's call list only,
+    so parameter names and state-dict keys are the model's); the embedding, the final norm and
+    the head are never wrapped."""
     from transformers import AutoConfig
 
     files = ModelFiles.open(model_dir)
