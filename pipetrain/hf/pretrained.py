@@ -26,6 +26,11 @@ are read one at a time (``checkpoint_files``), largest first, into memory that b
 only as it is written (``benchmarks/hf_load_memory.py`` measures it). A tensor the folder lacks is a
 ``KeyError`` naming it (``transformers`` would initialise it randomly, with a warning).
 
+With ``recompute=``, the decoder layers chosen run inside non-reentrant activation checkpoints,
+full or selective (``runtime.backward.activation_checkpoint.recompute_layers``), exact under every
+schedule and either weight-gradient split like any checkpoint inside a stage (docs/training.md,
+"Activation checkpointing").
+
 Stages are returned in training mode (``transformers`` returns its model in eval mode). Each
 carries the tie of embedding and head by global name (``Stage.tied_names``), so ``Pipeline``
 sums the tied gradient as for ``split``'s stages, and the model's config (``Stage.hf_config``)
@@ -36,15 +41,16 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from pipetrain.hf.causal_lm import layers_of, tied_weights
+from pipetrain.hf.causal_lm import DecoderLayer, GPT2Layer, layers_of, tied_weights
 from pipetrain.hf.checkpoint_files import ModelFiles
+from pipetrain.runtime.backward.activation_checkpoint import RECOMPUTE_MODES, recompute_layers
 from pipetrain.runtime.layers import Stage, check_counts, stage_ranges
 
 
@@ -55,6 +61,7 @@ def from_pretrained(
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
     attn_implementation: str | None = None,
+    recompute: str | Mapping[int, str] = "none",
 ) -> PretrainedStages:
     """The model in ``model_dir`` (``config.json`` and safetensors files) cut into stages of
     ``stage_layers`` consecutive layers each (embedding, decoder layers, final norm and head
@@ -64,14 +71,60 @@ def from_pretrained(
     ``dtype``, else the stored tensors'). ``device``: where each rank's layers are materialised
     and loaded (default the CPU; ``Pipeline`` moves them to its device — pass that device to
     load straight onto it). ``attn_implementation``: as in ``transformers`` (``"sdpa"``,
-    ``"eager"``, ``"flex_attention"``...; default its choice)."""
+    ``"eager"``, ``"flex_attention"``...; default its choice). ``recompute``: activation
+    checkpointing of decoder layers — one mode for every decoder layer (``"none"``,
+    ``"selective"``, ``"full"``), or a mapping from a decoder layer's index (global, 0-based: the
+    ``N`` of ``model.layers.N``, GPT-2's ``transformer.h.N``) to its mode, unnamed layers
+    ``"none"``. Each chosen layer runs inside a non-reentrant checkpoint
+    (``runtime.backward.activation_checkpoint.Recomputed``, held in the stage's call list only,
+    so parameter names and state-dict keys are the model's); the embedding, the final norm and
+    the head are never wrapped."""
     from transformers import AutoConfig
 
     files = ModelFiles.open(model_dir)
     config = AutoConfig.from_pretrained(model_dir)
     return PretrainedStages(
-        files, config, stage_layers, _dtype(dtype, config, files), device, attn_implementation
+        files,
+        config,
+        stage_layers,
+        _dtype(dtype, config, files),
+        device,
+        attn_implementation,
+        recompute=recompute,
     )
+
+
+def _recompute_modes(recompute: object, decoder_names: Sequence[str]) -> dict[str, str]:
+    """``from_pretrained``'s ``recompute`` as {decoder layer name: mode} for the layers that
+    recompute; a ``ValueError`` names the legal values."""
+    legal = ", ".join(map(repr, RECOMPUTE_MODES))
+    count = len(decoder_names)
+    if isinstance(recompute, str):
+        if recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute={recompute!r}; legal modes: {legal}")
+        recompute = dict.fromkeys(range(count), recompute)
+    if not isinstance(recompute, Mapping):
+        raise ValueError(
+            f"recompute={recompute!r}; give a mode ({legal}) or a mapping from decoder layer "
+            "index to mode"
+        )
+    out = {}
+    for index, mode in recompute.items():
+        if not isinstance(index, int) or isinstance(index, bool):
+            raise ValueError(
+                f"recompute has the key {index!r}; its keys are decoder layer indices, integers "
+                f"0 to {count - 1}"
+            )
+        if not 0 <= index < count:
+            raise ValueError(
+                f"recompute names decoder layer {index}, but the model has {count} (indices 0 "
+                f"to {count - 1})"
+            )
+        if mode not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute mode {mode!r} for decoder layer {index}; legal: {legal}")
+        if mode != "none":
+            out[decoder_names[index]] = mode
+    return out
 
 
 def _dtype(dtype, config, files: ModelFiles) -> torch.dtype:
@@ -83,6 +136,10 @@ def _dtype(dtype, config, files: ModelFiles) -> torch.dtype:
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype={dtype!r}; give a floating torch.dtype such as torch.bfloat16")
     return dtype
+
+
+def _is_decoder(layer: nn.Module) -> bool:
+    return isinstance(layer, (DecoderLayer, GPT2Layer))
 
 
 def check_folder(model_dir: str | Path) -> None:
@@ -131,13 +188,16 @@ class PretrainedStages(Sequence):
         dtype: torch.dtype,
         device: torch.device | str | None,
         attn_implementation: str | None,
+        *,
+        recompute: str | Mapping[int, str] = "none",
     ) -> None:
         self.files, self.dtype = files, dtype
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self._config, self._attn = config, attn_implementation
         skeleton = self._skeleton()
+        layers = layers_of(skeleton)
         #: the global layer names, in call order
-        self.names = list(layers_of(skeleton))
+        self.names = list(layers)
         self.counts = check_counts(stage_layers, len(self.names))
         self.ranges = stage_ranges(self.counts)
         #: (source, target) parameter names the model ties (the target is the source)
@@ -145,6 +205,10 @@ class PretrainedStages(Sequence):
         self.prefix: str = getattr(skeleton, "base_model_prefix", "")
         #: the model's config as loaded (its dtype and attention implementation set)
         self.config = skeleton.config
+        #: the decoder layers' global names, by index (what ``recompute`` may wrap)
+        self.decoder_names = [n for n, layer in layers.items() if _is_decoder(layer)]
+        #: {decoder layer name: mode} for the layers that recompute (``from_pretrained``)
+        self.recompute = _recompute_modes(recompute, self.decoder_names)
         check_tensors(files, skeleton, self.tied, self.prefix)
 
     def _skeleton(self) -> Any:
@@ -176,6 +240,9 @@ class PretrainedStages(Sequence):
         recompute_buffers(module, skeleton, loaded)
         module.tied_names = [tuple(sorted(pair)) for pair in self.tied]
         module.hf_config = self.config
+        modes = {n: m for n, m in self.recompute.items() if n in module.layer_names}
+        if modes:
+            recompute_layers(module, modes, stage)
         return module.train()
 
     def _retie(self, module: Stage) -> None:

@@ -1,6 +1,7 @@
 """A plan's per-stage recompute in the runtime: each stage's layers run under non-reentrant
 checkpoints (full or selective), the loss and every gradient as without recompute, under 1F1B
-and under zbv with either weight-gradient split, parameters and state-dict keys untouched (float64,
+and under zbv with either weight-gradient split (selective on blocks under graph replay too, whose
+W recomputes again), parameters and state-dict keys untouched (float64,
 gloo, 2 ranks, one launch); and the plans the runtime refuses, on every rank alike."""
 
 from __future__ import annotations
@@ -11,7 +12,11 @@ from recompute_cases import PLANS, run_recompute_plans
 from runtime_harness import launch
 from torch import nn
 
-from pipetrain.runtime.backward.activation_checkpoint import Recomputed, recompute_stage
+from pipetrain.runtime.backward.activation_checkpoint import (
+    Recomputed,
+    recompute_layers,
+    recompute_stage,
+)
 from pipetrain.runtime.layers import split
 
 
@@ -60,3 +65,24 @@ def test_recompute_keeps_the_layers_names_and_parameters() -> None:
     assert not any(m.training for m in layers[0].modules())
     with torch.no_grad():  # without autograd the layers run plainly
         assert stage(torch.ones(2, 4)).shape == (2, 4)
+
+
+def test_recompute_layers_wraps_the_named_layers_each_in_its_mode() -> None:
+    layers = [nn.Sequential(nn.Linear(4, 4), nn.GELU()) for _ in range(3)]
+    (stage,) = split(layers, [3])
+    keys = list(stage.state_dict())
+    recompute_layers(stage, {"layers.0": "full", "layers.2": "selective", "layers.1": "none"})
+    assert [getattr(layer, "mode", None) for layer, _ in stage.chain] == ["full", None, "selective"]
+    assert list(stage.state_dict()) == keys
+    first = stage.chain[0][0]
+    recompute_layers(stage, {"layers.0": "full"})  # the same mode again: no change
+    assert stage.chain[0][0] is first
+    with pytest.raises(ValueError, match="layer layers.2 already recomputes 'selective'"):
+        recompute_layers(stage, {"layers.2": "full"})
+    with pytest.raises(ValueError, match="holds no layer 'layers.7'; its layers: layers.0, "):
+        recompute_layers(stage, {"layers.7": "full"})
+    with pytest.raises(ValueError, match="unknown recompute mode 'half'; legal: 'none', "):
+        recompute_layers(stage, {"layers.1": "half"})
+    # the stage's other layers join in the stage's mode; a layer in another mode is refused
+    with pytest.raises(ValueError, match="stage 0 already recomputes 'selective'"):
+        recompute_stage(stage, "full", 0)

@@ -12,7 +12,7 @@ import torch.distributed as dist
 PLANS = [
     ("1f1b", "1f1b", 1, 2, [3, 2], ["full", "selective"], None),
     ("zbv deferred", "zbv", 2, 4, [2, 1, 1, 1], ["full", "selective", "none", "full"], True),
-    ("zbv replayed", "zbv", 2, 4, [1, 2, 1, 1], ["selective", "full", "full", "selective"], False),
+    ("zbv replayed", "zbv", 2, 4, [1, 2, 1, 1], ["full", "selective", "full", "selective"], False),
 ]
 
 

@@ -1,7 +1,9 @@
 """Activation checkpointing inside stages: ``torch.utils.checkpoint`` with ``use_reentrant=False``
 is exact under every schedule; the reentrant variant is refused at the first step. A plan's
 per-stage recompute (``Layout.recompute``) is applied here: ``recompute_stage`` wraps each layer
-of a stage in a non-reentrant checkpoint, full or selective (``Recomputed``).
+of a stage in a non-reentrant checkpoint, full or selective (``Recomputed``); ``recompute_layers``
+wraps only the layers it names, each in its own mode (``pipetrain.hf.from_pretrained``'s
+``recompute=``, per decoder layer).
 
 Non-reentrant checkpointing (saved-tensor hooks: a checkpointed region's saved tensors are
 recomputed when a backward unpacks them) keeps the region's nodes in the stage's autograd graph,
@@ -21,17 +23,13 @@ nodes), each recomputing: more forward runs, same numbers.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.autograd.graph import Node
-from torch.utils.checkpoint import (
-    checkpoint,
-    create_selective_checkpoint_contexts,
-    noop_context_fn,
-)
+from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from pipetrain.runtime import torch_compat
 from pipetrain.runtime.comm.failures import PipelineRefused
@@ -84,7 +82,7 @@ class Recomputed(nn.Module):
         self.context_fn: Callable[[], tuple[Any, Any]] = noop_context_fn
         if mode == "selective":
             ops = torch_compat.saved_by_selective_recompute()
-            self.context_fn = functools.partial(create_selective_checkpoint_contexts, ops)
+            self.context_fn = functools.partial(torch_compat.selective_recompute_contexts, ops)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
@@ -94,17 +92,51 @@ class Recomputed(nn.Module):
         )
 
 
-def recompute_stage(stage: nn.Module, mode: str, index: int) -> nn.Module:
-    """``stage`` with every layer in its call list wrapped in ``Recomputed`` for ``mode`` (the
-    planner models a stage's recompute layer by layer: ``planner.recompute``); ``"none"`` leaves
-    it as it is. Refused with a ``ValueError``: an unknown mode, a stage already recomputing
-    another way, and a stage none of whose layers holds parameters (nothing a backward would
-    reach to recompute). Idempotent for the same mode."""
+def _check_mode(mode: object, where: str) -> None:
     if mode not in RECOMPUTE_MODES:
         raise ValueError(
-            f"stage {index}: unknown recompute mode {mode!r}; legal: "
+            f"{where}: unknown recompute mode {mode!r}; legal: "
             + ", ".join(map(repr, RECOMPUTE_MODES))
         )
+
+
+def recompute_layers(stage: Stage, modes: Mapping[str, str], index: int = 0) -> Stage:
+    """``stage`` with each layer named in ``modes`` (its global name, ``Stage.layer_names``)
+    wrapped in ``Recomputed`` for its mode; ``"none"`` and layers not named stay as they are.
+    Refused with a ``ValueError``: a name the stage does not hold, an unknown mode, and a layer
+    already recomputing another way. The wrapper goes into the call list only, so parameter
+    names and state-dict keys do not change. Idempotent for the same modes."""
+    unknown = [name for name in modes if name not in stage.layer_names]
+    if unknown:
+        raise ValueError(
+            f"stage {index} holds no layer {unknown[0]!r}; its layers: "
+            + ", ".join(stage.layer_names)
+        )
+    for name, mode in modes.items():
+        _check_mode(mode, f"stage {index}, layer {name}")
+    chain = []
+    for name, (layer, accepts) in zip(stage.layer_names, stage.chain, strict=True):
+        mode = modes.get(name, "none")
+        if isinstance(layer, Recomputed) and mode not in ("none", layer.mode):
+            raise ValueError(
+                f"stage {index}, layer {name} already recomputes {layer.mode!r}; it cannot also "
+                f"recompute {mode!r}"
+            )
+        if mode != "none" and not isinstance(layer, Recomputed):
+            layer = Recomputed(layer, mode)
+        chain.append((layer, accepts))
+    stage.chain = chain
+    return stage
+
+
+def recompute_stage(stage: nn.Module, mode: str, index: int) -> nn.Module:
+    """``stage`` with every layer in its call list wrapped in ``Recomputed`` for ``mode``
+    (``recompute_layers`` for all of them: the planner models a stage's recompute layer by
+    layer, ``planner.recompute``); ``"none"`` leaves it as it is. Refused with a
+    ``ValueError``: an unknown mode, a stage already recomputing another way, and a stage none
+    of whose layers holds parameters (nothing a backward would reach to recompute). Idempotent
+    for the same mode."""
+    _check_mode(mode, f"stage {index}")
     if mode == "none":
         return stage
     if not isinstance(stage, Stage):
@@ -113,12 +145,10 @@ def recompute_stage(stage: nn.Module, mode: str, index: int) -> nn.Module:
             f"makes them), got a {type(stage).__name__}"
         )
     current = {layer.mode for layer, _ in stage.chain if isinstance(layer, Recomputed)}
-    if current == {mode}:
-        return stage
-    if current:
+    if current - {mode}:
         raise ValueError(
-            f"stage {index} already recomputes {sorted(current)[0]!r}; it cannot also recompute "
-            f"{mode!r}"
+            f"stage {index} already recomputes {sorted(current - {mode})[0]!r}; it cannot also "
+            f"recompute {mode!r}"
         )
     if next(stage.parameters(), None) is None:
         raise ValueError(
@@ -126,8 +156,7 @@ def recompute_stage(stage: nn.Module, mode: str, index: int) -> nn.Module:
             "of its layers holds parameters: nothing there is worth checkpointing; plan it with "
             "recompute 'none'"
         )
-    stage.chain = [(Recomputed(layer, mode), accepts) for layer, accepts in stage.chain]
-    return stage
+    return recompute_layers(stage, dict.fromkeys(stage.layer_names, mode), index)
 
 
 def recompute_stages(stages: Sequence[nn.Module], modes: Sequence[str]) -> Sequence[nn.Module]:
