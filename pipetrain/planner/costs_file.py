@@ -21,14 +21,14 @@ model, device, dtype, batch shape).
 Version 2 adds, optional: per layer ``recompute`` (ms to run the layer's forward again inside its
 backward when it is checkpointed; default its ``forward``), ``recompute_activation`` (GiB: what
 one micro-batch holds from the layer's forward to its backward when the layer is checkpointed:
-its input, and on the last layer what the loss saves) and ``selective_activation`` (GiB: the
-same under selective recompute, which also keeps matrix products' and attention's outputs) and
+its input, and on the last layer what the loss saves), ``selective_activation`` (GiB: the same
+under selective recompute, which also keeps matrix products' and attention's outputs) and
 ``selective_recompute`` (ms: what selective recompute adds to the layer's backward; default a
-fixed share of ``recompute``) — the planner's recompute model, ``planner.recompute``; per file ``host_bandwidth_gbs`` (GB/s between
-the device and pinned host memory, measured by the profiler on CUDA; what the planner times
-activation offload's copies at). Version 1 files still load (those fields absent: their
-defaults); a version 1 file that gives them is refused, naming version 2. Files are written as
-version 2.
+fixed share of ``recompute``) — the planner's recompute model, ``planner.recompute``; per file
+``host_bandwidth_gbs`` (GB/s between the device and pinned host memory, measured by the profiler
+on CUDA; what the planner times activation offload's copies at). Version 1 files still load
+(those fields absent: their defaults); a version 1 file that gives them is refused, naming
+version 2. Files are written as version 2.
 
 Anything else is refused with the field's path, so a typo never silently becomes a default.
 """
