@@ -236,6 +236,7 @@ def _pipeline(
                 causal_lm_token_loss,
                 stages_per_rank=layout.stages_per_rank,
                 num_stages=len(layout.stage_layers),
+                offload=layout.offload_spec,  # from_plan's own, for the folder's stages
                 **options,
             )
             return pipe, replica

@@ -21,13 +21,14 @@ model, device, dtype, batch shape).
 Version 2 adds, optional: per layer ``recompute`` (ms to run the layer's forward again inside its
 backward when it is checkpointed; default its ``forward``), ``recompute_activation`` (GiB: what
 one micro-batch holds from the layer's forward to its backward when the layer is checkpointed:
-its input, and on the last layer what the loss saves) and ``selective_activation`` (GiB: the
-same under selective recompute, which also keeps matrix products' and attention's outputs) — the
-planner's recompute model, ``planner.recompute``; per file ``host_bandwidth_gbs`` (GB/s between
-the device and pinned host memory, measured by the profiler on CUDA; what the planner times
-activation offload's copies at). Version 1 files still load (those fields absent: their
-defaults); a version 1 file that gives them is refused, naming version 2. Files are written as
-version 2.
+its input, and on the last layer what the loss saves), ``selective_activation`` (GiB: the same
+under selective recompute, which also keeps matrix products' and attention's outputs) and
+``selective_recompute`` (ms: what selective recompute adds to the layer's backward; default a
+fixed share of ``recompute``) — the planner's recompute model, ``planner.recompute``; per file
+``host_bandwidth_gbs`` (GB/s between the device and pinned host memory, measured by the profiler
+on CUDA; what the planner times activation offload's copies at). Version 1 files still load
+(those fields absent: their defaults); a version 1 file that gives them is refused, naming
+version 2. Files are written as version 2.
 
 Anything else is refused with the field's path, so a typo never silently becomes a default.
 """
@@ -48,7 +49,7 @@ VERSIONS = (1, 2)
 _LAYER_NUMBERS = ("forward", "backward_input", "backward_weight", "backward", "activation")
 _LAYER_OPTIONAL = ("comm", "workspace", "activation_for_weight")
 #: fields a version 1 file may not give
-_LAYER_V2 = ("recompute", "recompute_activation", "selective_activation")
+_LAYER_V2 = ("recompute", "recompute_activation", "selective_activation", "selective_recompute")
 _TOP_V2 = ("host_bandwidth_gbs",)
 _LAYER_KEYS = ("name", *_LAYER_NUMBERS, "params", *_LAYER_OPTIONAL, *_LAYER_V2)
 _TOP_KEYS = ("version", "layers", "comm", "meta", *_TOP_V2)
@@ -85,6 +86,8 @@ class LayerCost:
     recompute_activation: float | None = None
     #: GiB held per micro-batch under selective recompute; ``None``: not measured
     selective_activation: float | None = None
+    #: ms selective recompute adds to the backward; ``None``: not measured
+    selective_recompute: float | None = None
 
     @property
     def split_backward(self) -> bool:
@@ -239,6 +242,7 @@ def _layer(raw: object, where: str, fail: Fail) -> LayerCost:
         recompute=maybe("recompute"),
         recompute_activation=maybe("recompute_activation"),
         selective_activation=maybe("selective_activation"),
+        selective_recompute=maybe("selective_recompute"),
     )
 
 

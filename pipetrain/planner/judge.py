@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pipetrain.planner.costs_file import ModelCosts
 from pipetrain.planner.layout import Layout
 from pipetrain.planner.partition import bounds
-from pipetrain.planner.recompute import Recompute, recomputed_layer
+from pipetrain.planner.recompute import MODES, Recompute, recomputed_layer
 from pipetrain.schedule.offload import insert_offload, offloadable_stages, reload_leads
 from pipetrain.schedule.program import Program
 from pipetrain.schedule.timeline import Timeline
@@ -124,12 +124,17 @@ class Candidate:
     cut_by: str
 
 
-def rank_key(c: Candidate) -> tuple[float, float, str]:
-    """Faster per micro-batch first, then the lower peak."""
-    return (c.plan.ms_per_microbatch, max(c.plan.peak_gib), c.plan.schedule)
+def rank_key(c: Candidate) -> tuple[float, float, int, float, str]:
+    """Faster per micro-batch first; at equal speed less offloaded, then less recomputed (what
+    the simulator times as free still moves bytes and runs kernels: a plan offloads or
+    recomputes only where memory asks for it), then the lower peak."""
+    layout = c.plan.layout
+    raised = sum(MODES.index(Recompute(m)) for m in layout.recompute)
+    return (c.plan.ms_per_microbatch, sum(layout.offload), raised, max(c.plan.peak_gib),
+            c.plan.schedule)  # fmt: skip
 
 
-def family_key(c: Candidate) -> tuple[bool, float, float, str]:
+def family_key(c: Candidate) -> tuple[bool, float, float, int, float, str]:
     """Fitting candidates first, then ``rank_key``."""
     return (not c.plan.fits, *rank_key(c))
 

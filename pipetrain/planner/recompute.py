@@ -14,18 +14,19 @@ sums over its layers (``judge.stage_costs``):
   transformer layer's input (2sbh bytes) in its activations (34sbh bytes, attention scores not
   kept: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
   §4.1). The first backward piece to reach the layer (``B``, or ``I`` of a split backward) runs
-  its forward again first (``recompute`` ms; default its ``forward``, which on the last layer
-  includes the loss the region does not rerun: an over-estimate), and while it does the layer's
+  its forward again first (``recompute`` ms, which the profiler measures as what checkpointing
+  the layer adds to its backward; default its ``forward``), and while it does the layer's
   activations are live again (added to its workspace: one layer is recomputed at a time).
 * ``"selective"``: the runtime keeps the outputs of matrix products and fused attention and
   recomputes the rest (pointwise ops, norms: cheap to run, costly to hold), after Korthikanti et
   al.'s selective recompute. It holds the costs file's ``selective_activation``, which the
   profiler measures (the saved tensors and the cached outputs); a file without it: what full
-  recompute keeps plus ``SELECTIVE_KEPT`` of the rest. It pays ``SELECTIVE_TIME`` of the
-  recompute time, and the part it does not keep is live again during the backward as above.
-  ``SELECTIVE_TIME`` is always a modelling assumption, not a measurement, and so is
-  ``SELECTIVE_KEPT`` where it stands in; neither is checked against a run. The measured sizes
-  are checked on CPU only (tests/runtime/test_profile.py counts them by hand).
+  recompute keeps plus ``SELECTIVE_KEPT`` of the rest. It pays the costs file's
+  ``selective_recompute``, which the profiler measures like ``recompute``; a file without it:
+  ``SELECTIVE_TIME`` of the recompute time. The part it does not keep is live again during the
+  backward as above. ``SELECTIVE_TIME`` and ``SELECTIVE_KEPT`` are modelling assumptions where
+  they stand in. The measured sizes are checked on CPU (tests/runtime/test_profile.py counts
+  them by hand).
 
 What recompute does not change, on purpose: a split backward's ``W`` still needs what its ``I``
 left for it (the deferred weight gradients stash the linears' inputs and output gradients while
@@ -34,7 +35,6 @@ is the cost of ``B`` and of deferred weight gradients (the runtime's default for
 mostly of linear layers); where graph replay splits the backward, each engine call of its ``W``
 recomputes again, which this model does not count (its size is conservative there: replay holds
 less between ``I`` and ``W``).
-Offloading activations to host memory is not built (docs/planning.md).
 """
 
 from __future__ import annotations
@@ -62,7 +62,8 @@ INPUT_SHARE = 2 / 34
 #: selective recompute without a measured ``selective_activation``: share of the activation
 #: beyond full recompute's still held (an assumption, see the docstring)
 SELECTIVE_KEPT = 0.5
-#: selective recompute: share of the recompute time paid (an assumption, see the docstring)
+#: selective recompute without a measured ``selective_recompute``: share of the recompute time
+#: paid (an assumption, see the docstring)
 SELECTIVE_TIME = 0.3
 
 
@@ -100,6 +101,14 @@ def held_selective(layer: LayerCost) -> float:
     return min(layer.activation, max(full, kept))
 
 
+def selective_paid(layer: LayerCost) -> float:
+    """What selective recompute adds to a layer's backward (ms): as measured, else
+    ``SELECTIVE_TIME`` of its full recompute."""
+    if layer.selective_recompute is not None:
+        return layer.selective_recompute
+    return layer.recompute_ms * SELECTIVE_TIME
+
+
 def recomputed_layer(layer: LayerCost, mode: Recompute) -> LayerCost:
     """``layer``'s costs when its stage runs ``mode`` (module docstring)."""
     if mode is Recompute.NONE:
@@ -107,7 +116,7 @@ def recomputed_layer(layer: LayerCost, mode: Recompute) -> LayerCost:
     if mode is Recompute.FULL:
         kept, paid = held_full(layer), layer.recompute_ms
     else:
-        kept, paid = held_selective(layer), layer.recompute_ms * SELECTIVE_TIME
+        kept, paid = held_selective(layer), selective_paid(layer)
     dropped = layer.activation - kept
     return dataclasses.replace(
         layer,

@@ -26,11 +26,10 @@ so ``I`` and ``W`` are split exactly as a pipeline splits them):
   ``CPU_LATENCY_MS`` plus the bytes at ``CPU_BANDWIDTH`` (gloo over loopback);
 * ``recompute_activation``: the same count with the layer checkpointed as a plan's recompute
   runs it (``activation_checkpoint.Recomputed``, full): its input, and on the last layer what
-  ``loss_fn`` saves, which runs outside the checkpointed region; ``recompute``, the time to run
-  the layer's forward again, is written as its ``forward`` (on the last layer that includes the
-  loss, which recompute does not rerun: an over-estimate); ``selective_activation``, the same
-  under selective recompute, with the outputs it caches (matrix products, fused attention)
-  counted as they are made;
+  ``loss_fn`` saves, which runs outside the checkpointed region; ``selective_activation``, the
+  same under selective recompute, with the outputs it caches (matrix products, fused attention)
+  counted as they are made; ``recompute`` and ``selective_recompute``, what each adds to the
+  layer's backward, timed alone and in windows (``profile_recompute``);
 * ``host_bandwidth_gbs`` (CUDA only, per file): a copy of the largest layer output to pinned
   host memory, GB/s (what the planner times activation offload's copies at);
 * ``activation_for_weight`` (CUDA only): what the allocator still holds per micro-batch after
@@ -72,6 +71,7 @@ from pipetrain.planner.costs_file import LayerCost, ModelCosts, save_costs
 from pipetrain.runtime import torch_compat
 from pipetrain.runtime.backward.activation_checkpoint import Recomputed
 from pipetrain.runtime.layers import Stage
+from pipetrain.runtime.profile_recompute import StageTimer, recompute_times
 from pipetrain.runtime.stage import StageRunner, leaves
 
 GIB = float(1 << 30)
@@ -124,8 +124,12 @@ def profile(
     windows = _scale_by_windows(
         layers, measured, layer_inputs, context, loss_fn, target, clock, rounds
     )
-    # recompute runs the forward again: its time is the (scaled) forward's
-    measured = [dataclasses.replace(x, recompute=x.forward) for x in measured]
+    timer = StageTimer(_measure, clock, rounds, loss_fn, target, len(layers))
+    paid, paid_windows = recompute_times(layers, layer_inputs, context, timer)
+    measured = [
+        dataclasses.replace(x, recompute=full, selective_recompute=selective)
+        for x, full, selective in zip(measured, paid["recompute"], paid["selective_recompute"])
+    ]
     costs = ModelCosts(
         layers=tuple(measured),
         comm=max((layer.comm or 0.0) for layer in measured),
@@ -136,7 +140,7 @@ def profile(
             "repeats": repeats,
             "comm_method": _comm_method(device),
             "torch": torch.__version__,
-            "context": {"layers": context, "windows": windows},
+            "context": {"layers": context, "windows": windows, "recompute": paid_windows},
             **(meta or {}),
         },
     )
@@ -306,8 +310,17 @@ class _Clock:
 
 
 def _measure(
-    runner: StageRunner, args, target, clock: _Clock, repeats: int, warmup: int, in_flight: int
+    runner: StageRunner,
+    args,
+    target,
+    clock: _Clock,
+    repeats: int,
+    warmup: int,
+    in_flight: int,
+    split: bool = True,
 ):
+    """The stage's times (the split backward's ``I`` and ``W`` only with ``split``), saved
+    bytes and workspace, and its outputs."""
     saved, outputs, grads = _first_pass(runner, args, target)
     mbs = range(in_flight)
 
@@ -322,11 +335,11 @@ def _measure(
     times: dict[str, list[float]] = {k: [] for k in ("forward", "backward", "i", "w")}
     workspace = for_weight = 0.0
     for rep in range(warmup + repeats):
-        for split in (False, True):
+        for piecewise in (False, True) if split else (False,):
             runner.begin_step()
             before = _allocated(clock)
             t, _ = clock.time(forwards)
-            if split:
+            if piecewise:
                 ti, _ = clock.time(
                     lambda: run(lambda mb: _discard(runner.backward_input(mb, grads)))
                 )
@@ -337,7 +350,7 @@ def _measure(
             else:
                 tb, _ = clock.time(lambda: run(lambda mb: _discard(runner.backward(mb, grads))))
             if rep >= warmup:
-                if split:
+                if piecewise:
                     times["i"].append(ti / in_flight)
                     times["w"].append(tw / in_flight)
                 else:
@@ -347,8 +360,8 @@ def _measure(
                 peak = torch.cuda.max_memory_allocated() - before - in_flight * saved.bytes
                 workspace = max(workspace, peak)
 
-    def med(key: str) -> float:
-        return statistics.median(times[key])
+    def med(key: str) -> float | None:
+        return statistics.median(times[key]) if times[key] else None
 
     return (
         {

@@ -189,6 +189,29 @@ def test_a_plan_file_carries_recompute_and_offload_refused_on_a_cpu_run(tmp_path
         check_arguments(_args("--plan", _plan_file(tmp_path, offload=[0, 0, 0, 1.5])))
 
 
+def test_a_model_folders_pipeline_offloads_as_the_plan_says(monkeypatch) -> None:
+    """``--model-dir`` builds its ``Pipeline`` itself (the folder's stages, not
+    ``from_plan``): it passes the plan's offload and reload leads as ``from_plan`` does."""
+    pytest.importorskip("transformers")
+    import pipetrain.app.model_folder as model_folder
+    import pipetrain.runtime.pipeline as pipeline
+    from pipetrain.app.train import _pipeline
+    from pipetrain.planner.layout import Layout
+
+    given = {}
+
+    def record(*args, **kwargs):
+        given.update(kwargs)
+        return "pipe"
+
+    monkeypatch.setattr(model_folder, "folder_stages", lambda *args: (lambda s: None, False))
+    monkeypatch.setattr(pipeline, "Pipeline", record)
+    layout = Layout(schedule="1f1b", ranks=2, stages_per_rank=1, microbatches=4,
+                    stage_layers=(3, 4), offload=(0.5, 0.0), reload_lead=(2, 1))  # fmt: skip
+    assert _pipeline(_args(), layout, None, torch.device("cpu")) == ("pipe", 0)
+    assert given["offload"] == layout.offload_spec and given["offload"].leads(2) == (2, 1)
+
+
 def test_train_takes_the_shared_shape_flags_and_relaunches_with_them() -> None:
     args = _args("zb-h1", "-p", "2", "-m", "4", "--steps", "3")
     assert (args.schedule, args.ranks, args.microbatches) == ("zb-h1", 2, 4)

@@ -5,6 +5,8 @@ not fit (PipeOffload, arXiv 2503.01328)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from pipetrain.planner import Layout, ModelCosts, NoPlanFits, plan, search
@@ -102,3 +104,24 @@ def test_selective_recompute_with_offload_on_one_stage_is_refused() -> None:
         Layout.from_json({**old, "recompute": ["selective", "none"], "offload": [0.5, 0.0]})
     both = Layout.from_json({**old, "recompute": ["full", "selective"], "offload": [0.5, 0.0]})
     assert both.offloads and both.recomputes
+
+
+def test_at_equal_speed_the_pick_offloads_and_recomputes_least() -> None:
+    """Copies the simulator hides still move bytes: between plans of equal predicted speed the
+    one that offloads less wins, then the one that recomputes less, before the lower peak."""
+    from pipetrain.planner.judge import rank_key
+
+    program = build_schedule("interleaved-1f1b", 2, 8, 2)
+    budget, cut = Budget(1e3, 0), (2, 2, 2, 2)
+    full = ("full",) * 4
+    fast = costs(1e6)
+    recomputed = evaluate(fast, program, "interleaved-1f1b", 2, cut, "full", budget, full)
+    both = evaluate(fast, program, "interleaved-1f1b", 2, cut, "both", budget, full, (1.0,) * 4)
+    assert both.plan.step_ms == pytest.approx(recomputed.plan.step_ms)  # the copies hide
+    assert max(both.plan.peak_gib) < max(recomputed.plan.peak_gib)
+    assert rank_key(recomputed) < rank_key(both)
+    plain = evaluate(fast, program, "interleaved-1f1b", 2, cut, "plain", budget)
+    tied = dataclasses.replace(
+        recomputed, plan=dataclasses.replace(recomputed.plan, step_ms=plain.plan.step_ms)
+    )
+    assert rank_key(plain) < rank_key(tied)  # at equal speed, the one that recomputes less

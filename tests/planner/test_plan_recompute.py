@@ -38,7 +38,7 @@ def heavy(num_layers: int = 8) -> ModelCosts:
 
 
 def test_version_2_round_trips_and_version_1_loads_with_defaults(tmp_path) -> None:
-    a = dataclasses.replace(block("a"), selective_activation=0.5)
+    a = dataclasses.replace(block("a"), selective_activation=0.5, selective_recompute=0.3)
     costs = ModelCosts(layers=(a, block("b", kept=None)), host_bandwidth_gbs=25.0)
     path = tmp_path / "costs.json"
     save_costs(costs, path)
@@ -77,8 +77,9 @@ def test_the_layer_model_of_full_and_selective_recompute() -> None:
     assert recomputed_layer(layer, Recompute.NONE) is layer
     unmeasured = recomputed_layer(block("y", act=2.0, kept=None), Recompute.FULL)
     assert unmeasured.activation == pytest.approx(2.0 * INPUT_SHARE)
-    measured = dataclasses.replace(layer, selective_activation=0.4)
+    measured = dataclasses.replace(layer, selective_activation=0.4, selective_recompute=0.5)
     assert recomputed_layer(measured, Recompute.SELECTIVE).activation == 0.4
+    assert recomputed_layer(measured, Recompute.SELECTIVE).backward == 2.5  # as measured
 
 
 def test_a_recomputing_stage_pays_before_its_backward_and_holds_less() -> None:

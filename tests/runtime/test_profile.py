@@ -35,7 +35,10 @@ def test_profile_counts_activation_and_static_bytes_by_hand(tmp_path) -> None:
     # selective: also the outputs of matrix products (the Linear's addmm; the MLP's two)
     assert first.selective_activation * GIB == 8 * b * (d + h)
     assert second.selective_activation * GIB == 8 * b * (h + 2 * h + d + d)
-    assert all(x.recompute == x.forward for x in costs.layers)
+    # what checkpointing adds to each backward, timed (tested with a stubbed clock below)
+    assert all(x.recompute >= 0 and x.selective_recompute >= 0 for x in costs.layers)
+    (window,) = costs.meta["context"]["recompute"]  # both layers: one window
+    assert (window["first"], window["end"]) == (0, 2) and window["selective_recompute"] > 0
     assert costs.host_bandwidth_gbs is None  # measured on CUDA only
     # AdamW: parameter + gradient + two states, float64
     params = sum(p.numel() for p in linear.parameters())
@@ -129,8 +132,8 @@ def test_profile_scales_lone_times_by_their_window_timed_as_one_stage(monkeypatc
     real = profiler._measure
     seen = []
 
-    def fixed(runner, *args):
-        cost, outputs = real(runner, *args)
+    def fixed(runner, *args, **kwargs):
+        cost, outputs = real(runner, *args, **kwargs)
         chain = getattr(runner.module, "layer_names", None)
         seen.append((chain, runner.is_last))
         # a lone layer "takes" 2 ms of each time, a window 3 ms per layer in it
@@ -156,10 +159,58 @@ def test_profile_scales_lone_times_by_their_window_timed_as_one_stage(monkeypatc
     # does not empty its layers' I (a stage starting at layer 1 needs it)
     assert [layer.backward_input for layer in costs.layers] == pytest.approx([3, 3, 3, 3, 2])
     assert [layer.backward_weight for layer in costs.layers] == pytest.approx([3, 3, 3, 3, 2])
-    assert seen[-2:] == [(("layer0", "layer1"), False), (("layer2", "layer3"), False)]
+    assert seen[5:7] == [(("layer0", "layer1"), False), (("layer2", "layer3"), False)]
+    before = len(seen)
     whole = profile(layers, torch.randn(3, 4), repeats=1, warmup=0, context=5,
                     loss_fn=lambda y, t: (y**2).mean(), target=None)  # fmt: skip
-    assert seen[-1] == (tuple(f"layer{i}" for i in range(5)), True)  # the loss in its window
+    # the loss in its window
+    assert seen[before + 5] == (tuple(f"layer{i}" for i in range(5)), True)
     assert whole.meta["context"]["windows"][0]["end"] == 5
     with pytest.raises(ValueError, match="context"):
         profile(layers, torch.randn(3, 4), context=0)
+
+
+def test_recompute_is_timed_as_what_checkpointing_adds_to_the_backward(monkeypatch) -> None:
+    """``recompute`` and ``selective_recompute``: a layer's backward checkpointed less its plain
+    backward, timed alone, then scaled by windows timed plain and checkpointed as one stage; a
+    difference below zero counts as 0 (a stubbed clock)."""
+    import pipetrain.runtime.profile_layers as profiler
+    from pipetrain.planner.recompute import Recompute, recomputed_layer
+    from pipetrain.runtime.backward.activation_checkpoint import Recomputed
+
+    real = profiler._measure
+    # ms a checkpointed layer adds to the backward: alone, in a window (the last layer: less)
+    added = {"full": (1.0, 0.6), "selective": (0.25, 0.2)}
+
+    def fixed(runner, *args, **kwargs):
+        cost, outputs = real(runner, *args, **kwargs)
+        chain = getattr(runner.module, "chain", None)
+        if chain is None or kwargs.get("split", True):  # the other times: not under test
+            return cost, outputs
+        alone = len(chain) == 1
+        backward = len(chain) * (2.0 if alone else 1.5)
+        for layer, _ in chain:
+            if isinstance(layer, Recomputed):
+                last = runner.is_last and alone
+                backward += -0.1 if last else added[layer.mode][0 if alone else 1]
+        cost["backward"] = backward
+        return cost, outputs
+
+    monkeypatch.setattr(profiler, "_measure", fixed)
+    layers = [nn.Linear(4, 4) for _ in range(5)]
+    costs = profile(
+        layers, torch.randn(3, 4), repeats=1, warmup=0, context=2,
+        loss_fn=lambda y, t: (y**2).mean(), target=None,
+    )  # fmt: skip
+    # windows (0, 2) and (2, 4): full 1.2 ms for 2 ms alone, selective 0.4 for 0.5; the tail
+    # layer (the loss outside its region) keeps its lone difference, clipped at 0
+    assert [x.recompute for x in costs.layers] == pytest.approx([0.6, 0.6, 0.6, 0.6, 0.0])
+    assert [x.selective_recompute for x in costs.layers] == pytest.approx([0.2] * 4 + [0.0])
+    ratios = costs.meta["context"]["recompute"]
+    assert [(w["first"], w["end"]) for w in ratios] == [(0, 2), (2, 4)]
+    assert all(w["recompute"] == pytest.approx(0.6) for w in ratios)
+    assert all(w["selective_recompute"] == pytest.approx(0.8) for w in ratios)
+    # the planner pays what was measured
+    layer = costs.layers[0]
+    for mode, paid in ((Recompute.FULL, 0.6), (Recompute.SELECTIVE, 0.2)):
+        assert recomputed_layer(layer, mode).backward == pytest.approx(layer.backward + paid)

@@ -1,0 +1,196 @@
+"""What ``plan_gpu.py`` reports, from its budgets and whatever runs were measured so far (it
+rewrites the report after every run, so a run cut short keeps what it measured).
+
+Per run: predicted / measured step (the ratio) and per-rank peak (the ratios), whether the
+measured peak exceeds the budget ("over"; the GPUs have more memory, so nothing actually runs
+out), and whether the planner predicted it to fit (a variant predicted over budget and measured
+over it is expected, not a failure). Per budget: regret (the pick's measured step per
+micro-batch over the best of every measured run of the call whose measured peak fits this
+budget, minus 1) and the targets: pick's step predicted within 5%, every rank's peak within 10%,
+regret at most 3%, no run the planner predicted to fit measured over budget.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from plan_gpu_variants import run_key
+
+from pipetrain.planner.judge import DEFAULT_HEADROOM
+from pipetrain.planner.recompute import describe
+
+#: the targets (docs/planning.md, "Proof on GPUs"): step error, peak error, regret
+STEP_WITHIN, PEAK_WITHIN, REGRET_WITHIN = 0.05, 0.10, 0.03
+
+
+def measured(m: dict | None) -> bool:
+    return bool(m) and "error" not in m
+
+
+def per_mb(m: dict) -> float:
+    return m["step_ms"] / m["microbatches"]
+
+
+def summarize(costs_meta: dict, budgets: list[dict], results: dict, progress: dict) -> dict:
+    """The report (``plan_gpu.json``): every budget's runs with what was measured of them."""
+    report = {"costs_meta": dict(costs_meta), "progress": dict(progress), "budgets": []}
+    for budget in budgets:
+        gib = budget["memory_gib"]
+        runs = [judge_run(run, results.get(run_key(run)), gib) for run in budget["runs"]]
+        fitting = [per_mb(m) for m in results.values() if measured(m) and max(m["peak_gib"]) <= gib]
+        out = {k: v for k, v in budget.items() if k != "runs"}
+        out["runs"] = runs
+        out.update(targets(runs, fitting))
+        report["budgets"].append(out)
+    return report
+
+
+def judge_run(run: dict, m: dict | None, gib: float) -> dict:
+    row = {**run, "measured": m}
+    if measured(m):  # peaks are measured on CUDA only (None: not measured)
+        row["over_budget"] = max(m["peak_gib"]) > gib if any(m["peak_gib"]) else None
+        row["step_ratio"] = run["predicted_step_ms"] / m["step_ms"]
+        row["peak_ratio"] = [p / q if q else None
+                             for p, q in zip(run["predicted_peak_gib"], m["peak_gib"])]  # fmt: skip
+    return row
+
+
+def targets(runs: list[dict], fitting: list[float]) -> dict:
+    """The budget's figures and whether each target holds (``None``: not measured)."""
+    pick = runs[0]
+    out: dict = {"regret": None, "step_error": None, "peak_error": None, "checks": {}}
+    done = [r for r in runs if measured(r["measured"])]
+    unexpected = [run_key(r) for r in done if r["over_budget"] and r["predicted_fits"]]
+    expected = [run_key(r) for r in done if r["over_budget"] and not r["predicted_fits"]]
+    out.update(over_budget_unexpected=unexpected, over_budget_expected=expected)
+    peaks = [r for r in done if r["over_budget"] is not None]
+    out["checks"]["no run predicted to fit measured over budget"] = (
+        not unexpected if peaks else None
+    )
+    if not measured(pick["measured"]):
+        return out
+    mine = per_mb(pick["measured"])
+    out["regret"] = mine / min([mine, *fitting]) - 1
+    out["step_error"] = pick["step_ratio"] - 1
+    errors = [r - 1 for r in pick["peak_ratio"] if r is not None]
+    out["peak_error"] = max(errors, key=abs) if errors else None
+    out["checks"].update({
+        f"pick's step predicted within {STEP_WITHIN:.0%}": abs(out["step_error"]) <= STEP_WITHIN,
+        f"pick's peaks predicted within {PEAK_WITHIN:.0%}":
+            None if out["peak_error"] is None else abs(out["peak_error"]) <= PEAK_WITHIN,
+        f"regret at most {REGRET_WITHIN:.0%}": out["regret"] <= REGRET_WITHIN,
+    })  # fmt: skip
+    by_role = {r["role"]: r for r in done}
+    for role in ("uniform-1f1b", "torchtitan-1f1b"):
+        if role in by_role:
+            out[f"speedup_over_{role}"] = by_role[role]["measured"]["step_ms"] / pick["measured"]["step_ms"]  # fmt: skip
+    out["pick_rounds_step_ms"] = pick["measured"].get("rounds_step_ms")
+    return out
+
+
+def verdict(value) -> str:
+    return "n/a" if value is None else ("yes" if value else "NO")
+
+
+def format_summary(report: dict, cfg_args: dict, world, name) -> str:
+    lines = [f"{world} x {name}; model {cfg_args}"]
+    progress = report.get("progress", {})
+    if progress.get("stopped"):
+        lines.append(f"stopped early: {progress['stopped']}")
+    for b in report["budgets"]:
+        pick = b["runs"][0]
+        uses = f"recompute {describe(pick.get('recompute') or ['none'])}"
+        if any(pick.get("offload") or ()):
+            uses += f", offload {pick['offload']}"
+        lines.append(f"\nbudget {b['budget']}: {b['memory_gib']:.4g} GiB ({b['usable_gib']:.4g} "
+                     f"after headroom); pick {run_key(pick)} ({uses})")  # fmt: skip
+        if "lowest_peak_without_extras_gib" in b:
+            lines.append(
+                f"  usable memory {b['bound_fraction']:.0%} of the way from the lowest peak full "
+                f"recompute reaches ({b['lowest_peak_full_recompute_gib']:.4g} GiB) to the "
+                f"lowest without recompute or offload ({b['lowest_peak_without_extras_gib']:.4g})"
+            )
+        for check, ok in b["checks"].items():
+            lines.append(f"  {check}: {verdict(ok)}")
+        figures = []
+        for key, fmt in (("regret", "regret {:+.1%}"), ("step_error", "step error {:+.1%}"),
+                         ("peak_error", "worst peak error {:+.1%}"),
+                         ("speedup_over_uniform-1f1b", "speed-up over uniform {:.3f}x"),
+                         ("speedup_over_torchtitan-1f1b", "over torchtitan {:.3f}x")):  # fmt: skip
+            if b.get(key) is not None:
+                figures.append(fmt.format(b[key]))
+        if figures:
+            lines.append("  " + ", ".join(figures))
+        if b["over_budget_expected"]:
+            lines.append(f"  over budget as predicted: {', '.join(b['over_budget_expected'])}")
+        if b.get("pick_rounds_step_ms"):
+            rounds = ", ".join(f"{x:.1f}" for x in b["pick_rounds_step_ms"])
+            lines.append(f"  pick's rounds: {rounds} ms (the best is reported)")
+        lines.append(
+            f"{'role':<26} {'run':<46} {'pred ms':>8} {'meas ms':>8} {'ratio':>6} {'alone':>7} "
+            f"{'own':>7} {'opt':>5}  peak GiB pred/meas (ratio) per rank"
+        )
+        lines += [run_line(r) for r in b["runs"]]
+    lines.append(
+        "\nratio: predicted / measured; alone: the prediction from the layers timed alone "
+        "(before the profiler's window scaling); own: the program simulated with its own measured "
+        "mean action times; OVER: measured peak above the budget (expected: predicted so)"
+    )
+    return "\n".join(lines)
+
+
+def run_line(r: dict) -> str:
+    m = r["measured"]
+    role = r["role"] + "".join(f" = {x}" for x in r.get("same_as", []))
+    head = f"{role:<26} {run_key(r):<46} {r['predicted_step_ms']:8.1f}"
+    if not measured(m):
+        return head + ("  " + m["error"] if m else "  not measured (--budget-s)")
+    peaks = " ".join(
+        f"{p:.3g}/{q:.3g}" + (f"({p / q:.2f})" if q else "")
+        for p, q in zip(r["predicted_peak_gib"], m["peak_gib"])
+    )
+    flag = ""
+    if r["over_budget"]:
+        flag = " OVER (expected)" if not r["predicted_fits"] else " OVER"
+
+    def ms(key: str) -> str:
+        return f"{m[key]:7.1f}" if m.get(key) is not None else f"{'-':>7}"
+
+    return (
+        f"{head} {m['step_ms']:8.1f} {r['step_ratio']:6.3f} {ms('predicted_from_lone_layers_ms')} "
+        f"{ms('simulated_with_own_means_ms')} {m['optimizer_ms']:5.1f}  {peaks}{flag}"
+    )
+
+
+def write(out: Path, report: dict, cfg_args: dict, world, name, echo: bool = False) -> None:
+    """``plan_gpu.json`` and ``summary.txt`` under ``out`` (written whole each time)."""
+    report = {**report, "cfg_args": cfg_args, "world": world, "device": name}
+    (out / "plan_gpu.json").write_text(json.dumps(report, indent=1) + "\n")
+    text = format_summary(report, cfg_args, world, name)
+    (out / "summary.txt").write_text(text + "\n")
+    if echo:
+        print(text, flush=True)
+
+
+def resummarize(path: Path) -> int:
+    """The report again from a saved ``plan_gpu.json`` (after a change to what it reports; a file
+    saved before the memory-bound budget: usable memory at the planner's default headroom)."""
+    saved = json.loads(path.read_text())
+    budgets, results = [], {}
+    derived = ("runs", "regret", "step_error", "peak_error", "checks", "pick_rounds_step_ms")
+    for old in saved["budgets"]:
+        budget = {k: v for k, v in old.items() if k not in derived and not k.startswith(("speedup", "over_budget", "pick_over"))}  # fmt: skip
+        budget.setdefault("usable_gib", budget["memory_gib"] * (1 - DEFAULT_HEADROOM))
+        budget["runs"] = []
+        for run in old["runs"]:
+            if run["measured"]:
+                results[run_key(run)] = {"microbatches": run["microbatches"], **run["measured"]}
+            keep = {k: v for k, v in run.items() if k not in ("measured", "over_budget", "step_ratio", "peak_ratio")}  # fmt: skip
+            keep.setdefault("predicted_fits", max(run["predicted_peak_gib"]) <= budget["usable_gib"])  # fmt: skip
+            budget["runs"].append(keep)
+        budgets.append(budget)
+    report = summarize(saved["costs_meta"], budgets, results, saved.get("progress", {}))
+    meta = [saved.get(k) for k in ("cfg_args", "world", "device")]
+    write(path.parent, report, meta[0] or {}, meta[1], meta[2], echo=True)
+    return 0
