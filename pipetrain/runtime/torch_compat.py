@@ -159,16 +159,20 @@ def selective_recompute_contexts(ops: Sequence) -> tuple[Any, Any]:
     )
 
     class Rereadable(_CachedTorchDispatchMode):
-        def __init__(self, kept: Any) -> None:
-            super().__init__(None, {})
+        def __init__(self, policy_fn: Any, kept: Any) -> None:
+            # some torch versions (2.11) ask the policy again when recomputing; others ignore it
+            super().__init__(policy_fn, {}, False)
             self.kept = kept
 
         def __enter__(self):  # type: ignore[no-untyped-def]
-            self.storage = {key: copy.copy(entries) for key, entries in self.kept.items()}
+            storage = copy.copy(self.kept)  # its type too (a defaultdict in older torch)
+            for key, entries in self.kept.items():
+                storage[key] = copy.copy(entries)
+            self.storage = storage
             return super().__enter__()
 
     caching, _ = create_selective_checkpoint_contexts(list(ops))
-    return caching, Rereadable(caching.storage)
+    return caching, Rereadable(caching.policy_fn, caching.storage)
 
 
 def _check_selective_rereadable() -> None:
