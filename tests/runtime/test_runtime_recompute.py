@@ -86,3 +86,50 @@ def test_recompute_layers_wraps_the_named_layers_each_in_its_mode() -> None:
     # the stage's other layers join in the stage's mode; a layer in another mode is refused
     with pytest.raises(ValueError, match="stage 0 already recomputes 'selective'"):
         recompute_stage(stage, "full", 0)
+
+
+class Counting(nn.Module):
+    """A layer that counts its forwards (the first, and each recompute)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.runs = nn.Linear(6, 12), nn.Linear(12, 6), 0
+
+    def forward(self, x):
+        self.runs += 1
+        return x + self.b(torch.tanh(self.a(x)))
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_replay_recomputes_a_recomputed_stage_once_and_exactly(mode, caplog) -> None:
+    """Under graph replay a stage whose layers recompute is not split: I recomputes each layer
+    once and takes the weight gradients; W only passes them on (replaying W would recompute
+    them again and hold I's recomputed tensors until W)."""
+    from torch.autograd.graph import get_gradient_edge
+
+    from pipetrain.runtime.backward.graph_replay import GraphReplay
+    from pipetrain.runtime.backward.interface import choose_split
+
+    torch.manual_seed(0)
+    layers = [Counting().double() for _ in range(2)]
+    reference = [Counting().double() for _ in range(2)]
+    for mine, theirs in zip(layers, reference):
+        theirs.load_state_dict(mine.state_dict())
+    (stage,) = split(layers, [2])
+    recompute_stage(stage, mode, 0)
+    caplog.set_level("INFO", logger="pipetrain.runtime.backward.interface")
+    replay = choose_split(stage, False, 0)
+    assert isinstance(replay, GraphReplay) and replay.whole
+    assert "recomputed layers: the whole backward runs in I" in caplog.text
+    x0, g = torch.randn(3, 6, dtype=torch.float64), torch.randn(3, 6, dtype=torch.float64)
+    xr = x0.clone().requires_grad_()
+    reference[1](reference[0](xr)).backward(g)
+    x = x0.clone().requires_grad_()
+    out = replay.call(stage, (x,))
+    params = list(stage.parameters())
+    (dx,), work = replay.backward_input([get_gradient_edge(out)], [g], [x], params, True)
+    replay.backward_weight(work)
+    assert [layer.runs for layer in layers] == [2, 2]  # the forward, then one recompute
+    assert torch.allclose(dx, xr.grad, rtol=1e-12, atol=0)
+    for p, q in zip(stage.parameters(), (p for r in reference for p in r.parameters())):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-12, atol=0)

@@ -129,6 +129,13 @@ def recompute_layers(stage: Stage, modes: Mapping[str, str], index: int = 0) -> 
     return stage
 
 
+def recomputes(module: nn.Module) -> bool:
+    """Whether some layer of ``module`` (a ``Stage``) runs under ``Recomputed``."""
+    return isinstance(module, Stage) and any(
+        isinstance(layer, Recomputed) for layer, _ in module.chain
+    )
+
+
 def recompute_stage(stage: nn.Module, mode: str, index: int) -> nn.Module:
     """``stage`` with every layer in its call list wrapped in ``Recomputed`` for ``mode``
     (``recompute_layers`` for all of them: the planner models a stage's recompute layer by

@@ -35,6 +35,12 @@ weight gradients too and frees the graph, adding them into ``.grad`` at once —
 step's last weight piece, handing them to ``W`` to pass through ``AccumulateGrad``. Exact,
 nothing runs twice; such a stage's ``W`` has no work to fill a zero-bubble schedule's bubbles
 with (``deferred_wgrad`` does split a compiled stage's plain linears).
+
+Recomputed layers (activation checkpointing): their saved tensors are recomputed whenever a
+backward unpacks them, so replaying their nodes in ``W`` would run their forwards a second
+time and keep what ``I`` recomputed alive until ``W`` (measured: several times the step's cost
+and a higher peak than no recompute at all). A stage whose layers recompute is therefore not
+split either (``GraphReplay(whole=True)``: ``I`` takes the weight gradients as above).
 """
 
 from __future__ import annotations
@@ -249,8 +255,10 @@ class GraphReplay:
 
     defers_linear_weights = False
 
-    def __init__(self) -> None:
+    def __init__(self, whole: bool = False) -> None:
         self.plans = PlanCache()
+        #: never split: ``I`` takes every weight gradient (a stage whose layers recompute)
+        self.whole = whole
 
     def call(self, module: torch.nn.Module, args: tuple[torch.Tensor, ...]):
         return module(*args)
@@ -328,7 +336,7 @@ class GraphReplay:
         order, shape = walk(roots, inputs, params)
         plan = self.plans.get(shape)
         opaque = any(isinstance(order[i], BackwardCFunction) for g in plan.groups for i in g.nodes)
-        if opaque:  # I takes every weight gradient; W only accumulates (module docstring)
+        if opaque or self.whole:  # I takes every weight gradient; W only accumulates
             reached = {j for g in plan.groups for j in g.params} | set(plan.outside_params)
             return [], WeightWork([], [], [], [], taken=[params[j] for j in sorted(reached)])
         groups = [

@@ -74,6 +74,7 @@ def choose_split(
     ``stage``. A compiled stage defaults to graph replay: deferral breaks a compiled block's graph
     around each linear (``defer_weight_grads=True`` still does; docs/benchmarks.md compares the
     two)."""
+    from pipetrain.runtime.backward.activation_checkpoint import recomputes
     from pipetrain.runtime.backward.deferred_wgrad import (
         DeferredLinears,
         has_compiled_parts,
@@ -94,13 +95,13 @@ def choose_split(
         defer, why = defer_weight_grads, f"defer_weight_grads={defer_weight_grads}"
     way = "deferred linear weight GEMMs" if defer else "graph replay"
     _log.info("stage %s splits its backward by %s (%s)%s", stage, way, why, _caveats(module, defer))
-    return DeferredLinears(module) if defer else GraphReplay()
+    return DeferredLinears(module) if defer else GraphReplay(whole=recomputes(module))
 
 
 def _caveats(module: nn.Module, defer: bool) -> str:
     """What of the stage that split leaves in ``I``: linear subclasses (torchao's float8
     linears: their own forward and backward, not deferred) and, under graph replay, compiled
-    regions (their backward runs whole, in ``I``)."""
+    regions and recomputed layers (their backward runs whole, in ``I``)."""
     subclasses = sorted(
         {type(m).__name__ for m in module.modules() if isinstance(m, nn.Linear)}
         - {nn.Linear.__name__}
@@ -112,4 +113,10 @@ def _caveats(module: nn.Module, defer: bool) -> str:
 
     if not defer and has_compiled_parts(module):
         notes.append("compiled regions: their whole backward runs in I")
+    from pipetrain.runtime.backward.activation_checkpoint import recomputes
+
+    if not defer and recomputes(module):
+        notes.append(
+            "recomputed layers: the whole backward runs in I (replayed, they would recompute twice)"
+        )
     return "".join(f"; {n}" for n in notes)
