@@ -11,11 +11,8 @@ inside a step with an ``AttributeError``. Nothing else in ``pipetrain`` touches 
 from __future__ import annotations
 
 import contextlib
-import copy
-import functools
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,7 +32,6 @@ __all__ = [
     "graph_break_refused",
     "profiler_enabled",
     "saved_by_selective_recompute",
-    "selective_recompute_contexts",
     "store_of",
 ]
 
@@ -143,47 +139,6 @@ def saved_by_selective_recompute() -> list:
         if packet is not None:
             ops.append(packet.default)
     return ops
-
-
-def selective_recompute_contexts(ops: Sequence) -> tuple[Any, Any]:
-    """``torch.utils.checkpoint.create_selective_checkpoint_contexts(ops)``, except that every
-    recompute reads the outputs the forward kept: torch's recompute half marks each kept output
-    consumed when read, so a second backward engine call over the region (graph replay's ``W``
-    after ``I``: ``runtime.backward.graph_replay``) would be refused. Here each recompute reads a
-    fresh copy of the cache's index (the outputs themselves are not copied, and torch still checks
-    that nothing changed them in place); the cache is freed with the checkpoint, when the
-    region's graph is."""
-    from torch.utils.checkpoint import (
-        _CachedTorchDispatchMode,
-        create_selective_checkpoint_contexts,
-    )
-
-    class Rereadable(_CachedTorchDispatchMode):
-        def __init__(self, policy_fn: Any, kept: Any) -> None:
-            # some torch versions (2.11) ask the policy again when recomputing; others ignore it
-            super().__init__(policy_fn, {}, False)
-            self.kept = kept
-
-        def __enter__(self):  # type: ignore[no-untyped-def]
-            storage = copy.copy(self.kept)  # its type too (a defaultdict in older torch)
-            for key, entries in self.kept.items():
-                storage[key] = copy.copy(entries)
-            self.storage = storage
-            return super().__enter__()
-
-    caching, _ = create_selective_checkpoint_contexts(list(ops))
-    return caching, Rereadable(caching.policy_fn, caching.storage)
-
-
-def _check_selective_rereadable() -> None:
-    from torch.utils.checkpoint import checkpoint
-
-    x = torch.ones(2, 2, requires_grad=True)
-    contexts = functools.partial(selective_recompute_contexts, [torch.ops.aten.mm.default])
-    y = checkpoint(lambda a: torch.mm(a, a).sin(), x, use_reentrant=False, context_fn=contexts)
-    grads = [torch.autograd.grad(y.sum(), x, retain_graph=True)[0] for _ in range(2)]
-    if not torch.equal(grads[0], grads[1]):
-        raise AssertionError("a second recompute of a selective region gave another gradient")
 
 
 @contextlib.contextmanager
@@ -372,11 +327,6 @@ PRIVATE_APIS: tuple[tuple[str, str, Callable[[], None]], ...] = (
         "torch.utils._python_dispatch.TorchDispatchMode",
         "count what selective recompute caches (the profiler)",
         _check_count_output_bytes,
-    ),
-    (
-        "torch.utils.checkpoint._CachedTorchDispatchMode (its storage, refreshed on __enter__)",
-        "recompute a selective checkpoint once per backward engine call (graph replay's W)",
-        _check_selective_rereadable,
     ),
     (
         "torch.ops.aten._scaled_dot_product_*_attention",

@@ -1,7 +1,7 @@
 """A plan's per-stage recompute in the runtime: each stage's layers run under non-reentrant
 checkpoints (full or selective), the loss and every gradient as without recompute, under 1F1B
-and under zbv with either weight-gradient split (selective on blocks under graph replay too, whose
-W recomputes again), parameters and state-dict keys untouched (float64,
+and under zbv with either weight-gradient split (selective on blocks under graph replay too, which
+runs a recomputing stage's backward whole), parameters and state-dict keys untouched (float64,
 gloo, 2 ranks, one launch); and the plans the runtime refuses, on every rank alike."""
 
 from __future__ import annotations

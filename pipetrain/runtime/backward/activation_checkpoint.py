@@ -29,7 +29,11 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd.graph import Node
-from torch.utils.checkpoint import checkpoint, noop_context_fn
+from torch.utils.checkpoint import (
+    checkpoint,
+    create_selective_checkpoint_contexts,
+    noop_context_fn,
+)
 
 from pipetrain.runtime import torch_compat
 from pipetrain.runtime.comm.failures import PipelineRefused
@@ -82,7 +86,7 @@ class Recomputed(nn.Module):
         self.context_fn: Callable[[], tuple[Any, Any]] = noop_context_fn
         if mode == "selective":
             ops = torch_compat.saved_by_selective_recompute()
-            self.context_fn = functools.partial(torch_compat.selective_recompute_contexts, ops)
+            self.context_fn = functools.partial(create_selective_checkpoint_contexts, ops)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
