@@ -133,3 +133,43 @@ def test_replay_recomputes_a_recomputed_stage_once_and_exactly(mode, caplog) -> 
     assert torch.allclose(dx, xr.grad, rtol=1e-12, atol=0)
     for p, q in zip(stage.parameters(), (p for r in reference for p in r.parameters())):
         assert torch.allclose(p.grad, q.grad, rtol=1e-12, atol=0)
+
+
+DROPPED = r"""
+import gc, sys, weakref, torch, torch.distributed as dist
+from torch import nn
+import pipetrain
+from pipetrain.runtime.backward.activation_checkpoint import recompute_stage
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+gc.disable()
+assert "torch._dynamo" not in sys.modules, "imported already: nothing to test"
+torch.manual_seed(0)
+stages = pipetrain.split([nn.Linear(4, 4) for _ in range(4)], [2, 2])
+for i, stage in enumerate(stages):
+    recompute_stage(stage, "full", i)
+pipe = pipetrain.Pipeline(stages, "interleaved-1f1b", 2, nn.functional.mse_loss)
+pipe.step(torch.randn(4, 4), torch.randn(4, 4))
+dropped = weakref.ref(pipe)
+del pipe
+print("freed" if dropped() is None else "still alive")
+dist.destroy_process_group()
+"""
+
+
+def test_a_dropped_recomputing_pipeline_is_freed_without_the_garbage_collector(tmp_path) -> None:
+    """The first checkpoint of a process imports ``torch._dynamo``, one of whose modules leaves
+    a self-referencing frame: imported inside a step, its callers' frames kept the pipeline alive
+    until the garbage collector ran (``activation_checkpoint.import_apart``). A fresh interpreter
+    (dynamo not imported yet), the collector off."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", DROPPED, str(tmp_path / "rendezvous")],
+        capture_output=True, text=True, timeout=120, cwd=root, check=False,
+        env={**__import__("os").environ, "PYTHONPATH": str(root)},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "freed"

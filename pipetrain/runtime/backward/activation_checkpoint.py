@@ -23,6 +23,9 @@ nodes), each recomputing: more forward runs, same numbers.
 from __future__ import annotations
 
 import functools
+import importlib
+import sys
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -87,6 +90,7 @@ class Recomputed(nn.Module):
         if mode == "selective":
             ops = torch_compat.saved_by_selective_recompute()
             self.context_fn = functools.partial(create_selective_checkpoint_contexts, ops)
+        import_apart("torch._dynamo")
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
@@ -94,6 +98,22 @@ class Recomputed(nn.Module):
         return checkpoint(
             self.layer, *args, use_reentrant=False, context_fn=self.context_fn, **kwargs
         )
+
+
+def import_apart(name: str) -> None:
+    """Import module ``name`` on a thread of its own, unless it is imported already.
+
+    ``checkpoint``'s first call imports ``torch._dynamo``, and one module of that import leaves a
+    frame that refers to itself (``torch.fx.wrap`` keeps ``inspect.currentframe()`` in a local):
+    that frame, and through its callers every frame below it, stay alive until the garbage
+    collector runs. Imported during a step, those callers hold the pipeline — its modules and,
+    on a GPU, their memory — after the user dropped it. On a thread of its own the import's
+    callers are the thread's, holding nothing of the pipeline's."""
+    if name in sys.modules:
+        return
+    thread = threading.Thread(target=importlib.import_module, args=(name,), daemon=True)
+    thread.start()
+    thread.join()
 
 
 def _check_mode(mode: object, where: str) -> None:
