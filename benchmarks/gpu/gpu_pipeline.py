@@ -79,6 +79,7 @@ from gpu_setup import (
     PRESETS,
     Ctx,
     Family,
+    GcPauses,
     flops_per_token,
     local_stages,
     log,
@@ -129,8 +130,10 @@ def measure(ctx: Ctx, pipeline_step, opt, params, base: int) -> tuple[dict, int 
     ctx.sync()
     resident = None if not ctx.cuda else torch.cuda.memory_allocated(ctx.device) - base
     peaks.update(step=0, total=0, reserved=0)
-    times = slowest(ctx, time_steps(ctx, step, ctx.args.steps))
+    pauses = GcPauses()
+    times = slowest(ctx, time_steps(ctx, step, ctx.args.steps, pauses))
     row = stats(times)
+    row["gc_pause_ms"] = [round(1e3 * t, 3) for t in slowest(ctx, pauses.per_step)]
     if ctx.cuda:
         peaks["total"] = max(peaks["total"], torch.cuda.max_memory_allocated(ctx.device))
         peaks["reserved"] = max(peaks["reserved"], torch.cuda.max_memory_reserved(ctx.device))

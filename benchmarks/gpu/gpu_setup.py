@@ -206,16 +206,49 @@ def opt_step(opt, params) -> None:
             p.grad = None
 
 
-def time_steps(ctx: Ctx, fn, count: int) -> list[float]:
-    """Per-step wall times (s) on this rank: barrier, synchronize, step, synchronize."""
+class GcPauses:
+    """The garbage collector's pauses on this rank, per timed step (``gc.callbacks``).
+
+    A pipeline waits for its slowest rank at every transfer, so one rank's full collection (tens
+    of ms with a large heap: torch, Megatron and DeepSpeed imported) stretches the whole step, and
+    ranks collecting at different steps add their pauses up. ``--gc manual`` is Megatron-LM's
+    ``--manual-gc`` (and torchtitan's ``gc_freq``): the collector off across the timed steps, one
+    collection before them, for every library alike."""
+
+    def __init__(self) -> None:
+        self.per_step: list[float] = []
+        self._began = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        elif self.per_step:
+            self.per_step[-1] += time.perf_counter() - self._began
+
+
+def time_steps(ctx: Ctx, fn, count: int, pauses: GcPauses | None = None) -> list[float]:
+    """Per-step wall times (s) on this rank: barrier, synchronize, step, synchronize. The
+    collector's pauses during each step go into ``pauses``; with ``--gc manual`` it is off."""
     times = []
-    for _ in range(count):
-        ctx.barrier()
-        ctx.sync()
-        t = time.perf_counter()
-        fn()
-        ctx.sync()
-        times.append(time.perf_counter() - t)
+    manual = getattr(ctx.args, "gc", "python") == "manual"
+    pauses = pauses if pauses is not None else GcPauses()
+    gc.collect()
+    if manual:
+        gc.disable()
+    gc.callbacks.append(pauses)
+    try:
+        for _ in range(count):
+            ctx.barrier()
+            ctx.sync()
+            pauses.per_step.append(0.0)
+            t = time.perf_counter()
+            fn()
+            ctx.sync()
+            times.append(time.perf_counter() - t)
+    finally:
+        gc.callbacks.remove(pauses)
+        if manual:
+            gc.enable()
     return times
 
 

@@ -194,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         "plan": args.plan,
         "dtype": args.dtype,
         "optimizer": args.optimizer,
+        "gc": args.gc,
         "steps": args.steps,
         "warmup": args.warmup,
         "env": {k: os.environ.get(k) for k in ENV},
@@ -265,6 +266,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=None)
     p.add_argument("--dtype", default=None, help="bfloat16 | float32 (overrides the preset)")
     p.add_argument("--optimizer", choices=("adamw", "sgd", "none"), default="adamw")
+    p.add_argument(
+        "--gc",
+        choices=("python", "manual"),
+        default="python",
+        help="garbage collector during timed steps: python (automatic) or manual (off, as "
+        "Megatron-LM's --manual-gc); each step's pauses are recorded either way",
+    )
     p.add_argument("--device", choices=("auto", "cpu"), default="auto")
     p.add_argument("--op-timeout", type=float, default=60.0, help="pipetrain wait timeout (s)")
     p.add_argument("--pg-timeout", type=float, default=120.0, help="process-group timeout (s)")

@@ -14,7 +14,8 @@
 #   issue21x4 (4 GPUs, ~530 s): the GPT at 16 and 8 micro-batches, 1F1B, interleaved, ZBV and
 #     DualPipeV: pipetrain and pipetrain-nodefer, Megatron (1F1B without batch sync; launch 0
 #     every interleaved variant, launches 1 and 2 its two fastest), the limit for ZBV/DualPipeV
-#     efficiency; three launches, each 16 micro-batches first.
+#     efficiency; three launches, each 16 micro-batches first: launch 0 with Python's garbage
+#     collector as it is (pauses recorded per step), launches 1 and 2 with it off (--gc manual).
 #   issue21-extra (2 GPUs): the rows those leave out: torch's ZB-H1, interleaved-ZB, ZBV and
 #     DualPipeV, DeepSpeed (1F1B, bf16 optimizer, DualPipeV), Megatron 1F1B with batch sync.
 #   (older) default: the 4-GPU list of issue 13; leads2, confirm2, full2 (2 GPUs): see below.
@@ -154,10 +155,13 @@ elif [ "${PLAN:-issue13}" = issue21-llama ]; then
 elif [ "${PLAN:-issue13}" = issue21x4 ]; then
   X="--shapes $GPT --microbatches 16,8 --schedules 1f1b,interleaved-1f1b,zbv,dualpipev"
   X="$X --limit-schedules zbv,dualpipev --plan issue21x4"
-  part x1-gpt-l0 "$NPROC4" 190 225 --launch 0 $X $C21 \
-    --libraries megatron-nosync,megatron-sweep,megatron-gaf
-  part x2-gpt-l1 "$NPROC4" 125 160 --launch 1 $X $C21 $(tuned x1-gpt-l0)
-  part x3-gpt-l2 "$NPROC4" 125 160 --launch 2 $X $C21 $(tuned x1-gpt-l0)
+  # launch 0 with the collector on (each step's pauses recorded; a trace of interleaved 1F1B
+  # with and without deferral), launches 1 and 2 with it off for every library (--gc manual)
+  part x1-gpt-l0 "$NPROC4" 190 225 --launch 0 $X $C21 --gc python \
+    --libraries megatron-nosync,megatron-sweep,megatron-gaf \
+    --profile pipetrain:interleaved-1f1b,pipetrain-nodefer:interleaved-1f1b
+  part x2-gpt-l1 "$NPROC4" 125 160 --launch 1 $X $C21 --gc manual $(tuned x1-gpt-l0)
+  part x3-gpt-l2 "$NPROC4" 125 160 --launch 2 $X $C21 --gc manual $(tuned x1-gpt-l0)
 elif [ "${PLAN:-issue13}" = issue21-extra ]; then
   E="--shapes $GPT --microbatches 16 --limit-schedules zbv,dualpipev --plan issue21-extra"
   part e1-zb 2 150 190 --launch 0 $E --steps $STEPS --warmup 2 --timeline-steps 0 \

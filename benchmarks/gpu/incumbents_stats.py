@@ -50,6 +50,7 @@ class Group:
         self.steps: dict[tuple[str, str], list[list[float]]] = {}
         self.rows: dict[tuple[str, str], dict] = {}
         self.limits: dict[str, list[list[float]]] = {}
+        self.gc_ms: dict[tuple[str, str], list[float]] = {}
         self._ratios: dict[tuple, Interval | None] = {}
 
     def add(self, launch: int, row: dict, limits: dict) -> None:
@@ -58,6 +59,7 @@ class Group:
         self.steps[key][launch] = [float(t) for t in row.get("all_ms") or []]
         if "all_ms" in row or key not in self.rows:
             self.rows[key] = row
+        self.gc_ms.setdefault(key, []).extend(row.get("gc_pause_ms") or [])
         lk = row.get("limit_key")
         if lk and "all_ms" in limits.get(lk, {}):
             self.limits.setdefault(lk, [[] for _ in range(self.k)])
@@ -103,13 +105,16 @@ class Group:
         return key if self.measured(key) else None
 
 
-def load(paths: list[Path]) -> dict[tuple[str, int], list[dict]]:
-    """Launches per machine: (device, ranks) -> the files' data, in launch order."""
-    out: dict[tuple[str, int], list[dict]] = {}
+def load(paths: list[Path]) -> dict[tuple[str, int, str], list[dict]]:
+    """Launches per machine and collector policy: (device, ranks, gc) -> the files' data, in
+    launch order (launches with the collector on and off are not pooled)."""
+    out: dict[tuple[str, int, str], list[dict]] = {}
     for p in paths:
         data = json.loads(p.read_text())
         data["path"] = str(p)
-        out.setdefault((data["meta"]["device"], data["meta"]["world"]), []).append(data)
+        meta = data["meta"]
+        key = (meta["device"], meta["world"], meta.get("gc", "python"))
+        out.setdefault(key, []).append(data)
     for runs in out.values():
         runs.sort(key=lambda d: d["meta"].get("launch", 0))
     return out
@@ -191,6 +196,20 @@ def noise(g: Group) -> str:
     )
 
 
+def gc_line(g: Group) -> list[str]:
+    """Where the garbage collector paused a timed step (the slowest rank's pause per step)."""
+    hits = [
+        f"{lib} {s}: {sum(ms):.0f} ms over {sum(t > 1.0 for t in ms)} of {len(ms)} steps "
+        f"(max {max(ms):.0f})"
+        for (s, lib), ms in sorted(g.gc_ms.items())
+        if ms and max(ms) > 1.0
+    ]
+    recorded = any(g.gc_ms.values())
+    if not recorded:
+        return []
+    return ["- collector pauses over 1 ms: " + ("; ".join(hits) if hits else "none")]
+
+
 def targets(g: Group, world: int) -> list[str]:
     where = f"{g.shape}, {world} ranks, {g.n} mb"
     out = []
@@ -269,12 +288,12 @@ def memory_lines(g: Group, where: str) -> list[str]:
 
 def report(paths: list[Path]) -> str:
     parts = []
-    for (device, world), runs in load(paths).items():
+    for (device, world, gc), runs in load(paths).items():
         versions = runs[0]["meta"].get("versions", {})
-        parts += [f"**{device} × {world}**, {len(runs)} file(s) ({versions})", ""]
+        parts += [f"**{device} × {world}**, gc {gc}, {len(runs)} file(s) ({versions})", ""]
         for g in groups(runs):
             parts += [f"*{g.shape}, {g.n} micro-batches, {world} ranks*", ""]
-            parts += [*table(g), "", noise(g), *targets(g, world), ""]
+            parts += [*table(g), "", noise(g), *gc_line(g), *targets(g, world), ""]
     return "\n".join(parts)
 
 
