@@ -247,7 +247,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--libraries",
         default="megatron,megatron-nosync,deepspeed",
         help="incumbents besides pipetrain and torch: megatron (1F1B, and interleaved v=2), "
-        "megatron-nosync, megatron-sweep (every interleaved variant), megatron-tuned (the "
+        "megatron-nosync, megatron-sweep (every interleaved variant), megatron-sweep-nowf (all "
+        "but the warm-up/flush overlap ones), megatron-tuned (the "
         "--megatron-top fastest of --megatron-tuned-from), megatron-gaf, deepspeed, "
         "deepspeed-bf16, deepspeed-dualpipev",
     )

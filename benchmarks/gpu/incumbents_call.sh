@@ -16,6 +16,8 @@
 #     every interleaved variant, launches 1 and 2 its two fastest), the limit for ZBV/DualPipeV
 #     efficiency; three launches, each 16 micro-batches first: launch 0 with Python's garbage
 #     collector as it is (pauses recorded per step), launches 1 and 2 with it off (--gc manual).
+#   issue21x4b (4 GPUs, ~510 s): what issue21x4 left: the 8-micro-batch rows (two launches) and
+#     16 once more, Megatron's interleaved variants without warm-up/flush overlap (it hung).
 #   issue21-extra (2 GPUs): the rows those leave out: torch's ZB-H1, interleaved-ZB, ZBV and
 #     DualPipeV, DeepSpeed (1F1B, bf16 optimizer, DualPipeV), Megatron 1F1B with batch sync.
 #   (older) default: the 4-GPU list of issue 13; leads2, confirm2, full2 (2 GPUs): see below.
@@ -162,6 +164,17 @@ elif [ "${PLAN:-issue13}" = issue21x4 ]; then
     --profile pipetrain:interleaved-1f1b,pipetrain-nodefer:interleaved-1f1b
   part x2-gpt-l1 "$NPROC4" 125 160 --launch 1 $X $C21 --gc manual $(tuned x1-gpt-l0)
   part x3-gpt-l2 "$NPROC4" 125 160 --launch 2 $X $C21 --gc manual $(tuned x1-gpt-l0)
+elif [ "${PLAN:-issue13}" = issue21x4b ]; then
+  # what issue21x4 left (2026-11-27: its launch 0 hung in megatron-v2-wf, the warm-up/flush
+  # overlap, at 4 ranks, and the 8-micro-batch rows ran out of time): the 8-micro-batch rows
+  # twice and 16 once more, Megatron's interleaved variants but the -wf ones, collector off
+  X="--shapes $GPT --schedules 1f1b,interleaved-1f1b,zbv,dualpipev --limit-schedules zbv,dualpipev"
+  X="$X --plan issue21x4 --gc manual $C21"
+  part y1-gpt8-l0 "$NPROC4" 150 185 --launch 0 --microbatches 8 $X \
+    --libraries megatron-nosync,megatron-sweep-nowf
+  part y2-gpt16-l1 "$NPROC4" 160 195 --launch 1 --microbatches 16 $X \
+    --libraries megatron-nosync,megatron-sweep-nowf
+  part y3-gpt8-l2 "$NPROC4" 95 130 --launch 2 --microbatches 8 $X $(tuned y1-gpt8-l0)
 elif [ "${PLAN:-issue13}" = issue21-extra ]; then
   E="--shapes $GPT --microbatches 16 --limit-schedules zbv,dualpipev --plan issue21-extra"
   part e1-zb 2 150 190 --launch 0 $E --steps $STEPS --warmup 2 --timeline-steps 0 \

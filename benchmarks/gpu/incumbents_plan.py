@@ -84,6 +84,8 @@ class Plan:
             return []
         if "megatron-sweep" in self.libs:
             return sweep(vs, n, world)
+        if "megatron-sweep-nowf" in self.libs:  # warm-up/flush overlap hung at 4 ranks here
+            return [lib for lib in sweep(vs, n, world) if not lib.endswith("-wf")]
         if "megatron-tuned" in self.libs and self.tuned.get((shape.name, n)):
             return self.tuned[(shape.name, n)]
         v = 2 if 2 in vs else vs[0]  # the default, v = 2, where the layers allow it
