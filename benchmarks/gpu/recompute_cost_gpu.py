@@ -193,6 +193,34 @@ def timed(bench: Bench, step: Callable[[], object], collective: bool) -> list[fl
     return times
 
 
+def profiled(bench: Bench, step: Callable[[], None], stem: str) -> None:
+    """One more step under torch.profiler (``--profile``): rank 0 writes the operators with the
+    most host time and the kernels with the most device time, and how busy its GPU was, to
+    ``profile-<stem>.txt`` beside the JSON — where a step's time goes when it grows."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if bench.cuda else [])
+    bench.agree(True)
+    bench.sync()
+    with profile(activities=activities) as prof:
+        t = time.perf_counter()
+        step()
+        bench.sync()
+        wall_ms = (time.perf_counter() - t) * 1e3
+    if bench.rank != 0:
+        return
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    compute_ms = sum(e.time_range.elapsed_us() for e in kernels if "nccl" not in e.name.lower())
+    compute_ms /= 1e3
+    events = prof.key_averages()
+    text = [f"{stem}: step {wall_ms:.1f} ms under the profiler; rank 0's non-NCCL kernels "
+            f"{compute_ms:.1f} ms ({compute_ms / wall_ms:.0%} of the step)", "",
+            events.table(sort_by="self_cpu_time_total", row_limit=25)]  # fmt: skip
+    if bench.cuda:
+        text += ["", events.table(sort_by="self_device_time_total", row_limit=15)]
+    (Path(bench.args.out) / f"profile-{stem}.txt").write_text("\n".join(text))
+
+
 def unsplit_row(bench: Bench, mode: str) -> dict:
     """The whole model on this rank's device, recomputing as ``mode`` on the layers
     ``--wrap`` names, one step accumulating over the micro-batches."""
@@ -258,6 +286,8 @@ def pipeline_row(bench: Bench, name: str, split_name: str, mode: str) -> dict:
         step = functools.partial(pipe.step, bench.x, bench.y)
         mine = checked(bench, params, step)
         mine["times"] = timed(bench, clearing(step, params), collective=True)
+        if f"{name}/{split_name}/{mode}" in bench.args.profile.split(","):
+            profiled(bench, clearing(step, params), f"{name}-{split_name}-{mode}")
     except Exception as e:  # a failed row is recorded, the run goes on
         mine = {"error": f"{type(e).__name__}: {e}"[:2000]}
     finally:
@@ -458,6 +488,8 @@ FLAGS = (
     ("--budget-s", float, 500.0, "start no row after this many seconds (default 500)"),
     ("--row-timeout-s", float, 60.0, "stop a row's timed steps after this many s (default 60)"),
     ("--timeout-s", float, 120.0, "how long any wait on a peer may take, s (default 120)"),
+    ("--profile", str, "", "comma list of schedule/split/recompute rows to trace one more step of "
+     "(e.g. zbv/deferred/full): profile-<row>.txt beside the JSON"),
     ("--nproc", int, 2, "processes to spawn without torchrun (default 2)"),
     ("--out", str, os.environ.get("OUT", "."), "folder for recompute_cost.json ($OUT)"),
 )  # fmt: skip
