@@ -209,7 +209,13 @@ def profiled(bench: Bench, step: Callable[[], None], stem: str) -> None:
         wall_ms = (time.perf_counter() - t) * 1e3
     if bench.rank != 0:
         return
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [  # device events, less the action labels' ranges (user annotations)
+        e
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+        and not getattr(e, "is_user_annotation", False)
+        and " mb " not in e.name
+    ]
     compute_ms = sum(e.time_range.elapsed_us() for e in kernels if "nccl" not in e.name.lower())
     compute_ms /= 1e3
     events = prof.key_averages()
