@@ -55,6 +55,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from local_launch import launch  # beside this script
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -240,28 +241,7 @@ def check_consistency(results: list[dict], exact: bool) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse(argv)
-    if "RANK" not in os.environ:  # no torchrun: spawn the processes here
-        import torch.multiprocessing as mp
-
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        mp.spawn(_worker, args=(args,), nprocs=args.nproc, join=True)
-        return
-    _run(args, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
-
-
-def _worker(rank: int, args: argparse.Namespace) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(args.nproc), LOCAL_RANK=str(rank))
-    _run(args, rank, args.nproc)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    launch(parse(argv), _run)
 
 
 def _run(args: argparse.Namespace, rank: int, world: int) -> None:

@@ -64,6 +64,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from local_launch import launch  # beside this script
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # run from anywhere without installing
@@ -443,21 +444,7 @@ def write(out: Path, meta: dict, rows: list[dict], problems: list[str], ratios: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse(argv)
-    if "RANK" not in os.environ:  # no torchrun: spawn the processes here
-        import torch.multiprocessing as mp
-
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        mp.spawn(_worker, args=(args,), nprocs=args.nproc, join=True)
-        return 0
-    return _start(args, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
-
-
-def _worker(rank: int, args: argparse.Namespace) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(args.nproc), LOCAL_RANK=str(rank))
-    if _start(args, rank, args.nproc):
-        raise SystemExit(1)
+    return launch(parse(argv), _start)
 
 
 def _start(args: argparse.Namespace, rank: int, world: int) -> int:
@@ -471,14 +458,6 @@ def _start(args: argparse.Namespace, rank: int, world: int) -> int:
         torch.set_num_threads(1)  # processes x threads would oversubscribe the cores
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
     return run(args, rank, world)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 #: (flag, type, default, help) besides the shape's; a default of None is the device's
