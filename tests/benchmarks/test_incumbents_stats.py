@@ -114,3 +114,39 @@ def test_cuts() -> None:
     assert incumbent_cut(llama, 2) == (5, 5)  # Megatron's account-for-embedding/loss rule
     cut = planner_cut(analytic_costs(llama), "1f1b", 2, 1, 8, 80.0)
     assert sum(cut) == 10 and cut[0] > cut[1]  # the head's stage gets fewer blocks
+
+
+def test_launches_of_different_collector_policies_are_not_pooled(tmp_path) -> None:
+    rng, paths = random.Random(5), []
+    for k, gc in enumerate(("python", "manual", "manual")):
+        data = launch(k, rng)
+        data["meta"]["gc"] = gc
+        for row in data["rows"]:  # each step's collector pauses: one 30 ms pause with it on
+            if "all_ms" in row:
+                row["gc_pause_ms"] = [0.0] * 20
+        if gc == "python":
+            data["rows"][0]["gc_pause_ms"][7] = 30.0
+        p = tmp_path / f"l{k}.json"
+        p.write_text(json.dumps(data))
+        paths.append(p)
+    out = report(paths)
+    assert "gc python, 1 file(s)" in out and "gc manual, 2 file(s)" in out
+    python_part, manual_part = out.split("gc manual")
+    assert "| 1 × 20 |" in line(python_part, "| 1f1b | pipetrain |")
+    assert "| 2 × 20 |" in line(manual_part, "| 1f1b | pipetrain |")
+    pauses = line(python_part, "collector pauses over 1 ms")
+    assert "pipetrain 1f1b: 30 ms over 1 of 20 steps" in pauses
+    assert line(manual_part, "collector pauses over 1 ms").endswith(": none")
+
+
+def test_the_sweep_without_warmup_flush_overlap() -> None:
+    from types import SimpleNamespace
+
+    from incumbents_plan import Plan
+    from incumbents_shapes import SHAPES
+
+    args = SimpleNamespace(libraries="megatron-sweep-nowf", megatron_tuned_from="", megatron_top=2)
+    plan = Plan(SimpleNamespace(world=4, args=args), bank=None)
+    rows = plan.megatron_interleaved(SHAPES["gpt"], 16)
+    assert rows and not any(r.endswith("-wf") for r in rows)
+    assert "megatron-v4-g8" in rows
