@@ -32,9 +32,10 @@ What recompute does not change, on purpose: a split backward's ``W`` still needs
 left for it (the deferred weight gradients stash the linears' inputs and output gradients while
 ``I`` recomputes), so ``activation_for_weight`` stays as measured. One recompute per micro-batch
 is the cost of ``B`` and of deferred weight gradients (the runtime's default for stages made
-mostly of linear layers); where graph replay splits the backward, each engine call of its ``W``
-recomputes again, which this model does not count (its size is conservative there: replay holds
-less between ``I`` and ``W``).
+mostly of linear layers). Under graph replay the runtime does not split a recomputing stage: its
+``I`` runs the whole backward and its ``W`` nothing (replayed, each engine call of ``W`` would
+recompute again), so there this model's ``I``/``W`` split is optimistic for zero-bubble schedules
+(no ``W`` is left to fill their bubbles) and its sizes conservative (nothing waits for ``W``).
 """
 
 from __future__ import annotations
