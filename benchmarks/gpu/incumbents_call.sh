@@ -18,6 +18,10 @@
 #     collector as it is (pauses recorded per step), launches 1 and 2 with it off (--gc manual).
 #   issue21x4b (4 GPUs, ~510 s): what issue21x4 left: the 8-micro-batch rows (two launches) and
 #     16 once more, Megatron's interleaved variants without warm-up/flush overlap (it hung).
+#   issue21-best2 (2 GPUs, ~430 s): pipetrain's 1F1B, interleaved and ZBV beside Megatron's best
+#     rows, three launches (TUNED= an earlier launch-0 file).
+#   issue21x4g (4 GPUs, ~520 s): the V rows and interleaved 1F1B eager and as CUDA graphs beside
+#     their limits and Megatron's best interleaved row (TUNED=), 16 and 8 micro-batches, 2 launches.
 #   issue21-extra (2 GPUs): the rows those leave out: torch's ZB-H1, interleaved-ZB, ZBV and
 #     DualPipeV, DeepSpeed (1F1B, bf16 optimizer, DualPipeV), Megatron 1F1B with batch sync.
 #   (older) default: the 4-GPU list of issue 13; leads2, confirm2, full2 (2 GPUs): see below.
@@ -186,6 +190,28 @@ elif [ "${PLAN:-issue13}" = issue21-extra ]; then
   part e3-llama-v 2 120 160 --launch 0 --shapes "$LLAMA" --microbatches 8 --steps $STEPS \
     --warmup 2 --timeline-steps 0 --schedules zbv,dualpipev --limit-schedules zbv,dualpipev \
     --libraries deepspeed-dualpipev --torch-schedules zbv,dualpipev --plan issue21-extra
+elif [ "${PLAN:-issue13}" = issue21-best2 ]; then
+  # 2 GPUs: pipetrain's ZBV (with its no-pipeline limit) beside Megatron's best rows — 1F1B
+  # without batch sync and the fastest interleaved variant of TUNED (the issue21 call's launch 0)
+  # — in the same three launches, rotated: the 2-rank "best / best" in one call
+  B="--shapes $GPT --microbatches 16 --schedules 1f1b,interleaved-1f1b,zbv --limit-schedules zbv"
+  B="$B --plan issue21-best2 --steps $STEPS --warmup 2 --timeline-steps 0 --torch-schedules none"
+  B="$B --libraries megatron-nosync,megatron-tuned --megatron-top 1 --megatron-tuned-from"
+  part b1-gpt16-l0 2 110 145 --launch 0 $B "${TUNED:?set TUNED to a launch-0 incumbents.json}"
+  part b2-gpt16-l1 2 110 145 --launch 1 $B "$TUNED"
+  part b3-gpt16-l2 2 110 145 --launch 2 $B "$TUNED"
+elif [ "${PLAN:-issue13}" = issue21x4g ]; then
+  # 4 GPUs: the V rows eager and as one CUDA graph (pipetrain-graph), their no-pipeline limits,
+  # and Megatron's best interleaved variant of TUNED (comma list of earlier launch-0 files),
+  # 16 then 8 micro-batches, two launches rotated
+  G="--shapes $GPT --schedules zbv,dualpipev,interleaved-1f1b --limit-schedules zbv,dualpipev"
+  G="$G --plan issue21x4g --steps $STEPS --warmup 3 --timeline-steps 0 --torch-schedules none"
+  G="$G --variants graph --gc manual --libraries megatron-tuned --megatron-top 1"
+  G="$G --megatron-tuned-from ${TUNED:?set TUNED to launch-0 incumbents.json files}"
+  part g1-gpt16-l0 "$NPROC4" 120 150 --launch 0 --microbatches 16 $G
+  part g2-gpt8-l0 "$NPROC4" 90 120 --launch 0 --microbatches 8 $G
+  part g3-gpt16-l1 "$NPROC4" 120 150 --launch 1 --microbatches 16 $G
+  part g4-gpt8-l1 "$NPROC4" 90 120 --launch 1 --microbatches 8 $G
 elif [ "${PLAN:-issue13}" = leads2 ]; then
   # PLAN=leads2 (2 GPUs): receives posted late (Pipeline(receive_lead=0|1), rows pipetrain-leadN)
   # against pipetrain's default and Megatron-Core, then the 8-micro-batch V rows

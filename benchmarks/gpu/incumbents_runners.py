@@ -28,6 +28,8 @@ PIPETRAIN_VARIANTS = {
     # plain autograd weight gradients: the kernels every incumbent runs (equal kernels)
     "nodefer": {"defer_weight_grads": False},
     "leadnone": {"receive_lead": None},
+    # the step captured as one CUDA graph and replayed (docs/runtime.md): needs --warmup >= 3
+    "graph": {"cuda_graph": True},
 }
 
 
@@ -40,7 +42,24 @@ def pipetrain_options(lib: str) -> dict:
         return dict(PIPETRAIN_VARIANTS[suffix])
     if suffix.startswith("lead") and suffix[4:].isdigit():
         return {"receive_lead": int(suffix[4:])}
-    raise ValueError(f"unknown pipetrain variant {lib!r}: pipetrain-{{nodefer,leadnone,leadN}}")
+    raise ValueError(
+        f"unknown pipetrain variant {lib!r}: pipetrain-{{nodefer,leadnone,graph,leadN}}"
+    )
+
+
+class GradsToNone:
+    """A graphed row's optimizer: ``zero_grad`` sets gradients to ``None``, which hands a replay's
+    gradient buffers to ``.grad`` without a copy (a zeroed buffer kept as ``.grad`` is copied
+    out before the next replay; docs/runtime.md). Eager rows keep ``set_to_none=False``."""
+
+    def __init__(self, opt) -> None:
+        self.opt = opt
+
+    def step(self) -> None:
+        self.opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.opt.zero_grad(set_to_none=True)
 
 
 def measure_limit(ctx: Ctx, bank: UnitBank, row: Row) -> dict:
@@ -99,6 +118,10 @@ def run_pipetrain(ctx: Ctx, bank: UnitBank, row: Row) -> dict:
         raise RuntimeError(f"pipetrain's placement differs from the incumbents' {expect}")
     params = list(pipe.parameters())
     opt = make_optimizer(ctx, params)
+    if pipe.graph is not None and opt is not None:
+        if ctx.args.warmup < 3 or ctx.args.timeline_steps:
+            raise ValueError("a graphed row needs --warmup >= 3 and --timeline-steps 0")
+        opt = GradsToNone(opt)
     x, y = row.shape.batch(ctx.device, ctx.dtype, row.n)
     out, _ = measure(ctx, lambda: pipe.step(x, y), opt, params, base)
     timelines = []

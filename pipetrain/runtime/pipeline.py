@@ -27,6 +27,7 @@ from torch import nn
 from pipetrain.planner.judge import Plan
 from pipetrain.planner.layout import Layout
 from pipetrain.runtime import checkpoint, host_offload, losses, microbatch, resolve, side_inputs
+from pipetrain.runtime import cuda_graph as step_graph
 from pipetrain.runtime.comm import failures, teardown
 from pipetrain.runtime.comm.agreement import Agreement, pipeline_prefix
 from pipetrain.runtime.comm.failures import Failures, OwnedGroup, posts_failures, stops_on_failure
@@ -97,6 +98,8 @@ class Pipeline:
     1, Megatron-Core's; 0: right before it; ``None``: where lowering puts them. ``offload``: per
     stage, the share of its activations held in host memory between forward and backward (its
     first layers, layer by layer), or an ``OffloadSpec`` (``runtime.host_offload``; docs/runtime.md).
+    ``cuda_graph``: capture a training step as one CUDA graph and replay it while shapes, storage
+    and modes stay (``runtime.cuda_graph``): no host time per action.
     """
 
     @posts_failures(_PHASES)
@@ -121,6 +124,7 @@ class Pipeline:
         data_parallel: DataParallelKind | None = None,
         receive_lead: int | None = 1,
         offload: resolve.Offload = None,
+        cuda_graph: bool = False,
     ) -> None:
         resolve.require_process_group()
         groups = resolve.resolve_groups(group, mesh, data_parallel)
@@ -131,6 +135,7 @@ class Pipeline:
             loss_fn, loss_reduction, ignore_index
         )
         self.device = torch.device(device) if device is not None else resolve.default_device()
+        step_graph.check(cuda_graph, self.device, data_parallel, mesh, offload, self.world_size)
         total = resolve.count_stages(stages, num_stages)
         spec = (num_microbatches, total, self.world_size, stages_per_rank, receive_lead, offload)
         self.program = resolve.resolve_program(schedule, *spec)
@@ -143,7 +148,10 @@ class Pipeline:
         if mesh is None:
             refuse_dtensors_without_mesh(self.modules)
         self._tied_sets = self._build_tied_sets(tied, groups, stages)
-        self._data_parallel = self._build_data_parallel(data_parallel, groups)
+        replicas = (groups.replicas, groups.replica_mesh, self.device)
+        self._data_parallel = DataParallel.build(
+            data_parallel, self.modules, *replicas, self.loss_reduction, self._tied_sets
+        )
         self._runners = self._build_runners(loss_fn, defer_weight_grads, offload)
         self._last_uses = resolve.last_uses(self.program.actions[self.rank])
         self._tied_grads = self._build_tied_grads()
@@ -159,6 +167,8 @@ class Pipeline:
         self._failure: str | None = None
         self.last_timeline: Timeline | None = None
         self.closed = False
+        held = self._runners[self._last_stage].losses if self.rank == self._last_rank else None
+        self.graph = step_graph.build(cuda_graph, self.device, self.modules.values(), held)
 
     # -- construction, step by step -------------------------------------------------------------
 
@@ -189,25 +199,6 @@ class Pipeline:
         gather = functools.partial(self._agreement.gather, "tied weights")
         ranks = (self.group, self.rank, self.world_size, groups.replicas)
         return tied_weights.build([*tied, *found], self.modules, *ranks, gather=gather, found=found)
-
-    def _build_data_parallel(
-        self, kind: DataParallelKind | None, groups: Groups
-    ) -> DataParallel | None:
-        """The DDP or FSDP2 replicas of this rank's stages over the mesh's ``dp`` dimension."""
-        if kind is None:
-            return None
-        if kind == "fsdp" and self._tied_sets and dist.get_backend(groups.replicas) == "nccl":
-            # Exact on gloo (tests), but a pp=2 x dp=2 zbv run on 4 GPUs hung before its first
-            # step (docs/training-gpu.md): refused until that is understood, never a hang.
-            raise ValueError(
-                "tied weights with data_parallel='fsdp' on NCCL are not supported yet (a 4-GPU "
-                "run hung); use data_parallel='ddp' or untie the weights"
-            )
-        # a sum, or a mean over the global token count, adds the replicas' gradients
-        reduction = "mean" if self.loss_reduction == "mean" else "sum"
-        tied = frozenset(id(p) for t in self._tied_sets for p in t.local)
-        replicas = (groups.replicas, groups.replica_mesh, self.device)
-        return DataParallel(kind, self.modules, *replicas, reduction=reduction, tied=tied)
 
     def _build_runners(
         self, loss_fn: LossFn, defer_weight_grads: bool | None, offload: resolve.Offload
@@ -305,6 +296,8 @@ class Pipeline:
         self.closed = True
         try:
             self._transport.drain()
+            if self.graph is not None:
+                self.graph.release(synchronize=True)
         finally:
             if self._reverse_group is not None and dist.is_initialized():
                 dist.destroy_process_group(self._reverse_group)
@@ -330,6 +323,8 @@ class Pipeline:
         last references: destroying the owned group closes its connections)."""
         for runner in self._runners.values():
             runner.release()
+        if self.graph is not None:
+            self.graph.release()
         self._release_at_exit()
 
     def __enter__(self) -> Pipeline:
@@ -375,6 +370,7 @@ class Pipeline:
         ``side``: side inputs by name (an attention mask...), given to the stages whose forward
         takes them, split per micro-batch where batched (``runtime.side_inputs``).
         """
+        step_graph.check_step(self.graph is not None, timeline)
         mbs = self._split(inputs, targets, side)
         if self._data_parallel is not None:
             self._data_parallel.check_batch(mbs.batch_size)
@@ -384,7 +380,11 @@ class Pipeline:
         mbs = dataclasses.replace(mbs, weights=weights)
         rows = self.program.actions[self.rank]
         self._tied_grads.begin_step()
-        self._execute(rows, mbs, "train", timeline, self.program.name)
+        if self.graph is not None:
+            run = functools.partial(self._execute, rows, mode="train", timeline=False)
+            self.graph.step(mbs, self._side, functools.partial(self._announce, mbs, "train"), run)
+        else:
+            self._execute(rows, mbs, self._side, "train", timeline)
         self._tied_grads.end_step(self._transport, self.rank)
         loss = self._agree_on_loss(mbs.weights)
         if self._data_parallel is not None:
@@ -419,7 +419,7 @@ class Pipeline:
         mbs = self._split(inputs, None, side)
         rows = self._eval_program.actions[self.rank]
         with torch.no_grad():
-            results = self._execute(rows, mbs, "eval", False, self.program.name)
+            results = self._execute(rows, mbs, self._side, "eval", False)
         if self.rank != self._last_rank:
             return None
         outs = [results[j] for j in range(self.num_microbatches)]
@@ -444,25 +444,27 @@ class Pipeline:
     def _side_keywords(self) -> list[frozenset[str] | None]:
         """Every stage's side-input names (gathered from all ranks on first use)."""
         if self._side_keywords_all is None:
-            mine = [r.side_keywords for r in self._runners.values()]
-            self._side_keywords_all = side_inputs.everyones_keywords(
-                mine, self.group, self.world_size
-            )
+            mine, ranks = [r.side_keywords for r in self._runners.values()], self.world_size
+            self._side_keywords_all = side_inputs.everyones_keywords(mine, self.group, ranks)
         return self._side_keywords_all
+
+    def _announce(self, mbs: microbatch.MicroBatches, mode: Mode) -> None:
+        """Tell the other ranks this step's shapes (``Agreement.step``): every step, replayed too."""
+        self._agreement.step(mode, mbs.inputs, mbs.targets, mbs.batch_size)
 
     def _execute(
         self,
         rows: tuple[Action, ...],
         mbs: microbatch.MicroBatches,
+        side: tuple[dict[str, object], ...],
         mode: Mode,
         timeline: bool,
-        name: str,
     ) -> dict[int, tuple[torch.Tensor, ...]]:
-        """Run ``rows`` on ``mbs``: this rank's share of the step (or of a forward-only pass);
-        returns the last stage's outputs by micro-batch (eval on its rank; empty otherwise)."""
+        """Run ``rows`` on ``mbs`` and ``side``: this rank's share of the step (or of a
+        forward-only pass); returns the last stage's outputs by micro-batch (eval on its rank)."""
         signature = (mbs.batch_size, *((tuple(x.shape), x.dtype) for x in mbs.inputs[0]))
         cache, discover = cache_for(self._caches, mode, signature)  # type: ignore[arg-type]
-        self._agreement.step(mode, mbs.inputs, mbs.targets, mbs.batch_size)
+        self._announce(mbs, mode)
         if self._data_parallel is not None:
             self._data_parallel.begin(train=mode == "train")
         for runner in self._runners.values():
@@ -474,22 +476,19 @@ class Pipeline:
         executor = Executor(
             self.rank, self.placement, runners, transport, self._arities, self._side_stream, after
         )
-        data = StepData(mbs.inputs, mbs.targets, mbs.weights, self._side)
+        data = StepData(mbs.inputs, mbs.targets, mbs.weights, side)
         executor.run(rows, data, cache, recorder, train=mode == "train", discover=discover)
         if self._data_parallel is not None:
-            if mode == "train":
-                self._data_parallel.finish_all()
-            else:
-                self._data_parallel.end_eval()
+            (self._data_parallel.finish_all if mode == "train" else self._data_parallel.end_eval)()
         executor.check_empty()
         if timeline:
             group, stages = self._transport.group, self.placement.num_stages
-            self.last_timeline = gather_timeline(recorder, group, self.world_size, stages, name)
+            where = (group, self.world_size, stages, self.program.name)
+            self.last_timeline = gather_timeline(recorder, *where)
         return executor.results
 
     def _sync_after(self, action: Action) -> None:
-        """After a stage's last compute action of the step: its data-parallel gradient sync, so
-        the reduction overlaps the rest of the row (on CUDA)."""
+        """After a stage's last compute action: its data-parallel sync, overlapping the rest."""
         assert self._data_parallel is not None  # only installed with data parallel
         for stage in self._last_uses.get(action, ()):
             self._data_parallel.finish(stage)

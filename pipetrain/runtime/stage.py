@@ -114,7 +114,7 @@ class StageRunner:
         mb: int,
         args: tuple[torch.Tensor, ...],
         target: object,
-        weight: float,
+        weight: float | torch.Tensor,
         side: dict | None = None,
     ) -> tuple[torch.Tensor, ...]:
         """Run the module; keep what backward needs. Returns the outputs (empty on the last stage)."""

@@ -25,11 +25,13 @@ __all__ = [
     "accumulate_grad_variable",
     "add_lists_",
     "check_private_apis",
+    "copy_lists_",
     "count_output_bytes",
     "engine_run_backward",
     "fsdp_post_backward",
     "get_gradient_edge",
     "graph_break_refused",
+    "post_accumulate_grad_hooks",
     "profiler_enabled",
     "saved_by_selective_recompute",
     "store_of",
@@ -100,6 +102,21 @@ def add_lists_(into: list[torch.Tensor], adds: list[torch.Tensor]) -> None:
             plain_adds.append(a)
     if plain_into:
         torch._foreach_add_(plain_into, plain_adds)
+
+
+def copy_lists_(into: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """``into[i].copy_(sources[i])`` for every ``i`` in one call (``torch._foreach_copy_``): a
+    captured step's batch into its static buffers with one launch, not one per tensor."""
+    if into:
+        torch._foreach_copy_(into, sources)
+
+
+def post_accumulate_grad_hooks(param: torch.Tensor) -> int:
+    """How many post-accumulate-grad hooks ``param`` has (``register_post_accumulate_grad_hook``
+    keeps them in the undocumented ``_post_accumulate_grad_hooks``): a captured step refuses them,
+    since a replay would not run them."""
+    hooks = getattr(param, "_post_accumulate_grad_hooks", None)
+    return len(hooks) if hooks else 0
 
 
 def store_of(group) -> dist.Store:
@@ -213,6 +230,24 @@ def _check_foreach() -> None:
         raise AssertionError("torch._foreach_add_ did not add in place")
 
 
+def _check_copy_lists() -> None:
+    a = [torch.zeros(2), torch.zeros(3)]
+    copy_lists_(a, [torch.ones(2), torch.full((3,), 2.0)])
+    if not (torch.equal(a[0], torch.ones(2)) and torch.equal(a[1], torch.full((3,), 2.0))):
+        raise AssertionError("torch._foreach_copy_ did not copy in place")
+
+
+def _check_post_accumulate_hooks() -> None:
+    p = torch.nn.Parameter(torch.ones(2))
+    if post_accumulate_grad_hooks(p) != 0:
+        raise AssertionError("a new parameter reports post-accumulate-grad hooks")
+    handle = p.register_post_accumulate_grad_hook(lambda t: None)
+    found = post_accumulate_grad_hooks(p)
+    handle.remove()
+    if found != 1:
+        raise AssertionError("Tensor._post_accumulate_grad_hooks does not hold registered hooks")
+
+
 def _check_prehook() -> None:
     x = torch.ones(2, requires_grad=True)
     y = x * 2.0
@@ -307,6 +342,12 @@ PRIVATE_APIS: tuple[tuple[str, str, Callable[[], None]], ...] = (
         _check_variable,
     ),
     ("torch._foreach_add_", "add many gradients into .grad in one call", _check_foreach),
+    ("torch._foreach_copy_", "copy a batch into a captured step's buffers", _check_copy_lists),
+    (
+        "Tensor._post_accumulate_grad_hooks",
+        "refuse hooks a replayed CUDA graph would not run",
+        _check_post_accumulate_hooks,
+    ),
     (
         "torch.autograd.graph.Node.register_prehook",
         "capture and pin the gradient entering a boundary node (split_backward)",

@@ -28,4 +28,9 @@ def test_a_refusal_is_pipeline_refused_on_every_rank():
         assert "receive's lead" in message, message
         if rank == 0:
             assert "rank 1 failed: building its Pipeline" in message, message
+    # a CUDA graph on a CPU pipeline: every rank finds it at construction, itself
+    for result in results:
+        name, is_value_error, message = result["cuda_graph"]
+        assert (name, is_value_error) == ("PipelineRefused", True), result
+        assert "cuda_graph=True captures the step on a CUDA device" in message, message
     assert issubclass(PipelineRefused, ValueError)

@@ -51,7 +51,12 @@ def run_refusals(rank: int, world: int) -> dict:
         lead = 0 if rank == world - 1 else 1  # an argument only the last rank gets wrong
         pipetrain.Pipeline(stages, "1f1b", 2, loss, device="cpu", receive_lead=lead - 1 or 1)
 
+    def cuda_graph_on_cpu() -> None:
+        stages = [nn.Linear(4, 4).double() for _ in range(world)]
+        pipetrain.Pipeline(stages, "1f1b", 2, loss, device="cpu", cuda_graph=True)
+
     return {
+        "cuda_graph": _outcome(cuda_graph_on_cpu),
         "reentrant": _outcome(reentrant_at_first_step),
         "construction": _outcome(refused_on_the_last_rank_only),
     }

@@ -1,0 +1,347 @@
+"""Whole-step CUDA graphs: a training step captured once and replayed (``Pipeline(cuda_graph=True)``).
+
+A pipeline step of small actions is host-bound: every action is a few Python calls and dozens of
+kernel launches, and the device idles while the host issues them. Captured as one CUDA graph
+(``torch.cuda.CUDAGraph``), the step's kernels and transfers — forwards, backward pieces, the
+NCCL sends and receives between stages, on every stream the step uses — are issued by one replay,
+in the order the program gave them (as Megatron-Core's full-iteration graphs and torch's
+whole-network capture do).
+
+What stays outside the capture, run by the host every step: the batch copied into the graph's
+static buffers, the shape agreement between ranks (a store write), the loss weights, handing the
+step's gradients to ``.grad``; after the replay, the tied-gradient sum and the loss broadcast.
+What the capture runs once: the executor's Python, which issues the step; its host checks and
+Python hooks inside stages run at capture, never at replay.
+
+A graph is valid for one *key*: input, target and side-input shapes and dtypes (non-tensor side
+values by equality), every parameter's and buffer's storage and ``requires_grad``, every module's
+training flag, grad mode and autocast state. For a new key the graph is dropped and the steps run
+eagerly ``WARMUP`` times — the first discovers transfer shapes, the second runs the steady path
+once, so that lazy initialisation (cuBLAS workspaces, NCCL connections, compiled kernels) happens
+outside a capture — and the next step captures on a stream of its own (errors only for this
+thread: the process group's watchdog polls events meanwhile), then replays.
+
+Gradients: the step is captured with every ``.grad`` set aside (``None``), so the graph's own
+buffers receive one step's gradients, written afresh by each replay. After a replay each
+parameter the step reached gets them — the buffer itself where ``.grad`` was ``None`` (what
+``AccumulateGrad`` does with a first gradient, so ``zero_grad()`` costs nothing), added into the
+``.grad`` it had otherwise (gradient accumulation across steps; a ``.grad`` that is the graph's
+buffer from the last step is copied out first). The loss weights are a device tensor the host
+refills, so ``"token_mean"`` weights may change every step.
+
+Refused, never silently wrong or hanging: devices other than CUDA, data parallel, meshes,
+offload and pipelines of more than ``MAX_RANKS`` ranks at construction (``check``); at a step, ``timeline=True`` (one replay has no per-action spans),
+targets that are not tensors, and parameters with post-accumulate-grad hooks (a replay would not
+run them).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import cast
+
+import torch
+from torch import nn
+
+from pipetrain.runtime.microbatch import MicroBatches
+from pipetrain.runtime.torch_compat import add_lists_, copy_lists_, post_accumulate_grad_hooks
+
+_log = logging.getLogger(__name__)
+
+#: eager steps before a capture, per key: shape discovery, then the steady path once
+WARMUP = 2
+
+Side = tuple[dict[str, object], ...]
+#: ``execute(mbs, side)``: run the step's actions on these micro-batches (eagerly, or captured)
+Execute = Callable[[MicroBatches, Side], object]
+
+
+#: the most pipeline ranks a captured step is verified on (docs/runtime.md): on 4 GPUs a
+#: captured ZBV step hung, cause not found, so larger pipelines are refused rather than hang
+MAX_RANKS = 2
+
+
+def check(
+    enabled: bool,
+    device: torch.device,
+    data_parallel: object,
+    mesh: object,
+    offload: object,
+    ranks: int = 1,
+) -> None:
+    """Refuse at construction what a captured step cannot run exactly, or is not verified on."""
+    if not enabled:
+        return
+    if device.type != "cuda":
+        raise ValueError(
+            f"cuda_graph=True captures the step on a CUDA device; this pipeline runs on "
+            f"{device.type} (pass cuda_graph=False)"
+        )
+    if ranks > MAX_RANKS:
+        raise ValueError(
+            f"cuda_graph=True is verified on pipelines of at most {MAX_RANKS} ranks; this one has "
+            f"{ranks}, where a captured step hung (not understood yet); pass cuda_graph=False"
+        )
+    refused = {"data_parallel": data_parallel, "mesh": mesh, "offload": offload}
+    given = [name for name, value in refused.items() if value]
+    if given:
+        raise ValueError(
+            f"cuda_graph=True with {', '.join(given)} is not supported yet (their gradient "
+            "syncs and copies keep host-side state per step); pass cuda_graph=False"
+        )
+
+
+def check_step(enabled: bool, timeline: bool) -> None:
+    if enabled and timeline:
+        raise ValueError(
+            "timeline=True measures each action, but a captured step replays as one; measure "
+            "with a Pipeline built with cuda_graph=False"
+        )
+
+
+def build(
+    enabled: bool,
+    device: torch.device,
+    modules: Iterable[nn.Module],
+    losses: dict[int, torch.Tensor] | None,
+) -> StepGraph | None:
+    """The pipeline's step graph where ``cuda_graph=True`` (``check`` passed), else ``None``."""
+    return StepGraph(device, list(modules), losses) if enabled else None
+
+
+class StepGraph:
+    """One captured training step of this rank's ``modules`` (see the module docstring).
+
+    ``losses``: the last stage's per-micro-batch losses (its runner's ``losses``), on the rank
+    that holds it: refilled after each replay with the tensors the graph writes."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        modules: Sequence[nn.Module],
+        losses: dict[int, torch.Tensor] | None,
+    ) -> None:
+        self.device = device
+        self.modules = list(modules)
+        self.losses = losses
+        self.params = _unique(p for m in self.modules for p in m.parameters())
+        self.buffers = _unique(b for m in self.modules for b in m.buffers())
+        self.stream: torch.cuda.Stream | None = None  # made at the first capture
+        self._key: Hashable = None
+        self._eager_left = WARMUP
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._statics: list[torch.Tensor] = []  # the graph reads inputs, targets and side here
+        self._sources: dict[int, int] = {}  # id of a step's tensor -> its index in _statics
+        self._weights = torch.zeros(0, dtype=torch.float64, device=device)
+        self._weights_now: tuple[float, ...] = ()
+        self._grads: dict[nn.Parameter, torch.Tensor] = {}  # the graph's gradient buffers
+        self._captured_losses: dict[int, torch.Tensor] = {}
+        #: replays so far (tests and benchmarks read it: a step that should replay did)
+        self.replays = 0
+
+    @property
+    def captured(self) -> bool:
+        return self._graph is not None
+
+    def release(self, synchronize: bool = False) -> None:
+        """Drop the graph and its buffers. NCCL does not destroy a communicator that a live
+        graph holds transfers of (``destroy_process_group`` waits), so the pipeline releases its
+        graph before its groups: on ``close`` (``synchronize``: after the last replay ends), and
+        at exit ahead of the groups' teardown (registered at capture; ``atexit`` runs last in
+        first)."""
+        if self._graph is None:
+            return
+        atexit.unregister(self.release)
+        if synchronize:
+            torch.cuda.synchronize(self.device)
+        self._graph = None
+        self._key, self._statics, self._sources = None, [], {}
+        self._grads, self._captured_losses = {}, {}
+
+    def step(self, mbs: MicroBatches, side: Side, announce: Callable[[], None], run: Execute):
+        """Run one training step: eagerly while warming up, else (capturing first) a replay.
+        ``announce`` is what the host does every step before the actions (the agreement);
+        ``run`` runs the actions and announces itself."""
+        key = self._key_of(mbs, side)
+        if key != self._key:
+            if self._graph is not None:
+                _log.info("cuda_graph: the step changed (shapes, storage or modes); recapturing")
+            self._key, self._eager_left, self._graph = key, WARMUP, None
+            self._grads, self._captured_losses = {}, {}
+        if self._graph is None and self._eager_left > 0:
+            self._eager_left -= 1
+            run(mbs, side)
+            return
+        if self._graph is None:
+            self._capture(mbs, side, run)
+        else:
+            self._fill(mbs, side)
+            announce()
+        self._replay()
+
+    # -- the key ----------------------------------------------------------------------------------
+
+    def _key_of(self, mbs: MicroBatches, side: Side) -> Hashable:
+        tensors = [(tuple(t.shape), t.dtype) for t in self._tensors_of(mbs, side)]
+        constants = tuple(
+            (name, _constant(name, v))
+            for d in side
+            for name, v in d.items()
+            if not isinstance(v, torch.Tensor)
+        )
+        state = tuple((p.data_ptr(), p.requires_grad) for p in self.params)
+        buffers = tuple(b.data_ptr() for b in self.buffers)
+        training = tuple(m.training for top in self.modules for m in top.modules())
+        autocast = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
+        modes = (torch.is_grad_enabled(), autocast, len(mbs.weights))
+        return (tuple(tensors), constants, state, buffers, training, modes)
+
+    def _tensors_of(self, mbs: MicroBatches, side: Side) -> list[torch.Tensor]:
+        """Every tensor the step reads from its batch, each once, in a fixed order."""
+        found: list[torch.Tensor] = []
+        seen: set[int] = set()
+
+        def add(t: torch.Tensor) -> None:
+            if id(t) not in seen:
+                seen.add(id(t))
+                found.append(t)
+
+        for args in mbs.inputs:
+            for t in args:
+                add(t)
+        for target in mbs.targets:
+            for t in _target_tensors(target):
+                add(t)
+        for d in side:
+            for v in d.values():
+                if isinstance(v, torch.Tensor):
+                    add(v)
+        return found
+
+    # -- capture and replay -----------------------------------------------------------------------
+
+    def _capture(self, mbs: MicroBatches, side: Side, run: Execute) -> None:
+        hooked = [p for p in self.params if post_accumulate_grad_hooks(p)]
+        if hooked:
+            raise ValueError(
+                f"cuda_graph=True: {len(hooked)} parameter(s) have post-accumulate-grad hooks, "
+                "which a replayed step would not run; remove them or pass cuda_graph=False"
+            )
+        sources = self._tensors_of(mbs, side)
+        self._statics = [t.detach().clone() for t in sources]
+        self._sources = {id(t): i for i, t in enumerate(sources)}
+        self._weights = torch.tensor(mbs.weights, dtype=torch.float64, device=self.device)
+        self._weights_now = tuple(mbs.weights)
+        static_mbs, static_side = self._static_view(mbs, side)
+        prior = {p: p.grad for p in self.params}
+        for p in self.params:
+            p.grad = None
+        graph = torch.cuda.CUDAGraph()
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(self.device)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        try:
+            with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
+                run(static_mbs, static_side)
+            self._grads = {p: p.grad for p in self.params if p.grad is not None}
+        finally:
+            for p in self.params:
+                p.grad = prior[p]
+        self._captured_losses = dict(self.losses) if self.losses is not None else {}
+        if self.losses is not None:
+            self.losses.clear()
+        self._graph = graph
+        atexit.register(self.release)
+        _log.info("cuda_graph: step captured (%d gradient buffers)", len(self._grads))
+
+    def _static_view(self, mbs: MicroBatches, side: Side) -> tuple[MicroBatches, Side]:
+        """``mbs`` and ``side`` with every tensor replaced by its static buffer, and the loss
+        weights by views of the weights tensor."""
+
+        def static(t: torch.Tensor) -> torch.Tensor:
+            return self._statics[self._sources[id(t)]]
+
+        inputs = tuple(tuple(static(t) for t in args) for args in mbs.inputs)
+        targets = tuple(_map_target(target, static) for target in mbs.targets)
+        # device tensors the host refills (the executor multiplies by them as by floats)
+        weights = cast(tuple[float, ...], tuple(self._weights[j] for j in range(len(mbs.weights))))
+        static_side = tuple({name: _rewrap(v, static) for name, v in d.items()} for d in side)
+        mbs = dataclasses.replace(mbs, inputs=inputs, targets=targets, weights=weights)
+        return mbs, static_side
+
+    def _fill(self, mbs: MicroBatches, side: Side) -> None:
+        """This step's batch into the static buffers (one launch) and its weights, if new."""
+        copy_lists_(self._statics, self._tensors_of(mbs, side))
+        if tuple(mbs.weights) != self._weights_now:
+            self._weights.copy_(torch.tensor(mbs.weights, dtype=torch.float64))
+            self._weights_now = tuple(mbs.weights)
+
+    def _replay(self) -> None:
+        assert self._graph is not None, "replay before capture"
+        params, buffers = list(self._grads), list(self._grads.values())
+        # a .grad that is the graph's own buffer (kept from the last step) is copied out first
+        prior = [p.grad.clone() if p.grad is b else p.grad for p, b in zip(params, buffers)]
+        self._graph.replay()
+        self.replays += 1
+        into, adds = [], []
+        for p, b, old in zip(params, buffers, prior):
+            if old is None:
+                p.grad = b
+            else:
+                into.append(old)
+                adds.append(b)
+                p.grad = old
+        if into:
+            add_lists_(into, adds)
+        if self.losses is not None:
+            self.losses.update(self._captured_losses)
+
+
+def _unique(tensors) -> list:
+    seen: set[int] = set()
+    out = []
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out
+
+
+def _target_tensors(target: object) -> list[torch.Tensor]:
+    if target is None:
+        return []
+    if isinstance(target, torch.Tensor):
+        return [target]
+    if isinstance(target, tuple) and all(isinstance(t, torch.Tensor) for t in target):
+        return list(target)
+    raise ValueError(
+        f"cuda_graph=True needs targets as tensors (or None); a captured step cannot see a new "
+        f"{type(target).__name__} at each replay"
+    )
+
+
+def _map_target(target: object, static: Callable[[torch.Tensor], torch.Tensor]) -> object:
+    if isinstance(target, torch.Tensor):
+        return static(target)
+    if isinstance(target, tuple):
+        return tuple(static(t) for t in target)
+    return target
+
+
+def _rewrap(value: object, static: Callable[[torch.Tensor], torch.Tensor]) -> object:
+    return static(value) if isinstance(value, torch.Tensor) else value
+
+
+def _constant(name: str, value: object) -> Hashable:
+    """A non-tensor side value, compared step to step: the capture baked it in."""
+    try:
+        hash(value)
+    except TypeError:
+        raise ValueError(
+            f"cuda_graph=True: side input {name!r} is a {type(value).__name__}, which a captured "
+            "step cannot compare from step to step; pass a tensor or a hashable constant"
+        ) from None
+    return (type(value).__name__, value)

@@ -1,0 +1,142 @@
+"""Whole-step CUDA graphs (``runtime.cuda_graph``) as far as a CPU can hold them: what is refused,
+when a step must be captured again, and how a replay's gradients reach ``.grad`` — each
+accumulation case against eager autograd's. Capture and replay themselves need GPUs:
+``benchmarks/gpu/cuda_graph_gpu.py --part exact`` compares them with eager steps in float64 on
+NCCL (docs/benchmarks.md, "Whole-step CUDA graphs")."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from pipetrain.runtime import cuda_graph
+from pipetrain.runtime.cuda_graph import StepGraph
+from pipetrain.runtime.microbatch import split
+
+CPU = torch.device("cpu")
+
+
+def graph_of(*modules: nn.Module, losses=None) -> StepGraph:
+    return StepGraph(CPU, list(modules), losses)
+
+
+def micro(rows: int = 4, m: int = 2, targets=True):
+    x = torch.randn(rows, 3)
+    return split(x, torch.randn(rows, 3) if targets else None, m)
+
+
+def test_construction_refuses_what_a_capture_cannot_run():
+    cuda_graph.check(False, CPU, None, None, None)  # off: nothing to check
+    with pytest.raises(ValueError, match="captures the step on a CUDA device; .* runs on cpu"):
+        cuda_graph.check(True, CPU, None, None, None)
+    cuda = torch.device("cuda", 0)
+    for given, name in ((("ddp", None, None), "data_parallel"), ((None, "mesh", None), "mesh")):
+        with pytest.raises(ValueError, match=f"cuda_graph=True with {name} is not supported"):
+            cuda_graph.check(True, cuda, *given)
+    with pytest.raises(ValueError, match="with offload is not supported"):
+        cuda_graph.check(True, cuda, None, None, [0.5, 0.0])
+    cuda_graph.check(True, cuda, None, None, None, ranks=2)
+    with pytest.raises(ValueError, match="at most 2 ranks; this one has 4"):
+        cuda_graph.check(True, cuda, None, None, None, ranks=4)
+    with pytest.raises(ValueError, match="timeline=True .* cuda_graph=False"):
+        cuda_graph.check_step(True, timeline=True)
+    cuda_graph.check_step(False, timeline=True)
+
+
+def test_the_key_changes_with_what_a_captured_step_baked_in():
+    layer = nn.Linear(3, 3)
+    g = graph_of(layer)
+    mbs = micro()
+    key = g._key_of(mbs, ())
+    assert g._key_of(micro(), ()) == key  # new values, same shapes: replay
+    assert g._key_of(micro(rows=6), ()) != key  # new shapes
+    layer.weight.requires_grad_(False)
+    assert g._key_of(mbs, ()) != key
+    layer.weight.requires_grad_(True)
+    layer.train(False)
+    assert g._key_of(mbs, ()) != key
+    layer.train(True)
+    assert g._key_of(mbs, ()) == key
+    layer.weight.data = layer.weight.data.clone()  # new storage: the graph reads the old one
+    assert g._key_of(mbs, ()) != key
+    side = ({"causal": True}, {"causal": True})
+    assert g._key_of(mbs, side) != g._key_of(mbs, ({"causal": False}, {"causal": False}))
+
+
+def test_what_a_replay_could_not_see_change_is_refused():
+    g = graph_of(nn.Linear(3, 3))
+    mbs = split(torch.randn(4, 3), None, 2)
+    odd = type(mbs)(mbs.inputs, ("labels", "labels"), mbs.weights, mbs.batch_size)
+    with pytest.raises(ValueError, match="needs targets as tensors"):
+        g._key_of(odd, ())
+    with pytest.raises(ValueError, match="side input 'spans' is a list"):
+        g._key_of(mbs, ({"spans": [1, 2]}, {"spans": [3]}))
+
+
+def test_a_batch_tensor_shared_by_micro_batches_gets_one_static_buffer():
+    g = graph_of(nn.Linear(3, 3))
+    mbs = micro(targets=False)
+    whole = torch.ones(5)
+    found = g._tensors_of(mbs, ({"bias": whole}, {"bias": whole}))
+    assert len(found) == 3 and found[-1] is whole
+
+
+class FakeGraph:
+    """Stands in for a captured graph: a replay rewrites the gradient buffers in place, as the
+    captured kernels do."""
+
+    def __init__(self, buffers: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        self.buffers, self.values = buffers, values
+
+    def replay(self) -> None:
+        for b, v in zip(self.buffers, self.values):
+            b.copy_(v)
+
+
+@pytest.mark.parametrize("before", ["none", "own", "buffer", "zeroed-buffer"])
+def test_a_replay_hands_its_gradients_over_as_autograd_accumulates(before):
+    """After a replay ``.grad`` is what eager autograd leaves: the step's gradient where it was
+    None, the sum where a gradient was there — also when that gradient is the graph's own buffer
+    from the last step (kept, or zeroed with ``set_to_none=False``)."""
+    p = nn.Parameter(torch.zeros(3))
+    g = graph_of(nn.ParameterList([p]))
+    buffer, step = torch.zeros(3), torch.tensor([1.0, 2.0, 3.0])
+    g._graph = FakeGraph([buffer], [step])  # type: ignore[assignment]
+    g._grads = {p: buffer}
+    old = torch.tensor([10.0, 20.0, 30.0])
+    if before == "own":
+        p.grad = old.clone()
+    elif before == "buffer":
+        buffer.copy_(old)
+        p.grad = buffer
+    elif before == "zeroed-buffer":
+        buffer.zero_()
+        p.grad = buffer
+    held = p.grad
+    g._replay()
+    want = step if before in ("none", "zeroed-buffer") else old + step
+    assert p.grad is not None and torch.equal(p.grad, want)
+    if before == "none":
+        assert p.grad is buffer  # no copy where nothing accumulates
+    if before == "own":
+        assert p.grad is held  # accumulated in place, as AccumulateGrad does
+    if before in ("buffer", "zeroed-buffer"):
+        assert p.grad is not buffer  # the next replay rewrites the buffer
+        g._replay()
+        assert torch.equal(p.grad, want + step)
+    assert g.replays == (2 if before in ("buffer", "zeroed-buffer") else 1)
+
+
+def test_a_replay_restores_the_last_stage_losses_the_loss_agreement_pops():
+    losses: dict[int, torch.Tensor] = {}
+    g = graph_of(nn.Linear(3, 3), losses=losses)
+    g._graph = FakeGraph([], [])  # type: ignore[assignment]
+    g._captured_losses = {0: torch.tensor(1.0), 1: torch.tensor(2.0)}
+    g._replay()
+    assert sorted(losses) == [0, 1]
+    losses.clear()  # what losses.agree does
+    g._replay()
+    assert sorted(losses) == [0, 1]
+    g.release()
+    assert not g.captured and g._grads == {} and g._captured_losses == {}
