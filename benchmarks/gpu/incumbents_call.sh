@@ -61,7 +61,9 @@ fi
 [ -n "${EXTRA_PATH:-}" ] && export PYTHONPATH=$PYTHONPATH:$EXTRA_PATH
 export PYTHONUNBUFFERED=1
 # one allocator and NCCL environment for every library (issue 21); NVLink multicast off
-export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+# ALLOC_CONF= (empty) keeps the default allocator: Pipeline(cuda_graph=True) refuses expandable
+# segments (docs/runtime.md), so the pipetrain-graph rows need it
+export PYTORCH_CUDA_ALLOC_CONF=${ALLOC_CONF-expandable_segments:True}
 # the carried DeepSpeed wheel was built on a CPU box: name its accelerator rather than rely on
 # detection
 command -v nvidia-smi > /dev/null && export DS_ACCELERATOR=cuda

@@ -30,7 +30,8 @@ buffer from the last step is copied out first). The loss weights are a device te
 refills, so ``"token_mean"`` weights may change every step.
 
 Refused, never silently wrong or hanging: devices other than CUDA, data parallel, meshes,
-offload and pipelines of more than ``MAX_RANKS`` ranks at construction (``check``); at a step, ``timeline=True`` (one replay has no per-action spans),
+offload, pipelines of more than ``MAX_RANKS`` ranks and expandable allocator segments at
+construction (``check``); at a step, ``timeline=True`` (one replay has no per-action spans),
 targets that are not tensors, and parameters with post-accumulate-grad hooks (a replay would not
 run them).
 """
@@ -40,6 +41,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
+import os
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import cast
 
@@ -59,9 +61,21 @@ Side = tuple[dict[str, object], ...]
 Execute = Callable[[MicroBatches, Side], object]
 
 
-#: the most pipeline ranks a captured step is verified on (docs/runtime.md): on 4 GPUs a
-#: captured ZBV step hung, cause not found, so larger pipelines are refused rather than hang
+#: the most pipeline ranks a captured step is verified on (docs/runtime.md): on 4 GPUs, with
+#: the allocator's expandable segments on, a captured ZBV step hung, cause not found; both are
+#: refused rather than left to hang
 MAX_RANKS = 2
+ALLOCATOR_SETTINGS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def expandable_segments() -> bool:
+    """Whether the caching allocator is configured with expandable segments (its settings
+    variable, as torch reads it at its first CUDA allocation)."""
+    for name in ALLOCATOR_SETTINGS:
+        settings = os.environ.get(name, "").replace(" ", "").lower()
+        if "expandable_segments:true" in settings:
+            return True
+    return False
 
 
 def check(
@@ -84,6 +98,12 @@ def check(
         raise ValueError(
             f"cuda_graph=True is verified on pipelines of at most {MAX_RANKS} ranks; this one has "
             f"{ranks}, where a captured step hung (not understood yet); pass cuda_graph=False"
+        )
+    if expandable_segments():
+        raise ValueError(
+            "cuda_graph=True is verified with the caching allocator's default segments; "
+            "expandable_segments:True is set (PYTORCH_CUDA_ALLOC_CONF), with which a captured "
+            "step hung (not understood yet); unset it or pass cuda_graph=False"
         )
     refused = {"data_parallel": data_parallel, "mesh": mesh, "offload": offload}
     given = [name for name, value in refused.items() if value]

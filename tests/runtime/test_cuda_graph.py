@@ -26,7 +26,9 @@ def micro(rows: int = 4, m: int = 2, targets=True):
     return split(x, torch.randn(rows, 3) if targets else None, m)
 
 
-def test_construction_refuses_what_a_capture_cannot_run():
+def test_construction_refuses_what_a_capture_cannot_run(monkeypatch):
+    for name in cuda_graph.ALLOCATOR_SETTINGS:
+        monkeypatch.delenv(name, raising=False)
     cuda_graph.check(False, CPU, None, None, None)  # off: nothing to check
     with pytest.raises(ValueError, match="captures the step on a CUDA device; .* runs on cpu"):
         cuda_graph.check(True, CPU, None, None, None)
@@ -39,6 +41,18 @@ def test_construction_refuses_what_a_capture_cannot_run():
     cuda_graph.check(True, cuda, None, None, None, ranks=2)
     with pytest.raises(ValueError, match="at most 2 ranks; this one has 4"):
         cuda_graph.check(True, cuda, None, None, None, ranks=4)
+
+
+@pytest.mark.parametrize("name", cuda_graph.ALLOCATOR_SETTINGS)
+def test_expandable_segments_are_refused_until_verified(monkeypatch, name):
+    cuda = torch.device("cuda", 0)
+    for other in cuda_graph.ALLOCATOR_SETTINGS:
+        monkeypatch.delenv(other, raising=False)
+    monkeypatch.setenv(name, "max_split_size_mb:128")
+    cuda_graph.check(True, cuda, None, None, None, ranks=2)
+    monkeypatch.setenv(name, "garbage_collection_threshold:0.8, expandable_segments:True")
+    with pytest.raises(ValueError, match="expandable_segments:True is set"):
+        cuda_graph.check(True, cuda, None, None, None, ranks=2)
     with pytest.raises(ValueError, match="timeline=True .* cuda_graph=False"):
         cuda_graph.check_step(True, timeline=True)
     cuda_graph.check_step(False, timeline=True)
