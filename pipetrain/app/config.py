@@ -99,6 +99,7 @@ class TrainConfig:
     device: Device = "auto"
     weight_grads: WeightGrads = "auto"
     receive_lead: int | None = 1
+    cuda_graph: bool = False
     timeout: float = 300.0
     #: set by the launcher on the processes it starts
     worker: bool = False
@@ -178,6 +179,7 @@ def check_arguments(config: TrainConfig) -> Layout:
     if config.resume and config.checkpoint_dir is not None:  # complete and of this model
         Checkpoints(config.checkpoint_dir, shape).latest()
     layout = _layout(config, shape)
+    _check_cuda_graph(config, layout)
     if config.model_dir is None:
         _check_text(config, layout)
     elif not config.worker:  # tokenized once, by the launcher
@@ -205,6 +207,25 @@ def check_arguments(config: TrainConfig) -> Layout:
             )
         )
     return layout
+
+
+def _check_cuda_graph(config: TrainConfig, layout: Layout) -> None:
+    """``--cuda-graph`` where the runtime captures a step (docs/runtime.md, "Whole-step CUDA
+    graphs"): on GPUs, a pipeline of at most 2 ranks, no data or tensor parallel."""
+    if not config.cuda_graph:
+        return
+    if config.device == "cpu":
+        raise ValueError("--cuda-graph captures each step on a GPU; drop it or --device cpu")
+    if config.dp > 1 or config.tp > 1:
+        raise ValueError(
+            "--cuda-graph with --dp or --tp is not supported yet (their gradient syncs keep "
+            "host-side state per step); drop --cuda-graph or run --dp 1 --tp 1"
+        )
+    if layout.ranks > 2:
+        raise ValueError(
+            f"--cuda-graph is verified on 2 pipeline ranks; this run has {layout.ranks} (a "
+            "captured step hung on 4): use --ranks 2 or drop --cuda-graph"
+        )
 
 
 def run_shape(config: TrainConfig) -> ModelShape:

@@ -78,6 +78,7 @@ def report(
     program: Any,
     cpu_processes: int = 0,
     planned: Mapping[str, Any] | None = None,
+    unmeasured: str = "the runtime returned none",
 ) -> str:
     """The end-of-run text: loss trend, measured vs simulated bubble, pictures (writes the
     measured step as SVG to ``svg``).
@@ -85,7 +86,7 @@ def report(
     ``cpu_processes``: how many processes of the run shared this machine's CPU cores (0: they
     ran on GPUs); with more processes than cores the measured times include waiting for a core.
     ``planned``: the ``predicted`` record of the plan the run followed (``pipetrain plan
-    --json``), shown next to the measured step.
+    --json``), shown next to the measured step. ``unmeasured``: why ``measured`` is empty.
     """
     k = max(1, min(LOSS_WINDOW, len(losses) // 4))
     first, last = fmean(losses[:k]), fmean(losses[-k:])
@@ -102,7 +103,7 @@ def report(
     )
     lines = [f"loss {first:.4f} → {last:.4f} (mean of the first vs last {k} steps): {verdict}"]
     if not measured:
-        return "\n".join([*lines, "(no measured timeline: the runtime returned none)"])
+        return "\n".join([*lines, f"(no measured timeline: {unmeasured})"])
     from pipetrain.sim.simulate import simulate
 
     step = sorted(measured, key=lambda tl: tl.makespan)[len(measured) // 2]

@@ -144,7 +144,8 @@ def train(config: TrainConfig, device: torch.device) -> Run:
         inputs, targets, side = next(data)
         inputs, targets = inputs[mine].to(device), targets[mine].to(device)
         side = {k: v[mine].to(device) for k, v in side.items()}
-        timed = step >= config.steps - MEASURED_STEPS
+        # a captured step replays as one: no per-action timeline to measure
+        timed = not config.cuda_graph and step >= config.steps - MEASURED_STEPS
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = pipe.step(inputs, targets, timeline=timed, side=side)
@@ -171,7 +172,11 @@ def train(config: TrainConfig, device: torch.device) -> Run:
     if rank == 0:
         cpu_processes = dist.get_world_size() if device.type == "cpu" else 0
         planned = _planned(config.plan)
-        run.report = report(config.svg, losses, measured, pipe.program, cpu_processes, planned)
+        args = (config.svg, losses, measured, pipe.program, cpu_processes, planned)
+        if config.cuda_graph:
+            run.report = report(*args, unmeasured="each step replayed as one CUDA graph")
+        else:
+            run.report = report(*args)
         if skipped:
             shown = ", ".join(map(str, skipped[:10])) + (" ..." if len(skipped) > 10 else "")
             run.report += f"\nskipped the update of {len(skipped)} step(s) whose loss was not "
@@ -221,6 +226,7 @@ def _pipeline(
         timeout=timedelta(seconds=config.timeout),
         defer_weight_grads=_DEFER[config.weight_grads],
         receive_lead=config.receive_lead,
+        cuda_graph=config.cuda_graph,
         **placement,
     )
     try:

@@ -176,6 +176,12 @@ def _process_options(choices: dict[str, tuple[str, ...]]) -> tuple[Option, ...]:
             "it (1: Megatron-Core's overlapped P2P; none: as soon as its value can have arrived)",
         ),
         Option(
+            ("--cuda-graph",),
+            switch=True,
+            help="capture each training step as one CUDA graph and replay it (GPUs, 2 pipeline "
+            "ranks, no --dp/--tp; the report then has step times, not a measured timeline)",
+        ),
+        Option(
             ("--timeout",),
             type=positive_float,
             metavar="SECONDS",

@@ -166,3 +166,17 @@ def test_overwrite_checkpoints_replaces_a_previous_runs_checkpoints(tmp_path: Pa
     assert done.returncode == 0, done.stdout + done.stderr
     assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["latest", "step-000001"]
     assert (tmp_path / "c" / "latest").read_text().strip() == "step-000001"
+
+
+def test_cuda_graph_is_refused_where_the_runtime_cannot_capture_before_any_process(
+    capsys,
+) -> None:
+    for argv, said in (
+        (("--device", "cpu"), "--cuda-graph captures each step on a GPU"),
+        (("--dp", "2"), "--cuda-graph with --dp or --tp is not supported yet"),
+        (("--ranks", "4"), "--cuda-graph is verified on 2 pipeline ranks; this run has 4"),
+    ):
+        with pytest.raises(ValueError, match=said):
+            check_arguments(_args("--cuda-graph", *argv))
+    code, _, err = _train_here(capsys, "--cuda-graph", "--device", "cpu")
+    assert code == 2 and err.count("\n") == 1 and "--cuda-graph" in err, err
