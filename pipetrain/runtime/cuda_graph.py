@@ -267,6 +267,14 @@ class StepGraph:
             with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
                 run(static_mbs, static_side)
             self._grads = {p: p.grad for p in self.params if p.grad is not None}
+        except RuntimeError as e:  # a StageError too: it names the action
+            if "captur" not in str(e).lower():
+                raise
+            raise ValueError(
+                "cuda_graph=True: the step could not be captured — something in it waits for the "
+                "host (.item(), .cpu(), a shape that depends on data) or is not capturable; pass "
+                f"cuda_graph=False. {type(e).__name__}: {e}"
+            ) from e
         finally:
             for p in self.params:
                 p.grad = prior[p]

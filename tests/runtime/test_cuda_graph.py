@@ -6,6 +6,8 @@ NCCL (docs/benchmarks.md, "Whole-step CUDA graphs")."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -154,3 +156,37 @@ def test_a_replay_restores_the_last_stage_losses_the_loss_agreement_pops():
     assert sorted(losses) == [0, 1]
     g.release()
     assert not g.captured and g._grads == {} and g._captured_losses == {}
+
+
+def test_a_step_that_cannot_be_captured_is_refused_naming_why(monkeypatch):
+    """A stage that waits for the host inside the capture (``.item()``) makes CUDA refuse the
+    capture; the pipeline says so as a refusal, and every ``.grad`` set aside comes back."""
+    layer = nn.Linear(3, 3)
+    layer.weight.grad = torch.ones(3, 3)
+    g = graph_of(layer)
+
+    class Stream:
+        def wait_stream(self, other) -> None:
+            pass
+
+    @contextlib.contextmanager
+    def capture(*args, **kwargs):
+        yield
+
+    g.stream = Stream()  # type: ignore[assignment]
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", object)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "graph", capture)
+
+    def run(mbs, side) -> None:
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    with pytest.raises(ValueError, match="could not be captured .* cuda_graph=False"):
+        g._capture(micro(), (), run)
+    assert not g.captured and torch.equal(layer.weight.grad, torch.ones(3, 3))
+
+    def other(mbs, side) -> None:
+        raise RuntimeError("shapes do not match")
+
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        g._capture(micro(), (), other)
