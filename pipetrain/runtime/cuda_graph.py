@@ -83,10 +83,11 @@ def check(
     device: torch.device,
     data_parallel: object,
     mesh: object,
-    offload: object,
+    offload: Sequence[float] | None,
     ranks: int = 1,
 ) -> None:
-    """Refuse at construction what a captured step cannot run exactly, or is not verified on."""
+    """Refuse at construction what a captured step cannot run exactly, or is not verified on
+    (``offload``: the per-stage fractions; all zero is no offload)."""
     if not enabled:
         return
     if device.type != "cuda":
@@ -105,7 +106,8 @@ def check(
             "expandable_segments:True is set (PYTORCH_CUDA_ALLOC_CONF), with which a captured "
             "step hung (not understood yet); unset it or pass cuda_graph=False"
         )
-    refused = {"data_parallel": data_parallel, "mesh": mesh, "offload": offload}
+    moves = offload is not None and any(f > 0 for f in offload)
+    refused = {"data_parallel": data_parallel, "mesh": mesh, "offload": moves}
     given = [name for name, value in refused.items() if value]
     if given:
         raise ValueError(

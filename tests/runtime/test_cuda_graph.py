@@ -40,6 +40,7 @@ def test_construction_refuses_what_a_capture_cannot_run(monkeypatch):
             cuda_graph.check(True, cuda, *given)
     with pytest.raises(ValueError, match="with offload is not supported"):
         cuda_graph.check(True, cuda, None, None, [0.5, 0.0])
+    cuda_graph.check(True, cuda, None, None, [0.0, 0.0])  # a plan that offloads nothing
     cuda_graph.check(True, cuda, None, None, None, ranks=2)
     with pytest.raises(ValueError, match="at most 2 ranks; this one has 4"):
         cuda_graph.check(True, cuda, None, None, None, ranks=4)
