@@ -171,21 +171,33 @@ def train(config: TrainConfig, device: torch.device) -> Run:
     run = Run(losses, start, {k: v.detach().clone() for k, v in _local_state(pipe).items()})
     if rank == 0:
         cpu_processes = dist.get_world_size() if device.type == "cpu" else 0
-        planned = _planned(config.plan)
-        args = (config.svg, losses, measured, pipe.program, cpu_processes, planned)
-        if config.cuda_graph:
-            run.report = report(*args, unmeasured="each step replayed as one CUDA graph")
-        else:
-            run.report = report(*args)
-        if skipped:
-            shown = ", ".join(map(str, skipped[:10])) + (" ..." if len(skipped) > 10 else "")
-            run.report += f"\nskipped the update of {len(skipped)} step(s) whose loss was not "
-            run.report += f"finite (--on-nonfinite skip): {shown}"
-        if saver is not None:
-            run.report += f"\ncheckpoints in {config.checkpoint_dir} (latest: step {config.steps})"
-        if config.export is not None:
-            run.report += f"\nexported to {config.export} (a Hugging Face model folder)"
+        run.report = _report(config, losses, measured, pipe, cpu_processes, skipped)
     return run
+
+
+def _report(
+    config: TrainConfig,
+    losses: list[float],
+    measured: list[Timeline],
+    pipe: Pipeline,
+    cpu_processes: int,
+    skipped: list[int],
+) -> str:
+    """The end-of-run text (``app.report``) and what the run skipped, wrote and exported."""
+    args = (config.svg, losses, measured, pipe.program, cpu_processes, _planned(config.plan))
+    if config.cuda_graph:
+        text = report(*args, unmeasured="each step replayed as one CUDA graph")
+    else:
+        text = report(*args)
+    if skipped:
+        shown = ", ".join(map(str, skipped[:10])) + (" ..." if len(skipped) > 10 else "")
+        text += f"\nskipped the update of {len(skipped)} step(s) whose loss was not "
+        text += f"finite (--on-nonfinite skip): {shown}"
+    if config.checkpoint_dir:
+        text += f"\ncheckpoints in {config.checkpoint_dir} (latest: step {config.steps})"
+    if config.export is not None:
+        text += f"\nexported to {config.export} (a Hugging Face model folder)"
+    return text
 
 
 def _update(config: TrainConfig, pipe, opt, loss, step: int, skipped: list[int]):
