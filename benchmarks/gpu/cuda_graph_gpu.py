@@ -16,7 +16,16 @@ same fused AdamW step, ``rounds`` alternating rounds (eager first in even rounds
 rank's); ratio eager / graph of the mean of round medians with a 95% bootstrap interval over
 rounds and steps (``intervals.ratio_interval``). ``small`` is host-bound (hidden 1024, seq 512,
 micro-batch 1, 32 micro-batches); ``large`` is the app's 8 × 2048 GPT (seq 1024, micro-batch 4,
-8 micro-batches).
+8 micro-batches). Per variant also its memory: the allocated peak above what was allocated before
+its steps, and how far its steps grew the reserved memory (a graph's pool is reserved once;
+replays allocate nothing). ``--variants graph`` (or ``eager``) builds one variant alone: its
+memory without the other pipeline beside it.
+
+``probe``: sends and receives between neighbours on two groups, captured and replayed — NCCL
+under capture without the pipeline (any number of ranks). ``--allow-ranks N`` lets
+``cuda_graph=True`` run on N ranks, which the runtime refuses above 2 until a hang seen on 4 is
+understood (diagnosis only; with ``--stacks-after S`` every rank prints its threads' stacks
+after S seconds and exits, so a hang shows where it waits).
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from intervals import ratio_interval
 
 from pipetrain.app.models.gpt import GPTConfig, make_stage
+from pipetrain.runtime import cuda_graph
 from pipetrain.runtime.losses import TokenCrossEntropy
 from pipetrain.runtime.pipeline import Pipeline
 
@@ -63,28 +73,29 @@ def log(msg: str, every_rank: bool = False) -> None:
 
 
 def p2p_probe(device) -> dict:
-    """Sends and receives on two groups, captured in a CUDA graph and replayed: what the
-    pipeline's transfers need from NCCL under capture, alone."""
-    rank, other = dist.get_rank(), 1 - dist.get_rank()
-    up, down = dist.new_group([0, 1]), dist.new_group([0, 1])
+    """Each rank sends to its higher neighbour on one group and to its lower on another, as the
+    pipeline's transfers do, captured in a CUDA graph and replayed: what they need from NCCL
+    under capture, alone (any number of ranks)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    everyone = list(range(world))
+    up, down = dist.new_group(everyone), dist.new_group(everyone)
     send = torch.full((4,), float(rank + 1), device=device)
-    recv = torch.zeros(4, device=device)
+    from_below, from_above = torch.zeros(4, device=device), torch.zeros(4, device=device)
 
     def exchange() -> None:
-        first, second = (up, down) if rank == 0 else (down, up)
-        w1 = (
-            dist.isend(send, other, group=first)
-            if rank == 0
-            else dist.irecv(recv, other, group=second)
-        )
-        w2 = (
-            dist.irecv(recv, other, group=second)
-            if rank == 0
-            else dist.isend(send, other, group=first)
-        )
-        w1.wait()
-        w2.wait()
-        recv.mul_(2)
+        works = []
+        if rank + 1 < world:
+            works.append(dist.isend(send, rank + 1, group=up))
+        if rank > 0:
+            works.append(dist.irecv(from_below, rank - 1, group=up))
+        if rank > 0:
+            works.append(dist.isend(send, rank - 1, group=down))
+        if rank + 1 < world:
+            works.append(dist.irecv(from_above, rank + 1, group=down))
+        for w in works:
+            w.wait()
+        from_below.mul_(2)
+        from_above.mul_(2)
 
     exchange()
     torch.cuda.synchronize()
@@ -98,8 +109,13 @@ def p2p_probe(device) -> dict:
     send.fill_(float(10 * (rank + 1)))
     graph.replay()
     torch.cuda.synchronize()
-    log(f"probe: replayed, received {recv.tolist()}", True)
-    return {"ok": recv.tolist() == [20.0 * (other + 1)] * 4, "received": recv.tolist()}
+    got = (from_below.tolist(), from_above.tolist())
+    log(f"probe: replayed, received {got}", True)
+    want_below = [20.0 * rank] * 4 if rank > 0 else [0.0] * 4
+    want_above = [20.0 * (rank + 2)] * 4 if rank + 1 < world else [0.0] * 4
+    ok = torch.tensor(float(got == (want_below, want_above)), device=device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return {"ok": bool(ok.item()), "received": got}
 
 
 def split_name(name: str) -> tuple[str, dict]:
@@ -198,7 +214,7 @@ def timed(pipe: Pipeline, opt, batch, count: int, device) -> list[float]:
     return times
 
 
-def speed(shape: str, name: str, device, rounds: int, steps: int) -> dict:
+def speed(shape: str, name: str, device, rounds: int, steps: int, variants: list[str]) -> dict:
     cfg, mb, n = SHAPES[shape]
     base, _ = split_name(name)
     num_stages = V[base] * dist.get_world_size()
@@ -206,31 +222,40 @@ def speed(shape: str, name: str, device, rounds: int, steps: int) -> dict:
     x = torch.randint(0, cfg.vocab_size, (mb * n, cfg.seq_len), generator=gen)
     y = torch.randint(0, cfg.vocab_size, (mb * n, cfg.seq_len), generator=gen)
     rows = {}
-    for label, graph in (("eager", False), ("graph", True)):
+    for label in variants:
         stages = lambda s: make_stage(cfg, s, num_stages, seed=0).to(device, torch.bfloat16)  # noqa: E731
-        pipe = pipeline(stages, name, n, device, cuda_graph=graph)
+        pipe = pipeline(stages, name, n, device, cuda_graph=label == "graph")
         opt = torch.optim.AdamW(list(pipe.parameters()), lr=1e-5, fused=True)
         rows[label] = (pipe, opt)
-    got: dict[str, list[list[float]]] = {"eager": [], "graph": []}
+    got: dict[str, list[list[float]]] = {label: [] for label in variants}
     first: dict[str, float] = {}
+    # memory of each variant's steps above what is allocated before them: the graph's pool is
+    # reserved once and replays allocate nothing, so the reserved growth is its cost
+    memory: dict[str, dict[str, float]] = {label: {} for label in variants}
     for r in range(rounds):
-        order = ("eager", "graph") if r % 2 == 0 else ("graph", "eager")
-        for label in order:
+        for label in variants if r % 2 == 0 else variants[::-1]:
             pipe, opt = rows[label]
+            torch.cuda.synchronize(device)
+            before = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+            torch.cuda.reset_peak_memory_stats(device)
             warm = timed(pipe, opt, (x, y), 4, device)
             first.setdefault(label, sum(warm[:3]))
             got[label].append(timed(pipe, opt, (x, y), steps, device))
-    peak = torch.cuda.max_memory_allocated(device) / 2**30
-    iv = ratio_interval(got["eager"], got["graph"])
+            seen = memory[label]
+            peak = (torch.cuda.max_memory_allocated(device) - before[0]) / 2**30
+            grown = (torch.cuda.memory_reserved(device) - before[1]) / 2**30
+            seen["peak_allocated_above_gib"] = max(seen.get("peak_allocated_above_gib", 0), peak)
+            seen["reserved_growth_gib"] = max(seen.get("reserved_growth_gib", 0), grown)
     out = {
-        "eager_ms": statistics.fmean(statistics.median(s) for s in got["eager"]),
-        "graph_ms": statistics.fmean(statistics.median(s) for s in got["graph"]),
-        "speedup": None if iv is None else [iv.estimate, iv.low, iv.high],
-        "first_three_steps_ms": first,
-        "replays": rows["graph"][0].graph.replays,
-        "peak_gib_both": peak,
-        "steps": got,
+        f"{label}_ms": statistics.fmean(statistics.median(s) for s in got[label])
+        for label in variants
     }
+    if len(variants) == 2:
+        iv = ratio_interval(got["eager"], got["graph"])
+        out["speedup"] = None if iv is None else [iv.estimate, iv.low, iv.high]
+    out.update(first_three_steps_ms=first, memory=memory, steps=got)
+    if "graph" in rows:
+        out["replays"] = rows["graph"][0].graph.replays
     for pipe, _ in rows.values():
         pipe.close()
     return out
@@ -248,12 +273,22 @@ def main() -> int:
     p.add_argument("--shapes", default="small,large")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--variants", default="eager,graph", help="eager, graph or both (a ratio)")
+    p.add_argument(
+        "--allow-ranks",
+        type=int,
+        default=0,
+        help="diagnosis only: let cuda_graph=True run on this many ranks (refused above 2)",
+    )
     p.add_argument("--out", default=None)
     a = p.parse_args()
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
     device = torch.device("cuda", local)
     dist.init_process_group("nccl", timeout=timedelta(seconds=180), device_id=device)
+    if a.allow_ranks:
+        cuda_graph.MAX_RANKS = a.allow_ranks
+        log(f"DIAGNOSIS: cuda_graph=True allowed on {a.allow_ranks} ranks (unverified)")
     if a.stacks_after:
         faulthandler.dump_traceback_later(a.stacks_after, exit=True)
     results: dict = {"exact": {}, "speed": {}}
@@ -280,7 +315,8 @@ def main() -> int:
         for shape in a.shapes.split(","):
             for name in a.speed_schedules.split(","):
                 try:
-                    row = speed(shape, name, device, a.rounds, a.steps)
+                    variants = a.variants.split(",")
+                    row = speed(shape, name, device, a.rounds, a.steps, variants)
                 except Exception as e:
                     row = {"error": f"{type(e).__name__}: {e}"[:300]}
                 results["speed"][f"{shape}/{name}"] = row

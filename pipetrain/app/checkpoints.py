@@ -60,6 +60,10 @@ class Checkpoints:
     def save(self, step: int, pipe, optimizer) -> Path:
         """Write step ``step``: every process writes its part (with data parallel, each DDP
         replica offers the same tensors and DCP writes them once; each FSDP2 replica its shards).
+        Collective; returns on every process once the checkpoint is complete and ``latest``
+        names it (a process that went on before the pointer moved would find the previous one,
+        or none: a resume right after a save read no checkpoint on one rank and left the others
+        waiting for it).
         """
         import torch.distributed as dist
 
@@ -78,6 +82,8 @@ class Checkpoints:
             tmp = self.directory / f"{LATEST}.tmp"
             tmp.write_text(path.name + "\n")
             tmp.replace(self.directory / LATEST)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()  # every process returns after the pointer moved
         return path
 
     def latest(self) -> tuple[Path, int]:

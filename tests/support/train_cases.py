@@ -109,3 +109,41 @@ def pipeline_alone_losses(directory: str) -> list[float]:
 
     files = ("--svg", f"{directory}/alone.svg", "--corpus-out", f"{directory}/alone.txt")
     return train(train_args(*ALONE, *files), torch.device("cpu")).losses
+
+
+def pointer_after_save(rank: int, world: int, directory: str) -> bool:
+    """``Checkpoints.save`` on every rank, rank 0 slow to move the ``latest`` pointer: whether
+    ``latest`` names the new checkpoint when ``save`` returns on this rank."""
+    import time
+    from pathlib import Path
+
+    from pipetrain.app.catalog import ModelShape
+    from pipetrain.app.checkpoints import LATEST, Checkpoints
+    from pipetrain.runtime.pipeline import Pipeline
+
+    torch.manual_seed(0)
+    stages = [torch.nn.Linear(4, 4).double() for _ in range(world)]
+    with Pipeline(stages, "1f1b", 2, lambda out, y: ((out - y) ** 2).mean(), device="cpu") as pipe:
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        x = torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        pipe.step(x, x)
+        opt.step()
+        shape = ModelShape(model="gpt", blocks=1, hidden=4, heads=1, kv_heads=1, vocab=4,
+                           seq_len=4, dtype="float64", seed=0)  # fmt: skip
+        saver = Checkpoints(directory, shape)
+        if rank == 0:  # the lead moves the pointer late
+            write = Path.write_text
+
+            def slow(self, *args, **kwargs):
+                if self.name == f"{LATEST}.tmp":
+                    time.sleep(1.0)
+                return write(self, *args, **kwargs)
+
+            Path.write_text = slow  # type: ignore[method-assign]
+        try:
+            path = saver.save(1, pipe, opt)
+        finally:
+            if rank == 0:
+                Path.write_text = write  # type: ignore[method-assign]
+        pointer = Path(directory) / LATEST
+        return pointer.is_file() and pointer.read_text().strip() == path.name
