@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_equivalence import split_name
 from intervals import ratio_interval
 
 from pipetrain.app.models.gpt import GPTConfig, make_stage
@@ -116,18 +117,6 @@ def p2p_probe(device) -> dict:
     ok = torch.tensor(float(got == (want_below, want_above)), device=device)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     return {"ok": bool(ok.item()), "received": got}
-
-
-def split_name(name: str) -> tuple[str, dict]:
-    """``NAME+overlap``: ``overlap_pairs=True``; ``NAME+replayw``: ``defer_weight_grads=False``."""
-    options: dict = {}
-    for suffix, option, value in (
-        ("+replayw", "defer_weight_grads", False),
-        ("+overlap", "overlap_pairs", True),
-    ):
-        if name.endswith(suffix):
-            name, options[option] = name.removesuffix(suffix), value
-    return name, options
 
 
 def pipeline(stages, name: str, n: int, device, **options) -> Pipeline:
