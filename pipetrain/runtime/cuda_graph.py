@@ -191,8 +191,8 @@ class StepGraph:
         if key != self._key:
             if self._graph is not None:
                 _log.info("cuda_graph: the step changed (shapes, storage or modes); recapturing")
-            self._key, self._eager_left, self._graph = key, WARMUP, None
-            self._grads, self._captured_losses = {}, {}
+            self.release()
+            self._key, self._eager_left = key, WARMUP
         if self._graph is None and self._eager_left > 0:
             self._eager_left -= 1
             run(mbs, side)
@@ -223,25 +223,10 @@ class StepGraph:
 
     def _tensors_of(self, mbs: MicroBatches, side: Side) -> list[torch.Tensor]:
         """Every tensor the step reads from its batch, each once, in a fixed order."""
-        found: list[torch.Tensor] = []
-        seen: set[int] = set()
-
-        def add(t: torch.Tensor) -> None:
-            if id(t) not in seen:
-                seen.add(id(t))
-                found.append(t)
-
-        for args in mbs.inputs:
-            for t in args:
-                add(t)
-        for target in mbs.targets:
-            for t in _target_tensors(target):
-                add(t)
-        for d in side:
-            for v in d.values():
-                if isinstance(v, torch.Tensor):
-                    add(v)
-        return found
+        inputs = [t for args in mbs.inputs for t in args]
+        targets = [t for target in mbs.targets for t in _target_tensors(target)]
+        sides = [v for d in side for v in d.values() if isinstance(v, torch.Tensor)]
+        return _unique([*inputs, *targets, *sides])
 
     # -- capture and replay -----------------------------------------------------------------------
 
