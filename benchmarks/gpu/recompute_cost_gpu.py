@@ -53,7 +53,6 @@ import argparse
 import copy
 import functools
 import gc
-import json
 import os
 import statistics
 import sys
@@ -65,6 +64,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from local_launch import launch  # beside this script
+from recompute_cost_report import MODES, TARGET, compare, line, summary, write
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # run from anywhere without installing
@@ -78,9 +78,7 @@ from pipetrain.runtime.pipeline import Pipeline  # noqa: E402
 from pipetrain.schedule.registry import FAMILIES, build_schedule, family  # noqa: E402
 
 GIB = 2**30
-MODES = ("none", "full", "selective")
 SPLITS = {"deferred": True, "replay": False}
-TARGET = 1.03
 GPU_SHAPE = dict(layers=8, hidden=2048, heads=16, seq=1024, vocab=8192, mb_size=4, microbatches=8)
 CPU_SHAPE = dict(layers=4, hidden=32, heads=2, seq=16, vocab=64, mb_size=2, microbatches=4)
 #: the CPU dry run's schedules: one per kind of placement and backward (B only, I/W, V)
@@ -334,52 +332,6 @@ def schedules(args: argparse.Namespace, world: int) -> list[tuple[str, str | Non
     return out
 
 
-def compare(rows: list[dict], cpu: bool) -> tuple[list[str], list[dict]]:
-    """Mismatches (first losses unlike their ``none`` row's, gradient sums beyond round-off)
-    and, per recomputing pipeline row, its ratio, the unsplit model's and their quotient."""
-    tolerance = 1e-6 if cpu else 1e-2
-    base = {(r["kind"], r.get("schedule"), r.get("split")): r for r in rows
-            if r["recompute"] == "none" and "step_ms" in r}  # fmt: skip
-    unsplit = {r["recompute"]: r for r in rows if r["kind"] == "unsplit" and "step_ms" in r}
-    problems, ratios = [], []
-    for r in rows:
-        ref = base.get((r["kind"], r.get("schedule"), r.get("split")))
-        if r["recompute"] == "none" or ref is None or "step_ms" not in r:
-            continue
-        label = " ".join(str(r[k]) for k in ("kind", "schedule", "split", "recompute") if k in r)
-        if r["first_loss"] != ref["first_loss"]:
-            problems.append(f"{label}: first loss {r['first_loss']!r} != {ref['first_loss']!r}")
-        for got, want in zip(r["grad_sq"], ref["grad_sq"], strict=True):
-            if abs(got - want) > tolerance * max(abs(want), 1e-30):
-                problems.append(f"{label}: squared gradient sum {got!r} != {want!r}")
-        if r["kind"] != "pipeline" or r["recompute"] not in unsplit or "none" not in unsplit:
-            continue
-        ratio_pipe = r["step_ms"] / ref["step_ms"]
-        ratio_unsplit = unsplit[r["recompute"]]["step_ms"] / unsplit["none"]["step_ms"]
-        quotient = ratio_pipe / ratio_unsplit
-        ratios.append({"schedule": r["schedule"], "split": r["split"], "recompute": r["recompute"],
-                       "ratio_pipe": ratio_pipe, "ratio_unsplit": ratio_unsplit,
-                       "quotient": quotient, "meets": quotient <= TARGET})  # fmt: skip
-    return problems, ratios
-
-
-def line(row: dict, ratios: list[dict]) -> str:
-    where = row["kind"] if row["kind"] == "unsplit" else f"{row['schedule']} {row['split']}"
-    head = f"{where:<26} {row['recompute']:<9}"
-    if "error" in row:
-        return f"{head} FAILED {row['error'][:300]}"
-    if "skipped" in row:
-        return f"{head} skipped ({row['skipped']})"
-    peak = ", ".join("-" if p is None else f"{p:.2f}" for p in row["peak_gib"])
-    text = f"{head} step {row['step_ms']:8.1f} ms  peak GiB [{peak}]  loss {row['first_loss']:.6g}"
-    mine = [q for q in ratios if (q["schedule"], q["split"], q["recompute"])
-            == (row.get("schedule"), row.get("split"), row["recompute"])]  # fmt: skip
-    for q in mine:
-        text += (f"  x none {q['ratio_pipe']:.3f}, unsplit x {q['ratio_unsplit']:.3f}, "
-                 f"quotient {q['quotient']:.3f} {'ok' if q['meets'] else 'OVER'}")  # fmt: skip
-    return text
-
-
 def run(args: argparse.Namespace, rank: int, world: int) -> int:
     bench = Bench(args, rank, world)
     cpu = not bench.cuda
@@ -419,28 +371,13 @@ def run(args: argparse.Namespace, rank: int, world: int) -> int:
     problems, ratios = compare(rows, cpu)
     for problem in problems:
         bench.say(f"MISMATCH {problem}")
-    summary(bench, ratios)
+    for text in summary(ratios):
+        bench.say(text)
     if rank == 0:
         write(out, meta, rows, problems, ratios)
         bench.say(f"wrote {out}")
     dist.destroy_process_group()
     return 1 if problems and cpu else 0
-
-
-def summary(bench: Bench, ratios: list[dict]) -> None:
-    for mode in MODES[1:]:
-        mine = [q for q in ratios if q["recompute"] == mode]
-        if mine:
-            worst = max(mine, key=lambda q: q["quotient"])
-            over = sum(not q["meets"] for q in mine)
-            bench.say(f"{mode}: {len(mine) - over} of {len(mine)} rows within {TARGET}; "
-                      f"worst {worst['quotient']:.3f} ({worst['schedule']} {worst['split']})")  # fmt: skip
-
-
-def write(out: Path, meta: dict, rows: list[dict], problems: list[str], ratios: list[dict]) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    report = {"meta": meta, "rows": rows, "ratios": ratios, "mismatches": problems}
-    out.write_text(json.dumps(report, indent=1))
 
 
 def main(argv: list[str] | None = None) -> int:
