@@ -22,10 +22,10 @@ replays allocate nothing). ``--variants graph`` (or ``eager``) builds one varian
 memory without the other pipeline beside it.
 
 ``probe``: sends and receives between neighbours on two groups, captured and replayed — NCCL
-under capture without the pipeline (any number of ranks). ``--allow-ranks N`` lets
-``cuda_graph=True`` run on N ranks, which the runtime refuses above 2 until a hang seen on 4 is
-understood (diagnosis only; with ``--stacks-after S`` every rank prints its threads' stacks
-after S seconds and exits, so a hang shows where it waits).
+under capture without the pipeline (any number of ranks). ``--allow-expandable`` lifts the
+runtime's refusal of expandable allocator segments (diagnosis only: a replayed step hung with
+them); with ``--stacks-after S`` every rank prints its threads' stacks after S seconds and exits,
+so a hang shows where it waits.
 """
 
 from __future__ import annotations
@@ -264,10 +264,9 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--variants", default="eager,graph", help="eager, graph or both (a ratio)")
     p.add_argument(
-        "--allow-ranks",
-        type=int,
-        default=0,
-        help="diagnosis only: let cuda_graph=True run on this many ranks (refused above 2)",
+        "--allow-expandable",
+        action="store_true",
+        help="diagnosis only: let cuda_graph=True run with expandable allocator segments",
     )
     p.add_argument("--out", default=None)
     a = p.parse_args()
@@ -275,9 +274,9 @@ def main() -> int:
     torch.cuda.set_device(local)
     device = torch.device("cuda", local)
     dist.init_process_group("nccl", timeout=timedelta(seconds=180), device_id=device)
-    if a.allow_ranks:
-        cuda_graph.MAX_RANKS = a.allow_ranks
-        log(f"DIAGNOSIS: cuda_graph=True allowed on {a.allow_ranks} ranks (unverified)")
+    if a.allow_expandable:
+        cuda_graph.expandable_segments = lambda: False
+        log(f"DIAGNOSIS: allocator settings {os.environ.get('PYTORCH_CUDA_ALLOC_CONF')} allowed")
     if a.stacks_after:
         faulthandler.dump_traceback_later(a.stacks_after, exit=True)
     results: dict = {"exact": {}, "speed": {}}

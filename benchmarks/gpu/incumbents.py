@@ -28,6 +28,7 @@ run goes on; a time budget (``--budget-s``) skips what would not fit.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import functools
 import json
 import os
@@ -179,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
 
         print(report([Path(p) for p in args.report]))
         return 0
+    if os.environ.get("STACKS_AFTER"):  # a hang shows where each rank waits (incumbents_call.sh)
+        faulthandler.dump_traceback_later(float(os.environ["STACKS_AFTER"]))
     ctx = Ctx(args)
     n_list = [int(v) for v in args.microbatches.split(",") if v] or [2 * ctx.world]
     names = [s for s in args.schedules.split(",") if s]

@@ -21,7 +21,7 @@
 #   issue21-best2 (2 GPUs, ~430 s): pipetrain's 1F1B, interleaved and ZBV beside Megatron's best
 #     rows, three launches (TUNED= an earlier launch-0 file).
 #   issue21x4g (4 GPUs, ~520 s): the V rows and interleaved 1F1B eager and as CUDA graphs beside
-#     their limits and Megatron's best interleaved row (TUNED=), 16 and 8 micro-batches, 2 launches.
+#     their limits and Megatron's best interleaved row (TUNED=), 16 and 8 micro-batches, 3 launches (~430 s).
 #   issue21-extra (2 GPUs): the rows those leave out: torch's ZB-H1, interleaved-ZB, ZBV and
 #     DualPipeV, DeepSpeed (1F1B, bf16 optimizer, DualPipeV), Megatron 1F1B with batch sync.
 #   (older) default: the 4-GPU list of issue 13; leads2, confirm2, full2 (2 GPUs): see below.
@@ -115,7 +115,8 @@ part() {  # name nproc budget-s limit-s harness-args...: run one part if it stil
   [ "$limit" -gt "$left" ] && limit=$left
   [ "$budget" -gt $((limit - 30)) ] && budget=$((limit - 30))  # startup + the last row
   echo "== $name: budget ${budget}s, timeout ${limit}s, at ${SECONDS}s"
-  timeout -k 10 "$limit" $PYTHON -m torch.distributed.run --standalone --nproc-per-node "$nproc" \
+  # every rank prints its threads' stacks shortly before the timeout: a hang shows where it waits
+  STACKS_AFTER=$((limit - 12)) timeout -k 10 "$limit" $PYTHON -m torch.distributed.run --standalone --nproc-per-node "$nproc" \
     $SCRIPT --out "$WORK/$name" --budget-s "$budget" "$@" > "$WORK/$name.log" 2>&1
   echo "== $name rc=$? at ${SECONDS}s"
   grep -E '^\[ *[0-9.]+s\]' "$WORK/$name.log" | grep -v ': ERROR' | tail -40
@@ -205,7 +206,7 @@ elif [ "${PLAN:-issue13}" = issue21-best2 ]; then
 elif [ "${PLAN:-issue13}" = issue21x4g ]; then
   # 4 GPUs: the V rows eager and as one CUDA graph (pipetrain-graph), their no-pipeline limits,
   # and Megatron's best interleaved variant of TUNED (comma list of earlier launch-0 files),
-  # 16 then 8 micro-batches, two launches rotated
+  # 16 then 8 micro-batches, three launches rotated
   G="--shapes $GPT --schedules zbv,dualpipev,interleaved-1f1b --limit-schedules zbv,dualpipev"
   G="$G --plan issue21x4g --steps $STEPS --warmup 3 --timeline-steps 0 --torch-schedules none"
   G="$G --variants graph --gc manual --libraries megatron-tuned --megatron-top 1"
@@ -214,6 +215,8 @@ elif [ "${PLAN:-issue13}" = issue21x4g ]; then
   part g2-gpt8-l0 "$NPROC4" 90 120 --launch 0 --microbatches 8 $G
   part g3-gpt16-l1 "$NPROC4" 120 150 --launch 1 --microbatches 16 $G
   part g4-gpt8-l1 "$NPROC4" 90 120 --launch 1 --microbatches 8 $G
+  part g5-gpt16-l2 "$NPROC4" 120 150 --launch 2 --microbatches 16 $G
+  part g6-gpt8-l2 "$NPROC4" 90 120 --launch 2 --microbatches 8 $G
 elif [ "${PLAN:-issue13}" = leads2 ]; then
   # PLAN=leads2 (2 GPUs): receives posted late (Pipeline(receive_lead=0|1), rows pipetrain-leadN)
   # against pipetrain's default and Megatron-Core, then the 8-micro-batch V rows

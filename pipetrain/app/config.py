@@ -179,7 +179,7 @@ def check_arguments(config: TrainConfig) -> Layout:
     if config.resume and config.checkpoint_dir is not None:  # complete and of this model
         Checkpoints(config.checkpoint_dir, shape).latest()
     layout = _layout(config, shape)
-    _check_cuda_graph(config, layout)
+    _check_cuda_graph(config)
     if config.model_dir is None:
         _check_text(config, layout)
     elif not config.worker:  # tokenized once, by the launcher
@@ -209,9 +209,9 @@ def check_arguments(config: TrainConfig) -> Layout:
     return layout
 
 
-def _check_cuda_graph(config: TrainConfig, layout: Layout) -> None:
+def _check_cuda_graph(config: TrainConfig) -> None:
     """``--cuda-graph`` where the runtime captures a step (docs/runtime.md, "Whole-step CUDA
-    graphs"): on GPUs, a pipeline of at most 2 ranks, no data or tensor parallel."""
+    graphs"): on GPUs, no data or tensor parallel."""
     if not config.cuda_graph:
         return
     if config.device == "cpu":
@@ -220,11 +220,6 @@ def _check_cuda_graph(config: TrainConfig, layout: Layout) -> None:
         raise ValueError(
             "--cuda-graph with --dp or --tp is not supported yet (their gradient syncs keep "
             "host-side state per step); drop --cuda-graph or run --dp 1 --tp 1"
-        )
-    if layout.ranks > 2:
-        raise ValueError(
-            f"--cuda-graph is verified on 2 pipeline ranks; this run has {layout.ranks} (a "
-            "captured step hung on 4): use --ranks 2 or drop --cuda-graph"
         )
 
 

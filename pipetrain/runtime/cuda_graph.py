@@ -30,8 +30,7 @@ buffer from the last step is copied out first). The loss weights are a device te
 refills, so ``"token_mean"`` weights may change every step.
 
 Refused, never silently wrong or hanging: devices other than CUDA, data parallel, meshes,
-offload, pipelines of more than ``MAX_RANKS`` ranks and expandable allocator segments at
-construction (``check``); at a step, ``timeline=True`` (one replay has no per-action spans),
+offload and the allocator's expandable segments at construction (``check``); at a step, ``timeline=True`` (one replay has no per-action spans),
 targets that are not tensors, and parameters with post-accumulate-grad hooks (a replay would not
 run them).
 """
@@ -61,10 +60,9 @@ Side = tuple[dict[str, object], ...]
 Execute = Callable[[MicroBatches, Side], object]
 
 
-#: the most pipeline ranks a captured step is verified on (docs/runtime.md): on 4 GPUs, with
-#: the allocator's expandable segments on, a captured ZBV step hung, cause not found; both are
-#: refused rather than left to hang
-MAX_RANKS = 2
+#: the allocator settings variables: with expandable segments, a replayed step's NCCL transfers
+#: never completed (GPT in bfloat16 on 2 and 4 GPUs: every rank waited in the loss broadcast after
+#: the first replay), so a captured step refuses them (docs/runtime.md)
 ALLOCATOR_SETTINGS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
 
@@ -84,7 +82,6 @@ def check(
     data_parallel: object,
     mesh: object,
     offload: Sequence[float] | None,
-    ranks: int = 1,
 ) -> None:
     """Refuse at construction what a captured step cannot run exactly, or is not verified on
     (``offload``: the per-stage fractions; all zero is no offload)."""
@@ -95,16 +92,11 @@ def check(
             f"cuda_graph=True captures the step on a CUDA device; this pipeline runs on "
             f"{device.type} (pass cuda_graph=False)"
         )
-    if ranks > MAX_RANKS:
-        raise ValueError(
-            f"cuda_graph=True is verified on pipelines of at most {MAX_RANKS} ranks; this one has "
-            f"{ranks}, where a captured step hung (not understood yet); pass cuda_graph=False"
-        )
     if expandable_segments():
         raise ValueError(
             "cuda_graph=True is verified with the caching allocator's default segments; "
-            "expandable_segments:True is set (PYTORCH_CUDA_ALLOC_CONF), with which a captured "
-            "step hung (not understood yet); unset it or pass cuda_graph=False"
+            "expandable_segments:True is set (PYTORCH_CUDA_ALLOC_CONF), with which a replayed "
+            "step's NCCL transfers never complete; unset it or pass cuda_graph=False"
         )
     moves = offload is not None and any(f > 0 for f in offload)
     refused = {"data_parallel": data_parallel, "mesh": mesh, "offload": moves}

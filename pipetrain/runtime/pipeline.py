@@ -136,7 +136,7 @@ class Pipeline:
         )
         self.device = torch.device(device) if device is not None else resolve.default_device()
         moved = resolve.offload_fractions(offload)
-        step_graph.check(cuda_graph, self.device, data_parallel, mesh, moved, self.world_size)
+        step_graph.check(cuda_graph, self.device, data_parallel, mesh, moved)
         total = resolve.count_stages(stages, num_stages)
         spec = (num_microbatches, total, self.world_size, stages_per_rank, receive_lead, offload)
         self.program = resolve.resolve_program(schedule, *spec)

@@ -41,9 +41,6 @@ def test_construction_refuses_what_a_capture_cannot_run(monkeypatch):
     with pytest.raises(ValueError, match="with offload is not supported"):
         cuda_graph.check(True, cuda, None, None, [0.5, 0.0])
     cuda_graph.check(True, cuda, None, None, [0.0, 0.0])  # a plan that offloads nothing
-    cuda_graph.check(True, cuda, None, None, None, ranks=2)
-    with pytest.raises(ValueError, match="at most 2 ranks; this one has 4"):
-        cuda_graph.check(True, cuda, None, None, None, ranks=4)
 
 
 @pytest.mark.parametrize("name", cuda_graph.ALLOCATOR_SETTINGS)
@@ -52,10 +49,10 @@ def test_expandable_segments_are_refused_until_verified(monkeypatch, name):
     for other in cuda_graph.ALLOCATOR_SETTINGS:
         monkeypatch.delenv(other, raising=False)
     monkeypatch.setenv(name, "max_split_size_mb:128")
-    cuda_graph.check(True, cuda, None, None, None, ranks=2)
+    cuda_graph.check(True, cuda, None, None, None)
     monkeypatch.setenv(name, "garbage_collection_threshold:0.8, expandable_segments:True")
     with pytest.raises(ValueError, match="expandable_segments:True is set"):
-        cuda_graph.check(True, cuda, None, None, None, ranks=2)
+        cuda_graph.check(True, cuda, None, None, None)
     with pytest.raises(ValueError, match="timeline=True .* cuda_graph=False"):
         cuda_graph.check_step(True, timeline=True)
     cuda_graph.check_step(False, timeline=True)
