@@ -20,6 +20,8 @@
 #     16 once more, Megatron's interleaved variants without warm-up/flush overlap (it hung).
 #   issue21-best2 (2 GPUs, ~430 s): pipetrain's 1F1B, interleaved and ZBV beside Megatron's best
 #     rows, three launches (TUNED= an earlier launch-0 file).
+#   issue21-best2g (2 GPUs, ~420 s, ALLOC_CONF=): issue21-best2's interleaved and ZBV rows also as
+#     CUDA graphs (pipetrain-graph) beside Megatron's best interleaved row, three launches.
 #   issue21x4g (4 GPUs, ~520 s): the V rows and interleaved 1F1B eager and as CUDA graphs beside
 #     their limits and Megatron's best interleaved row (TUNED=), 16 and 8 micro-batches, 3 launches (~430 s).
 #   issue21-extra (2 GPUs): the rows those leave out: torch's ZB-H1, interleaved-ZB, ZBV and
@@ -203,6 +205,16 @@ elif [ "${PLAN:-issue13}" = issue21-best2 ]; then
   part b1-gpt16-l0 2 110 145 --launch 0 $B "${TUNED:?set TUNED to a launch-0 incumbents.json}"
   part b2-gpt16-l1 2 110 145 --launch 1 $B "$TUNED"
   part b3-gpt16-l2 2 110 145 --launch 2 $B "$TUNED"
+elif [ "${PLAN:-issue13}" = issue21-best2g ]; then
+  # 2 GPUs: issue21-best2 with pipetrain's interleaved 1F1B and ZBV also as one CUDA graph
+  # (pipetrain-graph), every library on the allocator's default segments (ALLOC_CONF=)
+  B="--shapes $GPT --microbatches 16 --schedules interleaved-1f1b,zbv --limit-schedules zbv"
+  B="$B --plan issue21-best2g --steps $STEPS --warmup 3 --timeline-steps 0 --torch-schedules none"
+  B="$B --variants graph --gc manual --libraries megatron-tuned --megatron-top 1"
+  B="$B --megatron-tuned-from ${TUNED:?set TUNED to a launch-0 incumbents.json}"
+  part c1-gpt16-l0 2 105 135 --launch 0 $B
+  part c2-gpt16-l1 2 105 135 --launch 1 $B
+  part c3-gpt16-l2 2 105 135 --launch 2 $B
 elif [ "${PLAN:-issue13}" = issue21x4g ]; then
   # 4 GPUs: the V rows eager and as one CUDA graph (pipetrain-graph), their no-pipeline limits,
   # and Megatron's best interleaved variant of TUNED (comma list of earlier launch-0 files),

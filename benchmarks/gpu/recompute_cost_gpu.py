@@ -263,7 +263,8 @@ def make_pipeline(bench: Bench, name: str, defer: bool, mode: str) -> Pipeline:
     counts = [b - a for a, b in stage_layers(args.layers, num_stages)]
     counts[0], counts[-1] = counts[0] + 1, counts[-1] + 1  # the embedding and the head
     options = dict(loss_fn=lm_loss, device=bench.device or "cpu",
-                   timeout=timedelta(seconds=args.timeout_s), defer_weight_grads=defer)  # fmt: skip
+                   timeout=timedelta(seconds=args.timeout_s), defer_weight_grads=defer,
+                   cuda_graph=bool(args.cuda_graph))  # fmt: skip
     if args.wrap == "all" or mode == "none":  # a plan's per-stage recompute
         layout = Layout(schedule=name, ranks=world, stages_per_rank=v,
                         microbatches=args.microbatches, stage_layers=tuple(counts),
@@ -406,6 +407,8 @@ FLAGS = (
     ("--dtype", str, None, "bfloat16 or float32, parameters and activations (default bfloat16; "
      "cpu: float32)"),
     ("--warmup", int, 2, "untimed steps after the checked first (default 2)"),
+    ("--cuda-graph", int, 0, "1: pipeline rows as Pipeline(cuda_graph=True), captured during the "
+     "warm-up (needs --warmup >= 2; default 0)"),
     ("--steps", int, 6, "timed steps per row (default 6)"),
     ("--budget-s", float, 500.0, "start no row after this many seconds (default 500)"),
     ("--row-timeout-s", float, 60.0, "stop a row's timed steps after this many s (default 60)"),
