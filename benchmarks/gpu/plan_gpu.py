@@ -98,6 +98,9 @@ def arguments() -> argparse.Namespace:
     p.add_argument("--run-s", type=float, default=5.0,
                    help="a run's timed steps take about this long at most (s, default 5; at "
                         "least 3 steps)")  # fmt: skip
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="time each run as Pipeline(cuda_graph=True) where it does not offload "
+                        "(its timeline step then runs on an eager pipeline)")  # fmt: skip
     p.add_argument("--resummarize", metavar="JSON", help="rewrite summary.txt from plan_gpu.json")
     args = p.parse_args()
     args.budgets = [b for b in args.budgets.split(",") if b]
@@ -111,8 +114,8 @@ def main() -> int:
     args = arguments()
     if args.resummarize:
         return resummarize(Path(args.resummarize))
-    cfg_args = PRESETS[args.preset]
     cuda = torch.cuda.is_available() and args.preset != "cpu-smoke"
+    cfg_args = {**PRESETS[args.preset], "cuda_graph": args.cuda_graph and cuda}
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if cuda:
         torch.cuda.set_device(local)
@@ -176,7 +179,8 @@ def main() -> int:
     # 3. measure every distinct run (in budget order: the memory-bound one first)
     distinct = {run_key(run): run for budget in budgets for run in budget["runs"]}
     rounds: dict[str, list[dict]] = {key: [] for key in distinct}
-    progress = {"rounds": args.rounds, "budget_s": args.budget_s, "stopped": None}
+    progress = {"rounds": args.rounds, "budget_s": args.budget_s, "stopped": None,
+                "cuda_graph": cfg_args["cuda_graph"]}  # fmt: skip
     gen = torch.Generator().manual_seed(0)
     for r in range(args.rounds):
         for i, (key, run) in enumerate(distinct.items()):
@@ -301,10 +305,15 @@ def timed_steps(run, master, device, x, y, cfg_args, base, run_s: float):
 
     cuda = device.type == "cuda"
     layout = Layout.from_json(run)
-    pipe = Pipeline.from_plan(
-        lambda i: copy.deepcopy(master[i]), layout, lm_loss, device=device,
-        timeout=timedelta(minutes=3),
-    )  # fmt: skip
+    graph = bool(cfg_args.get("cuda_graph")) and not layout.offloads
+
+    def build(cuda_graph: bool) -> Pipeline:
+        return Pipeline.from_plan(
+            lambda i: copy.deepcopy(master[i]), layout, lm_loss, device=device,
+            timeout=timedelta(minutes=3), cuda_graph=cuda_graph,
+        )  # fmt: skip
+
+    pipe = build(graph)
     params = list(pipe.parameters())
     opt = torch.optim.AdamW(params, lr=1e-5, foreach=True)
 
@@ -334,7 +343,12 @@ def timed_steps(run, master, device, x, y, cfg_args, base, run_s: float):
         torch.cuda.reset_peak_memory_stats(device)
     step_times, opt_times = zip(*(step() for _ in range(steps[0])))
     peak = (torch.cuda.max_memory_allocated(device) - base) / GIB if cuda else 0.0
-    # one more step with its measured timeline (where a prediction error comes from)
+    # one more step with its measured timeline (where a prediction error comes from); a replayed
+    # graph has no per-action spans, so a graphed run takes it on an eager pipeline
+    if graph:
+        pipe.close()
+        pipe = build(False)
+        pipe.step(x, y)
     pipe.step(x, y, timeline=True)
     program, timeline = pipe.program, pipe.last_timeline
     pipe.close()

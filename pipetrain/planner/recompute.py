@@ -28,14 +28,13 @@ sums over its layers (``judge.stage_costs``):
   they stand in. The measured sizes are checked on CPU (tests/runtime/test_profile.py counts
   them by hand).
 
-What recompute does not change, on purpose: a split backward's ``W`` still needs what its ``I``
-left for it (the deferred weight gradients stash the linears' inputs and output gradients while
-``I`` recomputes), so ``activation_for_weight`` stays as measured. One recompute per micro-batch
-is the cost of ``B`` and of deferred weight gradients (the runtime's default for stages made
-mostly of linear layers). Under graph replay the runtime does not split a recomputing stage: its
-``I`` runs the whole backward and its ``W`` nothing (replayed, each engine call of ``W`` would
-recompute again), so there this model's ``I``/``W`` split is optimistic for zero-bubble schedules
-(no ``W`` is left to fill their bubbles) and its sizes conservative (nothing waits for ``W``).
+How a recomputing stage splits its backward: by default the runtime runs it by graph replay,
+unsplit — its ``I`` runs the whole backward (recomputing each layer once) and its ``W`` nothing
+(``runtime.backward.interface.choose_split``: deferring the linears' weight gradients would run
+each recomputed linear through a Python autograd function again, and replaying ``W`` would
+recompute again). So here a recomputed layer's ``I`` is its whole backward plus the recompute,
+its ``W`` costs nothing and holds nothing: zero-bubble schedules get no ``W`` from such a stage
+to fill their bubbles with, as at run time.
 """
 
 from __future__ import annotations
@@ -119,15 +118,15 @@ def recomputed_layer(layer: LayerCost, mode: Recompute) -> LayerCost:
     else:
         kept, paid = held_selective(layer), selective_paid(layer)
     dropped = layer.activation - kept
+    whole = layer.backward + paid
     return dataclasses.replace(
         layer,
-        backward=layer.backward + paid,
-        backward_input=None if layer.backward_input is None else layer.backward_input + paid,
+        backward=whole,
+        # the whole backward in I, nothing left for W (module docstring)
+        backward_input=None if layer.backward_input is None else whole,
+        backward_weight=None if layer.backward_weight is None else 0.0,
         activation=kept,
-        # W needs what I left it, as measured without recompute (module docstring)
-        activation_for_weight=layer.activation
-        if layer.activation_for_weight is None
-        else layer.activation_for_weight,
+        activation_for_weight=0.0,
         workspace=layer.workspace + dropped,
     )
 

@@ -135,6 +135,25 @@ def test_replay_recomputes_a_recomputed_stage_once_and_exactly(mode, caplog) -> 
         assert torch.allclose(p.grad, q.grad, rtol=1e-12, atol=0)
 
 
+def test_a_recomputing_stage_defaults_to_graph_replay_unless_deferral_is_asked_for(caplog):
+    """By default a stage whose layers recompute is split by graph replay (its backward whole in
+    I), with the reason logged; the same layers without recompute defer their linears, and
+    ``defer_weight_grads=True`` defers a recomputing stage too."""
+    from pipetrain.runtime.backward.deferred_wgrad import DeferredLinears
+    from pipetrain.runtime.backward.graph_replay import GraphReplay
+    from pipetrain.runtime.backward.interface import choose_split
+
+    (plain,) = split([Counting().double() for _ in range(2)], [2])
+    assert isinstance(choose_split(plain, None, 0), DeferredLinears)
+    (stage,) = split([Counting().double() for _ in range(2)], [2])
+    recompute_stage(stage, "full", 0)
+    caplog.set_level("INFO", logger="pipetrain.runtime.backward.interface")
+    chosen = choose_split(stage, None, 0)
+    assert isinstance(chosen, GraphReplay) and chosen.whole
+    assert "its layers recompute" in caplog.text and "defer_weight_grads=True" in caplog.text
+    assert isinstance(choose_split(stage, True, 0), DeferredLinears)
+
+
 DROPPED = r"""
 import gc, sys, weakref, torch, torch.distributed as dist
 from torch import nn

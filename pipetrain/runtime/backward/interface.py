@@ -69,11 +69,14 @@ class BackwardSplit(Protocol):
 def choose_split(
     module: nn.Module, defer_weight_grads: bool | None, stage: int | None = None
 ) -> BackwardSplit:
-    """``DeferredLinears`` with ``defer_weight_grads`` (``None``: where ``worth_deferring`` and
-    nothing is compiled), else ``GraphReplay``; the choice and its reason are logged (INFO) for
-    ``stage``. A compiled stage defaults to graph replay: deferral breaks a compiled block's graph
-    around each linear (``defer_weight_grads=True`` still does; docs/benchmarks.md compares the
-    two)."""
+    """``DeferredLinears`` with ``defer_weight_grads`` (``None``: where ``worth_deferring``,
+    nothing is compiled and nothing recomputes), else ``GraphReplay``; the choice and its reason
+    are logged (INFO) for ``stage``. A compiled stage defaults to graph replay: deferral breaks a
+    compiled block's graph around each linear. So does a stage whose layers recompute
+    (``Recomputed``): deferral runs each recomputed forward through a Python autograd function
+    per linear again, which turns an eager step host-bound, while graph replay runs such a
+    stage's backward whole, in one engine call (docs/benchmarks.md, "Activation checkpointing
+    under the pipeline", compares the two). ``defer_weight_grads=True`` defers in both cases."""
     from pipetrain.runtime.backward.activation_checkpoint import recomputes
     from pipetrain.runtime.backward.deferred_wgrad import (
         DeferredLinears,
@@ -86,6 +89,12 @@ def choose_split(
     if defer_weight_grads is None and has_compiled_parts(module):
         defer = False
         why = "it holds compiled regions, whose graphs deferral would break around each linear"
+    elif defer_weight_grads is None and recomputes(module):
+        defer = False
+        why = (
+            "its layers recompute, and deferral would run each recomputed linear through Python "
+            "again; pass defer_weight_grads=True to defer anyway"
+        )
     elif defer_weight_grads is None:
         defer = worth_deferring(module)
         in_linears, total = linear_share(module)
