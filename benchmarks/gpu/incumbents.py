@@ -16,7 +16,8 @@ synchronize, step, synchronize); every timed step is kept (``all_ms``). Within a
 (shape, micro-batches, schedule) the rows' order is rotated by ``launch + configuration index``.
 
 Rows: ``pipetrain`` (``Pipeline`` defaults) and its variants (``--variants nodefer``: plain
-autograd weight gradients, the incumbents' kernels; ``leadN``/``leadnone``: ``receive_lead``);
+autograd weight gradients, the incumbents' kernels; ``leadN``/``leadnone``: ``receive_lead``;
+``graph``: ``cuda_graph=True``; ``samecut``: the defaults on the incumbents' cut);
 ``torch`` (``incumbents_runners``); ``megatron``, ``megatron-nosync``, ``megatron-v{V}[-g{G}]
 [-wf]`` and ``megatron-gaf`` (``incumbents_megatron``); ``deepspeed``, ``deepspeed-bf16`` and
 ``deepspeed-dualpipev`` (``incumbents_deepspeed``). Efficiency = limit / step time, the limit
@@ -258,7 +259,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--megatron-tuned-from", default="", help="comma list of earlier JSON files")
     p.add_argument("--megatron-top", type=int, default=2)
     p.add_argument("--torch-schedules", default="1f1b,interleaved-1f1b", help="torch's rows")
-    p.add_argument("--variants", default="", help="pipetrain variants: nodefer,leadnone,lead0")
+    p.add_argument(
+        "--variants", default="", help="pipetrain variants: nodefer,leadnone,lead0,graph,samecut"
+    )
     p.add_argument("--receive-leads", default="", help="old spelling: lead variants (none,0)")
     p.add_argument("--limit-schedules", default=",".join(SCHEDULES), help="limits measured")
     p.add_argument("--pipetrain-cut", choices=("planner", "incumbent"), default="planner")

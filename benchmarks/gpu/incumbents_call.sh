@@ -11,6 +11,8 @@
 #     (8 layers, 8 micro-batches; pipetrain cut by its planner, Megatron by its
 #     account-for-embedding/loss rule), one launch.
 #   issue21-llama (2 GPUs): the Llama shape alone, three launches.
+#   issue21-llama3 (2 GPUs, ~520 s): the Llama shape's 1F1B, interleaved and ZBV on the planner's
+#     and on the incumbents' cut (pipetrain-samecut) beside Megatron's, three launches.
 #   issue21x4 (4 GPUs, ~530 s): the GPT at 16 and 8 micro-batches, 1F1B, interleaved, ZBV and
 #     DualPipeV: pipetrain and pipetrain-nodefer, Megatron (1F1B without batch sync; launch 0
 #     every interleaved variant, launches 1 and 2 its two fastest), the limit for ZBV/DualPipeV
@@ -163,6 +165,17 @@ elif [ "${PLAN:-issue13}" = issue21-llama ]; then
     --libraries megatron-nosync,megatron-sweep,megatron-gaf
   part j2-llama8-l1 2 110 150 --launch 1 $L $C21 --plan issue21-llama $(tuned j1-llama8-l0)
   part j3-llama8-l2 2 110 150 --launch 2 $L $C21 --plan issue21-llama $(tuned j1-llama8-l0)
+elif [ "${PLAN:-issue13}" = issue21-llama3 ]; then
+  # 2 GPUs: the Llama shape, three launches: pipetrain's 1F1B, interleaved and ZBV on the
+  # planner's cut and on the incumbents' cut (pipetrain-samecut: memory at equal layers per
+  # rank), beside Megatron's 1F1B and its interleaved v = 5 variants (launch 0 sweeps them,
+  # launches 1 and 2 run its fastest)
+  L="--shapes $LLAMA --microbatches 8 --schedules 1f1b,interleaved-1f1b,zbv --limit-schedules zbv"
+  L="$L --plan issue21-llama3 --steps $STEPS --warmup 3 --timeline-steps 0 --torch-schedules none"
+  L="$L --variants samecut --gc manual"
+  part k1-llama8-l0 2 150 185 --launch 0 $L --libraries megatron-nosync,megatron-sweep-nowf
+  part k2-llama8-l1 2 130 165 --launch 1 $L $(tuned k1-llama8-l0)
+  part k3-llama8-l2 2 130 165 --launch 2 $L $(tuned k1-llama8-l0)
 elif [ "${PLAN:-issue13}" = issue21x4 ]; then
   X="--shapes $GPT --microbatches 16,8 --schedules 1f1b,interleaved-1f1b,zbv,dualpipev"
   X="$X --limit-schedules zbv,dualpipev --plan issue21x4"

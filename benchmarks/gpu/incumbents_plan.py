@@ -57,8 +57,9 @@ class Plan:
         fam, world = FAMS[schedule], self.ctx.world
         pt = self.pipetrain_cut(shape, schedule, n)
         libs = ["pipetrain", *(f"pipetrain-{x}" for x in self.args.variants.split(",") if x)]
-        rows = [Row(shape, schedule, n, lib, fam.v, pt) for lib in libs]
         inc = incumbent_cut(shape, fam.v * world)
+        cut = {"pipetrain-samecut": inc}  # the incumbents' cut: equal layers per rank
+        rows = [Row(shape, schedule, n, lib, fam.v, cut.get(lib, pt)) for lib in libs]
         if schedule in self.args.torch_schedules.split(","):
             rows.append(Row(shape, schedule, n, "torch", fam.v, inc))
         extra: list[str] = []

@@ -30,6 +30,9 @@ PIPETRAIN_VARIANTS = {
     "leadnone": {"receive_lead": None},
     # the step captured as one CUDA graph and replayed (docs/runtime.md): needs --warmup >= 3
     "graph": {"cuda_graph": True},
+    # the defaults on the incumbents' cut instead of the planner's (incumbents_plan): memory and
+    # speed at equal layers per rank
+    "samecut": {},
 }
 
 
@@ -43,7 +46,7 @@ def pipetrain_options(lib: str) -> dict:
     if suffix.startswith("lead") and suffix[4:].isdigit():
         return {"receive_lead": int(suffix[4:])}
     raise ValueError(
-        f"unknown pipetrain variant {lib!r}: pipetrain-{{nodefer,leadnone,graph,leadN}}"
+        f"unknown pipetrain variant {lib!r}: pipetrain-{{nodefer,leadnone,graph,samecut,leadN}}"
     )
 
 
