@@ -178,8 +178,8 @@ def _process_options(choices: dict[str, tuple[str, ...]]) -> tuple[Option, ...]:
         Option(
             ("--cuda-graph",),
             switch=True,
-            help="capture each training step as one CUDA graph and replay it (GPUs, 2 pipeline "
-            "ranks, no --dp/--tp; the report then has step times, not a measured timeline)",
+            help="capture each training step as one CUDA graph and replay it (GPUs, no "
+            "--dp/--tp; the report then has step times, not a measured timeline)",
         ),
         Option(
             ("--timeout",),
