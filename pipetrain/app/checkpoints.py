@@ -119,13 +119,46 @@ class Checkpoints:
         the pipeline or the optimizer changed then."""
         from pipetrain.runtime.checkpoint import load_checkpoint
 
-        path, step = self.latest()
+        path, step = self._agreed_latest()
         try:
             load_checkpoint(path, pipe, optimizer)
         except (KeyError, ValueError) as e:
             message = str(e.args[0]) if e.args else str(e)
             raise ValueError(f"{message}; {_fallback(self.directory, path)}") from None
         return step
+
+    def _agreed_latest(self) -> tuple[Path, int]:
+        """``latest()`` on every process, agreed before the collective load: a process that
+        cannot resume (its disk lacks the checkpoint, holds a corrupt or another one) refuses
+        on every process, named, instead of leaving the others in the load until the timeout;
+        processes that found different checkpoints refuse too."""
+        import torch.distributed as dist
+
+        try:
+            path, step = self.latest()
+            mine: tuple = (None, str(path), step)
+        except ValueError as e:
+            mine = (str(e), "", -1)
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            if mine[0] is not None:
+                raise ValueError(mine[0])
+            return path, step
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        me = dist.get_rank()
+        for rank, (refusal, _, _) in enumerate(everyone):
+            if refusal is not None:
+                raise ValueError(refusal if rank == me else f"rank {rank}: {refusal}")
+        found = {(name, at) for _, name, at in everyone}
+        if len(found) > 1:
+            seen = ", ".join(
+                f"rank {r}: {name} (step {at})" for r, (_, name, at) in enumerate(everyone)
+            )
+            raise ValueError(
+                f"the processes found different checkpoints to resume from ({seen}); every "
+                "process must see the same --checkpoint-dir"
+            )
+        return path, step
 
 
 def _checked(path: Path) -> int:

@@ -147,3 +147,27 @@ def pointer_after_save(rank: int, world: int, directory: str) -> bool:
                 Path.write_text = write  # type: ignore[method-assign]
         pointer = Path(directory) / LATEST
         return pointer.is_file() and pointer.read_text().strip() == path.name
+
+
+def resume_refused_on_one_rank(rank: int, world: int, directory: str, empty: str) -> str:
+    """A checkpoint saved by every rank; then rank 1 resumes from a directory with none while
+    the others resume from the saved one: what each rank's ``resume`` raises."""
+    from pipetrain.app.catalog import ModelShape
+    from pipetrain.app.checkpoints import Checkpoints
+    from pipetrain.runtime.pipeline import Pipeline
+
+    torch.manual_seed(0)
+    stages = [torch.nn.Linear(4, 4).double() for _ in range(world)]
+    with Pipeline(stages, "1f1b", 2, lambda out, y: ((out - y) ** 2).mean(), device="cpu") as pipe:
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        x = torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        pipe.step(x, x)
+        opt.step()
+        shape = ModelShape(model="gpt", blocks=1, hidden=4, heads=1, kv_heads=1, vocab=4,
+                           seq_len=4, dtype="float64", seed=0)  # fmt: skip
+        Checkpoints(directory, shape).save(1, pipe, opt)
+        try:
+            Checkpoints(empty if rank == 1 else directory, shape).resume(pipe, opt)
+        except ValueError as e:
+            return str(e)
+        return "resumed"
