@@ -13,7 +13,8 @@ kernel shapes), then the same AdamW step. Per variant: the first step's wall tim
 included), the median of the timed steps, the slowest rank's. With ``--stall-dump-s N`` a
 stall prints every thread's stack each N seconds (faulthandler), so a run that hangs still says
 where.
-Rows go to ``<out>/compile_float8-<part>.jsonl`` as they finish.
+Rows go to ``<out>/compile_float8-<part>.jsonl`` as they finish (``--launch K`` recorded in each);
+``compile_float8_report.py`` turns the launches into the targets with 95% intervals.
 
 CPU dry run (gloo, tiny shape, float8 emulated, the ``aot_eager`` backend):
 
@@ -160,6 +161,7 @@ def main() -> int:
         "/defer-off (pipeline part only: Pipeline(defer_weight_grads=...))",
     )
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--launch", type=int, default=0, help="recorded in each row (the report pools)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--device", choices=("auto", "cpu"), default="auto")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -233,6 +235,7 @@ def main() -> int:
             part=args.part,
             variant=variant["name"],
             preset=args.preset,
+            launch=args.launch,
             schedule=args.schedule if args.part == "pipeline" else None,
             median_ms=1e3 * statistics.median(row["times"]),
             loss=float(loss) if loss is not None else None,

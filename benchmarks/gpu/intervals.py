@@ -68,23 +68,61 @@ def ratio_interval(
     a, b = _paired(a, b)
     if not a:
         return None
-    k = len(a)
+    draws = _ratio_draws(a, b, resamples, random.Random(seed))
+    lo, hi = _percentiles(draws, level)
+    steps = min(len(x) for x in a + b)
+    return Interval(location(a) / location(b), lo, hi, len(a), steps)
+
+
+def quotient_interval(
+    a: Launches,
+    b: Launches,
+    c: Launches,
+    d: Launches,
+    *,
+    resamples: int = 2000,
+    level: float = 0.95,
+    seed: int = 0,
+) -> Interval | None:
+    """``(location(a) / location(b)) / (location(c) / location(d))`` with a bootstrap interval:
+    a ratio measured in one setting over the same ratio in another (compile / eager under the
+    pipeline over compile / eager unsplit). ``a``/``b`` are paired by launch, ``c``/``d`` too;
+    the two pairs are measured apart, so they are resampled independently. ``None`` when either
+    pair has no common launch."""
+    a, b = _paired(a, b)
+    c, d = _paired(c, d)
+    if not a or not c:
+        return None
     rng = random.Random(seed)
-    stats: list[float] = []
+    top, bottom = _ratio_draws(a, b, resamples, rng), _ratio_draws(c, d, resamples, rng)
+    lo, hi = _percentiles([x / y for x, y in zip(top, bottom)], level)
+    estimate = (location(a) / location(b)) / (location(c) / location(d))
+    steps = min(len(x) for x in a + b + c + d)
+    return Interval(estimate, lo, hi, min(len(a), len(c)), steps)
+
+
+def _ratio_draws(
+    a: list[list[float]], b: list[list[float]], resamples: int, rng: random.Random
+) -> list[float]:
+    """Bootstrap draws of the ratio of means of medians: launches drawn with replacement (the
+    rows stay paired), then each drawn launch's steps."""
+    k = len(a)
     median = statistics.median
+    draws: list[float] = []
     for _ in range(resamples):
         num = den = 0.0
         for i in (rng.randrange(k) for _ in range(k)) if k > 1 else (0,):
             xs, ys = a[i], b[i]
             num += median(rng.choices(xs, k=len(xs)))
             den += median(rng.choices(ys, k=len(ys)))
-        stats.append(num / den)
-    stats.sort()
-    tail = (1 - level) / 2
-    lo = stats[max(0, math.floor(tail * resamples))]
-    hi = stats[min(resamples - 1, math.ceil((1 - tail) * resamples) - 1)]
-    steps = min(len(x) for x in a + b)
-    return Interval(location(a) / location(b), lo, hi, k, steps)
+        draws.append(num / den)
+    return draws
+
+
+def _percentiles(draws: list[float], level: float) -> tuple[float, float]:
+    draws = sorted(draws)
+    n, tail = len(draws), (1 - level) / 2
+    return draws[max(0, math.floor(tail * n))], draws[min(n - 1, math.ceil((1 - tail) * n) - 1)]
 
 
 def self_interval(launches: Launches, **kw) -> Interval | None:

@@ -23,6 +23,7 @@ from intervals import (
     Interval,
     launch_spread,
     location,
+    quotient_interval,
     ratio_interval,
     self_interval,
     step_cv,
@@ -117,3 +118,20 @@ def test_a_target_is_met_only_by_the_far_end(low, high, expect) -> None:
     flipped = {"met": "missed", "missed": "met", "undecided": "undecided"}[expect]
     assert verdict(iv, 0.97, higher_is_better=True).startswith(flipped)
     assert verdict(None, 0.97) == "not measured"
+
+
+def test_a_quotient_of_two_ratios_measured_apart() -> None:
+    """(a / b) / (c / d): the estimate from the locations, and a 95% interval that holds the
+    true quotient about as often as it should when each pair is three launches of step noise."""
+    iv = quotient_interval([[2.0, 2.0]], [[1.0, 1.0]], [[3.0, 3.0]], [[2.0, 2.0]], resamples=20)
+    assert iv is not None and iv.estimate == pytest.approx(2.0 / 1.5)
+    assert quotient_interval([[1.0]], [[1.0]], [[]], [[1.0]]) is None
+    rng, hits, trials = random.Random(3), 0, 100
+    for t in range(trials):
+        shared = [rng.gauss(0, 0.003) for _ in range(3)]
+        a, b = launches(rng, 1.02, shared, 0.002, 0.01), launches(rng, 1.0, shared, 0.002, 0.01)
+        c, d = launches(rng, 0.99, shared, 0.002, 0.01), launches(rng, 1.0, shared, 0.002, 0.01)
+        got = quotient_interval(a, b, c, d, resamples=300, seed=t)
+        assert got is not None
+        hits += got.low <= 1.02 / 0.99 <= got.high
+    assert 0.85 <= hits / trials <= 0.995
