@@ -23,7 +23,6 @@ torch is imported inside functions only, so ``pipetrain --help`` stays fast.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -232,11 +231,14 @@ def run_shape(config: TrainConfig) -> ModelShape:
         return folder_shape(config, folder_config(config))
     shape = config.shape
     shape.check()
-    if config.model != "gpt" and importlib.util.find_spec("transformers") is None:
-        raise ValueError(
-            f"--model {config.model} needs transformers: pip install 'pipetrain[hf]' (or train "
-            "the built-in model: --model gpt)"
-        )
+    if config.model != "gpt":
+        from pipetrain.hf.causal_lm import transformers_problem
+
+        problem = transformers_problem()
+        if problem is not None:
+            raise ValueError(
+                f"--model {config.model}: {problem} (or train the built-in model: --model gpt)"
+            )
     if config.vocab < BYTE_VOCAB:
         raise ValueError(f"--vocab {config.vocab}: the tokens are bytes, so it must be >= 256")
     return shape

@@ -22,6 +22,7 @@ no state dict, so ``to_empty`` and ``load_state_dict`` would leave them uninitia
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -36,12 +37,44 @@ LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral")
 SUPPORTED = (*LLAMA_FAMILY, "gpt2")
 
 
+#: the oldest ``transformers`` the wrappers are written against (the ``hf`` extra's floor)
+MIN_TRANSFORMERS = (5, 24)
+
+
+def transformers_problem() -> str | None:
+    """Why this environment's ``transformers`` cannot serve ``pipetrain.hf`` (missing, or older
+    than ``MIN_TRANSFORMERS``: its layers' signatures and helpers differ), or ``None``."""
+    from importlib import metadata
+
+    floor = ".".join(map(str, MIN_TRANSFORMERS))
+    try:
+        found = metadata.version("transformers")
+    except metadata.PackageNotFoundError:
+        return f"pipetrain.hf needs transformers >= {floor}: pip install 'pipetrain[hf]'"
+    match = re.match(r"(\d+)\.(\d+)", found)
+    if match is None or (int(match[1]), int(match[2])) < MIN_TRANSFORMERS:
+        return (
+            f"pipetrain.hf needs transformers >= {floor}; this environment has {found}: "
+            f"pip install -U 'transformers>={floor}'"
+        )
+    return None
+
+
+def require_transformers() -> None:
+    """``ImportError`` with ``transformers_problem``'s message, if there is one."""
+    problem = transformers_problem()
+    if problem is not None:
+        raise ImportError(problem)
+
+
 def causal_lm_layers(model: Any) -> dict[str, nn.Module]:
     """The model's layers in call order, by their names in the model: embedding, decoder layers,
     final norm, LM head. Each consumes the previous one's output (token ids → hidden states →
     logits); the embedding (GPT-2) and the decoder layers also take ``attention_mask`` and
     ``position_ids`` as side inputs. A ``ValueError`` names the supported model types for any
-    other model, and refuses a model on the meta device (see the module docstring)."""
+    other model, and refuses a model on the meta device (see the module docstring); an
+    ``ImportError`` an environment whose ``transformers`` is older than ``MIN_TRANSFORMERS``."""
+    require_transformers()
     if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
         raise ValueError(
             "the model is on the meta device: its non-persistent buffers (RoPE's inv_freq) are "

@@ -48,7 +48,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipetrain.hf.causal_lm import DecoderLayer, GPT2Layer, layers_of, tied_weights
+from pipetrain.hf.causal_lm import (
+    DecoderLayer,
+    GPT2Layer,
+    layers_of,
+    require_transformers,
+    tied_weights,
+)
 from pipetrain.hf.checkpoint_files import ModelFiles
 from pipetrain.runtime.backward.activation_checkpoint import RECOMPUTE_MODES, recompute_layers
 from pipetrain.runtime.layers import Stage, check_counts, stage_ranges
@@ -78,7 +84,9 @@ def from_pretrained(
     ``"none"``. Each chosen layer runs inside a non-reentrant checkpoint
     (``runtime.backward.activation_checkpoint.Recomputed``, held in the stage's call list only,
     so parameter names and state-dict keys are the model's); the embedding, the final norm and
-    the head are never wrapped."""
+    the head are never wrapped. An ``ImportError`` where ``transformers`` is older than the
+    wrappers need (``causal_lm.MIN_TRANSFORMERS``)."""
+    require_transformers()
     from transformers import AutoConfig
 
     files = ModelFiles.open(model_dir)
