@@ -21,8 +21,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from checkpoint_cases import AFTER, BEFORE, CKPT_LAYERS, CKPT_MB, _adamw
 from runtime_cases import _error_of
-from training_cases import AFTER, BEFORE, CKPT_LAYERS, CKPT_MB, IGNORE, _adamw, batch, build_layers
+from training_cases import IGNORE, batch, build_layers
 
 ROWS = 18  # the global batch: 9 rows per replica at dp=2 (micro-batches of 3 and 2 rows)
 

@@ -5,6 +5,8 @@ follow) — all in float64 on gloo, in one launch."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -111,14 +113,11 @@ def pipeline_alone_losses(directory: str) -> list[float]:
     return train(train_args(*ALONE, *files), torch.device("cpu")).losses
 
 
-def pointer_after_save(rank: int, world: int, directory: str) -> bool:
-    """``Checkpoints.save`` on every rank, rank 0 slow to move the ``latest`` pointer: whether
-    ``latest`` names the new checkpoint when ``save`` returns on this rank."""
-    import time
-    from pathlib import Path
-
+@contextlib.contextmanager
+def _trained_pipeline(world: int):
+    """A float64 pipeline of one linear per rank after one step and one SGD update, its
+    optimizer, and a model shape to name its checkpoints by."""
     from pipetrain.app.catalog import ModelShape
-    from pipetrain.app.checkpoints import LATEST, Checkpoints
     from pipetrain.runtime.pipeline import Pipeline
 
     torch.manual_seed(0)
@@ -130,6 +129,18 @@ def pointer_after_save(rank: int, world: int, directory: str) -> bool:
         opt.step()
         shape = ModelShape(model="gpt", blocks=1, hidden=4, heads=1, kv_heads=1, vocab=4,
                            seq_len=4, dtype="float64", seed=0)  # fmt: skip
+        yield pipe, opt, shape
+
+
+def pointer_after_save(rank: int, world: int, directory: str) -> bool:
+    """``Checkpoints.save`` on every rank, rank 0 slow to move the ``latest`` pointer: whether
+    ``latest`` names the new checkpoint when ``save`` returns on this rank."""
+    import time
+    from pathlib import Path
+
+    from pipetrain.app.checkpoints import LATEST, Checkpoints
+
+    with _trained_pipeline(world) as (pipe, opt, shape):
         saver = Checkpoints(directory, shape)
         if rank == 0:  # the lead moves the pointer late
             write = Path.write_text
@@ -152,19 +163,9 @@ def pointer_after_save(rank: int, world: int, directory: str) -> bool:
 def resume_refused_on_one_rank(rank: int, world: int, directory: str, empty: str) -> str:
     """A checkpoint saved by every rank; then rank 1 resumes from a directory with none while
     the others resume from the saved one: what each rank's ``resume`` raises."""
-    from pipetrain.app.catalog import ModelShape
     from pipetrain.app.checkpoints import Checkpoints
-    from pipetrain.runtime.pipeline import Pipeline
 
-    torch.manual_seed(0)
-    stages = [torch.nn.Linear(4, 4).double() for _ in range(world)]
-    with Pipeline(stages, "1f1b", 2, lambda out, y: ((out - y) ** 2).mean(), device="cpu") as pipe:
-        opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
-        x = torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-        pipe.step(x, x)
-        opt.step()
-        shape = ModelShape(model="gpt", blocks=1, hidden=4, heads=1, kv_heads=1, vocab=4,
-                           seq_len=4, dtype="float64", seed=0)  # fmt: skip
+    with _trained_pipeline(world) as (pipe, opt, shape):
         Checkpoints(directory, shape).save(1, pipe, opt)
         try:
             Checkpoints(empty if rank == 1 else directory, shape).resume(pipe, opt)
