@@ -26,6 +26,7 @@
 #     CUDA graphs (pipetrain-graph) beside Megatron's best interleaved row, three launches.
 #   issue21x4g (4 GPUs, ~520 s): the V rows and interleaved 1F1B eager and as CUDA graphs beside
 #     their limits and Megatron's best interleaved row (TUNED=), 16 and 8 micro-batches, 3 launches (~430 s).
+#   issue21x4-extra (4 GPUs, ~390 s): issue21-extra's GPT rows at 4 ranks, one launch each.
 #   issue21-extra (2 GPUs): the rows those leave out: torch's ZB-H1, interleaved-ZB, ZBV and
 #     DualPipeV, DeepSpeed (1F1B, bf16 optimizer, DualPipeV), Megatron 1F1B with batch sync.
 #   (older) default: the 4-GPU list of issue 13; leads2, confirm2, full2 (2 GPUs): see below.
@@ -208,6 +209,18 @@ elif [ "${PLAN:-issue13}" = issue21-extra ]; then
   part e3-llama-v 2 120 160 --launch 0 --shapes "$LLAMA" --microbatches 8 --steps $STEPS \
     --warmup 2 --timeline-steps 0 --schedules zbv,dualpipev --limit-schedules zbv,dualpipev \
     --libraries deepspeed-dualpipev --torch-schedules zbv,dualpipev --plan issue21-extra
+elif [ "${PLAN:-issue13}" = issue21x4-extra ]; then
+  # 4 GPUs: issue21-extra's GPT rows at 4 ranks, one launch each: torch's zero-bubble rows and
+  # DeepSpeed's DualPipeV beside pipetrain's and the limit; DeepSpeed's 1F1B (fp32 and bf16
+  # optimizer), torch's 1F1B and Megatron's with and without batch sync beside pipetrain's
+  # (defaults and plain weight gradients)
+  E="--shapes $GPT --microbatches 16 --limit-schedules zbv,dualpipev --plan issue21x4-extra"
+  part f1-zb "$NPROC4" 170 210 --launch 0 $E --steps $STEPS --warmup 2 --timeline-steps 0 \
+    --schedules zb-h1,interleaved-zb,zbv,dualpipev --libraries deepspeed-dualpipev \
+    --torch-schedules zb-h1,interleaved-zb,zbv,dualpipev
+  part f2-ds "$NPROC4" 140 180 --launch 0 $E --steps $STEPS --warmup 2 --timeline-steps 0 \
+    --schedules 1f1b --libraries megatron,megatron-nosync,deepspeed,deepspeed-bf16 \
+    --torch-schedules 1f1b --variants nodefer
 elif [ "${PLAN:-issue13}" = issue21-best2 ]; then
   # 2 GPUs: pipetrain's ZBV (with its no-pipeline limit) beside Megatron's best rows — 1F1B
   # without batch sync and the fastest interleaved variant of TUNED (the issue21 call's launch 0)

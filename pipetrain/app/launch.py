@@ -27,6 +27,8 @@ import dataclasses
 import math
 import os
 import sys
+import time
+import traceback
 
 from pipetrain.app.checkpoints import incomplete_checkpoints, latest_pointer
 from pipetrain.app.config import Device, TrainConfig, check_arguments
@@ -205,6 +207,13 @@ def _worker(config: TrainConfig, layout: Layout) -> int:
             status, said, stream = _REFUSED, f"pipetrain train: error: {e}", sys.stderr
         except NonFinite as e:  # the same on every rank: every rank has the same loss
             status, said, stream = _STOPPED, f"pipetrain train: error: {e}", sys.stderr
+        except Exception:
+            if device.type != "cuda":
+                raise  # gloo: the peers heard of it and fail too; each prints its traceback
+            traceback.print_exc()
+            status, said, stream = 1, "", sys.stderr
+        if status != 0 and device.type == "cuda":
+            _leave_without_teardown(status, said, stream)
         if dist.get_rank() == 0:
             print(said, file=stream, flush=True)
         # Tear down together, also after a refusal: a gloo group destroyed while a peer is
@@ -213,6 +222,44 @@ def _worker(config: TrainConfig, layout: Layout) -> int:
         return status
     finally:
         dist.destroy_process_group()
+
+
+def _leave_without_teardown(status: int, said: str, stream) -> None:
+    """End a worker that stopped on NCCL, now, without meeting its peers or destroying its
+    groups: a peer may be blocked on the device for good (waiting for a transfer this rank will
+    never send — inside a replayed CUDA graph, or behind its launch queue), and both the barrier
+    and the communicators' destruction would wait for it. The launcher (``app.processes``) stops
+    the others once this process has exited. ``said`` (refusals, the same on every rank) is
+    printed by rank 0; another rank prints it only if rank 0 has not within ``_SAID_WAIT_S``
+    (rank 0 may be the blocked one)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from pipetrain.runtime.torch_compat import store_of
+
+    if said:
+        store, key, heard = store_of(None), "pipetrain/app/said", "pipetrain/app/heard"
+        if dist.get_rank() == 0:
+            print(said, file=stream, flush=True)
+            store.set(key, "1")
+            # rank 0 holds the store: stay until the others have read the key (or not come)
+            deadline = time.monotonic() + _SAID_WAIT_S
+            while store.add(heard, 0) < dist.get_world_size() - 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        else:
+            try:
+                store.wait([key], timedelta(seconds=_SAID_WAIT_S))
+                store.add(heard, 1)
+            except Exception:  # rank 0 did not say it (blocked, or gone with its store)
+                print(said, file=stream, flush=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+#: how long a rank that stopped waits for rank 0 to print the reason before printing it itself
+_SAID_WAIT_S = 10
 
 
 __all__ = ["process_grid", "run_train", "worker_environment"]

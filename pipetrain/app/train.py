@@ -113,66 +113,69 @@ def train(config: TrainConfig, device: torch.device) -> Run:
     rank = dist.get_rank()
     model = build(config.shape) if config.model_dir is None else None  # None: the folder's
     pipe, replica = _pipeline(config, layout, model, device)
-    opt = torch.optim.AdamW(_parameter_groups(pipe), lr=config.lr, betas=(0.9, 0.95))
-    saver = (
-        checkpoints.Checkpoints(
-            config.checkpoint_dir, run_shape(config), overwrite=config.overwrite_checkpoints
+    # closed at the end: a captured step (--cuda-graph) holds NCCL's communicators until its
+    # pipeline lets go, and the worker destroys its process group next
+    with pipe:
+        opt = torch.optim.AdamW(_parameter_groups(pipe), lr=config.lr, betas=(0.9, 0.95))
+        saver = (
+            checkpoints.Checkpoints(
+                config.checkpoint_dir, run_shape(config), overwrite=config.overwrite_checkpoints
+            )
+            if config.checkpoint_dir
+            else None
         )
-        if config.checkpoint_dir
-        else None
-    )
-    try:
-        start = saver.resume(pipe, opt) if saver is not None and config.resume else 0
-    except ValueError as e:
-        raise Refused(str(e)) from None
-    if start >= config.steps:
-        raise Refused(
-            f"the checkpoint in {config.checkpoint_dir} is at step {start}; --steps {config.steps} "
-            "leaves nothing to run (give more steps)"
-        )
-    local = config.microbatch_size * layout.microbatches
-    data = _batches(config, model, local * config.dp)
-    for _ in range(start):  # the batches the checkpointed steps used
-        next(data)
-    mine = slice(replica * local, (replica + 1) * local)
-    every = config.checkpoint_every or config.steps
-    bar = Progress(config.steps, enabled=rank == 0, start=start)
-    losses: list[float] = []
-    measured: list[Timeline] = []
-    skipped: list[int] = []
-    for step in range(start, config.steps):
-        inputs, targets, side = next(data)
-        inputs, targets = inputs[mine].to(device), targets[mine].to(device)
-        side = {k: v[mine].to(device) for k, v in side.items()}
-        # a captured step replays as one: no per-action timeline to measure
-        timed = not config.cuda_graph and step >= config.steps - MEASURED_STEPS
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        loss = pipe.step(inputs, targets, timeline=timed, side=side)
         try:
-            norm = _update(config, pipe, opt, loss, step + 1, skipped)
-        except NonFinite:
-            bar.close()
-            raise
-        losses.append(float(loss))
-        mask = side.get("attention_mask")  # padded rows: count the real tokens only
-        tokens = inputs.numel() if mask is None else int(mask.sum())
-        rate = tokens * config.dp / (time.perf_counter() - t0)
-        bar.update(step + 1, losses[-1], rate, None if norm is None else float(norm))
-        if timed and pipe.last_timeline is not None:
-            measured.append(pipe.last_timeline)
-        if saver is not None and ((step + 1) % every == 0 or step + 1 == config.steps):
-            saver.save(step + 1, pipe, opt)
-    bar.close()
-    if config.export is not None:
-        from pipetrain.app.model_folder import export
+            start = saver.resume(pipe, opt) if saver is not None and config.resume else 0
+        except ValueError as e:
+            raise Refused(str(e)) from None
+        if start >= config.steps:
+            raise Refused(
+                f"the checkpoint in {config.checkpoint_dir} is at step {start}; --steps {config.steps} "
+                "leaves nothing to run (give more steps)"
+            )
+        local = config.microbatch_size * layout.microbatches
+        data = _batches(config, model, local * config.dp)
+        for _ in range(start):  # the batches the checkpointed steps used
+            next(data)
+        mine = slice(replica * local, (replica + 1) * local)
+        every = config.checkpoint_every or config.steps
+        bar = Progress(config.steps, enabled=rank == 0, start=start)
+        losses: list[float] = []
+        measured: list[Timeline] = []
+        skipped: list[int] = []
+        for step in range(start, config.steps):
+            inputs, targets, side = next(data)
+            inputs, targets = inputs[mine].to(device), targets[mine].to(device)
+            side = {k: v[mine].to(device) for k, v in side.items()}
+            # a captured step replays as one: no per-action timeline to measure
+            timed = not config.cuda_graph and step >= config.steps - MEASURED_STEPS
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            loss = pipe.step(inputs, targets, timeline=timed, side=side)
+            try:
+                norm = _update(config, pipe, opt, loss, step + 1, skipped)
+            except NonFinite:
+                bar.close()
+                raise
+            losses.append(float(loss))
+            mask = side.get("attention_mask")  # padded rows: count the real tokens only
+            tokens = inputs.numel() if mask is None else int(mask.sum())
+            rate = tokens * config.dp / (time.perf_counter() - t0)
+            bar.update(step + 1, losses[-1], rate, None if norm is None else float(norm))
+            if timed and pipe.last_timeline is not None:
+                measured.append(pipe.last_timeline)
+            if saver is not None and ((step + 1) % every == 0 or step + 1 == config.steps):
+                saver.save(step + 1, pipe, opt)
+        bar.close()
+        if config.export is not None:
+            from pipetrain.app.model_folder import export
 
-        export(config, pipe)
-    run = Run(losses, start, {k: v.detach().clone() for k, v in _local_state(pipe).items()})
-    if rank == 0:
-        cpu_processes = dist.get_world_size() if device.type == "cpu" else 0
-        run.report = _report(config, losses, measured, pipe, cpu_processes, skipped)
-    return run
+            export(config, pipe)
+        run = Run(losses, start, {k: v.detach().clone() for k, v in _local_state(pipe).items()})
+        if rank == 0:
+            cpu_processes = dist.get_world_size() if device.type == "cpu" else 0
+            run.report = _report(config, losses, measured, pipe, cpu_processes, skipped)
+        return run
 
 
 def _report(

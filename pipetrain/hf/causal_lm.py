@@ -133,25 +133,38 @@ def tied_weights(model: Any) -> list[tuple[str, str]]:
     return pairs
 
 
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+class CausalLMLoss:
     """Next-token cross entropy: position ``t`` predicts ``labels[:, t + 1]``, mean over every
     predicted token (as ``transformers`` computes it with ``labels=input_ids``; logits below
-    float32 are upcast first, as there).
+    float32 are upcast first, as there). ``causal_lm_loss`` is one.
 
-    Labels equal to -100 (``ignore_index``) are refused: the pipeline weighs micro-batches by
-    rows, which is the token mean only when every row counts the same number of tokens."""
-    if (labels == IGNORE_INDEX).any():
-        raise ValueError(
-            "labels contain -100 (ignore_index): padded batches need a loss normalised by the "
-            "global token count; causal_lm_loss takes whole rows (every token counted). Use "
-            "targets=pipetrain.hf.next_token_targets(labels, ...) with "
-            "pipetrain.hf.causal_lm_token_loss"
-        )
-    predicted = logits[:, :-1]
-    if predicted.dtype not in (torch.float32, torch.float64):
-        predicted = predicted.float()
-    vocab = predicted.shape[-1]
-    return F.cross_entropy(predicted.reshape(-1, vocab), labels[:, 1:].reshape(-1))
+    In a pipeline, labels equal to -100 (``ignore_index``) are refused: the pipeline weighs
+    micro-batches by rows, which is the token mean only when every row counts the same number of
+    tokens. The pipeline checks a step's labels on the host before the step (``check_targets``),
+    so the loss itself never waits for the device: not per micro-batch, and not inside a captured
+    step (``cuda_graph=True``), where waiting is not allowed. Called alone, it is
+    ``transformers``' loss (tokens labelled -100 left out of the mean)."""
+
+    def check_targets(self, labels: object) -> None:
+        if isinstance(labels, (tuple, list)):
+            labels = labels[0] if labels else None
+        if isinstance(labels, torch.Tensor) and bool((labels == IGNORE_INDEX).any()):
+            raise ValueError(
+                "labels contain -100 (ignore_index): padded batches need a loss normalised by the "
+                "global token count; causal_lm_loss takes whole rows (every token counted). Use "
+                "targets=pipetrain.hf.next_token_targets(labels, ...) with "
+                "pipetrain.hf.causal_lm_token_loss"
+            )
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        predicted = logits[:, :-1]
+        if predicted.dtype not in (torch.float32, torch.float64):
+            predicted = predicted.float()
+        vocab = predicted.shape[-1]
+        return F.cross_entropy(predicted.reshape(-1, vocab), labels[:, 1:].reshape(-1))
+
+
+causal_lm_loss = CausalLMLoss()
 
 
 class CausalLMTokenLoss:
@@ -242,7 +255,7 @@ class DecoderLayer(_Adopting):
             rows, tokens, width = hidden.shape
             whole = hidden[:, :1].expand(rows, tokens * self.sequence_shards, width)
         positions = masks.positions(whole, position_ids)
-        mask = masks.layer_mask(self.config, whole, attention_mask, positions, self.sliding)
+        mask = masks.layer_mask(self.config, whole, attention_mask, position_ids, self.sliding)
         return self.wrapped(
             hidden,
             attention_mask=mask,
@@ -280,5 +293,5 @@ class GPT2Layer(_Adopting):
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         positions = masks.positions(hidden, position_ids)
-        mask = masks.layer_mask(self.config, hidden, attention_mask, positions, sliding=False)
+        mask = masks.layer_mask(self.config, hidden, attention_mask, position_ids, sliding=False)
         return self.wrapped(hidden, None, mask, position_ids=positions)

@@ -40,11 +40,14 @@ def layer_mask(
     config: Any,
     hidden: torch.Tensor,
     attention_mask: torch.Tensor | None,
-    position_ids: torch.Tensor,
+    position_ids: torch.Tensor | None,
     sliding: bool,
 ):
     """The mask one decoder layer attends with: ``transformers``' causal or sliding-window mask
-    for ``attention_mask`` (``(rows, T)`` padding, or a prepared 4-D mask) and ``position_ids``."""
+    for ``attention_mask`` (``(rows, T)`` padding, or a prepared 4-D mask) and ``position_ids``
+    (given: packed documents where they restart). Only given ids are passed on: for ``0..T-1``
+    ``transformers`` would look for restarts with a test that waits for the device, every layer
+    and micro-batch, to find none."""
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
     if attention_mask is not None and attention_mask.dim() == 2:

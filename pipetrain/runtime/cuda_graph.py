@@ -41,6 +41,7 @@ import atexit
 import dataclasses
 import logging
 import os
+import weakref
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import cast
 
@@ -155,6 +156,7 @@ class StepGraph:
         self._captured_losses: dict[int, torch.Tensor] = {}
         #: replays so far (tests and benchmarks read it: a step that should replay did)
         self.replays = 0
+        self._at_exit: Callable[[], None] | None = None  # registered with atexit at capture
 
     @property
     def captured(self) -> bool:
@@ -162,23 +164,37 @@ class StepGraph:
 
     def release(self, synchronize: bool = False) -> None:
         """Drop the graph and its buffers. NCCL does not destroy a communicator that a live
-        graph holds transfers of (``destroy_process_group`` waits), so the pipeline releases its
-        graph before its groups: on ``close`` (``synchronize``: after the last replay ends), and
-        at exit ahead of the groups' teardown (registered at capture; ``atexit`` runs last in
-        first)."""
+        graph holds transfers of (``destroy_process_group`` waits forever), so the pipeline
+        releases its graph before its groups: on ``close`` (``synchronize``: after the last
+        replay ends), and at exit ahead of the groups' teardown (registered at capture;
+        ``atexit`` runs last in first). The exit hook holds the graph weakly: a pipeline
+        dropped before ``destroy_process_group`` takes its graph with it."""
         if self._graph is None:
             return
-        atexit.unregister(self.release)
+        if self._at_exit is not None:
+            atexit.unregister(self._at_exit)
+            self._at_exit = None
         if synchronize:
             torch.cuda.synchronize(self.device)
         self._graph = None
         self._key, self._statics, self._sources = None, [], {}
         self._grads, self._captured_losses = {}, {}
 
-    def step(self, mbs: MicroBatches, side: Side, announce: Callable[[], None], run: Execute):
+    def step(
+        self,
+        mbs: MicroBatches,
+        side: Side,
+        announce: Callable[[], None],
+        run: Execute,
+        agree: Callable[[str, dict], object] | None = None,
+    ):
         """Run one training step: eagerly while warming up, else (capturing first) a replay.
         ``announce`` is what the host does every step before the actions (the agreement);
-        ``run`` runs the actions and announces itself."""
+        ``run`` runs the actions and announces itself. ``agree``: the ranks' store-based
+        exchange (``Agreement.gather``), met once after a capture: a rank whose capture failed
+        never replays, and a peer that replayed would wait on the device for its transfers for
+        good; meeting first, the peer hears of the failure instead (within the exchange's
+        timeout, at once from the failure notice)."""
         key = self._key_of(mbs, side)
         if key != self._key:
             if self._graph is not None:
@@ -191,6 +207,8 @@ class StepGraph:
             return
         if self._graph is None:
             self._capture(mbs, side, run)
+            if agree is not None:
+                agree("capturing the step as one CUDA graph", {})
         else:
             self._fill(mbs, side)
             announce()
@@ -261,7 +279,8 @@ class StepGraph:
         if self.losses is not None:
             self.losses.clear()
         self._graph = graph
-        atexit.register(self.release)
+        self._at_exit = _release_at_exit(self)
+        atexit.register(self._at_exit)
         _log.info("cuda_graph: step captured (%d gradient buffers)", len(self._grads))
 
     def _static_view(self, mbs: MicroBatches, side: Side) -> tuple[MicroBatches, Side]:
@@ -352,3 +371,15 @@ def _constant(name: str, value: object) -> Hashable:
             "step cannot compare from step to step; pass a tensor or a hashable constant"
         ) from None
     return (type(value).__name__, value)
+
+
+def _release_at_exit(graph: StepGraph) -> Callable[[], None]:
+    """An exit hook that releases ``graph`` if it is still alive, without keeping it alive."""
+    ref = weakref.ref(graph)
+
+    def release() -> None:
+        alive = ref()
+        if alive is not None:
+            alive.release()
+
+    return release

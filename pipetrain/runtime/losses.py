@@ -19,6 +19,8 @@ Which weights depends on what ``loss_fn`` returns — the ``loss_reduction`` con
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -49,9 +51,14 @@ class TokenCrossEntropy:
         )
 
 
-def resolve(loss_fn, loss_reduction: str | None, ignore_index: int | None) -> tuple[str, int]:
-    """The reduction (argument, else ``loss_fn.loss_reduction``, else ``"mean"``) and the
-    ``ignore_index`` (argument, else ``loss_fn.ignore_index``, else -100)."""
+def resolve(
+    loss_fn, loss_reduction: str | None, ignore_index: int | None
+) -> tuple[str, int, Callable[[object], None]]:
+    """The reduction (argument, else ``loss_fn.loss_reduction``, else ``"mean"``), the
+    ``ignore_index`` (argument, else ``loss_fn.ignore_index``, else -100) and the check of a
+    step's whole targets: ``loss_fn.check_targets`` where it has one. The pipeline runs it on the
+    host before a step's actions, so a loss keeps its data-dependent checks (which wait for the
+    device) out of the step itself, where a captured step (``cuda_graph=True``) cannot have them."""
     reduction = loss_reduction or getattr(loss_fn, "loss_reduction", "mean")
     if reduction not in REDUCTIONS:
         raise ValueError(
@@ -61,7 +68,13 @@ def resolve(loss_fn, loss_reduction: str | None, ignore_index: int | None) -> tu
         )
     if ignore_index is None:
         ignore_index = getattr(loss_fn, "ignore_index", -100)
-    return reduction, ignore_index
+    check = getattr(loss_fn, "check_targets", None)
+
+    def check_targets(targets: object) -> None:
+        if check is not None and targets is not None:
+            check(targets)
+
+    return reduction, ignore_index, check_targets
 
 
 def counted_tokens(targets: object, ignore_index: int) -> torch.Tensor:

@@ -131,7 +131,7 @@ class Pipeline:
         self._join(groups, data_parallel, timeout)  # from here on peers hear of a failure
         if loss_fn is None:
             raise ValueError("loss_fn is required: loss_fn(last_stage_output, targets) -> scalar")
-        self.loss_reduction, self._ignore_index = losses.resolve(
+        self.loss_reduction, self._ignore_index, self._check_targets = losses.resolve(
             loss_fn, loss_reduction, ignore_index
         )
         self.device = torch.device(device) if device is not None else resolve.default_device()
@@ -188,7 +188,6 @@ class Pipeline:
         prefix = pipeline_prefix(self.group, self.rank)
         self._failures = Failures(self.group, self.rank, self.world_size, prefix)
         self._agreement = Agreement(self.group, self.rank, self.world_size, timeout, self._failures)
-        self._timeout = timeout
 
     def _build_tied_sets(
         self, tied: Sequence[Sequence[str]], groups: Groups, stages: Stages
@@ -383,7 +382,9 @@ class Pipeline:
         self._tied_grads.begin_step()
         if self.graph is not None:
             run = functools.partial(self._execute, rows, mode="train", timeline=False)
-            self.graph.step(mbs, self._side, functools.partial(self._announce, mbs, "train"), run)
+            shapes = (mbs.inputs, mbs.targets, mbs.batch_size)
+            announce = functools.partial(self._agreement.step, "train", *shapes)
+            self.graph.step(mbs, self._side, announce, run, agree=self._agreement.gather)
         else:
             self._execute(rows, mbs, self._side, "train", timeline)
         self._tied_grads.end_step(self._transport, self.rank)
@@ -434,6 +435,7 @@ class Pipeline:
         if self.closed:
             why = f" after a failure ({self._failure})" if self._failure else ""
             raise RuntimeError(f"this Pipeline was closed{why}; build a new one to keep training")
+        self._check_targets(targets)
         xs, ys = microbatch.to_device(inputs, targets, self.device)
         mbs = microbatch.split(xs, ys, self.num_microbatches)
         self._side = ()
@@ -449,10 +451,6 @@ class Pipeline:
             self._side_keywords_all = side_inputs.everyones_keywords(mine, self.group, ranks)
         return self._side_keywords_all
 
-    def _announce(self, mbs: microbatch.MicroBatches, mode: Mode) -> None:
-        """Tell the other ranks this step's shapes (``Agreement.step``): every step, replayed too."""
-        self._agreement.step(mode, mbs.inputs, mbs.targets, mbs.batch_size)
-
     def _execute(
         self,
         rows: tuple[Action, ...],
@@ -465,7 +463,8 @@ class Pipeline:
         forward-only pass); returns the last stage's outputs by micro-batch (eval on its rank)."""
         signature = (mbs.batch_size, *((tuple(x.shape), x.dtype) for x in mbs.inputs[0]))
         cache, discover = cache_for(self._caches, mode, signature)  # type: ignore[arg-type]
-        self._announce(mbs, mode)
+        # a replayed step is announced before its replay (``StepGraph.step``)
+        self._agreement.step(mode, mbs.inputs, mbs.targets, mbs.batch_size)
         if self._data_parallel is not None:
             self._data_parallel.begin(train=mode == "train")
         for runner in self._runners.values():

@@ -79,7 +79,7 @@ def test_targets_are_transformers_shifted_labels_and_count_the_predicted_tokens(
     with pytest.raises(ValueError, match="do not align"):
         causal_lm_token_loss(out.logits, ids[:, 1:])
     with pytest.raises(ValueError, match="next_token_targets"):
-        causal_lm_loss(out.logits, labels)
+        causal_lm_loss.check_targets(labels)
     with pytest.raises(ValueError, match="do not fit a row of 8"):
         packed_position_ids([[5, 4]], SEQ)
 

@@ -7,6 +7,8 @@ NCCL (docs/benchmarks.md, "Whole-step CUDA graphs")."""
 from __future__ import annotations
 
 import contextlib
+import gc
+import weakref
 
 import pytest
 import torch
@@ -154,6 +156,57 @@ def test_a_replay_restores_the_last_stage_losses_the_loss_agreement_pops():
     assert sorted(losses) == [0, 1]
     g.release()
     assert not g.captured and g._grads == {} and g._captured_losses == {}
+
+
+def test_the_exit_hook_releases_a_live_graph_and_keeps_none_alive():
+    """NCCL's ``destroy_process_group`` waits forever on a communicator a live graph holds
+    transfers of: a pipeline dropped before it must take its graph along, so the exit hook
+    registered at capture holds the graph weakly."""
+    g = graph_of(nn.Linear(3, 3))
+    g._graph = FakeGraph([], [])  # type: ignore[assignment]
+    hook = cuda_graph._release_at_exit(g)
+    hook()
+    assert not g.captured
+    g._graph = FakeGraph([], [])  # type: ignore[assignment]
+    watched = weakref.ref(g)
+    hook = cuda_graph._release_at_exit(g)
+    del g
+    gc.collect()
+    assert watched() is None  # the hook did not keep the graph
+    hook()  # and does nothing once it is gone
+
+
+def test_the_ranks_meet_once_after_a_capture_before_its_first_replay(monkeypatch):
+    """A rank whose capture failed never replays; a peer replaying at once would wait on the
+    device for its transfers for good. So every rank meets (the store-based exchange, which
+    hears of failures) after capturing, and only then replays — once per capture, not per
+    step."""
+    g = graph_of(nn.Linear(3, 3))
+    events: list[str] = []
+
+    def capture(mbs, side, run) -> None:
+        events.append("capture")
+        g._graph = FakeGraph([], [])  # type: ignore[assignment]
+
+    monkeypatch.setattr(g, "_capture", capture)
+    monkeypatch.setattr(g, "_fill", lambda mbs, side: None)
+    monkeypatch.setattr(g, "_replay", lambda: events.append("replay"))
+    mbs = micro()
+
+    def step() -> None:
+        g.step(
+            mbs,
+            (),
+            lambda: events.append("announce"),
+            lambda m, s: events.append("eager"),
+            agree=lambda what, record: events.append(f"agree: {what}"),
+        )
+
+    for _ in range(cuda_graph.WARMUP + 3):
+        step()
+    agree = "agree: capturing the step as one CUDA graph"
+    warm = ["eager"] * cuda_graph.WARMUP
+    assert events == [*warm, "capture", agree, "replay", *["announce", "replay"] * 2]
 
 
 def test_a_step_that_cannot_be_captured_is_refused_naming_why(monkeypatch):

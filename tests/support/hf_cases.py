@@ -130,7 +130,20 @@ def run_schedules(rank: int, world: int, plans: list[tuple[int, str, list[str]]]
                         failures.append(f"{case}: {n} gradient differs")
             if not checked:
                 failures.append(f"{case}: no parameter on rank {rank}")
+    failures += _padded_labels_refused(pipe, ids)
     return failures
+
+
+def _padded_labels_refused(pipe, ids) -> list[str]:
+    """Labels with -100 are refused by ``causal_lm_loss``'s host-side check, on every rank
+    before the step's actions (the loss itself no longer looks)."""
+    labels = ids.clone()
+    labels[0, -1] = -100
+    try:
+        pipe.step(ids, labels)
+    except ValueError as e:
+        return [] if "ignore_index" in str(e) else [f"-100 labels refused with: {e}"]
+    return ["labels with -100 were not refused"]
 
 
 def _on_mesh(data_parallel: str, names: list[str]) -> list[str]:

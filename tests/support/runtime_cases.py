@@ -174,7 +174,7 @@ def run_equivalence(
             )
             if reverse is not None:
                 pipe._transport = Transport(
-                    rank, None, pipe.device, pipe._timeout, reverse_group=reverse
+                    rank, None, pipe.device, pipe._transport.timeout, reverse_group=reverse
                 )
             inputs, y = batch(2 * m + 1)
             losses = [pipe.step(inputs, y) for _ in range(2)]
