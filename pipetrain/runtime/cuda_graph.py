@@ -43,12 +43,15 @@ import logging
 import os
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
 
 from pipetrain.runtime.microbatch import MicroBatches
+
+if TYPE_CHECKING:
+    from pipetrain.runtime.comm.agreement import Agreement
 from pipetrain.runtime.torch_compat import add_lists_, copy_lists_, post_accumulate_grad_hooks
 
 _log = logging.getLogger(__name__)
@@ -186,29 +189,31 @@ class StepGraph:
         side: Side,
         announce: Callable[[], None],
         run: Execute,
-        agree: Callable[[str, dict], object] | None = None,
+        agreement: Agreement | None = None,
     ):
         """Run one training step: eagerly while warming up, else (capturing first) a replay.
         ``announce`` is what the host does every step before the actions (the agreement);
-        ``run`` runs the actions and announces itself. ``agree``: the ranks' store-based
-        exchange (``Agreement.gather``), met once after a capture: a rank whose capture failed
-        never replays, and a peer that replayed would wait on the device for its transfers for
-        good; meeting first, the peer hears of the failure instead (within the exchange's
-        timeout, at once from the failure notice)."""
+        ``run`` runs the actions and announces itself. ``agreement``: told how this step runs
+        (announced to the peers), and met after a capture (``Agreement.captured``): a rank whose
+        capture failed never replays, and a peer that replayed would wait on the device for its
+        transfers for good; meeting first, the peer hears of the failure instead."""
         key = self._key_of(mbs, side)
         if key != self._key:
             if self._graph is not None:
                 _log.info("cuda_graph: the step changed (shapes, storage or modes); recapturing")
             self.release()
             self._key, self._eager_left = key, WARMUP
-        if self._graph is None and self._eager_left > 0:
+        how = "replay" if self._graph is not None else "eager" if self._eager_left else "capture"
+        if agreement is not None:
+            agreement.graph_step = how
+        if how == "eager":
             self._eager_left -= 1
             run(mbs, side)
             return
-        if self._graph is None:
+        if how == "capture":
             self._capture(mbs, side, run)
-            if agree is not None:
-                agree("capturing the step as one CUDA graph", {})
+            if agreement is not None:
+                agreement.captured()
         else:
             self._fill(mbs, side)
             announce()

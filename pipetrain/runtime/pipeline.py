@@ -384,7 +384,7 @@ class Pipeline:
             run = functools.partial(self._execute, rows, mode="train", timeline=False)
             shapes = (mbs.inputs, mbs.targets, mbs.batch_size)
             announce = functools.partial(self._agreement.step, "train", *shapes)
-            self.graph.step(mbs, self._side, announce, run, agree=self._agreement.gather)
+            self.graph.step(mbs, self._side, announce, run, agreement=self._agreement)
         else:
             self._execute(rows, mbs, self._side, "train", timeline)
         self._tied_grads.end_step(self._transport, self.rank)

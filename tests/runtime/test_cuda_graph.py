@@ -193,20 +193,21 @@ def test_the_ranks_meet_once_after_a_capture_before_its_first_replay(monkeypatch
     monkeypatch.setattr(g, "_replay", lambda: events.append("replay"))
     mbs = micro()
 
-    def step() -> None:
-        g.step(
-            mbs,
-            (),
-            lambda: events.append("announce"),
-            lambda m, s: events.append("eager"),
-            agree=lambda what, record: events.append(f"agree: {what}"),
-        )
+    class Agreement:  # what the step tells the peers, and the meeting after a capture
+        graph_step = ""
 
+        def captured(self) -> None:
+            events.append("met")
+
+    agreement = Agreement()
+    told = []
     for _ in range(cuda_graph.WARMUP + 3):
-        step()
-    agree = "agree: capturing the step as one CUDA graph"
+        run = lambda m, s: events.append("eager")  # noqa: E731
+        g.step(mbs, (), lambda: events.append("announce"), run, agreement=agreement)  # type: ignore[arg-type]
+        told.append(agreement.graph_step)
     warm = ["eager"] * cuda_graph.WARMUP
-    assert events == [*warm, "capture", agree, "replay", *["announce", "replay"] * 2]
+    assert events == [*warm, "capture", "met", "replay", *["announce", "replay"] * 2]
+    assert told == [*warm, "capture", "replay", "replay"]
 
 
 def test_a_step_that_cannot_be_captured_is_refused_naming_why(monkeypatch):

@@ -56,6 +56,9 @@ class Agreement:
         self.failures = failures
         self.rounds = 0
         self.steps = 0
+        #: how this rank runs its next train step under ``cuda_graph=True`` (``StepGraph`` sets
+        #: it): ``"eager"``, ``"capture"`` or ``"replay"``; announced with the step's shapes
+        self.graph_step = "eager"
         self.step_records: dict[str, dict] = {}  # per mode, the last shapes all ranks agreed on
 
     def let_go(self) -> None:
@@ -138,7 +141,8 @@ class Agreement:
         self.steps += 1
         # One store write per step: a peer whose shapes are new to it finds these shapes here
         # (see ``exchange``) if this rank thinks nothing changed.
-        self.store.set(self._announce_key(self.rank), json.dumps([self.steps, shapes]))
+        announced = [self.steps, shapes, self.graph_step]
+        self.store.set(self._announce_key(self.rank), json.dumps(announced))
         if shapes == self.step_records.get(mode):
             return
         record = {
@@ -149,6 +153,40 @@ class Agreement:
         self.exchange(f"the first {mode} step with these shapes", record, shapes)
         self.step_records[mode] = shapes
 
+    def captured(self) -> None:
+        """After this rank captured its step as a CUDA graph, before the first replay: wait for
+        every peer that captures the same step to have captured it, or fail with the first
+        failure notice. A peer whose capture failed never replays, and this rank, replaying,
+        would wait on the device for its transfers for good. Peers that run this step eagerly
+        or replay an older graph (their own parameters changed, or did not) are not waited for:
+        they run the same transfers."""
+        step, prefix = self.steps, self.failures.prefix
+        self.store.set(f"{prefix}/captured/{step}/{self.rank}", "1")
+        waiting = set(range(self.world_size)) - {self.rank}
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        pause = 0.001
+        while waiting:
+            for r in sorted(waiting):
+                if self.store.check([f"{prefix}/captured/{step}/{r}"]):
+                    waiting.discard(r)
+                elif self.store.check([self._announce_key(r)]):
+                    theirs, _, how = json.loads(self.store.get(self._announce_key(r)))
+                    if theirs > step or (theirs == step and how != "capture"):
+                        waiting.discard(r)
+            notices = self.failures.read(timedelta(0))
+            if waiting and notices:
+                notice = first_notice(notices)
+                text = f"rank {self.rank} stopped: rank {notice[0]} failed: {notice[1]}"
+                raise peer_error(text, notice)
+            if waiting and time.monotonic() >= deadline:
+                raise PipelineTimeoutError(
+                    f"rank {self.rank}: capturing the step as one CUDA graph: rank(s) "
+                    f"{sorted(waiting)} did not capture within {self.timeout.total_seconds():g} s"
+                )
+            if waiting:
+                time.sleep(pause)
+                pause = min(2 * pause, 0.05)
+
     def _announce_key(self, rank: int) -> str:
         return f"{self.failures.prefix}/step/{rank}"
 
@@ -157,7 +195,7 @@ class Agreement:
             key = self._announce_key(r)
             if r == self.rank or not self.store.check([key]):
                 continue
-            step, theirs = json.loads(self.store.get(key))
+            step, theirs, _ = json.loads(self.store.get(key))
             if step == self.steps and theirs != shapes:
                 records = [shapes, theirs] if self.rank < r else [theirs, shapes]
                 ranks = sorted((self.rank, r))
