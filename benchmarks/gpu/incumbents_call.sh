@@ -13,6 +13,8 @@
 #   issue21-llama (2 GPUs): the Llama shape alone, three launches.
 #   issue21-llama3 (2 GPUs, ~520 s): the Llama shape's 1F1B, interleaved and ZBV on the planner's
 #     and on the incumbents' cut (pipetrain-samecut) beside Megatron's, three launches.
+#   issue21-llama-v (2 GPUs, ~510 s): the Llama shape's ZBV and DualPipeV (planner's and
+#     incumbents' cut, limits, DeepSpeed's DualPipeV engine), three launches.
 #   issue21x4 (4 GPUs, ~530 s): the GPT at 16 and 8 micro-batches, 1F1B, interleaved, ZBV and
 #     DualPipeV: pipetrain and pipetrain-nodefer, Megatron (1F1B without batch sync; launch 0
 #     every interleaved variant, launches 1 and 2 its two fastest), the limit for ZBV/DualPipeV
@@ -177,6 +179,15 @@ elif [ "${PLAN:-issue13}" = issue21-llama3 ]; then
   part k1-llama8-l0 2 150 185 --launch 0 $L --libraries megatron-nosync,megatron-sweep-nowf
   part k2-llama8-l1 2 130 165 --launch 1 $L $(tuned k1-llama8-l0)
   part k3-llama8-l2 2 130 165 --launch 2 $L $(tuned k1-llama8-l0)
+elif [ "${PLAN:-issue13}" = issue21-llama-v ]; then
+  # 2 GPUs: the Llama shape's V rows, three launches: pipetrain's ZBV and DualPipeV on the
+  # planner's and on the incumbents' cut, their no-pipeline limits, DeepSpeed's DualPipeV engine
+  L="--shapes $LLAMA --microbatches 8 --schedules zbv,dualpipev --limit-schedules zbv,dualpipev"
+  L="$L --plan issue21-llama-v --steps $STEPS --warmup 3 --timeline-steps 0 --torch-schedules none"
+  L="$L --variants samecut --gc manual --libraries deepspeed-dualpipev"
+  part v1-llama8-l0 2 130 165 --launch 0 $L
+  part v2-llama8-l1 2 130 165 --launch 1 $L
+  part v3-llama8-l2 2 130 165 --launch 2 $L
 elif [ "${PLAN:-issue13}" = issue21x4 ]; then
   X="--shapes $GPT --microbatches 16,8 --schedules 1f1b,interleaved-1f1b,zbv,dualpipev"
   X="$X --limit-schedules zbv,dualpipev --plan issue21x4"
