@@ -253,7 +253,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="incumbents besides pipetrain and torch: megatron (1F1B, and interleaved v=2), "
         "megatron-nosync, megatron-sweep (every interleaved variant), megatron-sweep-nowf (all "
         "but the warm-up/flush overlap ones), megatron-tuned (the "
-        "--megatron-top fastest of --megatron-tuned-from), megatron-gaf, deepspeed, "
+        "--megatron-top fastest of --megatron-tuned-from), megatron-tuned-graph (those as "
+        "Megatron's full-iteration CUDA graph), megatron-nosync-graph, megatron-gaf, deepspeed, "
         "deepspeed-bf16, deepspeed-dualpipev",
     )
     p.add_argument("--megatron-tuned-from", default="", help="comma list of earlier JSON files")

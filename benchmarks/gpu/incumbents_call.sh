@@ -13,6 +13,8 @@
 #   issue21-llama (2 GPUs): the Llama shape alone, three launches.
 #   issue21-llama3 (2 GPUs, ~520 s): the Llama shape's 1F1B, interleaved and ZBV on the planner's
 #     and on the incumbents' cut (pipetrain-samecut) beside Megatron's, three launches.
+#   issue21-mgraph / issue21x4-mgraph (2 / 4 GPUs, ~520 s, ALLOC_CONF= TUNED=...): pipetrain's
+#     CUDA-graph rows against Megatron-Core's own full-iteration graph, three launches.
 #   issue21-llama-v (2 GPUs, ~510 s): the Llama shape's ZBV and DualPipeV (planner's and
 #     incumbents' cut, limits, DeepSpeed's DualPipeV engine), three launches.
 #   issue21x4 (4 GPUs, ~530 s): the GPT at 16 and 8 micro-batches, 1F1B, interleaved, ZBV and
@@ -252,6 +254,21 @@ elif [ "${PLAN:-issue13}" = issue21-best2g ]; then
   part c1-gpt16-l0 2 105 135 --launch 0 $B
   part c2-gpt16-l1 2 105 135 --launch 1 $B
   part c3-gpt16-l2 2 105 135 --launch 2 $B
+elif [ "${PLAN:-issue13}" = issue21-mgraph ] || [ "${PLAN:-issue13}" = issue21x4-mgraph ]; then
+  # 2 GPUs (issue21-mgraph) or 4 (issue21x4-mgraph), ALLOC_CONF= : whole-step CUDA graphs on
+  # both sides — pipetrain's (pipetrain-graph) against Megatron-Core's full-iteration graph
+  # (megatron-*-graph) — 1F1B, interleaved 1F1B (Megatron's fastest variant of TUNED) and ZBV
+  # with its limit, 16 micro-batches, three launches
+  NP=2
+  [ "$PLAN" = issue21x4-mgraph ] && NP=$NPROC4
+  M="--shapes $GPT --microbatches 16 --schedules 1f1b,interleaved-1f1b,zbv --limit-schedules zbv"
+  M="$M --plan $PLAN --steps $STEPS --warmup 3 --timeline-steps 0 --torch-schedules none"
+  M="$M --variants graph --gc manual --megatron-top 1"
+  M="$M --libraries megatron-nosync,megatron-nosync-graph,megatron-tuned,megatron-tuned-graph"
+  M="$M --megatron-tuned-from ${TUNED:?set TUNED to launch-0 incumbents.json files}"
+  part m1-gpt16-l0 "$NP" 150 185 --launch 0 $M
+  part m2-gpt16-l1 "$NP" 150 185 --launch 1 $M
+  part m3-gpt16-l2 "$NP" 150 185 --launch 2 $M
 elif [ "${PLAN:-issue13}" = issue21x4g ]; then
   # 4 GPUs: the V rows eager and as one CUDA graph (pipetrain-graph), their no-pipeline limits,
   # and Megatron's best interleaved variant of TUNED (comma list of earlier launch-0 files),

@@ -11,6 +11,11 @@ Rows (``lib``):
   ``overlap_p2p_comm=True, batch_p2p_comm=False`` (Megatron-LM's setting with virtual stages),
   ``microbatch_group_size_per_vp_stage=G`` (default: the ranks) and, with ``-wf``,
   ``overlap_p2p_comm_warmup_flush=True``.
+* ``...-graph`` (any row above): Megatron-Core's own whole-iteration CUDA graph, as Megatron-LM
+  runs it with ``--cuda-graph-impl full_iteration``: ``get_forward_backward_func()`` wrapped in
+  ``FullCudaGraphWrapper`` (captured after the warm-up steps but one, replayed after; the
+  optimizer outside, as in pipetrain's ``pipetrain-graph`` rows), micro-batches read through its
+  static buffers (dicts); GPU only.
 * ``megatron-gaf``: ``gradient_accumulation_fusion=True``. It acts only inside Megatron's own
   ``ColumnParallelLinear``/``RowParallelLinear`` on weights with a ``main_grad`` buffer (its DDP
   wrapper), through the CUDA extension ``fused_weight_gradient_mlp_cuda`` (apex built with
@@ -27,6 +32,7 @@ buffer as ``[b, s, h]`` (a view) and returns its output reinterpreted as ``[s, b
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import re
 import types
@@ -47,12 +53,15 @@ class Variant:
     group: int | None = None  # microbatch_group_size_per_vp_stage; None: the ranks
     warmup_flush: bool = False
     gaf: bool = False
+    graph: bool = False
 
 
 _INTERLEAVED = re.compile(r"megatron-v(\d+)(?:-g(\d+))?(-wf)?$")
 
 
 def parse(lib: str) -> Variant:
+    if lib.endswith("-graph"):
+        return dataclasses.replace(parse(lib.removesuffix("-graph")), graph=True)
     if lib == "megatron":
         return Variant()
     if lib == "megatron-nosync":
@@ -188,6 +197,8 @@ def run_megatron(ctx: Ctx, bank: UnitBank, row: Row) -> dict:
     var = parse(row.lib)
     if var.gaf:
         return gaf_skip()
+    if var.graph and not ctx.cuda:
+        return {"skipped": "Megatron's full-iteration CUDA graph needs a GPU"}
     expect = megatron_cut(row, ctx.world)
     if expect != row.cut:
         raise RuntimeError(f"cut {row.cut} is not Megatron's {expect}")
@@ -215,12 +226,13 @@ def run_megatron(ctx: Ctx, bank: UnitBank, row: Row) -> dict:
         )
         config.hidden_size = row.shape.hidden  # as Megatron's schedule tests set it
         with contextlib.nullcontext() if ctx.cuda else cpu_shim():
-            return _measure(ctx, bank, row, config, interleaved) | {"cpu_shim": not ctx.cuda}
+            out = _measure(ctx, bank, row, config, interleaved, var.graph)
+            return out | {"cpu_shim": not ctx.cuda}
     finally:
         parallel_state.destroy_model_parallel()
 
 
-def _measure(ctx: Ctx, bank: UnitBank, row: Row, config, interleaved: bool) -> dict:
+def _measure(ctx: Ctx, bank: UnitBank, row: Row, config, interleaved: bool, graph: bool) -> dict:
     from megatron.core.enums import ModelType
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -241,7 +253,8 @@ def _measure(ctx: Ctx, bank: UnitBank, row: Row, config, interleaved: bool) -> d
     params = [p for m in chunks for p in m.parameters()]
     opt = make_optimizer(ctx, params)
     x, y = row.shape.batch(ctx.device, ctx.dtype, row.n)
-    pairs = list(zip(x.chunk(row.n), y.chunk(row.n)))
+    # dicts: the full-iteration graph's static buffers take a micro-batch as a dict
+    batches = [{"x": xb, "y": yb} for xb, yb in zip(x.chunk(row.n), y.chunk(row.n))]
     loss_fn = row.shape.loss
 
     def loss_func(target, output):
@@ -249,13 +262,20 @@ def _measure(ctx: Ctx, bank: UnitBank, row: Row, config, interleaved: bool) -> d
         return loss, {"loss": loss.detach()}
 
     def forward_step(data_iterator, model):
-        xb, yb = next(data_iterator)
-        return model(xb), functools.partial(loss_func, yb)
+        batch = next(data_iterator)
+        return model(batch["x"]), functools.partial(loss_func, batch["y"])
 
     fb = get_forward_backward_func()
+    if graph:
+        from megatron.core.full_cuda_graph import FullCudaGraphWrapper, StaticBufferLoader
+
+        # class-level state: a row starts from none (capture after the warm-up steps but one)
+        StaticBufferLoader.static_buffers = {"training": [], "validation": []}
+        fb = FullCudaGraphWrapper(fb, cuda_graph_warmup_steps=max(1, ctx.args.warmup - 1))
+        fb.reset_cuda_graph()
 
     def step() -> None:
-        iters = [iter(pairs) for _ in chunks]
+        iters = [iter(batches) for _ in chunks]
         fb(
             forward_step_func=forward_step,
             data_iterator=iters if interleaved else iters[0],
@@ -266,7 +286,11 @@ def _measure(ctx: Ctx, bank: UnitBank, row: Row, config, interleaved: bool) -> d
             forward_only=False,
         )
 
-    out, _ = measure(ctx, step, opt, params, base)
-    out["function"] = fb.__name__
-    out.update(profiled(ctx, row, step, opt, params))
+    try:
+        out, _ = measure(ctx, step, opt, params, base)
+        out["function"] = getattr(fb, "__name__", type(fb).__name__)
+        out.update(profiled(ctx, row, step, opt, params))
+    finally:
+        if graph:
+            fb.reset_cuda_graph()  # type: ignore[attr-defined]
     return out

@@ -64,7 +64,8 @@ class Plan:
             rows.append(Row(shape, schedule, n, "torch", fam.v, inc))
         extra: list[str] = []
         if schedule == "1f1b":
-            extra = [x for x in ("megatron", "megatron-nosync", "megatron-gaf") if x in self.libs]
+            megatron = ("megatron", "megatron-nosync", "megatron-nosync-graph", "megatron-gaf")
+            extra = [x for x in megatron if x in self.libs]
             extra += [x for x in ("deepspeed", "deepspeed-bf16") if x in self.libs]
         if schedule == "dualpipev" and "deepspeed-dualpipev" in self.libs:
             extra.append("deepspeed-dualpipev")
@@ -72,7 +73,10 @@ class Plan:
         if schedule == "interleaved-1f1b":
             from incumbents_megatron import parse
 
-            for lib in self.megatron_interleaved(shape, n):
+            chosen = self.megatron_interleaved(shape, n)
+            if "megatron-tuned-graph" in self.libs:  # its best variants also as one CUDA graph
+                chosen += [f"{lib}-graph" for lib in self.tuned.get((shape.name, n), [])]
+            for lib in chosen:
                 v = parse(lib).v
                 rows.append(Row(shape, schedule, n, lib, v, incumbent_cut(shape, v * world)))
         return rows
