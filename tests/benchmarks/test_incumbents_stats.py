@@ -89,6 +89,11 @@ def test_megatron_variants_and_sweep() -> None:
     assert parse("megatron-nosync") == Variant(sync=False)
     assert parse("megatron-v4-g4-wf") == Variant(v=4, group=4, warmup_flush=True)
     assert parse(name(8, 2, False, ranks=2)) == Variant(v=8)  # group p is the default
+    # any row as Megatron's own full-iteration CUDA graph
+    assert parse("megatron-nosync-graph") == Variant(sync=False, graph=True)
+    assert parse("megatron-v2-g4-wf-graph") == Variant(v=2, group=4, warmup_flush=True, graph=True)
+    with pytest.raises(ValueError, match="unknown Megatron row"):
+        parse("megatron-graph-v2")
     rows = sweep([2, 4, 8], 16, 2)
     assert len(rows) == 12 and "megatron-v8-g4-wf" in rows
     # 8 micro-batches on 4 ranks: groups of 4 and 8; 6 on 4 ranks: a last group of 2 < p
