@@ -132,6 +132,15 @@ part() {  # name nproc budget-s limit-s harness-args...: run one part if it stil
   pack
 }
 
+launches3() {  # letter what nproc budget-s limit-s harness-args...: one part in three launches,
+  # the libraries' order rotated (parts <letter>1-<what>-l0, <letter>2-<what>-l1, <letter>3-<what>-l2)
+  local letter=$1 what=$2 nproc=$3 budget=$4 limit=$5
+  shift 5
+  for k in 0 1 2; do
+    part "$letter$((k + 1))-$what-l$k" "$nproc" "$budget" "$limit" --launch "$k" "$@"
+  done
+}
+
 exact() {  # name nproc limit-s: float64 exactness on NCCL of the runtime measured here
   local name=$1 nproc=$2 limit=$3
   local left=$((TOTAL - SECONDS - 10))
@@ -187,9 +196,7 @@ elif [ "${PLAN:-issue13}" = issue21-llama-v ]; then
   L="--shapes $LLAMA --microbatches 8 --schedules zbv,dualpipev --limit-schedules zbv,dualpipev"
   L="$L --plan issue21-llama-v --steps $STEPS --warmup 3 --timeline-steps 0 --torch-schedules none"
   L="$L --variants samecut --gc manual --libraries deepspeed-dualpipev"
-  part v1-llama8-l0 2 130 165 --launch 0 $L
-  part v2-llama8-l1 2 130 165 --launch 1 $L
-  part v3-llama8-l2 2 130 165 --launch 2 $L
+  launches3 v llama8 2 130 165 $L
 elif [ "${PLAN:-issue13}" = issue21x4 ]; then
   X="--shapes $GPT --microbatches 16,8 --schedules 1f1b,interleaved-1f1b,zbv,dualpipev"
   X="$X --limit-schedules zbv,dualpipev --plan issue21x4"
@@ -241,9 +248,7 @@ elif [ "${PLAN:-issue13}" = issue21-best2 ]; then
   B="--shapes $GPT --microbatches 16 --schedules 1f1b,interleaved-1f1b,zbv --limit-schedules zbv"
   B="$B --plan issue21-best2 --steps $STEPS --warmup 2 --timeline-steps 0 --torch-schedules none"
   B="$B --libraries megatron-nosync,megatron-tuned --megatron-top 1 --megatron-tuned-from"
-  part b1-gpt16-l0 2 110 145 --launch 0 $B "${TUNED:?set TUNED to a launch-0 incumbents.json}"
-  part b2-gpt16-l1 2 110 145 --launch 1 $B "$TUNED"
-  part b3-gpt16-l2 2 110 145 --launch 2 $B "$TUNED"
+  launches3 b gpt16 2 110 145 $B "${TUNED:?set TUNED to a launch-0 incumbents.json}"
 elif [ "${PLAN:-issue13}" = issue21-best2g ]; then
   # 2 GPUs: issue21-best2 with pipetrain's interleaved 1F1B and ZBV also as one CUDA graph
   # (pipetrain-graph), every library on the allocator's default segments (ALLOC_CONF=)
@@ -251,9 +256,7 @@ elif [ "${PLAN:-issue13}" = issue21-best2g ]; then
   B="$B --plan issue21-best2g --steps $STEPS --warmup 3 --timeline-steps 0 --torch-schedules none"
   B="$B --variants graph --gc manual --libraries megatron-tuned --megatron-top 1"
   B="$B --megatron-tuned-from ${TUNED:?set TUNED to a launch-0 incumbents.json}"
-  part c1-gpt16-l0 2 105 135 --launch 0 $B
-  part c2-gpt16-l1 2 105 135 --launch 1 $B
-  part c3-gpt16-l2 2 105 135 --launch 2 $B
+  launches3 c gpt16 2 105 135 $B
 elif [ "${PLAN:-issue13}" = issue21-mgraph ] || [ "${PLAN:-issue13}" = issue21x4-mgraph ]; then
   # 2 GPUs (issue21-mgraph) or 4 (issue21x4-mgraph), ALLOC_CONF= : whole-step CUDA graphs on
   # both sides — pipetrain's (pipetrain-graph) against Megatron-Core's full-iteration graph
@@ -266,9 +269,7 @@ elif [ "${PLAN:-issue13}" = issue21-mgraph ] || [ "${PLAN:-issue13}" = issue21x4
   M="$M --variants graph --gc manual --megatron-top 1"
   M="$M --libraries megatron-nosync,megatron-nosync-graph,megatron-tuned,megatron-tuned-graph"
   M="$M --megatron-tuned-from ${TUNED:?set TUNED to launch-0 incumbents.json files}"
-  part m1-gpt16-l0 "$NP" 150 185 --launch 0 $M
-  part m2-gpt16-l1 "$NP" 150 185 --launch 1 $M
-  part m3-gpt16-l2 "$NP" 150 185 --launch 2 $M
+  launches3 m gpt16 "$NP" 150 185 $M
 elif [ "${PLAN:-issue13}" = issue21x4g ]; then
   # 4 GPUs: the V rows eager and as one CUDA graph (pipetrain-graph), their no-pipeline limits,
   # and Megatron's best interleaved variant of TUNED (comma list of earlier launch-0 files),
