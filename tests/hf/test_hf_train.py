@@ -35,12 +35,24 @@ def test_the_default_cut_covers_every_layer_once(model, blocks, stages):
     assert max(counts) - min(counts) <= extra  # balanced up to the embedding and head
 
 
-def test_one_rank_run_trains_on_the_corpus_file(tmp_path):
+def test_one_rank_run_trains_on_the_corpus_file(tmp_path, monkeypatch):
+    """And closes its pipeline before returning: the worker destroys its process group next,
+    which waits forever on NCCL while a captured step (``--cuda-graph``) is alive."""
     import torch
     import torch.distributed as dist
     from runtime_harness import free_port
 
     from pipetrain.app.train import train
+    from pipetrain.runtime.pipeline import Pipeline
+
+    made: list[Pipeline] = []
+    build = Pipeline.__init__
+
+    def tracked(self, *args, **kwargs) -> None:
+        made.append(self)
+        build(self, *args, **kwargs)
+
+    monkeypatch.setattr(Pipeline, "__init__", tracked)
 
     args = train_args(
         *("-p", "1", "-m", "2", "--steps", "12", "--layers", "1", "--hidden", "32"),
@@ -58,6 +70,7 @@ def test_one_rank_run_trains_on_the_corpus_file(tmp_path):
     assert "the loss went DOWN" in run.report and "simulated step" in run.report
     assert (tmp_path / "corpus.txt").stat().st_size > 100_000
     assert len(run.losses) == 12 and run.first_step == 0
+    assert len(made) == 1 and made[0].closed
 
 
 @pytest.fixture(scope="module")
