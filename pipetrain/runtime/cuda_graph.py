@@ -49,10 +49,10 @@ import torch
 from torch import nn
 
 from pipetrain.runtime.microbatch import MicroBatches
+from pipetrain.runtime.torch_compat import add_lists_, copy_lists_, post_accumulate_grad_hooks
 
 if TYPE_CHECKING:
     from pipetrain.runtime.comm.agreement import Agreement
-from pipetrain.runtime.torch_compat import add_lists_, copy_lists_, post_accumulate_grad_hooks
 
 _log = logging.getLogger(__name__)
 

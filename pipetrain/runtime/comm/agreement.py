@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 import torch
@@ -83,28 +83,16 @@ class Agreement:
         if self.world_size == 1:
             return [record]
         keys = [f"{prefix}/{r}" for r in range(self.world_size)]
-        deadline = time.monotonic() + self.timeout.total_seconds()
-        pause = 0.001
-        while not self.store.check(keys):
-            notices = self.failures.read(timedelta(0))
-            # a peer may have written its record, refused the exchange and posted its failure
-            # between the two reads: then every record is here and this rank refuses on its own
-            if notices and not self.store.check(keys):
-                notice = first_notice(notices)
-                # the notice names its own phase; this rank's wait (``what``) would mislead
-                text = f"rank {self.rank} stopped: rank {notice[0]} failed: {notice[1]}"
-                raise peer_error(text, notice)
-            if stepping is not None:
-                self._refuse_announced(what, stepping)
-            if time.monotonic() >= deadline:
-                missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
-                raise PipelineTimeoutError(
-                    f"rank {self.rank}: {what}: rank(s) {missing} did not arrive within "
-                    f"{self.timeout.total_seconds():g} s (did they fail, stop, or step with "
-                    "inputs of another shape?)"
-                )
-            time.sleep(pause)
-            pause = min(2 * pause, 0.05)
+
+        def missing() -> list[int]:
+            if self.store.check(keys):
+                return []
+            return [r for r, k in enumerate(keys) if not self.store.check([k])]
+
+        between = None if stepping is None else lambda: self._refuse_announced(what, stepping)
+        self._wait(
+            what, missing, between, " (did they fail, stop, or step with inputs of another shape?)"
+        )
         return [json.loads(self.store.get(k)) for k in keys]
 
     def construction(self, program: Program, local_arities: dict[int, tuple[int, float]]):
@@ -162,30 +150,48 @@ class Agreement:
         they run the same transfers."""
         step, prefix = self.steps, self.failures.prefix
         self.store.set(f"{prefix}/captured/{step}/{self.rank}", "1")
-        waiting = set(range(self.world_size)) - {self.rank}
+
+        def waited_for(r: int) -> bool:
+            if r == self.rank or self.store.check([f"{prefix}/captured/{step}/{r}"]):
+                return False
+            if not self.store.check([self._announce_key(r)]):
+                return True  # not started this step yet
+            theirs, _, how = json.loads(self.store.get(self._announce_key(r)))
+            return theirs < step or (theirs == step and how == "capture")
+
+        def missing() -> list[int]:
+            return [r for r in range(self.world_size) if waited_for(r)]
+
+        self._wait("capturing the step as one CUDA graph", missing)
+
+    def _wait(
+        self,
+        what: str,
+        missing: Callable[[], list[int]],
+        between: Callable[[], None] | None = None,
+        hint: str = "",
+    ) -> None:
+        """Poll until ``missing()`` names no rank, within ``timeout``; a peer's failure notice
+        ends the wait at once with its error (unless nothing is missing by then: a peer may have
+        done its part, then failed). ``between``: a check run each round."""
         deadline = time.monotonic() + self.timeout.total_seconds()
         pause = 0.001
-        while waiting:
-            for r in sorted(waiting):
-                if self.store.check([f"{prefix}/captured/{step}/{r}"]):
-                    waiting.discard(r)
-                elif self.store.check([self._announce_key(r)]):
-                    theirs, _, how = json.loads(self.store.get(self._announce_key(r)))
-                    if theirs > step or (theirs == step and how != "capture"):
-                        waiting.discard(r)
+        while missing():
             notices = self.failures.read(timedelta(0))
-            if waiting and notices:
+            if notices and missing():
                 notice = first_notice(notices)
+                # the notice names its own phase; this rank's wait (``what``) would mislead
                 text = f"rank {self.rank} stopped: rank {notice[0]} failed: {notice[1]}"
                 raise peer_error(text, notice)
-            if waiting and time.monotonic() >= deadline:
+            if between is not None:
+                between()
+            if time.monotonic() >= deadline:
                 raise PipelineTimeoutError(
-                    f"rank {self.rank}: capturing the step as one CUDA graph: rank(s) "
-                    f"{sorted(waiting)} did not capture within {self.timeout.total_seconds():g} s"
+                    f"rank {self.rank}: {what}: rank(s) {missing()} did not arrive within "
+                    f"{self.timeout.total_seconds():g} s{hint}"
                 )
-            if waiting:
-                time.sleep(pause)
-                pause = min(2 * pause, 0.05)
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)
 
     def _announce_key(self, rank: int) -> str:
         return f"{self.failures.prefix}/step/{rank}"
