@@ -6,6 +6,8 @@
 # targets with 95% intervals ($OUT/summary.md, rewritten after each launch). Run from the
 # repository root with .whl/ holding the torchao wheel:
 #     OUT=... PRESETS=h2048,h4096 LAUNCHES=3 bash benchmarks/gpu/compile_float8_call.sh
+# SUFFIX=/precompile runs the pipeline's variants with Pipeline(precompile=True) (the report
+# shows them as their own split).
 set -u
 : "${OUT:?set OUT}"
 PRESETS=${PRESETS:-h2048} LAUNCHES=${LAUNCHES:-3} SCHEDULE=${SCHEDULE:-zbv} STEPS=${STEPS:-20}
@@ -29,7 +31,8 @@ for preset in ${PRESETS//,/ }; do
       --out "$OUT" >> "$OUT/log.txt" 2>&1
     echo "   unsplit rc=$?"
     timeout -k 5 "$LIMIT" torchrun --nproc-per-node 2 $S --part pipeline --preset "$preset" \
-      --schedule "$SCHEDULE" --launch "$launch" --variants "$variants" --steps "$STEPS" \
+      --schedule "$SCHEDULE" --launch "$launch" --steps "$STEPS" \
+      --variants "$(echo "$variants" | sed "s|,|${SUFFIX:-},|g; s|\$|${SUFFIX:-}|")" \
       --stall-dump-s $((LIMIT - 20)) --out "$OUT" >> "$OUT/log.txt" 2>&1
     echo "   pipeline rc=$?"
     python3 benchmarks/gpu/compile_float8_report.py "$OUT"/compile_float8-*.jsonl \

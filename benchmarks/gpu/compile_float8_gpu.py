@@ -78,11 +78,14 @@ def prepare(module, variant: dict, device) -> torch.nn.Module:
 def variants(part: str, wanted: str) -> list[dict]:
     out = []
     for name in wanted.split(","):
-        compile_, f8 = "compile" in name, "float8" in name
-        defer = {"defer-on": True, "defer-off": False}.get(name.split("/")[-1], None)
-        if part == "unsplit" and "/" in name:
+        base, *flags = name.split("/")
+        compile_, f8 = "compile" in base, "float8" in base
+        defer = True if "defer-on" in flags else False if "defer-off" in flags else None
+        if part == "unsplit" and flags:
             continue
-        out.append(dict(name=name, compile=compile_, float8=f8, defer=defer))
+        out.append(
+            dict(name=name, compile=compile_, float8=f8, defer=defer, pre="precompile" in flags)
+        )
     return out
 
 
@@ -137,6 +140,7 @@ def make_step(args, variant: dict, cfg: GPTConfig, x, y, device, world: int):
         device=device,
         timeout=timedelta(seconds=150),
         defer_weight_grads=variant["defer"],
+        precompile=variant["pre"],
     )
     popt = torch.optim.AdamW(pipe.parameters(), lr=1e-5, foreach=True)
 
@@ -158,7 +162,8 @@ def main() -> int:
         "--variants",
         default="eager,compile,float8,compile+float8",
         help="comma list of eager|compile|float8|compile+float8, each optionally /defer-on or "
-        "/defer-off (pipeline part only: Pipeline(defer_weight_grads=...))",
+        "/defer-off and/or /precompile (pipeline part only: Pipeline(defer_weight_grads=..., "
+        "precompile=True))",
     )
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--launch", type=int, default=0, help="recorded in each row (the report pools)")

@@ -211,6 +211,12 @@ def run_megatron(ctx: Ctx, bank: UnitBank, row: Row) -> dict:
         virtual_pipeline_model_parallel_size=vp,
         create_gloo_process_groups=False,
     )
+    if var.graph:
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        # the whole-iteration graph registers every tracked generator (as Megatron-LM seeds
+        # them when a CUDA graph implementation is chosen)
+        model_parallel_cuda_manual_seed(1234, use_cudagraphable_rng=True, force_reset_rng=True)
     try:
         config = ModelParallelConfig(
             pipeline_model_parallel_size=ctx.world,

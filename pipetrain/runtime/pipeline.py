@@ -37,6 +37,7 @@ from pipetrain.runtime.parallel import grad_norm
 from pipetrain.runtime.parallel import tied as tied_weights
 from pipetrain.runtime.parallel.data_parallel import DataParallel, check_wrapping
 from pipetrain.runtime.parallel.mesh import MeshGroups, refuse_dtensors_without_mesh
+from pipetrain.runtime.precompile import Precompile
 from pipetrain.runtime.resolve import DataParallelKind, Groups, Stages
 from pipetrain.runtime.stage import StageRunner, arity
 from pipetrain.runtime.timing import Recorder, gather_timeline
@@ -99,7 +100,8 @@ class Pipeline:
     stage, the share of its activations held in host memory between forward and backward (its
     first layers, layer by layer), or an ``OffloadSpec`` (``runtime.host_offload``; docs/runtime.md).
     ``cuda_graph``: capture a training step as one CUDA graph and replay it while shapes, storage
-    and modes stay (``runtime.cuda_graph``): no host time per action.
+    and modes stay (``runtime.cuda_graph``): no host time per action. ``precompile``: compile
+    every rank's compiled stages at once before a step of new shapes (``runtime.precompile``).
     """
 
     @posts_failures(_PHASES)
@@ -125,6 +127,7 @@ class Pipeline:
         receive_lead: int | None = 1,
         offload: resolve.Offload = None,
         cuda_graph: bool = False,
+        precompile: bool = False,
     ) -> None:
         resolve.require_process_group()
         groups = resolve.resolve_groups(group, mesh, data_parallel)
@@ -154,6 +157,8 @@ class Pipeline:
             data_parallel, self.modules, *replicas, self.loss_reduction, self._tied_sets
         )
         self._runners = self._build_runners(loss_fn, defer_weight_grads, offload)
+        wide = self._data_parallel is not None or mesh is not None
+        self._precompile = Precompile.build(precompile, self._agreement, self._runners, wide)
         self._last_uses = resolve.last_uses(self.program.actions[self.rank])
         self._tied_grads = self._build_tied_grads()
         self._arities: list[tuple[int, float]] = self._agreement.construction(
@@ -170,8 +175,6 @@ class Pipeline:
         self.closed = False
         held = self._runners[self._last_stage].losses if self.rank == self._last_rank else None
         self.graph = step_graph.build(cuda_graph, self.device, self.modules.values(), held)
-
-    # -- construction, step by step -------------------------------------------------------------
 
     def _join(
         self, groups: Groups, data_parallel: DataParallelKind | None, timeout: timedelta
@@ -231,8 +234,6 @@ class Pipeline:
         holders = (transport, self._failures, self._agreement)
         self._release_at_exit = weakref.finalize(self, self._owned.release, *holders)
         return transport
-
-    # -- read-only facts ------------------------------------------------------------------------
 
     @property
     def placement(self) -> Placement:
@@ -335,12 +336,7 @@ class Pipeline:
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """This rank's stage parameters, each once (for the optimizer)."""
-        seen: set[int] = set()
-        for module in self.modules.values():
-            for p in module.parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    yield p
+        yield from {id(p): p for m in self.modules.values() for p in m.parameters()}.values()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's parameters and buffers by global name (``runtime.checkpoint``): the union
@@ -465,6 +461,8 @@ class Pipeline:
         cache, discover = cache_for(self._caches, mode, signature)  # type: ignore[arg-type]
         # a replayed step is announced before its replay (``StepGraph.step``)
         self._agreement.step(mode, mbs.inputs, mbs.targets, mbs.batch_size)
+        if self._precompile is not None and mode == "train":
+            self._precompile.before_step(self.placement, mbs.inputs[0], side[0] if side else None)
         if self._data_parallel is not None:
             self._data_parallel.begin(train=mode == "train")
         for runner in self._runners.values():

@@ -119,6 +119,12 @@ def post_accumulate_grad_hooks(param: torch.Tensor) -> int:
     return len(hooks) if hooks else 0
 
 
+def has_tensor_hooks(param: torch.Tensor) -> bool:
+    """Whether ``param`` has hooks from ``Tensor.register_hook`` (kept in the undocumented
+    ``_backward_hooks``): they run on any gradient computed for it, captured or accumulated."""
+    return bool(getattr(param, "_backward_hooks", None))
+
+
 def store_of(group) -> dist.Store:
     """The key-value store behind ``group`` (the default group's when ``group`` is ``None``),
     for exchanges that must honour a timeout of their own (``dist.Store.wait`` takes one; gloo's
@@ -248,6 +254,17 @@ def _check_post_accumulate_hooks() -> None:
         raise AssertionError("Tensor._post_accumulate_grad_hooks does not hold registered hooks")
 
 
+def _check_tensor_hooks() -> None:
+    p = torch.nn.Parameter(torch.ones(2))
+    if has_tensor_hooks(p):
+        raise AssertionError("a new parameter reports tensor hooks")
+    handle = p.register_hook(lambda g: g)
+    found = has_tensor_hooks(p)
+    handle.remove()
+    if not found or has_tensor_hooks(p):
+        raise AssertionError("Tensor._backward_hooks does not hold register_hook's hooks")
+
+
 def _check_prehook() -> None:
     x = torch.ones(2, requires_grad=True)
     y = x * 2.0
@@ -347,6 +364,11 @@ PRIVATE_APIS: tuple[tuple[str, str, Callable[[], None]], ...] = (
         "Tensor._post_accumulate_grad_hooks",
         "refuse hooks a replayed CUDA graph would not run",
         _check_post_accumulate_hooks,
+    ),
+    (
+        "Tensor._backward_hooks",
+        "refuse precompile's stand-in passes where a tensor hook would run",
+        _check_tensor_hooks,
     ),
     (
         "torch.autograd.graph.Node.register_prehook",

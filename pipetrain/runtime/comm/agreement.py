@@ -95,6 +95,16 @@ class Agreement:
         )
         return [json.loads(self.store.get(k)) for k in keys]
 
+    def hand_on(self, name: str, record: object) -> None:
+        """Leave ``record`` (JSON-able) under ``name`` for the one peer that ``receive``s it."""
+        self.store.set(f"{self.failures.prefix}/hand/{name}", json.dumps(record))
+
+    def receive(self, name: str, what: str, sender: int) -> object:
+        """The record ``sender`` handed on under ``name``, within ``timeout`` (or its failure)."""
+        key = f"{self.failures.prefix}/hand/{name}"
+        self._wait(what, lambda: [] if self.store.check([key]) else [sender])
+        return json.loads(self.store.get(key))
+
     def construction(self, program: Program, local_arities: dict[int, tuple[int, float]]):
         """Agree on the program (construction); returns every stage's arity, stage order."""
         record = {

@@ -1,0 +1,28 @@
+"""``Pipeline(precompile=True)``: every compiled stage's forward and backward compile before the
+first step of new shapes, all ranks at once, and leave no trace (``runtime.precompile``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.precompile_cases import precompiled, refused
+from tests.support.runtime_harness import launch
+
+
+def test_precompiled_stages_compile_nothing_in_the_step_and_train_exactly():
+    assert launch(2, precompiled, ["1f1b", "zbv"], timeout=240) == [[], []]
+
+
+@pytest.mark.parametrize(
+    ("how", "want"),
+    [
+        ("defer", "stage . defers its weight gradients"),
+        ("hook", "tensor hook \\(register_hook\\)"),
+    ],
+)
+def test_precompile_is_refused_where_a_stand_in_pass_would_leave_a_trace(how, want):
+    import re
+
+    seen = launch(2, refused, how, timeout=120)
+    for text in seen:
+        assert re.search(f"^ValueError: precompile=True cannot be used here: .*{want}", text), text

@@ -1,0 +1,102 @@
+"""``Pipeline(precompile=True)`` on the app's GPT in float64 (run inside spawned processes).
+
+Every block is compiled with a backend that notes each forward and backward graph it compiles
+(``aot_autograd`` compiles a backward when the backward first runs), so a case can tell what
+the probe and stand-in passes compiled from what the step's own actions compiled.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pipetrain.app.models.gpt import lm_loss, make_stage
+from tests.support.compile_cases import CFG, batch, convert, reference
+
+
+def counting_backend(compiled: list[str]):
+    """``aot_eager`` that appends ``"forward"`` / ``"backward"`` to ``compiled`` per graph."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def note(kind: str):
+        def compiler(gm, example_inputs):
+            compiled.append(kind)
+            return make_boxed_func(gm.forward)
+
+        return compiler
+
+    return aot_autograd(fw_compiler=note("forward"), bw_compiler=note("backward"))
+
+
+def precompiled(rank: int, world: int, schedules: list[str]) -> list[str]:
+    """Per schedule: two steps with ``precompile=True``; returns what went wrong — a graph the
+    step compiled itself, nothing compiled ahead, or a loss or gradient unlike the unsplit
+    model's (which the stand-in passes would change had they left a trace)."""
+    import pipetrain
+    from pipetrain.schedule.registry import family
+
+    found: list[str] = []
+    for name in schedules:
+        torch._dynamo.reset()
+        compiled: list[str] = []
+        v = family(name).default_stages_per_rank
+        stages: dict[int, torch.nn.Module] = {}
+
+        def build(s: int, v=v, stages=stages, compiled=compiled):
+            stages[s] = convert(make_stage(CFG, s, v * world), False, None)
+            for block in stages[s].blocks.values():
+                block.compile(backend=counting_backend(compiled))
+            return stages[s]
+
+        m = 2 * world
+        pipe = pipetrain.Pipeline(
+            build, name, m, lm_loss, stages_per_rank=v, num_stages=v * world, precompile=True
+        )
+        ahead: list[int] = []
+        before_step = pipe._precompile.before_step
+
+        def noting(*args, before_step=before_step, ahead=ahead, compiled=compiled):
+            before_step(*args)
+            ahead.append(len(compiled))
+
+        pipe._precompile.before_step = noting
+        x, y = batch(m)
+        losses = [pipe.step(x, y) for _ in range(2)]
+        pipe.close()
+        if sorted(set(compiled[: ahead[0]])) != ["backward", "forward"]:
+            found.append(f"{name}: compiled ahead {compiled[: ahead[0]]}, not forward and backward")
+        if len(compiled) != ahead[0]:
+            found.append(f"{name}: the steps compiled {compiled[ahead[0] :]} themselves")
+        ref_loss, ref_grads = reference(m, False, steps=2)
+        for i, loss in enumerate(losses):
+            if not torch.allclose(loss, ref_loss, rtol=1e-10, atol=0):
+                found.append(f"{name}: step {i} loss {loss.item()} != {ref_loss.item()}")
+        for s, module in stages.items():
+            for n, p in module.named_parameters():
+                if p.grad is None or not torch.allclose(
+                    p.grad, ref_grads[n], rtol=1e-9, atol=1e-13
+                ):
+                    found.append(f"{name}: stage {s} {n} gradient differs")
+    return found
+
+
+def refused(rank: int, world: int, how: str) -> str:
+    """The error ``precompile=True`` meets when a stand-in pass would leave a trace."""
+    import pipetrain
+
+    def build(s: int):
+        stage = convert(make_stage(CFG, s, world), False, None)
+        for block in stage.blocks.values():
+            block.compile(backend="aot_eager")
+        if how == "hook":
+            next(stage.parameters()).register_hook(lambda g: g)
+        return stage
+
+    defer = True if how == "defer" else None
+    try:
+        pipetrain.Pipeline(
+            build, "1f1b", 2, lm_loss, num_stages=world, precompile=True, defer_weight_grads=defer
+        )
+    except ValueError as e:
+        return f"ValueError: {e}"
+    return "built"
