@@ -19,9 +19,9 @@ stand-in inputs and the parameters' gradient edges (captured there, so ``Accumul
 hooks after it never run and no ``.grad`` changes), buffers are restored, the random number
 generators forked. What would still leave one is refused when the pipeline is built: data
 parallel and tensor parallel (their passes communicate and reduce gradients), deferred weight
-gradients (a deferred linear's backward writes ``.grad`` itself), activation offload, and
-parameters with tensor hooks (``register_hook``: they run on any gradient computed for the
-parameter).
+gradients on a compiled stage (a deferred linear's backward writes ``.grad`` itself; an eager
+stage has no pass, only the probe's forward), and parameters of a compiled stage with tensor
+hooks (``register_hook``: they run on any gradient computed for the parameter).
 """
 
 from __future__ import annotations
@@ -59,11 +59,9 @@ class Precompile:
             return None
         why = "its stand-in passes would communicate and reduce gradients" if wide else ""
         for s, runner in runners.items():
-            if why:
-                break
-            if runner.offload is not None:
-                why = f"stage {s} offloads activations, which its stand-in pass would too"
-            elif not isinstance(runner.split, GraphReplay):
+            if why or not has_compiled_parts(runner.module):
+                continue
+            if not isinstance(runner.split, GraphReplay):
                 why = (
                     f"stage {s} defers its weight gradients (its backward writes .grad itself); "
                     "pass defer_weight_grads=False"

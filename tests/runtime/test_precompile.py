@@ -26,3 +26,7 @@ def test_precompile_is_refused_where_a_stand_in_pass_would_leave_a_trace(how, wa
     seen = launch(2, refused, how, timeout=120)
     for text in seen:
         assert re.search(f"^ValueError: precompile=True cannot be used here: .*{want}", text), text
+
+
+def test_eager_stages_that_defer_only_probe_and_train_exactly():
+    assert launch(2, refused, "eager", timeout=120) == ["built: loss equal"] * 2

@@ -81,22 +81,27 @@ def precompiled(rank: int, world: int, schedules: list[str]) -> list[str]:
 
 
 def refused(rank: int, world: int, how: str) -> str:
-    """The error ``precompile=True`` meets when a stand-in pass would leave a trace."""
+    """The error ``precompile=True`` meets when a stand-in pass would leave a trace (``"defer"``,
+    ``"hook"``), or, for eager stages that defer (``"eager"``: only the probe runs there), the
+    first step's loss against the unsplit model's."""
     import pipetrain
 
     def build(s: int):
         stage = convert(make_stage(CFG, s, world), False, None)
-        for block in stage.blocks.values():
+        for block in stage.blocks.values() if how != "eager" else ():
             block.compile(backend="aot_eager")
         if how == "hook":
             next(stage.parameters()).register_hook(lambda g: g)
         return stage
 
-    defer = True if how == "defer" else None
+    defer = None if how == "hook" else True
     try:
-        pipetrain.Pipeline(
+        pipe = pipetrain.Pipeline(
             build, "1f1b", 2, lm_loss, num_stages=world, precompile=True, defer_weight_grads=defer
         )
     except ValueError as e:
         return f"ValueError: {e}"
-    return "built"
+    with pipe:
+        loss = pipe.step(*batch(2))
+    want = reference(2, False, steps=1)[0]
+    return f"built: loss {'equal' if torch.allclose(loss, want, rtol=1e-10, atol=0) else loss}"
