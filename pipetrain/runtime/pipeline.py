@@ -213,6 +213,8 @@ class Pipeline:
         host_offload.attach(runners, resolve.offload_fractions(offload), row, self.device)
         for stage, mb in resolve.last_weight_pieces(row).items():
             runners[stage].last_weight_microbatch = mb
+        for runner in runners.values():
+            runner.syncs_once = self._data_parallel is not None
         return runners
 
     def _build_tied_grads(self) -> tied_weights.TiedGrads:

@@ -26,7 +26,11 @@ from pipetrain.runtime.backward import activation_checkpoint
 from pipetrain.runtime.backward.interface import BackwardSplit, choose_split
 from pipetrain.runtime.comm.p2p import TensorMeta
 from pipetrain.runtime.host_offload import StageOffload
-from pipetrain.runtime.torch_compat import GradientEdge, get_gradient_edge
+from pipetrain.runtime.torch_compat import (
+    GradientEdge,
+    get_gradient_edge,
+    post_accumulate_grad_hooks,
+)
 
 
 @dataclass
@@ -96,6 +100,9 @@ class StageRunner:
         #: ids of parameters whose hooks this stage never fires (tied ones: ``runtime.parallel.tied``
         #: sums their gradient after the step, then fires their hooks once)
         self.quiet_params: set[int] = set()
+        #: whether the pipeline syncs this stage's gradients once per step through its hooks
+        #: (data parallel): then no piece but the last may run them
+        self.syncs_once = False
         self.params: list[torch.Tensor] = []
         self.side_keywords = side_inputs.keywords(module)
         self.graph_checked = False
@@ -108,6 +115,13 @@ class StageRunner:
         steps, not within one, and walking the module tree for every backward piece showed up in
         host profiles of a small stage's actions (measured: docs/performance.md)."""
         self.params = [p for p in self.module.parameters() if p.requires_grad]
+        #: no hook here needs the step's whole gradient at once: where the split gains by it,
+        #: every piece accumulates through ``AccumulateGrad`` (the summation order is the same)
+        self.unhooked = getattr(self.split, "plain_accumulation", False) and not (
+            self.quiet_params
+            or self.syncs_once
+            or any(post_accumulate_grad_hooks(p) for p in self.params)
+        )
 
     def forward(
         self,
@@ -202,9 +216,10 @@ class StageRunner:
     def _hook_plan(self, mb: int) -> tuple[bool, list[torch.Tensor]]:
         """(accumulate through ``AccumulateGrad``, parameters whose hooks to fire afterwards):
         with quiet parameters the step's last piece accumulates quietly, then fires the others'
-        hooks once (``fire_hooks``)."""
+        hooks once (``fire_hooks``). An ``unhooked`` stage's other pieces go through
+        ``AccumulateGrad`` too."""
         if not self._is_last_weight_piece(mb):
-            return False, []
+            return self.unhooked, []
         if not self.quiet_params:
             return True, []
         return False, [p for p in self.params if id(p) not in self.quiet_params]

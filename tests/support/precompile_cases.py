@@ -100,6 +100,7 @@ def refused(rank: int, world: int, how: str) -> str:
             build, "1f1b", 2, lm_loss, num_stages=world, precompile=True, defer_weight_grads=defer
         )
     except ValueError as e:
+        torch.distributed.barrier()  # every rank refuses on its own; rank 0 holds the store
         return f"ValueError: {e}"
     with pipe:
         loss = pipe.step(*batch(2))

@@ -172,6 +172,8 @@ class DeferredLinears:
     docstring), for the stage ``module``. Holds what its linears' backward does (``mode``)."""
 
     defers_linear_weights = True
+    #: its quiet ``B`` is the fused accumulation (the deferred GEMMs add straight into ``.grad``)
+    plain_accumulation = False
 
     def __init__(self, module: nn.Module) -> None:
         self.mode: list[Entry] | str | None = None

@@ -254,6 +254,8 @@ class GraphReplay:
     Holds this stage's plan cache; the module itself is never touched."""
 
     defers_linear_weights = False
+    #: its quiet pieces capture every weight gradient, then copy or add them into ``.grad``
+    plain_accumulation = True
 
     def __init__(self, whole: bool = False) -> None:
         self.plans = PlanCache()

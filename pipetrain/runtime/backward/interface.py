@@ -32,6 +32,9 @@ class BackwardSplit(Protocol):
 
     #: whether ``W`` is the linear layers' deferred GEMMs (reported, never branched on)
     defers_linear_weights: bool
+    #: whether pieces that no hook needs to see apart are cheaper through ``AccumulateGrad``
+    #: (autograd's own in-place accumulation, as unsplit training runs) than quietly
+    plain_accumulation: bool
 
     def call(self, module: nn.Module, args: tuple[torch.Tensor, ...]) -> Any:
         """Run the stage's forward so its backward can be split this way."""

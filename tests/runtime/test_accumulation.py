@@ -1,0 +1,52 @@
+"""Where no hook needs a step's whole gradient, graph replay's backward pieces accumulate through
+``AccumulateGrad`` as unsplit training does (no captured copy of every weight gradient); where a
+post-accumulate-grad hook is registered, it still fires once per step on the whole gradient."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from pipetrain.runtime.backward import graph_replay
+from pipetrain.runtime.stage import StageRunner
+
+MICROBATCHES = 4
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8)).double()
+
+
+def _inputs() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(4, 8, dtype=torch.float64, generator=g) for _ in range(MICROBATCHES)]
+
+
+@pytest.mark.parametrize("hooked", [False, True])
+def test_pieces_accumulate_through_autograd_unless_a_hook_needs_the_whole_gradient(
+    monkeypatch, hooked
+):
+    quiet: list[int] = []
+    real = graph_replay.accumulate_quietly
+    monkeypatch.setattr(
+        graph_replay, "accumulate_quietly", lambda *a: (quiet.append(1), real(*a))[1]
+    )
+    net, ref = _net(), _net()
+    seen: list[torch.Tensor] = []
+    if hooked:
+        net[0].weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+    runner = StageRunner(0, net, False, None, defer_weight_grads=False)
+    runner.last_weight_microbatch = MICROBATCHES - 1
+    runner.begin_step()
+    for mb, x in enumerate(_inputs()):
+        (out,) = runner.forward(mb, (x.requires_grad_(),), None, 1.0)
+        runner.backward(mb, [torch.ones_like(out)])
+        ref(x.detach()).backward(torch.ones_like(out))
+    assert runner.unhooked is not hooked
+    assert len(quiet) == (MICROBATCHES - 1 if hooked else 0)
+    for p, q in zip(net.parameters(), ref.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-14, atol=0)
+    if hooked:
+        assert len(seen) == 1 and torch.allclose(seen[0], ref[0].weight.grad, rtol=1e-14, atol=0)
