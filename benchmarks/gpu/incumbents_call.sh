@@ -15,6 +15,8 @@
 #     and on the incumbents' cut (pipetrain-samecut) beside Megatron's, three launches.
 #   issue21-mgraph / issue21x4-mgraph (2 / 4 GPUs, ~520 s, ALLOC_CONF= TUNED=...): pipetrain's
 #     CUDA-graph rows against Megatron-Core's own full-iteration graph, three launches.
+#   issue21-equal / issue21x4-equal (2 / 4 GPUs, ~400 s, TUNED=...): the equal-kernel rows alone
+#     (pipetrain, pipetrain-nodefer, Megatron's 1F1B and best interleaved), three launches.
 #   issue21-llama-v (2 GPUs, ~510 s): the Llama shape's ZBV and DualPipeV (planner's and
 #     incumbents' cut, limits, DeepSpeed's DualPipeV engine), three launches.
 #   issue21x4 (4 GPUs, ~530 s): the GPT at 16 and 8 micro-batches, 1F1B, interleaved, ZBV and
@@ -257,6 +259,17 @@ elif [ "${PLAN:-issue13}" = issue21-best2g ]; then
   B="$B --variants graph --gc manual --libraries megatron-tuned --megatron-top 1"
   B="$B --megatron-tuned-from ${TUNED:?set TUNED to a launch-0 incumbents.json}"
   launches3 c gpt16 2 105 135 $B
+elif [ "${PLAN:-issue13}" = issue21-equal ] || [ "${PLAN:-issue13}" = issue21x4-equal ]; then
+  # 2 GPUs (issue21-equal) or 4 (issue21x4-equal): the equal-kernel rows alone — pipetrain and
+  # pipetrain-nodefer beside Megatron's 1F1B without batch sync and its fastest interleaved
+  # variant of TUNED, 16 micro-batches, collector off, three launches
+  NP=2
+  [ "$PLAN" = issue21x4-equal ] && NP=$NPROC4
+  E="--shapes $GPT --microbatches 16 --schedules 1f1b,interleaved-1f1b --plan $PLAN"
+  E="$E --steps $STEPS --warmup 3 --timeline-steps 0 --torch-schedules none --variants nodefer"
+  E="$E --gc manual --libraries megatron-nosync,megatron-tuned --megatron-top 1"
+  E="$E --megatron-tuned-from ${TUNED:?set TUNED to a launch-0 incumbents.json}"
+  launches3 e gpt16 "$NP" 110 145 $E
 elif [ "${PLAN:-issue13}" = issue21-mgraph ] || [ "${PLAN:-issue13}" = issue21x4-mgraph ]; then
   # 2 GPUs (issue21-mgraph) or 4 (issue21x4-mgraph), ALLOC_CONF= : whole-step CUDA graphs on
   # both sides — pipetrain's (pipetrain-graph) against Megatron-Core's full-iteration graph

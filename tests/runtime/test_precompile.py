@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.precompile_cases import precompiled, refused
+from tests.support.precompile_cases import precompiled, precompiled_hf, refused
 from tests.support.runtime_harness import launch
 
 
@@ -30,3 +30,9 @@ def test_precompile_is_refused_where_a_stand_in_pass_would_leave_a_trace(how, wa
 
 def test_eager_stages_that_defer_only_probe_and_train_exactly():
     assert launch(2, refused, "eager", timeout=120) == ["built: loss equal"] * 2
+
+
+@pytest.mark.parametrize("variant", ["left", "packed"])
+def test_precompiled_hf_layers_take_masks_and_packed_positions(variant):
+    pytest.importorskip("transformers")
+    assert launch(2, precompiled_hf, variant, timeout=240) == [[], []]

@@ -106,3 +106,48 @@ def refused(rank: int, world: int, how: str) -> str:
         loss = pipe.step(*batch(2))
     want = reference(2, False, steps=1)[0]
     return f"built: loss {'equal' if torch.allclose(loss, want, rtol=1e-10, atol=0) else loss}"
+
+
+def precompiled_hf(rank: int, world: int, variant: str) -> list[str]:
+    """A tiny Llama through ``pipetrain.hf``, every decoder layer compiled, padded (``"left"``)
+    or packed rows as side inputs, 1F1B with ``precompile=True``: against the unsplit model, and
+    which graphs the step compiled itself."""
+    from hf_cases import _close, build
+    from hf_mask_cases import ROWS, batch, reference, side_inputs
+
+    import pipetrain
+    from pipetrain.hf import causal_lm_layers, causal_lm_token_loss, next_token_targets
+
+    found: list[str] = []
+    ids, side = batch(ROWS), side_inputs(variant)
+    targets = next_token_targets(ids, **side)
+    ref_loss, ref_grads = reference("llama", 2, ids, side, targets)
+    model = build("llama", 2)
+    compiled: list[str] = []
+    layers = causal_lm_layers(model)
+    for name, layer in layers.items():
+        if ".layers." in f".{name}.":
+            layer.compile(backend=counting_backend(compiled))
+    stages = pipetrain.split(layers, [2, 3])  # a decoder layer on each rank
+    pipe = pipetrain.Pipeline(stages, "1f1b", 4, causal_lm_token_loss, precompile=True)
+    ahead: list[int] = []
+    before_step = pipe._precompile.before_step
+
+    def noting(*args):
+        before_step(*args)
+        ahead.append(len(compiled))
+
+    pipe._precompile.before_step = noting
+    with pipe:
+        loss = pipe.step(ids, targets, side=side)
+    if not ahead or not compiled[: ahead[0]]:
+        found.append(f"{variant}: nothing compiled ahead")
+    elif len(compiled) != ahead[0]:
+        found.append(f"{variant}: the step compiled {compiled[ahead[0] :]} itself")
+    if not _close(loss, ref_loss):
+        found.append(f"{variant}: loss {loss.item()} != {ref_loss.item()}")
+    local = {id(p) for p in pipe.parameters()}
+    for n, p in model.named_parameters():
+        if id(p) in local and not _close(p.grad, ref_grads[n]):
+            found.append(f"{variant}: {n} gradient differs")
+    return found
