@@ -99,6 +99,7 @@ class TrainConfig:
     weight_grads: WeightGrads = "auto"
     receive_lead: int | None = 1
     cuda_graph: bool = False
+    compile: bool = False
     timeout: float = 300.0
     #: set by the launcher on the processes it starts
     worker: bool = False

@@ -248,6 +248,9 @@ def folder_stages(config: TrainConfig, layout: Layout, tp_mesh: Any) -> tuple[An
                 sequence_parallel=config.sequence_parallel,
                 vocab_parallel=not stages.tied,
             )
+        if config.compile:  # each layer in place, before any recompute wrapper
+            for layer, _ in module.chain:
+                layer.compile()
         return recompute_stage(module, recompute[index], index)
 
     return stage, bool(stages.tied)

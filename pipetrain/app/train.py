@@ -242,6 +242,8 @@ def _pipeline(
         defer_weight_grads=_DEFER[config.weight_grads],
         receive_lead=config.receive_lead,
         cuda_graph=config.cuda_graph,
+        # every rank compiles at once where a stand-in pass is exact (runtime.precompile)
+        precompile=config.compile and "mesh" not in placement and config.weight_grads != "deferred",
         **placement,
     )
     try:
@@ -272,14 +274,30 @@ def _pipeline(
                 sequence_parallel=config.sequence_parallel,
                 vocab_parallel=not tied,
             )
-        pipe = Pipeline.from_plan(
-            model.layers, layout, loss_fn=model.loss_fn, tied=model.tied, **options
-        )
+        layers = _compiled(model.layers) if config.compile else model.layers
+        pipe = Pipeline.from_plan(layers, layout, loss_fn=model.loss_fn, tied=model.tied, **options)
     except ValueError as e:
         what = "--tie-embeddings" if model is not None else "the folder's tied embeddings"
         flags = f"{what} with --dp {config.dp}: " if tied and config.dp > 1 else ""
         raise Refused(flags + str(e)) from None
     return pipe, replica
+
+
+def _compiled(layers: Any) -> Any:
+    """``--compile``: ``LayerModel.layers`` with each layer compiled in place (names and state
+    dicts unchanged); a factory's layers as it builds them."""
+    if isinstance(layers, Mapping):
+        for layer in layers.values():
+            layer.compile()
+        return layers
+    factory = layers
+
+    def build(index: int) -> Any:
+        layer = factory(index)
+        layer.compile()
+        return layer
+
+    return build
 
 
 def _placement(

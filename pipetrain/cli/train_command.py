@@ -182,6 +182,12 @@ def _process_options(choices: dict[str, tuple[str, ...]]) -> tuple[Option, ...]:
             "--dp/--tp; the report then has step times, not a measured timeline)",
         ),
         Option(
+            ("--compile",),
+            switch=True,
+            help="torch.compile each layer (inductor); without --dp/--tp every rank compiles "
+            "its stages at once before the first step instead of one rank after another",
+        ),
+        Option(
             ("--timeout",),
             type=positive_float,
             metavar="SECONDS",

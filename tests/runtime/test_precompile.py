@@ -36,3 +36,15 @@ def test_eager_stages_that_defer_only_probe_and_train_exactly():
 def test_precompiled_hf_layers_take_masks_and_packed_positions(variant):
     pytest.importorskip("transformers")
     assert launch(2, precompiled_hf, variant, timeout=240) == [[], []]
+
+
+def test_pipetrain_train_compile_precompiles_and_trains_as_eager(tmp_path):
+    from tests.support.precompile_cases import app_losses
+
+    corpus = str(tmp_path / "corpus.txt")
+    eager = launch(2, app_losses, False, corpus, timeout=120)
+    compiled = launch(2, app_losses, True, corpus, timeout=240)
+    assert [pre for _, pre in eager] == [False, False]
+    assert [pre for _, pre in compiled] == [True, True]
+    for (want, _), (got, _) in zip(eager, compiled):
+        assert len(got) == 3 and all(abs(g - w) <= 1e-9 * abs(w) for g, w in zip(got, want))

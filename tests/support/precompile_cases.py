@@ -151,3 +151,25 @@ def precompiled_hf(rank: int, world: int, variant: str) -> list[str]:
         if id(p) in local and not _close(p.grad, ref_grads[n]):
             found.append(f"{variant}: {n} gradient differs")
     return found
+
+
+def app_losses(rank: int, world: int, compiled: bool, corpus: str) -> tuple[list[float], bool]:
+    """``pipetrain train``'s loop (the GPT, float64, 1F1B on ``world`` ranks), with ``--compile``
+    or without: the losses, and whether its pipeline precompiled."""
+    from pipetrain.app.train import train
+    from pipetrain.runtime.pipeline import Pipeline
+    from tests.support.train_cases import train_args
+
+    made: list[Pipeline] = []
+    build = Pipeline.__init__
+
+    def tracked(self, *args, **kwargs) -> None:
+        made.append(self)
+        build(self, *args, **kwargs)
+
+    Pipeline.__init__ = tracked  # type: ignore[method-assign]  # this process only
+    flags = ["--model", "gpt", "-p", str(world), "-m", "2", "--steps", "3", "--layers", "2"]
+    flags += ["--hidden", "16", "--heads", "2", "--seq-len", "16", "--dtype", "float64"]
+    flags += ["--schedule", "1f1b", "--corpus-out", corpus, "--svg", corpus + ".svg"]
+    run = train(train_args(*flags, *(["--compile"] if compiled else [])), torch.device("cpu"))
+    return run.losses, made[0]._precompile is not None
