@@ -36,6 +36,8 @@ run train-gpt-compile 150 train --device cuda --ranks 2 --model gpt --schedule z
   --steps 20 --compile
 run train-gpt-compile-graph 150 train --device cuda --ranks 2 --model gpt --schedule zbv \
   --dtype bfloat16 --steps 20 --compile --cuda-graph
+run train-gpt-float8-compile 150 train --device cuda --ranks 2 --model gpt --schedule zbv \
+  --dtype bfloat16 --steps 20 --float8 --compile
 run train-tp2 90 train --device cuda --ranks 1 --tp 2 --dtype bfloat16 --steps 20
 run train-dp2 90 train --device cuda --ranks 1 --dp 2 --dtype bfloat16 --steps 20
 run demo 150 demo --out "$OUT/demo-out"

@@ -100,6 +100,7 @@ class TrainConfig:
     receive_lead: int | None = 1
     cuda_graph: bool = False
     compile: bool = False
+    float8: bool = False
     timeout: float = 300.0
     #: set by the launcher on the processes it starts
     worker: bool = False
@@ -180,6 +181,9 @@ def check_arguments(config: TrainConfig) -> Layout:
         Checkpoints(config.checkpoint_dir, shape).latest()
     layout = _layout(config, shape)
     _check_cuda_graph(config)
+    from pipetrain.app import kernels
+
+    kernels.check(config)
     if config.model_dir is None:
         _check_text(config, layout)
     elif not config.worker:  # tokenized once, by the launcher

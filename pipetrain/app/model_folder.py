@@ -226,11 +226,14 @@ def padded_batches(
         yield batch, targets, {"attention_mask": batch_mask}
 
 
-def folder_stages(config: TrainConfig, layout: Layout, tp_mesh: Any) -> tuple[Any, bool]:
+def folder_stages(
+    config: TrainConfig, layout: Layout, tp_mesh: Any, device: torch.device
+) -> tuple[Any, bool]:
     """This worker's stages, a callable ``stage -> module`` that builds only the stage asked for
     (each carries the model's ties by global name), and whether the model ties any weights."""
     import torch
 
+    from pipetrain.app import kernels
     from pipetrain.hf import from_pretrained, parallelize_causal_lm
     from pipetrain.runtime.backward.activation_checkpoint import recompute_stage
 
@@ -248,9 +251,9 @@ def folder_stages(config: TrainConfig, layout: Layout, tp_mesh: Any) -> tuple[An
                 sequence_parallel=config.sequence_parallel,
                 vocab_parallel=not stages.tied,
             )
-        if config.compile:  # each layer in place, before any recompute wrapper
-            for layer, _ in module.chain:
-                layer.compile()
+        # --float8 and --compile, each layer in place, before any recompute wrapper
+        for name, (layer, _) in zip(module.layer_names, module.chain):
+            kernels.prepare(layer, name == stages.names[-1], config, device)
         return recompute_stage(module, recompute[index], index)
 
     return stage, bool(stages.tied)

@@ -232,6 +232,7 @@ def _pipeline(
     ``--model-dir`` folder's stages (``app.model_folder``)."""
     from datetime import timedelta
 
+    from pipetrain.app import kernels
     from pipetrain.runtime.pipeline import Pipeline
 
     placement, replica = _placement(config, layout, device)
@@ -251,7 +252,7 @@ def _pipeline(
             from pipetrain.app.model_folder import folder_stages
             from pipetrain.hf import causal_lm_token_loss
 
-            stages, tied = folder_stages(config, layout, tp_mesh)
+            stages, tied = folder_stages(config, layout, tp_mesh, device)
             pipe = Pipeline(
                 stages,
                 layout.schedule,
@@ -274,30 +275,13 @@ def _pipeline(
                 sequence_parallel=config.sequence_parallel,
                 vocab_parallel=not tied,
             )
-        layers = _compiled(model.layers) if config.compile else model.layers
+        layers = kernels.prepared(model.layers, model.names, config, device)
         pipe = Pipeline.from_plan(layers, layout, loss_fn=model.loss_fn, tied=model.tied, **options)
     except ValueError as e:
         what = "--tie-embeddings" if model is not None else "the folder's tied embeddings"
         flags = f"{what} with --dp {config.dp}: " if tied and config.dp > 1 else ""
         raise Refused(flags + str(e)) from None
     return pipe, replica
-
-
-def _compiled(layers: Any) -> Any:
-    """``--compile``: ``LayerModel.layers`` with each layer compiled in place (names and state
-    dicts unchanged); a factory's layers as it builds them."""
-    if isinstance(layers, Mapping):
-        for layer in layers.values():
-            layer.compile()
-        return layers
-    factory = layers
-
-    def build(index: int) -> Any:
-        layer = factory(index)
-        layer.compile()
-        return layer
-
-    return build
 
 
 def _placement(

@@ -182,6 +182,12 @@ def _process_options(choices: dict[str, tuple[str, ...]]) -> tuple[Option, ...]:
             "--dp/--tp; the report then has step times, not a measured timeline)",
         ),
         Option(
+            ("--float8",),
+            switch=True,
+            help="torchao float8 training linears in every layer but the LM head (tensorwise "
+            "scales; emulated on the CPU); no --dp/--tp",
+        ),
+        Option(
             ("--compile",),
             switch=True,
             help="torch.compile each layer (inductor); without --dp/--tp every rank compiles "

@@ -138,6 +138,7 @@ def _args(*argv: str) -> TrainConfig:
         (("--resume",), "needs --checkpoint-dir"),
         (("--checkpoint-every", "5"), "needs --checkpoint-dir"),
         (("--plan", "/no/such/plan.json"), "no such file"),
+        (("--float8", "--dp", "2"), "--float8 with --dp or --tp is not supported"),
     ],
 )
 def test_bad_arguments_are_refused_before_launching(argv: tuple[str, ...], message: str) -> None:

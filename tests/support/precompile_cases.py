@@ -153,9 +153,13 @@ def precompiled_hf(rank: int, world: int, variant: str) -> list[str]:
     return found
 
 
-def app_losses(rank: int, world: int, compiled: bool, corpus: str) -> tuple[list[float], bool]:
-    """``pipetrain train``'s loop (the GPT, float64, 1F1B on ``world`` ranks), with ``--compile``
-    or without: the losses, and whether its pipeline precompiled."""
+def app_losses(
+    rank: int, world: int, extra: list[str], corpus: str
+) -> tuple[list[float], bool, int]:
+    """``pipetrain train``'s loop (the GPT, float64, 1F1B on ``world`` ranks) with the flags
+    ``extra``: the losses, whether its pipeline precompiled, and how many float8 linears this
+    rank's stages hold. ``--compile`` compiles with the ``aot_eager`` backend here (dynamo and
+    autograd's tracing, as inductor gets them, without its C++ builds on a 2-core machine)."""
     from pipetrain.app.train import train
     from pipetrain.runtime.pipeline import Pipeline
     from tests.support.train_cases import train_args
@@ -168,8 +172,21 @@ def app_losses(rank: int, world: int, compiled: bool, corpus: str) -> tuple[list
         build(self, *args, **kwargs)
 
     Pipeline.__init__ = tracked  # type: ignore[method-assign]  # this process only
+    compile_ = torch.nn.Module.compile
+
+    def light(self, *args, **kwargs) -> None:  # aot_eager: inductor's C++ builds take minutes
+        compile_(self, *args, **{**kwargs, "backend": "aot_eager"})
+
+    torch.nn.Module.compile = light  # type: ignore[method-assign]  # this process only
     flags = ["--model", "gpt", "-p", str(world), "-m", "2", "--steps", "3", "--layers", "2"]
     flags += ["--hidden", "16", "--heads", "2", "--seq-len", "16", "--dtype", "float64"]
     flags += ["--schedule", "1f1b", "--corpus-out", corpus, "--svg", corpus + ".svg"]
-    run = train(train_args(*flags, *(["--compile"] if compiled else [])), torch.device("cpu"))
-    return run.losses, made[0]._precompile is not None
+    run = train(train_args(*flags, *extra), torch.device("cpu"))
+    pipe = made[0]
+    float8 = sum(
+        type(m).__name__ == "Float8Linear" for s in pipe.modules.values() for m in s.modules()
+    )
+    from pipetrain.runtime.backward.deferred_wgrad import has_compiled_parts
+
+    compiled = all(has_compiled_parts(m) for m in pipe.modules.values())
+    return run.losses, pipe._precompile is not None and compiled, float8
