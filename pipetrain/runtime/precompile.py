@@ -163,8 +163,10 @@ def _quiet(runner: StageRunner, args: tuple):
     """Restore the stage's buffers and the random number generators afterwards."""
     buffers = [(b, b.detach().clone()) for b in runner.module.buffers()]
     devices = sorted({a.device for a in args if a.device.type == "cuda"}, key=str)
-    with torch.random.fork_rng(devices=devices):
-        yield
-    with torch.no_grad():
-        for b, saved in buffers:
-            b.copy_(saved)
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
