@@ -10,7 +10,7 @@ from tests.support.runtime_harness import launch
 
 
 def test_precompiled_stages_compile_nothing_in_the_step_and_train_exactly():
-    assert launch(2, precompiled, ["1f1b", "zbv"], timeout=240) == [[], []]
+    assert launch(2, precompiled, ["1f1b", "zbv", "interleaved-1f1b"], timeout=240) == [[], []]
 
 
 @pytest.mark.parametrize(
