@@ -243,8 +243,8 @@ def _pipeline(
         defer_weight_grads=_DEFER[config.weight_grads],
         receive_lead=config.receive_lead,
         cuda_graph=config.cuda_graph,
-        # every rank compiles at once where a stand-in pass is exact (runtime.precompile)
-        precompile=config.compile and "mesh" not in placement and config.weight_grads != "deferred",
+        # every rank compiles at once where the runtime finds it exact (runtime.precompile)
+        precompile=None if config.compile else False,
         **placement,
     )
     try:

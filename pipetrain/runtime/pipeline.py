@@ -101,7 +101,7 @@ class Pipeline:
     first layers, layer by layer), or an ``OffloadSpec`` (``runtime.host_offload``; docs/runtime.md).
     ``cuda_graph``: capture a training step as one CUDA graph and replay it while shapes, storage
     and modes stay (``runtime.cuda_graph``): no host time per action. ``precompile``: compile
-    every rank's compiled stages at once before a step of new shapes (``runtime.precompile``).
+    every rank's compiled stages at once before a step of new shapes (``None``: where it applies).
     """
 
     @posts_failures(_PHASES)
@@ -127,7 +127,7 @@ class Pipeline:
         receive_lead: int | None = 1,
         offload: resolve.Offload = None,
         cuda_graph: bool = False,
-        precompile: bool = False,
+        precompile: bool | None = False,
     ) -> None:
         resolve.require_process_group()
         groups = resolve.resolve_groups(group, mesh, data_parallel)

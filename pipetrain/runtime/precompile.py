@@ -27,6 +27,7 @@ hooks (``register_hook``: they run on any gradient computed for the parameter).
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -38,6 +39,8 @@ from pipetrain.runtime.comm.p2p import DTYPE_CODE, DTYPES, TensorMeta
 from pipetrain.runtime.stage import StageRunner, leaves
 from pipetrain.runtime.torch_compat import get_gradient_edge, has_tensor_hooks
 from pipetrain.schedule.placement import Placement
+
+_log = logging.getLogger(__name__)
 
 
 class Precompile:
@@ -51,26 +54,27 @@ class Precompile:
 
     @classmethod
     def build(
-        cls, wanted: bool, agreement: Agreement, runners: Mapping[int, StageRunner], wide: bool
+        cls,
+        wanted: bool | None,
+        agreement: Agreement,
+        runners: Mapping[int, StageRunner],
+        wide: bool,
     ) -> Precompile | None:
-        """``Pipeline(precompile=wanted)``'s, or ``None``; refuses what a stand-in pass could
-        not run without a trace (module docstring). ``wide``: a mesh or data parallel."""
-        if not wanted:
+        """``Pipeline(precompile=wanted)``'s, or ``None``. ``True`` refuses what a stand-in pass
+        could not run without a trace (module docstring); ``None`` turns it on where every
+        rank's stages allow it and some rank holds compiled ones (the ranks agree through the
+        store: all of them run the probe, or none). ``wide``: a mesh or data parallel."""
+        if wanted is False:
             return None
-        why = "its stand-in passes would communicate and reduce gradients" if wide else ""
-        for s, runner in runners.items():
-            if why or not has_compiled_parts(runner.module):
-                continue
-            if not isinstance(runner.split, GraphReplay):
-                why = (
-                    f"stage {s} defers its weight gradients (its backward writes .grad itself); "
-                    "pass defer_weight_grads=False"
-                )
-            elif any(has_tensor_hooks(p) for p in runner.module.parameters()):
-                why = (
-                    f"stage {s} has a parameter with a tensor hook (register_hook), which would run"
-                )
-        if why:
+        why = _obstacle(runners, wide)
+        if wanted is None:
+            compiled = any(has_compiled_parts(r.module) for r in runners.values())
+            everyone = agreement.gather("precompile", {"obstacle": why, "compiled": compiled})
+            why = next((r["obstacle"] for r in everyone if r["obstacle"]), "")
+            if why or not any(r["compiled"] for r in everyone):
+                _log.info("precompile off: %s", why or "no stage is compiled")
+                return None
+        elif why:
             raise ValueError(f"precompile=True cannot be used here: {why}")
         return cls(agreement, runners)
 
@@ -138,6 +142,23 @@ class Precompile:
 
     def _name(self, stage: int) -> str:
         return f"precompile/{self.rounds}/{stage}"
+
+
+def _obstacle(runners: Mapping[int, StageRunner], wide: bool) -> str:
+    """Why a stand-in pass here would leave a trace, or ``""``."""
+    if wide:
+        return "its stand-in passes would communicate and reduce gradients"
+    for s, runner in runners.items():
+        if not has_compiled_parts(runner.module):
+            continue
+        if not isinstance(runner.split, GraphReplay):
+            return (
+                f"stage {s} defers its weight gradients (its backward writes .grad itself); "
+                "pass defer_weight_grads=False"
+            )
+        if any(has_tensor_hooks(p) for p in runner.module.parameters()):
+            return f"stage {s} has a parameter with a tensor hook (register_hook), which would run"
+    return ""
 
 
 def _side_key(side: dict | None) -> tuple:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.precompile_cases import precompiled, precompiled_hf, refused
+from tests.support.precompile_cases import automatic, precompiled, precompiled_hf, refused
 from tests.support.runtime_harness import launch
 
 
@@ -26,6 +26,10 @@ def test_precompile_is_refused_where_a_stand_in_pass_would_leave_a_trace(how, wa
     seen = launch(2, refused, how, timeout=120)
     for text in seen:
         assert re.search(f"^ValueError: precompile=True cannot be used here: .*{want}", text), text
+
+
+def test_precompile_none_turns_on_only_where_every_rank_can_and_something_is_compiled():
+    assert launch(2, automatic, timeout=120) == [[True, False, False]] * 2
 
 
 def test_eager_stages_that_defer_only_probe_and_train_exactly():

@@ -65,12 +65,20 @@ def run_masked(rank: int, world: int, plans: list[tuple[str, str, list[str]]]) -
             case = f"{kind} {variant} {name}"
             if not _close(loss, ref_loss):
                 failures.append(f"{case}: loss {loss.item()} != {ref_loss.item()}")
-            local = {id(p) for p in pipe.parameters()}
-            for n, p in model.named_parameters():
-                if id(p) in local and not _close(p.grad, ref_grads[n]):
-                    failures.append(f"{case}: {n} gradient differs")
+            failures += gradient_failures(case, model, pipe, ref_grads)
             pipe.close()
     return failures
+
+
+def gradient_failures(case: str, model, pipe, ref_grads: dict) -> list[str]:
+    """The parameters of ``model`` held by this rank's ``pipe`` whose gradient differs from the
+    unsplit model's (``ref_grads`` by name)."""
+    local = {id(p) for p in pipe.parameters()}
+    return [
+        f"{case}: {n} gradient differs"
+        for n, p in model.named_parameters()
+        if id(p) in local and not _close(p.grad, ref_grads[n])
+    ]
 
 
 def _even(num_layers: int, num_stages: int) -> list[int]:

@@ -28,6 +28,19 @@ def counting_backend(compiled: list[str]):
     return aot_autograd(fw_compiler=note("forward"), bw_compiler=note("backward"))
 
 
+def note_ahead(pipe, compiled: list[str]) -> list[int]:
+    """After each run of ``pipe``'s probe and passes, how many graphs ``compiled`` then held."""
+    ahead: list[int] = []
+    before_step = pipe._precompile.before_step
+
+    def noting(*args) -> None:
+        before_step(*args)
+        ahead.append(len(compiled))
+
+    pipe._precompile.before_step = noting
+    return ahead
+
+
 def precompiled(rank: int, world: int, schedules: list[str]) -> list[str]:
     """Per schedule: two steps with ``precompile=True``; returns what went wrong — a graph the
     step compiled itself, nothing compiled ahead, or a loss or gradient unlike the unsplit
@@ -52,14 +65,7 @@ def precompiled(rank: int, world: int, schedules: list[str]) -> list[str]:
         pipe = pipetrain.Pipeline(
             build, name, m, lm_loss, stages_per_rank=v, num_stages=v * world, precompile=True
         )
-        ahead: list[int] = []
-        before_step = pipe._precompile.before_step
-
-        def noting(*args, before_step=before_step, ahead=ahead, compiled=compiled):
-            before_step(*args)
-            ahead.append(len(compiled))
-
-        pipe._precompile.before_step = noting
+        ahead = note_ahead(pipe, compiled)
         x, y = batch(m)
         losses = [pipe.step(x, y) for _ in range(2)]
         pipe.close()
@@ -113,7 +119,7 @@ def precompiled_hf(rank: int, world: int, variant: str) -> list[str]:
     or packed rows as side inputs, 1F1B with ``precompile=True``: against the unsplit model, and
     which graphs the step compiled itself."""
     from hf_cases import _close, build
-    from hf_mask_cases import ROWS, batch, reference, side_inputs
+    from hf_mask_cases import ROWS, batch, gradient_failures, reference, side_inputs
 
     import pipetrain
     from pipetrain.hf import causal_lm_layers, causal_lm_token_loss, next_token_targets
@@ -130,14 +136,7 @@ def precompiled_hf(rank: int, world: int, variant: str) -> list[str]:
             layer.compile(backend=counting_backend(compiled))
     stages = pipetrain.split(layers, [2, 3])  # a decoder layer on each rank
     pipe = pipetrain.Pipeline(stages, "1f1b", 4, causal_lm_token_loss, precompile=True)
-    ahead: list[int] = []
-    before_step = pipe._precompile.before_step
-
-    def noting(*args):
-        before_step(*args)
-        ahead.append(len(compiled))
-
-    pipe._precompile.before_step = noting
+    ahead = note_ahead(pipe, compiled)
     with pipe:
         loss = pipe.step(ids, targets, side=side)
     if not ahead or not compiled[: ahead[0]]:
@@ -146,11 +145,7 @@ def precompiled_hf(rank: int, world: int, variant: str) -> list[str]:
         found.append(f"{variant}: the step compiled {compiled[ahead[0] :]} itself")
     if not _close(loss, ref_loss):
         found.append(f"{variant}: loss {loss.item()} != {ref_loss.item()}")
-    local = {id(p) for p in pipe.parameters()}
-    for n, p in model.named_parameters():
-        if id(p) in local and not _close(p.grad, ref_grads[n]):
-            found.append(f"{variant}: {n} gradient differs")
-    return found
+    return found + gradient_failures(variant, model, pipe, ref_grads)
 
 
 def app_losses(
@@ -190,3 +185,24 @@ def app_losses(
 
     compiled = all(has_compiled_parts(m) for m in pipe.modules.values())
     return run.losses, pipe._precompile is not None and compiled, float8
+
+
+def automatic(rank: int, world: int) -> list[bool]:
+    """``precompile=None`` per case — compiled stages on graph replay, compiled stages that
+    defer (refused under ``True``), eager stages: whether the pipeline precompiles."""
+    import pipetrain
+
+    found = []
+    for compiled, defer in ((True, None), (True, True), (False, None)):
+
+        def build(s: int, compiled=compiled):
+            stage = convert(make_stage(CFG, s, world), False, None)
+            for block in stage.blocks.values() if compiled else ():
+                block.compile(backend="aot_eager")
+            return stage
+
+        with pipetrain.Pipeline(
+            build, "1f1b", 2, lm_loss, num_stages=world, precompile=None, defer_weight_grads=defer
+        ) as pipe:
+            found.append(pipe._precompile is not None)
+    return found
