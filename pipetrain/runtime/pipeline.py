@@ -101,7 +101,8 @@ class Pipeline:
     first layers, layer by layer), or an ``OffloadSpec`` (``runtime.host_offload``; docs/runtime.md).
     ``cuda_graph``: capture a training step as one CUDA graph and replay it while shapes, storage
     and modes stay (``runtime.cuda_graph``): no host time per action. ``precompile``: compile
-    every rank's compiled stages at once before a step of new shapes (``None``: where it applies).
+    every rank's compiled stages at once before a step of new shapes (``None``, the default:
+    where every rank's stages allow it and some stage is compiled; ``False``: never).
     """
 
     @posts_failures(_PHASES)
@@ -127,7 +128,7 @@ class Pipeline:
         receive_lead: int | None = 1,
         offload: resolve.Offload = None,
         cuda_graph: bool = False,
-        precompile: bool | None = False,
+        precompile: bool | None = None,
     ) -> None:
         resolve.require_process_group()
         groups = resolve.resolve_groups(group, mesh, data_parallel)
