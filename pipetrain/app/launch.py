@@ -198,6 +198,7 @@ def _worker(config: TrainConfig, layout: Layout) -> int:
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=config.timeout))
     try:
+        from pipetrain.runtime.comm.barrier import barrier
         from pipetrain.runtime.comm.failures import PipelineRefused
 
         try:
@@ -218,7 +219,7 @@ def _worker(config: TrainConfig, layout: Layout) -> int:
             print(said, file=stream, flush=True)
         # Tear down together, also after a refusal: a gloo group destroyed while a peer is
         # still busy (rank 0 writing the report) can abort the process at exit.
-        dist.barrier()
+        barrier()
         return status
     finally:
         dist.destroy_process_group()

@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from pipetrain.hf import checkpoint_files
 from pipetrain.hf.causal_lm import tied_weights
+from pipetrain.runtime.comm.barrier import barrier
 
 
 def save_pretrained(pipe: Any, out_dir: str | Path, *, config: Any = None) -> None:
@@ -63,9 +64,9 @@ def save_pretrained(pipe: Any, out_dir: str | Path, *, config: Any = None) -> No
             checkpoint_files.write_index(out, weight_map, sum(b for b, _ in sizes.values()))
             _write_config(config, out, {d for _, d in sizes.values() if d.is_floating_point})
     if pipe.world_size > 1:
-        dist.barrier(group=pipe.group)  # every shard is written before any rank returns
+        barrier(pipe.group)  # every shard is written before any rank returns
     for group in mesh.groups.values() if mesh is not None else ():
-        dist.barrier(group=group)
+        barrier(group)
 
 
 def _write_config(config: Any, out: Path, floating: set[torch.dtype]) -> None:

@@ -47,6 +47,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from pipetrain.runtime import checkpoint_disk
+from pipetrain.runtime.comm.barrier import barrier
 
 MODEL, OPTIM, GROUP = "model.", "optim.", "optim_group."
 T = TypeVar("T")
@@ -255,7 +256,7 @@ def _coordinator(processes: dict) -> bool:
 
 def _barrier(processes: dict) -> None:
     if not processes.get("no_dist"):
-        dist.barrier(group=processes["process_group"])
+        barrier(processes["process_group"])
 
 
 def _load_targets(stored, modules: list[nn.Module], optimizer) -> tuple[dict, dict[int, str]]:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipetrain.runtime.comm.barrier import barrier
 from pipetrain.schedule.action import Action
 from pipetrain.schedule.timeline import Span, Timeline
 
@@ -39,7 +40,7 @@ class Recorder:
         if not self.enabled:
             return
         if dist.is_initialized() and dist.get_world_size(group) > 1:
-            dist.barrier(group=group)
+            barrier(group)
         if self.cuda:
             torch.cuda.synchronize()  # the origin event then runs at once: one axis for both clocks
         self._host_origin = time.perf_counter()
