@@ -28,7 +28,7 @@ def test_precompile_is_refused_where_a_stand_in_pass_would_leave_a_trace(how, wa
         assert re.search(f"^ValueError: precompile=True cannot be used here: .*{want}", text), text
 
 
-def test_precompile_none_turns_on_only_where_every_rank_can_and_something_is_compiled():
+def test_precompile_by_default_turns_on_only_where_every_rank_can_and_something_is_compiled():
     assert launch(2, automatic, timeout=120) == [[True, False, False]] * 2
 
 

@@ -188,8 +188,9 @@ def app_losses(
 
 
 def automatic(rank: int, world: int) -> list[bool]:
-    """``precompile=None`` per case — compiled stages on graph replay, compiled stages that
-    defer (refused under ``True``), eager stages: whether the pipeline precompiles."""
+    """``precompile`` left at its default (``None``) per case — compiled stages on graph replay,
+    compiled stages that defer (refused under ``True``), eager stages: whether the pipeline
+    precompiles."""
     import pipetrain
 
     found = []
@@ -202,7 +203,7 @@ def automatic(rank: int, world: int) -> list[bool]:
             return stage
 
         with pipetrain.Pipeline(
-            build, "1f1b", 2, lm_loss, num_stages=world, precompile=None, defer_weight_grads=defer
+            build, "1f1b", 2, lm_loss, num_stages=world, defer_weight_grads=defer
         ) as pipe:
             found.append(pipe._precompile is not None)
     return found
