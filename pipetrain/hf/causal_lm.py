@@ -97,17 +97,18 @@ def layers_of(model: Any) -> dict[str, nn.Module]:
     config = model.config
     if getattr(config, "add_cross_attention", False):
         raise ValueError("cross-attention (add_cross_attention=True) is not supported")
+    shared = masks.BuiltOnce()  # the layers' masks and rotary tables, built once per micro-batch
     if model_type == "gpt2":
         body = model.transformer
         layers: dict[str, nn.Module] = {"transformer": GPT2Embedding(body)}
         for i, block in enumerate(body.h):
-            layers[f"transformer.h.{i}"] = GPT2Layer(block, config)
+            layers[f"transformer.h.{i}"] = GPT2Layer(block, config, shared)
         layers["transformer.ln_f"] = body.ln_f
     else:
         body = model.model
         layers = {"model.embed_tokens": body.embed_tokens}
         for i, layer in enumerate(body.layers[: config.num_hidden_layers]):
-            layers[f"model.layers.{i}"] = DecoderLayer(layer, body.rotary_emb, config, i)
+            layers[f"model.layers.{i}"] = DecoderLayer(layer, body.rotary_emb, config, i, shared)
         layers["model.norm"] = body.norm
     layers["lm_head"] = model.lm_head
     return layers
@@ -229,10 +230,19 @@ class _Adopting(nn.Module):
 
 
 class DecoderLayer(_Adopting):
-    """A Llama-family decoder layer that computes its own position ids, rotary table and mask."""
+    """A Llama-family decoder layer that computes its own position ids, rotary table and mask
+    (or takes them from the layer before it in the same micro-batch: ``shared``)."""
 
-    def __init__(self, layer: nn.Module, rotary_emb: nn.Module, config, index: int) -> None:
+    def __init__(
+        self,
+        layer: nn.Module,
+        rotary_emb: nn.Module,
+        config,
+        index: int,
+        shared: masks.BuiltOnce | None = None,
+    ) -> None:
         super().__init__(layer)
+        self.shared = shared if shared is not None else masks.BuiltOnce()
         self.rotary_emb = rotary_emb  # buffers only (non-persistent): no state-dict keys
         self.config = config
         kinds = getattr(config, "layer_types", None)
@@ -255,12 +265,21 @@ class DecoderLayer(_Adopting):
             rows, tokens, width = hidden.shape
             whole = hidden[:, :1].expand(rows, tokens * self.sequence_shards, width)
         positions = masks.positions(whole, position_ids)
-        mask = masks.layer_mask(self.config, whole, attention_mask, position_ids, self.sliding)
+        shape = (tuple(whole.shape), hidden.dtype, hidden.device)
+        mask = self.shared.get(
+            ("mask", id(self.config), self.sliding, *shape),
+            (attention_mask, position_ids),
+            lambda: masks.layer_mask(
+                self.config, whole, attention_mask, position_ids, self.sliding
+            ),
+        )
+        rotary = self.shared.get(
+            ("rotary", id(self.rotary_emb), *shape),
+            (position_ids, getattr(self.rotary_emb, "inv_freq", None)),
+            lambda: self.rotary_emb(hidden, position_ids=positions),
+        )
         return self.wrapped(
-            hidden,
-            attention_mask=mask,
-            position_ids=positions,
-            position_embeddings=self.rotary_emb(hidden, position_ids=positions),
+            hidden, attention_mask=mask, position_ids=positions, position_embeddings=rotary
         )
 
 
@@ -280,11 +299,13 @@ class GPT2Embedding(nn.Module):
 
 
 class GPT2Layer(_Adopting):
-    """A GPT-2 block that builds its own causal mask."""
+    """A GPT-2 block that builds its own causal mask (or takes it from the block before it in the
+    same micro-batch: ``shared``)."""
 
-    def __init__(self, block: nn.Module, config) -> None:
+    def __init__(self, block: nn.Module, config, shared: masks.BuiltOnce | None = None) -> None:
         super().__init__(block)
         self.config = config
+        self.shared = shared if shared is not None else masks.BuiltOnce()
 
     def forward(
         self,
@@ -293,5 +314,9 @@ class GPT2Layer(_Adopting):
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         positions = masks.positions(hidden, position_ids)
-        mask = masks.layer_mask(self.config, hidden, attention_mask, position_ids, sliding=False)
+        mask = self.shared.get(
+            ("mask", id(self.config), tuple(hidden.shape), hidden.dtype, hidden.device),
+            (attention_mask, position_ids),
+            lambda: masks.layer_mask(self.config, hidden, attention_mask, position_ids, False),
+        )
         return self.wrapped(hidden, None, mask, position_ids=positions)

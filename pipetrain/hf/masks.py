@@ -16,14 +16,20 @@ side inputs, each ``(rows, T)`` and split into micro-batches like the inputs:
 Each decoder layer builds its 4-D mask (or ``BlockMask`` under FlexAttention, or ``None`` where
 SDPA's own causal flag suffices) with ``transformers``' mask functions, from the same arguments
 the unsplit ``forward`` passes them, so the mask is the model's whatever the attention
-implementation the config names.
+implementation the config names. The first layer of a stage that needs a mask (or a rotary
+table) builds it and the next ones reuse it (``BuiltOnce``), as the model's own ``forward``
+builds them once per call rather than once per layer.
 """
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
+
+from pipetrain.runtime.torch_compat import saved_tensors_hooked, version_of
 
 IGNORE_INDEX = -100
 
@@ -34,6 +40,70 @@ def positions(hidden: torch.Tensor, position_ids: torch.Tensor | None) -> torch.
     if position_ids is not None:
         return position_ids
     return torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+
+
+class BuiltOnce:
+    """What the decoder layers of one model build alike from a micro-batch's side inputs — the
+    attention mask, the rotary table — built by the first layer that asks and reused by the
+    next. Each layer building its own would repeat the work per layer, and with a padding mask
+    ``transformers``' SDPA mask builder waits for the device to learn whether any token is
+    padding: once per layer and micro-batch instead of once.
+
+    One value per kind of thing (``what``: a kind and the shapes it depends on) is kept, and
+    reused only while every tensor it was built from is the same object, unchanged in place
+    since (its version counter: a CUDA graph's static buffers are refilled in place); it is
+    dropped when one of them is freed (the micro-batch's side inputs, at the end of a step) or
+    replaced by the next micro-batch's. Built every time inside ``torch.compile`` (in the traced
+    code, as ``transformers`` builds it there), where saved-tensor hooks are active (a
+    checkpointed layer's recompute must run what its forward ran) and for inference tensors
+    (no version counter). Copies of a layer start empty."""
+
+    def __init__(self) -> None:
+        self._slots: dict[Hashable, tuple[tuple, tuple, Any]] = {}
+
+    def __deepcopy__(self, memo: dict) -> BuiltOnce:
+        return BuiltOnce()
+
+    def __reduce__(self):
+        return (BuiltOnce, ())
+
+    def get(
+        self, what: Hashable, sources: tuple[torch.Tensor | None, ...], build: Callable[[], Any]
+    ):
+        """``build()``, or the value the last call with the same ``what`` built, if it was built
+        from these very ``sources`` (``None`` entries allowed), unchanged since."""
+        given = [s for s in sources if s is not None]
+        if (
+            torch.compiler.is_compiling()
+            or saved_tensors_hooked()
+            or any(s.is_inference() for s in given)
+        ):
+            return build()
+        ids = tuple(None if s is None else (id(s), version_of(s)) for s in sources)
+        slot = self._slots.get(what)
+        if slot is not None and slot[0] == ids and all(r() is s for r, s in zip(slot[1], given)):
+            return slot[2]
+        value = build()
+        drop = _dropper(weakref.ref(self), what)
+        self._slots[what] = (ids, tuple(weakref.ref(s, drop) for s in given), value)
+        return value
+
+    def _drop(self, what: Hashable, ref: weakref.ref) -> None:
+        slot = self._slots.get(what)
+        if slot is not None and any(r is ref for r in slot[1]):
+            del self._slots[what]
+
+
+def _dropper(owner: weakref.ref, what: Hashable) -> Callable[[weakref.ref], None]:
+    """The callback that drops ``what``'s slot when a tensor it was built from is freed (holding
+    its owner weakly: a freed layer's cache goes with it)."""
+
+    def drop(ref: weakref.ref) -> None:
+        cache = owner()
+        if cache is not None:
+            cache._drop(what, ref)
+
+    return drop
 
 
 def layer_mask(

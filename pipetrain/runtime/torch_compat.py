@@ -34,7 +34,9 @@ __all__ = [
     "post_accumulate_grad_hooks",
     "profiler_enabled",
     "saved_by_selective_recompute",
+    "saved_tensors_hooked",
     "store_of",
+    "version_of",
 ]
 
 _engine_run_backward: Callable[..., tuple[torch.Tensor, ...]] | None
@@ -123,6 +125,19 @@ def has_tensor_hooks(param: torch.Tensor) -> bool:
     """Whether ``param`` has hooks from ``Tensor.register_hook`` (kept in the undocumented
     ``_backward_hooks``): they run on any gradient computed for it, captured or accumulated."""
     return bool(getattr(param, "_backward_hooks", None))
+
+
+def version_of(t: torch.Tensor) -> int:
+    """How often ``t`` was changed in place, through itself or a view of its storage (autograd's
+    version counter, ``Tensor._version``): a value built from ``t`` is stale once this moves."""
+    return t._version
+
+
+def saved_tensors_hooked() -> bool:
+    """Whether saved-tensor hooks are active here (``torch._C._autograd.
+    _top_saved_tensors_default_hooks``): activation checkpointing's forward and recompute, and
+    activation offload, run under them — code there must run the same operations each time."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
 
 
 def store_of(group) -> dist.Store:
@@ -265,6 +280,22 @@ def _check_tensor_hooks() -> None:
         raise AssertionError("Tensor._backward_hooks does not hold register_hook's hooks")
 
 
+def _check_version() -> None:
+    t = torch.zeros(4)
+    before = version_of(t)
+    t[:2].add_(1.0)  # through a view
+    if version_of(t) == before:
+        raise AssertionError("Tensor._version does not count an in-place change through a view")
+
+
+def _check_saved_tensors_hooked() -> None:
+    if saved_tensors_hooked():
+        raise AssertionError("saved-tensor hooks reported where none is active")
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        if not saved_tensors_hooked():
+            raise AssertionError("_top_saved_tensors_default_hooks does not see active hooks")
+
+
 def _check_prehook() -> None:
     x = torch.ones(2, requires_grad=True)
     y = x * 2.0
@@ -369,6 +400,16 @@ PRIVATE_APIS: tuple[tuple[str, str, Callable[[], None]], ...] = (
         "Tensor._backward_hooks",
         "refuse precompile's stand-in passes where a tensor hook would run",
         _check_tensor_hooks,
+    ),
+    (
+        "Tensor._version",
+        "reuse a mask built from side inputs only while they are unchanged (pipetrain.hf)",
+        _check_version,
+    ),
+    (
+        "torch._C._autograd._top_saved_tensors_default_hooks",
+        "build masks afresh inside checkpointed regions, as their recompute does (pipetrain.hf)",
+        _check_saved_tensors_hooked,
     ),
     (
         "torch.autograd.graph.Node.register_prehook",

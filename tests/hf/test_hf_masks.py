@@ -5,6 +5,8 @@ loss and gradients equal the unsplit model's with ``token_mean`` over the whole 
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 pytest.importorskip("transformers")
@@ -140,3 +142,56 @@ def test_padded_and_packed_batches_match_the_unsplit_model_on_2_ranks():
     failures = launch(2, run_masked, plans, timeout=300)
     problems = [f for rank_failures in failures for f in rank_failures]
     assert not problems, "\n".join(problems)
+
+
+def test_a_stage_builds_its_mask_and_rotary_table_once_a_call_and_again_when_they_change(
+    monkeypatch,
+):
+    """Three decoder layers share what they build from the side inputs (``BuiltOnce``): one mask
+    per call, one rotary table per positions; a mask changed in place, new side inputs and
+    checkpointed layers (whose recompute must repeat their forward) build afresh, and the
+    logits stay the model's."""
+    import transformers.masking_utils as masking
+    from torch.utils.checkpoint import checkpoint
+
+    model = build("llama", layers=3)
+    layers = causal_lm_layers(model)
+    (stage,) = pipetrain.split(layers, [len(layers)])
+    masks_built, tables_built = [], []
+    make_mask = masking.create_causal_mask
+    monkeypatch.setattr(
+        masking, "create_causal_mask", lambda **kw: masks_built.append(1) or make_mask(**kw)
+    )
+    rotary = type(model.model.rotary_emb)  # the stage holds copies: count on the class
+    make_table = rotary.forward
+    monkeypatch.setattr(
+        rotary, "forward", lambda *a, **k: tables_built.append(1) or make_table(*a, **k)
+    )
+    ids, side = batch(ROWS), side_inputs("left")
+
+    def check(masks: int, tables: int) -> None:
+        masks_built.clear(), tables_built.clear()
+        got = stage(ids, **side)
+        assert (len(masks_built), len(tables_built)) == (masks, tables)
+        assert torch.equal(got, model(ids, **side, use_cache=False).logits)
+
+    check(1, 1)
+    side["attention_mask"][0, :5] = 0  # in place: the same tensor, other values
+    check(1, 0)  # the rotary table depends on the positions alone (here 0..T-1)
+    check(0, 0)  # the same inputs again (another step of the same batch)
+    side = side_inputs("right")  # new tensors
+    check(1, 0)
+    with torch.no_grad():
+        check(0, 0)
+    side["position_ids"] = torch.arange(SEQ).expand(ROWS, SEQ)
+    check(1, 1)
+    blocks = [layers[f"model.layers.{i}"] for i in range(3)]
+    for block in blocks:  # each layer checkpointed on its own, as recompute wraps them
+        monkeypatch.setattr(
+            block, "forward", functools.partial(checkpoint, block.forward, use_reentrant=False)
+        )
+    masks_built.clear()
+    got = stage(ids, **side)
+    assert len(masks_built) == 3 and torch.equal(got, model(ids, **side, use_cache=False).logits)
+    got.sum().backward()  # the recompute builds again, the same operations as the forward
+    assert len(masks_built) == 6
