@@ -55,7 +55,8 @@ class BuiltOnce:
     dropped when one of them is freed (the micro-batch's side inputs, at the end of a step) or
     replaced by the next micro-batch's. Built every time inside ``torch.compile`` (in the traced
     code, as ``transformers`` builds it there), where saved-tensor hooks are active (a
-    checkpointed layer's recompute must run what its forward ran) and for inference tensors
+    checkpointed layer's recompute must run what its forward ran), during a CUDA graph capture
+    (a replay must compute it, not read a tensor this cache may free) and for inference tensors
     (no version counter). Copies of a layer start empty."""
 
     def __init__(self) -> None:
@@ -77,6 +78,7 @@ class BuiltOnce:
             torch.compiler.is_compiling()
             or saved_tensors_hooked()
             or any(s.is_inference() for s in given)
+            or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
         ):
             return build()
         ids = tuple(None if s is None else (id(s), version_of(s)) for s in sources)
