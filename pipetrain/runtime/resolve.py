@@ -298,6 +298,12 @@ def plan_stages(layers, layout: Layout, kwargs: dict) -> Callable[[int], nn.Modu
             f"{world}; launch {layout.ranks} processes per pipeline, or plan again with "
             f"--ranks {world}"
         )
+    if kwargs.get("cuda_graph"):
+        _log.warning(
+            "cuda_graph=True on a plan: the plan's peaks are an eager step's; a captured step "
+            "holds more (its graph's memory pool keeps blocks an eager step frees and reuses), "
+            'so plan for less memory than the GPU has (docs/planning.md, "CUDA graphs")'
+        )
     counts = layout.stage_layers
     callable_form = callable(layers) and not isinstance(layers, (nn.Module, Sequence, dict))
     cut: list[Sequence[nn.Module]] = []

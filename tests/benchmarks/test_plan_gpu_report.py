@@ -1,0 +1,56 @@
+"""benchmarks/gpu/plan_gpu_report.py: a run fits a budget when its allocated peak is within the
+usable memory (the budget less the planner's headroom) for the regret and the stricter
+over-budget check; the regret and the check against the whole budget are reported beside them."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "gpu"))
+
+from plan_gpu_report import summarize
+
+
+def _run(role: str, cut: list[int], step_ms: float, peak: float, fits: bool) -> dict:
+    return {
+        "role": role, "schedule": "1f1b", "stages_per_rank": 1, "microbatches": 8,
+        "stage_layers": cut, "recompute": ["none", "none"], "offload": [0.0, 0.0],
+        "predicted_step_ms": step_ms, "predicted_peak_gib": [peak, peak], "predicted_fits": fits,
+    }  # fmt: skip
+
+
+def test_regret_counts_only_runs_within_the_usable_memory() -> None:
+    pick = _run("pick", [3, 3], 100.0, 8.5, fits=True)
+    headroom_only = _run("near", [4, 2], 80.0, 9.3, fits=False)  # fits 10 GiB, not 9 usable
+    slower = _run("near", [2, 4], 110.0, 8.8, fits=True)
+    budget = {"budget": "b", "memory_gib": 10.0, "usable_gib": 9.0,
+              "runs": [pick, headroom_only, slower]}  # fmt: skip
+    results = {
+        "1f1b/v1/M8/3,3": {"microbatches": 8, "step_ms": 100.0, "peak_gib": [8.5, 8.4]},
+        "1f1b/v1/M8/4,2": {"microbatches": 8, "step_ms": 80.0, "peak_gib": [9.5, 9.0]},
+        "1f1b/v1/M8/2,4": {"microbatches": 8, "step_ms": 98.0, "peak_gib": [8.8, 8.8]},
+    }
+    (out,) = summarize({}, [budget], results, {})["budgets"]
+    # the best run within 9 GiB is 2,4 at 98 ms: the pick's regret is 100 / 98 - 1
+    assert out["regret"] == pytest.approx(100 / 98 - 1)
+    assert out["regret_whole_budget"] == pytest.approx(100 / 80 - 1)
+    assert out["checks"]["regret at most 3%"] is True
+    assert out["over_budget_expected"] == ["1f1b/v1/M8/4,2"]  # 9.5 > 9 usable, predicted so
+    assert out["over_budget_unexpected"] == []
+    assert out["checks"]["no run predicted to fit measured over the usable memory"] is True
+    assert out["checks"]["no run predicted to fit measured over the budget"] is True
+
+
+def test_a_run_predicted_to_fit_but_measured_over_the_usable_memory_fails_the_check() -> None:
+    pick = _run("pick", [3, 3], 100.0, 8.5, fits=True)
+    budget = {"budget": "b", "memory_gib": 10.0, "usable_gib": 9.0, "runs": [pick]}
+    results = {"1f1b/v1/M8/3,3": {"microbatches": 8, "step_ms": 100.0, "peak_gib": [9.2, 8.0]}}
+    (out,) = summarize({}, [budget], results, {})["budgets"]
+    assert out["over_budget_unexpected"] == ["1f1b/v1/M8/3,3"]
+    assert out["checks"]["no run predicted to fit measured over the usable memory"] is False
+    assert out["checks"]["no run predicted to fit measured over the budget"] is True  # 9.2 < 10
+    # nothing measured fits the usable memory but the pick's own step counts: no regret
+    assert out["regret"] == 0.0
