@@ -254,6 +254,7 @@ def test_a_plan_run_as_a_graph_warns_that_its_peaks_are_an_eager_steps(monkeypat
     layers = [nn.Linear(2, 2), nn.Linear(2, 2)]
     caplog.set_level("WARNING", logger="pipetrain.runtime.resolve")
     resolve.plan_stages(layers, layout, {})
+    resolve.plan_stages(layers, layout, {"cuda_graph": True}, planned=False)  # a bare Layout
     assert not caplog.records
     resolve.plan_stages(layers, layout, {"cuda_graph": True})
     assert "the plan's peaks are an eager step's" in caplog.text
