@@ -181,11 +181,24 @@ _REFUSED = 3
 _STOPPED = 4
 
 
+def _quiet_import_notices() -> None:
+    """Keep notices that say nothing about the run out of a worker's output. ``transformers``
+    imports torchao where it is installed (its quantizer registry): torchao warns for each
+    prebuilt CUDA extension it cannot load on this machine, and torch warns that torchao's pytree
+    registrations are deprecated. ``--float8`` checks torchao itself and fails loudly."""
+    import logging
+
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def _worker(config: TrainConfig, layout: Layout) -> int:
     from datetime import timedelta
 
     import torch
     import torch.distributed as dist
+
+    _quiet_import_notices()
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device_kind = _resolve_device(config, layout)

@@ -279,6 +279,18 @@ def test_train_smoke_two_processes(tmp_path: Path, weight_grads: str) -> None:
     assert svg.exists() and svg.read_text().startswith("<svg")
 
 
+def test_a_worker_keeps_import_notices_that_say_nothing_of_the_run_out_of_its_output() -> None:
+    """transformers imports torchao where it is installed; on a machine without the CUDA kernels
+    torchao's extensions target, torchao and torch print warnings a worker keeps out."""
+    pytest.importorskip("transformers")
+    quiet = "from pipetrain.app.launch import _quiet_import_notices; _quiet_import_notices(); "
+    code = quiet + "from transformers import LlamaForCausalLM"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "Failed to load" not in done.stderr, done.stderr
+    assert "register_constant" not in done.stderr, done.stderr
+
+
 def test_train_refuses_bad_input_with_exit_2() -> None:
     """A real process: the exit status the shell sees (the flags below are refused in-process,
     by the same ``main``)."""
