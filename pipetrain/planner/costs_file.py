@@ -24,7 +24,9 @@ one micro-batch holds from the layer's forward to its backward when the layer is
 its input, and on the last layer what the loss saves), ``selective_activation`` (GiB: the same
 under selective recompute, which also keeps matrix products' and attention's outputs) and
 ``selective_recompute`` (ms: what selective recompute adds to the layer's backward; default a
-fixed share of ``recompute``) — the planner's recompute model, ``planner.recompute``; per file
+fixed share of ``recompute``), ``recompute_forward`` and ``selective_forward`` (ms: what running
+the layer checkpointed adds to its forward — the checkpoint's bookkeeping; default 0) — the
+planner's recompute model, ``planner.recompute``; per file
 ``host_bandwidth_gbs`` (GB/s between the device and pinned host memory, measured by the profiler
 on CUDA; what the planner times activation offload's copies at). Version 1 files still load
 (those fields absent: their defaults); a version 1 file that gives them is refused, naming
@@ -49,7 +51,10 @@ VERSIONS = (1, 2)
 _LAYER_NUMBERS = ("forward", "backward_input", "backward_weight", "backward", "activation")
 _LAYER_OPTIONAL = ("comm", "workspace", "activation_for_weight")
 #: fields a version 1 file may not give
-_LAYER_V2 = ("recompute", "recompute_activation", "selective_activation", "selective_recompute")
+_LAYER_V2 = (
+    "recompute", "recompute_activation", "selective_activation", "selective_recompute",
+    "recompute_forward", "selective_forward",
+)  # fmt: skip
 _TOP_V2 = ("host_bandwidth_gbs",)
 _LAYER_KEYS = ("name", *_LAYER_NUMBERS, "params", *_LAYER_OPTIONAL, *_LAYER_V2)
 _TOP_KEYS = ("version", "layers", "comm", "meta", *_TOP_V2)
@@ -88,6 +93,9 @@ class LayerCost:
     selective_activation: float | None = None
     #: ms selective recompute adds to the backward; ``None``: not measured
     selective_recompute: float | None = None
+    #: ms full and selective recompute add to the forward; ``None``: not measured (0)
+    recompute_forward: float | None = None
+    selective_forward: float | None = None
 
     @property
     def split_backward(self) -> bool:
@@ -243,6 +251,8 @@ def _layer(raw: object, where: str, fail: Fail) -> LayerCost:
         recompute_activation=maybe("recompute_activation"),
         selective_activation=maybe("selective_activation"),
         selective_recompute=maybe("selective_recompute"),
+        recompute_forward=maybe("recompute_forward"),
+        selective_forward=maybe("selective_forward"),
     )
 
 

@@ -16,15 +16,18 @@ sums over its layers (``judge.stage_costs``):
   §4.1). The first backward piece to reach the layer (``B``, or ``I`` of a split backward) runs
   its forward again first (``recompute`` ms, which the profiler measures as what checkpointing
   the layer adds to its backward; default its ``forward``), and while it does the layer's
-  activations are live again (added to its workspace: one layer is recomputed at a time).
+  activations are live again (added to its workspace: one layer is recomputed at a time). Its
+  forward costs ``recompute_forward`` more (the checkpoint's bookkeeping: a pack hook per saved
+  tensor, measured by the profiler; default 0).
 * ``"selective"``: the runtime keeps the outputs of matrix products and fused attention and
   recomputes the rest (pointwise ops, norms: cheap to run, costly to hold), after Korthikanti et
   al.'s selective recompute. It holds the costs file's ``selective_activation``, which the
   profiler measures (the saved tensors and the cached outputs); a file without it: what full
   recompute keeps plus ``SELECTIVE_KEPT`` of the rest. It pays the costs file's
   ``selective_recompute``, which the profiler measures like ``recompute``; a file without it:
-  ``SELECTIVE_TIME`` of the recompute time. The part it does not keep is live again during the
-  backward as above. ``SELECTIVE_TIME`` and ``SELECTIVE_KEPT`` are modelling assumptions where
+  ``SELECTIVE_TIME`` of the recompute time, and its forward ``selective_forward`` more (the
+  dispatch mode that picks what to keep sees every operator; default 0). The part it does not
+  keep is live again during the backward as above. ``SELECTIVE_TIME`` and ``SELECTIVE_KEPT`` are modelling assumptions where
   they stand in. The measured sizes are checked on CPU (tests/runtime/test_profile.py counts
   them by hand).
 
@@ -114,13 +117,18 @@ def recomputed_layer(layer: LayerCost, mode: Recompute) -> LayerCost:
     if mode is Recompute.NONE:
         return layer
     if mode is Recompute.FULL:
-        kept, paid = held_full(layer), layer.recompute_ms
+        kept, paid, bookkeeping = held_full(layer), layer.recompute_ms, layer.recompute_forward
     else:
-        kept, paid = held_selective(layer), selective_paid(layer)
+        kept, paid, bookkeeping = (
+            held_selective(layer),
+            selective_paid(layer),
+            layer.selective_forward,
+        )
     dropped = layer.activation - kept
     whole = layer.backward + paid
     return dataclasses.replace(
         layer,
+        forward=layer.forward + (bookkeeping or 0.0),
         backward=whole,
         # the whole backward in I, nothing left for W (module docstring)
         backward_input=None if layer.backward_input is None else whole,

@@ -29,7 +29,8 @@ so ``I`` and ``W`` are split exactly as a pipeline splits them):
   ``loss_fn`` saves, which runs outside the checkpointed region; ``selective_activation``, the
   same under selective recompute, with the outputs it caches (matrix products, fused attention)
   counted as they are made; ``recompute`` and ``selective_recompute``, what each adds to the
-  layer's backward, timed alone and in windows (``profile_recompute``);
+  layer's backward, ``recompute_forward`` and ``selective_forward`` what each adds to its forward,
+  timed alone and in windows (``profile_recompute``);
 * ``host_bandwidth_gbs`` (CUDA only, per file): a copy of the largest layer output to pinned
   host memory, GB/s (what the planner times activation offload's copies at);
 * ``activation_for_weight`` (CUDA only): what the allocator still holds per micro-batch after
@@ -127,8 +128,8 @@ def profile(
     timer = StageTimer(_measure, clock, rounds, loss_fn, target, len(layers))
     paid, paid_windows = recompute_times(layers, layer_inputs, context, timer)
     measured = [
-        dataclasses.replace(x, recompute=full, selective_recompute=selective)
-        for x, full, selective in zip(measured, paid["recompute"], paid["selective_recompute"])
+        dataclasses.replace(x, **{field: times[i] for field, times in paid.items()})  # type: ignore[arg-type]
+        for i, x in enumerate(measured)
     ]
     costs = ModelCosts(
         layers=tuple(measured),

@@ -173,7 +173,8 @@ def test_profile_scales_lone_times_by_their_window_timed_as_one_stage(monkeypatc
 def test_recompute_is_timed_as_what_checkpointing_adds_to_the_backward(monkeypatch) -> None:
     """``recompute`` and ``selective_recompute``: a layer's backward checkpointed less its plain
     backward, timed alone, then scaled by windows timed plain and checkpointed as one stage; a
-    difference below zero counts as 0 (a stubbed clock)."""
+    difference below zero counts as 0 (a stubbed clock). ``recompute_forward`` and
+    ``selective_forward``: the same for the forward."""
     import pipetrain.runtime.profile_layers as profiler
     from pipetrain.planner.recompute import Recompute, recomputed_layer
     from pipetrain.runtime.backward.activation_checkpoint import Recomputed
@@ -181,6 +182,8 @@ def test_recompute_is_timed_as_what_checkpointing_adds_to_the_backward(monkeypat
     real = profiler._measure
     # ms a checkpointed layer adds to the backward: alone, in a window (the last layer: less)
     added = {"full": (1.0, 0.6), "selective": (0.25, 0.2)}
+    # ms a checkpointed layer adds to the forward (its bookkeeping): alone, in a window
+    added_forward = {"full": (0.5, 0.1), "selective": (2.0, 1.0)}
 
     def fixed(runner, *args, **kwargs):
         cost, outputs = real(runner, *args, **kwargs)
@@ -189,11 +192,13 @@ def test_recompute_is_timed_as_what_checkpointing_adds_to_the_backward(monkeypat
             return cost, outputs
         alone = len(chain) == 1
         backward = len(chain) * (2.0 if alone else 1.5)
+        forward = len(chain) * (1.0 if alone else 0.8)
         for layer, _ in chain:
             if isinstance(layer, Recomputed):
                 last = runner.is_last and alone
                 backward += -0.1 if last else added[layer.mode][0 if alone else 1]
-        cost["backward"] = backward
+                forward += added_forward[layer.mode][0 if alone else 1]
+        cost["backward"], cost["forward"] = backward, forward
         return cost, outputs
 
     monkeypatch.setattr(profiler, "_measure", fixed)
@@ -210,7 +215,15 @@ def test_recompute_is_timed_as_what_checkpointing_adds_to_the_backward(monkeypat
     assert [(w["first"], w["end"]) for w in ratios] == [(0, 2), (2, 4)]
     assert all(w["recompute"] == pytest.approx(0.6) for w in ratios)
     assert all(w["selective_recompute"] == pytest.approx(0.8) for w in ratios)
-    # the planner pays what was measured
+    # forwards: windows (0, 2) and (2, 4) add 0.2 of 1.0 alone (full) and 2.0 of 4.0
+    # (selective); the tail layer keeps its lone difference
+    assert [x.recompute_forward for x in costs.layers] == pytest.approx([0.1] * 4 + [0.5])
+    assert [x.selective_forward for x in costs.layers] == pytest.approx([1.0] * 4 + [2.0])
+    assert all(w["recompute_forward"] == pytest.approx(0.2) for w in ratios)
+    assert all(w["selective_forward"] == pytest.approx(0.5) for w in ratios)
+    # the planner pays what was measured, in the backward and in the forward
     layer = costs.layers[0]
-    for mode, paid in ((Recompute.FULL, 0.6), (Recompute.SELECTIVE, 0.2)):
+    for mode, paid, more in ((Recompute.FULL, 0.6, 0.1), (Recompute.SELECTIVE, 0.2, 1.0)):
         assert recomputed_layer(layer, mode).backward == pytest.approx(layer.backward + paid)
+        assert recomputed_layer(layer, mode).forward == pytest.approx(layer.forward + more)
+    assert recomputed_layer(layer, Recompute.NONE).forward == layer.forward
