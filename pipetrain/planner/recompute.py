@@ -27,9 +27,9 @@ sums over its layers (``judge.stage_costs``):
   ``selective_recompute``, which the profiler measures like ``recompute``; a file without it:
   ``SELECTIVE_TIME`` of the recompute time, and its forward ``selective_forward`` more (the
   dispatch mode that picks what to keep sees every operator; default 0). The part it does not
-  keep is live again during the backward as above. ``SELECTIVE_TIME`` and ``SELECTIVE_KEPT`` are modelling assumptions where
-  they stand in. The measured sizes are checked on CPU (tests/runtime/test_profile.py counts
-  them by hand).
+  keep is live again during the backward as above. ``SELECTIVE_TIME`` and ``SELECTIVE_KEPT`` are
+  modelling assumptions where they stand in. The measured sizes are checked on CPU
+  (tests/runtime/test_profile.py counts them by hand).
 
 How a recomputing stage splits its backward: by default the runtime runs it by graph replay,
 unsplit — its ``I`` runs the whole backward (recomputing each layer once) and its ``W`` nothing

@@ -11,9 +11,10 @@ same runner, rounds and clock). The checkpointed forward is not free either: eve
 would save passes through the checkpoint's Python pack hook, and selective recompute runs the
 whole forward under a dispatch mode that sees every operator — host time, which on a GPU a small
 layer's forward waits for; so the forward is timed the same way, checkpointed less plain. A
-difference below zero (noise, on a layer with next to nothing to recompute) counts as 0. Selective recompute (Korthikanti et al. 2022, "Reducing Activation
-Recomputation in Large Transformer Models") reruns only what it did not keep, so it is timed on
-its own rather than taken as a share of the full time.
+difference below zero (noise, on a layer with next to nothing to recompute) counts as 0.
+Selective recompute (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+Transformer Models") reruns only what it did not keep, so it is timed on its own rather than
+taken as a share of the full time.
 
 As for the other times (``profile_layers``: a lone layer leaves the device idle at the edges of
 its timed run that a stage fills), windows of ``context`` consecutive layers are then timed as
