@@ -29,14 +29,18 @@ def test_regret_counts_only_runs_within_the_usable_memory() -> None:
     budget = {"budget": "b", "memory_gib": 10.0, "usable_gib": 9.0,
               "runs": [pick, headroom_only, slower]}  # fmt: skip
     results = {
-        "1f1b/v1/M8/3,3": {"microbatches": 8, "step_ms": 100.0, "peak_gib": [8.5, 8.4]},
+        "1f1b/v1/M8/3,3": {"microbatches": 8, "step_ms": 100.0, "peak_gib": [8.5, 8.4],
+                           "rounds_step_ms": [100.0, 101.0, 130.0]},
         "1f1b/v1/M8/4,2": {"microbatches": 8, "step_ms": 80.0, "peak_gib": [9.5, 9.0]},
-        "1f1b/v1/M8/2,4": {"microbatches": 8, "step_ms": 98.0, "peak_gib": [8.8, 8.8]},
-    }
+        "1f1b/v1/M8/2,4": {"microbatches": 8, "step_ms": 98.0, "peak_gib": [8.8, 8.8],
+                           "rounds_step_ms": [98.0, 110.0, 112.0]},
+    }  # fmt: skip
     (out,) = summarize({}, [budget], results, {})["budgets"]
     # the best run within 9 GiB is 2,4 at 98 ms: the pick's regret is 100 / 98 - 1
     assert out["regret"] == pytest.approx(100 / 98 - 1)
     assert out["regret_whole_budget"] == pytest.approx(100 / 80 - 1)
+    # by median rounds the pick (101 ms) beats 2,4 (110 ms): no regret
+    assert out["regret_median_rounds"] == 0.0
     assert out["checks"]["regret at most 3%"] is True
     assert out["over_budget_expected"] == ["1f1b/v1/M8/4,2"]  # 9.5 > 9 usable, predicted so
     assert out["over_budget_unexpected"] == []
