@@ -40,7 +40,9 @@
 # longest row so far still fits); the timeout adds start-up (~20 s) and one overrunning row.
 # ONLY=name1,name2 runs only those parts; TUNED=FILE gives launches 1 and 2 an earlier launch 0
 # (its incumbents.json) to pick Megatron's fastest interleaved variants from, e.g. from a call
-# that was cut off. STEPS overrides the timed steps (20).
+# that was cut off. STEPS overrides the timed steps (20). LAUNCHES (default 3) and FIRST_LAUNCH
+# (default 0) set how many launches the three-launch plans run and where their numbering starts,
+# so two calls' launches pool as one series (incumbents_stats.py over both folders).
 # Run from a folder holding pipetrain/, benchmarks/ and .whl/ (the carried wheels of
 # megatron-core, deepspeed and their needs; the GPU machine has no internet), with $OUT set:
 #     PLAN=issue21 TOTAL=540 bash benchmarks/gpu/incumbents_call.sh
@@ -134,11 +136,14 @@ part() {  # name nproc budget-s limit-s harness-args...: run one part if it stil
   pack
 }
 
-launches3() {  # letter what nproc budget-s limit-s harness-args...: one part in three launches,
-  # the libraries' order rotated (parts <letter>1-<what>-l0, <letter>2-<what>-l1, <letter>3-<what>-l2)
+launches3() {  # letter what nproc budget-s limit-s harness-args...: one part in LAUNCHES
+  # launches (default 3), the libraries' order rotated, numbered from FIRST_LAUNCH (default 0;
+  # a later call continues a pooled series: FIRST_LAUNCH=3 gives launches 3, 4, 5) — parts
+  # <letter>1-<what>-l0, <letter>2-<what>-l1, ...
   local letter=$1 what=$2 nproc=$3 budget=$4 limit=$5
   shift 5
-  for k in 0 1 2; do
+  local first=${FIRST_LAUNCH:-0} k
+  for ((k = first; k < first + ${LAUNCHES:-3}; k++)); do
     part "$letter$((k + 1))-$what-l$k" "$nproc" "$budget" "$limit" --launch "$k" "$@"
   done
 }
