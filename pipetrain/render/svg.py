@@ -284,8 +284,10 @@ def _legend(lay: _Layout, memory: bool) -> list[str]:
     for k in kinds_present(lay.timeline):
         paint = 'class="swatch" fill="url(#pair-B)"' if k is OpKind.OVERLAP_F_B else ""
         entries.append((paint or f'class="swatch {k.name}"', f"{SHORT[k]} {NAMES[k]}"))
-    if any(i % 2 for i in chunk_of(lay.timeline).values()):
-        entries.append(('class="swatch F c1"', "lighter: a rank's 2nd chunk"))
+    chunks = chunk_of(lay.timeline).values()
+    if any(i % 2 for i in chunks):
+        text = "a rank's 2nd chunk" if max(chunks) < 2 else "odd chunks (tooltips name stages)"
+        entries.append(('class="swatch F c1"', f"lighter: {text}"))
     entries.append(('class="swatch lane" stroke="#bbb"', "idle"))
     for paint, text in entries:
         out.append(f'<rect {paint} x="{x:.1f}" y="{y}" width="14" height="12"/>')

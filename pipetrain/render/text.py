@@ -3,7 +3,7 @@
 Every line (rank label, grid, frame) fits ``width`` columns. Each column shows the op kind that
 covers most of it (or a bubble, when idle time dominates), and a block wide enough carries its
 label (``F3``; lower case ``f3`` for a rank's second chunk, so chunks stay apart without stage
-numbers). When a typical action would be too narrow for its label, time wraps into a few bands,
+numbers; with three or more chunks on a rank, the chunk's index before it: ``2F3``). When a typical action would be too narrow for its label, time wraps into a few bands,
 one under the other, each with its own axis; a timeline that would need more bands (thousands of
 spans) draws in one, as a heat map. Without colour, kinds are told apart by fill characters; with
 colour (ANSI 256-colour backgrounds) by the ``style`` palette.
@@ -76,7 +76,7 @@ def render_text(
             lines.append(f"{f'rank {rank}':<{label_w}} |{_paint(row[lo:hi], colour)}|")
         lines.extend(_axis(timeline.start + lo / scale, cols, scale, label_w + 2))
     unit = "ms" if timeline.measured else "time units"
-    notes = ["f3 = a rank's 2nd chunk"] if multi_stage(timeline) else []
+    notes = [_chunk_note(chunk_of(timeline))] if multi_stage(timeline) else []
     notes.append(f"1 column = {1 / scale:.3g} {unit}")
     lines.extend(_legend(kinds_present(timeline), colour, notes, width))
     return "\n".join(lines)
@@ -87,10 +87,17 @@ def _bands_for_labels(timeline: Timeline, cols: int, max_bands: int) -> int:
     durations = sorted(s.end - s.start for s in timeline.spans if s.end > s.start)
     if not durations:
         return 1
-    typical = durations[len(durations) // 2]
     need = 1 + max(len(str(s.action.microbatch)) for s in timeline.spans)  # "F12": kind + number
-    wanted = math.ceil(timeline.makespan * need / typical / cols - 1e-9)
-    return wanted if 1 <= wanted <= max_bands else 1
+    highest = max(chunk_of(timeline).values()) if multi_stage(timeline) else 0
+    typical = [durations[len(durations) // 2]]
+    if highest >= 2:  # "2F12": the chunk's index first (``_label``), which only a label says:
+        need += len(str(highest))  # room for the shorter actions' labels too, where it fits
+        typical.insert(0, durations[len(durations) // 4])
+    for length in typical:
+        wanted = math.ceil(timeline.makespan * need / length / cols - 1e-9)
+        if 1 <= wanted <= max_bands:
+            return wanted
+    return 1
 
 
 def _want_colour(color: bool | None) -> bool:
@@ -163,20 +170,34 @@ def _overlay_labels(
             row[at + i] = (ch, s.action.kind)
 
 
+def _chunk_note(chunks: dict[tuple[int, int], int]) -> str:
+    """The legend's line for how a label names its chunk (``_label``)."""
+    if max(chunks.values(), default=0) < 2:
+        return "f3 = a rank's 2nd chunk"
+    return "2F3 = micro-batch 3 on a rank's chunk 2 (from 0)"
+
+
 def _label(action: Action, rank: int, chunks: dict[tuple[int, int], int] | None, room: int) -> str:
     """The longest label that fits a block of ``room`` cells.
 
     ``F3`` may fill its block (``F3F4`` still reads as two blocks); a bare ``3`` needs one fill
-    cell after it. With several stages per rank, the label is lower case for a rank's odd chunks
-    (``f3``), so the chunks stay apart without a stage number (the legend says so).
+    cell after it. With two stages per rank, the label is lower case for a rank's second chunk
+    (``f3``), so the chunks stay apart without a stage number; with three or more, where case
+    alone would draw chunks 0 and 2 alike, it starts with the chunk's index (``2F3``). The
+    legend says which.
     """
     parts = action.compute_parts
-    short = "+".join(
-        p.kind.value.lower() + str(p.microbatch)
-        if chunks is not None and chunks[(rank, p.stage)] % 2
-        else p.kind.value + str(p.microbatch)
-        for p in parts
-    )
+    many = chunks is not None and max(chunks.values()) >= 2
+
+    def one(stage: int, kind: str, microbatch: int) -> str:
+        if chunks is None:
+            return kind + str(microbatch)
+        chunk = chunks[(rank, stage)]
+        if many:
+            return f"{chunk}{kind}{microbatch}"
+        return (kind.lower() if chunk % 2 else kind) + str(microbatch)
+
+    short = "+".join(one(p.stage, p.kind.value, p.microbatch) for p in parts)
     if len(short) <= room:
         return short
     bare = "+".join(str(p.microbatch) for p in parts)

@@ -114,6 +114,21 @@ def test_text_marks_chunks_and_pairs() -> None:
     assert "2nd chunk" in out
 
 
+def test_text_names_the_chunk_where_case_alone_cannot() -> None:
+    """With three chunks a rank, lower case would draw chunks 0 and 2 alike: the label starts
+    with the chunk's index instead, and the legend says so."""
+    from pipetrain.schedule.registry import build_schedule
+    from pipetrain.sim.costs import Costs
+    from pipetrain.sim.simulate import simulate
+
+    program = build_schedule("interleaved-1f1b", 2, 4, stages_per_rank=3)
+    out = render_text(simulate(program, Costs(forward=1.0, backward=2.0)), width=100, color=False)
+    rows = "".join(rank_rows(out))
+    assert {"0F0", "1F0", "2F0", "0B3", "2B3"} <= {rows[i : i + 3] for i in range(len(rows))}
+    assert "f0" not in rows and "2nd chunk" not in out
+    assert "2F3 = micro-batch 3 on a rank's chunk 2 (from 0)" in out
+
+
 def test_text_big_timeline_stays_readable() -> None:
     tl = big()
     out = render_text(tl, width=100, color=False)
