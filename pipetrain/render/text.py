@@ -3,7 +3,8 @@
 Every line (rank label, grid, frame) fits ``width`` columns. Each column shows the op kind that
 covers most of it (or a bubble, when idle time dominates), and a block wide enough carries its
 label (``F3``; lower case ``f3`` for a rank's second chunk, so chunks stay apart without stage
-numbers; with three or more chunks on a rank, the chunk's index before it: ``2F3``). When a typical action would be too narrow for its label, time wraps into a few bands,
+numbers; with three or more chunks on a rank, the stage before it, as ``pipetrain show`` writes
+actions: ``4F3``). When a typical action would be too narrow for its label, time wraps into a few bands,
 one under the other, each with its own axis; a timeline that would need more bands (thousands of
 spans) draws in one, as a heat map. Without colour, kinds are told apart by fill characters; with
 colour (ANSI 256-colour backgrounds) by the ``style`` palette.
@@ -90,8 +91,8 @@ def _bands_for_labels(timeline: Timeline, cols: int, max_bands: int) -> int:
     need = 1 + max(len(str(s.action.microbatch)) for s in timeline.spans)  # "F12": kind + number
     highest = max(chunk_of(timeline).values()) if multi_stage(timeline) else 0
     typical = [durations[len(durations) // 2]]
-    if highest >= 2:  # "2F12": the chunk's index first (``_label``), which only a label says:
-        need += len(str(highest))  # room for the shorter actions' labels too, where it fits
+    if highest >= 2:  # "14F12": the stage first (``_label``), which only a label says: room
+        need += len(str(max(stage for _, stage in chunk_of(timeline))))  # for shorter actions
         typical.insert(0, durations[len(durations) // 4])
     for length in typical:
         wanted = math.ceil(timeline.makespan * need / length / cols - 1e-9)
@@ -171,10 +172,10 @@ def _overlay_labels(
 
 
 def _chunk_note(chunks: dict[tuple[int, int], int]) -> str:
-    """The legend's line for how a label names its chunk (``_label``)."""
+    """The legend's line for how a label names its stage (``_label``)."""
     if max(chunks.values(), default=0) < 2:
         return "f3 = a rank's 2nd chunk"
-    return "2F3 = micro-batch 3 on a rank's chunk 2 (from 0)"
+    return "4F3 = stage 4, micro-batch 3"
 
 
 def _label(action: Action, rank: int, chunks: dict[tuple[int, int], int] | None, room: int) -> str:
@@ -183,8 +184,8 @@ def _label(action: Action, rank: int, chunks: dict[tuple[int, int], int] | None,
     ``F3`` may fill its block (``F3F4`` still reads as two blocks); a bare ``3`` needs one fill
     cell after it. With two stages per rank, the label is lower case for a rank's second chunk
     (``f3``), so the chunks stay apart without a stage number; with three or more, where case
-    alone would draw chunks 0 and 2 alike, it starts with the chunk's index (``2F3``). The
-    legend says which.
+    alone would draw chunks 0 and 2 alike, it starts with the stage (``4F3``, as ``pipetrain
+    show`` writes an action). The legend says which.
     """
     parts = action.compute_parts
     many = chunks is not None and max(chunks.values()) >= 2
@@ -192,10 +193,9 @@ def _label(action: Action, rank: int, chunks: dict[tuple[int, int], int] | None,
     def one(stage: int, kind: str, microbatch: int) -> str:
         if chunks is None:
             return kind + str(microbatch)
-        chunk = chunks[(rank, stage)]
         if many:
-            return f"{chunk}{kind}{microbatch}"
-        return (kind.lower() if chunk % 2 else kind) + str(microbatch)
+            return f"{stage}{kind}{microbatch}"
+        return (kind.lower() if chunks[(rank, stage)] % 2 else kind) + str(microbatch)
 
     short = "+".join(one(p.stage, p.kind.value, p.microbatch) for p in parts)
     if len(short) <= room:

@@ -116,7 +116,7 @@ def test_text_marks_chunks_and_pairs() -> None:
 
 def test_text_names_the_chunk_where_case_alone_cannot() -> None:
     """With three chunks a rank, lower case would draw chunks 0 and 2 alike: the label starts
-    with the chunk's index instead, and the legend says so."""
+    with the stage instead (as ``pipetrain show`` writes actions), and the legend says so."""
     from pipetrain.schedule.registry import build_schedule
     from pipetrain.sim.costs import Costs
     from pipetrain.sim.simulate import simulate
@@ -124,9 +124,12 @@ def test_text_names_the_chunk_where_case_alone_cannot() -> None:
     program = build_schedule("interleaved-1f1b", 2, 4, stages_per_rank=3)
     out = render_text(simulate(program, Costs(forward=1.0, backward=2.0)), width=100, color=False)
     rows = "".join(rank_rows(out))
-    assert {"0F0", "1F0", "2F0", "0B3", "2B3"} <= {rows[i : i + 3] for i in range(len(rows))}
+    # rank 0 holds stages 0, 2, 4; rank 1 stages 1, 3, 5
+    top, bottom = rank_rows(out)[0] + rank_rows(out)[2], rank_rows(out)[1] + rank_rows(out)[3]
+    assert {"0F0", "2F0", "4F0", "4B3"} <= {top[i : i + 3] for i in range(len(top))}
+    assert {"1F0", "3F0", "5F0", "5B3"} <= {bottom[i : i + 3] for i in range(len(bottom))}
     assert "f0" not in rows and "2nd chunk" not in out
-    assert "2F3 = micro-batch 3 on a rank's chunk 2 (from 0)" in out
+    assert "4F3 = stage 4, micro-batch 3" in out
 
 
 def test_text_big_timeline_stays_readable() -> None:
