@@ -101,6 +101,10 @@ def arguments() -> argparse.Namespace:
     p.add_argument("--cuda-graph", action="store_true",
                    help="time each run as Pipeline(cuda_graph=True) where it does not offload "
                         "(its timeline step then runs on an eager pipeline)")  # fmt: skip
+    p.add_argument("--grads-to-none", action="store_true",
+                   help="zero gradients with set_to_none=True between steps (default: keep .grad, "
+                        "set_to_none=False; a replayed graph then holds its gradient buffers "
+                        "beside .grad)")  # fmt: skip
     p.add_argument("--resummarize", metavar="JSON", help="rewrite summary.txt from plan_gpu.json")
     args = p.parse_args()
     args.budgets = [b for b in args.budgets.split(",") if b]
@@ -115,7 +119,8 @@ def main() -> int:
     if args.resummarize:
         return resummarize(Path(args.resummarize))
     cuda = torch.cuda.is_available() and args.preset != "cpu-smoke"
-    cfg_args = {**PRESETS[args.preset], "cuda_graph": args.cuda_graph and cuda}
+    cfg_args = {**PRESETS[args.preset], "cuda_graph": args.cuda_graph and cuda,
+                "grads_to_none": args.grads_to_none}  # fmt: skip
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if cuda:
         torch.cuda.set_device(local)
@@ -327,7 +332,7 @@ def timed_steps(run, master, device, x, y, cfg_args, base, run_s: float):
             torch.cuda.synchronize()
         t1 = time.perf_counter()
         opt.step()
-        opt.zero_grad(set_to_none=False)
+        opt.zero_grad(set_to_none=bool(cfg_args.get("grads_to_none")))
         if cuda:
             torch.cuda.synchronize()
         return (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3

@@ -276,9 +276,9 @@ def forward_only(program: Program, receive_lead: int | None = None) -> Program:
 
 #: why a plan's peaks do not bound a captured step's (``plan_stages``, ``pipetrain train``)
 GRAPHED_PEAKS = (
-    "the plan's peaks are an eager step's; a captured step holds more (its graph's memory pool "
-    "keeps blocks an eager step frees and reuses), so plan for less memory than the GPU has "
-    '(docs/planning.md, "CUDA graphs and a plan\'s peaks")'
+    "the plan's peaks are an eager step's; a captured step can hold more (its own gradient "
+    "buffers beside a .grad kept between steps), so plan for less memory than the GPU has or "
+    'zero gradients with set_to_none=True (docs/planning.md, "CUDA graphs and a plan\'s peaks")'
 )
 
 
