@@ -89,11 +89,11 @@ def _bands_for_labels(timeline: Timeline, cols: int, max_bands: int) -> int:
     if not durations:
         return 1
     need = 1 + max(len(str(s.action.microbatch)) for s in timeline.spans)  # "F12": kind + number
-    highest = max(chunk_of(timeline).values()) if multi_stage(timeline) else 0
+    chunks = chunk_of(timeline) if multi_stage(timeline) else {}
     typical = [durations[len(durations) // 2]]
-    if highest >= 2:  # "14F12": the stage first (``_label``), which only a label says: room
-        need += len(str(max(stage for _, stage in chunk_of(timeline))))  # for shorter actions
-        typical.insert(0, durations[len(durations) // 4])
+    if max(chunks.values(), default=0) >= 2:  # "14F12": the stage first (``_label``), which
+        need += len(str(max(stage for _, stage in chunks)))  # only a label says: room for the
+        typical.insert(0, durations[len(durations) // 4])  # shorter actions' too, where it fits
     for length in typical:
         wanted = math.ceil(timeline.makespan * need / length / cols - 1e-9)
         if 1 <= wanted <= max_bands:

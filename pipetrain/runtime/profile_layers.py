@@ -128,7 +128,13 @@ def profile(
     timer = StageTimer(_measure, clock, rounds, loss_fn, target, len(layers))
     paid, paid_windows = recompute_times(layers, layer_inputs, context, timer)
     measured = [
-        dataclasses.replace(x, **{field: times[i] for field, times in paid.items()})  # type: ignore[arg-type]
+        dataclasses.replace(
+            x,
+            recompute=paid["recompute"][i],
+            selective_recompute=paid["selective_recompute"][i],
+            recompute_forward=paid["recompute_forward"][i],
+            selective_forward=paid["selective_forward"][i],
+        )
         for i, x in enumerate(measured)
     ]
     costs = ModelCosts(
