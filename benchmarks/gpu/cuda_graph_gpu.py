@@ -5,10 +5,11 @@
 
 ``exact``: per schedule, two pipelines of the same float64 GPT (one ``cuda_graph=True``) step the
 same batches — a token-mean loss whose counted tokens change every step (so the loss weights
-change under the graph), AdamW between steps, ``zero_grad()`` after most steps, none after one (so
-gradients accumulate across steps) and ``zero_grad(set_to_none=False)`` after another — and every
-loss, gradient and updated parameter is compared: largest relative error (‖a − b‖ / ‖b‖), which
-must be ≤ 1e-12; the graphed pipeline must have replayed every step after its warm-up.
+change under the graph), AdamW between steps, gradients set to ``None``, zeroed in place
+(``set_to_none=False``) or kept (accumulating across steps) after each (``AFTER_STEP``: graphs
+captured with ``.grad`` absent and kept) — and every loss, gradient and updated parameter is
+compared: largest relative error (‖a − b‖ / ‖b‖), which must be ≤ 1e-12; the graphed pipeline
+must have replayed the steps ``AFTER_STEP`` says it does.
 
 ``speed``: per shape and schedule, the same bf16 GPT with and without ``cuda_graph=True``, the
 same fused AdamW step, ``rounds`` alternating rounds (eager first in even rounds) of warm-up then
@@ -140,6 +141,16 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).norm().item() / (b.norm().item() or 1.0)
 
 
+#: what the exact check does to gradients after each step: ``none`` zero_grad() (set to None),
+#: ``zero`` zero_grad(set_to_none=False), ``keep`` nothing (they accumulate into the next step).
+#: Steps 0, 1 warm up; 2 captures with every .grad None and replays (its buffers become .grad);
+#: kept, they give step 3 another key (copied out, warm-up at 3 and 4); 5 captures with .grad
+#: kept and replays, adding into it, as do 6–8 (6's accumulate into 7); None again at 9: eager
+AFTER_STEP = {0: "none", 1: "none", 2: "keep", 3: "zero", 4: "zero", 5: "zero", 6: "keep",
+              7: "zero", 8: "none"}  # fmt: skip
+REPLAYS = 5  # steps 2, 5, 6, 7, 8
+
+
 def exact(name: str, device) -> dict:
     base, _ = split_name(name)
     world, n = dist.get_world_size(), 8
@@ -153,7 +164,7 @@ def exact(name: str, device) -> dict:
     opts = [torch.optim.AdamW(p.parameters(), lr=1e-2, foreach=True) for p in (eager, graphed)]
     gen = torch.Generator().manual_seed(11)
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
-    steps = 6
+    steps = len(AFTER_STEP) + 1
     for step in range(steps):
         x = torch.randint(0, 256, (2 * n, cfg.seq_len), generator=gen)
         y = torch.randint(0, 256, (2 * n, cfg.seq_len), generator=gen)
@@ -172,16 +183,15 @@ def exact(name: str, device) -> dict:
         for opt in opts:
             opt.step()
         for opt in opts:
-            if step == 2:
-                continue  # gradients accumulate into step 3
-            opt.zero_grad(set_to_none=step != 4)
+            if AFTER_STEP.get(step, "keep") != "keep":
+                opt.zero_grad(set_to_none=AFTER_STEP[step] == "none")
         for a, b in pairs:
             worst["param"] = max(worst["param"], rel(b.detach(), a.detach()))
     everyone: list = [None] * world
     dist.all_gather_object(everyone, (worst, graphed.graph.replays))
     out = {k: max(w[k] for w, _ in everyone) for k in worst}
     out["replays"] = [r for _, r in everyone]
-    out["ok"] = max(out[k] for k in worst) <= 1e-12 and all(r == steps - 2 for r in out["replays"])
+    out["ok"] = max(out[k] for k in worst) <= 1e-12 and all(r == REPLAYS for r in out["replays"])
     eager.close()
     graphed.close()
     return out

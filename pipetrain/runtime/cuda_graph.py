@@ -15,19 +15,22 @@ Python hooks inside stages run at capture, never at replay.
 
 A graph is valid for one *key*: input, target and side-input shapes and dtypes (non-tensor side
 values by equality), every parameter's and buffer's storage and ``requires_grad``, every module's
-training flag, grad mode and autocast state. For a new key the graph is dropped and the steps run
-eagerly ``WARMUP`` times — the first discovers transfer shapes, the second runs the steady path
+training flag, grad mode and autocast state, and each ``.grad``'s storage (or ``None``). For a
+new key the graph is dropped and the steps run eagerly ``WARMUP`` times — the first discovers transfer shapes, the second runs the steady path
 once, so that lazy initialisation (cuBLAS workspaces, NCCL connections, compiled kernels) happens
 outside a capture — and the next step captures on a stream of its own (errors only for this
 thread: the process group's watchdog polls events meanwhile), then replays.
 
-Gradients: the step is captured with every ``.grad`` set aside (``None``), so the graph's own
-buffers receive one step's gradients, written afresh by each replay. After a replay each
-parameter the step reached gets them — the buffer itself where ``.grad`` was ``None`` (what
-``AccumulateGrad`` does with a first gradient, so ``zero_grad()`` costs nothing), added into the
-``.grad`` it had otherwise (gradient accumulation across steps; a ``.grad`` that is the graph's
-buffer from the last step is copied out first). The loss weights are a device tensor the host
-refills, so ``"token_mean"`` weights may change every step.
+Gradients: a replay leaves ``.grad`` as eager autograd would, holding one copy of them. A
+parameter whose ``.grad`` is ``None`` at capture gets a buffer of the graph's own, written afresh
+by each replay and handed over as its ``.grad`` (what ``AccumulateGrad`` does with a first
+gradient, so ``zero_grad()`` costs nothing); one whose ``.grad`` exists keeps it, and the captured
+step adds into that tensor in place, as every backward path does where ``.grad`` exists (so a loop
+that keeps ``.grad`` between steps, ``zero_grad(set_to_none=False)`` or accumulation across steps,
+replays into it). Which ``.grad`` exist, and their storage, are part of the key: where a step
+finds the graph's buffers kept as ``.grad`` (``None`` became kept) it warms up and captures again,
+the buffers copied out first so that the dropped graph's memory can go. The loss weights are a device tensor the host refills, so
+``"token_mean"`` weights may change every step.
 
 Refused, never silently wrong or hanging: devices other than CUDA, data parallel, meshes,
 offload and the allocator's expandable segments at construction (``check``); at a step, ``timeline=True`` (one replay has no per-action spans),
@@ -49,7 +52,7 @@ import torch
 from torch import nn
 
 from pipetrain.runtime.microbatch import MicroBatches
-from pipetrain.runtime.torch_compat import add_lists_, copy_lists_, post_accumulate_grad_hooks
+from pipetrain.runtime.torch_compat import copy_lists_, post_accumulate_grad_hooks
 
 if TYPE_CHECKING:
     from pipetrain.runtime.comm.agreement import Agreement
@@ -201,7 +204,9 @@ class StepGraph:
         if key != self._key:
             if self._graph is not None:
                 _log.info("cuda_graph: the step changed (shapes, storage or modes); recapturing")
-            self.release()
+                self._copy_out_buffers()
+                self.release()
+                key = self._key_of(mbs, side)  # the copies' storage
             self._key, self._eager_left = key, WARMUP
         how = "replay" if self._graph is not None else "eager" if self._eager_left else "capture"
         if agreement is not None:
@@ -229,7 +234,10 @@ class StepGraph:
             for name, v in d.items()
             if not isinstance(v, torch.Tensor)
         )
-        state = tuple((p.data_ptr(), p.requires_grad) for p in self.params)
+        state = tuple(
+            (p.data_ptr(), p.requires_grad, None if p.grad is None else p.grad.data_ptr())
+            for p in self.params
+        )
         buffers = tuple(b.data_ptr() for b in self.buffers)
         training = tuple(m.training for top in self.modules for m in top.modules())
         autocast = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
@@ -259,8 +267,6 @@ class StepGraph:
         self._weights_now = tuple(mbs.weights)
         static_mbs, static_side = self._static_view(mbs, side)
         prior = {p: p.grad for p in self.params}
-        for p in self.params:
-            p.grad = None
         graph = torch.cuda.CUDAGraph()
         if self.stream is None:
             self.stream = torch.cuda.Stream(self.device)
@@ -268,7 +274,14 @@ class StepGraph:
         try:
             with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
                 run(static_mbs, static_side)
-            self._grads = {p: p.grad for p in self.params if p.grad is not None}
+            replaced = [p for p, g in prior.items() if g is not None and p.grad is not g]
+            if replaced:
+                raise ValueError(
+                    f"cuda_graph=True: the step replaced {len(replaced)} existing .grad tensor(s) "
+                    "instead of adding into them, so a replay would not accumulate; remove what "
+                    "assigns .grad inside the step or pass cuda_graph=False"
+                )
+            self._grads = {p: p.grad for p, g in prior.items() if g is None and p.grad is not None}
         except RuntimeError as e:  # a StageError too: it names the action
             if "captur" not in str(e).lower():
                 raise
@@ -312,23 +325,23 @@ class StepGraph:
 
     def _replay(self) -> None:
         assert self._graph is not None, "replay before capture"
-        params, buffers = list(self._grads), list(self._grads.values())
-        # a .grad that is the graph's own buffer (kept from the last step) is copied out first
-        prior = [p.grad.clone() if p.grad is b else p.grad for p, b in zip(params, buffers)]
         self._graph.replay()
         self.replays += 1
-        into, adds = [], []
-        for p, b, old in zip(params, buffers, prior):
-            if old is None:
-                p.grad = b
-            else:
-                into.append(old)
-                adds.append(b)
-                p.grad = old
-        if into:
-            add_lists_(into, adds)
+        # the key holds these .grad at None; the others the graph added into in place
+        for p, buffer in self._grads.items():
+            p.grad = buffer
         if self.losses is not None:
             self.losses.update(self._captured_losses)
+
+    def _copy_out_buffers(self) -> None:
+        """Give each ``.grad`` that is one of the graph's buffers a copy of its own (one at a
+        time: a buffer goes as its copy comes), so that no live tensor keeps the dropped graph's
+        memory pool."""
+        for p in list(self._grads):
+            buffer = self._grads.pop(p)
+            if p.grad is buffer:
+                p.grad = buffer.clone()
+            del buffer
 
 
 def _unique(tensors) -> list:

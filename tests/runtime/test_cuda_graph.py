@@ -99,49 +99,121 @@ def test_a_batch_tensor_shared_by_micro_batches_gets_one_static_buffer():
 
 
 class FakeGraph:
-    """Stands in for a captured graph: a replay rewrites the gradient buffers in place, as the
-    captured kernels do."""
+    """Stands in for a captured graph: a replay rewrites the gradient buffers and adds into the
+    kept ``.grad`` tensors in place, as the captured kernels do."""
 
-    def __init__(self, buffers: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-        self.buffers, self.values = buffers, values
+    def __init__(self, buffers: list[torch.Tensor], values: list[torch.Tensor], adds=()) -> None:
+        self.buffers, self.values, self.adds = buffers, values, list(adds)
 
     def replay(self) -> None:
         for b, v in zip(self.buffers, self.values):
             b.copy_(v)
+        for into, v in self.adds:
+            into.add_(v)
 
 
-@pytest.mark.parametrize("before", ["none", "own", "buffer", "zeroed-buffer"])
-def test_a_replay_hands_its_gradients_over_as_autograd_accumulates(before):
-    """After a replay ``.grad`` is what eager autograd leaves: the step's gradient where it was
-    None, the sum where a gradient was there — also when that gradient is the graph's own buffer
-    from the last step (kept, or zeroed with ``set_to_none=False``)."""
+def test_a_replay_hands_its_buffer_over_where_grad_was_none():
     p = nn.Parameter(torch.zeros(3))
     g = graph_of(nn.ParameterList([p]))
     buffer, step = torch.zeros(3), torch.tensor([1.0, 2.0, 3.0])
     g._graph = FakeGraph([buffer], [step])  # type: ignore[assignment]
     g._grads = {p: buffer}
-    old = torch.tensor([10.0, 20.0, 30.0])
-    if before == "own":
-        p.grad = old.clone()
-    elif before == "buffer":
-        buffer.copy_(old)
-        p.grad = buffer
-    elif before == "zeroed-buffer":
-        buffer.zero_()
-        p.grad = buffer
-    held = p.grad
     g._replay()
-    want = step if before in ("none", "zeroed-buffer") else old + step
-    assert p.grad is not None and torch.equal(p.grad, want)
-    if before == "none":
-        assert p.grad is buffer  # no copy where nothing accumulates
-    if before == "own":
-        assert p.grad is held  # accumulated in place, as AccumulateGrad does
-    if before in ("buffer", "zeroed-buffer"):
-        assert p.grad is not buffer  # the next replay rewrites the buffer
-        g._replay()
-        assert torch.equal(p.grad, want + step)
-    assert g.replays == (2 if before in ("buffer", "zeroed-buffer") else 1)
+    assert p.grad is buffer and torch.equal(p.grad, step)  # no copy where nothing accumulates
+    assert g.replays == 1
+
+
+def test_a_kept_grad_is_accumulated_in_place_and_stays_the_only_copy():
+    """A ``.grad`` kept between steps (``zero_grad(set_to_none=False)``, or accumulation) is
+    captured as it is: the replay adds into that tensor, as ``AccumulateGrad`` does, and the
+    graph holds no gradient buffer of its own beside it."""
+    p = nn.Parameter(torch.zeros(3))
+    g = graph_of(nn.ParameterList([p]))
+    p.grad = torch.tensor([10.0, 20.0, 30.0])
+    held, step = p.grad, torch.tensor([1.0, 2.0, 3.0])
+    g._graph = FakeGraph([], [], adds=[(held, step)])  # type: ignore[assignment]
+    g._grads = {}
+    g._replay()
+    assert p.grad is held and torch.equal(p.grad, torch.tensor([11.0, 22.0, 33.0]))
+    held.zero_()  # zero_grad(set_to_none=False)
+    g._replay()
+    assert p.grad is held and torch.equal(p.grad, step)
+
+
+def test_the_key_follows_grad_storage_not_its_values():
+    layer = nn.Linear(3, 3)
+    g = graph_of(layer)
+    mbs = micro()
+    none = g._key_of(mbs, ())
+    layer.weight.grad = torch.ones(3, 3)
+    kept = g._key_of(mbs, ())
+    assert kept != none  # None became kept: the graph would write a buffer, not add
+    layer.weight.grad.zero_()
+    assert g._key_of(mbs, ()) == kept  # zeroed in place: the same tensor the graph adds into
+    layer.weight.grad = torch.ones(3, 3)
+    assert g._key_of(mbs, ()) != kept  # a new tensor: the graph would add into the old one
+
+
+def test_a_step_that_finds_the_buffer_kept_copies_it_out_and_captures_again(monkeypatch):
+    """After a replay handed its buffer over, a loop that keeps it (``set_to_none=False``) gives
+    the next step another key: the graph is dropped, warms up and captures again — the buffer
+    copied out first (same values), so that no ``.grad`` keeps the dropped graph's pool."""
+    p = nn.Parameter(torch.zeros(3))
+    g = graph_of(nn.ParameterList([p]))
+    buffer, step = torch.zeros(3), torch.tensor([1.0, 2.0, 3.0])
+    mbs = micro()
+    g._key = g._key_of(mbs, ())
+    g._graph = FakeGraph([buffer], [step])  # type: ignore[assignment]
+    g._grads = {p: buffer}
+    g._replay()
+    assert p.grad is buffer
+    ran = []
+    g.step(mbs, (), lambda: None, lambda m, s: ran.append("eager"))  # type: ignore[arg-type]
+    assert ran == ["eager"] and not g.captured and g._grads == {}
+    assert p.grad is not buffer and torch.equal(p.grad, step)
+    assert g._key == g._key_of(mbs, ())  # keyed on the copy: the next step warms up on
+
+
+def fake_capture(monkeypatch, g: StepGraph) -> None:
+    """``_capture``'s CUDA calls as no-ops: the step runs once, eagerly, in their place."""
+
+    class Stream:
+        def wait_stream(self, other) -> None:
+            pass
+
+    @contextlib.contextmanager
+    def capture(*args, **kwargs):
+        yield
+
+    g.stream = Stream()  # type: ignore[assignment]
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", object)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "graph", capture)
+
+
+def test_a_capture_keeps_existing_grads_and_takes_buffers_for_the_rest(monkeypatch):
+    kept, fresh = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))
+    kept.grad = torch.ones(2)
+    held = kept.grad
+    g = graph_of(nn.ParameterList([kept, fresh]))
+    fake_capture(monkeypatch, g)
+
+    def run(mbs, side) -> None:  # what the backward paths do: add in place, or set a first one
+        assert kept.grad is held  # not set aside
+        kept.grad.add_(1.0)
+        fresh.grad = torch.full((2,), 5.0)
+
+    g._capture(micro(), (), run)
+    assert kept.grad is held and fresh.grad is None  # the buffer is handed over by a replay
+    assert list(g._grads) == [fresh] and torch.equal(g._grads[fresh], torch.full((2,), 5.0))
+
+    def replaces(mbs, side) -> None:
+        kept.grad = kept.grad + 1.0
+
+    g.release()
+    with pytest.raises(ValueError, match="replaced 1 existing .grad .* cuda_graph=False"):
+        g._capture(micro(), (), replaces)
+    assert kept.grad is held and not g.captured
 
 
 def test_a_replay_restores_the_last_stage_losses_the_loss_agreement_pops():
@@ -216,19 +288,7 @@ def test_a_step_that_cannot_be_captured_is_refused_naming_why(monkeypatch):
     layer = nn.Linear(3, 3)
     layer.weight.grad = torch.ones(3, 3)
     g = graph_of(layer)
-
-    class Stream:
-        def wait_stream(self, other) -> None:
-            pass
-
-    @contextlib.contextmanager
-    def capture(*args, **kwargs):
-        yield
-
-    g.stream = Stream()  # type: ignore[assignment]
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", object)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
-    monkeypatch.setattr(torch.cuda, "graph", capture)
+    fake_capture(monkeypatch, g)
 
     def run(mbs, side) -> None:
         raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
