@@ -51,9 +51,10 @@ def pipetrain_options(lib: str) -> dict:
 
 
 class GradsToNone:
-    """A graphed row's optimizer: ``zero_grad`` sets gradients to ``None``, which hands a replay's
-    gradient buffers to ``.grad`` without a copy (a zeroed buffer kept as ``.grad`` is copied
-    out before the next replay; docs/runtime.md). Eager rows keep ``set_to_none=False``."""
+    """A graphed row's optimizer: ``zero_grad`` sets gradients to ``None``, so each replay hands
+    its gradient buffers over as ``.grad`` (docs/runtime.md), as the graphed rows of the recorded
+    tables ran. Eager rows keep ``set_to_none=False``, which a replay now serves as well (it adds
+    into a kept ``.grad`` in place)."""
 
     def __init__(self, opt) -> None:
         self.opt = opt

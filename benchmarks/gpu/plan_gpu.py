@@ -103,8 +103,7 @@ def arguments() -> argparse.Namespace:
                         "(its timeline step then runs on an eager pipeline)")  # fmt: skip
     p.add_argument("--grads-to-none", action="store_true",
                    help="zero gradients with set_to_none=True between steps (default: keep .grad, "
-                        "set_to_none=False; a replayed graph then holds its gradient buffers "
-                        "beside .grad)")  # fmt: skip
+                        "set_to_none=False, which a replayed graph adds into in place)")  # fmt: skip
     p.add_argument("--resummarize", metavar="JSON", help="rewrite summary.txt from plan_gpu.json")
     args = p.parse_args()
     args.budgets = [b for b in args.budgets.split(",") if b]
