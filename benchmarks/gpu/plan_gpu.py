@@ -12,7 +12,9 @@ run takes about 6 minutes, ``--budget-s`` stopping new runs after 360 s.)
    loss) on its GPU, in the dtype of the run, AdamW state counted as static memory: the times,
    activations and, for recompute and offload, what full and selective recompute hold and add to
    each backward and the host bandwidth (``host_bandwidth_gbs``, measured on CUDA; the CPU smoke
-   run times a host memory copy in its place, so offload is planned there too).
+   run times a host memory copy in its place, so offload is planned there too). With
+   ``--cuda-graph`` the times are the GPU's busy time alone (``timing="device"``), what a replayed
+   step pays.
 2. Rank 0 plans (``pipetrain.planner.search``) under a generous, a tight and a memory-bound budget
    (``plan_gpu_variants``: which budgets, which runs per budget — the pick, the uniform 1F1B
    cuts, for the memory-bound one the pick's cut with every recompute and offload variant, near
@@ -161,7 +163,10 @@ def main() -> int:
     if rank == 0:
         try:  # a failure here must reach the other ranks, or they wait in the broadcast
             out.mkdir(parents=True, exist_ok=True)
-            costs = profile_model(cfg, master, dtype, device, b, cfg_args["repeats"], args.context)
+            timing = "device" if cfg_args["cuda_graph"] else "wall"
+            costs = profile_model(
+                cfg, master, dtype, device, b, cfg_args["repeats"], args.context, timing
+            )
             (out / "costs.json").write_text(json.dumps(costs.to_json(), indent=1) + "\n")
             log(
                 f"profiled {costs.num_layers} layers, host {costs.host_bandwidth_gbs or 0:.1f} GB/s"
@@ -228,7 +233,7 @@ def progress_line(run: dict, m: dict) -> str:
     return f"{m['step_ms']:.1f} ms (predicted / measured {ratio:.3f}), peak GiB [{peaks}]"
 
 
-def profile_model(cfg: GPTConfig, master, dtype, device, b: int, repeats: int, context: int) -> ModelCosts:  # fmt: skip
+def profile_model(cfg: GPTConfig, master, dtype, device, b: int, repeats: int, context: int, timing: str = "wall") -> ModelCosts:  # fmt: skip
     from pipetrain.runtime.profile_layers import profile
 
     layers = [copy.deepcopy(m).to(device) for m in master]
@@ -237,7 +242,7 @@ def profile_model(cfg: GPTConfig, master, dtype, device, b: int, repeats: int, c
     targets = torch.randint(0, cfg.vocab_size, (b, cfg.seq_len), generator=gen).to(device)
     costs = profile(
         layers, tokens, loss_fn=lm_loss, target=targets, optimizer="adamw", repeats=repeats,
-        context=context,
+        context=context, timing=timing,
         names=gpt_layer_names(cfg), meta={"model": "llama-shaped gpt", "config": vars(cfg),
                                           "micro_batch_size": b, "dtype": str(dtype)},
     )  # fmt: skip

@@ -13,6 +13,8 @@ standard output, so
     pipetrain train --model llama --plan plan.json
 
 profiles, plans and runs the same model (``pipetrain train --plan`` checks the layer count).
+For a run replayed as a CUDA graph (``train --cuda-graph``) profile with ``--timing device``: the
+layers' device time alone, without the host time an eager step waits for.
 torch is imported when the command runs, not when its parser is built.
 """
 
@@ -26,6 +28,8 @@ import sys
 from pipetrain.cli.flags import Command, Option, model_options, model_shape, require_torch
 
 OPTIMIZERS = ("adamw", "adam", "sgd-momentum", "sgd", "none")
+#: the profiler's clocks (``runtime.profile_clock.TIMINGS``; the parser imports no torch)
+TIMINGS = ("wall", "device")
 
 
 def options() -> tuple[Option, ...]:
@@ -59,6 +63,13 @@ def options() -> tuple[Option, ...]:
             "default 4)",
             shown_default="",
         ),
+        Option(
+            ("--timing",),
+            default="wall",
+            choices=TIMINGS,
+            help="wall: what an eager step pays, host waits included; device: the GPU's busy "
+            "time alone, what a step replayed as a CUDA graph pays (train --cuda-graph)",
+        ),
     )
 
 
@@ -76,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda asked for, but no GPU is visible; use --device cpu")
+    if args.timing == "device" and device.type != "cuda":
+        raise ValueError("--timing device reads a GPU's busy time; on a CPU use --timing wall")
     shape = model_shape(args)
     model = build(shape)
     layers = [m.to(device) for m in model.layer_list()]
@@ -93,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         context=args.context,
         names=model.names,
         path=args.out,
+        timing=args.timing,
         meta={
             "model": args.model,
             "shape": dataclasses.asdict(shape),

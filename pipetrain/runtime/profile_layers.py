@@ -10,7 +10,8 @@ so ``I`` and ``W`` are split exactly as a pipeline splits them):
   runs them, so the host queues kernels ahead and launch gaps do not count; one at a time with a
   synchronisation around each over-estimated a block, measured: ``docs/performance.md``) and divided
   by their number; the median over ``repeats`` rounds after ``warmup`` rounds, timed with CUDA
-  events on a GPU and ``time.perf_counter`` on a CPU; ``.grad`` is kept between rounds as
+  events on a GPU and ``time.perf_counter`` on a CPU — or, with ``timing="device"``, as the
+  device's busy time alone (``runtime.profile_clock``); ``.grad`` is kept between rounds as
   ``zero_grad(set_to_none=False)`` keeps it, so backward pieces add into it as they do in training; the last layer's forward and backward include ``loss_fn``, as
   the last stage's do in a pipeline;
 * ``activation``: the bytes of the distinct tensors the layer's forward saves for its backward
@@ -61,7 +62,6 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -72,6 +72,7 @@ from pipetrain.planner.costs_file import LayerCost, ModelCosts, save_costs
 from pipetrain.runtime import torch_compat
 from pipetrain.runtime.backward.activation_checkpoint import Recomputed
 from pipetrain.runtime.layers import Stage
+from pipetrain.runtime.profile_clock import Clock, clock_for
 from pipetrain.runtime.profile_recompute import StageTimer, recompute_times
 from pipetrain.runtime.stage import StageRunner, leaves
 
@@ -106,18 +107,21 @@ def profile(
     names: Sequence[str] | None = None,
     path: str | Path | None = None,
     meta: dict | None = None,
+    timing: str = "wall",
 ) -> ModelCosts:
     """Measure every layer (see the module docstring); write the costs file to ``path`` if given.
 
     ``sample_input`` is one micro-batch, already on the layers' device. With ``loss_fn``, the last
     layer's output goes through ``loss_fn(output, target)`` and its backward starts from that
     loss; without, from a random output gradient (as every other layer's does). ``context``:
-    layers per window timed as one stage to scale the lone times (1: no windows).
+    layers per window timed as one stage to scale the lone times (1: no windows). ``timing``:
+    ``"wall"`` (an eager step's times, host waits included) or ``"device"`` (the device's busy
+    time alone, what a step replayed as a CUDA graph pays; CUDA only): ``runtime.profile_clock``.
     """
     _check_arguments(layers, optimizer, repeats, warmup, in_flight, context, names)
     inputs = sample_input if isinstance(sample_input, tuple) else (sample_input,)
     device = inputs[0].device
-    clock = _Clock(device)
+    clock = clock_for(device, timing)
     rounds = (repeats, warmup, in_flight)
     measured, layer_inputs, largest = _measure_layers(
         layers, inputs, loss_fn, target, clock, rounds, OPTIMIZER_STATES[optimizer], names
@@ -145,6 +149,7 @@ def profile(
             "device": _device_name(device),
             "optimizer": optimizer,
             "repeats": repeats,
+            "timing": timing,
             "comm_method": _comm_method(device),
             "torch": torch.__version__,
             "context": {"layers": context, "windows": windows, "recompute": paid_windows},
@@ -183,7 +188,7 @@ def _measure_layers(
     inputs: tuple[torch.Tensor, ...],
     loss_fn: Callable | None,
     target: object,
-    clock: _Clock,
+    clock: Clock,
     rounds: tuple[int, int, int],
     states: int,
     names: Sequence[str] | None,
@@ -225,7 +230,7 @@ def _scale_by_windows(
     context: int,
     loss_fn: Callable | None,
     target: object,
-    clock: _Clock,
+    clock: Clock,
     rounds: tuple[int, int, int],
 ) -> list[dict]:
     """Scale ``measured`` in place by each window's ratios; the windows, for ``meta``."""
@@ -263,7 +268,7 @@ def _checkpointed_bytes(
     return saved.bytes + outputs[0]
 
 
-def _host_bandwidth(outputs: tuple[torch.Tensor, ...], clock: _Clock, repeats: int) -> float:
+def _host_bandwidth(outputs: tuple[torch.Tensor, ...], clock: Clock, repeats: int) -> float:
     """GB/s of a copy of ``outputs`` (the largest layer output) from the device to pinned host
     memory: what offloading one activation would move."""
     sources = [o.detach() for o in outputs]
@@ -296,31 +301,11 @@ def _window_ratios(
     return ratios
 
 
-class _Clock:
-    """Milliseconds of a callable: CUDA events on a GPU, ``perf_counter`` on a CPU."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-
-    def time(self, fn: Callable[[], object]) -> tuple[float, object]:
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            result = fn()
-            end.record()
-            torch.cuda.synchronize()
-            return start.elapsed_time(end), result
-        begin = time.perf_counter()
-        result = fn()
-        return (time.perf_counter() - begin) * 1e3, result
-
-
 def _measure(
     runner: StageRunner,
     args,
     target,
-    clock: _Clock,
+    clock: Clock,
     repeats: int,
     warmup: int,
     in_flight: int,
@@ -415,7 +400,7 @@ def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
-def _allocated(clock: _Clock) -> int:
+def _allocated(clock: Clock) -> int:
     if not clock.cuda:
         return 0
     torch.cuda.reset_peak_memory_stats()
@@ -454,7 +439,7 @@ def _static_bytes(layer: nn.Module, seen: set[int], states: int) -> int:
     return total
 
 
-def _transfer_ms(outputs: tuple[torch.Tensor, ...], clock: _Clock, repeats: int) -> float:
+def _transfer_ms(outputs: tuple[torch.Tensor, ...], clock: Clock, repeats: int) -> float:
     nbytes = sum(o.numel() * o.element_size() for o in outputs)
     if not clock.cuda:
         return CPU_LATENCY_MS + nbytes / CPU_BANDWIDTH * 1e3

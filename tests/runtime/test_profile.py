@@ -113,7 +113,9 @@ def _cli_profile(tmp_path, capsys, main) -> None:
     assert main(["profile", "--out", str(out), *args, "--repeats", "1", "--device", "cpu"]) == 0
     costs = load_costs(out)
     assert [layer.name for layer in costs.layers] == ["embed", "block0", "block1", "head"]
-    assert costs.meta["model"] == "gpt"
+    assert costs.meta["model"] == "gpt" and costs.meta["timing"] == "wall"
+    assert main(["profile", *args, "--timing", "device", "--device", "cpu"]) == 2
+    assert "--timing device reads a GPU's busy time" in capsys.readouterr().err
     assert main(["plan", "--costs", str(out), "--ranks", "2", "--memory-gib", "1", "--json"]) == 0
     with pytest.raises(SystemExit) as exit_status:  # argparse: usage error, exit 2
         main(["profile", "--out", str(out), "--layers", "0"])

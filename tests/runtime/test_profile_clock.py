@@ -1,0 +1,81 @@
+"""The profiler's clocks (``runtime.profile_clock``): which one a timing names, what is refused,
+and the device clock's busy time — the union of the device's intervals — from a stubbed
+``torch.profiler`` (the real one needs a GPU: ``benchmarks/gpu/plan_gpu.py --cuda-graph``)."""
+
+from __future__ import annotations
+
+import contextlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+from torch.autograd import DeviceType
+
+from pipetrain.cli import profile_command
+from pipetrain.runtime import profile_clock
+from pipetrain.runtime.profile_clock import Clock, DeviceClock, busy_us, clock_for
+from pipetrain.runtime.profile_layers import profile
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize(
+    ("spans", "want"),
+    [
+        ([], 0.0),
+        ([(0, 2), (5, 6)], 3.0),  # apart: both
+        ([(0, 4), (1, 2)], 4.0),  # nested: once
+        ([(3, 6), (0, 4)], 6.0),  # overlapping, out of order
+        ([(0, 1), (1, 2)], 2.0),  # touching
+    ],
+)
+def test_busy_time_counts_time_covered_by_any_interval_once(spans, want):
+    assert busy_us(spans) == want
+
+
+def test_a_timing_names_its_clock_and_the_device_clock_needs_cuda():
+    assert type(clock_for(CPU, "wall")) is Clock
+    with pytest.raises(ValueError, match="timing must be one of wall, device, got 'gpu'"):
+        clock_for(CPU, "gpu")
+    with pytest.raises(ValueError, match='busy time of a CUDA device .* use timing="wall"'):
+        clock_for(CPU, "device")
+    with pytest.raises(ValueError, match="CUDA device"):
+        profile([nn.Linear(2, 2)], torch.randn(3, 2), repeats=1, warmup=0, timing="device")
+    assert profile_command.TIMINGS == profile_clock.TIMINGS  # the parser's copy, without torch
+
+
+def stub_profiler(monkeypatch, spans_per_call):
+    """``torch.profiler.profile`` recording, per use, the given device spans (µs) beside a host
+    event that must not count."""
+    calls = iter(spans_per_call)
+
+    @contextlib.contextmanager
+    def fake_profile(activities):
+        spans = next(calls)
+
+        def at(start, end, kind):
+            return SimpleNamespace(
+                time_range=SimpleNamespace(start=start, end=end), device_type=kind
+            )
+
+        host = at(0.0, 1e6, DeviceType.CPU)
+        yield SimpleNamespace(events=lambda: [host, *(at(a, b, DeviceType.CUDA) for a, b in spans)])
+
+    monkeypatch.setattr(torch.profiler, "profile", fake_profile)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+
+
+def test_the_device_clock_reads_the_device_spans_alone(monkeypatch):
+    # the probe at construction, then one timed call: kernels on two streams, overlapping
+    stub_profiler(monkeypatch, [[(0.0, 10.0)], [(0.0, 300.0), (200.0, 500.0), (900.0, 1000.0)]])
+    clock = DeviceClock(CPU)
+    ms, result = clock.time(lambda: "done")
+    assert ms == pytest.approx(0.6) and result == "done"
+    assert clock.timing == "device"
+
+
+def test_a_profiler_that_sees_no_device_work_is_refused_at_once(monkeypatch):
+    stub_profiler(monkeypatch, [[]])
+    with pytest.raises(RuntimeError, match='recorded no device activity .* timing="wall"'):
+        DeviceClock(CPU)
