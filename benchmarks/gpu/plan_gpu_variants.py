@@ -50,7 +50,8 @@ def plan_budgets(costs: ModelCosts, world: int, counts: list[int], args) -> list
     room = {} if args.headroom is None else {"headroom": args.headroom}
 
     def find(gib: float):
-        return search(costs, num_ranks=world, memory_gib=gib, microbatches=counts, **room)
+        return search(costs, num_ranks=world, memory_gib=gib, microbatches=counts,
+                      offload=not args.cuda_graph, **room)  # fmt: skip
 
     generous = find(args.generous_gib)
     out = []
@@ -132,7 +133,7 @@ def budget_runs(label, gib, found, costs, world, args, notes) -> dict:
                         microbatches=pick.microbatches, stage_layers=tuple(cut))  # fmt: skip
         runs.append(run_of(layout, role, timeline.makespan, peaks, budget.usable))
     if label == "memory-bound":
-        runs += variant_runs(costs, runs[0], pick, budget)
+        runs += variant_runs(costs, runs[0], pick, budget, offload=not args.cuda_graph)
     seen = {run_key(r) for r in runs}
     near = 0
     for c in found.near(args.near)[1:]:
@@ -146,17 +147,21 @@ def budget_runs(label, gib, found, costs, world, args, notes) -> dict:
             "pick": pick.to_json(), "runs": runs, **notes}  # fmt: skip
 
 
-def variant_runs(costs: ModelCosts, pick_run: dict, pick, budget: Budget) -> list[dict]:
-    """The pick's schedule and cut under each of ``VARIANTS``; a variant that is the pick, or
-    another variant (an offload the schedule leaves no room for), is named in that run's
-    ``same_as`` instead."""
+def variant_runs(
+    costs: ModelCosts, pick_run: dict, pick, budget: Budget, offload: bool = True
+) -> list[dict]:
+    """The pick's schedule and cut under each of ``VARIANTS`` (without ``offload``, those that
+    offload left out: a graphed run cannot); a variant that is the pick, or another variant (an
+    offload the schedule leaves no room for), is named in that run's ``same_as`` instead."""
     program = build_schedule(pick.schedule, pick.ranks, pick.microbatches, pick.stages_per_rank)
     stages = len(pick.stage_layers)
     out, seen = [], {run_key(pick_run): pick_run}
     for role, mode, fraction in VARIANTS:
-        offload = (fraction,) * stages if fraction else ()
+        if fraction and not offload:
+            continue
+        offloads = (fraction,) * stages if fraction else ()
         judged = evaluate(costs, program, pick.schedule, pick.stages_per_rank,
-                          pick.stage_layers, role, budget, (mode,) * stages, offload)  # fmt: skip
+                          pick.stage_layers, role, budget, (mode,) * stages, offloads)  # fmt: skip
         run = as_run(judged.plan, f"variant: {role}")
         if run_key(run) in seen:
             seen[run_key(run)].setdefault("same_as", []).append(role)

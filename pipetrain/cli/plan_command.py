@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from pipetrain.cli.flags import Command, Option, fraction, gib, int_list, one_positive_int
@@ -53,6 +54,12 @@ OPTIONS = (
         metavar="b",
         help="micro-batch size (with B)",
     ),
+    Option(
+        ("--cuda-graph",),
+        switch=True,
+        help="plan a run replayed as a CUDA graph (train --cuda-graph): no activation offload, "
+        "which a captured step refuses; profile its costs with --timing device",
+    ),
     Option(("--json",), switch=True, help="print the pick as one JSON object"),
     Option(
         ("--svg",),
@@ -81,7 +88,11 @@ def run(args: argparse.Namespace) -> int:
         schedules=[s.strip() for s in args.schedules.split(",")] if args.schedules else None,
         global_batch=args.global_batch,
         micro_batch_size=args.micro_batch_size,
+        offload=not args.cuda_graph,
     )
+    note = timing_note(costs.meta.get("timing", "wall"), args.cuda_graph)
+    if note:
+        print(f"note: {note}", file=sys.stderr)
     best = found.best  # NoPlanFits (a ValueError) when nothing fits: exit 2
     if args.svg:
         from pipetrain.render.svg import render_svg
@@ -116,6 +127,24 @@ def run(args: argparse.Namespace) -> int:
     if args.svg:
         print(f"wrote {args.svg}")
     return 0
+
+
+def timing_note(timing: object, cuda_graph: bool) -> str:
+    """What to say where the costs were timed for another kind of step than the one planned
+    (``runtime.profile_clock``: wall time is an eager step's, device time a graphed one's)."""
+    if cuda_graph and timing != "device":
+        return (
+            "--cuda-graph with costs timed on the wall clock (host waits included): a replayed "
+            "step pays the device's time alone and runs faster than predicted; profile with "
+            "--timing device"
+        )
+    if not cuda_graph and timing == "device":
+        return (
+            "costs timed as the device's busy time (for a graphed run): an eager step also "
+            "waits for the host and runs slower than predicted; add --cuda-graph, or profile "
+            "with --timing wall"
+        )
+    return ""
 
 
 def static_per_rank(c: Candidate) -> tuple[float, ...]:

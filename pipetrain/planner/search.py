@@ -186,8 +186,11 @@ def search(
     micro_batch_size: int | None = None,
     stages_per_rank: Sequence[int] | None = None,
     headroom: float = DEFAULT_HEADROOM,
+    offload: bool = True,
 ) -> Search:
-    """Simulate every candidate (see the module docstring); ``ValueError`` names bad input."""
+    """Simulate every candidate (see the module docstring); ``ValueError`` names bad input.
+    ``offload=False`` leaves activation offload out (a run replayed as a CUDA graph cannot
+    offload: ``Pipeline(cuda_graph=True)`` refuses it)."""
     if num_ranks < 1:
         raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
     if not memory_gib > 0:
@@ -235,8 +238,9 @@ def search(
         out.recompute_tried = True
         plain = list(out.candidates)
         out.candidates += recompute_candidates(costs, programs, plain, budget)
-        out.offload_tried = bool(costs.host_bandwidth_gbs)
-        out.candidates += offload_candidates(costs, programs, plain, budget)
+        out.offload_tried = offload and bool(costs.host_bandwidth_gbs)
+        if offload:
+            out.candidates += offload_candidates(costs, programs, plain, budget)
     out.candidates += refine(out.candidates, costs, programs, budget)
     return out
 

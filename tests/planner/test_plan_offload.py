@@ -89,6 +89,11 @@ def test_offload_only_when_nothing_fits_and_only_with_a_measured_bandwidth() -> 
     without = search(costs(None), num_ranks=2, memory_gib=low * 0.6, headroom=0)
     assert not without.offload_tried
     assert not any(c.plan.layout.offloads for c in without.candidates)
+    # a run replayed as a CUDA graph cannot offload: the planner recomputes instead
+    graphed = search(costs(1e5), num_ranks=2, memory_gib=low * 0.6, headroom=0, offload=False)
+    assert not graphed.offload_tried and graphed.best.plan.fits
+    assert not any(c.plan.layout.offloads for c in graphed.candidates)
+    assert graphed.best.plan.layout.recomputes
 
 
 def test_nothing_fits_even_with_full_recompute_and_full_offload_names_the_gib() -> None:

@@ -117,6 +117,10 @@ def _cli_profile(tmp_path, capsys, main) -> None:
     assert main(["profile", *args, "--timing", "device", "--device", "cpu"]) == 2
     assert "--timing device reads a GPU's busy time" in capsys.readouterr().err
     assert main(["plan", "--costs", str(out), "--ranks", "2", "--memory-gib", "1", "--json"]) == 0
+    assert "note:" not in capsys.readouterr().err  # wall-timed costs for an eager run
+    graphed = ["plan", "--costs", str(out), "--ranks", "2", "--memory-gib", "1", "--cuda-graph"]
+    assert main([*graphed, "--json"]) == 0
+    assert "note: --cuda-graph with costs timed on the wall clock" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_status:  # argparse: usage error, exit 2
         main(["profile", "--out", str(out), "--layers", "0"])
     assert exit_status.value.code == 2

@@ -79,3 +79,11 @@ def test_a_profiler_that_sees_no_device_work_is_refused_at_once(monkeypatch):
     stub_profiler(monkeypatch, [[]])
     with pytest.raises(RuntimeError, match='recorded no device activity .* timing="wall"'):
         DeviceClock(CPU)
+
+
+def test_plan_says_when_the_costs_were_timed_for_the_other_kind_of_step():
+    from pipetrain.cli.plan_command import timing_note
+
+    assert timing_note("wall", cuda_graph=False) == timing_note("device", cuda_graph=True) == ""
+    assert "runs faster than predicted; profile with --timing device" in timing_note("wall", True)
+    assert "runs slower than predicted; add --cuda-graph" in timing_note("device", False)
