@@ -190,10 +190,6 @@ def _report(
     args = (config.svg, losses, measured, pipe.program, cpu_processes, _planned(config.plan))
     if config.cuda_graph:
         text = report(*args, unmeasured="each step replayed as one CUDA graph")
-        if config.plan is not None:
-            from pipetrain.runtime.resolve import GRAPHED_PEAKS
-
-            text += f"\n--plan with --cuda-graph: {GRAPHED_PEAKS}"
     else:
         text = report(*args)
     if skipped:

@@ -279,7 +279,7 @@ class Pipeline:
         dimension with ``mesh=``) is refused: its cut and its schedule were chosen for that
         size (``runtime.resolve``)."""
         layout = cls.plan_layout(plan)
-        stages = resolve.plan_stages(layers, layout, kwargs, not isinstance(plan, Layout))
+        stages = resolve.plan_stages(layers, layout, kwargs)
         per_rank, total = layout.stages_per_rank, len(layout.stage_layers)
         args = (stages, layout.schedule, layout.microbatches, loss_fn)
         kwargs = {**kwargs, "offload": layout.offload_spec}

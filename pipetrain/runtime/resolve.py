@@ -274,25 +274,13 @@ def forward_only(program: Program, receive_lead: int | None = None) -> Program:
     return moved
 
 
-#: why a plan's peaks do not bound a captured step's (``plan_stages``, ``pipetrain train``)
-GRAPHED_PEAKS = (
-    "the plan's peaks are an eager step's; a captured step can hold more (its own gradient "
-    "buffers beside a .grad kept between steps), so plan for less memory than the GPU has or "
-    'zero gradients with set_to_none=True (docs/planning.md, "CUDA graphs and a plan\'s peaks")'
-)
-
-
-def plan_stages(
-    layers, layout: Layout, kwargs: dict, planned: bool = True
-) -> Callable[[int], nn.Module]:
+def plan_stages(layers, layout: Layout, kwargs: dict) -> Callable[[int], nn.Module]:
     """``Pipeline.from_plan``'s stages, as a callable ``stage_index -> nn.Module``: ``layers``
     cut by the checked ``layout``'s ``stage_layers`` with ``pipetrain.split`` (each stage recomputing as ``layout.recompute``
     says: ``backward.activation_checkpoint.recompute_stages``) when the ``Pipeline`` first asks (where a failure is told to the peers), after refusing options the
     plan sets and a plan made for another number of pipeline ranks than this process group's
     (the mesh's ``pp`` dimension with ``mesh=``): its cut and its schedule were chosen for that
-    size. With ``cuda_graph`` a ``planned`` layout (a ``Plan`` or its dict, with predicted peaks)
-    warns that those peaks are an eager step's (docs/planning.md, "CUDA graphs and a plan's
-    peaks")."""
+    size."""
     from pipetrain.runtime.layers import split
 
     plan_sets = {"schedule", "num_microbatches", "stages_per_rank", "num_stages", "offload"}
@@ -310,8 +298,6 @@ def plan_stages(
             f"{world}; launch {layout.ranks} processes per pipeline, or plan again with "
             f"--ranks {world}"
         )
-    if planned and kwargs.get("cuda_graph"):
-        _log.warning("cuda_graph=True on a plan: %s", GRAPHED_PEAKS)
     counts = layout.stage_layers
     callable_form = callable(layers) and not isinstance(layers, (nn.Module, Sequence, dict))
     cut: list[Sequence[nn.Module]] = []

@@ -302,19 +302,3 @@ def test_a_step_that_cannot_be_captured_is_refused_naming_why(monkeypatch):
 
     with pytest.raises(RuntimeError, match="shapes do not match"):
         g._capture(micro(), (), other)
-
-
-def test_a_plan_run_as_a_graph_warns_that_its_peaks_are_an_eager_steps(monkeypatch, caplog):
-    from pipetrain.runtime import resolve
-
-    monkeypatch.setattr(resolve, "require_process_group", lambda: None)
-    monkeypatch.setattr(resolve.dist, "get_world_size", lambda group=None: 2)
-    plan = {"schedule": "1f1b", "ranks": 2, "stages_per_rank": 1, "microbatches": 4}
-    layout = resolve.plan_layout({**plan, "stage_layers": [1, 1]})
-    layers = [nn.Linear(2, 2), nn.Linear(2, 2)]
-    caplog.set_level("WARNING", logger="pipetrain.runtime.resolve")
-    resolve.plan_stages(layers, layout, {})
-    resolve.plan_stages(layers, layout, {"cuda_graph": True}, planned=False)  # a bare Layout
-    assert not caplog.records
-    resolve.plan_stages(layers, layout, {"cuda_graph": True})
-    assert "the plan's peaks are an eager step's" in caplog.text
