@@ -6,15 +6,17 @@ nothing fits, not even with full recompute (``NoPlanFits``)."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
 
 from pipetrain.cli.flags import Command, Option, fraction, gib, int_list, one_positive_int
-from pipetrain.planner.costs_file import load_costs
+from pipetrain.planner.costs_file import ModelCosts, load_costs
 from pipetrain.planner.judge import Candidate
 from pipetrain.planner.recompute import describe
 from pipetrain.planner.search import DEFAULT_HEADROOM, Search, search
+from pipetrain.schedule.registry import build_schedule
 
 OPTIONS = (
     Option(("--costs",), required=True, metavar="FILE", help="costs file (JSON, version 1 or 2)"),
@@ -102,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
                 best.timeline,
                 title=f"plan: {best.plan.schedule}, stage_layers {list(best.plan.stage_layers)}",
                 memory=True,
-                static=static_per_rank(best),
+                static=static_per_rank(costs, best),
                 limit=best.plan.usable_gib,
             )
         )
@@ -117,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
         render_memory_text(
             best.timeline,
             width=args.width,
-            static=static_per_rank(best),
+            static=static_per_rank(costs, best),
             limit=best.plan.usable_gib,
             unit="GiB",
         )
@@ -147,9 +149,19 @@ def timing_note(timing: object, cuda_graph: bool) -> str:
     return ""
 
 
-def static_per_rank(c: Candidate) -> tuple[float, ...]:
-    """Each rank's static memory (GiB): its predicted peak less its peak of held activations."""
-    return tuple(p - a for p, a in zip(c.plan.peak_gib, c.timeline.peak_activations))
+def static_per_rank(costs: ModelCosts, c: Candidate) -> tuple[float, ...]:
+    """Each rank's static memory (GiB): the ``params`` of the layers its stages hold (the chart
+    draws the step's activations above it; the optimizer's update, which may set the peak, comes
+    after the step)."""
+    plan = c.plan
+    placement = build_schedule(
+        plan.schedule, plan.ranks, plan.microbatches, plan.stages_per_rank
+    ).placement
+    edges = list(itertools.accumulate(plan.stage_layers, initial=0))
+    per_stage = [sum(x.params for x in costs.layers[a:b]) for a, b in itertools.pairwise(edges)]
+    return tuple(
+        sum(per_stage[s] for s in placement.stages_of_rank(rank)) for rank in range(plan.ranks)
+    )
 
 
 def format_plan(found: Search) -> str:

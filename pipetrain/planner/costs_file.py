@@ -26,7 +26,10 @@ under selective recompute, which also keeps matrix products' and attention's out
 ``selective_recompute`` (ms: what selective recompute adds to the layer's backward; default a
 fixed share of ``recompute``), ``recompute_forward`` and ``selective_forward`` (ms: what running
 the layer checkpointed adds to its forward — the checkpoint's bookkeeping; default 0) — the
-planner's recompute model, ``planner.recompute``; per file
+planner's recompute model, ``planner.recompute``; ``optimizer_workspace`` (GiB the optimizer's
+update allocates for the layer's parameters while it runs, after the step's activations are
+gone — AdamW's or Adam's default multi-tensor update makes a parameter-sized temporary; default
+0); per file
 ``host_bandwidth_gbs`` (GB/s between the device and pinned host memory, measured by the profiler
 on CUDA; what the planner times activation offload's copies at). Version 1 files still load
 (those fields absent: their defaults); a version 1 file that gives them is refused, naming
@@ -53,7 +56,7 @@ _LAYER_OPTIONAL = ("comm", "workspace", "activation_for_weight")
 #: fields a version 1 file may not give
 _LAYER_V2 = (
     "recompute", "recompute_activation", "selective_activation", "selective_recompute",
-    "recompute_forward", "selective_forward",
+    "recompute_forward", "selective_forward", "optimizer_workspace",
 )  # fmt: skip
 _TOP_V2 = ("host_bandwidth_gbs",)
 _LAYER_KEYS = ("name", *_LAYER_NUMBERS, "params", *_LAYER_OPTIONAL, *_LAYER_V2)
@@ -96,6 +99,8 @@ class LayerCost:
     #: ms full and selective recompute add to the forward; ``None``: not measured (0)
     recompute_forward: float | None = None
     selective_forward: float | None = None
+    #: GiB the optimizer's update allocates for this layer's parameters; ``None``: not measured (0)
+    optimizer_workspace: float | None = None
 
     @property
     def split_backward(self) -> bool:
@@ -253,6 +258,7 @@ def _layer(raw: object, where: str, fail: Fail) -> LayerCost:
         selective_recompute=maybe("selective_recompute"),
         recompute_forward=maybe("recompute_forward"),
         selective_forward=maybe("selective_forward"),
+        optimizer_workspace=maybe("optimizer_workspace"),
     )
 
 

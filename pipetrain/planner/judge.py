@@ -190,6 +190,7 @@ def stage_costs(
         ],
         workspace=[max(layer.workspace for layer in stage) for stage in layers_of],
         static=total("params"),
+        optimizer_workspace=total("optimizer_workspace"),
         host_copy=[a * _GIB_PER_GB / bandwidth * 1e3 for a in total("activation")]
         if (bandwidth := costs.host_bandwidth_gbs)
         else 0.0,

@@ -20,7 +20,8 @@ so ``I`` and ``W`` are split exactly as a pipeline splits them):
 * ``params``: static memory — parameters, their gradients and the optimizer's state (AdamW and
   Adam: two states per parameter, SGD with momentum: one, plain SGD: none; torch.optim keeps the
   states in the parameter's dtype); a parameter shared by several layers counts once, on the
-  first;
+  first; ``optimizer_workspace``, what the optimizer's update allocates for them while it runs
+  (``OPTIMIZER_TEMPORARIES`` parameter-sized temporaries: one for AdamW and Adam);
 * ``comm``: moving the layer's output to the next rank. With two or more GPUs visible, a copy
   from this GPU to another one (peer-to-peer, what NCCL's send/recv rides on within a host);
   with one GPU, a device-to-device copy on it (a lower bound); on a CPU, a stated model:
@@ -79,6 +80,11 @@ from pipetrain.runtime.stage import StageRunner, leaves
 GIB = float(1 << 30)
 #: optimizer states per parameter element
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0, "none": 0}
+#: parameter-sized temporaries the optimizer's update allocates while it runs: torch's default
+#: multi-tensor AdamW and Adam make the denominator (the square root of the second moments) for
+#: every parameter at once; SGD, with or without momentum, updates in place. A fused
+#: (``fused=True``) update allocates none: there the count is an upper bound
+OPTIMIZER_TEMPORARIES = {"adamw": 1, "adam": 1, "sgd-momentum": 0, "sgd": 0, "none": 0}
 #: the CPU transfer model: gloo send/recv over loopback
 CPU_LATENCY_MS = 0.05
 CPU_BANDWIDTH = 2e9  # bytes per second
@@ -124,7 +130,7 @@ def profile(
     clock = clock_for(device, timing)
     rounds = (repeats, warmup, in_flight)
     measured, layer_inputs, largest = _measure_layers(
-        layers, inputs, loss_fn, target, clock, rounds, OPTIMIZER_STATES[optimizer], names
+        layers, inputs, loss_fn, target, clock, rounds, optimizer, names
     )
     windows = _scale_by_windows(
         layers, measured, layer_inputs, context, loss_fn, target, clock, rounds
@@ -190,7 +196,7 @@ def _measure_layers(
     target: object,
     clock: Clock,
     rounds: tuple[int, int, int],
-    states: int,
+    optimizer: str,
     names: Sequence[str] | None,
 ) -> tuple[list[LayerCost], list[tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]]:
     """Every layer measured alone, each fed the previous one's output; also each layer's input
@@ -205,7 +211,7 @@ def _measure_layers(
         runner = StageRunner(index, layer, is_last, loss_fn if is_last else None)
         args = leaves(inputs)
         cost, outputs = _measure(runner, args, target, clock, *rounds)
-        static = _static_bytes(layer, seen, states)
+        static, trained = _static_bytes(layer, seen, OPTIMIZER_STATES[optimizer])
         comm = _transfer_ms(outputs, clock, rounds[0]) if outputs else 0.0
         name = names[index] if names is not None else f"{index}:{type(layer).__name__}"
         kept = {m: _checkpointed_bytes(index, layer, is_last, loss_fn, args, target, m) / GIB
@@ -213,6 +219,7 @@ def _measure_layers(
         measured.append(
             LayerCost(
                 name=name, params=static / GIB, comm=comm, recompute_activation=kept["full"],
+                optimizer_workspace=trained * OPTIMIZER_TEMPORARIES[optimizer] / GIB,
                 selective_activation=kept["selective"], **cost,  # type: ignore[arg-type]
             )
         )  # fmt: skip
@@ -428,15 +435,19 @@ class _SavedBytes:
         return t
 
 
-def _static_bytes(layer: nn.Module, seen: set[int], states: int) -> int:
-    total = 0
+def _static_bytes(layer: nn.Module, seen: set[int], states: int) -> tuple[int, int]:
+    """Bytes of the layer's parameters with their gradients and ``states`` optimizer states
+    (trainable ones), and of its trainable parameters alone; a parameter ``seen`` before counts
+    on its first layer only."""
+    total = trained = 0
     for p in layer.parameters():
         if id(p) in seen:
             continue
         seen.add(id(p))
         size = p.numel() * p.element_size()
         total += size * (1 + (1 + states if p.requires_grad else 0))
-    return total
+        trained += size if p.requires_grad else 0
+    return total, trained
 
 
 def _transfer_ms(outputs: tuple[torch.Tensor, ...], clock: Clock, repeats: int) -> float:

@@ -38,6 +38,7 @@ class StageCosts:
     activation_for_weight: tuple[float, ...]
     workspace: tuple[float, ...]
     static: tuple[float, ...] = ()
+    optimizer_workspace: tuple[float, ...] = ()
     host_copy: tuple[float, ...] = ()
     offload: tuple[float, ...] = ()
     layers: tuple[int, ...] = ()
@@ -60,6 +61,10 @@ class Costs:
     #: memory a stage holds for the whole step whatever runs (parameters, gradients, optimizer
     #: state); same unit as ``activation``; ``rank_peak_memory`` adds it to the held activations
     static: Cost = 0.0
+    #: memory the optimizer's update after the step allocates for a stage's parameters while it
+    #: runs, on top of ``static`` (AdamW's multi-tensor update: a parameter-sized temporary); the
+    #: step's activations are gone by then, so ``rank_peak_memory`` takes the larger of the two
+    optimizer_workspace: Cost = 0.0
     #: time to copy one micro-batch's whole activation of a stage between device and host memory,
     #: one way (activation bytes / host bandwidth); same unit as ``forward``
     host_copy: Cost = 0.0
@@ -86,6 +91,7 @@ class Costs:
             "activation_for_weight",
             "workspace",
             "static",
+            "optimizer_workspace",
             "host_copy",
         ):
             value = getattr(self, name)
@@ -129,6 +135,9 @@ class Costs:
             else _resolve("activation_for_weight", self.activation_for_weight, num_stages),
             workspace=_resolve("workspace", self.workspace, num_stages),
             static=_resolve("static", self.static, num_stages),
+            optimizer_workspace=_resolve(
+                "optimizer_workspace", self.optimizer_workspace, num_stages
+            ),
             host_copy=_resolve("host_copy", self.host_copy, num_stages),
             offload=_resolve_fraction(self.offload, num_stages),
             layers=_resolve_layers(self.layers, num_stages),
@@ -164,12 +173,18 @@ def _resolve_layers(value: Cost, num_stages: int) -> tuple[int, ...]:
 def rank_peak_memory(
     timeline: Timeline, costs: StageCosts, rank_of_stage: Sequence[int]
 ) -> tuple[float, ...]:
-    """Per rank: the static memory of its stages plus its peak of held activations (and running
-    workspace) over the step, as the timeline accounts them; the planner's memory model."""
+    """Per rank: the static memory of its stages plus the larger of its peak of held activations
+    (and running workspace) over the step, as the timeline accounts them, and its stages'
+    ``optimizer_workspace`` (the update after the step, when no activation is held); the
+    planner's memory model."""
     static = [0.0] * timeline.num_ranks
+    update = [0.0] * timeline.num_ranks
     for stage, rank in enumerate(rank_of_stage):
         static[rank] += costs.static[stage] if costs.static else 0.0
-    return tuple(s + a for s, a in zip(static, timeline.peak_activations))
+        update[rank] += costs.optimizer_workspace[stage] if costs.optimizer_workspace else 0.0
+    return tuple(
+        s + max(a, u) for s, a, u in zip(static, timeline.peak_activations, update, strict=True)
+    )
 
 
 #: larger costs would overflow when a timeline adds up 10^6 of them

@@ -64,6 +64,30 @@ def test_version_2_round_trips_and_version_1_loads_with_defaults(tmp_path) -> No
         parse_costs({**data, "host_bandwidth_gbs": -1})
 
 
+def test_the_optimizers_update_can_set_a_ranks_peak() -> None:
+    """After the step no activation is held, but AdamW's update allocates a parameter-sized
+    temporary beside parameters, gradients and states: where recompute leaves little held, that
+    is the rank's peak (measured on GPUs: docs/planning.md), and the planner budgets for it."""
+    update = dataclasses.replace(block("x", params=4.0), optimizer_workspace=1.0)
+    costs = ModelCosts(layers=(update,) * 4)
+    data = costs.to_json()
+    assert data["layers"][0]["optimizer_workspace"] == 1.0 and parse_costs(data) == costs
+    one = {"forward": 1, "backward": 2, "activation": 1, "params": 4, "optimizer_workspace": 1}
+    with pytest.raises(ValueError, match=r"layers\[0\].optimizer_workspace: a version 2 field"):
+        parse_costs({"version": 1, "layers": [one]})
+    program = build_schedule("1f1b", 2, 4)
+    _, peaks = simulate_plan(costs, program, (2, 2), ("full", "full"))
+    assert peaks == pytest.approx((8.0 + 2.0, 8.0 + 2.0))  # static + both layers' updates
+    _, plain = simulate_plan(costs, program, (2, 2))
+    without = ModelCosts(layers=(block("x", params=4.0),) * 4)
+    _, held = simulate_plan(without, program, (2, 2))
+    assert plain == pytest.approx(held)  # the step's activations (> 2 GiB) set these peaks
+    found = search(costs, num_ranks=2, memory_gib=9.5, headroom=0, schedules=["1f1b"])
+    with pytest.raises(NoPlanFits):
+        found.best  # noqa: B018 - full recompute would fit but for the update
+    assert search(without, num_ranks=2, memory_gib=9.5, headroom=0, schedules=["1f1b"]).best
+
+
 def test_the_layer_model_of_full_and_selective_recompute() -> None:
     layer = block("x", act=1.0, kept=0.1)
     full = recomputed_layer(layer, Recompute.FULL)

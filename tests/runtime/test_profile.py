@@ -43,6 +43,8 @@ def test_profile_counts_activation_and_static_bytes_by_hand(tmp_path) -> None:
     # AdamW: parameter + gradient + two states, float64
     params = sum(p.numel() for p in linear.parameters())
     assert first.params * GIB == 8 * params * 4
+    # AdamW's update makes a denominator the size of the parameters while it runs
+    assert first.optimizer_workspace * GIB == 8 * params
     for layer in costs.layers:
         assert layer.forward > 0 and layer.backward > 0
         assert layer.backward_input > 0 and layer.backward_weight > 0
