@@ -41,7 +41,8 @@ def test_regret_counts_only_runs_within_the_usable_memory() -> None:
     assert out["regret_whole_budget"] == pytest.approx(100 / 80 - 1)
     # by median rounds the pick (101 ms) beats 2,4 (110 ms): no regret
     assert out["regret_median_rounds"] == 0.0
-    assert out["checks"]["regret at most 3%"] is True
+    assert out["checks"]["regret at most 3%"] is True  # every run behind it: three rounds
+    assert out["regret_fewest_rounds"] == 3
     assert out["over_budget_expected"] == ["1f1b/v1/M8/4,2"]  # 9.5 > 9 usable, predicted so
     assert out["over_budget_unexpected"] == []
     assert out["checks"]["no run predicted to fit measured over the usable memory"] is True
@@ -58,3 +59,11 @@ def test_a_run_predicted_to_fit_but_measured_over_the_usable_memory_fails_the_ch
     assert out["checks"]["no run predicted to fit measured over the budget"] is True  # 9.2 < 10
     # nothing measured fits the usable memory but the pick's own step counts: no regret
     assert out["regret"] == 0.0
+    assert out["checks"]["regret at most 3%"] is True and "regret_fewest_rounds" not in out
+    # with another fitting run measured once, one round cannot tell a 3% regret from the
+    # rounds' spread: undecided
+    other = _run("near", [2, 4], 90.0, 8.0, fits=True)
+    budget["runs"].append(other)
+    results["1f1b/v1/M8/2,4"] = {"microbatches": 8, "step_ms": 99.0, "peak_gib": [8.0, 8.0]}
+    (out,) = summarize({}, [budget], results, {})["budgets"]
+    assert out["regret_fewest_rounds"] == 1 and out["checks"]["regret at most 3%"] is None
