@@ -109,9 +109,14 @@ def check(
     refused = {"data_parallel": data_parallel, "mesh": mesh, "offload": moves}
     given = [name for name, value in refused.items() if value]
     if given:
+        again = (
+            " (a plan that offloads: plan again with `pipetrain plan --cuda-graph`)"
+            if moves
+            else ""
+        )
         raise ValueError(
             f"cuda_graph=True with {', '.join(given)} is not supported yet (their gradient "
-            "syncs and copies keep host-side state per step); pass cuda_graph=False"
+            f"syncs and copies keep host-side state per step); pass cuda_graph=False{again}"
         )
 
 
