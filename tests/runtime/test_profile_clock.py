@@ -45,14 +45,15 @@ def test_a_timing_names_its_clock_and_the_device_clock_needs_cuda():
     assert profile_command.TIMINGS == profile_clock.TIMINGS  # the parser's copy, without torch
 
 
-def stub_profiler(monkeypatch, spans_per_call):
+def stub_profiler(monkeypatch, spans_per_call, device_alone=True):
     """``torch.profiler.profile`` recording, per use, the given device spans (µs) beside a host
-    event that must not count."""
+    event that must not count; without ``device_alone``, nothing unless the host is profiled too
+    (the fallback a profiler that needs both takes)."""
     calls = iter(spans_per_call)
 
     @contextlib.contextmanager
     def fake_profile(activities):
-        spans = next(calls)
+        spans = next(calls) if device_alone or len(activities) > 1 else []
 
         def at(start, end, kind):
             return SimpleNamespace(
@@ -75,8 +76,18 @@ def test_the_device_clock_reads_the_device_spans_alone(monkeypatch):
     assert clock.timing == "device"
 
 
+def test_the_device_clock_profiles_the_host_too_only_where_it_must(monkeypatch):
+    from torch.profiler import ProfilerActivity
+
+    stub_profiler(monkeypatch, [[(0.0, 10.0)]])
+    assert DeviceClock(CPU).activities == [ProfilerActivity.CUDA]
+    stub_profiler(monkeypatch, [[(0.0, 10.0)], [(0.0, 250.0)]], device_alone=False)
+    clock = DeviceClock(CPU)
+    assert len(clock.activities) == 2 and clock.time(lambda: None)[0] == pytest.approx(0.25)
+
+
 def test_a_profiler_that_sees_no_device_work_is_refused_at_once(monkeypatch):
-    stub_profiler(monkeypatch, [[]])
+    stub_profiler(monkeypatch, [[], []])
     with pytest.raises(RuntimeError, match='recorded no device activity .* timing="wall"'):
         DeviceClock(CPU)
 
