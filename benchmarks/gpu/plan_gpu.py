@@ -26,7 +26,8 @@ run takes about 6 minutes, ``--budget-s`` stopping new runs after 360 s.)
    step time (``synchronize`` + ``perf_counter`` around ``Pipeline.step``, slowest rank, median of
    the timed steps; the AdamW step timed apart, since the simulator does not model it) and each
    rank's peak allocated memory (``max_memory_allocated`` over the timed steps, optimizer step
-   included, above what was allocated before the stages were built). No run starts after
+   included, above what was allocated before the stages were built; also the pipeline steps'
+   and the updates' peaks apart, ``peak_step_gib`` and ``peak_update_gib``). No run starts after
    ``--budget-s`` seconds; the report is rewritten after every run.
 
 Reported (``plan_gpu_report``): per run predicted / measured step and peak per rank, runs over
@@ -302,6 +303,9 @@ def measure(run, master, device, x, y, cfg_args, world, costs, run_s: float) -> 
         "step_ms": max(g[0] for g in steps),
         "optimizer_ms": max(g[1] for g in steps),
         "peak_gib": [round(g[2], 3) for g in steps],
+        # where each rank's peak fell: the pipeline steps, or the optimizer's updates after them
+        "peak_step_gib": [round(g[3], 3) for g in steps],
+        "peak_update_gib": [round(g[4], 3) for g in steps],
         **explain(run, program, timeline, costs),
     }
 
@@ -326,6 +330,8 @@ def timed_steps(run, master, device, x, y, cfg_args, base, run_s: float):
     params = list(pipe.parameters())
     opt = torch.optim.AdamW(params, lr=1e-5, foreach=True)
 
+    held = [0.0, 0.0]  # allocated peaks (bytes) of the pipeline steps and of the updates
+
     def step() -> tuple[float, float]:  # ms of the pipeline step and of the optimizer step
         dist.barrier()
         if cuda:
@@ -334,11 +340,15 @@ def timed_steps(run, master, device, x, y, cfg_args, base, run_s: float):
         pipe.step(x, y)
         if cuda:
             torch.cuda.synchronize()
+            held[0] = max(held[0], torch.cuda.max_memory_allocated(device))
+            torch.cuda.reset_peak_memory_stats(device)
         t1 = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=bool(cfg_args.get("grads_to_none")))
         if cuda:
             torch.cuda.synchronize()
+            held[1] = max(held[1], torch.cuda.max_memory_allocated(device))
+            torch.cuda.reset_peak_memory_stats(device)
         return (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
 
     warm = [sum(step()) for _ in range(cfg_args["warmup"])]
@@ -350,8 +360,10 @@ def timed_steps(run, master, device, x, y, cfg_args, base, run_s: float):
     dist.broadcast_object_list(steps, src=0)
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
+    held[:] = [0.0, 0.0]
     step_times, opt_times = zip(*(step() for _ in range(steps[0])))
-    peak = (torch.cuda.max_memory_allocated(device) - base) / GIB if cuda else 0.0
+    step_peak, update_peak = ((h - base) / GIB if cuda else 0.0 for h in held)
+    peak = max(step_peak, update_peak)
     # one more step with its measured timeline (where a prediction error comes from); a replayed
     # graph has no per-action spans, so a graphed run takes it on an eager pipeline
     if graph:
@@ -361,7 +373,8 @@ def timed_steps(run, master, device, x, y, cfg_args, base, run_s: float):
     pipe.step(x, y, timeline=True)
     program, timeline = pipe.program, pipe.last_timeline
     pipe.close()
-    return [statistics.median(step_times), statistics.median(opt_times), peak], (program, timeline)
+    medians = [statistics.median(step_times), statistics.median(opt_times)]
+    return [*medians, peak, step_peak, update_peak], (program, timeline)
 
 
 def explain(run, program, timeline, costs) -> dict:
