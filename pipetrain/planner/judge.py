@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pipetrain.planner.costs_file import ModelCosts
+from pipetrain.planner.costs_file import LayerCost, ModelCosts
 from pipetrain.planner.layout import Layout
 from pipetrain.planner.partition import bounds
 from pipetrain.planner.recompute import MODES, Recompute, recomputed_layer
@@ -151,7 +151,8 @@ def stage_costs(
     offload: Sequence[float] = (),
 ) -> Costs:
     """Simulator costs of the stages ``cut`` makes: sums over each stage's layers (a stage's
-    ``comm`` is its last layer's output transfer, its workspace the largest of its layers'), each
+    ``comm`` is its last layer's output transfer, its workspace ``beside_later_layers``'s, its
+    ``W``'s the largest of its layers'), each
     layer's costs under its stage's ``recompute`` mode (one per entry of ``cut``; empty: none)
     and each stage offloading its ``offload`` fraction (one per entry of ``cut``; empty: none)."""
     blocks = bounds(cut)
@@ -188,7 +189,8 @@ def stage_costs(
             )
             for stage in layers_of
         ],
-        workspace=[max(layer.workspace for layer in stage) for stage in layers_of],
+        workspace=[beside_later_layers(stage) for stage in layers_of],
+        weight_workspace=[max(layer.workspace for layer in stage) for stage in layers_of],
         static=total("params"),
         optimizer_workspace=total("optimizer_workspace"),
         host_copy=[a * _GIB_PER_GB / bandwidth * 1e3 for a in total("activation")]
@@ -197,6 +199,21 @@ def stage_costs(
         offload=[offload[s % len(blocks)] for s in range(program.num_stages)] if offload else 0.0,
         layers=[b - a for a, b in per_stage],
     )
+
+
+def beside_later_layers(stage: Sequence[LayerCost]) -> float:
+    """What a stage's ``F``, ``B`` or ``I`` uses beyond the micro-batch's whole activation, which
+    the simulator holds from the forward's start to the backward's end: a layer's temporaries
+    come while the layers before it hold their activation and the layers after it hold nothing
+    yet (forward) or nothing any more (backward), so each counts less the activation of the
+    layers after it (a first layer's large temporary, an embedding's dense weight gradient, meets
+    little); the largest, at least 0. ``W`` meets only what it still needs: there every layer's
+    whole temporary counts (``weight_workspace``)."""
+    out = after = 0.0
+    for layer in reversed(stage):
+        out = max(out, layer.workspace - after)
+        after += layer.activation
+    return out
 
 
 def planned_offload(

@@ -16,7 +16,8 @@ Metrics, as the ZB paper (Qi et al. 2024, §2) uses them:
   captured for ``W``);
   an overlapped pair allocates its forward at its start and frees its backward at its end;
   where a ``workspace_size`` is given, each action also uses its stage's workspace while it runs
-  (an overlapped pair: the larger of its two stages'), so ``peak_activations`` is the peak of
+  (``W`` its ``weight_workspace_size`` where given; an overlapped pair: the larger of its two
+  stages'), so ``peak_activations`` is the peak of
   held activations plus the running action's temporaries;
 * offload (``schedule.offload``): where ``copies`` holds OFFLOAD/RELOAD spans, an offloaded
   micro-batch of stage ``s`` keeps ``offload_memory[s].moved`` of its activation in host memory.
@@ -86,7 +87,8 @@ class Timeline:
 
     ``activation_size[s]`` weighs one micro-batch's activation on stage ``s``;
     ``weight_activation_size[s]`` what it weighs between its ``I`` and ``W`` (``None``: the same);
-    ``workspace_size[s]`` what an action of stage ``s`` uses only while it runs (``None``: none).
+    ``workspace_size[s]`` what an action of stage ``s`` uses only while it runs (``None``: none);
+    ``weight_workspace_size[s]`` what its ``W`` uses (``None``: ``workspace_size``).
     ``measured`` says whether the spans came from a real run (clocks or CUDA events) or the
     simulator. ``host_bound_idle[r]`` (measured GPU runs only) is the part of rank ``r``'s idle
     time between actions that its device spent waiting for the host to issue the next action, as
@@ -101,6 +103,7 @@ class Timeline:
     weight_activation_size: tuple[float, ...] | None = None
     host_bound_idle: tuple[float, ...] | None = None
     workspace_size: tuple[float, ...] | None = None
+    weight_workspace_size: tuple[float, ...] | None = None
     #: OFFLOAD/RELOAD spans on the ranks' copy engines (``schedule.copy_engine``)
     copies: tuple[Span, ...] = ()
     #: per stage, what offload moves, in activation units (``None``: nothing)
@@ -155,6 +158,7 @@ class Timeline:
                 self.workspace_size,
                 rank_copies,
                 self.offload_memory,
+                self.weight_workspace_size,
             )
             for rank_spans, rank_copies in zip(
                 _by_rank(self.spans, self.num_ranks), _by_rank(self.copies, self.num_ranks)
@@ -210,6 +214,7 @@ def _activation_curve(
     workspace_size: Sequence[float] | None = None,
     copies: Sequence[Span] = (),
     moves: Sequence[OffloadMemory] | None = None,
+    weight_workspace_size: Sequence[float] | None = None,
 ) -> tuple[tuple[float, float], ...]:
     """Allocate at the start of F; between I and W hold the weight-gradient size; free at the end
     of the last backward piece of (stage, mb); each action's workspace for its span alone; an
@@ -241,8 +246,12 @@ def _activation_curve(
             if change:
                 events.append((s.end, 0 if change < 0 else 1, change))
     if workspace_size is not None:
+        weight_workspace = weight_workspace_size or workspace_size
         for s in spans:
-            used = max(workspace_size[p.stage] for p in s.action.compute_parts)
+            used = max(
+                (weight_workspace if p.kind is OpKind.W else workspace_size)[p.stage]
+                for p in s.action.compute_parts
+            )
             if used:
                 events += [(s.start, 1, used), (s.end, 0, -used)]
     if moves is not None:

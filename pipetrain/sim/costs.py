@@ -37,6 +37,7 @@ class StageCosts:
     activation: tuple[float, ...]
     activation_for_weight: tuple[float, ...]
     workspace: tuple[float, ...]
+    weight_workspace: tuple[float, ...] = ()
     static: tuple[float, ...] = ()
     optimizer_workspace: tuple[float, ...] = ()
     host_copy: tuple[float, ...] = ()
@@ -58,6 +59,10 @@ class Costs:
     #: memory a stage's action uses only while it runs, on top of what is held (temporaries no
     #: activation count covers, e.g. a loss's float32 logits); same unit as ``activation``
     workspace: Cost = 0.0
+    #: what a stage's ``W`` uses while it runs, where it differs from ``workspace`` (``None``:
+    #: ``workspace``): a layer's temporaries meet the rest of the micro-batch's activation in
+    #: ``F``, ``B`` and ``I`` but only what ``W`` still needs in ``W``
+    weight_workspace: Cost | None = None
     #: memory a stage holds for the whole step whatever runs (parameters, gradients, optimizer
     #: state); same unit as ``activation``; ``rank_peak_memory`` adds it to the held activations
     static: Cost = 0.0
@@ -90,6 +95,7 @@ class Costs:
             "activation",
             "activation_for_weight",
             "workspace",
+            "weight_workspace",
             "static",
             "optimizer_workspace",
             "host_copy",
@@ -134,6 +140,9 @@ class Costs:
             if self.activation_for_weight is None
             else _resolve("activation_for_weight", self.activation_for_weight, num_stages),
             workspace=_resolve("workspace", self.workspace, num_stages),
+            weight_workspace=()
+            if self.weight_workspace is None
+            else _resolve("weight_workspace", self.weight_workspace, num_stages),
             static=_resolve("static", self.static, num_stages),
             optimizer_workspace=_resolve(
                 "optimizer_workspace", self.optimizer_workspace, num_stages

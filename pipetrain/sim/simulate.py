@@ -76,6 +76,7 @@ def simulate(program: Program, costs: Costs | None = None) -> Timeline:
         offload_memory=tuple(o.memory for o in offload) if ran.copies else None,
         activation_size=sc.activation,
         weight_activation_size=sc.activation_for_weight,
-        workspace_size=sc.workspace if any(sc.workspace) else None,
+        workspace_size=sc.workspace if any(sc.workspace) or any(sc.weight_workspace) else None,
+        weight_workspace_size=sc.weight_workspace or None,
         name=program.name,
     )

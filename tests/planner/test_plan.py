@@ -350,3 +350,37 @@ def test_pick_is_the_exhaustive_best_cut_of_small_models(seed) -> None:
                 for ends in combinations(range(1, num_layers), chain - 1)
             )
             assert pick.step_ms <= best * (1 + 1e-9), (name, pick.stage_layers)
+
+
+def _ws_layer(name: str, act: float, ws: float) -> LayerCost:
+    return LayerCost(
+        name=name, forward=1.0, backward_input=1.0, backward_weight=1.0, backward=2.0,
+        activation=act, params=0.0, workspace=ws,
+    )  # fmt: skip
+
+
+def test_a_layers_temporaries_meet_only_the_activation_held_beside_them() -> None:
+    """An embedding's dense weight gradient (a first layer's large temporary) comes in ``B``
+    after the later layers freed their activation, and in ``F`` before they made it: the stage's
+    ``F``/``B`` workspace counts it less their activation. Its ``W`` meets only what ``W`` still
+    needs, so there the whole temporary counts."""
+    from pipetrain.planner.judge import beside_later_layers, stage_costs
+    from pipetrain.schedule.registry import build_schedule
+
+    embed, blocks, head = (
+        _ws_layer("embed", 0.0, 0.5),
+        _ws_layer("b", 0.125, 0.06),
+        _ws_layer("head", 1.0, 2.0),
+    )
+    assert beside_later_layers([embed, *[blocks] * 8]) == pytest.approx(0.06)  # the last block's
+    assert beside_later_layers([embed, blocks]) == pytest.approx(0.5 - 0.125)
+    assert beside_later_layers([blocks, head]) == pytest.approx(2.0)  # the last layer: all of it
+    assert beside_later_layers([_ws_layer("x", 1.0, 0.1), _ws_layer("y", 1.0, 0.0)]) == 0.0
+    costs = ModelCosts(layers=(embed, *[blocks] * 8, head))
+    program = build_schedule("zbv", 2, 4, 2)
+    sc = stage_costs(costs, program, (1, 4, 4, 1)).per_stage(4)
+    assert sc.workspace[0] == pytest.approx(0.5) and sc.workspace[1] == pytest.approx(0.06)
+    assert sc.weight_workspace[1] == pytest.approx(0.06)
+    sc = stage_costs(costs, program, (5, 2, 2, 1)).per_stage(4)
+    assert sc.workspace[0] == pytest.approx(0.06)  # beside four blocks' activations
+    assert sc.weight_workspace[0] == pytest.approx(0.5)  # W: the embedding's gradient whole

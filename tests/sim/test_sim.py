@@ -170,3 +170,16 @@ def test_workspace_counts_only_while_an_action_runs() -> None:
     assert base.makespan == both.makespan  # memory only: times are untouched
     with pytest.raises(ValueError, match="workspace"):
         Costs(workspace=-1).per_stage(2)
+
+
+def test_a_weight_piece_uses_its_own_workspace() -> None:
+    """``W`` holds only what it still needs, beside which a stage's whole largest temporary can
+    come (``weight_workspace``); ``F``, ``B`` and ``I`` use ``workspace``."""
+    program = build_schedule("zb-h1", 2, 2)
+    base = dict(activation=1.0, activation_for_weight=0.25, workspace=0.5)
+    same = simulate(program, Costs(**base)).peak_activations
+    more = simulate(program, Costs(**base, weight_workspace=8.0)).peak_activations
+    assert all(m > s for m, s in zip(more, same))
+    # the peak comes in a W: at least what that W still needs (0.25) beside its 8
+    assert max(more) >= 8.25 and max(more) < max(same) + 8.0
+    assert simulate(program, Costs(**base, weight_workspace=0.5)).peak_activations == same
