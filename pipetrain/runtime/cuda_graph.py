@@ -15,27 +15,29 @@ Python hooks inside stages run at capture, never at replay.
 
 A graph is valid for one *key*: input, target and side-input shapes and dtypes (non-tensor side
 values by equality), every parameter's and buffer's storage and ``requires_grad``, every module's
-training flag, grad mode and autocast state, and each ``.grad``'s storage (or ``None``). For a
-new key the graph is dropped and the steps run eagerly ``WARMUP`` times — the first discovers transfer shapes, the second runs the steady path
-once, so that lazy initialisation (cuBLAS workspaces, NCCL connections, compiled kernels) happens
-outside a capture — and the next step captures on a stream of its own (errors only for this
-thread: the process group's watchdog polls events meanwhile), then replays.
+training flag, grad mode and autocast state, and each ``.grad``'s storage (or ``None``). For a new
+key the graph is dropped and the steps run eagerly ``WARMUP`` times — the first discovers transfer
+shapes, the second runs the steady path once, so that lazy initialisation (cuBLAS workspaces, NCCL
+connections, compiled kernels) happens outside a capture — and the next step captures on a stream
+of its own (errors only for this thread: the process group's watchdog polls events meanwhile), then
+replays.
 
-Gradients: a replay leaves ``.grad`` as eager autograd would, holding one copy of them. A
-parameter whose ``.grad`` is ``None`` at capture gets a buffer of the graph's own, written afresh
-by each replay and handed over as its ``.grad`` (what ``AccumulateGrad`` does with a first
-gradient, so ``zero_grad()`` costs nothing); one whose ``.grad`` exists keeps it, and the captured
-step adds into that tensor in place, as every backward path does where ``.grad`` exists (so a loop
-that keeps ``.grad`` between steps, ``zero_grad(set_to_none=False)`` or accumulation across steps,
-replays into it). Which ``.grad`` exist, and their storage, are part of the key: where a step
-finds the graph's buffers kept as ``.grad`` (``None`` became kept) it warms up and captures again,
-the buffers copied out first so that the dropped graph's memory can go. The loss weights are a device tensor the host refills, so
-``"token_mean"`` weights may change every step.
+Gradients: a replay leaves ``.grad`` as eager autograd would, holding one copy of them. A parameter
+whose ``.grad`` is ``None`` at capture gets a buffer of the graph's own, written afresh by each
+replay and handed over as its ``.grad`` (what ``AccumulateGrad`` does with a first gradient, so
+``zero_grad()`` costs nothing); one whose ``.grad`` exists keeps it, and the captured step adds
+into that tensor in place, as every backward path does where ``.grad`` exists (so a loop that keeps
+``.grad`` between steps, ``zero_grad(set_to_none=False)`` or accumulation across steps, replays
+into it). Which ``.grad`` exist, and their storage, are part of the key: where a step finds the
+graph's buffers kept as ``.grad`` (``None`` became kept) it warms up and captures again, the
+buffers copied out first so that the dropped graph's memory can go. The loss weights are a device
+tensor the host refills, so ``"token_mean"`` weights may change every step.
 
 Refused, never silently wrong or hanging: devices other than CUDA, data parallel, meshes,
-offload and the allocator's expandable segments at construction (``check``); at a step, ``timeline=True`` (one replay has no per-action spans),
-targets that are not tensors, and parameters with post-accumulate-grad hooks (a replay would not
-run them).
+offload and the allocator's expandable segments at construction (``check``); at a step,
+``timeline=True`` (one replay has no per-action spans), targets that are not tensors, and
+parameters with post-accumulate-grad hooks (a replay would not run them); at capture, a step that
+replaces an existing ``.grad`` instead of adding into it (a replay would not accumulate).
 """
 
 from __future__ import annotations
