@@ -384,3 +384,24 @@ def test_a_layers_temporaries_meet_only_the_activation_held_beside_them() -> Non
     sc = stage_costs(costs, program, (5, 2, 2, 1)).per_stage(4)
     assert sc.workspace[0] == pytest.approx(0.06)  # beside four blocks' activations
     assert sc.weight_workspace[0] == pytest.approx(0.5)  # W: the embedding's gradient whole
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.floats(0, 2, allow_nan=False), st.floats(0, 2, allow_nan=False)),
+        min_size=1,
+        max_size=8,
+    )
+)
+def test_the_position_aware_workspace_lies_between_the_last_layers_and_the_largest(sizes) -> None:
+    """Never more than the largest layer's temporaries (what the model counted before), never
+    less than the last layer's (nothing comes after it), and exactly the largest where no layer
+    holds activation."""
+    from pipetrain.planner.judge import beside_later_layers
+
+    stage = [_ws_layer(f"l{i}", act, ws) for i, (act, ws) in enumerate(sizes)]
+    got = beside_later_layers(stage)
+    assert stage[-1].workspace - 1e-12 <= got <= max(x.workspace for x in stage) + 1e-12
+    flat = [_ws_layer(x.name, 0.0, x.workspace) for x in stage]
+    assert beside_later_layers(flat) == max(x.workspace for x in stage)
