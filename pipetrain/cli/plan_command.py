@@ -6,17 +6,17 @@ nothing fits, not even with full recompute (``NoPlanFits``)."""
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import sys
 from pathlib import Path
 
 from pipetrain.cli.flags import Command, Option, fraction, gib, int_list, one_positive_int
 from pipetrain.planner.costs_file import ModelCosts, load_costs
-from pipetrain.planner.judge import Candidate
+from pipetrain.planner.judge import Candidate, stage_costs
 from pipetrain.planner.recompute import describe
 from pipetrain.planner.search import DEFAULT_HEADROOM, Search, search
 from pipetrain.schedule.registry import build_schedule
+from pipetrain.sim.costs import per_rank
 
 OPTIONS = (
     Option(("--costs",), required=True, metavar="FILE", help="costs file (JSON, version 1 or 2)"),
@@ -150,18 +150,12 @@ def timing_note(timing: object, cuda_graph: bool) -> str:
 
 
 def static_per_rank(costs: ModelCosts, c: Candidate) -> tuple[float, ...]:
-    """Each rank's static memory (GiB): the ``params`` of the layers its stages hold (the chart
-    draws the step's activations above it; the optimizer's update, which may set the peak, comes
-    after the step)."""
+    """Each rank's static memory (GiB), as the planner counted it (the chart draws the step's
+    activations above it; the optimizer's update, which may set the peak, comes after the step)."""
     plan = c.plan
-    placement = build_schedule(
-        plan.schedule, plan.ranks, plan.microbatches, plan.stages_per_rank
-    ).placement
-    edges = list(itertools.accumulate(plan.stage_layers, initial=0))
-    per_stage = [sum(x.params for x in costs.layers[a:b]) for a, b in itertools.pairwise(edges)]
-    return tuple(
-        sum(per_stage[s] for s in placement.stages_of_rank(rank)) for rank in range(plan.ranks)
-    )
+    program = build_schedule(plan.schedule, plan.ranks, plan.microbatches, plan.stages_per_rank)
+    static = stage_costs(costs, program, plan.stage_layers).per_stage(program.num_stages).static
+    return tuple(per_rank(static, program.placement.rank_of_stage, plan.ranks))
 
 
 def format_plan(found: Search) -> str:

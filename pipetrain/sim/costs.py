@@ -179,6 +179,14 @@ def _resolve_layers(value: Cost, num_stages: int) -> tuple[int, ...]:
     return tuple(int(v) for v in values)
 
 
+def per_rank(values: Sequence[float], rank_of_stage: Sequence[int], num_ranks: int) -> list[float]:
+    """Per-stage ``values`` summed over each rank's stages (empty ``values``: zeros)."""
+    out = [0.0] * num_ranks
+    for stage, rank in enumerate(rank_of_stage):
+        out[rank] += values[stage] if values else 0.0
+    return out
+
+
 def rank_peak_memory(
     timeline: Timeline, costs: StageCosts, rank_of_stage: Sequence[int]
 ) -> tuple[float, ...]:
@@ -186,11 +194,8 @@ def rank_peak_memory(
     (and running workspace) over the step, as the timeline accounts them, and its stages'
     ``optimizer_workspace`` (the update after the step, when no activation is held); the
     planner's memory model."""
-    static = [0.0] * timeline.num_ranks
-    update = [0.0] * timeline.num_ranks
-    for stage, rank in enumerate(rank_of_stage):
-        static[rank] += costs.static[stage] if costs.static else 0.0
-        update[rank] += costs.optimizer_workspace[stage] if costs.optimizer_workspace else 0.0
+    static = per_rank(costs.static, rank_of_stage, timeline.num_ranks)
+    update = per_rank(costs.optimizer_workspace, rank_of_stage, timeline.num_ranks)
     return tuple(
         s + max(a, u) for s, a, u in zip(static, timeline.peak_activations, update, strict=True)
     )
