@@ -17,6 +17,7 @@
 #     CUDA-graph rows against Megatron-Core's own full-iteration graph, three launches.
 #   issue21-equal / issue21x4-equal (2 / 4 GPUs, ~400 s, TUNED=...): the equal-kernel rows alone
 #     (pipetrain, pipetrain-nodefer, Megatron's 1F1B and best interleaved), three launches.
+#   issue21-equal-1f1b (2 GPUs, LAUNCHES=6, ~520 s): the 1F1B equal-kernel rows alone, no limits.
 #   issue21-llama-v (2 GPUs, ~510 s): the Llama shape's ZBV and DualPipeV (planner's and
 #     incumbents' cut, limits, DeepSpeed's DualPipeV engine), three launches.
 #   issue21x4 (4 GPUs, ~530 s): the GPT at 16 and 8 micro-batches, 1F1B, interleaved, ZBV and
@@ -275,6 +276,14 @@ elif [ "${PLAN:-issue13}" = issue21-equal ] || [ "${PLAN:-issue13}" = issue21x4-
   E="$E --gc manual --libraries megatron-nosync,megatron-tuned --megatron-top 1"
   E="$E --megatron-tuned-from ${TUNED:?set TUNED to a launch-0 incumbents.json}"
   launches3 e gpt16 "$NP" 110 145 $E
+elif [ "${PLAN:-issue13}" = issue21-equal-1f1b ]; then
+  # 2 GPUs, LAUNCHES=6 (~85 s each): the 1F1B equal-kernel rows alone — pipetrain,
+  # pipetrain-nodefer and Megatron's 1F1B without batch sync, 16 micro-batches, no limit rows,
+  # collector off — for a narrower interval on the one 2-rank question three launches left open
+  F="--shapes $GPT --microbatches 16 --schedules 1f1b --limit-schedules none --plan $PLAN"
+  F="$F --steps $STEPS --warmup 3 --timeline-steps 0 --torch-schedules none --variants nodefer"
+  F="$F --gc manual --libraries megatron-nosync"
+  launches3 f gpt16 2 80 105 $F
 elif [ "${PLAN:-issue13}" = issue21-mgraph ] || [ "${PLAN:-issue13}" = issue21x4-mgraph ]; then
   # 2 GPUs (issue21-mgraph) or 4 (issue21x4-mgraph), ALLOC_CONF= : whole-step CUDA graphs on
   # both sides — pipetrain's (pipetrain-graph) against Megatron-Core's full-iteration graph
