@@ -314,6 +314,7 @@ def timed_steps(run, master, device, x, y, cfg_args, base, run_s: float):
     """This rank's median step and optimizer step (ms) and peak (GiB above ``base``) over the
     preset's steps (fewer, at least 3, where they would take over ``run_s`` seconds), and one
     step's measured timeline with its program."""
+    from pipetrain.runtime.cuda_graph import WARMUP
     from pipetrain.runtime.pipeline import Pipeline
 
     cuda = device.type == "cuda"
@@ -352,15 +353,31 @@ def timed_steps(run, master, device, x, y, cfg_args, base, run_s: float):
         return (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
 
     warm = [sum(step()) for _ in range(cfg_args["warmup"])]
+    if graph:  # steps run eagerly until the pipeline captures: warm up through the first replay,
+        # so that the timed steps, and their count chosen from the last warm-up step, are replays
+        # (an eager selective-recompute step is several times slower than its replay). A replay
+        # allocates nothing (its memory is the graph's pool, taken at capture), so the peaks are
+        # the capture's and the replays': counted from here
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        held[:] = [0.0, 0.0]
+        for _ in range(3 * WARMUP + 2):
+            captured = [pipe.graph is not None and pipe.graph.captured]
+            dist.broadcast_object_list(captured, src=0)
+            if captured[0]:
+                break
+            warm.append(sum(step()))
+        warm.append(sum(step()))
     # a slow run (an offload the host link cannot hide) times fewer steps; rank 0's last
     # warm-up step decides for all
     steps = [cfg_args["steps"]]
     if warm and warm[-1] > 0:
         steps[0] = min(steps[0], max(3, int(run_s * 1e3 / warm[-1])))
     dist.broadcast_object_list(steps, src=0)
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-    held[:] = [0.0, 0.0]
+    if not graph:
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        held[:] = [0.0, 0.0]
     step_times, opt_times = zip(*(step() for _ in range(steps[0])))
     step_peak, update_peak = ((h - base) / GIB if cuda else 0.0 for h in held)
     peak = max(step_peak, update_peak)

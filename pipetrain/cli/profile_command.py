@@ -68,7 +68,8 @@ def options() -> tuple[Option, ...]:
             default="wall",
             choices=TIMINGS,
             help="wall: what an eager step pays, host waits included; device: the GPU's busy "
-            "time alone, what a step replayed as a CUDA graph pays (train --cuda-graph)",
+            "time and a replay's gap per kernel, what a step replayed as a CUDA graph pays "
+            "(train --cuda-graph)",
         ),
     )
 

@@ -33,8 +33,9 @@ so ``I`` and ``W`` are split exactly as a pipeline splits them):
   counted as they are made; ``recompute`` and ``selective_recompute``, what each adds to the
   layer's backward, ``recompute_forward`` and ``selective_forward`` what each adds to its forward,
   timed alone and in windows (``profile_recompute``);
-* ``host_bandwidth_gbs`` (CUDA only, per file): a copy of the largest layer output to pinned
-  host memory, GB/s (what the planner times activation offload's copies at);
+* ``host_bandwidth_gbs`` (CUDA only, per file): GB/s each way between the device and pinned host
+  memory with both directions copying at once (``LINK_BYTES`` each way), what the planner times
+  activation offload's copies at;
 * ``activation_for_weight`` (CUDA only): what the allocator still holds per micro-batch after
   the layer's ``I`` pieces (the input gradients they returned let go), i.e. what waits for ``W``: the runtime keeps the
   retained graph or the deferred GEMMs' inputs and output gradients, which can exceed the
@@ -73,7 +74,7 @@ from pipetrain.planner.costs_file import LayerCost, ModelCosts, save_costs
 from pipetrain.runtime import torch_compat
 from pipetrain.runtime.backward.activation_checkpoint import Recomputed
 from pipetrain.runtime.layers import Stage
-from pipetrain.runtime.profile_clock import Clock, clock_for
+from pipetrain.runtime.profile_clock import Clock, DeviceClock, clock_for
 from pipetrain.runtime.profile_recompute import StageTimer, recompute_times
 from pipetrain.runtime.stage import StageRunner, leaves
 
@@ -85,6 +86,10 @@ OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0, "none": 
 #: every parameter at once; SGD, with or without momentum, updates in place. A fused
 #: (``fused=True``) update allocates none: there the count is an upper bound
 OPTIMIZER_TEMPORARIES = {"adamw": 1, "adam": 1, "sgd-momentum": 0, "sgd": 0, "none": 0}
+#: bytes each way when the profiler times the host link: the order of one layer's saved
+#: activations, which layer-by-layer offload copies as one piece
+LINK_BYTES = 128 << 20
+HOST_BANDWIDTH_METHOD = "128 MiB each way, both directions at once (offload's steady state)"
 #: the CPU transfer model: gloo send/recv over loopback
 CPU_LATENCY_MS = 0.05
 CPU_BANDWIDTH = 2e9  # bytes per second
@@ -129,7 +134,7 @@ def profile(
     device = inputs[0].device
     clock = clock_for(device, timing)
     rounds = (repeats, warmup, in_flight)
-    measured, layer_inputs, largest = _measure_layers(
+    measured, layer_inputs = _measure_layers(
         layers, inputs, loss_fn, target, clock, rounds, optimizer, names
     )
     windows = _scale_by_windows(
@@ -150,13 +155,15 @@ def profile(
     costs = ModelCosts(
         layers=tuple(measured),
         comm=max((layer.comm or 0.0) for layer in measured),
-        host_bandwidth_gbs=_host_bandwidth(largest, clock, repeats) if clock.cuda else None,
+        host_bandwidth_gbs=_host_bandwidth(device, repeats) if clock.cuda else None,
         meta={
             "device": _device_name(device),
             "optimizer": optimizer,
             "repeats": repeats,
             "timing": timing,
+            **({"replay_gap_us": clock.replay_gap_us} if isinstance(clock, DeviceClock) else {}),
             "comm_method": _comm_method(device),
+            **({"host_bandwidth": HOST_BANDWIDTH_METHOD} if clock.cuda else {}),
             "torch": torch.__version__,
             "context": {"layers": context, "windows": windows, "recompute": paid_windows},
             **(meta or {}),
@@ -198,13 +205,12 @@ def _measure_layers(
     rounds: tuple[int, int, int],
     optimizer: str,
     names: Sequence[str] | None,
-) -> tuple[list[LayerCost], list[tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]]:
+) -> tuple[list[LayerCost], list[tuple[torch.Tensor, ...]]]:
     """Every layer measured alone, each fed the previous one's output; also each layer's input
-    (the windows start from them) and the largest layer output (the host copy's sample)."""
+    (the windows start from them)."""
     seen: set[int] = set()
     measured = []
     layer_inputs = []
-    largest: tuple[torch.Tensor, ...] = ()
     for index, layer in enumerate(layers):
         layer_inputs.append(inputs)
         is_last = index == len(layers) - 1 and loss_fn is not None
@@ -223,11 +229,10 @@ def _measure_layers(
                 selective_activation=kept["selective"], **cost,  # type: ignore[arg-type]
             )
         )  # fmt: skip
-        largest = max(largest, outputs, key=_nbytes) if outputs else largest
         with torch.no_grad():
             out = layer(*inputs)
         inputs = out if isinstance(out, tuple) else (out,)
-    return measured, layer_inputs, largest
+    return measured, layer_inputs
 
 
 def _scale_by_windows(
@@ -275,20 +280,32 @@ def _checkpointed_bytes(
     return saved.bytes + outputs[0]
 
 
-def _host_bandwidth(outputs: tuple[torch.Tensor, ...], clock: Clock, repeats: int) -> float:
-    """GB/s of a copy of ``outputs`` (the largest layer output) from the device to pinned host
-    memory: what offloading one activation would move."""
-    sources = [o.detach() for o in outputs]
-    dests = [torch.empty(o.shape, dtype=o.dtype, pin_memory=True) for o in sources]
-    nbytes = _nbytes(sources)
+def _host_bandwidth(device: torch.device, repeats: int) -> float:
+    """GB/s each way between the device and pinned host memory with both directions busy at
+    once: offload's steady state, where one micro-batch's activations leave while another's come
+    back over the same link (each direction then runs at about three quarters of its speed alone;
+    docs/planning.md, "Offload's price"). ``LINK_BYTES`` each way, on two copy streams."""
+    out_dev = torch.ones(LINK_BYTES, dtype=torch.uint8, device=device)
+    in_dev = torch.empty(LINK_BYTES, dtype=torch.uint8, device=device)
+    out_host = torch.empty(LINK_BYTES, dtype=torch.uint8, pin_memory=True)
+    in_host = torch.ones(LINK_BYTES, dtype=torch.uint8, pin_memory=True)
+    main = torch.cuda.current_stream(device)
+    down, up = torch.cuda.Stream(device), torch.cuda.Stream(device)
 
-    def copy() -> None:
-        for d, src in zip(dests, sources):
-            d.copy_(src, non_blocking=True)
+    def both() -> None:
+        down.wait_stream(main)
+        up.wait_stream(main)
+        with torch.cuda.stream(down):
+            out_host.copy_(out_dev, non_blocking=True)
+        with torch.cuda.stream(up):
+            in_dev.copy_(in_host, non_blocking=True)
+        main.wait_stream(down)
+        main.wait_stream(up)
 
-    copy()
-    ms = statistics.median(clock.time(copy)[0] for _ in range(repeats))
-    return nbytes / (ms * 1e-3) / 1e9 if ms > 0 else 0.0
+    both()
+    events = Clock(device)  # the elapsed time of both: overlapping copies count once either way
+    ms = statistics.median(events.time(both)[0] for _ in range(repeats))
+    return LINK_BYTES / (ms * 1e-3) / 1e9 if ms > 0 else 0.0
 
 
 def _window_ratios(
@@ -401,10 +418,6 @@ def _first_pass(runner: StageRunner, args, target) -> tuple[_SavedBytes, tuple, 
 
 def _discard(_: object) -> None:
     """Input gradients a pipeline would send upstream and let go."""
-
-
-def _nbytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
 def _allocated(clock: Clock) -> int:

@@ -45,11 +45,13 @@ def test_a_timing_names_its_clock_and_the_device_clock_needs_cuda():
     assert profile_command.TIMINGS == profile_clock.TIMINGS  # the parser's copy, without torch
 
 
-def stub_profiler(monkeypatch, spans_per_call, device_alone=True):
+def stub_profiler(monkeypatch, spans_per_call, device_alone=True, gap_us=0.0):
     """``torch.profiler.profile`` recording, per use, the given device spans (µs) beside a host
     event that must not count; without ``device_alone``, nothing unless the host is profiled too
-    (the fallback a profiler that needs both takes)."""
+    (the fallback a profiler that needs both takes). A replay's gap per kernel: ``gap_us`` (the
+    real one captures a CUDA graph)."""
     calls = iter(spans_per_call)
+    monkeypatch.setattr(profile_clock, "replay_gap_us", lambda device, clock: gap_us)
 
     @contextlib.contextmanager
     def fake_profile(activities):
@@ -74,6 +76,16 @@ def test_the_device_clock_reads_the_device_spans_alone(monkeypatch):
     ms, result = clock.time(lambda: "done")
     assert ms == pytest.approx(0.6) and result == "done"
     assert clock.timing == "device"
+
+
+def test_the_device_clock_adds_a_replays_gap_per_kernel_and_copy(monkeypatch):
+    # a replayed graph starts each kernel a little after the one before it ends: three spans,
+    # two of them overlapping on two streams, each pays the gap once
+    stub_profiler(monkeypatch, [[(0.0, 10.0)], [(0.0, 300.0), (200.0, 500.0), (900.0, 1000.0)]],
+                  gap_us=2.0)  # fmt: skip
+    clock = DeviceClock(CPU)
+    assert clock.replay_gap_us == 2.0
+    assert clock.time(lambda: None)[0] == pytest.approx((600.0 + 3 * 2.0) / 1e3)
 
 
 def test_the_device_clock_profiles_the_host_too_only_where_it_must(monkeypatch):
