@@ -51,12 +51,17 @@ class Group:
         self.rows: dict[tuple[str, str], dict] = {}
         self.limits: dict[str, list[list[float]]] = {}
         self.gc_ms: dict[tuple[str, str], list[float]] = {}
+        #: per row, its place in each launch's order (None: not measured there)
+        self.places: dict[tuple[str, str], list[int | None]] = {}
         self._ratios: dict[tuple, Interval | None] = {}
 
     def add(self, launch: int, row: dict, limits: dict) -> None:
         key = (row["schedule"], row["lib"])
         self.steps.setdefault(key, [[] for _ in range(self.k)])
         self.steps[key][launch] = [float(t) for t in row.get("all_ms") or []]
+        self.places.setdefault(key, [None] * self.k)
+        if row.get("all_ms") and "order" in row:
+            self.places[key][launch] = int(row["order"])
         if "all_ms" in row or key not in self.rows:
             self.rows[key] = row
         self.gc_ms.setdefault(key, []).extend(row.get("gc_pause_ms") or [])
@@ -81,6 +86,21 @@ class Group:
         if (a, b) not in self._ratios:
             self._ratios[a, b] = ratio_interval(self.steps[a], self.steps[b], resamples=RESAMPLES)
         return self._ratios[a, b]
+
+    def one_sided_order(self, a, b) -> str:
+        """A warning where ``a`` ran on the same side of ``b`` in every launch that paired them:
+        the first row of a launch has measured up to 2% faster than later ones
+        (docs/incumbents.md), as large as the margins these ratios are read against; empty where
+        the order varied, is not recorded, or one launch paired them."""
+        pairs = [
+            (x, y)
+            for x, y in zip(self.places.get(a, []), self.places.get(b, []))
+            if x is not None and y is not None
+        ]
+        if len(pairs) < 2 or len({x < y for x, y in pairs}) > 1:
+            return ""
+        side = "before" if pairs[0][0] < pairs[0][1] else "after"
+        return f" (order one-sided: {a[1]} ran {side} {b[1]} in all {len(pairs)} paired launches)"
 
     def efficiency(self, key) -> Interval | None:
         lk = self.rows[key].get("limit_key")
@@ -227,7 +247,8 @@ def targets(g: Group, world: int) -> list[str]:
             if equal and v == "met" and iv.estimate > 1.0:
                 v = "missed (estimate above 1.00)"
             kind = "equal kernels" if equal else "defaults"
-            out.append(f"- {where}: {lib} {s} / {ref[1]} ({kind}): {iv}, target ≤ {target}: {v}")
+            line = f"- {where}: {lib} {s} / {ref[1]} ({kind}): {iv}, target ≤ {target}: {v}"
+            out.append(line + g.one_sided_order((s, lib), ref))
         fused = (
             g.ratio((s, "pipetrain"), (s, "pipetrain-nodefer"))
             if g.measured((s, "pipetrain-nodefer")) and g.measured((s, "pipetrain"))

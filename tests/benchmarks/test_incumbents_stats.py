@@ -155,3 +155,27 @@ def test_the_sweep_without_warmup_flush_overlap() -> None:
     rows = plan.megatron_interleaved(SHAPES["gpt"], 16)
     assert rows and not any(r.endswith("-wf") for r in rows)
     assert "megatron-v4-g8" in rows
+
+
+def test_a_ratio_whose_rows_ran_in_one_order_in_every_launch_says_so(tmp_path) -> None:
+    # the first row of a launch measured up to 2% faster: a ratio over launches that all ran
+    # pipetrain-nodefer first leans its way, and the report says so; a rotated order says nothing
+    def files(places: list[dict[str, int]]) -> list[Path]:
+        rng, paths = random.Random(5), []
+        for k, place in enumerate(places):
+            data = launch(k, rng)
+            for row in data["rows"]:
+                row["order"] = place.get(row["lib"], 9)
+            p = tmp_path / f"o{len(places)}-{places[0]['megatron-nosync']}-{k}.json"
+            p.write_text(json.dumps(data))
+            paths.append(p)
+        return paths
+
+    first = {"pipetrain-nodefer": 0, "megatron-nosync": 1}
+    one_sided = report(files([first, first]))
+    equal = line(one_sided, "pipetrain-nodefer 1f1b / megatron-nosync (equal kernels)")
+    assert equal.endswith(
+        "(order one-sided: pipetrain-nodefer ran before megatron-nosync in all 2 paired launches)"
+    )
+    rotated = report(files([first, {"pipetrain-nodefer": 1, "megatron-nosync": 0}]))
+    assert "one-sided" not in line(rotated, "pipetrain-nodefer 1f1b / megatron-nosync")
