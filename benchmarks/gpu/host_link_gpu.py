@@ -1,7 +1,8 @@
 """The host link as activation offload uses it (a benchmark, not a test; docs/planning.md,
 "Offload's price"): GB/s of copies between the GPU and pinned host memory, device to host alone,
 host to device alone, and both at once on two streams (what a pipeline's steady state runs: one
-micro-batch's activations leave while another's come back), at a few sizes.
+micro-batch's activations leave while another's come back; what the profiler's
+``host_bandwidth_gbs`` now times), at a few sizes (``runtime.host_link.link_gbs``).
 
     python3 benchmarks/gpu/host_link_gpu.py --out $OUT
 """
@@ -10,72 +11,29 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from pipetrain.runtime.host_link import link_gbs
+
 SIZES_MIB = (8, 32, 128, 512)
 
 
-def gbs(nbytes: int, ms: float) -> float:
-    return nbytes / (ms * 1e-3) / 1e9
-
-
-def timed(fn, reps: int) -> float:
-    """Median ms of ``fn`` (which may use other streams; it joins them before returning)."""
-    times = []
-    for _ in range(reps + 1):
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times[1:])
-
-
-def measure(mib: int, reps: int) -> dict:
+def measure(device: torch.device, mib: int, reps: int) -> dict:
     n = mib << 20
-    dev_out = torch.empty(n, dtype=torch.uint8, device="cuda").fill_(1)
-    dev_in = torch.empty(n, dtype=torch.uint8, device="cuda")
-    host_out = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-    host_in = torch.ones(n, dtype=torch.uint8, pin_memory=True)
-    down, up = torch.cuda.Stream(), torch.cuda.Stream()
-    main = torch.cuda.current_stream()
-
-    def on(stream, copy):
-        stream.wait_stream(main)
-        with torch.cuda.stream(stream):
-            copy()
-        main.wait_stream(stream)
-
-    def d2h():
-        on(down, lambda: host_out.copy_(dev_out, non_blocking=True))
-
-    def h2d():
-        on(up, lambda: dev_in.copy_(host_in, non_blocking=True))
-
-    def both():
-        down.wait_stream(main)
-        up.wait_stream(main)
-        with torch.cuda.stream(down):
-            host_out.copy_(dev_out, non_blocking=True)
-        with torch.cuda.stream(up):
-            dev_in.copy_(host_in, non_blocking=True)
-        main.wait_stream(down)
-        main.wait_stream(up)
-
-    alone_d, alone_u, together = timed(d2h, reps), timed(h2d, reps), timed(both, reps)
+    down = link_gbs(device, n, reps, ("down",))
+    up = link_gbs(device, n, reps, ("up",))
+    both = link_gbs(device, n, reps)
     return {
         "mib": mib,
-        "d2h_gbs": gbs(n, alone_d),
-        "h2d_gbs": gbs(n, alone_u),
-        "both_ms": together,
-        "both_per_direction_gbs": gbs(n, together),
-        "both_over_slower_alone": together / max(alone_d, alone_u),
+        "d2h_gbs": down,
+        "h2d_gbs": up,
+        "both_per_direction_gbs": both,
+        "both_over_slower_alone": min(down, up) / both,
     }
 
 
@@ -87,7 +45,8 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("host_link_gpu.py measures a CUDA device's host link; none here", file=sys.stderr)
         return 2
-    rows = [measure(mib, args.reps) for mib in SIZES_MIB]
+    device = torch.device("cuda")
+    rows = [measure(device, mib, args.reps) for mib in SIZES_MIB]
     for r in rows:
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}))
     if args.out:

@@ -34,8 +34,8 @@ so ``I`` and ``W`` are split exactly as a pipeline splits them):
   layer's backward, ``recompute_forward`` and ``selective_forward`` what each adds to its forward,
   timed alone and in windows (``profile_recompute``);
 * ``host_bandwidth_gbs`` (CUDA only, per file): GB/s each way between the device and pinned host
-  memory with both directions copying at once (``LINK_BYTES`` each way), what the planner times
-  activation offload's copies at;
+  memory with both directions copying at once (``host_link``), what the planner times activation
+  offload's copies at;
 * ``activation_for_weight`` (CUDA only): what the allocator still holds per micro-batch after
   the layer's ``I`` pieces (the input gradients they returned let go), i.e. what waits for ``W``: the runtime keeps the
   retained graph or the deferred GEMMs' inputs and output gradients, which can exceed the
@@ -71,7 +71,7 @@ import torch
 from torch import nn
 
 from pipetrain.planner.costs_file import LayerCost, ModelCosts, save_costs
-from pipetrain.runtime import torch_compat
+from pipetrain.runtime import host_link, torch_compat
 from pipetrain.runtime.backward.activation_checkpoint import Recomputed
 from pipetrain.runtime.layers import Stage
 from pipetrain.runtime.profile_clock import Clock, DeviceClock, clock_for
@@ -86,10 +86,6 @@ OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0, "none": 
 #: every parameter at once; SGD, with or without momentum, updates in place. A fused
 #: (``fused=True``) update allocates none: there the count is an upper bound
 OPTIMIZER_TEMPORARIES = {"adamw": 1, "adam": 1, "sgd-momentum": 0, "sgd": 0, "none": 0}
-#: bytes each way when the profiler times the host link: the order of one layer's saved
-#: activations, which layer-by-layer offload copies as one piece
-LINK_BYTES = 128 << 20
-HOST_BANDWIDTH_METHOD = "128 MiB each way, both directions at once (offload's steady state)"
 #: the CPU transfer model: gloo send/recv over loopback
 CPU_LATENCY_MS = 0.05
 CPU_BANDWIDTH = 2e9  # bytes per second
@@ -155,7 +151,7 @@ def profile(
     costs = ModelCosts(
         layers=tuple(measured),
         comm=max((layer.comm or 0.0) for layer in measured),
-        host_bandwidth_gbs=_host_bandwidth(device, repeats) if clock.cuda else None,
+        host_bandwidth_gbs=host_link.link_gbs(device, repeats=repeats) if clock.cuda else None,
         meta={
             "device": _device_name(device),
             "optimizer": optimizer,
@@ -163,7 +159,7 @@ def profile(
             "timing": timing,
             **({"replay_gap_us": clock.replay_gap_us} if isinstance(clock, DeviceClock) else {}),
             "comm_method": _comm_method(device),
-            **({"host_bandwidth": HOST_BANDWIDTH_METHOD} if clock.cuda else {}),
+            **({"host_bandwidth": host_link.METHOD} if clock.cuda else {}),
             "torch": torch.__version__,
             "context": {"layers": context, "windows": windows, "recompute": paid_windows},
             **(meta or {}),
@@ -278,34 +274,6 @@ def _checkpointed_bytes(
     ):
         runner.forward(0, args, target, 1.0)  # the runner and what it holds go with this call
     return saved.bytes + outputs[0]
-
-
-def _host_bandwidth(device: torch.device, repeats: int) -> float:
-    """GB/s each way between the device and pinned host memory with both directions busy at
-    once: offload's steady state, where one micro-batch's activations leave while another's come
-    back over the same link (each direction then runs at about three quarters of its speed alone;
-    docs/planning.md, "Offload's price"). ``LINK_BYTES`` each way, on two copy streams."""
-    out_dev = torch.ones(LINK_BYTES, dtype=torch.uint8, device=device)
-    in_dev = torch.empty(LINK_BYTES, dtype=torch.uint8, device=device)
-    out_host = torch.empty(LINK_BYTES, dtype=torch.uint8, pin_memory=True)
-    in_host = torch.ones(LINK_BYTES, dtype=torch.uint8, pin_memory=True)
-    main = torch.cuda.current_stream(device)
-    down, up = torch.cuda.Stream(device), torch.cuda.Stream(device)
-
-    def both() -> None:
-        down.wait_stream(main)
-        up.wait_stream(main)
-        with torch.cuda.stream(down):
-            out_host.copy_(out_dev, non_blocking=True)
-        with torch.cuda.stream(up):
-            in_dev.copy_(in_host, non_blocking=True)
-        main.wait_stream(down)
-        main.wait_stream(up)
-
-    both()
-    events = Clock(device)  # the elapsed time of both: overlapping copies count once either way
-    ms = statistics.median(events.time(both)[0] for _ in range(repeats))
-    return LINK_BYTES / (ms * 1e-3) / 1e9 if ms > 0 else 0.0
 
 
 def _window_ratios(

@@ -110,3 +110,12 @@ def test_plan_says_when_the_costs_were_timed_for_the_other_kind_of_step():
     assert timing_note("wall", cuda_graph=False) == timing_note("device", cuda_graph=True) == ""
     assert "runs faster than predicted; profile with --timing device" in timing_note("wall", True)
     assert "runs slower than predicted; add --cuda-graph" in timing_note("device", False)
+
+
+def test_the_host_link_names_its_directions():
+    from pipetrain.runtime.host_link import link_gbs
+
+    with pytest.raises(ValueError, match="directions must be some of down, up, got"):
+        link_gbs(CPU, 1 << 10, 1, ("sideways",))
+    with pytest.raises(ValueError, match="directions must be some of down, up"):
+        link_gbs(CPU, 1 << 10, 1, ())
