@@ -88,10 +88,10 @@ class DeviceClock(Clock):
         with profile(activities=self.activities) as prof:
             result = fn()
             torch.cuda.synchronize()
-        spans = [
+        spans = [  # a user annotation spans kernels of its own: not a piece of work
             (e.time_range.start, e.time_range.end)
             for e in prof.events()
-            if e.device_type == DeviceType.CUDA
+            if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
         ]
         return spans, result
 
@@ -110,16 +110,17 @@ def replay_gap_us(device: torch.device, clock: DeviceClock, kernels: int = 512) 
         for _ in range(kernels):
             x.add_(1.0)
 
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        chain()  # warm up outside the capture, as torch.cuda.graph asks
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        chain()
-    replays = sorted(Clock(device).time(graph.replay)[0] for _ in range(5))
-    spans, _ = clock.spans(chain)  # the same kernels, launched one by one
+    with torch.cuda.device(device):  # capture and replay on ``device``, whichever is current
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            chain()  # warm up outside the capture, as torch.cuda.graph asks
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            chain()
+        replays = sorted(Clock(device).time(graph.replay)[0] for _ in range(5))
+        spans, _ = clock.spans(chain)  # the same kernels, launched one by one
     return max(0.0, (replays[2] * 1e3 - busy_us(spans)) / kernels)
 
 

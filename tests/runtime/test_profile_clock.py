@@ -45,7 +45,7 @@ def test_a_timing_names_its_clock_and_the_device_clock_needs_cuda():
     assert profile_command.TIMINGS == profile_clock.TIMINGS  # the parser's copy, without torch
 
 
-def stub_profiler(monkeypatch, spans_per_call, device_alone=True, gap_us=0.0):
+def stub_profiler(monkeypatch, spans_per_call, device_alone=True, gap_us=0.0, annotations=()):
     """``torch.profiler.profile`` recording, per use, the given device spans (µs) beside a host
     event that must not count; without ``device_alone``, nothing unless the host is profiled too
     (the fallback a profiler that needs both takes). A replay's gap per kernel: ``gap_us`` (the
@@ -57,13 +57,16 @@ def stub_profiler(monkeypatch, spans_per_call, device_alone=True, gap_us=0.0):
     def fake_profile(activities):
         spans = next(calls) if device_alone or len(activities) > 1 else []
 
-        def at(start, end, kind):
+        def at(start, end, kind, annotation=False):
             return SimpleNamespace(
-                time_range=SimpleNamespace(start=start, end=end), device_type=kind
-            )
+                time_range=SimpleNamespace(start=start, end=end), device_type=kind,
+                is_user_annotation=annotation,
+            )  # fmt: skip
 
         host = at(0.0, 1e6, DeviceType.CPU)
-        yield SimpleNamespace(events=lambda: [host, *(at(a, b, DeviceType.CUDA) for a, b in spans)])
+        marks = [at(a, b, DeviceType.CUDA, annotation=True) for a, b in annotations]
+        kernels = [at(a, b, DeviceType.CUDA) for a, b in spans]
+        yield SimpleNamespace(events=lambda: [host, *marks, *kernels])
 
     monkeypatch.setattr(torch.profiler, "profile", fake_profile)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
@@ -86,6 +89,10 @@ def test_the_device_clock_adds_a_replays_gap_per_kernel_and_copy(monkeypatch):
     clock = DeviceClock(CPU)
     assert clock.replay_gap_us == 2.0
     assert clock.time(lambda: None)[0] == pytest.approx((600.0 + 3 * 2.0) / 1e3)
+    # a user annotation on the device's track (a span over kernels of its own) is no work
+    spans = [[(0.0, 10.0)], [(0.0, 300.0), (900.0, 1000.0)]]
+    stub_profiler(monkeypatch, spans, gap_us=2.0, annotations=[(0.0, 2000.0)])
+    assert DeviceClock(CPU).time(lambda: None)[0] == pytest.approx((400.0 + 2 * 2.0) / 1e3)
 
 
 def test_the_device_clock_profiles_the_host_too_only_where_it_must(monkeypatch):
