@@ -2,8 +2,8 @@
 memory, device to host, host to device, or both at once on two copy streams.
 
 Offload's steady state runs both directions at once (one micro-batch's activations leave while
-another's come back), and each direction then moves at about three quarters of its speed alone
-(docs/planning.md, "Offload's price"), so the profiler prices copies at ``link_gbs`` with both
+another's come back), and each direction then moves more slowly than it does alone (measured:
+docs/planning.md, "Offload's price"), so the profiler prices copies at ``link_gbs`` with both
 (``profile_layers``: ``host_bandwidth_gbs``).
 """
 

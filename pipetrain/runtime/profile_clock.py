@@ -7,15 +7,14 @@ GPU (``perf_counter`` on a CPU), after a synchronisation, so the device starts i
 
 A step replayed as one CUDA graph (``Pipeline(cuda_graph=True)``) issues no Python and no
 launches: the device runs its kernels back to back, and a piece costs the device's busy time
-alone — nearly: a replay still starts each kernel after the one before it ends, a microsecond or
-two later on current GPUs, which over the thousands of short kernels of a step comes to several
-per cent. The ``"device"`` clock measures what a replay pays: the work runs under
-``torch.profiler``; the time is the union of the intervals its kernels and copies occupied on the
-device (overlapping intervals, from several streams, counted once) plus, per kernel or copy, the
-replay's gap between dependent kernels, measured once per clock (``replay_gap_us``: a chain of
-small dependent kernels captured as a graph, its replay against the same kernels' busy time). A profile for a
-graphed run takes this clock; one taken with the wall clock predicts a graphed step slow by the
-host time it no longer pays.
+alone — nearly: a replay still starts each kernel a little after the one before it ends, which
+over the thousands of short kernels of a step adds up. The ``"device"`` clock measures what a
+replay pays: the work runs under ``torch.profiler``; the time is the union of the intervals its
+kernels and copies occupied on the device (overlapping intervals, from several streams, counted
+once) plus, per kernel or copy, the replay's gap between dependent kernels, measured once per
+clock (``replay_gap_us``: a chain of small dependent kernels captured as a graph, its replay
+against the same kernels' busy time). A profile for a graphed run takes this clock; one taken
+with the wall clock predicts a graphed step slow by the host time it no longer pays.
 """
 
 from __future__ import annotations
