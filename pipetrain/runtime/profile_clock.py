@@ -12,15 +12,18 @@ over the thousands of short kernels of a step adds up. The ``"device"`` clock me
 replay pays: the work runs under ``torch.profiler``; the time is the union of the intervals its
 kernels and copies occupied on the device (overlapping intervals, from several streams, counted
 once) plus, per kernel or copy, the replay's gap between dependent kernels, measured once per
-clock (``replay_gap_us``: a chain of small dependent kernels captured as a graph, its replay
-against the same kernels' busy time). A profile for a graphed run takes this clock; one taken
-with the wall clock predicts a graphed step slow by the host time it no longer pays.
+clock (``replay_gap_us``: work captured as a graph, its replay against the same kernels' busy
+time). The work is first a chain of small dependent kernels; ``DeviceClock.calibrate`` then
+measures it again on the model's own layers (a window's forward and backward), whose kernels
+leave a replay more room between them than small ones do. A profile for a graphed run takes
+this clock; one taken with the wall clock predicts a graphed step slow by the host time it no
+longer pays.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -60,8 +63,22 @@ class DeviceClock(Clock):
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
         self.activities = self._activities(device)
-        #: µs a replayed graph leaves between one kernel's end and the next one's start
-        self.replay_gap_us = replay_gap_us(device, self)
+        self.device = device
+        #: µs a replayed graph leaves between one kernel's end and the next one's start, and the
+        #: work it was measured on
+        self.replay_gap_us = replay_gap_us(device, self, kernel_chain(device))
+        self.gap_measured_on = f"a chain of {CHAIN_KERNELS} small kernels"
+
+    def calibrate(self, work: Callable[[], object], what: str) -> None:
+        """Measure the replay's gap again on ``work`` (capturable: static shapes, no host
+        synchronisation), the kernels the clock will time. Where ``work`` cannot be captured
+        the chain's gap stays and ``gap_measured_on`` says why."""
+        try:
+            self.replay_gap_us = replay_gap_us(self.device, self, work)
+            self.gap_measured_on = what
+        except Exception as error:  # not capturable: keep the chain's gap, say so
+            torch.cuda.synchronize(self.device)
+            self.gap_measured_on += f" ({what} could not be captured: {type(error).__name__})"
 
     def _activities(self, device: torch.device) -> list:
         """The device's activity alone where the profiler records it so (far fewer events to
@@ -99,28 +116,82 @@ class DeviceClock(Clock):
         return (busy_us(spans) + len(spans) * self.replay_gap_us) / 1e3, result
 
 
-def replay_gap_us(device: torch.device, clock: DeviceClock, kernels: int = 512) -> float:
-    """What a replayed CUDA graph adds per kernel to the kernels' busy time: a chain of
-    ``kernels`` small dependent kernels, captured once, its replay timed by CUDA events against
-    the same chain's busy time under the profiler. Never below 0."""
+#: kernels in the chain the clock first measures a replay's gap on
+CHAIN_KERNELS = 512
+
+
+def kernel_chain(device: torch.device) -> Callable[[], None]:
+    """``CHAIN_KERNELS`` small dependent kernels."""
     x = torch.zeros(4096, device=device)
 
     def chain() -> None:
-        for _ in range(kernels):
+        for _ in range(CHAIN_KERNELS):
             x.add_(1.0)
 
+    return chain
+
+
+def replay_gap_us(device: torch.device, clock: DeviceClock, work: Callable[[], object]) -> float:
+    """What a replayed CUDA graph adds per kernel or copy to the busy time of ``work``: captured
+    once, its replay timed by CUDA events (the median of five) against the same work's busy time
+    launched one kernel at a time, over its count of kernels and copies. Never below 0."""
     with torch.cuda.device(device):  # capture and replay on ``device``, whichever is current
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
-            chain()  # warm up outside the capture, as torch.cuda.graph asks
+            for _ in range(2):
+                work()  # warm up outside the capture, as torch.cuda.graph asks
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            chain()
+            work()
         replays = sorted(Clock(device).time(graph.replay)[0] for _ in range(5))
-        spans, _ = clock.spans(chain)  # the same kernels, launched one by one
-    return max(0.0, (replays[2] * 1e3 - busy_us(spans)) / kernels)
+        spans, _ = clock.spans(work)
+        del graph
+    return gap_per_kernel(replays[2], spans)
+
+
+def gap_per_kernel(replay_ms: float, spans: list[tuple[float, float]]) -> float:
+    """µs a replay taking ``replay_ms`` spent per kernel beyond the busy time of ``spans``."""
+    if not spans:
+        return 0.0
+    return max(0.0, (replay_ms * 1e3 - busy_us(spans)) / len(spans))
+
+
+def layer_window_work(
+    layers: Sequence[torch.nn.Module], inputs: tuple[torch.Tensor, ...], context: int
+) -> tuple[Callable[[], None], str] | None:
+    """A middle window of ``context`` layers (not the first, which may take token ids, nor the
+    last, which may end in a loss) as capturable work: its forward from ``inputs`` (the model's
+    input) carried there without gradients, then its backward from a fixed random gradient.
+    ``None`` for a model too short to have one."""
+    first = max(1, (len(layers) - context) // 2)
+    end = min(len(layers) - 1, first + context)
+    if first >= end:
+        return None
+    with torch.no_grad():
+        for layer in layers[:first]:
+            out = layer(*inputs)
+            inputs = out if isinstance(out, tuple) else (out,)
+    args = tuple(
+        t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t
+        for t in inputs
+    )
+    window = layers[first:end]
+
+    def forward() -> list[torch.Tensor]:
+        h = args
+        for layer in window:
+            out = layer(*h)
+            h = out if isinstance(out, tuple) else (out,)
+        return [t for t in h if isinstance(t, torch.Tensor) and t.requires_grad]
+
+    grads = [torch.randn_like(t) for t in forward()]
+
+    def work() -> None:
+        torch.autograd.backward(forward(), grads)
+
+    return work, f"layers {first}..{end - 1} (forward and backward)"
 
 
 def busy_us(spans: Iterable[tuple[float, float]]) -> float:

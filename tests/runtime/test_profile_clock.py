@@ -14,7 +14,14 @@ from torch.autograd import DeviceType
 
 from pipetrain.cli import profile_command
 from pipetrain.runtime import profile_clock
-from pipetrain.runtime.profile_clock import Clock, DeviceClock, busy_us, clock_for
+from pipetrain.runtime.profile_clock import (
+    Clock,
+    DeviceClock,
+    busy_us,
+    clock_for,
+    gap_per_kernel,
+    layer_window_work,
+)
 from pipetrain.runtime.profile_layers import profile
 
 CPU = torch.device("cpu")
@@ -51,7 +58,7 @@ def stub_profiler(monkeypatch, spans_per_call, device_alone=True, gap_us=0.0, an
     (the fallback a profiler that needs both takes). A replay's gap per kernel: ``gap_us`` (the
     real one captures a CUDA graph)."""
     calls = iter(spans_per_call)
-    monkeypatch.setattr(profile_clock, "replay_gap_us", lambda device, clock: gap_us)
+    monkeypatch.setattr(profile_clock, "replay_gap_us", lambda device, clock, work: gap_us)
 
     @contextlib.contextmanager
     def fake_profile(activities):
@@ -126,3 +133,54 @@ def test_the_host_link_names_its_directions():
         link_gbs(CPU, 1 << 10, 1, ("sideways",))
     with pytest.raises(ValueError, match="directions must be some of down, up"):
         link_gbs(CPU, 1 << 10, 1, ())
+
+
+def test_a_replays_gap_is_its_time_beyond_the_busy_time_shared_by_its_kernels():
+    # 1 ms replayed over three kernels busy 100 + 200 µs (two overlap: busy counts once)
+    assert gap_per_kernel(1.0, [(0.0, 100.0), (50.0, 150.0), (500.0, 650.0)]) == pytest.approx(
+        (1000.0 - 300.0) / 3
+    )
+    assert gap_per_kernel(0.1, [(0.0, 300.0)]) == 0.0  # a replay faster than busy: no gap
+    assert gap_per_kernel(1.0, []) == 0.0
+
+
+def test_the_clock_measures_its_gap_again_on_the_models_layers_or_says_why_not(monkeypatch):
+    stub_profiler(monkeypatch, [[(0.0, 10.0)], [(0.0, 10.0)]])
+    # the stub's gap: 0.5 µs on the chain of small kernels, on other work what the work returns
+    monkeypatch.setattr(
+        profile_clock,
+        "replay_gap_us",
+        lambda device, clock, work: 0.5 if work.__name__ == "chain" else work(),
+    )
+    clock = DeviceClock(CPU)
+    assert clock.replay_gap_us == 0.5 and "chain of 512" in clock.gap_measured_on
+    clock.calibrate(lambda: 1.75, "layers 2..5")
+    assert clock.replay_gap_us == 1.75 and clock.gap_measured_on == "layers 2..5"
+
+    def uncapturable():
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    clock = DeviceClock(CPU)
+    clock.calibrate(uncapturable, "layers 2..5")
+    assert clock.replay_gap_us == 0.5  # the chain's
+    assert clock.gap_measured_on.endswith("(layers 2..5 could not be captured: RuntimeError)")
+
+
+def test_the_calibrating_window_is_a_middle_one_run_forward_and_backward():
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 4) for _ in range(8)]
+    work, what = layer_window_work(layers, (torch.randn(2, 4),), context=4)
+    assert what == "layers 2..5 (forward and backward)"
+    work()
+    with_grad = [i for i, layer in enumerate(layers) if layer.weight.grad is not None]
+    assert with_grad == [2, 3, 4, 5]
+    assert layer_window_work(layers[:2], (torch.randn(2, 4),), context=4) is None
+    # the profiler gives the layers back with the gradients they had
+    from pipetrain.runtime import profile_layers
+
+    for layer in layers:
+        layer.weight.grad = None
+    ran = []
+    fake = SimpleNamespace(calibrate=lambda work, what: ran.append(work()))
+    profile_layers._calibrate(fake, layers, (torch.randn(2, 4),), 4)
+    assert ran and all(layer.weight.grad is None for layer in layers)
