@@ -36,9 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from pipetrain.app.models.gpt import GPTConfig, gpt_layer
 from pipetrain.runtime.backward.activation_checkpoint import Recomputed
 from pipetrain.runtime.layers import Stage
-from pipetrain.runtime.profile_clock import Clock, DeviceClock, busy_us, layer_window_work
+from pipetrain.runtime.profile_clock import Clock, DeviceClock, busy_us
 from pipetrain.runtime.profile_layers import _measure
 from pipetrain.runtime.profile_recompute import StageTimer, recompute_times
+from pipetrain.runtime.profile_replay import window_work
 from pipetrain.runtime.stage import StageRunner
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -164,7 +165,8 @@ def main() -> int:
     if isinstance(clock, DeviceClock):  # as the profiler does: on a window of real blocks
         out["chain_replay_gap_us"] = clock.replay_gap_us
         blocks = [gpt_layer(cfg, 1 + i).to(device=device, dtype=dtype) for i in range(4)]
-        window = layer_window_work([torch.nn.Identity(), *blocks, torch.nn.Identity()], (x,), 4)
+        ends = [torch.nn.Identity(), *blocks, torch.nn.Identity()]  # the window leaves out both
+        window = window_work(ends, (x.detach(),), context=4, in_flight=4)
         clock.calibrate(*window)  # type: ignore[misc]
         del blocks, window
     out["replay_gap_us"] = getattr(clock, "replay_gap_us", None)

@@ -14,8 +14,8 @@ kernels and copies occupied on the device (overlapping intervals, from several s
 once) plus, per kernel or copy, the replay's gap between dependent kernels, measured once per
 clock (``replay_gap_us``: work captured as a graph, its replay against the same kernels' busy
 time). The work is first a chain of small dependent kernels; ``DeviceClock.calibrate`` then
-measures it again on the model's own layers (a window's forward and backward), whose kernels
-leave a replay more room between them than small ones do. A profile for a graphed run takes
+measures it again on the model's own layers run as a stage (``runtime.profile_replay``), whose
+kernels leave a replay more room between them than small ones do. A profile for a graphed run takes
 this clock; one taken with the wall clock predicts a graphed step slow by the host time it no
 longer pays.
 """
@@ -23,7 +23,7 @@ longer pays.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -156,42 +156,6 @@ def gap_per_kernel(replay_ms: float, spans: list[tuple[float, float]]) -> float:
     if not spans:
         return 0.0
     return max(0.0, (replay_ms * 1e3 - busy_us(spans)) / len(spans))
-
-
-def layer_window_work(
-    layers: Sequence[torch.nn.Module], inputs: tuple[torch.Tensor, ...], context: int
-) -> tuple[Callable[[], None], str] | None:
-    """A middle window of ``context`` layers (not the first, which may take token ids, nor the
-    last, which may end in a loss) as capturable work: its forward from ``inputs`` (the model's
-    input) carried there without gradients, then its backward from a fixed random gradient.
-    ``None`` for a model too short to have one."""
-    first = max(1, (len(layers) - context) // 2)
-    end = min(len(layers) - 1, first + context)
-    if first >= end:
-        return None
-    with torch.no_grad():
-        for layer in layers[:first]:
-            out = layer(*inputs)
-            inputs = out if isinstance(out, tuple) else (out,)
-    args = tuple(
-        t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t
-        for t in inputs
-    )
-    window = layers[first:end]
-
-    def forward() -> list[torch.Tensor]:
-        h = args
-        for layer in window:
-            out = layer(*h)
-            h = out if isinstance(out, tuple) else (out,)
-        return [t for t in h if isinstance(t, torch.Tensor) and t.requires_grad]
-
-    grads = [torch.randn_like(t) for t in forward()]
-
-    def work() -> None:
-        torch.autograd.backward(forward(), grads)
-
-    return work, f"layers {first}..{end - 1} (forward and backward)"
 
 
 def busy_us(spans: Iterable[tuple[float, float]]) -> float:

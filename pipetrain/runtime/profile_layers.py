@@ -71,10 +71,10 @@ import torch
 from torch import nn
 
 from pipetrain.planner.costs_file import LayerCost, ModelCosts, save_costs
-from pipetrain.runtime import host_link, torch_compat
+from pipetrain.runtime import host_link, profile_replay, torch_compat
 from pipetrain.runtime.backward.activation_checkpoint import Recomputed
 from pipetrain.runtime.layers import Stage
-from pipetrain.runtime.profile_clock import Clock, DeviceClock, clock_for, layer_window_work
+from pipetrain.runtime.profile_clock import Clock, DeviceClock, clock_for
 from pipetrain.runtime.profile_recompute import StageTimer, recompute_times
 from pipetrain.runtime.stage import StageRunner, leaves
 
@@ -130,7 +130,7 @@ def profile(
     device = inputs[0].device
     clock = clock_for(device, timing)
     if isinstance(clock, DeviceClock):
-        _calibrate(clock, layers, inputs, context)
+        profile_replay.calibrate(clock, layers, inputs, context, in_flight)
     rounds = (repeats, warmup, in_flight)
     measured, layer_inputs = _measure_layers(
         layers, inputs, loss_fn, target, clock, rounds, optimizer, names
@@ -174,21 +174,6 @@ def profile(
     if path is not None:
         save_costs(costs, path)
     return costs
-
-
-def _calibrate(
-    clock: DeviceClock, layers: Sequence[nn.Module], inputs: tuple, context: int
-) -> None:
-    """The device clock's replay gap measured on a window of these layers; their gradients as
-    they were before."""
-    window = layer_window_work(layers, inputs, context)
-    if window is None:
-        return
-    params = [p for layer in layers for p in layer.parameters()]
-    grads = [p.grad for p in params]
-    clock.calibrate(*window)
-    for p, grad in zip(params, grads):
-        p.grad = grad
 
 
 def _check_arguments(

@@ -13,16 +13,16 @@ from torch import nn
 from torch.autograd import DeviceType
 
 from pipetrain.cli import profile_command
-from pipetrain.runtime import profile_clock
+from pipetrain.runtime import profile_clock, profile_replay
 from pipetrain.runtime.profile_clock import (
     Clock,
     DeviceClock,
     busy_us,
     clock_for,
     gap_per_kernel,
-    layer_window_work,
 )
 from pipetrain.runtime.profile_layers import profile
+from pipetrain.runtime.profile_replay import window_work
 
 CPU = torch.device("cpu")
 
@@ -166,21 +166,21 @@ def test_the_clock_measures_its_gap_again_on_the_models_layers_or_says_why_not(m
     assert clock.gap_measured_on.endswith("(layers 2..5 could not be captured: RuntimeError)")
 
 
-def test_the_calibrating_window_is_a_middle_one_run_forward_and_backward():
+def test_the_calibrating_window_is_a_middle_one_run_as_a_stage_runs_it():
     torch.manual_seed(0)
     layers = [nn.Linear(4, 4) for _ in range(8)]
-    work, what = layer_window_work(layers, (torch.randn(2, 4),), context=4)
-    assert what == "layers 2..5 (forward and backward)"
+    work, what = window_work(layers, (torch.randn(2, 4),), context=4, in_flight=3)
+    assert what == "layers 2..5, 3 micro-batches forward then backward"
+    for layer in layers:
+        layer.weight.grad = None
     work()
     with_grad = [i for i, layer in enumerate(layers) if layer.weight.grad is not None]
     assert with_grad == [2, 3, 4, 5]
-    assert layer_window_work(layers[:2], (torch.randn(2, 4),), context=4) is None
+    assert window_work(layers[:2], (torch.randn(2, 4),), context=4, in_flight=3) is None
     # the profiler gives the layers back with the gradients they had
-    from pipetrain.runtime import profile_layers
-
     for layer in layers:
         layer.weight.grad = None
     ran = []
     fake = SimpleNamespace(calibrate=lambda work, what: ran.append(work()))
-    profile_layers._calibrate(fake, layers, (torch.randn(2, 4),), 4)
+    profile_replay.calibrate(fake, layers, (torch.randn(2, 4),), 4, 2)
     assert ran and all(layer.weight.grad is None for layer in layers)
