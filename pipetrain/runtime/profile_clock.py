@@ -14,8 +14,9 @@ kernels and copies occupied on the device (overlapping intervals, from several s
 once) plus, per kernel or copy, the replay's gap between dependent kernels, measured once per
 clock (``replay_gap_us``: work captured as a graph, its replay against the same kernels' busy
 time). The work is first a chain of small dependent kernels; ``DeviceClock.calibrate`` then
-measures it again on the model's own layers run as a stage (``runtime.profile_replay``), whose
-kernels leave a replay more room between them than small ones do. A profile for a graphed run takes
+measures it again on the model's own layers run as a stage (``runtime.profile_replay``): the
+gap depends on the kernels' sizes and on what is in flight, so it is measured on the work the
+clock will time. A profile for a graphed run takes
 this clock; one taken with the wall clock predicts a graphed step slow by the host time it no
 longer pays.
 """
@@ -134,7 +135,9 @@ def kernel_chain(device: torch.device) -> Callable[[], None]:
 def replay_gap_us(device: torch.device, clock: DeviceClock, work: Callable[[], object]) -> float:
     """What a replayed CUDA graph adds per kernel or copy to the busy time of ``work``: captured
     once, its replay timed by CUDA events (the median of five) against the same work's busy time
-    launched one kernel at a time, over its count of kernels and copies. Never below 0."""
+    launched one kernel at a time (the median of three), over its count of kernels and copies.
+    Never below 0. A difference of two near times: a few per cent of noise in either moves it by
+    tenths of a µs."""
     with torch.cuda.device(device):  # capture and replay on ``device``, whichever is current
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
@@ -146,9 +149,9 @@ def replay_gap_us(device: torch.device, clock: DeviceClock, work: Callable[[], o
         with torch.cuda.graph(graph):
             work()
         replays = sorted(Clock(device).time(graph.replay)[0] for _ in range(5))
-        spans, _ = clock.spans(work)
+        launched = sorted((clock.spans(work)[0] for _ in range(3)), key=busy_us)
         del graph
-    return gap_per_kernel(replays[2], spans)
+    return gap_per_kernel(replays[2], launched[1])
 
 
 def gap_per_kernel(replay_ms: float, spans: list[tuple[float, float]]) -> float:

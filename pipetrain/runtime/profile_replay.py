@@ -2,10 +2,9 @@
 them.
 
 ``profile_clock.DeviceClock`` prices a replayed CUDA graph as the device's busy time plus a gap
-per kernel. Measured on a chain of small dependent kernels that gap is a fraction of what a
-replayed stage pays: a stage's kernels are larger and, with several micro-batches in flight,
-touch more memory between one another. So before the profiler times anything, a middle window
-of ``context`` layers runs as a stage runs it — ``in_flight`` forwards through a
+per kernel. The gap depends on the work: on the kernels' sizes and on how much is in flight, so
+a chain of small dependent kernels is a stand-in. Before the profiler times anything, a middle
+window of ``context`` layers runs as a stage runs it — ``in_flight`` forwards through a
 ``StageRunner``, then as many backwards from fixed random output gradients — once launched
 kernel by kernel under the profiler and once captured and replayed; the clock takes the
 difference per kernel (``DeviceClock.calibrate``). The window leaves out the first layer, which
