@@ -150,6 +150,7 @@ class Run:
             log(self.ctx, f"{what}: skipped (time budget)")
         else:
             start = time.perf_counter()
+            out["started"] = clock_stamp()  # to line up with the call's SM clock samples
             fn = runner(row.lib)
             out |= guarded(self.ctx, what, functools.partial(fn, self.ctx, self.bank, row))
             if "median_ms" in out:
@@ -162,6 +163,7 @@ class Run:
                     out["limit_ms"] = limit["median_ms"]
                     out["limit_key"] = limit["key"]
             self.row_s = max(self.row_s, time.perf_counter() - start)
+            out["ended"] = clock_stamp()
             if "error" not in out:  # guarded has logged the error
                 log(self.ctx, f"{what}: {brief(out)}")
         self.rows.append(out)
@@ -172,6 +174,12 @@ class Run:
             self.meta["cuts"] = self.plan.cuts
             data = {"meta": self.meta, "limits": self.limits, "rows": self.rows}
             (self.out / "incumbents.json").write_text(json.dumps(data, indent=1, default=str))
+
+
+def clock_stamp() -> str:
+    """Local time as ``nvidia-smi`` writes its ``timestamp`` field (``incumbents_clocks``)."""
+    now = time.time()
+    return time.strftime("%Y/%m/%d %H:%M:%S", time.localtime(now)) + f".{int(now % 1 * 1e3):03d}"
 
 
 def main(argv: list[str] | None = None) -> int:

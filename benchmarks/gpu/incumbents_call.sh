@@ -48,8 +48,9 @@
 # megatron-core, deepspeed and their needs; the GPU machine has no internet), with $OUT set:
 #     PLAN=issue21 TOTAL=540 bash benchmarks/gpu/incumbents_call.sh
 # What comes back (the device tool returns at most 8 files): $OUT/env.txt, $OUT/summary.md (the
-# pooled tables, intervals and target lines so far), $OUT/results.tar.gz (each part's
-# incumbents.json and log) and $OUT/traces-<lib>.tar (Chrome traces), all rewritten after each
+# pooled tables, intervals and target lines so far), $OUT/clocks.md (each row's mean SM clock
+# and power per GPU: incumbents_clocks.py), $OUT/results.tar.gz (each part's incumbents.json,
+# log and SM clock samples) and $OUT/traces-<lib>.tar (Chrome traces), all rewritten after each
 # part, so a part cut off by its timeout still leaves the rows it finished.
 # CPU check of the plumbing (gloo, tiny shapes; WHEELS=none: use EXTRA_PATH's Megatron/DeepSpeed):
 #     OUT=/tmp/o WIDE=wide-tiny GPT=gpt-tiny BLOCKS=blocks-tiny LLAMA=llama-tiny NPROC4=2 \
@@ -106,6 +107,7 @@ pack() {  # everything so far into $OUT (few files; each rewritten whole); $1: b
   # shellcheck disable=SC2086
   [ -n "$jsons" ] && INCUMBENTS_RESAMPLES=${1:-300} $PYTHON benchmarks/gpu/incumbents_stats.py \
     $jsons > "$OUT/summary.md" 2>&1  # no torch import: a second or two
+  $PYTHON benchmarks/gpu/incumbents_clocks.py "$WORK" > "$OUT/clocks.md" 2>&1
   tar czf "$OUT/results.tar.gz" -C "$WORK" --exclude '*.json.gz' .
   for lib in megatron pipetrain torch deepspeed; do
     local traces
@@ -130,9 +132,18 @@ part() {  # name nproc budget-s limit-s harness-args...: run one part if it stil
   [ "$budget" -gt $((limit - 30)) ] && budget=$((limit - 30))  # startup + the last row
   echo "== $name: budget ${budget}s, timeout ${limit}s, at ${SECONDS}s"
   # every rank prints its threads' stacks shortly before the timeout: a hang shows where it waits
+  # the GPUs' SM clock, power and temperature every 200 ms while the part runs
+  # (incumbents_clocks.py lines them up with each row's started/ended)
+  local sampler=""
+  if command -v nvidia-smi > /dev/null; then
+    nvidia-smi --query-gpu=timestamp,index,clocks.sm,power.draw,temperature.gpu \
+      --format=csv,noheader,nounits -lms 200 > "$WORK/$name.smi.csv" 2> /dev/null &
+    sampler=$!
+  fi
   STACKS_AFTER=$((limit - 12)) timeout -k 10 "$limit" $PYTHON -m torch.distributed.run --standalone --nproc-per-node "$nproc" \
     $SCRIPT --out "$WORK/$name" --budget-s "$budget" "$@" > "$WORK/$name.log" 2>&1
   echo "== $name rc=$? at ${SECONDS}s"
+  [ -n "$sampler" ] && kill "$sampler" 2> /dev/null
   grep -E '^\[ *[0-9.]+s\]' "$WORK/$name.log" | grep -v ': ERROR' | tail -40
   pack
 }

@@ -1,0 +1,94 @@
+"""Each incumbents row's GPU clock: the SM clock, power and temperature ``nvidia-smi`` sampled
+while the row ran (``incumbents_call.sh`` samples every 200 ms per part into
+``<part>.smi.csv``; each row records its ``started`` and ``ended`` in the same local time).
+
+Why: two libraries running the same kernels the same number of times measured about 1% apart
+in kernel time (docs/incumbents.md, "1F1B at equal kernels"). A GPU lowers its clock under
+sustained power draw, so a row that keeps the device busier may run every kernel slower. This
+puts each row's clock beside its step, and pools them per library and configuration.
+
+    python3 benchmarks/gpu/incumbents_clocks.py WORK_FOLDER > clocks.md
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+import sys
+from datetime import datetime
+from pathlib import Path
+
+STAMP = "%Y/%m/%d %H:%M:%S.%f"
+
+
+def samples(path: Path) -> list[tuple[datetime, int, float, float, float]]:
+    """(time, GPU index, SM MHz, watts, °C) per line; lines that do not parse are skipped."""
+    out = []
+    for line in csv.reader(path.read_text().splitlines()):
+        try:
+            stamp, index, sm, watts, temp = (v.strip() for v in line)
+            out.append(
+                (datetime.strptime(stamp, STAMP), int(index), float(sm), float(watts), float(temp))
+            )
+        except ValueError:
+            continue
+    return out
+
+
+def row_clock(row: dict, taken: list) -> dict[int, dict[str, float]]:
+    """Per GPU, the mean SM MHz and watts and the highest °C sampled while ``row`` ran."""
+    if "started" not in row or "ended" not in row:
+        return {}
+    begin, end = (datetime.strptime(row[k], STAMP) for k in ("started", "ended"))
+    per: dict[int, list] = {}
+    for when, index, sm, watts, temp in taken:
+        if begin <= when <= end:
+            per.setdefault(index, []).append((sm, watts, temp))
+    return {
+        index: {
+            "sm_mhz": statistics.fmean(s for s, _, _ in vals),
+            "watts": statistics.fmean(w for _, w, _ in vals),
+            "max_c": max(t for _, _, t in vals),
+            "samples": len(vals),
+        }
+        for index, vals in sorted(per.items())
+    }
+
+
+def report(work: Path) -> str:
+    lines = [
+        "| part | row | median ms | SM MHz per GPU | W per GPU | max °C |",
+        "|---|---|---|---|---|---|",
+    ]
+    pooled: dict[str, list[float]] = {}
+    for result in sorted(work.glob("*/incumbents.json")):
+        part = result.parent.name
+        smi = work / f"{part}.smi.csv"
+        taken = samples(smi) if smi.exists() else []
+        for row in json.loads(result.read_text())["rows"]:
+            if "median_ms" not in row:
+                continue
+            clock = row_clock(row, taken)
+            what = f"{row['shape']} {row['schedule']} n={row['microbatches']} {row['lib']}"
+            if not clock:
+                lines.append(f"| {part} | {what} | {row['median_ms']:.1f} | no samples | | |")
+                continue
+            sm = " / ".join(f"{c['sm_mhz']:.0f}" for c in clock.values())
+            watts = " / ".join(f"{c['watts']:.0f}" for c in clock.values())
+            hot = max(c["max_c"] for c in clock.values())
+            lines.append(
+                f"| {part} | {what} | {row['median_ms']:.1f} | {sm} | {watts} | {hot:.0f} |"
+            )
+            pooled.setdefault(what, []).append(
+                statistics.fmean(c["sm_mhz"] for c in clock.values())
+            )
+    lines += ["", "| row, pooled over launches | rows | mean SM MHz (all GPUs) |", "|---|---|---|"]
+    lines += [
+        f"| {what} | {len(v)} | {statistics.fmean(v):.0f} |" for what, v in sorted(pooled.items())
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(report(Path(sys.argv[1])))

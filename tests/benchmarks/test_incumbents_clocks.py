@@ -1,0 +1,41 @@
+"""incumbents_clocks.py: each row gets the SM clock samples taken between its start and end,
+per GPU; rows without samples or stamps say so rather than borrow another row's."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "gpu"))
+
+from incumbents_clocks import report
+
+
+def test_rows_get_the_samples_taken_while_they_ran(tmp_path: Path) -> None:
+    part = tmp_path / "e1-gpt16-l0"
+    part.mkdir()
+    base = {"shape": "gpt", "schedule": "1f1b", "microbatches": 16}
+    rows = [
+        base | {"lib": "megatron", "median_ms": 370.0,
+                "started": "2026/11/28 05:00:00.000", "ended": "2026/11/28 05:00:10.000"},
+        base | {"lib": "pipetrain-nodefer", "median_ms": 372.0,
+                "started": "2026/11/28 05:00:10.500", "ended": "2026/11/28 05:00:20.000"},
+        base | {"lib": "torch", "median_ms": 380.0},  # an old file: no stamps
+        base | {"lib": "deepspeed", "error": "OOM"},
+    ]  # fmt: skip
+    (part / "incumbents.json").write_text(json.dumps({"rows": rows}))
+    (tmp_path / "e1-gpt16-l0.smi.csv").write_text(
+        "2026/11/28 05:00:01.000, 0, 1980, 650.5, 60\n"
+        "2026/11/28 05:00:01.000, 1, 1960, 640.0, 61\n"
+        "2026/11/28 05:00:05.000, 0, 1940, 690.5, 63\n"
+        "2026/11/28 05:00:15.000, 0, 1800, 700, 70\n"
+        "2026/11/28 05:00:15.000, 1, 1820, 700, 71\n"
+        "[N/A], 0, garbage\n"
+    )
+    text = report(tmp_path)
+    assert "| e1-gpt16-l0 | gpt 1f1b n=16 megatron | 370.0 | 1960 / 1960 | 670 / 640 | 63 |" in text
+    assert "| gpt 1f1b n=16 pipetrain-nodefer | 372.0 | 1800 / 1820 | 700 / 700 | 71 |" in text
+    assert "| gpt 1f1b n=16 torch | 380.0 | no samples |" in text
+    assert "deepspeed" not in text
+    assert "| gpt 1f1b n=16 megatron | 1 | 1960 |" in text
