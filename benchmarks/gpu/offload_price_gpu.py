@@ -24,7 +24,6 @@ whether offload's cost is the link (busy grows by the copies that do not overlap
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -35,10 +34,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from plan_gpu import PRESETS
-from recompute_price_gpu import build, host_calls, timed
+from recompute_price_gpu import build, host_calls, stage_parser, stage_setup, timed
 
-from pipetrain.app.models.gpt import GPTConfig
 from pipetrain.runtime import host_link
 from pipetrain.runtime.host_offload import MIN_BYTES, StageOffload, stage_layers
 from pipetrain.runtime.profile_clock import Clock, DeviceClock, busy_us
@@ -82,28 +79,13 @@ def copy_busy(step) -> dict[str, float]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", choices=sorted(PRESETS), default="h100")
-    p.add_argument("--blocks", type=int, default=6)
-    p.add_argument("--microbatches", type=int, default=8)
+    p = stage_parser(__doc__ or "")
     p.add_argument("--fractions", default="0.5,1")
     p.add_argument("--reps", type=int, default=7)
-    p.add_argument("--out", default="")
     args = p.parse_args()
-    pre = PRESETS[args.preset]
-    cfg = GPTConfig(
-        vocab_size=pre["vocab"], seq_len=pre["seq"], num_layers=pre["layers"],
-        hidden=pre["hidden"], num_heads=pre["heads"], dropout=0.0, bias=False,
-    )  # fmt: skip
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda" if cuda else "cpu")
-    dtype = getattr(torch, pre["dtype"])
-    torch.manual_seed(0)
-    b, m, k = pre["mb_size"], args.microbatches, args.blocks
-    x = torch.randn(b, cfg.seq_len, cfg.hidden, device=device, dtype=dtype, requires_grad=True)
-    grads = [torch.randn_like(x) for _ in range(m)]
-    out: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu", "config": vars(cfg),
-                 "blocks": k, "microbatches": m, "mb_size": b, "modes": {}}  # fmt: skip
+    cfg, device, dtype, x, grads, out = stage_setup(args)
+    cuda = device.type == "cuda"
+    m, k = args.microbatches, args.blocks
     t0 = time.perf_counter()
     gbs = host_link.link_gbs(device, repeats=5) if cuda else None
     out["link_gbs_both_ways"] = gbs

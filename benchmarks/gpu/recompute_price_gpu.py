@@ -114,7 +114,8 @@ def timed(fn, clock: Clock, reps: int) -> float:
     return statistics.median(clock.time(fn)[0] for _ in range(reps))
 
 
-def graphed(step, reps: int) -> float:
+def capture(step) -> torch.cuda.CUDAGraph:
+    """``step`` captured as one CUDA graph, after three warm-up steps on a side stream."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -124,6 +125,11 @@ def graphed(step, reps: int) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
+    return graph
+
+
+def graphed(step, reps: int) -> float:
+    graph = capture(step)
     clock = Clock(torch.device("cuda"))
     clock.time(graph.replay)
     return timed(graph.replay, clock, reps)
@@ -138,14 +144,20 @@ def lone_prices(cfg: GPTConfig, device, dtype, x: torch.Tensor, clock: Clock) ->
     return {"forward": plain[0], "backward": plain[1], **{k: v[0] for k, v in paid.items()}}
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def stage_parser(doc: str) -> argparse.ArgumentParser:
+    """The options of every one-stage benchmark (this one, ``offload_price_gpu``,
+    ``replay_clocks_gpu``): the preset, the stage's blocks and micro-batches, where to write."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="h100")
     p.add_argument("--blocks", type=int, default=6)
     p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--reps", type=int, default=7)
     p.add_argument("--out", default="")
-    args = p.parse_args()
+    return p
+
+
+def stage_setup(args: argparse.Namespace):
+    """The preset's model config, device and dtype, one micro-batch's input and each
+    micro-batch's output gradient (seeded), and the report's header."""
     pre = PRESETS[args.preset]
     cfg = GPTConfig(
         vocab_size=pre["vocab"], seq_len=pre["seq"], num_layers=pre["layers"],
@@ -155,11 +167,21 @@ def main() -> int:
     device = torch.device("cuda" if cuda else "cpu")
     dtype = getattr(torch, pre["dtype"])
     torch.manual_seed(0)
-    b, m, k = pre["mb_size"], args.microbatches, args.blocks
+    b, m = pre["mb_size"], args.microbatches
     x = torch.randn(b, cfg.seq_len, cfg.hidden, device=device, dtype=dtype, requires_grad=True)
     grads = [torch.randn_like(x) for _ in range(m)]
     out: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu", "config": vars(cfg),
-                 "blocks": k, "microbatches": m, "mb_size": b, "modes": {}}  # fmt: skip
+                 "blocks": args.blocks, "microbatches": m, "mb_size": b, "modes": {}}  # fmt: skip
+    return cfg, device, dtype, x, grads, out
+
+
+def main() -> int:
+    p = stage_parser(__doc__ or "")
+    p.add_argument("--reps", type=int, default=7)
+    args = p.parse_args()
+    cfg, device, dtype, x, grads, out = stage_setup(args)
+    cuda = device.type == "cuda"
+    m, k = args.microbatches, args.blocks
     t0 = time.perf_counter()
     clock = DeviceClock(device) if cuda else Clock(device)
     if isinstance(clock, DeviceClock):  # as the profiler does: on a window of real blocks

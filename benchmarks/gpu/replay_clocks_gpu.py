@@ -13,7 +13,6 @@ paused ones and the clock samples say by how much.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
@@ -27,10 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from plan_gpu import PRESETS
-from recompute_price_gpu import build, step_fn
+from recompute_price_gpu import build, capture, stage_parser, stage_setup, step_fn
 
-from pipetrain.app.models.gpt import GPTConfig
 from pipetrain.runtime.profile_clock import DeviceClock, busy_us
 
 
@@ -68,38 +65,17 @@ def sampled(fn):
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", choices=sorted(PRESETS), default="h100")
-    p.add_argument("--blocks", type=int, default=6)
-    p.add_argument("--microbatches", type=int, default=8)
+    p = stage_parser(__doc__ or "")
     p.add_argument("--count", type=int, default=30)
     p.add_argument("--pause-s", type=float, default=0.3)
-    p.add_argument("--out", default="")
     args = p.parse_args()
-    pre = PRESETS[args.preset]
-    cfg = GPTConfig(
-        vocab_size=pre["vocab"], seq_len=pre["seq"], num_layers=pre["layers"],
-        hidden=pre["hidden"], num_heads=pre["heads"], dropout=0.0, bias=False,
-    )  # fmt: skip
-    device, dtype = torch.device("cuda"), getattr(torch, pre["dtype"])
-    torch.manual_seed(0)
-    b, m = pre["mb_size"], args.microbatches
-    x = torch.randn(b, cfg.seq_len, cfg.hidden, device=device, dtype=dtype, requires_grad=True)
-    grads = [torch.randn_like(x) for _ in range(m)]
+    cfg, device, dtype, x, grads, out = stage_setup(args)
+    m = args.microbatches
     clock = DeviceClock(device)
-    out: dict = {"device": torch.cuda.get_device_name(), "blocks": args.blocks, "modes": {}}
     for mode in ("none", "full"):
         runner = build(cfg, args.blocks, mode, device, dtype)
         step = step_fn(runner, x, grads, m)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
+        graph = capture(step)
         busy = [busy_us(clock.spans(step)[0]) / 1e3 for _ in range(3)]
         paused, paused_smi = sampled(partial(replays, graph, args.count // 3, args.pause_s))
         steady, steady_smi = sampled(partial(replays, graph, args.count, 0.0))
