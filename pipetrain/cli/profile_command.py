@@ -122,6 +122,12 @@ def run(args: argparse.Namespace) -> int:
         f"{total:.3f} ms forward+backward per micro-batch; wrote {args.out or 'standard output'}",
         file=sys.stderr if args.out is None else sys.stdout,
     )
+    if "replay_gap_us" in costs.meta:  # what the device clock adds per kernel, and measured on
+        print(
+            f"device clock: busy time plus {costs.meta['replay_gap_us']:.2f} µs a kernel, the "
+            f"replay's gap measured on {costs.meta['replay_gap_on']}",
+            file=sys.stderr if args.out is None else sys.stdout,
+        )
     return 0
 
 
