@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 2 benchmarks/gpu/cuda_graph_gpu.py --part exact --out $OUT
     torchrun --nproc-per-node 2 benchmarks/gpu/cuda_graph_gpu.py --part speed --out $OUT
+    torchrun --nproc-per-node 2 benchmarks/gpu/cuda_graph_gpu.py --part timeline --out $OUT
 
 ``exact``: per schedule, two pipelines of the same float64 GPT (one ``cuda_graph=True``) step the
 same batches — a token-mean loss whose counted tokens change every step (so the loss weights
@@ -21,6 +22,12 @@ micro-batch 1, 32 micro-batches); ``large`` is the app's 8 × 2048 GPT (seq 1024
 its steps, and how far its steps grew the reserved memory (a graph's pool is reserved once;
 replays allocate nothing). ``--variants graph`` (or ``eager``) builds one variant alone: its
 memory without the other pipeline beside it.
+
+``timeline``: per schedule, the large shape's bf16 GPT as ``cuda_graph=True``, as
+``cuda_graph="timed"`` (timing events inside the graph) and eagerly: the step with and without the
+events (``steps`` timed replays each), and one timed replay's ``Timeline`` against an eager
+step's — every compute action of every rank spanned in both (``same_actions``), the replay's
+spans inside its step, and the mean action per (kind, stage) each way.
 
 ``probe``: sends and receives between neighbours on two groups, captured and replayed — NCCL
 under capture without the pipeline (any number of ranks). ``--allow-expandable`` lifts the
@@ -262,9 +269,48 @@ def speed(shape: str, name: str, device, rounds: int, steps: int, variants: list
     return out
 
 
+def replay_timeline(name: str, device, steps: int) -> dict:
+    from pipetrain.sim.costs import mean_durations
+
+    cfg, mb, n = SHAPES["large"]
+    base, _ = split_name(name)
+    num_stages = V[base] * dist.get_world_size()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, cfg.vocab_size, (mb * n, cfg.seq_len), generator=gen)
+    y = torch.randint(0, cfg.vocab_size, (mb * n, cfg.seq_len), generator=gen)
+    out: dict = {}
+    timelines = {}
+    for label, mode in (("graph", True), ("timed", "timed"), ("eager", False)):
+        stages = lambda s: make_stage(cfg, s, num_stages, seed=0).to(device, torch.bfloat16)  # noqa: E731
+        pipe = pipeline(stages, name, n, device, cuda_graph=mode)
+        opt = torch.optim.AdamW(list(pipe.parameters()), lr=1e-5, fused=True)
+        timed(pipe, opt, (x, y), 4, device)  # two eager steps, then the capture and its replay
+        out[f"{label}_ms"] = statistics.median(timed(pipe, opt, (x, y), steps, device))
+        if mode is not True:
+            pipe.step(x, y, timeline=True)
+            timelines[label] = pipe.last_timeline
+            opt.zero_grad(set_to_none=True)
+        if mode:
+            out[f"{label}_replays"] = pipe.graph.replays
+        pipe.close()
+        log(f"timeline {name} {label}: {out[f'{label}_ms']:.1f} ms", True)
+    replay, eager = timelines["timed"], timelines["eager"]
+    spanned = [sorted((s.rank, str(s.action)) for s in t.spans) for t in (replay, eager)]
+    out["same_actions"] = spanned[0] == spanned[1]
+    out["spans_inside_step"] = all(0 <= s.start <= s.end <= out["timed_ms"] for s in replay.spans)
+    out["replay_makespan_ms"], out["eager_makespan_ms"] = replay.makespan, eager.makespan
+    means = [mean_durations([t]) for t in (replay, eager)]
+    out["mean_action_ms"] = {
+        f"{kind.name}{stage}": [round(means[0].get((kind, stage), 0), 3), round(m, 3)]
+        for (kind, stage), m in sorted(means[1].items(), key=lambda kv: (kv[0][1], kv[0][0].name))
+    }
+    out["ok"] = out["same_actions"] and out["spans_inside_step"]
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--part", choices=("probe", "exact", "speed", "all"), default="all")
+    p.add_argument("--part", choices=("probe", "exact", "speed", "timeline", "all"), default="all")
     p.add_argument("--stacks-after", type=float, default=0, help="dump every thread's stack (s)")
     p.add_argument(
         "--schedules",
@@ -323,6 +369,16 @@ def main() -> int:
                 short = {k: v for k, v in row.items() if k != "steps"}
                 log(f"speed {shape}/{name}: {short}")
                 save()
+    if a.part == "timeline":
+        for name in a.speed_schedules.split(","):
+            try:
+                results.setdefault("timeline", {})[name] = replay_timeline(name, device, a.steps)
+            except Exception as e:
+                results.setdefault("timeline", {})[name] = {
+                    "error": f"{type(e).__name__}: {e}"[:300]
+                }
+            log(f"timeline {name}: {results['timeline'][name]}")
+            save()
     dist.destroy_process_group()
     return 0
 

@@ -314,14 +314,13 @@ def timed_steps(run, master, device, x, y, cfg_args, base, run_s: float):
     """This rank's median step and optimizer step (ms) and peak (GiB above ``base``) over the
     preset's steps (fewer, at least 3, where they would take over ``run_s`` seconds), and one
     step's measured timeline with its program."""
-    from pipetrain.runtime.cuda_graph import WARMUP
     from pipetrain.runtime.pipeline import Pipeline
 
     cuda = device.type == "cuda"
     layout = Layout.from_json(run)
     graph = bool(cfg_args.get("cuda_graph")) and not layout.offloads
 
-    def build(cuda_graph: bool) -> Pipeline:
+    def build(cuda_graph: bool | str) -> Pipeline:
         return Pipeline.from_plan(
             lambda i: copy.deepcopy(master[i]), layout, lm_loss, device=device,
             timeout=timedelta(minutes=3), cuda_graph=cuda_graph,
@@ -361,12 +360,7 @@ def timed_steps(run, master, device, x, y, cfg_args, base, run_s: float):
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
         held[:] = [0.0, 0.0]
-        for _ in range(3 * WARMUP + 2):
-            captured = [pipe.graph is not None and pipe.graph.captured]
-            dist.broadcast_object_list(captured, src=0)
-            if captured[0]:
-                break
-            warm.append(sum(step()))
+        warm += until_captured(pipe, lambda: sum(step()))
         warm.append(sum(step()))
     # a slow run (an offload the host link cannot hide) times fewer steps; rank 0's last
     # warm-up step decides for all
@@ -381,17 +375,32 @@ def timed_steps(run, master, device, x, y, cfg_args, base, run_s: float):
     step_times, opt_times = zip(*(step() for _ in range(steps[0])))
     step_peak, update_peak = ((h - base) / GIB if cuda else 0.0 for h in held)
     peak = max(step_peak, update_peak)
-    # one more step with its measured timeline (where a prediction error comes from); a replayed
-    # graph has no per-action spans, so a graphed run takes it on an eager pipeline
+    # one more step with its measured timeline (where a prediction error comes from); a graphed
+    # run's is a replay's, on a pipeline whose graph holds timing events (cuda_graph="timed")
     if graph:
         pipe.close()
-        pipe = build(False)
-        pipe.step(x, y)
+        pipe = build("timed")
+        until_captured(pipe, lambda: pipe.step(x, y))
     pipe.step(x, y, timeline=True)
     program, timeline = pipe.program, pipe.last_timeline
     pipe.close()
     medians = [statistics.median(step_times), statistics.median(opt_times)]
     return [*medians, peak, step_peak, update_peak], (program, timeline)
+
+
+def until_captured(pipe, step) -> list:
+    """Run ``step`` until ``pipe`` has captured its graph (rank 0 decides for all: every rank
+    steps as often); the results of the steps run."""
+    from pipetrain.runtime.cuda_graph import WARMUP
+
+    out = []
+    for _ in range(3 * WARMUP + 2):
+        captured = [pipe.graph is not None and pipe.graph.captured]
+        dist.broadcast_object_list(captured, src=0)
+        if captured[0]:
+            break
+        out.append(step())
+    return out
 
 
 def explain(run, program, timeline, costs) -> dict:

@@ -33,9 +33,15 @@ graph's buffers kept as ``.grad`` (``None`` became kept) it warms up and capture
 buffers copied out first so that the dropped graph's memory can go. The loss weights are a device
 tensor the host refills, so ``"token_mean"`` weights may change every step.
 
+``cuda_graph="timed"`` also records a timing event at the start and end of every action inside
+the graph (``runtime.timing``: external events, one event-record node each), so that
+``step(timeline=True)`` measures the replay: the same ``Timeline`` an eager step gives, without
+the host.
+
 Refused, never silently wrong or hanging: devices other than CUDA, data parallel, meshes,
 offload and the allocator's expandable segments at construction (``check``); at a step,
-``timeline=True`` (one replay has no per-action spans), targets that are not tensors, and
+``timeline=True`` on a graph captured without timing events (``cuda_graph=True``: one replay
+has no per-action spans), targets that are not tensors, and
 parameters with post-accumulate-grad hooks (a replay would not run them); at capture, a step that
 replaces an existing ``.grad`` instead of adding into it (a replay would not accumulate).
 """
@@ -54,6 +60,7 @@ import torch
 from torch import nn
 
 from pipetrain.runtime.microbatch import MicroBatches
+from pipetrain.runtime.timing import Recorder
 from pipetrain.runtime.torch_compat import copy_lists_, post_accumulate_grad_hooks
 
 if TYPE_CHECKING:
@@ -63,6 +70,8 @@ _log = logging.getLogger(__name__)
 
 #: eager steps before a capture, per key: shape discovery, then the steady path once
 WARMUP = 2
+#: ``Pipeline(cuda_graph=...)``'s legal values: eager, captured, captured with timing events
+MODES = (False, True, "timed")
 
 Side = tuple[dict[str, object], ...]
 #: ``execute(mbs, side)``: run the step's actions on these micro-batches (eagerly, or captured)
@@ -86,7 +95,7 @@ def expandable_segments() -> bool:
 
 
 def check(
-    enabled: bool,
+    enabled: bool | str,
     device: torch.device,
     data_parallel: object,
     mesh: object,
@@ -94,6 +103,8 @@ def check(
 ) -> None:
     """Refuse at construction what a captured step cannot run exactly, or is not verified on
     (``offload``: the per-stage fractions; all zero is no offload)."""
+    if enabled not in MODES:
+        raise ValueError(f"cuda_graph must be one of False, True, 'timed'; got {enabled!r}")
     if not enabled:
         return
     if device.type != "cuda":
@@ -122,22 +133,28 @@ def check(
         )
 
 
-def check_step(enabled: bool, timeline: bool) -> None:
-    if enabled and timeline:
+def check_step(graph: StepGraph | None, timeline: bool) -> None:
+    if graph is not None and timeline and graph.recorder is None:
         raise ValueError(
-            "timeline=True measures each action, but a captured step replays as one; measure "
-            "with a Pipeline built with cuda_graph=False"
+            "timeline=True measures each action, but a step captured with cuda_graph=True "
+            "replays as one; build the Pipeline with cuda_graph='timed' (timing events inside "
+            "the graph) or cuda_graph=False"
         )
 
 
 def build(
-    enabled: bool,
+    enabled: bool | str,
     device: torch.device,
     modules: Iterable[nn.Module],
     losses: dict[int, torch.Tensor] | None,
+    rank: int,
 ) -> StepGraph | None:
-    """The pipeline's step graph where ``cuda_graph=True`` (``check`` passed), else ``None``."""
-    return StepGraph(device, list(modules), losses) if enabled else None
+    """The pipeline's step graph where ``cuda_graph`` is ``True`` or ``"timed"`` (``check``
+    passed), else ``None``."""
+    if not enabled:
+        return None
+    recorder = Recorder(rank, device, True, captured=True) if enabled == "timed" else None
+    return StepGraph(device, list(modules), losses, recorder)
 
 
 class StepGraph:
@@ -151,10 +168,13 @@ class StepGraph:
         device: torch.device,
         modules: Sequence[nn.Module],
         losses: dict[int, torch.Tensor] | None,
+        recorder: Recorder | None = None,
     ) -> None:
         self.device = device
         self.modules = list(modules)
         self.losses = losses
+        #: ``cuda_graph="timed"``: what records the actions' events at capture
+        self.recorder = recorder
         self.params = _unique(p for m in self.modules for p in m.parameters())
         self.buffers = _unique(b for m in self.modules for b in m.buffers())
         self.stream: torch.cuda.Stream | None = None  # made at the first capture
@@ -174,6 +194,13 @@ class StepGraph:
     @property
     def captured(self) -> bool:
         return self._graph is not None
+
+    def capturing_recorder(self) -> Recorder | None:
+        """The recorder a step's actions record into while it is being captured (a timed
+        graph's), else ``None``."""
+        timed = self.recorder is not None and self.device.type == "cuda"
+        capturing = timed and torch.cuda.is_current_stream_capturing()
+        return self.recorder if capturing else None
 
     def release(self, synchronize: bool = False) -> None:
         """Drop the graph and its buffers. NCCL does not destroy a communicator that a live
@@ -200,8 +227,11 @@ class StepGraph:
         announce: Callable[[], None],
         run: Execute,
         agreement: Agreement | None = None,
-    ):
-        """Run one training step: eagerly while warming up, else (capturing first) a replay.
+        before_replay: Callable[[], None] | None = None,
+    ) -> str:
+        """Run one training step: eagerly while warming up, else (capturing first) a replay;
+        returns which (``"eager"``, ``"capture"``, ``"replay"``). ``before_replay``: what the
+        host does right before the replay (lines the ranks up for a timed one).
         ``announce`` is what the host does every step before the actions (the agreement);
         ``run`` runs the actions and announces itself. ``agreement``: told how this step runs
         (announced to the peers), and met after a capture (``Agreement.captured``): a rank whose
@@ -221,7 +251,7 @@ class StepGraph:
         if how == "eager":
             self._eager_left -= 1
             run(mbs, side)
-            return
+            return how
         if how == "capture":
             self._capture(mbs, side, run)
             if agreement is not None:
@@ -229,7 +259,10 @@ class StepGraph:
         else:
             self._fill(mbs, side)
             announce()
+        if before_replay is not None:
+            before_replay()
         self._replay()
+        return how
 
     # -- the key ----------------------------------------------------------------------------------
 

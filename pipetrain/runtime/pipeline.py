@@ -4,10 +4,10 @@
         opt = torch.optim.AdamW(pipe.parameters())    # this rank's stages only
         loss = pipe.step(inputs, targets)             # every rank, same arguments
 
-Construction checks what it can before any transfer and raises ``ValueError`` naming the legal
-values; it lowers and validates the program once. A step splits the batch, runs this rank's row
-with the ``Executor`` and agrees on the loss with one broadcast from the last stage's rank.
-Modules are trained in place, so the caller's references see gradients and updates.
+Construction checks what it can before any transfer (``ValueError`` naming the legal values) and
+lowers and validates the program once. A step splits the batch, runs this rank's row with the
+``Executor`` and agrees on the loss with one broadcast from the last stage's rank. Modules train
+in place: the caller's references see gradients and updates.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from pipetrain.runtime.parallel.mesh import MeshGroups, refuse_dtensors_without_
 from pipetrain.runtime.precompile import Precompile
 from pipetrain.runtime.resolve import DataParallelKind, Groups, Stages
 from pipetrain.runtime.stage import StageRunner, arity
-from pipetrain.runtime.timing import Recorder, gather_timeline
+from pipetrain.runtime.timing import Recorder, align, gather_timeline
 from pipetrain.schedule.action import Action
 from pipetrain.schedule.placement import Placement
 from pipetrain.schedule.program import Program
@@ -100,7 +100,8 @@ class Pipeline:
     stage, the share of its activations held in host memory between forward and backward (its
     first layers, layer by layer), or an ``OffloadSpec`` (``runtime.host_offload``; docs/runtime.md).
     ``cuda_graph``: capture a training step as one CUDA graph and replay it while shapes, storage
-    and modes stay (``runtime.cuda_graph``): no host time per action. ``precompile``: compile
+    and modes stay (``runtime.cuda_graph``): no host time per action; ``"timed"``: with timing
+    events inside the graph, so ``step(timeline=True)`` measures a replay. ``precompile``: compile
     every rank's compiled stages at once before a step of new shapes (``None``, the default:
     where every rank's stages allow it and some stage is compiled; ``False``: never).
     """
@@ -127,7 +128,7 @@ class Pipeline:
         data_parallel: DataParallelKind | None = None,
         receive_lead: int | None = 1,
         offload: resolve.Offload = None,
-        cuda_graph: bool = False,
+        cuda_graph: bool | Literal["timed"] = False,
         precompile: bool | None = None,
     ) -> None:
         resolve.require_process_group()
@@ -161,11 +162,15 @@ class Pipeline:
         wide = self._data_parallel is not None or mesh is not None
         self._precompile = Precompile.build(precompile, self._agreement, self._runners, wide)
         self._last_uses = resolve.last_uses(self.program.actions[self.rank])
-        self._tied_grads = self._build_tied_grads()
+        dp = self._data_parallel  # tied gradients averaged over the replicas where they are
+        average_over = dp.size if dp is not None and dp.reduction == "mean" else 1
+        self._tied_grads = tied_weights.TiedGrads(self._tied_sets, self._runners, average_over)
         self._arities: list[tuple[int, float]] = self._agreement.construction(
             self.program, {s: arity(m) for s, m in self.modules.items()}
         )
         self._transport = self._build_transport(timeout)
+        where = (self._transport.group, self.world_size, self.placement.num_stages)
+        self._gather = functools.partial(gather_timeline, *where, name=self.program.name)
         self._side_stream = resolve.side_stream(overlap_pairs, self.device)
         self._caches: dict[Mode, MetaCache] = {}
         self._eval_program: Program | None = None
@@ -175,7 +180,9 @@ class Pipeline:
         self.last_timeline: Timeline | None = None
         self.closed = False
         held = self._runners[self._last_stage].losses if self.rank == self._last_rank else None
-        self.graph = step_graph.build(cuda_graph, self.device, self.modules.values(), held)
+        self.graph = step_graph.build(
+            cuda_graph, self.device, self.modules.values(), held, self.rank
+        )
 
     def _join(
         self, groups: Groups, data_parallel: DataParallelKind | None, timeout: timedelta
@@ -218,11 +225,9 @@ class Pipeline:
             runner.syncs_once = self._data_parallel is not None
         return runners
 
-    def _build_tied_grads(self) -> tied_weights.TiedGrads:
-        """The once-a-step sum of tied gradients (averaged over the replicas where they are)."""
-        dp = self._data_parallel
+        dp = self._data_parallel  # tied gradients averaged over the replicas where they are
         average_over = dp.size if dp is not None and dp.reduction == "mean" else 1
-        return tied_weights.TiedGrads(self._tied_sets, self._runners, average_over)
+        self._tied_grads = tied_weights.TiedGrads(self._tied_sets, self._runners, average_over)
 
     def _build_transport(self, timeout: timedelta) -> Transport:
         """The transfers' groups and transport: on gloo a group of its own, let go of (with the
@@ -323,8 +328,7 @@ class Pipeline:
         self._let_go()
 
     def _let_go(self) -> None:
-        """Release each stage's held state and this pipeline's groups (the transport's were the
-        last references: destroying the owned group closes its connections)."""
+        """Release each stage's held state and this pipeline's groups (closing their links)."""
         for runner in self._runners.values():
             runner.release()
         if self.graph is not None:
@@ -369,7 +373,7 @@ class Pipeline:
         ``side``: side inputs by name (an attention mask...), given to the stages whose forward
         takes them, split per micro-batch where batched (``runtime.side_inputs``).
         """
-        step_graph.check_step(self.graph is not None, timeline)
+        step_graph.check_step(self.graph, timeline)
         mbs = self._split(inputs, targets, side)
         if self._data_parallel is not None:
             self._data_parallel.check_batch(mbs.batch_size)
@@ -380,10 +384,13 @@ class Pipeline:
         rows = self.program.actions[self.rank]
         self._tied_grads.begin_step()
         if self.graph is not None:
-            run = functools.partial(self._execute, rows, mode="train", timeline=False)
+            run = functools.partial(self._execute, rows, mode="train", timeline=timeline)
             shapes = (mbs.inputs, mbs.targets, mbs.batch_size)
             announce = functools.partial(self._agreement.step, "train", *shapes)
-            self.graph.step(mbs, self._side, announce, run, agreement=self._agreement)
+            line_up = functools.partial(align, self._transport.group, True) if timeline else None
+            how = self.graph.step(mbs, self._side, announce, run, self._agreement, line_up)
+            if timeline and how != "eager":  # a replay: the events recorded at capture
+                self.last_timeline = self._gather(self.graph.recorder)  # type: ignore[arg-type]
         else:
             self._execute(rows, mbs, self._side, "train", timeline)
         self._tied_grads.end_step(self._transport, self.rank)
@@ -401,14 +408,8 @@ class Pipeline:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip every rank's gradients by the whole model's norm, each element counted once, like
         ``torch.nn.utils.clip_grad_norm_`` unsplit; returns it on every rank (collective)."""
-        coordinates = self._mesh.coordinates if self._mesh is not None else {}
-        counted, scaled = grad_norm.counted_and_scaled(
-            self.parameters(), self._tied_sets, self.rank, coordinates
-        )
-        others = self._mesh.norm_groups() if self._mesh is not None else []
-        total = grad_norm.global_norm(counted, float(norm_type), [self.group, *others], self.device)
-        grad_norm.clip_(scaled, total, max_norm)
-        return total
+        where = (self._tied_sets, self.rank, self._mesh, self.group, self.device)
+        return grad_norm.clip_pipeline(self.parameters(), *where, max_norm, norm_type)
 
     @stops_on_failure
     def eval_step(
@@ -470,7 +471,8 @@ class Pipeline:
             self._data_parallel.begin(train=mode == "train")
         for runner in self._runners.values():
             runner.begin_step()
-        recorder = Recorder(self.rank, self.device, timeline)
+        captured = self.graph.capturing_recorder() if self.graph is not None else None
+        recorder = captured or Recorder(self.rank, self.device, timeline)
         recorder.begin(self._transport.group)  # the pipeline's own group: its timeout holds
         after = self._sync_after if self._data_parallel is not None and mode == "train" else None
         runners, transport = self._runners, self._transport
@@ -482,10 +484,8 @@ class Pipeline:
         if self._data_parallel is not None:
             (self._data_parallel.finish_all if mode == "train" else self._data_parallel.end_eval)()
         executor.check_empty()
-        if timeline:
-            group, stages = self._transport.group, self.placement.num_stages
-            where = (group, self.world_size, stages, self.program.name)
-            self.last_timeline = gather_timeline(recorder, *where)
+        if timeline and captured is None:
+            self.last_timeline = self._gather(recorder)
         return executor.results
 
     def _sync_after(self, action: Action) -> None:

@@ -10,6 +10,13 @@ start mark is recorded on an idle device, right after a ``synchronize``). An idl
 action that the host had not begun issuing yet is the host's doing, not the schedule's: its sum
 per rank is ``Timeline.host_bound_idle``, the part of a measured bubble the simulator does not
 model (Python and kernel-launch overhead when actions are short).
+
+A step replayed as a CUDA graph (``Pipeline(cuda_graph="timed")``) is timed by events recorded
+inside the graph at capture: external events (``torch.cuda.Event(external=True)``), which a
+capture turns into event-record nodes that every replay records again, rather than into
+dependencies between streams. The ranks line up as for an eager step — a barrier and a
+``synchronize`` before the replay, whose first node is the start mark — and there is no host
+clock to compare with: a replay issues nothing per action.
 """
 
 from __future__ import annotations
@@ -28,10 +35,14 @@ from pipetrain.schedule.timeline import Span, Timeline
 class Recorder:
     """Collects (action, start, end) on one rank; a disabled recorder costs one branch per action."""
 
-    def __init__(self, rank: int, device: torch.device, enabled: bool) -> None:
+    def __init__(
+        self, rank: int, device: torch.device, enabled: bool, captured: bool = False
+    ) -> None:
         self.rank = rank
         self.enabled = enabled
         self.cuda = enabled and device.type == "cuda"
+        #: records inside a CUDA graph's capture (see the module docstring)
+        self.captured = captured
         self._marks: list[tuple[Action, object, object, float]] = []
         self._origin: object = None
         self._host_origin = 0.0
@@ -39,16 +50,15 @@ class Recorder:
     def begin(self, group) -> None:
         if not self.enabled:
             return
-        if dist.is_initialized() and dist.get_world_size(group) > 1:
-            barrier(group)
-        if self.cuda:
-            torch.cuda.synchronize()  # the origin event then runs at once: one axis for both clocks
+        self._marks = []
+        if not self.captured:  # a captured step lines up before each replay instead
+            align(group, self.cuda)
         self._host_origin = time.perf_counter()
         self._origin = self._now()
 
     def _now(self) -> object:
         if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
+            event = torch.cuda.Event(enable_timing=True, external=self.captured)
             event.record()
             return event
         return time.perf_counter()
@@ -77,7 +87,7 @@ class Recorder:
     def host_bound_idle(self, spans: list[Span]) -> float | None:
         """Idle time (ms) before actions the host had not begun issuing when the device fell
         idle; ``None`` on CPU, where issuing is running. ``spans`` are this rank's, in order."""
-        if not self.cuda:
+        if not self.cuda or self.captured:
             return None
         total, prev_end = 0.0, None
         for span, (*_, host) in zip(spans, self._marks):
@@ -88,8 +98,17 @@ class Recorder:
         return total
 
 
+def align(group, cuda: bool) -> None:
+    """Line the ranks up for a timed step: a barrier, then (CUDA) an idle device, so the start
+    mark recorded next runs at once: one axis for the host's and the device's clocks."""
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        barrier(group)
+    if cuda:
+        torch.cuda.synchronize()
+
+
 def gather_timeline(
-    recorder: Recorder, group, num_ranks: int, num_stages: int, name: str
+    group, num_ranks: int, num_stages: int, recorder: Recorder, name: str
 ) -> Timeline:
     """All ranks' spans as one measured ``Timeline`` (a collective: every rank calls it)."""
     spans = recorder.spans()

@@ -55,9 +55,27 @@ def test_expandable_segments_are_refused_until_verified(monkeypatch, name):
     monkeypatch.setenv(name, "garbage_collection_threshold:0.8, expandable_segments:True")
     with pytest.raises(ValueError, match="expandable_segments:True is set"):
         cuda_graph.check(True, cuda, None, None, None)
-    with pytest.raises(ValueError, match="timeline=True .* cuda_graph=False"):
-        cuda_graph.check_step(True, timeline=True)
-    cuda_graph.check_step(False, timeline=True)
+
+
+def test_a_timeline_of_a_replay_needs_the_timing_events_captured_with_it():
+    cuda = torch.device("cuda", 0)
+    with pytest.raises(
+        ValueError, match="cuda_graph must be one of False, True, 'timed'; got 'on'"
+    ):
+        cuda_graph.check("on", cuda, None, None, None)
+    plain = cuda_graph.build(True, CPU, [nn.Linear(3, 3)], None, rank=0)
+    timed = cuda_graph.build("timed", CPU, [nn.Linear(3, 3)], None, rank=1)
+    assert cuda_graph.build(False, CPU, [nn.Linear(3, 3)], None, rank=0) is None
+    assert plain is not None and plain.recorder is None
+    with pytest.raises(ValueError, match="timeline=True .* cuda_graph='timed' .* cuda_graph=False"):
+        cuda_graph.check_step(plain, timeline=True)
+    cuda_graph.check_step(plain, timeline=False)
+    cuda_graph.check_step(None, timeline=True)  # eager: every step has its timeline
+    assert timed is not None and timed.recorder is not None
+    cuda_graph.check_step(timed, timeline=True)
+    # its recorder records inside a capture: no barrier, no host clock; and not while none runs
+    assert timed.recorder.captured and timed.recorder.rank == 1
+    assert timed.capturing_recorder() is None and plain.capturing_recorder() is None
 
 
 def test_the_key_changes_with_what_a_captured_step_baked_in():

@@ -13,14 +13,14 @@ tensor-parallel and data-parallel replicas clip by one norm.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipetrain.runtime.parallel.mesh import norm_share
+from pipetrain.runtime.parallel.mesh import MeshGroups, norm_share
 
 if TYPE_CHECKING:
     from pipetrain.runtime.parallel.tied import TiedSet
@@ -88,3 +88,24 @@ def clip_(grads: list[torch.Tensor], total_norm: torch.Tensor, max_norm: float) 
     coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     for g in grads:
         g.mul_(coef.to(g.device, g.dtype))
+
+
+def clip_pipeline(
+    params: Iterable[nn.Parameter],
+    tied_sets: Sequence[TiedSet],
+    rank: int,
+    mesh: MeshGroups | None,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    max_norm: float,
+    norm_type: float,
+) -> torch.Tensor:
+    """``Pipeline.clip_grad_norm_``: this rank's share of the norm (``counted_and_scaled``), summed
+    over the pipeline's group and the mesh's other dimensions, then every gradient clipped by it;
+    returns the norm."""
+    coordinates = mesh.coordinates if mesh is not None else {}
+    counted, scaled = counted_and_scaled(params, tied_sets, rank, coordinates)
+    others = mesh.norm_groups() if mesh is not None else []
+    total = global_norm(counted, float(norm_type), [group, *others], device)
+    clip_(scaled, total, max_norm)
+    return total
