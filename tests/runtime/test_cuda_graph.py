@@ -320,3 +320,21 @@ def test_a_step_that_cannot_be_captured_is_refused_naming_why(monkeypatch):
 
     with pytest.raises(RuntimeError, match="shapes do not match"):
         g._capture(micro(), (), other)
+
+
+def test_a_captured_recorder_never_waits_on_its_peers_inside_the_capture(monkeypatch):
+    from pipetrain.runtime import timing
+    from pipetrain.schedule.action import Action, OpKind
+
+    def no_barrier(group, cuda):
+        raise AssertionError("a barrier inside a capture")
+
+    monkeypatch.setattr(timing, "align", no_barrier)
+    recorder = timing.Recorder(0, CPU, True, captured=True)
+    for _ in range(2):  # a capture again (a new key) starts from no marks
+        recorder.begin(None)
+        recorder.stop(Action(OpKind.F, 0, 0), recorder.start())
+        assert len(recorder.spans()) == 1
+    assert recorder.host_bound_idle(recorder.spans()) is None
+    with pytest.raises(AssertionError, match="a barrier"):  # an eager timed step lines up
+        timing.Recorder(0, CPU, True).begin(None)
