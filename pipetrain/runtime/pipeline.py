@@ -169,8 +169,6 @@ class Pipeline:
             self.program, {s: arity(m) for s, m in self.modules.items()}
         )
         self._transport = self._build_transport(timeout)
-        where = (self._transport.group, self.world_size, self.placement.num_stages)
-        self._gather = functools.partial(gather_timeline, *where, name=self.program.name)
         self._side_stream = resolve.side_stream(overlap_pairs, self.device)
         self._caches: dict[Mode, MetaCache] = {}
         self._eval_program: Program | None = None
@@ -283,18 +281,12 @@ class Pipeline:
         for another number of pipeline ranks than this process group's (the mesh's ``pp``
         dimension with ``mesh=``) is refused: its cut and its schedule were chosen for that
         size (``runtime.resolve``)."""
-        layout = cls.plan_layout(plan)
+        layout = resolve.plan_layout(plan)  # checked: a ValueError names a bad field
         stages = resolve.plan_stages(layers, layout, kwargs)
         per_rank, total = layout.stages_per_rank, len(layout.stage_layers)
         args = (stages, layout.schedule, layout.microbatches, loss_fn)
         kwargs = {**kwargs, "offload": layout.offload_spec}
         return cls(*args, stages_per_rank=per_rank, num_stages=total, **kwargs)
-
-    @classmethod
-    def plan_layout(cls, plan: Plan | Layout | Mapping[str, Any]) -> Layout:
-        """The ``Layout`` of a ``Plan``, a ``Layout`` or a plan dict, checked (a ``ValueError``
-        names the first missing or bad field)."""
-        return resolve.plan_layout(plan)
 
     def close(self) -> None:
         """Finish what is in flight and let go of what this pipeline made (posted transfers, its
@@ -328,7 +320,8 @@ class Pipeline:
         self._let_go()
 
     def _let_go(self) -> None:
-        """Release each stage's held state and this pipeline's groups (closing their links)."""
+        """Release each stage's held state and this pipeline's groups (the transport's were the
+        last references: destroying the owned group closes its connections)."""
         for runner in self._runners.values():
             runner.release()
         if self.graph is not None:
@@ -487,6 +480,12 @@ class Pipeline:
         if timeline and captured is None:
             self.last_timeline = self._gather(recorder)
         return executor.results
+
+    def _gather(self, recorder: Recorder) -> Timeline:
+        """Every rank's spans as ``last_timeline`` (the group is looked up here, not held: the
+        transport's references must be the last, so that a failure closes it)."""
+        group, stages = self._transport.group, self.placement.num_stages
+        return gather_timeline(group, self.world_size, stages, recorder, self.program.name)
 
     def _sync_after(self, action: Action) -> None:
         """After a stage's last compute action: its data-parallel sync, overlapping the rest."""
