@@ -223,10 +223,6 @@ class Pipeline:
             runner.syncs_once = self._data_parallel is not None
         return runners
 
-        dp = self._data_parallel  # tied gradients averaged over the replicas where they are
-        average_over = dp.size if dp is not None and dp.reduction == "mean" else 1
-        self._tied_grads = tied_weights.TiedGrads(self._tied_sets, self._runners, average_over)
-
     def _build_transport(self, timeout: timedelta) -> Transport:
         """The transfers' groups and transport: on gloo a group of its own, let go of (with the
         stores) on failure, close or exit; on NCCL a second group (``resolve.reverse_group``)."""
