@@ -207,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": args.dtype,
         "optimizer": args.optimizer,
         "gc": args.gc,
+        "preheat_s": args.preheat_s,
         "steps": args.steps,
         "warmup": args.warmup,
         "env": {k: os.environ.get(k) for k in ENV},
@@ -215,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     log(ctx, f"incumbents launch {args.launch}: {meta['device']} × {ctx.world}, {meta['versions']}")
     run = Run(ctx, meta)
+    preheat(ctx, args.preheat_s)
     index = 0
     for shape in shapes:
         for n in n_list:
@@ -230,6 +232,24 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def preheat(ctx: Ctx, seconds: float) -> None:
+    """Keep every GPU busy with bf16 matrix products for ``seconds`` before the first row, so
+    that no row starts on a card cooler, and clocked higher, than the rows after it get
+    (docs/incumbents.md: the first row of a launch measured faster than the same row later)."""
+    if seconds <= 0 or not ctx.cuda:
+        return
+    a = torch.randn(8192, 8192, device=ctx.device, dtype=torch.bfloat16)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(16):
+            a @ a
+        torch.cuda.synchronize(ctx.device)
+    del a
+    torch.cuda.empty_cache()
+    dist.barrier()
+    log(ctx, f"preheated {seconds:.0f} s")
 
 
 def brief(row: dict) -> str:
@@ -280,6 +300,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--budget-s", type=float, default=None)
+    p.add_argument("--preheat-s", type=float, default=0.0, help="GPU busy before the first row")
     p.add_argument("--dtype", default=None, help="bfloat16 | float32 (overrides the preset)")
     p.add_argument("--optimizer", choices=("adamw", "sgd", "none"), default="adamw")
     p.add_argument(

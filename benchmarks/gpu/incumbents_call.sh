@@ -43,7 +43,9 @@
 # (its incumbents.json) to pick Megatron's fastest interleaved variants from, e.g. from a call
 # that was cut off. STEPS overrides the timed steps (20). LAUNCHES (default 3) and FIRST_LAUNCH
 # (default 0) set how many launches the three-launch plans run and where their numbering starts,
-# so two calls' launches pool as one series (incumbents_stats.py over both folders).
+# so two calls' launches pool as one series (incumbents_stats.py over both folders). PREHEAT=S
+# keeps the GPUs busy S seconds before each launch's first row (incumbents.py --preheat-s; inside
+# the part's budget), so that the first row does not run on a cooler card than the others.
 # Run from a folder holding pipetrain/, benchmarks/ and .whl/ (the carried wheels of
 # megatron-core, deepspeed and their needs; the GPU machine has no internet), with $OUT set:
 #     PLAN=issue21 TOTAL=540 bash benchmarks/gpu/incumbents_call.sh
@@ -141,7 +143,8 @@ part() {  # name nproc budget-s limit-s harness-args...: run one part if it stil
     sampler=$!
   fi
   STACKS_AFTER=$((limit - 12)) timeout -k 10 "$limit" $PYTHON -m torch.distributed.run --standalone --nproc-per-node "$nproc" \
-    $SCRIPT --out "$WORK/$name" --budget-s "$budget" "$@" > "$WORK/$name.log" 2>&1
+    $SCRIPT --out "$WORK/$name" --budget-s "$budget" ${PREHEAT:+--preheat-s "$PREHEAT"} "$@" \
+    > "$WORK/$name.log" 2>&1
   echo "== $name rc=$? at ${SECONDS}s"
   [ -n "$sampler" ] && kill "$sampler" 2> /dev/null
   grep -E '^\[ *[0-9.]+s\]' "$WORK/$name.log" | grep -v ': ERROR' | tail -40
