@@ -231,7 +231,10 @@ def progress_line(run: dict, m: dict) -> str:
         return m["error"]
     ratio = run["predicted_step_ms"] / m["step_ms"]
     peaks = ", ".join(f"{p:.2f}" for p in m["peak_gib"])
-    return f"{m['step_ms']:.1f} ms (predicted / measured {ratio:.3f}), peak GiB [{peaks}]"
+    line = f"{m['step_ms']:.1f} ms (predicted / measured {ratio:.3f}), peak GiB [{peaks}]"
+    if any(m.get("allocator_retries", ())) or any(m.get("device_allocs", ())):
+        line += f", allocator retries {m['allocator_retries']}, cudaMalloc {m['device_allocs']}"
+    return line
 
 
 def profile_model(cfg: GPTConfig, master, dtype, device, b: int, repeats: int, context: int, timing: str = "wall") -> ModelCosts:  # fmt: skip
@@ -306,6 +309,8 @@ def measure(run, master, device, x, y, cfg_args, world, costs, run_s: float) -> 
         # where each rank's peak fell: the pipeline steps, or the optimizer's updates after them
         "peak_step_gib": [round(g[3], 3) for g in steps],
         "peak_update_gib": [round(g[4], 3) for g in steps],
+        "allocator_retries": [g[5] for g in steps],
+        "device_allocs": [g[6] for g in steps],
         **explain(run, program, timeline, costs),
     }
 
@@ -372,7 +377,12 @@ def timed_steps(run, master, device, x, y, cfg_args, base, run_s: float):
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
         held[:] = [0.0, 0.0]
+    before = allocator_counts(device) if cuda else (0, 0)
     step_times, opt_times = zip(*(step() for _ in range(steps[0])))
+    # the caching allocator's retries (a full free and synchronise, then cudaMalloc again) and its
+    # cudaMalloc calls during the timed steps: where memory is tight, what a step pays besides work
+    after = allocator_counts(device) if cuda else (0, 0)
+    allocs = [a - b for a, b in zip(after, before)]
     step_peak, update_peak = ((h - base) / GIB if cuda else 0.0 for h in held)
     peak = max(step_peak, update_peak)
     # one more step with its measured timeline (where a prediction error comes from); a graphed
@@ -394,7 +404,13 @@ def timed_steps(run, master, device, x, y, cfg_args, base, run_s: float):
     program, timeline = pipe.program, pipe.last_timeline
     pipe.close()
     medians = [statistics.median(step_times), statistics.median(opt_times)]
-    return [*medians, peak, step_peak, update_peak], (program, timeline)
+    return [*medians, peak, step_peak, update_peak, *allocs], (program, timeline)
+
+
+def allocator_counts(device) -> tuple[int, int]:
+    """The caching allocator's retries and cudaMalloc calls so far on ``device``."""
+    stats = torch.cuda.memory_stats(device)
+    return stats.get("num_alloc_retries", 0), stats.get("num_device_alloc", 0)
 
 
 def until_captured(pipe, step) -> list:
