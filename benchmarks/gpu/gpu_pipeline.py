@@ -250,8 +250,11 @@ def run_torch(ctx: Ctx, name: str, fam: Family, n: int) -> dict:
 
 
 def guarded(ctx: Ctx, what: str, fn) -> dict:
-    """Run ``fn`` on every rank; any rank's exception makes an error row (all ranks agree)."""
+    """Run ``fn`` on every rank; any rank's exception makes an error row (all ranks agree). On
+    CUDA the row also gets each rank's caching-allocator retries (the cache freed and the device
+    synchronised to find memory) and ``cudaMalloc`` calls while ``fn`` ran."""
     t = time.perf_counter()
+    before = _allocator_counts(ctx)
     try:
         row, err = fn(), None
     except Exception as e:
@@ -259,12 +262,24 @@ def guarded(ctx: Ctx, what: str, fn) -> dict:
         if ctx.args.verbose:
             traceback.print_exc()
         ctx.mem_reset()
-    errors = [e for e in ctx.gather(err) if e]
+    counts = [a - b for a, b in zip(_allocator_counts(ctx), before)]
+    gathered = ctx.gather((err, counts))
+    errors = [e for e, _ in gathered if e]
     if errors:
         row = {"error": errors[0]}
         log(ctx, f"{what}: ERROR {errors[0]}")
+    if ctx.cuda:
+        row["allocator_retries"] = [c[0] for _, c in gathered]
+        row["device_allocs"] = [c[1] for _, c in gathered]
     row["wall_s"] = time.perf_counter() - t
     return row
+
+
+def _allocator_counts(ctx: Ctx) -> tuple[int, int]:
+    if not ctx.cuda:
+        return (0, 0)
+    stats = torch.cuda.memory_stats(ctx.device)
+    return stats.get("num_alloc_retries", 0), stats.get("num_device_alloc", 0)
 
 
 def main(argv: list[str] | None = None) -> int:

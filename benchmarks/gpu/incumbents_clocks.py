@@ -1,5 +1,5 @@
 """Each incumbents row's GPU clock: the SM clock, power and temperature ``nvidia-smi`` sampled
-while the row ran (``incumbents_call.sh`` samples every 200 ms per part into
+while the row ran, beside the caching allocator's retries per rank (``gpu_pipeline.guarded``) (``incumbents_call.sh`` samples every 200 ms per part into
 ``<part>.smi.csv``; each row records its ``started`` and ``ended`` in the same local time).
 
 Why: two libraries running the same kernels the same number of times measured about 1% apart
@@ -58,8 +58,8 @@ def row_clock(row: dict, taken: list) -> dict[int, dict[str, float]]:
 
 def report(work: Path) -> str:
     lines = [
-        "| part | row | median ms | SM MHz per GPU | W per GPU | max °C |",
-        "|---|---|---|---|---|---|",
+        "| part | row | median ms | SM MHz per GPU | W per GPU | max °C | allocator retries |",
+        "|---|---|---|---|---|---|---|",
     ]
     pooled: dict[str, list[float]] = {}
     for result in sorted(work.glob("*/incumbents.json")):
@@ -70,15 +70,19 @@ def report(work: Path) -> str:
             if "median_ms" not in row:
                 continue
             clock = row_clock(row, taken)
+            retries = "/".join(str(r) for r in row.get("allocator_retries", [])) or "-"
             what = f"{row['shape']} {row['schedule']} n={row['microbatches']} {row['lib']}"
             if not clock:
-                lines.append(f"| {part} | {what} | {row['median_ms']:.1f} | no samples | | |")
+                lines.append(
+                    f"| {part} | {what} | {row['median_ms']:.1f} | no samples | | | {retries} |"
+                )
                 continue
             sm = " / ".join(f"{c['sm_mhz']:.0f}" for c in clock.values())
             watts = " / ".join(f"{c['watts']:.0f}" for c in clock.values())
             hot = max(c["max_c"] for c in clock.values())
             lines.append(
-                f"| {part} | {what} | {row['median_ms']:.1f} | {sm} | {watts} | {hot:.0f} |"
+                f"| {part} | {what} | {row['median_ms']:.1f} | {sm} | {watts} | {hot:.0f} "
+                f"| {retries} |"
             )
             pooled.setdefault(what, []).append(
                 statistics.fmean(c["sm_mhz"] for c in clock.values())

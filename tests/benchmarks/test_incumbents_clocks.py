@@ -17,7 +17,7 @@ def test_rows_get_the_samples_taken_while_they_ran(tmp_path: Path) -> None:
     part.mkdir()
     base = {"shape": "gpt", "schedule": "1f1b", "microbatches": 16}
     rows = [
-        base | {"lib": "megatron", "median_ms": 370.0,
+        base | {"lib": "megatron", "median_ms": 370.0, "allocator_retries": [0, 2],
                 "started": "2026/11/28 05:00:00.000", "ended": "2026/11/28 05:00:10.000"},
         base | {"lib": "pipetrain-nodefer", "median_ms": 372.0,
                 "started": "2026/11/28 05:00:10.500", "ended": "2026/11/28 05:00:20.000"},
@@ -34,8 +34,11 @@ def test_rows_get_the_samples_taken_while_they_ran(tmp_path: Path) -> None:
         "[N/A], 0, garbage\n"
     )
     text = report(tmp_path)
-    assert "| e1-gpt16-l0 | gpt 1f1b n=16 megatron | 370.0 | 1960 / 1960 | 670 / 640 | 63 |" in text
-    assert "| gpt 1f1b n=16 pipetrain-nodefer | 372.0 | 1800 / 1820 | 700 / 700 | 71 |" in text
-    assert "| gpt 1f1b n=16 torch | 380.0 | no samples |" in text
+    assert (
+        "| e1-gpt16-l0 | gpt 1f1b n=16 megatron | 370.0 | 1960 / 1960 | 670 / 640 | 63 | 0/2 |"
+        in text
+    )
+    assert "| gpt 1f1b n=16 pipetrain-nodefer | 372.0 | 1800 / 1820 | 700 / 700 | 71 | - |" in text
+    assert "| gpt 1f1b n=16 torch | 380.0 | no samples | | | - |" in text
     assert "deepspeed" not in text
     assert "| gpt 1f1b n=16 megatron | 1 | 1960 |" in text
