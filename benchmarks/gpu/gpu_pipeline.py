@@ -80,6 +80,7 @@ from gpu_setup import (
     Ctx,
     Family,
     GcPauses,
+    allocator_counts,
     flops_per_token,
     local_stages,
     log,
@@ -254,7 +255,7 @@ def guarded(ctx: Ctx, what: str, fn) -> dict:
     CUDA the row also gets each rank's caching-allocator retries (the cache freed and the device
     synchronised to find memory) and ``cudaMalloc`` calls while ``fn`` ran."""
     t = time.perf_counter()
-    before = _allocator_counts(ctx)
+    before = allocator_counts(ctx.device)
     try:
         row, err = fn(), None
     except Exception as e:
@@ -262,7 +263,7 @@ def guarded(ctx: Ctx, what: str, fn) -> dict:
         if ctx.args.verbose:
             traceback.print_exc()
         ctx.mem_reset()
-    counts = [a - b for a, b in zip(_allocator_counts(ctx), before)]
+    counts = [a - b for a, b in zip(allocator_counts(ctx.device), before)]
     gathered = ctx.gather((err, counts))
     errors = [e for e, _ in gathered if e]
     if errors:
@@ -273,13 +274,6 @@ def guarded(ctx: Ctx, what: str, fn) -> dict:
         row["device_allocs"] = [c[1] for _, c in gathered]
     row["wall_s"] = time.perf_counter() - t
     return row
-
-
-def _allocator_counts(ctx: Ctx) -> tuple[int, int]:
-    if not ctx.cuda:
-        return (0, 0)
-    stats = torch.cuda.memory_stats(ctx.device)
-    return stats.get("num_alloc_retries", 0), stats.get("num_device_alloc", 0)
 
 
 def main(argv: list[str] | None = None) -> int:

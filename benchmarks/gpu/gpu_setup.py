@@ -277,3 +277,12 @@ def flops_per_token(cfg: GPTConfig) -> float:
     block = 4 * h * h + 4 * h + 2 * cfg.mlp_ratio * h * h + (cfg.mlp_ratio + 1) * h + 4 * h
     params = L * block + 2 * h + h * cfg.vocab_size  # blocks + final LN + head (no embeddings)
     return 6 * params + 12 * L * cfg.seq_len * h
+
+
+def allocator_counts(device: torch.device) -> tuple[int, int]:
+    """The caching allocator's retries (its cache freed and the device synchronised to find
+    memory) and ``cudaMalloc`` calls so far on ``device``; zeros off CUDA."""
+    if device.type != "cuda":
+        return (0, 0)
+    stats = torch.cuda.memory_stats(device)
+    return stats.get("num_alloc_retries", 0), stats.get("num_device_alloc", 0)

@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from plan_gpu import allocator_counts
+from gpu_setup import allocator_counts
 from recompute_price_gpu import build, host_calls, stage_parser, stage_setup, timed
 
 from pipetrain.runtime import host_link
@@ -101,7 +101,7 @@ def main() -> int:
             )  # fmt: skip
         step = offloading_step(runner, x, grads, m)
         step()
-        before = allocator_counts(device) if cuda else (0, 0)
+        before = allocator_counts(device)
         row: dict = {"eager": timed(step, Clock(device), args.reps)}
         if cuda:  # retries: the allocator freed its cache and synchronised to find memory
             after = allocator_counts(device)

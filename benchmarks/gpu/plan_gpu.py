@@ -55,6 +55,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from gpu_setup import allocator_counts
 from plan_gpu_report import resummarize, summarize, write
 from plan_gpu_variants import BUDGETS, plan_budgets, run_key
 
@@ -377,11 +378,11 @@ def timed_steps(run, master, device, x, y, cfg_args, base, run_s: float):
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
         held[:] = [0.0, 0.0]
-    before = allocator_counts(device) if cuda else (0, 0)
+    before = allocator_counts(device)
     step_times, opt_times = zip(*(step() for _ in range(steps[0])))
     # the caching allocator's retries (a full free and synchronise, then cudaMalloc again) and its
     # cudaMalloc calls during the timed steps: where memory is tight, what a step pays besides work
-    after = allocator_counts(device) if cuda else (0, 0)
+    after = allocator_counts(device)
     allocs = [a - b for a, b in zip(after, before)]
     step_peak, update_peak = ((h - base) / GIB if cuda else 0.0 for h in held)
     peak = max(step_peak, update_peak)
@@ -405,12 +406,6 @@ def timed_steps(run, master, device, x, y, cfg_args, base, run_s: float):
     pipe.close()
     medians = [statistics.median(step_times), statistics.median(opt_times)]
     return [*medians, peak, step_peak, update_peak, *allocs], (program, timeline)
-
-
-def allocator_counts(device) -> tuple[int, int]:
-    """The caching allocator's retries and cudaMalloc calls so far on ``device``."""
-    stats = torch.cuda.memory_stats(device)
-    return stats.get("num_alloc_retries", 0), stats.get("num_device_alloc", 0)
 
 
 def until_captured(pipe, step) -> list:
