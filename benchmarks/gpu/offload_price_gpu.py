@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_setup import allocator_counts
-from recompute_price_gpu import build, host_calls, stage_parser, stage_setup, timed
+from recompute_price_gpu import build, host_calls, stage_parser, stage_setup, timed, write_report
 
 from pipetrain.runtime import host_link
 from pipetrain.runtime.host_offload import MIN_BYTES, StageOffload, stage_layers
@@ -134,9 +134,7 @@ def main() -> int:
             row["excess_per_block_mb"] = per
             line = ", ".join(f"{c} {v:.4f}" for c, v in per.items())
             print(f"{mode}: excess per block and micro-batch (ms): {line}", flush=True)
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "offload_price.json").write_text(json.dumps(out, indent=1))
+    write_report(args.out, "offload_price.json", out)
     return 0
 
 

@@ -175,6 +175,13 @@ def stage_setup(args: argparse.Namespace):
     return cfg, device, dtype, x, grads, out
 
 
+def write_report(folder: str, name: str, out: dict) -> None:
+    """``out`` as ``folder/name`` (JSON), where a folder was given (``--out``)."""
+    if folder:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        (Path(folder) / name).write_text(json.dumps(out, indent=1))
+
+
 def main() -> int:
     p = stage_parser(__doc__ or "")
     p.add_argument("--reps", type=int, default=7)
@@ -228,9 +235,7 @@ def main() -> int:
         print(f"{mode}: excess per block and micro-batch (ms): {line}; "
               f"profiler's {field} {out['lone'][field]:.4f}", flush=True)  # fmt: skip
         out["modes"][mode]["excess_per_block_mb"] = per
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "recompute_price.json").write_text(json.dumps(out, indent=1))
+    write_report(args.out, "recompute_price.json", out)
     return 0
 
 

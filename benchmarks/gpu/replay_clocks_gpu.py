@@ -13,7 +13,6 @@ paused ones and the clock samples say by how much.
 
 from __future__ import annotations
 
-import json
 import statistics
 import subprocess
 import sys
@@ -26,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from recompute_price_gpu import build, capture, stage_parser, stage_setup, step_fn
+from recompute_price_gpu import build, capture, stage_parser, stage_setup, step_fn, write_report
 
 from pipetrain.runtime.profile_clock import DeviceClock, busy_us
 
@@ -98,9 +97,7 @@ def main() -> int:
               f"{max((w for _, w in steady_smi), default=0):.0f} W", flush=True)  # fmt: skip
         del graph, runner, step
         torch.cuda.empty_cache()
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "replay_clocks.json").write_text(json.dumps(out, indent=1))
+    write_report(args.out, "replay_clocks.json", out)
     return 0
 
 
