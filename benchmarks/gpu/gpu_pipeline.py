@@ -81,6 +81,7 @@ from gpu_setup import (
     Family,
     GcPauses,
     allocator_counts,
+    clock_stamp,
     flops_per_token,
     local_stages,
     log,
@@ -132,8 +133,10 @@ def measure(ctx: Ctx, pipeline_step, opt, params, base: int) -> tuple[dict, int 
     resident = None if not ctx.cuda else torch.cuda.memory_allocated(ctx.device) - base
     peaks.update(step=0, total=0, reserved=0)
     pauses = GcPauses()
-    times = slowest(ctx, time_steps(ctx, step, ctx.args.steps, pauses))
-    row = stats(times)
+    timed_from = clock_stamp()  # the timed steps alone, for their clock (incumbents_clocks)
+    times = time_steps(ctx, step, ctx.args.steps, pauses)
+    timed_to = clock_stamp()
+    row = stats(slowest(ctx, times)) | {"timed_from": timed_from, "timed_to": timed_to}
     row["gc_pause_ms"] = [round(1e3 * t, 3) for t in slowest(ctx, pauses.per_step)]
     if ctx.cuda:
         peaks["total"] = max(peaks["total"], torch.cuda.max_memory_allocated(ctx.device))

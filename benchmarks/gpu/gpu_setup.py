@@ -252,6 +252,12 @@ def time_steps(ctx: Ctx, fn, count: int, pauses: GcPauses | None = None) -> list
     return times
 
 
+def clock_stamp() -> str:
+    """Local time as ``nvidia-smi`` writes its ``timestamp`` field (``incumbents_clocks``)."""
+    now = time.time()
+    return time.strftime("%Y/%m/%d %H:%M:%S", time.localtime(now)) + f".{int(now % 1 * 1e3):03d}"
+
+
 def slowest(ctx: Ctx, times: list[float]) -> list[float]:
     """Per step, the slowest rank's time (collective)."""
     everyone = ctx.gather(times)

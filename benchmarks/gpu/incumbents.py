@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from gpu_pipeline import guarded  # beside this script
-from gpu_setup import Ctx, log
+from gpu_setup import Ctx, clock_stamp, log
 from incumbents_plan import Plan
 from incumbents_report import PT_FAMILIES, tables  # beside this script
 from incumbents_runners import measure_limit, pipetrain_options
@@ -174,12 +174,6 @@ class Run:
             self.meta["cuts"] = self.plan.cuts
             data = {"meta": self.meta, "limits": self.limits, "rows": self.rows}
             (self.out / "incumbents.json").write_text(json.dumps(data, indent=1, default=str))
-
-
-def clock_stamp() -> str:
-    """Local time as ``nvidia-smi`` writes its ``timestamp`` field (``incumbents_clocks``)."""
-    now = time.time()
-    return time.strftime("%Y/%m/%d %H:%M:%S", time.localtime(now)) + f".{int(now % 1 * 1e3):03d}"
 
 
 def main(argv: list[str] | None = None) -> int:

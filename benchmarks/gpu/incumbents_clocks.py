@@ -1,6 +1,14 @@
 """Each incumbents row's GPU clock: the SM clock, power and temperature ``nvidia-smi`` sampled
-while the row ran, beside the caching allocator's retries per rank (``gpu_pipeline.guarded``) (``incumbents_call.sh`` samples every 200 ms per part into
-``<part>.smi.csv``; each row records its ``started`` and ``ended`` in the same local time).
+while the row's timed steps ran, beside the caching allocator's retries per rank
+(``gpu_pipeline.guarded``). ``incumbents_call.sh`` samples every 200 ms per part into
+``<part>.smi.csv``; each row records when its timed steps began and ended (``timed_from``,
+``timed_to``) in the same local time, and when the whole row did (``started``, ``ended``). The
+timed steps are the window that counts: a row's set-up (building the model, warm-up) idles the
+device for seconds, and an idle device's clock and power say nothing about its steps. Rows
+written before the timed stamps existed take the sum of their timed steps (``all_ms``) before
+their end instead, which holds where nothing ran after the timed steps (no ``--profile`` or
+``--timeline-steps``); without ``all_ms`` they fall back to the whole row. The table names the
+window it used.
 
 Why: two libraries running the same kernels the same number of times measured about 1% apart
 in kernel time (docs/incumbents.md, "1F1B at equal kernels"). A GPU lowers its clock under
@@ -16,7 +24,7 @@ import csv
 import json
 import statistics
 import sys
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 
 STAMP = "%Y/%m/%d %H:%M:%S.%f"
@@ -36,11 +44,29 @@ def samples(path: Path) -> list[tuple[datetime, int, float, float, float]]:
     return out
 
 
-def row_clock(row: dict, taken: list) -> dict[int, dict[str, float]]:
-    """Per GPU, the mean SM MHz and watts and the highest °C sampled while ``row`` ran."""
+def window(row: dict) -> tuple[str, datetime, datetime] | None:
+    """(what it covers, begin, end): the row's timed steps where it stamped them, else the sum of
+    its timed steps before its end, else the whole row, else none."""
+    if "timed_from" in row and "timed_to" in row:
+        return ("timed steps", _at(row["timed_from"]), _at(row["timed_to"]))
     if "started" not in row or "ended" not in row:
+        return None
+    if row.get("all_ms"):
+        end = _at(row["ended"])
+        return ("steps before the end", end - timedelta(milliseconds=sum(row["all_ms"])), end)
+    return ("whole row", _at(row["started"]), _at(row["ended"]))
+
+
+def _at(stamp: str) -> datetime:
+    return datetime.strptime(stamp, STAMP)
+
+
+def row_clock(row: dict, taken: list) -> dict[int, dict[str, float]]:
+    """Per GPU, the mean SM MHz and watts and the highest °C sampled in the row's window."""
+    span = window(row)
+    if span is None:
         return {}
-    begin, end = (datetime.strptime(row[k], STAMP) for k in ("started", "ended"))
+    _, begin, end = span
     per: dict[int, list] = {}
     for when, index, sm, watts, temp in taken:
         if begin <= when <= end:
@@ -58,10 +84,11 @@ def row_clock(row: dict, taken: list) -> dict[int, dict[str, float]]:
 
 def report(work: Path) -> str:
     lines = [
-        "| part | row | median ms | SM MHz per GPU | W per GPU | max °C | allocator retries |",
-        "|---|---|---|---|---|---|---|",
+        "| part | row | median ms | sampled over | SM MHz per GPU | W per GPU | max °C "
+        "| allocator retries |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    pooled: dict[str, list[float]] = {}
+    pooled: dict[str, list[tuple[float, float]]] = {}
     for result in sorted(work.glob("*/incumbents.json")):
         part = result.parent.name
         smi = work / f"{part}.smi.csv"
@@ -74,22 +101,32 @@ def report(work: Path) -> str:
             what = f"{row['shape']} {row['schedule']} n={row['microbatches']} {row['lib']}"
             if not clock:
                 lines.append(
-                    f"| {part} | {what} | {row['median_ms']:.1f} | no samples | | | {retries} |"
+                    f"| {part} | {what} | {row['median_ms']:.1f} | | no samples | | | {retries} |"
                 )
                 continue
+            over = window(row)[0]  # type: ignore[index]
             sm = " / ".join(f"{c['sm_mhz']:.0f}" for c in clock.values())
             watts = " / ".join(f"{c['watts']:.0f}" for c in clock.values())
             hot = max(c["max_c"] for c in clock.values())
             lines.append(
-                f"| {part} | {what} | {row['median_ms']:.1f} | {sm} | {watts} | {hot:.0f} "
+                f"| {part} | {what} | {row['median_ms']:.1f} | {over} | {sm} | {watts} | {hot:.0f} "
                 f"| {retries} |"
             )
             pooled.setdefault(what, []).append(
-                statistics.fmean(c["sm_mhz"] for c in clock.values())
+                (
+                    statistics.fmean(c["sm_mhz"] for c in clock.values()),
+                    statistics.fmean(c["watts"] for c in clock.values()),
+                )
             )
-    lines += ["", "| row, pooled over launches | rows | mean SM MHz (all GPUs) |", "|---|---|---|"]
     lines += [
-        f"| {what} | {len(v)} | {statistics.fmean(v):.0f} |" for what, v in sorted(pooled.items())
+        "",
+        "| row, pooled over launches | rows | mean SM MHz (all GPUs) | mean W (all GPUs) |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| {what} | {len(v)} | {statistics.fmean(m for m, _ in v):.0f} "
+        f"| {statistics.fmean(w for _, w in v):.0f} |"
+        for what, v in sorted(pooled.items())
     ]
     return "\n".join(lines)
 
