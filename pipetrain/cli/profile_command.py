@@ -123,9 +123,11 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr if args.out is None else sys.stdout,
     )
     if "replay_gap_us" in costs.meta:  # what the device clock adds per kernel, and measured on
+        slower = costs.meta.get("sustained_slowdown", 1.0)
         print(
-            f"device clock: busy time plus {costs.meta['replay_gap_us']:.2f} µs a kernel, the "
-            f"replay's gap measured on {costs.meta['replay_gap_on']}",
+            f"device clock: busy time plus {costs.meta['replay_gap_us']:.2f} µs a kernel, times "
+            f"{slower:.3f} for sustained load; the replay's gap and slowdown measured on "
+            f"{costs.meta['replay_gap_on']}",
             file=sys.stderr if args.out is None else sys.stdout,
         )
     return 0

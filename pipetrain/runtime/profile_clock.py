@@ -18,12 +18,23 @@ measures it again on the model's own layers run as a stage (``runtime.profile_re
 gap depends on the kernels' sizes and on what is in flight, so it is measured on the work the
 clock will time. A profile for a graphed run takes this clock; one taken with the wall clock
 predicts a graphed step slow by the host time it no longer pays.
+
+A replayed step also keeps the device busy for as long as the step lasts, and a GPU at its power
+limit lowers its clock under such load: back-to-back replays of the same graph run slower than
+replays after an idle pause, by the same share for light and heavy work. The profiler's timed
+pieces are short, with the device idle between them, so they run at the high clock. The same
+calibration therefore also replays the model's window back to back for ``SUSTAIN_S`` and after
+pauses, and the clock scales every time it reads by the ratio (``sustained``, never below 1;
+1 where no window was measured).
 """
 
 from __future__ import annotations
 
+import itertools
+import math
+import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -56,7 +67,8 @@ class Clock:
 
 class DeviceClock(Clock):
     """Milliseconds a replayed graph spends on a callable's kernels and copies: the device's busy
-    time plus ``replay_gap_us`` per kernel or copy (the ``"device"`` timing; CUDA only)."""
+    time plus ``replay_gap_us`` per kernel or copy, times ``sustained`` (the ``"device"`` timing;
+    CUDA only)."""
 
     timing = "device"
 
@@ -68,14 +80,18 @@ class DeviceClock(Clock):
         #: work it was measured on
         self.replay_gap_us = replay_gap_us(device, self, kernel_chain(device))
         self.gap_measured_on = f"a chain of {CHAIN_KERNELS} small kernels"
+        #: how much slower a replay runs under sustained load than after a pause (1: unmeasured)
+        self.sustained = 1.0
 
     def calibrate(self, work: Callable[[], object], what: str) -> None:
-        """Measure the replay's gap again on ``work`` (capturable: static shapes, no host
-        synchronisation), the kernels the clock will time. Where ``work`` cannot be captured
-        the chain's gap stays and ``gap_measured_on`` says why."""
+        """Measure the replay's gap and its slowdown under sustained load on ``work``
+        (capturable: static shapes, no host synchronisation), the kernels the clock will time.
+        Where ``work`` cannot be captured the chain's gap and no slowdown stay, and
+        ``gap_measured_on`` says why."""
         try:
-            self.replay_gap_us = replay_gap_us(self.device, self, work)
-            self.gap_measured_on = what
+            gap = replay_gap_us(self.device, self, work)
+            self.sustained = sustained_slowdown(self.device, work)
+            self.replay_gap_us, self.gap_measured_on = gap, what
         except Exception as error:  # not capturable: keep the chain's gap, say so
             torch.cuda.synchronize(self.device)
             self.gap_measured_on += f" ({what} could not be captured: {type(error).__name__})"
@@ -113,7 +129,8 @@ class DeviceClock(Clock):
 
     def time(self, fn: Callable[[], object]) -> tuple[float, object]:
         spans, result = self.spans(fn)
-        return (busy_us(spans) + len(spans) * self.replay_gap_us) / 1e3, result
+        busy = busy_us(spans) + len(spans) * self.replay_gap_us
+        return self.sustained * busy / 1e3, result
 
 
 #: kernels in the chain the clock first measures a replay's gap on
@@ -138,19 +155,65 @@ def replay_gap_us(device: torch.device, clock: DeviceClock, work: Callable[[], o
     Never below 0. A difference of two near times: a few per cent of noise in either moves it by
     tenths of a µs."""
     with torch.cuda.device(device):  # capture and replay on ``device``, whichever is current
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                work()  # warm up outside the capture, as torch.cuda.graph asks
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            work()
+        graph = _captured(device, work)
         replays = sorted(Clock(device).time(graph.replay)[0] for _ in range(5))
         launched = sorted((clock.spans(work)[0] for _ in range(3)), key=busy_us)
         del graph
     return gap_per_kernel(replays[2], launched[1])
+
+
+#: seconds of back-to-back replays that bring a GPU to the clock it holds under sustained load
+#: (its clock falls within a tenth of a second at its power limit), and the idle pause before
+#: each of ``PAUSED_REPLAYS`` replays that lets it recover
+SUSTAIN_S = 0.6
+PAUSE_S = 0.3
+PAUSED_REPLAYS = 5
+
+
+def sustained_slowdown(device: torch.device, work: Callable[[], object]) -> float:
+    """How much slower ``work``, captured once, replays under sustained load than after an idle
+    pause: replays back to back for ``SUSTAIN_S`` against ``PAUSED_REPLAYS`` replays each after
+    ``PAUSE_S`` of idle device (``slowdown``)."""
+    with torch.cuda.device(device):
+        graph = _captured(device, work)
+        paused = []
+        for _ in range(PAUSED_REPLAYS):
+            time.sleep(PAUSE_S)
+            paused.append(Clock(device).time(graph.replay)[0])
+        each = statistics.median(paused)
+        count = max(6, math.ceil(SUSTAIN_S * 1e3 / max(each, 1e-3)))
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(count + 1)]
+        torch.cuda.synchronize(device)
+        marks[0].record()
+        for mark in marks[1:]:
+            graph.replay()
+            mark.record()
+        torch.cuda.synchronize(device)
+        back_to_back = [a.elapsed_time(b) for a, b in itertools.pairwise(marks)]
+        del graph
+    return slowdown(paused, back_to_back)
+
+
+def slowdown(paused_ms: Sequence[float], back_to_back_ms: Sequence[float]) -> float:
+    """The median of the last third of back-to-back replays (the device by then at the clock it
+    holds) over the median paused replay; never below 1 (a device that keeps its clock measures
+    1 within noise)."""
+    last = back_to_back_ms[len(back_to_back_ms) * 2 // 3 :]
+    return max(1.0, statistics.median(last) / statistics.median(paused_ms))
+
+
+def _captured(device: torch.device, work: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """``work`` warmed up on a side stream (as ``torch.cuda.graph`` asks) and captured."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            work()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        work()
+    return graph
 
 
 def gap_per_kernel(replay_ms: float, spans: list[tuple[float, float]]) -> float:

@@ -160,7 +160,11 @@ def profile(
             "repeats": repeats,
             "timing": timing,
             **(
-                {"replay_gap_us": clock.replay_gap_us, "replay_gap_on": clock.gap_measured_on}
+                {
+                    "replay_gap_us": clock.replay_gap_us,
+                    "replay_gap_on": clock.gap_measured_on,
+                    "sustained_slowdown": clock.sustained,
+                }
                 if isinstance(clock, DeviceClock)
                 else {}
             ),

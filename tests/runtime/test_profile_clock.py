@@ -20,6 +20,7 @@ from pipetrain.runtime.profile_clock import (
     busy_us,
     clock_for,
     gap_per_kernel,
+    slowdown,
 )
 from pipetrain.runtime.profile_layers import profile
 from pipetrain.runtime.profile_replay import window_work
@@ -59,6 +60,7 @@ def stub_profiler(monkeypatch, spans_per_call, device_alone=True, gap_us=0.0, an
     real one captures a CUDA graph)."""
     calls = iter(spans_per_call)
     monkeypatch.setattr(profile_clock, "replay_gap_us", lambda device, clock, work: gap_us)
+    monkeypatch.setattr(profile_clock, "sustained_slowdown", lambda device, work: 1.0)
 
     @contextlib.contextmanager
     def fake_profile(activities):
@@ -152,17 +154,20 @@ def test_the_clock_measures_its_gap_again_on_the_models_layers_or_says_why_not(m
         "replay_gap_us",
         lambda device, clock, work: 0.5 if work.__name__ == "chain" else work(),
     )
+    monkeypatch.setattr(profile_clock, "sustained_slowdown", lambda device, work: 1.06)
     clock = DeviceClock(CPU)
     assert clock.replay_gap_us == 0.5 and "chain of 512" in clock.gap_measured_on
+    assert clock.sustained == 1.0  # the chain stands for no stage's power draw
     clock.calibrate(lambda: 1.75, "layers 2..5")
     assert clock.replay_gap_us == 1.75 and clock.gap_measured_on == "layers 2..5"
+    assert clock.sustained == 1.06
 
     def uncapturable():
         raise RuntimeError("operation not permitted when stream is capturing")
 
     clock = DeviceClock(CPU)
     clock.calibrate(uncapturable, "layers 2..5")
-    assert clock.replay_gap_us == 0.5  # the chain's
+    assert clock.replay_gap_us == 0.5 and clock.sustained == 1.0  # the chain's, no slowdown
     assert clock.gap_measured_on.endswith("(layers 2..5 could not be captured: RuntimeError)")
 
 
@@ -184,3 +189,21 @@ def test_the_calibrating_window_is_a_middle_one_run_as_a_stage_runs_it():
     fake = SimpleNamespace(calibrate=lambda work, what: ran.append(work()))
     profile_replay.calibrate(fake, layers, (torch.randn(2, 4),), 4, 2)
     assert ran and all(layer.weight.grad is None for layer in layers)
+
+
+def test_a_device_under_sustained_load_scales_every_time_the_clock_reads(monkeypatch):
+    # three kernels, 600 µs busy, a gap of 2 µs each: 0.606 ms at the paused clock; a device
+    # whose replays run 6% slower back to back prices the same work 6% higher
+    stub_profiler(monkeypatch, [[(0.0, 10.0)], [(0.0, 300.0), (200.0, 500.0), (900.0, 1000.0)]],
+                  gap_us=2.0)  # fmt: skip
+    clock = DeviceClock(CPU)
+    clock.sustained = 1.06
+    assert clock.time(lambda: None)[0] == pytest.approx(1.06 * 0.606)
+
+
+def test_the_slowdown_is_the_settled_back_to_back_replays_over_the_paused_ones():
+    paused = [10.0, 10.2, 9.9, 10.1, 10.0]
+    # the first replays run at the paused clock, then the clock falls and the replays settle
+    back_to_back = [10.0, 10.3, 10.5] + [10.6] * 6
+    assert slowdown(paused, back_to_back) == pytest.approx(1.06)
+    assert slowdown(paused, [9.8] * 9) == 1.0  # a device that keeps its clock: never below 1
