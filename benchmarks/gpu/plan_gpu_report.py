@@ -149,6 +149,13 @@ def verdict(value) -> str:
 
 def format_summary(report: dict, cfg_args: dict, world, name) -> str:
     lines = [f"{world} x {name}; model {cfg_args}"]
+    meta = report.get("costs_meta", {})
+    if "replay_gap_us" in meta:  # a device-timed profile: what its clock added to the busy time
+        lines.append(
+            f"device clock: a replay's gap {meta['replay_gap_us']:.2f} µs a kernel, times "
+            f"{meta.get('sustained_slowdown', 1.0):.3f} for sustained load, measured on "
+            f"{meta.get('replay_gap_on', '?')}"
+        )
     progress = report.get("progress", {})
     if progress.get("stopped"):
         lines.append(f"stopped early: {progress['stopped']}")

@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "gpu"))
 
-from plan_gpu_report import summarize
+from plan_gpu_report import format_summary, summarize
 
 
 def _run(role: str, cut: list[int], step_ms: float, peak: float, fits: bool) -> dict:
@@ -67,3 +67,14 @@ def test_a_run_predicted_to_fit_but_measured_over_the_usable_memory_fails_the_ch
     results["1f1b/v1/M8/2,4"] = {"microbatches": 8, "step_ms": 99.0, "peak_gib": [8.0, 8.0]}
     (out,) = summarize({}, [budget], results, {})["budgets"]
     assert out["regret_fewest_rounds"] == 1 and out["checks"]["regret at most 3%"] is None
+
+
+def test_the_summary_says_what_a_device_timed_profiles_clock_added() -> None:
+    meta = {"replay_gap_us": 1.087, "sustained_slowdown": 1.061, "replay_gap_on": "layers 7..10"}
+    text = format_summary(summarize(meta, [], {}, {}), {}, 2, "NVIDIA H200")
+    assert (
+        "device clock: a replay's gap 1.09 µs a kernel, times 1.061 for sustained load, "
+        "measured on layers 7..10" in text
+    )
+    # a wall-clock profile (an eager run's) adds nothing: no such line
+    assert "device clock" not in format_summary(summarize({}, [], {}, {}), {}, 2, "H200")
