@@ -202,7 +202,8 @@ def format_summary(report: dict, cfg_args: dict, world, name) -> str:
     lines.append(
         "\nratio: predicted / measured; alone: the prediction from the layers timed alone "
         "(before the profiler's window scaling); own: the program simulated with its own measured "
-        "mean action times (a graphed run's from a replay with timing events, or where that "
+        "mean action times (a graphed run's from a replay with timing events, after three replays "
+        "back to back, or where that "
         "failed, from one eager step, which pays host time a replay does not); OVER: measured peak above the usable memory "
         "(expected: predicted so)"
     )
