@@ -283,7 +283,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--megatron-top", type=int, default=2)
     p.add_argument("--torch-schedules", default="1f1b,interleaved-1f1b", help="torch's rows")
     p.add_argument(
-        "--variants", default="", help="pipetrain variants: nodefer,leadnone,lead0,graph,samecut"
+        "--variants",
+        default="",
+        help="pipetrain variants: nodefer,leadnone,lead0,graph,samecut, or joined: nodefer-lead0",
     )
     p.add_argument("--receive-leads", default="", help="old spelling: lead variants (none,0)")
     p.add_argument("--limit-schedules", default=",".join(SCHEDULES), help="limits measured")

@@ -37,17 +37,27 @@ PIPETRAIN_VARIANTS = {
 
 
 def pipetrain_options(lib: str) -> dict:
-    """``Pipeline`` options of the row ``pipetrain[-variant]`` (``-leadN``: ``receive_lead=N``)."""
+    """``Pipeline`` options of the row ``pipetrain[-variant[-variant...]]`` (``-leadN``:
+    ``receive_lead=N``); variants combine where they set different options
+    (``pipetrain-nodefer-lead0``)."""
     suffix = lib.removeprefix("pipetrain").removeprefix("-")
-    if not suffix:
-        return {}
-    if suffix in PIPETRAIN_VARIANTS:
-        return dict(PIPETRAIN_VARIANTS[suffix])
-    if suffix.startswith("lead") and suffix[4:].isdigit():
-        return {"receive_lead": int(suffix[4:])}
-    raise ValueError(
-        f"unknown pipetrain variant {lib!r}: pipetrain-{{nodefer,leadnone,graph,samecut,leadN}}"
-    )
+    options: dict = {}
+    for part in suffix.split("-") if suffix else ():
+        if part in PIPETRAIN_VARIANTS:
+            more = dict(PIPETRAIN_VARIANTS[part])
+        elif part.startswith("lead") and part[4:].isdigit():
+            more = {"receive_lead": int(part[4:])}
+        else:
+            raise ValueError(
+                f"unknown pipetrain variant {lib!r}: pipetrain-{{nodefer,leadnone,graph,samecut,"
+                "leadN}, joined by '-' where they set different options"
+            )
+        if options.keys() & more.keys():
+            raise ValueError(
+                f"pipetrain variant {lib!r} sets {sorted(options.keys() & more.keys())} twice"
+            )
+        options |= more
+    return options
 
 
 class GradsToNone:
