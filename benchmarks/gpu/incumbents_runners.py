@@ -146,6 +146,10 @@ def run_pipetrain(ctx: Ctx, bank: UnitBank, row: Row) -> dict:
     if timelines:
         out["bubble_measured"] = statistics.fmean(t.bubble_fraction for t in timelines)
         out["makespan_measured_ms"] = statistics.fmean(t.makespan for t in timelines)
+        # per rank, idle before actions its host had not begun issuing: does the host fall behind?
+        idle = timelines[-1].host_bound_idle
+        if idle is not None:
+            out["host_bound_idle_ms"] = [round(x, 3) for x in idle]
         # the same program simulated with the per-stage times this run measured (transfers free)
         simulated = simulate(pipe.program, measured_costs(timelines, row.num_stages))
         out["bubble_simulated"] = simulated.bubble_fraction
