@@ -254,7 +254,8 @@ def folder_stages(
         # --float8 and --compile, each layer in place, before any recompute wrapper
         for name, (layer, _) in zip(module.layer_names, module.chain):
             kernels.prepare(layer, name == stages.names[-1], config, device)
-        return recompute_stage(module, recompute[index], index)
+        last = index == len(layout.stage_layers) - 1
+        return recompute_stage(module, recompute[index], index, last=last)
 
     return stage, bool(stages.tied)
 

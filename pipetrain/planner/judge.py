@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pipetrain.planner.costs_file import LayerCost, ModelCosts
 from pipetrain.planner.layout import Layout
 from pipetrain.planner.partition import bounds
-from pipetrain.planner.recompute import MODES, Recompute, recomputed_layer
+from pipetrain.planner.recompute import MODES, Recompute, layers_under
 from pipetrain.schedule.offload import insert_offload, offloadable_stages, reload_leads
 from pipetrain.schedule.program import Program
 from pipetrain.schedule.timeline import Timeline
@@ -159,7 +159,7 @@ def stage_costs(
     modes = [Recompute(m) for m in recompute] or [Recompute.NONE] * len(blocks)
     assert len(modes) == len(blocks), (recompute, cut)
     per_block = [
-        [recomputed_layer(layer, mode) for layer in costs.layers[a:b]]
+        layers_under(costs.layers[a:b], mode, a, costs.num_layers)
         for (a, b), mode in zip(blocks, modes)
     ]
     per_stage = [blocks[s % len(blocks)] for s in range(program.num_stages)]

@@ -27,8 +27,11 @@ sums over its layers (``judge.stage_costs``):
   ``selective_recompute``, which the profiler measures like ``recompute``; a file without it:
   ``SELECTIVE_TIME`` of the recompute time, and its forward ``selective_forward`` more (the
   dispatch mode that picks what to keep sees every operator; default 0). The part it does not
-  keep is live again during the backward as above. ``SELECTIVE_TIME`` and ``SELECTIVE_KEPT`` are
-  modelling assumptions where they stand in. The measured sizes are checked on CPU
+  keep is live again during the backward as above. The model's last layer, which feeds the loss,
+  stays plain under selective recompute, at run time and here: its matrix products' outputs are
+  its output (a language model's logits), which the loss keeps or casts anyway, so caching them
+  would hold a second copy and spare nothing (``layers_under``). ``SELECTIVE_TIME`` and
+  ``SELECTIVE_KEPT`` are modelling assumptions where they stand in. The measured sizes are checked on CPU
   (tests/runtime/test_profile.py counts them by hand).
 
 How a recomputing stage splits its backward: by default the runtime runs it by graph replay,
@@ -96,12 +99,15 @@ def held_full(layer: LayerCost) -> float:
 
 def held_selective(layer: LayerCost) -> float:
     """What a layer under selective recompute keeps per micro-batch (GiB), as measured, else
-    what full recompute keeps and ``SELECTIVE_KEPT`` of the rest."""
+    what full recompute keeps and ``SELECTIVE_KEPT`` of the rest. A measured value may exceed
+    the layer's plain activation, and is then kept: where the loss casts the layer's output
+    (a language model's head, logits cast to float32 for the softmax) the cached matrix
+    product's output is held beside what the loss saves of it."""
     full = held_full(layer)
     kept = layer.selective_activation
     if kept is None:
-        kept = full + (layer.activation - full) * SELECTIVE_KEPT
-    return min(layer.activation, max(full, kept))
+        return full + (layer.activation - full) * SELECTIVE_KEPT
+    return max(full, kept)
 
 
 def selective_paid(layer: LayerCost) -> float:
@@ -124,7 +130,7 @@ def recomputed_layer(layer: LayerCost, mode: Recompute) -> LayerCost:
             selective_paid(layer),
             layer.selective_forward,
         )
-    dropped = layer.activation - kept
+    dropped = max(0.0, layer.activation - kept)
     whole = layer.backward + paid
     return dataclasses.replace(
         layer,
@@ -139,11 +145,43 @@ def recomputed_layer(layer: LayerCost, mode: Recompute) -> LayerCost:
     )
 
 
+def layers_under(
+    layers: Sequence[LayerCost], mode: Recompute, start: int, num_layers: int
+) -> list[LayerCost]:
+    """``layers`` (the model's layers ``start``, ``start + 1``, ... of ``num_layers``) when their
+    stage runs ``mode``: each as ``recomputed_layer`` says, but the model's last layer stays
+    plain under selective recompute (its backward whole in ``I``, ``backward_whole``), as the
+    runtime runs it
+    (``runtime.backward.activation_checkpoint.recompute_stage``): it feeds the loss, so what it
+    would cache (its output) is held anyway."""
+    last = num_layers - 1
+    if mode is Recompute.SELECTIVE and start == last:  # a stage of that layer alone: plain
+        return list(layers)
+    return [
+        backward_whole(layer)
+        if mode is Recompute.SELECTIVE and start + i == last
+        else recomputed_layer(layer, mode)
+        for i, layer in enumerate(layers)
+    ]
+
+
+def backward_whole(layer: LayerCost) -> LayerCost:
+    """A plain layer in a recomputing stage: the runtime runs that stage's backward whole in
+    ``I`` (module docstring), this layer's included, so nothing of it waits for ``W``."""
+    return dataclasses.replace(
+        layer,
+        backward_input=None if layer.backward_input is None else layer.backward,
+        backward_weight=None if layer.backward_weight is None else 0.0,
+        activation_for_weight=0.0,
+    )
+
+
 def recomputed_costs(costs: ModelCosts, mode: Recompute) -> ModelCosts:
     """Every layer of ``costs`` under one mode (for the cut searches' weights and memory caps)."""
     if mode is Recompute.NONE:
         return costs
-    return dataclasses.replace(costs, layers=tuple(recomputed_layer(x, mode) for x in costs.layers))
+    layers = layers_under(costs.layers, mode, 0, costs.num_layers)
+    return dataclasses.replace(costs, layers=tuple(layers))
 
 
 def uniform(mode: Recompute, num_stages: int) -> tuple[Recompute, ...]:

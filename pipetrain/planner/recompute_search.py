@@ -7,7 +7,8 @@ For each shape (family, stages per rank, micro-batches) already built:
   on the layers' costs under that mode (the time balance pays the recompute, the memory caps see
   the smaller activations);
 * the cheapest mix: from the shape's fastest cut without recompute and from its lowest-peak cut,
-  raise one stage a step (none → selective → full) at a time, choosing among the stages of the
+  raise one stage a step (none → selective → full; a step that frees nothing, as selective on a
+  stage holding only the layer that feeds the loss, is passed over) at a time, choosing among the stages of the
   ranks still over budget the one that frees the most activation per millisecond of recompute
   added, until every rank fits or nothing is left to raise. Recompute on a stage that is not the
   bottleneck costs the step little, which the uniform modes cannot express.
@@ -24,7 +25,7 @@ from pipetrain.planner.costs_file import ModelCosts
 from pipetrain.planner.cuts import candidates
 from pipetrain.planner.judge import Budget, Candidate, evaluate, rank_key
 from pipetrain.planner.partition import bounds
-from pipetrain.planner.recompute import MODES, Recompute, recomputed_layer
+from pipetrain.planner.recompute import MODES, Recompute, layers_under
 from pipetrain.schedule.program import Program
 
 
@@ -91,12 +92,17 @@ def raise_where_over(
                 continue
             if not any(x.params > 0 for x in costs.layers[a:b]):  # refused by the runtime
                 continue
-            higher = MODES[MODES.index(modes[pos]) + 1]
-            now = [recomputed_layer(x, modes[pos]) for x in costs.layers[a:b]]
-            then = [recomputed_layer(x, higher) for x in costs.layers[a:b]]
-            freed = sum(x.activation for x in now) - sum(x.activation for x in then)
-            added = sum(x.backward for x in then) - sum(x.backward for x in now)
-            options.append((freed / added if added > 0 else float("inf"), -pos, pos, higher))
+            n = costs.num_layers
+            now = layers_under(costs.layers[a:b], modes[pos], a, n)
+            for higher in MODES[MODES.index(modes[pos]) + 1 :]:  # the next mode that frees some
+                then = layers_under(costs.layers[a:b], higher, a, n)
+                freed = sum(x.activation for x in now) - sum(x.activation for x in then)
+                if freed > 0:
+                    added = sum(x.backward for x in then) - sum(x.backward for x in now)
+                    options.append(
+                        (freed / added if added > 0 else float("inf"), -pos, pos, higher)
+                    )
+                    break
         if not options:
             break
         *_, pos, higher = max(options)

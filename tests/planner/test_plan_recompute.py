@@ -18,6 +18,7 @@ from pipetrain.planner.recompute import (
     SELECTIVE_KEPT,
     SELECTIVE_TIME,
     Recompute,
+    layers_under,
     recomputed_layer,
 )
 from pipetrain.planner.search import simulate_plan, stage_costs
@@ -105,6 +106,27 @@ def test_the_layer_model_of_full_and_selective_recompute() -> None:
     measured = dataclasses.replace(layer, selective_activation=0.4, selective_recompute=0.5)
     assert recomputed_layer(measured, Recompute.SELECTIVE).activation == 0.4
     assert recomputed_layer(measured, Recompute.SELECTIVE).backward == 2.5  # as measured
+
+
+def test_selective_recompute_that_holds_more_is_priced_as_measured() -> None:
+    """Where a layer's logits are cast by the loss, selective recompute caches the matrix
+    product's output beside what the loss saves of it, so it holds more than the plain layer
+    (measured on GPUs: docs/planning.md). The planner prices what the runtime holds, and the
+    runtime leaves the model's last layer (the one feeding the loss) plain under selective
+    recompute, so there the planner prices the plain layer."""
+    head = dataclasses.replace(block("head", act=1.0, kept=0.99), selective_activation=1.5)
+    priced = recomputed_layer(head, Recompute.SELECTIVE)
+    assert priced.activation == 1.5 and priced.workspace == head.workspace
+    costs = ModelCosts(layers=(*heavy(3).layers, head))
+    block_then_head = layers_under(costs.layers[2:], Recompute.SELECTIVE, 2, 4)
+    assert block_then_head[1].activation == 1.0  # the head as without recompute,
+    assert block_then_head[1].backward_weight == 0.0  # its backward whole in I with the stage's
+    assert layers_under(costs.layers[3:], Recompute.SELECTIVE, 3, 4) == [head]  # alone: plain
+    assert layers_under(costs.layers[2:], Recompute.FULL, 2, 4)[1].activation == 0.99
+    program = build_schedule("1f1b", 2, 4)
+    _, plain = simulate_plan(costs, program, (2, 2))
+    _, selective = simulate_plan(costs, program, (2, 2), ("none", "selective"))
+    assert selective[1] < plain[1]  # the block frees, the head holds what it held
 
 
 def test_a_recomputing_stage_pays_before_its_backward_and_holds_less() -> None:

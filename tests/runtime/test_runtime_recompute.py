@@ -34,7 +34,12 @@ def test_recomputing_stages_train_exactly_as_without(two_ranks):
         assert all(r["same_keys"].values()), r["same_keys"]
     for key, wrapped in two_ranks[0]["recomputed"].items():
         modes = next(p[5] for p in PLANS if key.endswith(p[0]))
-        assert wrapped == {s: [] if mode == "none" else [mode] for s, mode in enumerate(modes)}, key
+        last = len(modes) - 1
+        for s, mode in enumerate(modes):
+            expected = [mode] * len(wrapped[s])
+            if s == last and mode == "selective":
+                expected[-1] = "none"  # the layer that feeds the loss: nothing to spare there
+            assert wrapped[s] == expected, (key, s)
 
 
 @pytest.mark.slow
@@ -65,6 +70,26 @@ def test_recompute_keeps_the_layers_names_and_parameters() -> None:
     assert not any(m.training for m in layers[0].modules())
     with torch.no_grad():  # without autograd the layers run plainly
         assert stage(torch.ones(2, 4)).shape == (2, 4)
+
+
+def test_selective_recompute_leaves_the_layer_that_feeds_the_loss_plain() -> None:
+    """The last stage's last layer feeds the loss: what selective recompute would cache there
+    is its output, which the loss keeps anyway, so it runs plainly; full recompute still wraps
+    it (its inner tensors are spared), and every other stage wraps every layer."""
+    from pipetrain.runtime.backward.activation_checkpoint import recompute_stages
+
+    def modes(stage) -> list[str]:
+        return [getattr(layer, "mode", "none") for layer, _ in stage.chain]
+
+    layers = [nn.Linear(4, 4) for _ in range(5)]
+    first, last = recompute_stages(split(layers, [2, 3]), ["selective", "selective"])
+    assert modes(first) == ["selective"] * 2
+    assert modes(last) == ["selective", "selective", "none"]
+    layers = [nn.Linear(4, 4) for _ in range(5)]
+    _, last = recompute_stages(split(layers, [2, 3]), ["none", "full"])
+    assert modes(last) == ["full"] * 3
+    alone = recompute_stages(split([nn.Linear(4, 4)], [1]), ["selective"])[0]
+    assert modes(alone) == ["none"]  # one stage is also the last
 
 
 def test_recompute_layers_wraps_the_named_layers_each_in_its_mode() -> None:

@@ -70,9 +70,9 @@ def _run(model, plan: dict, tokens, targets, defer):
         if p.grad is not None
     }
     keys = sorted(k for s in pipe.modules.values() for k in s.state_dict())
-    # per local stage, the modes its layers run under
+    # per local stage, the mode each of its layers runs under
     wrapped = {
-        s: sorted({layer.mode for layer, _ in st.chain if isinstance(layer, Recomputed)})
+        s: [layer.mode if isinstance(layer, Recomputed) else "none" for layer, _ in st.chain]
         for s, st in pipe.modules.items()
     }
     pipe.close()

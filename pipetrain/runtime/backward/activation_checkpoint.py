@@ -160,13 +160,17 @@ def recomputes(module: nn.Module) -> bool:
     )
 
 
-def recompute_stage(stage: nn.Module, mode: str, index: int) -> nn.Module:
+def recompute_stage(stage: nn.Module, mode: str, index: int, last: bool = False) -> nn.Module:
     """``stage`` with every layer in its call list wrapped in ``Recomputed`` for ``mode``
     (``recompute_layers`` for all of them: the planner models a stage's recompute layer by
-    layer, ``planner.recompute``); ``"none"`` leaves it as it is. Refused with a
-    ``ValueError``: an unknown mode, a stage already recomputing another way, and a stage none
-    of whose layers holds parameters (nothing a backward would reach to recompute). Idempotent
-    for the same mode."""
+    layer, ``planner.recompute``); ``"none"`` leaves it as it is. On the ``last`` stage,
+    selective recompute leaves the stage's last layer plain: that layer feeds the loss, and the
+    outputs selective recompute would cache are its output (a language model's logits), which
+    the loss keeps or casts anyway — caching them would hold a second copy and spare nothing
+    (``planner.recompute.layers_under`` prices it so). Refused with a ``ValueError``: an
+    unknown mode, a stage already recomputing another way, and a stage none of whose layers
+    holds parameters (nothing a backward would reach to recompute). Idempotent for the same
+    mode."""
     _check_mode(mode, f"stage {index}")
     if mode == "none":
         return stage
@@ -187,7 +191,8 @@ def recompute_stage(stage: nn.Module, mode: str, index: int) -> nn.Module:
             "of its layers holds parameters: nothing there is worth checkpointing; plan it with "
             "recompute 'none'"
         )
-    return recompute_layers(stage, dict.fromkeys(stage.layer_names, mode), index)
+    names = stage.layer_names[:-1] if last and mode == "selective" else stage.layer_names
+    return recompute_layers(stage, dict.fromkeys(names, mode), index)
 
 
 def recompute_stages(stages: Sequence[nn.Module], modes: Sequence[str]) -> Sequence[nn.Module]:
@@ -200,7 +205,11 @@ def recompute_stages(stages: Sequence[nn.Module], modes: Sequence[str]) -> Seque
         )
     if isinstance(stages, LazyStages):
         return _LazyRecomputed(stages, tuple(modes))
-    return [recompute_stage(stage, mode, s) for s, (stage, mode) in enumerate(zip(stages, modes))]
+    last = len(stages) - 1
+    return [
+        recompute_stage(stage, mode, s, last=s == last)
+        for s, (stage, mode) in enumerate(zip(stages, modes))
+    ]
 
 
 class _LazyRecomputed(Sequence[nn.Module]):
@@ -214,4 +223,5 @@ class _LazyRecomputed(Sequence[nn.Module]):
         if isinstance(stage, slice):
             return [self[s] for s in range(len(self))[stage]]
         index = range(len(self))[stage]
-        return recompute_stage(self.stages[index], self.modes[index], index)
+        last = index == len(self) - 1
+        return recompute_stage(self.stages[index], self.modes[index], index, last=last)
