@@ -115,13 +115,16 @@ class StageRunner:
         steps, not within one, and walking the module tree for every backward piece showed up in
         host profiles of a small stage's actions (measured: docs/performance.md)."""
         self.params = [p for p in self.module.parameters() if p.requires_grad]
-        #: no hook here needs the step's whole gradient at once: where the split gains by it,
-        #: every piece accumulates through ``AccumulateGrad`` (the summation order is the same)
-        self.unhooked = getattr(self.split, "plain_accumulation", False) and not (
+        #: some hook needs the step's whole gradient at once (data parallel's reduction, a
+        #: user's post-accumulate-grad hook, tied weights' sum): the last piece runs them
+        self.hooked = bool(
             self.quiet_params
             or self.syncs_once
             or any(post_accumulate_grad_hooks(p) for p in self.params)
         )
+        #: where the split gains by it, every piece accumulates through ``AccumulateGrad`` when
+        #: no hook needs the whole gradient (the summation order is the same)
+        self.unhooked = getattr(self.split, "plain_accumulation", False) and not self.hooked
 
     def forward(
         self,
@@ -230,7 +233,9 @@ class StageRunner:
             self.offload.ready(mb)
         saved = self.saved.pop(mb)
         root_grads = self._root_grads(saved, grads)
-        hold = self._is_last_weight_piece(mb) and not self.quiet_params
+        # held from I to W only for a hook that needs the step's whole gradient: otherwise the
+        # piece accumulates now, as every other does, and W holds nothing of I's
+        hold = self._is_last_weight_piece(mb) and self.hooked and not self.quiet_params
         found, work = self.split.backward_input(
             saved.roots, root_grads, saved.inputs, self.params, hold
         )

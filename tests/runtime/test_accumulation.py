@@ -50,3 +50,39 @@ def test_pieces_accumulate_through_autograd_unless_a_hook_needs_the_whole_gradie
         assert torch.allclose(p.grad, q.grad, rtol=1e-14, atol=0)
     if hooked:
         assert len(seen) == 1 and torch.allclose(seen[0], ref[0].weight.grad, rtol=1e-14, atol=0)
+
+
+@pytest.mark.parametrize("split", ["deferred", "whole"])
+@pytest.mark.parametrize("hooked", [False, True])
+def test_the_last_piece_holds_its_gradients_for_w_only_when_a_hook_needs_them(split, hooked):
+    """A split backward's last weight piece passes ``I``'s weight gradients through
+    ``AccumulateGrad`` in ``W`` only where a hook needs the step's whole gradient; otherwise its
+    ``I`` accumulates them at once, so nothing parameter-sized waits for a late ``W`` (in a
+    zero-bubble schedule the last ``W`` comes at the step's end). The gradients ``I`` takes:
+    those not deferred (the LayerNorm's), or every one where the backward runs whole in ``I``
+    (a recomputing stage). Gradients are the same either way."""
+    net, ref = _net(), _net()
+    net.insert(0, nn.LayerNorm(8).double())  # finished in I under either split
+    ref.insert(0, nn.LayerNorm(8).double())
+    seen: list[torch.Tensor] = []
+    if hooked:
+        net[0].weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+    if split == "deferred":
+        runner = StageRunner(0, net, False, None, defer_weight_grads=True)
+    else:
+        runner = StageRunner(0, net, False, None, split=graph_replay.GraphReplay(whole=True))
+    runner.last_weight_microbatch = MICROBATCHES - 1
+    runner.begin_step()
+    for mb, x in enumerate(_inputs()):
+        (out,) = runner.forward(mb, (x.requires_grad_(),), None, 1.0)
+        runner.backward_input(mb, [torch.ones_like(out)])
+        ref(x.detach()).backward(torch.ones_like(out))
+    held = runner.weight_work[MICROBATCHES - 1].held
+    assert (len(held) > 0) is hooked
+    for mb in range(MICROBATCHES):
+        runner.backward_weight(mb)
+    for p, q in zip(net.parameters(), ref.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-12, atol=0)
+    assert len(seen) == (1 if hooked else 0)
+    if hooked:
+        assert torch.allclose(seen[0], ref[0].weight.grad, rtol=1e-12, atol=0)

@@ -29,7 +29,9 @@ passed it), and it is where almost all of ``W``'s work is. Here:
   ``addmm_`` (no engine, no temporaries). The stage's last weight piece of a step instead passes
   the micro-batch's gradients (the deferred ones and those its ``I`` held back) through
   ``AccumulateGrad`` with one ``torch.autograd.backward`` on the parameters, so post-accumulate-grad
-  hooks fire once per parameter per step and see the step's whole gradient, as with ``B``.
+  hooks fire once per parameter per step and see the step's whole gradient, as with ``B``. ``I``
+  holds its gradients back only where such a hook exists (``StageRunner.hooked``): a held
+  gradient is parameter-sized and, in a zero-bubble schedule, waits for the step's last ``W``.
 * ``backward_full`` without ``hooks`` is a ``B`` that is not the step's last weight piece: the deferred
   linears add ``dW`` straight into ``.grad`` (one ``addmm_`` where plain autograd runs a GEMM into
   a temporary, then ``AccumulateGrad``'s add — Megatron-LM's gradient-accumulation fusion), so the

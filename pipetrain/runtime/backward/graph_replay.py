@@ -32,7 +32,8 @@ computes every output whenever it runs, so replaying it in ``W`` would run it tw
 compiled backward that donates its buffers refuses to run under ``retain_graph``, which replay
 needs. So a graph with such a boundary node is not split: ``I`` asks the engine for the stage's
 weight gradients too and frees the graph, adding them into ``.grad`` at once — or, for the
-step's last weight piece, handing them to ``W`` to pass through ``AccumulateGrad``. Exact,
+step's last weight piece where a hook needs the step's whole gradient, handing them to ``W`` to
+pass through ``AccumulateGrad``. Exact,
 nothing runs twice; such a stage's ``W`` has no work to fill a zero-bubble schedule's bubbles
 with (``deferred_wgrad`` does split a compiled stage's plain linears).
 
