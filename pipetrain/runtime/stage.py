@@ -212,9 +212,12 @@ class StageRunner:
         return _fill(found, saved.inputs)
 
     def _is_last_weight_piece(self, mb: int) -> bool:
-        """The step's last weight piece (or no schedule says which): it accumulates through
-        ``AccumulateGrad``, so hooks fire once and see the whole step's gradient."""
-        return self.last_weight_microbatch is None or mb == self.last_weight_microbatch
+        """The step's last weight piece (or no schedule says which) where a hook needs the
+        step's whole gradient: it accumulates through ``AccumulateGrad``, so hooks fire once and
+        see it. Where none does, no piece is special: the last runs as every other (deferral's
+        fused accumulation included), which is also what the profiler times."""
+        last = self.last_weight_microbatch
+        return self.hooked and (last is None or mb == last)
 
     def _hook_plan(self, mb: int) -> tuple[bool, list[torch.Tensor]]:
         """(accumulate through ``AccumulateGrad``, parameters whose hooks to fire afterwards):
@@ -233,9 +236,9 @@ class StageRunner:
             self.offload.ready(mb)
         saved = self.saved.pop(mb)
         root_grads = self._root_grads(saved, grads)
-        # held from I to W only for a hook that needs the step's whole gradient: otherwise the
-        # piece accumulates now, as every other does, and W holds nothing of I's
-        hold = self._is_last_weight_piece(mb) and self.hooked and not self.quiet_params
+        # held from I to W only for a hook that needs the step's whole gradient (the last
+        # piece's): otherwise the piece accumulates now, and W holds nothing of I's
+        hold = self._is_last_weight_piece(mb) and not self.quiet_params
         found, work = self.split.backward_input(
             saved.roots, root_grads, saved.inputs, self.params, hold
         )

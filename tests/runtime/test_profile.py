@@ -235,3 +235,20 @@ def test_recompute_is_timed_as_what_checkpointing_adds_to_the_backward(monkeypat
         assert recomputed_layer(layer, mode).backward == pytest.approx(layer.backward + paid)
         assert recomputed_layer(layer, mode).forward == pytest.approx(layer.forward + more)
     assert recomputed_layer(layer, Recompute.NONE).forward == layer.forward
+
+
+def test_profile_times_the_backward_a_pipeline_runs_for_most_micro_batches(monkeypatch) -> None:
+    """Without a hook that needs a step's whole gradient, every backward piece of a stage runs
+    alike, the last included: under deferral a ``B`` adds its weight gradients straight into
+    ``.grad`` (the fused accumulation). The profiler times that ``B``, not the hook-firing one
+    that a data-parallel step's last piece runs."""
+    from pipetrain.runtime.backward import deferred_wgrad
+
+    fused: list[int] = []
+    real = deferred_wgrad._accumulate
+    monkeypatch.setattr(deferred_wgrad, "_accumulate", lambda *a: (fused.append(1), real(*a))[1])
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 8).double(), nn.Linear(8, 8).double()]
+    x = torch.randn(4, 8, dtype=torch.float64)
+    profile(layers, x, repeats=1, warmup=0, context=1, in_flight=2)
+    assert fused
