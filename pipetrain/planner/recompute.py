@@ -150,10 +150,10 @@ def layers_under(
 ) -> list[LayerCost]:
     """``layers`` (the model's layers ``start``, ``start + 1``, ... of ``num_layers``) when their
     stage runs ``mode``: each as ``recomputed_layer`` says, but the model's last layer stays
-    plain under selective recompute (its backward whole in ``I``, ``backward_whole``), as the
-    runtime runs it
+    plain under selective recompute, as the runtime runs it
     (``runtime.backward.activation_checkpoint.recompute_stage``): it feeds the loss, so what it
-    would cache (its output) is held anyway."""
+    would cache (its output) is held anyway. Beside recomputing layers its backward runs whole
+    in ``I`` with theirs (``backward_whole``); alone in its stage it is an ordinary layer."""
     last = num_layers - 1
     if mode is Recompute.SELECTIVE and start == last:  # a stage of that layer alone: plain
         return list(layers)
