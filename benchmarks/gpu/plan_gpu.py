@@ -31,7 +31,7 @@ run takes about 6 minutes, ``--budget-s`` stopping new runs after 360 s.)
    ``--budget-s`` seconds; the report is rewritten after every run.
 
 Reported (``plan_gpu_report``): per run predicted / measured step and peak per rank, runs over
-budget; per budget regret and whether the targets hold. Writes ``plan_gpu.json`` (everything),
+budget, each stage's mean action over its price; per budget regret and whether the targets hold. Writes ``plan_gpu.json`` (everything),
 ``costs.json`` and ``summary.txt`` under ``--out``.
 """
 

@@ -199,6 +199,7 @@ def format_summary(report: dict, cfg_args: dict, world, name) -> str:
             f"{'own':>7} {'opt':>5}  peak GiB pred/meas (ratio) per rank"
         )
         lines += [run_line(r) for r in b["runs"]]
+        lines += stage_lines(b["runs"])
     lines.append(
         "\nratio: predicted / measured; alone: the prediction from the layers timed alone "
         "(before the profiler's window scaling); own: the program simulated with its own measured "
@@ -208,6 +209,32 @@ def format_summary(report: dict, cfg_args: dict, world, name) -> str:
         "(expected: predicted so)"
     )
     return "\n".join(lines)
+
+
+#: a stage's measured mean actions, by their costs-file name, and how the summary abbreviates them
+ACTION_FIELDS = (("forward", "F"), ("backward", "B"), ("backward_input", "I"),
+                 ("backward_weight", "W"))  # fmt: skip
+
+
+def stage_lines(runs: list[dict]) -> list[str]:
+    """Per measured run (once per program), each stage's mean action over its price: where a
+    prediction's error sits (which stage, which kind of action)."""
+    lines, seen = [], set()
+    for r in runs:
+        m, key = r["measured"], run_key(r)
+        if not measured(m) or not m.get("stages") or key in seen:
+            continue
+        seen.add(key)
+        parts = []
+        for stage in m["stages"]:
+            cells = [f"{short} {stage[f]['measured'] / stage[f]['predicted']:.3f}"
+                     for f, short in ACTION_FIELDS
+                     if f in stage and stage[f]["predicted"]]  # fmt: skip
+            parts.append(f"s{stage['stage']} " + " ".join(cells))
+        lines.append(f"  {key}: " + " | ".join(parts))
+    if lines:
+        lines.insert(0, "mean action / its price, per stage:")
+    return lines
 
 
 def run_line(r: dict) -> str:

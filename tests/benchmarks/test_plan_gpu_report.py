@@ -78,3 +78,22 @@ def test_the_summary_says_what_a_device_timed_profiles_clock_added() -> None:
     )
     # a wall-clock profile (an eager run's) adds nothing: no such line
     assert "device clock" not in format_summary(summarize({}, [], {}, {}), {}, 2, "H200")
+
+
+def test_the_summary_shows_each_stages_mean_action_over_its_price() -> None:
+    from plan_gpu_report import stage_lines
+
+    run = _run("pick", [3, 3], 100.0, 8.5, fits=True)
+    run["measured"] = {"step_ms": 100.0, "peak_gib": [8.5, 8.4], "stages": [
+        {"stage": 0, "forward": {"measured": 0.9, "predicted": 1.0},
+         "backward": {"measured": 2.2, "predicted": 2.0}},
+        {"stage": 1, "backward_input": {"measured": 1.0, "predicted": 1.0}},
+    ]}  # fmt: skip
+    same = {**run, "role": "near"}  # the same program under another role: listed once
+    lines = stage_lines(
+        [run, same, _run("unmeasured", [2, 4], 90.0, 8.0, fits=True) | {"measured": {}}]
+    )
+    assert lines == [
+        "mean action / its price, per stage:",
+        "  1f1b/v1/M8/3,3: s0 F 0.900 B 1.100 | s1 I 1.000",
+    ]
