@@ -31,8 +31,8 @@ sums over its layers (``judge.stage_costs``):
   stays plain under selective recompute, at run time and here: its matrix products' outputs are
   its output (a language model's logits), which the loss keeps or casts anyway, so caching them
   would hold a second copy and spare nothing (``layers_under``). ``SELECTIVE_TIME`` and
-  ``SELECTIVE_KEPT`` are modelling assumptions where they stand in. The measured sizes are checked on CPU
-  (tests/runtime/test_profile.py counts them by hand).
+  ``SELECTIVE_KEPT`` are modelling assumptions where they stand in. The measured sizes are
+  checked on CPU (tests/runtime/test_profile.py counts them by hand).
 
 How a recomputing stage splits its backward: by default the runtime runs it by graph replay,
 unsplit — its ``I`` runs the whole backward (recomputing each layer once) and its ``W`` nothing

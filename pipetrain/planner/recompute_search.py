@@ -8,10 +8,11 @@ For each shape (family, stages per rank, micro-batches) already built:
   the smaller activations);
 * the cheapest mix: from the shape's fastest cut without recompute and from its lowest-peak cut,
   raise one stage a step (none → selective → full; a step that frees nothing, as selective on a
-  stage holding only the layer that feeds the loss, is passed over) at a time, choosing among the stages of the
-  ranks still over budget the one that frees the most activation per millisecond of recompute
-  added, until every rank fits or nothing is left to raise. Recompute on a stage that is not the
-  bottleneck costs the step little, which the uniform modes cannot express.
+  stage holding only the layer that feeds the loss, is passed over) at a time, choosing among
+  the stages of the ranks still over budget the one that frees the most activation per
+  millisecond of recompute added, until every rank fits or nothing is left to raise. Recompute
+  on a stage that is not the bottleneck costs the step little, which the uniform modes cannot
+  express.
 
 The search then refines the fitting ones like any other (``cuts.refine``, keeping each stage's
 mode) and picks the fastest per micro-batch, so a plan recomputes only where memory asks for it.

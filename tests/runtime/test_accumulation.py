@@ -24,6 +24,17 @@ def _inputs() -> list[torch.Tensor]:
     return [torch.randn(4, 8, dtype=torch.float64, generator=g) for _ in range(MICROBATCHES)]
 
 
+def _step_pieces(runner: StageRunner, ref: nn.Module, backward) -> None:
+    """One step's forwards on ``runner`` (its last weight piece the last micro-batch's), each
+    followed by ``backward(mb, output gradient)``, and the same micro-batches through ``ref``."""
+    runner.last_weight_microbatch = MICROBATCHES - 1
+    runner.begin_step()
+    for mb, x in enumerate(_inputs()):
+        (out,) = runner.forward(mb, (x.requires_grad_(),), None, 1.0)
+        backward(mb, [torch.ones_like(out)])
+        ref(x.detach()).backward(torch.ones_like(out))
+
+
 @pytest.mark.parametrize("hooked", [False, True])
 def test_pieces_accumulate_through_autograd_unless_a_hook_needs_the_whole_gradient(
     monkeypatch, hooked
@@ -38,12 +49,7 @@ def test_pieces_accumulate_through_autograd_unless_a_hook_needs_the_whole_gradie
     if hooked:
         net[0].weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
     runner = StageRunner(0, net, False, None, defer_weight_grads=False)
-    runner.last_weight_microbatch = MICROBATCHES - 1
-    runner.begin_step()
-    for mb, x in enumerate(_inputs()):
-        (out,) = runner.forward(mb, (x.requires_grad_(),), None, 1.0)
-        runner.backward(mb, [torch.ones_like(out)])
-        ref(x.detach()).backward(torch.ones_like(out))
+    _step_pieces(runner, ref, runner.backward)
     assert runner.unhooked is not hooked
     assert len(quiet) == (MICROBATCHES - 1 if hooked else 0)
     for p, q in zip(net.parameters(), ref.parameters()):
@@ -71,12 +77,7 @@ def test_the_last_piece_holds_its_gradients_for_w_only_when_a_hook_needs_them(sp
         runner = StageRunner(0, net, False, None, defer_weight_grads=True)
     else:
         runner = StageRunner(0, net, False, None, split=graph_replay.GraphReplay(whole=True))
-    runner.last_weight_microbatch = MICROBATCHES - 1
-    runner.begin_step()
-    for mb, x in enumerate(_inputs()):
-        (out,) = runner.forward(mb, (x.requires_grad_(),), None, 1.0)
-        runner.backward_input(mb, [torch.ones_like(out)])
-        ref(x.detach()).backward(torch.ones_like(out))
+    _step_pieces(runner, ref, runner.backward_input)
     held = runner.weight_work[MICROBATCHES - 1].held
     assert (len(held) > 0) is hooked
     for mb in range(MICROBATCHES):
