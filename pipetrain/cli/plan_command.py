@@ -161,7 +161,7 @@ def static_per_rank(costs: ModelCosts, c: Candidate) -> tuple[float, ...]:
 def format_plan(found: Search) -> str:
     """The pick in words (what each stage recomputes, when nothing fitted without), then each
     family's best (step ms, bubble, peak GiB, fits, recompute: ``f`` full, ``s`` selective,
-    ``-`` none per stage)."""
+    ``-`` none per stage, ``f3`` full on the stage's first 3 layers)."""
     best = found.best.plan
     lines = [
         f"plan: {best.schedule}, {best.ranks} ranks x {best.stages_per_rank} stage(s), "
@@ -183,7 +183,8 @@ def format_plan(found: Search) -> str:
                 else "recompute per stage none"
             )
             + " (full: each layer keeps its input and runs its forward again in the backward; "
-            "selective: keeps matmul outputs; docs/planning.md)"
+            "selective: keeps matmul outputs; full:K, selective:K: the stage's first K layers "
+            "only; docs/planning.md)"
         )
         if best.layout.offloads:
             lines.append(

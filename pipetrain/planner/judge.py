@@ -20,7 +20,13 @@ from dataclasses import dataclass
 from pipetrain.planner.costs_file import LayerCost, ModelCosts
 from pipetrain.planner.layout import Layout
 from pipetrain.planner.partition import bounds
-from pipetrain.planner.recompute import MODES, Recompute, layers_under
+from pipetrain.planner.recompute import (
+    MODES,
+    Recompute,
+    StageRecompute,
+    layers_under,
+    stage_recompute,
+)
 from pipetrain.schedule.offload import insert_offload, offloadable_stages, reload_leads
 from pipetrain.schedule.program import Program
 from pipetrain.schedule.timeline import Timeline
@@ -129,7 +135,10 @@ def rank_key(c: Candidate) -> tuple[float, float, int, float, str]:
     the simulator times as free still moves bytes and runs kernels: a plan offloads or
     recomputes only where memory asks for it), then the lower peak."""
     layout = c.plan.layout
-    raised = sum(MODES.index(Recompute(m)) for m in layout.recompute)
+    raised = sum(
+        MODES.index(spec.mode) * spec.layers_of(n)
+        for spec, n in zip(map(stage_recompute, layout.recompute), layout.stage_layers)
+    )
     return (c.plan.ms_per_microbatch, sum(layout.offload), raised, max(c.plan.peak_gib),
             c.plan.schedule)  # fmt: skip
 
@@ -156,7 +165,9 @@ def stage_costs(
     layer's costs under its stage's ``recompute`` mode (one per entry of ``cut``; empty: none)
     and each stage offloading its ``offload`` fraction (one per entry of ``cut``; empty: none)."""
     blocks = bounds(cut)
-    modes = [Recompute(m) for m in recompute] or [Recompute.NONE] * len(blocks)
+    modes = [stage_recompute(m) for m in recompute] or [StageRecompute(Recompute.NONE)] * len(
+        blocks
+    )
     assert len(modes) == len(blocks), (recompute, cut)
     per_block = [
         layers_under(costs.layers[a:b], mode, a, costs.num_layers)
@@ -283,9 +294,7 @@ def evaluate(
     ``offload`` says (empty: none) — except a stage none of whose micro-batches waits long enough
     (``schedule.offload``), which the runtime refuses to offload."""
     recompute = tuple(
-        Recompute.NONE.value
-        if mode != Recompute.NONE and not any(x.params > 0 for x in costs.layers[a:b])
-        else str(mode)
+        _runnable(stage_recompute(mode), costs.layers[a:b])
         for mode, (a, b) in zip(recompute, bounds(cut))
     )
     offload, lead = planned_offload(costs, program, cut, recompute, offload)
@@ -328,3 +337,14 @@ def usable_offload(
         f if all(s in able for s in range(pos, program.num_stages, positions)) else 0.0
         for pos, f in enumerate(offload)
     )
+
+
+def _runnable(spec: StageRecompute, layers: Sequence[LayerCost]) -> str:
+    """``spec`` as the runtime runs it on a stage of ``layers`` (a cut moved since the mode was
+    chosen may leave fewer layers than it names: then all of them), or ``"none"`` where none of
+    the layers holds parameters (the runtime refuses to recompute such a stage)."""
+    if spec.mode is Recompute.NONE or not any(x.params > 0 for x in layers):
+        return Recompute.NONE.value
+    if spec.layers is not None and spec.layers >= len(layers):
+        return spec.mode.value
+    return str(spec)

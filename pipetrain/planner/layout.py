@@ -29,8 +29,9 @@ class Layout:
     microbatches: int
     #: layers per stage, in stage order (for DualPipe's two model copies: one copy's stages)
     stage_layers: tuple[int, ...]
-    #: per stage, in the order of ``stage_layers``: ``"none"``, ``"selective"`` or ``"full"``
-    #: (``planner.recompute``); empty: ``"none"`` for every stage
+    #: per stage, in the order of ``stage_layers``: ``"none"``, ``"selective"`` or ``"full"``, or
+    #: ``"selective:K"`` / ``"full:K"`` for the stage's first K layers
+    #: (``planner.recompute.StageRecompute``); empty: ``"none"`` for every stage
     recompute: tuple[str, ...] = ()
     #: per stage, in the order of ``stage_layers``: the share of its activations held in host
     #: memory between forward and backward — its first ⌈share × layers⌉ layers, moved layer by
@@ -52,8 +53,8 @@ class Layout:
 
     def __post_init__(self) -> None:
         modes = self.recompute or (Recompute.NONE.value,) * len(self.stage_layers)
-        parsed = parse_modes(modes, len(self.stage_layers), "recompute")
-        object.__setattr__(self, "recompute", tuple(m.value for m in parsed))
+        parsed = parse_modes(modes, len(self.stage_layers), "recompute", self.stage_layers)
+        object.__setattr__(self, "recompute", tuple(map(str, parsed)))
         fractions = self.offload or (0.0,) * len(self.stage_layers)
         object.__setattr__(self, "offload", check_fractions(fractions, len(self.stage_layers)))
         if self.reload_lead:
@@ -61,8 +62,8 @@ class Layout:
             object.__setattr__(self, "reload_lead", leads)
         both = [
             s
-            for s, (mode, f) in enumerate(zip(self.recompute, self.offload))
-            if mode == Recompute.SELECTIVE and f > 0
+            for s, (mode, f) in enumerate(zip(parsed, self.offload))
+            if mode.mode is Recompute.SELECTIVE and f > 0
         ]
         if both:
             raise ValueError(
@@ -146,7 +147,9 @@ class Layout:
                 f"stages_per_rank = {expected}"
             )
         recompute = raw.get("recompute", [Recompute.NONE.value] * len(stage_layers))
-        modes = parse_modes(recompute, len(stage_layers), "the plan's 'recompute'")
+        modes = parse_modes(
+            recompute, len(stage_layers), "the plan's 'recompute'", tuple(stage_layers)
+        )
         offload = raw.get("offload", [0.0] * len(stage_layers))
         if not isinstance(offload, list | tuple):
             raise ValueError(
@@ -163,7 +166,7 @@ class Layout:
             schedule=schedule,
             **counts,
             stage_layers=tuple(stage_layers),
-            recompute=tuple(m.value for m in modes),
+            recompute=tuple(map(str, modes)),
             offload=check_fractions(offload, len(stage_layers)),
             reload_lead=check_leads(leads, len(stage_layers)) if leads else (),
         )

@@ -34,6 +34,11 @@ sums over its layers (``judge.stage_costs``):
   ``SELECTIVE_KEPT`` are modelling assumptions where they stand in. The measured sizes are
   checked on CPU (tests/runtime/test_profile.py counts them by hand).
 
+A stage may recompute only its first K layers (``StageRecompute``, written ``"full:K"`` or
+``"selective:K"``; Megatron-LM's ``recompute_method="block"`` with ``recompute_num_layers``): the
+others hold what they hold without recompute. Memory falls layer by layer, so a rank a little
+over its budget pays the recompute of a few layers, not of the whole stage.
+
 How a recomputing stage splits its backward: by default the runtime runs it by graph replay,
 unsplit — its ``I`` runs the whole backward (recomputing each layer once) and its ``W`` nothing
 (``runtime.backward.interface.choose_split``: deferring the linears' weight gradients would run
@@ -48,6 +53,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from enum import StrEnum
+from typing import NamedTuple
 
 from pipetrain.planner.costs_file import LayerCost, ModelCosts
 
@@ -73,21 +79,83 @@ SELECTIVE_KEPT = 0.5
 SELECTIVE_TIME = 0.3
 
 
-def parse_modes(values: object, num_stages: int, where: str) -> tuple[Recompute, ...]:
-    """Per-stage recompute modes, checked: a ``ValueError`` names ``where``, the bad value and
-    the legal ones."""
-    legal = ", ".join(repr(m.value) for m in MODES)
-    if not isinstance(values, list | tuple) or not all(isinstance(v, str) for v in values):
-        raise ValueError(f"{where} must be a list of {legal} per stage, got {values!r}")
+class StageRecompute(NamedTuple):
+    """What one stage recomputes: ``mode`` on its first ``layers`` layers (``None``: on every
+    layer), the others plain — Megatron-LM's ``recompute_method="block"`` with
+    ``recompute_num_layers``: a rank short of a little memory recomputes a few layers, not the
+    whole stage. Written ``"full"``, ``"selective"``, ``"none"``, or ``"full:K"`` /
+    ``"selective:K"`` for the first K layers (``stage_recompute`` reads it)."""
+
+    mode: Recompute
+    layers: int | None = None
+
+    def __str__(self) -> str:
+        return self.mode.value if self.layers is None else f"{self.mode.value}:{self.layers}"
+
+    def layer_modes(self, count: int) -> tuple[Recompute, ...]:
+        """The mode of each of a stage's ``count`` layers, in order."""
+        k = count if self.layers is None else min(self.layers, count)
+        return (self.mode,) * k + (Recompute.NONE,) * (count - k)
+
+    def layers_of(self, count: int) -> int:
+        """How many of a stage's ``count`` layers recompute."""
+        if self.mode is Recompute.NONE:
+            return 0
+        return count if self.layers is None else min(self.layers, count)
+
+
+#: the legal per-stage values, in words (for error messages)
+LEGAL = "'none', 'selective', 'full', or 'selective:K' / 'full:K' (the stage's first K layers)"
+
+
+def stage_recompute(value: object, layers: int | None = None) -> StageRecompute:
+    """``value`` (``StageRecompute``'s written form) read and checked against the stage's
+    ``layers`` where given (K from 1 to the stage's layer count; K equal to it reads as the whole
+    stage): a ``ValueError`` names the bad value and the legal ones."""
+    if isinstance(value, StageRecompute):
+        value = str(value)
+    if not isinstance(value, str):
+        raise ValueError(f"unknown recompute mode {value!r}; legal: {LEGAL}")
+    name, colon, count = value.partition(":")
+    if name not in {m.value for m in MODES}:
+        raise ValueError(f"unknown recompute mode {value!r}; legal: {LEGAL}")
+    mode = Recompute(name)
+    if not colon:
+        return StageRecompute(mode)
+    if mode is Recompute.NONE or not count.isdigit() or int(count) < 1:
+        raise ValueError(f"unknown recompute mode {value!r}; legal: {LEGAL}")
+    k = int(count)
+    if layers is not None and k > layers:
+        raise ValueError(
+            f"recompute {value!r} names {k} layers of a stage that holds {layers}; K is from 1 "
+            f"to {layers}"
+        )
+    return StageRecompute(mode, None if k == layers else k)
+
+
+def parse_modes(
+    values: object, num_stages: int, where: str, stage_layers: Sequence[int] | None = None
+) -> tuple[StageRecompute, ...]:
+    """Per-stage recompute (``StageRecompute``'s written form), checked against each stage's
+    layer count where ``stage_layers`` gives them: a ``ValueError`` names ``where``, the bad value
+    and the legal ones."""
+    if not isinstance(values, list | tuple) or not all(
+        isinstance(v, str | StageRecompute) for v in values
+    ):
+        raise ValueError(f"{where} must be a list of {LEGAL} per stage, got {values!r}")
     if len(values) != num_stages:
         raise ValueError(
             f"{where} has {len(values)} entries but the plan has {num_stages} stages; give one "
-            f"of {legal} per stage"
+            f"of {LEGAL} per stage"
         )
-    bad = [v for v in values if v not in {m.value for m in MODES}]
-    if bad:
-        raise ValueError(f"{where}: unknown recompute mode {bad[0]!r}; legal: {legal}")
-    return tuple(Recompute(v) for v in values)
+    counts = list(stage_layers) if stage_layers is not None else [None] * num_stages
+    out = []
+    for s, (v, n) in enumerate(zip(values, counts)):
+        try:
+            out.append(stage_recompute(v, n))
+        except ValueError as e:
+            raise ValueError(f"{where}, stage {s}: {e}") from None
+    return tuple(out)
 
 
 def held_full(layer: LayerCost) -> float:
@@ -146,22 +214,24 @@ def recomputed_layer(layer: LayerCost, mode: Recompute) -> LayerCost:
 
 
 def layers_under(
-    layers: Sequence[LayerCost], mode: Recompute, start: int, num_layers: int
+    layers: Sequence[LayerCost], recompute: StageRecompute | Recompute, start: int, num_layers: int
 ) -> list[LayerCost]:
     """``layers`` (the model's layers ``start``, ``start + 1``, ... of ``num_layers``) when their
-    stage runs ``mode``: each as ``recomputed_layer`` says, but the model's last layer stays
-    plain under selective recompute, as the runtime runs it
+    stage recomputes as ``recompute`` says: each recomputing layer as ``recomputed_layer``
+    says. The model's last layer stays plain under selective recompute, as the runtime runs it
     (``runtime.backward.activation_checkpoint.recompute_stage``): it feeds the loss, so what it
-    would cache (its output) is held anyway. Beside recomputing layers its backward runs whole
-    in ``I`` with theirs (``backward_whole``); alone in its stage it is an ordinary layer."""
-    last = num_layers - 1
-    if mode is Recompute.SELECTIVE and start == last:  # a stage of that layer alone: plain
+    would cache (its output) is held anyway. A plain layer beside recomputing ones has its
+    backward run whole in ``I`` with theirs (``backward_whole``); a stage where nothing
+    recomputes is a stage of ordinary layers."""
+    spec = recompute if isinstance(recompute, StageRecompute) else StageRecompute(recompute)
+    modes = list(spec.layer_modes(len(layers)))
+    if modes and start + len(layers) == num_layers and modes[-1] is Recompute.SELECTIVE:
+        modes[-1] = Recompute.NONE
+    if all(m is Recompute.NONE for m in modes):
         return list(layers)
     return [
-        backward_whole(layer)
-        if mode is Recompute.SELECTIVE and start + i == last
-        else recomputed_layer(layer, mode)
-        for i, layer in enumerate(layers)
+        backward_whole(layer) if m is Recompute.NONE else recomputed_layer(layer, m)
+        for layer, m in zip(layers, modes)
     ]
 
 
@@ -189,8 +259,10 @@ def uniform(mode: Recompute, num_stages: int) -> tuple[Recompute, ...]:
 
 
 def describe(modes: Sequence[str]) -> str:
-    """Per-stage modes in a few characters: ``none``, or ``f,f,s,-`` (full, selective, none)."""
-    if all(m == Recompute.NONE for m in modes):
+    """Per-stage recompute in a few characters: ``none``, or ``f,f3,s,-`` (full, full on the
+    first 3 layers, selective, none)."""
+    specs = [stage_recompute(m) for m in modes]
+    if all(s.mode is Recompute.NONE for s in specs):
         return "none"
     short = {Recompute.NONE: "-", Recompute.SELECTIVE: "s", Recompute.FULL: "f"}
-    return ",".join(short[Recompute(m)] for m in modes)
+    return ",".join(short[s.mode] + ("" if s.layers is None else str(s.layers)) for s in specs)

@@ -7,12 +7,14 @@ For each shape (family, stages per rank, micro-batches) already built:
   on the layers' costs under that mode (the time balance pays the recompute, the memory caps see
   the smaller activations);
 * the cheapest mix: from the shape's fastest cut without recompute and from its lowest-peak cut,
-  raise one stage a step (none → selective → full; a step that frees nothing, as selective on a
-  stage holding only the layer that feeds the loss, is passed over) at a time, choosing among
-  the stages of the ranks still over budget the one that frees the most activation per
-  millisecond of recompute added, until every rank fits or nothing is left to raise. Recompute
-  on a stage that is not the bottleneck costs the step little, which the uniform modes cannot
-  express.
+  raise one stage at a time, choosing among the stages of the ranks still over budget the one
+  whose next mode (none → selective → full; a step that frees nothing, as selective on a stage
+  holding only the layer that feeds the loss, is passed over) frees the most activation per
+  millisecond added; in that mode the stage recomputes the fewest of its first layers that
+  bring its ranks within budget (found by bisection: memory falls as K grows), or all of them
+  when none do, until every rank fits or nothing is left to raise. Recompute on a stage that
+  is not the bottleneck costs the step little, and recompute of a few layers less than of all,
+  which the uniform modes cannot express.
 
 The search then refines the fitting ones like any other (``cuts.refine``, keeping each stage's
 mode) and picks the fastest per micro-batch, so a plan recomputes only where memory asks for it.
@@ -26,7 +28,13 @@ from pipetrain.planner.costs_file import ModelCosts
 from pipetrain.planner.cuts import candidates
 from pipetrain.planner.judge import Budget, Candidate, evaluate, rank_key
 from pipetrain.planner.partition import bounds
-from pipetrain.planner.recompute import MODES, Recompute, layers_under
+from pipetrain.planner.recompute import (
+    MODES,
+    Recompute,
+    StageRecompute,
+    layers_under,
+    stage_recompute,
+)
 from pipetrain.schedule.program import Program
 
 
@@ -74,7 +82,9 @@ def raise_where_over(
     costs: ModelCosts, program: Program, name: str, v: int, start: Candidate, budget: Budget
 ) -> list[Candidate]:
     """From ``start``'s cut, raise the recompute of one stage at a time where a rank is over
-    budget, the most activation freed per ms added first; every step simulated and returned."""
+    budget: the stage and mode that free the most activation per ms added, then the fewest of
+    that stage's layers in that mode (its first K, ``StageRecompute``) that bring its ranks
+    within budget, or all of them when none do; every step simulated and returned."""
     cut = start.plan.stage_layers
     blocks = bounds(cut)
     placement = program.placement
@@ -82,32 +92,78 @@ def raise_where_over(
         {placement.rank(s) for s in range(pos, program.num_stages, len(cut))}
         for pos in range(len(cut))
     ]
-    modes = [Recompute(x) for x in start.plan.recompute]
+    specs = [stage_recompute(x) for x in start.plan.recompute]
     out: list[Candidate] = []
     current = start
-    while not current.plan.fits:
+
+    def judged(pos: int, spec: StageRecompute) -> Candidate:
+        modes = [str(x) for x in specs]
+        modes[pos] = str(spec)
+        found = evaluate(costs, program, name, v, cut, "recompute-raised", budget, modes)
+        out.append(found)
+        return found
+
+    def within(c: Candidate, pos: int) -> bool:
+        return not any(c.plan.peak_gib[r] > budget.usable for r in ranks_of[pos])
+
+    for _ in range(4 * len(cut)):  # each stage at most twice whole, twice in part
+        if current.plan.fits:
+            break
         over = {r for r, peak in enumerate(current.plan.peak_gib) if peak > budget.usable}
-        options = []
-        for pos, (a, b) in enumerate(blocks):
-            if modes[pos] is Recompute.FULL or not ranks_of[pos] & over:
-                continue
-            if not any(x.params > 0 for x in costs.layers[a:b]):  # refused by the runtime
-                continue
-            n = costs.num_layers
-            now = layers_under(costs.layers[a:b], modes[pos], a, n)
-            for higher in MODES[MODES.index(modes[pos]) + 1 :]:  # the next mode that frees some
-                then = layers_under(costs.layers[a:b], higher, a, n)
-                freed = sum(x.activation for x in now) - sum(x.activation for x in then)
-                if freed > 0:
-                    added = sum(x.backward for x in then) - sum(x.backward for x in now)
-                    options.append(
-                        (freed / added if added > 0 else float("inf"), -pos, pos, higher)
-                    )
-                    break
+        options = [
+            option
+            for pos, (a, b) in enumerate(blocks)
+            if ranks_of[pos] & over and any(x.params > 0 for x in costs.layers[a:b])
+            for option in _raises(costs, pos, a, b, specs[pos])
+        ]
         if not options:
             break
-        *_, pos, higher = max(options)
-        modes[pos] = higher
-        current = evaluate(costs, program, name, v, cut, "recompute-raised", budget, modes)
-        out.append(current)
+        *_, pos, mode = max(options)
+        whole = judged(pos, StageRecompute(mode))
+        lo, hi, best = 0, cut[pos], whole  # the fewest layers K in (lo, hi] whose ranks fit
+        if within(whole, pos):
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                found = judged(pos, StageRecompute(mode, mid))
+                if within(found, pos) and _frees_more(costs, blocks[pos], mid, mode, specs[pos]):
+                    hi, best = mid, found
+                else:
+                    lo = mid
+        specs[pos] = stage_recompute(best.plan.recompute[pos])
+        current = best
     return out
+
+
+def _raises(
+    costs: ModelCosts, pos: int, a: int, b: int, now: StageRecompute
+) -> list[tuple[float, int, int, Recompute]]:
+    """The next mode above ``now`` on the whole stage ``pos`` (layers ``a:b``) that frees some
+    activation, as (GiB freed per ms added, -pos, pos, mode); none where it recomputes fully."""
+    if now == StageRecompute(Recompute.FULL):
+        return []
+    n = costs.num_layers
+    held = sum(x.activation for x in layers_under(costs.layers[a:b], now, a, n))
+    paid = sum(x.backward + x.forward for x in layers_under(costs.layers[a:b], now, a, n))
+    for higher in MODES[MODES.index(now.mode) :]:
+        if higher is Recompute.NONE or StageRecompute(higher) == now:
+            continue
+        then = layers_under(costs.layers[a:b], higher, a, n)
+        freed = held - sum(x.activation for x in then)
+        if freed > 0:
+            added = sum(x.backward + x.forward for x in then) - paid
+            return [(freed / added if added > 0 else float("inf"), -pos, pos, higher)]
+    return []
+
+
+def _frees_more(
+    costs: ModelCosts, block: tuple[int, int], k: int, mode: Recompute, now: StageRecompute
+) -> bool:
+    """Whether ``mode`` on the first ``k`` layers of the stage over ``block`` holds less than
+    ``now`` does (a raise never holds more than the step before it)."""
+    a, b = block
+    n = costs.num_layers
+
+    def held(spec: StageRecompute) -> float:
+        return sum(x.activation for x in layers_under(costs.layers[a:b], spec, a, n))
+
+    return held(StageRecompute(mode, k)) < held(now)

@@ -18,8 +18,10 @@ from pipetrain.planner.recompute import (
     SELECTIVE_KEPT,
     SELECTIVE_TIME,
     Recompute,
+    describe,
     layers_under,
     recomputed_layer,
+    stage_recompute,
 )
 from pipetrain.planner.search import simulate_plan, stage_costs
 from pipetrain.schedule.action import OpKind
@@ -220,6 +222,56 @@ def test_layouts_carry_recompute_and_offload() -> None:
     with pytest.raises(ValueError, match="unknown recompute mode"):
         Layout(schedule="1f1b", ranks=1, stages_per_rank=1, microbatches=1, stage_layers=(2,),
                recompute=("some",))  # fmt: skip
+
+
+def test_a_stage_may_recompute_only_its_first_k_layers() -> None:
+    """``"full:K"`` / ``"selective:K"``: the stage's first K layers recompute, the others hold
+    what they held, their backward run whole in ``I`` beside the recomputing ones (the runtime
+    does not split a recomputing stage's backward); K is checked against the stage's layers."""
+    old = {"schedule": "1f1b", "ranks": 2, "stages_per_rank": 1, "microbatches": 4,
+           "stage_layers": [3, 3]}  # fmt: skip
+    layout = Layout.from_json({**old, "recompute": ["full:2", "selective:3"]})
+    assert layout.recompute == ("full:2", "selective")  # K = the stage's layers: all of them
+    assert Layout.from_json(layout.to_json()) == layout and layout.recomputes
+    assert describe(layout.recompute) == "f2,s" and describe(["none", "none"]) == "none"
+    bad = {
+        "full:4": "stage 0: recompute 'full:4' names 4 layers of a stage that holds 3; K is "
+        "from 1 to 3",
+        "full:0": "stage 0: unknown recompute mode 'full:0'; legal: 'none', 'selective', 'full', "
+        "or 'selective:K' / 'full:K'",
+        "none:1": "unknown recompute mode 'none:1'",
+        "full:two": "unknown recompute mode 'full:two'",
+    }
+    for value, message in bad.items():
+        with pytest.raises(ValueError, match=message):
+            Layout.from_json({**old, "recompute": [value, "none"]})
+    costs = heavy(4)
+    under = layers_under(costs.layers[:3], stage_recompute("full:2"), 0, 4)
+    assert [x.activation for x in under] == [0.05, 0.05, 1.0]
+    assert under[2].backward_input == 2.0 and under[2].backward_weight == 0.0
+    assert under[0].backward == pytest.approx(2.8)  # the recompute, paid where it runs
+    # selective on the model's last layer stays plain, also when K reaches it
+    assert layers_under(costs.layers[2:], stage_recompute("selective:2"), 2, 4)[1].activation == 1.0
+    program = build_schedule("1f1b", 2, 4)
+    peaks = {m: simulate_plan(costs, program, (2, 2), (m, "none"))[1][0]
+             for m in ("none", "full:1", "full")}  # fmt: skip
+    assert peaks["none"] > peaks["full:1"] > peaks["full"]
+
+
+def test_the_search_recomputes_only_as_many_layers_as_memory_asks() -> None:
+    """Where recomputing a few of a stage's layers brings its rank within budget, the pick
+    recomputes those and no more (Megatron-LM's ``recompute_num_layers``), faster than every
+    plan recomputing whole stages."""
+    costs = heavy(8)
+    roomy = search(costs, num_ranks=2, memory_gib=100, headroom=0, schedules=["1f1b"])
+    lowest_plain = min(max(c.plan.peak_gib) for c in roomy.candidates)
+    for squeeze in (0.9, 0.7, 0.5):
+        found = search(costs, num_ranks=2, memory_gib=lowest_plain * squeeze, headroom=0,
+                       schedules=["1f1b"])  # fmt: skip
+        pick = found.best.plan
+        assert pick.fits and any(":" in m for m in pick.recompute), (squeeze, pick.recompute)
+        whole = [c for c in found.fitting if not any(":" in m for m in c.plan.recompute)]
+        assert whole and pick.ms_per_microbatch < min(c.plan.ms_per_microbatch for c in whole)
 
 
 def test_cli_plan_prints_recompute_and_memory_per_rank(tmp_path, capsys) -> None:

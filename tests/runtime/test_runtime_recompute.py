@@ -12,6 +12,7 @@ from recompute_cases import PLANS, run_recompute_plans
 from runtime_harness import launch
 from torch import nn
 
+from pipetrain.planner.recompute import stage_recompute
 from pipetrain.runtime.backward.activation_checkpoint import (
     Recomputed,
     recompute_layers,
@@ -36,8 +37,8 @@ def test_recomputing_stages_train_exactly_as_without(two_ranks):
         modes = next(p[5] for p in PLANS if key.endswith(p[0]))
         last = len(modes) - 1
         for s, mode in enumerate(modes):
-            expected = [mode] * len(wrapped[s])
-            if s == last and mode == "selective":
+            expected = [m.value for m in stage_recompute(mode).layer_modes(len(wrapped[s]))]
+            if s == last and expected[-1] == "selective":
                 expected[-1] = "none"  # the layer that feeds the loss: nothing to spare there
             assert wrapped[s] == expected, (key, s)
 
@@ -90,6 +91,24 @@ def test_selective_recompute_leaves_the_layer_that_feeds_the_loss_plain() -> Non
     assert modes(last) == ["full"] * 3
     alone = recompute_stages(split([nn.Linear(4, 4)], [1]), ["selective"])[0]
     assert modes(alone) == ["none"]  # one stage is also the last
+
+
+def test_a_stage_recomputes_its_first_k_layers() -> None:
+    """``"full:K"``: the stage's first K layers recompute, the rest run plainly; K above the
+    stage's layer count is refused, naming both."""
+    from pipetrain.runtime.backward.activation_checkpoint import recompute_stages
+
+    def modes(stage) -> list[str]:
+        return [getattr(layer, "mode", "none") for layer, _ in stage.chain]
+
+    layers = [nn.Linear(4, 4) for _ in range(6)]
+    first, last = recompute_stages(split(layers, [3, 3]), ["full:2", "selective:3"])
+    assert modes(first) == ["full", "full", "none"]
+    assert modes(last) == ["selective", "selective", "none"]  # the loss's layer stays plain
+    assert recompute_stage(first, "full:2", 0) is first  # the same again: no change
+    with pytest.raises(ValueError, match="stage 1: recompute 'full:4' names 4 layers of a stage "
+                       "that holds 3; K is from 1 to 3"):  # fmt: skip
+        recompute_stage(split([nn.Linear(4, 4) for _ in range(3)], [3])[0], "full:4", 1)
 
 
 def test_recompute_layers_wraps_the_named_layers_each_in_its_mode() -> None:

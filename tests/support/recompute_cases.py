@@ -13,6 +13,7 @@ PLANS = [
     ("1f1b", "1f1b", 1, 2, [3, 2], ["full", "selective"], None),
     ("zbv deferred", "zbv", 2, 4, [2, 1, 1, 1], ["full", "selective", "none", "full"], True),
     ("zbv replayed", "zbv", 2, 4, [1, 2, 1, 1], ["full", "selective", "full", "selective"], False),
+    ("1f1b first layers", "1f1b", 1, 2, [3, 2], ["full:2", "selective:1"], True),
 ]
 
 

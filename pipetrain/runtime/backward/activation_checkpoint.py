@@ -38,6 +38,7 @@ from torch.utils.checkpoint import (
     noop_context_fn,
 )
 
+from pipetrain.planner.recompute import Recompute, StageRecompute, stage_recompute
 from pipetrain.runtime import torch_compat
 from pipetrain.runtime.comm.failures import PipelineRefused
 from pipetrain.runtime.layers import LazyStages, Stage
@@ -161,29 +162,34 @@ def recomputes(module: nn.Module) -> bool:
 
 
 def recompute_stage(stage: nn.Module, mode: str, index: int, last: bool = False) -> nn.Module:
-    """``stage`` with every layer in its call list wrapped in ``Recomputed`` for ``mode``
-    (``recompute_layers`` for all of them: the planner models a stage's recompute layer by
+    """``stage`` with the layers in its call list wrapped in ``Recomputed`` as ``mode`` says
+    (``planner.recompute.StageRecompute``'s written form: ``"full"`` or ``"selective"`` for
+    every layer, ``"full:K"`` or ``"selective:K"`` for the first K, the rest plain;
+    ``recompute_layers`` does the wrapping: the planner models a stage's recompute layer by
     layer, ``planner.recompute``); ``"none"`` leaves it as it is. On the ``last`` stage,
     selective recompute leaves the stage's last layer plain: that layer feeds the loss, and the
     outputs selective recompute would cache are its output (a language model's logits), which
     the loss keeps or casts anyway — caching them would hold a second copy and spare nothing
     (``planner.recompute.layers_under`` prices it so). Refused with a ``ValueError``: an
-    unknown mode, a stage already recomputing another way, and a stage none of whose layers
-    holds parameters (nothing a backward would reach to recompute). Idempotent for the same
-    mode."""
-    _check_mode(mode, f"stage {index}")
-    if mode == "none":
-        return stage
+    unknown mode, K above the stage's layer count, a stage already recomputing another way, and
+    a stage none of whose layers holds parameters (nothing a backward would reach to
+    recompute). Idempotent for the same mode."""
     if not isinstance(stage, Stage):
+        spec = _spec(mode, index, None)
+        if spec.mode is Recompute.NONE:
+            return stage
         raise ValueError(
             f"stage {index}: recompute {mode!r} applies to a stage of layers (pipetrain.split "
             f"makes them), got a {type(stage).__name__}"
         )
+    spec = _spec(mode, index, len(stage.layer_names))
+    if spec.mode is Recompute.NONE:
+        return stage
     current = {layer.mode for layer, _ in stage.chain if isinstance(layer, Recomputed)}
-    if current - {mode}:
+    if current - {spec.mode.value}:
         raise ValueError(
-            f"stage {index} already recomputes {sorted(current - {mode})[0]!r}; it cannot also "
-            f"recompute {mode!r}"
+            f"stage {index} already recomputes {sorted(current - {spec.mode.value})[0]!r}; it "
+            f"cannot also recompute {mode!r}"
         )
     if next(stage.parameters(), None) is None:
         raise ValueError(
@@ -191,8 +197,18 @@ def recompute_stage(stage: nn.Module, mode: str, index: int, last: bool = False)
             "of its layers holds parameters: nothing there is worth checkpointing; plan it with "
             "recompute 'none'"
         )
-    names = stage.layer_names[:-1] if last and mode == "selective" else stage.layer_names
-    return recompute_layers(stage, dict.fromkeys(names, mode), index)
+    layer_modes = list(spec.layer_modes(len(stage.layer_names)))
+    if last and layer_modes[-1] is Recompute.SELECTIVE:
+        layer_modes[-1] = Recompute.NONE
+    chosen = {n: m.value for n, m in zip(stage.layer_names, layer_modes) if m is not Recompute.NONE}
+    return recompute_layers(stage, chosen, index)
+
+
+def _spec(mode: object, index: int, layers: int | None) -> StageRecompute:
+    try:
+        return stage_recompute(mode, layers)
+    except ValueError as e:
+        raise ValueError(f"stage {index}: {e}") from None
 
 
 def recompute_stages(stages: Sequence[nn.Module], modes: Sequence[str]) -> Sequence[nn.Module]:
