@@ -79,10 +79,7 @@ def measure(stage, inputs, targets, last: bool, device) -> tuple[float, float]:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated(device) if cuda else 0
-    outs = []
-    for x, y in zip(inputs, targets):
-        out = stage(x)
-        outs.append(lm_loss(out, y) if last else out)
+    outs = [lm_loss(stage(x), y) if last else stage(x) for x, y in zip(inputs, targets)]
     held = (torch.cuda.memory_allocated(device) - before) if cuda else 0
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
