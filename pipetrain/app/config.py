@@ -50,7 +50,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "on_nonfinite": get_args(OnNonfinite),
 }
 #: the fields that give the pipeline's shape (a plan gives them instead)
-SHAPE_FIELDS = ("schedule", "ranks", "microbatches", "stages_per_rank")
+SHAPE_FIELDS = ("schedule", "ranks", "microbatches", "stages_per_rank", "recompute")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,6 +62,9 @@ class TrainConfig:
     ranks: int | None = None
     microbatches: int | None = None
     stages_per_rank: int | None = None
+    #: activation checkpointing: one mode for every stage or one per stage, comma-separated
+    #: (``planner.recompute.StageRecompute``'s written form); None: none, or the plan's
+    recompute: str | None = None
     # a Hugging Face model folder to fine-tune (its config.json gives the model)
     model_dir: str | None = None
     # the model (``pipetrain profile`` takes these too)
@@ -327,13 +330,34 @@ def _layout(config: TrainConfig, shape: ModelShape) -> Layout:
         counts: tuple[int, ...] = (1,) * program.num_stages
     else:
         counts = default_stage_layers(shape.model, shape.blocks, program.num_stages)
-    return Layout(
-        schedule=program.name,
-        ranks=program.num_ranks,
-        stages_per_rank=program.num_stages // program.num_ranks,
-        microbatches=program.num_microbatches,
-        stage_layers=tuple(counts),
-    )
+    modes = _recompute_modes(config.recompute, program.num_stages)
+    try:
+        return Layout(
+            schedule=program.name,
+            ranks=program.num_ranks,
+            stages_per_rank=program.num_stages // program.num_ranks,
+            microbatches=program.num_microbatches,
+            stage_layers=tuple(counts),
+            recompute=modes,
+        )
+    except ValueError as e:
+        raise ValueError(f"--recompute {config.recompute}: {e}") from None
+
+
+def _recompute_modes(flag: str | None, num_stages: int) -> tuple[str, ...]:
+    """``--recompute`` per stage: one mode for all, or one per stage (checked by ``Layout``
+    against each stage's layers)."""
+    if flag is None:
+        return ()
+    modes = tuple(m.strip() for m in flag.split(","))
+    if len(modes) == 1:
+        return modes * num_stages
+    if len(modes) != num_stages:
+        raise ValueError(
+            f"--recompute {flag} gives {len(modes)} modes for {num_stages} stages; give one mode "
+            "for every stage or one per stage"
+        )
+    return modes
 
 
 def _read_plan(path: str) -> Layout:

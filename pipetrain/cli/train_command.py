@@ -65,6 +65,14 @@ def options() -> tuple[Option, ...]:
         ),
         stages_per_rank_option(runnable),
         microbatches_option(shown_default=f"{DEFAULT_MICROBATCHES}{or_plan}"),
+        Option(
+            ("--recompute",),
+            metavar="MODE[,MODE...]",
+            help="activation checkpointing, one mode for every stage or one per stage: none, "
+            "selective, full, or full:K / selective:K for a stage's first K layers "
+            '(docs/planning.md, "Recompute")',
+            shown_default="none" + or_plan,
+        ),
     )
     run = (*_run_options(CHOICES), *_process_options(CHOICES))
     folder = with_defaults(folder_options(), TrainConfig())
@@ -118,7 +126,7 @@ def _run_options(choices: dict[str, tuple[str, ...]]) -> tuple[Option, ...]:
             ("--plan",),
             metavar="FILE",
             help="run a plan (`pipetrain plan --json > FILE`): its schedule, ranks, stages per "
-            "rank, micro-batches and cut; give no shape flags with it",
+            "rank, micro-batches, cut, recompute and offload; give no shape flags with it",
         ),
         Option(
             ("--checkpoint-dir",),

@@ -139,11 +139,24 @@ def _args(*argv: str) -> TrainConfig:
         (("--checkpoint-every", "5"), "needs --checkpoint-dir"),
         (("--plan", "/no/such/plan.json"), "no such file"),
         (("--float8", "--dp", "2"), "--float8 with --dp or --tp is not supported"),
+        (("--recompute", "full:4"), "names 4 layers of a stage that holds 3; K is from 1 to 3"),
+        (("--recompute", "full,none,full"), "gives 3 modes for 2 stages"),
+        (("--recompute", "half"), "unknown recompute mode 'half'; legal: 'none', 'selective'"),
     ],
 )
 def test_bad_arguments_are_refused_before_launching(argv: tuple[str, ...], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         check_arguments(_args(*argv))
+
+
+def test_recompute_is_one_mode_for_every_stage_or_one_per_stage(tmp_path: Path) -> None:
+    assert check_arguments(_args("--recompute", "selective")).recompute == ("selective",) * 2
+    layout = check_arguments(
+        _args("-s", "zbv", "--layers", "6", "--recompute", "full:1,none,none,full")
+    )
+    assert layout.stage_layers[0] > 1 and layout.recompute == ("full:1", "none", "none", "full")
+    with pytest.raises(ValueError, match="drop --recompute"):
+        check_arguments(_args("--plan", _plan_file(tmp_path), "--recompute", "full"))
 
 
 def _plan_file(tmp_path: Path, **fields) -> str:
