@@ -57,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from gpu_setup import allocator_counts
 from plan_gpu_report import resummarize, summarize, write
-from plan_gpu_variants import BUDGETS, plan_budgets, run_key
+from plan_gpu_variants import BUDGETS, given_budget, plan_budgets, run_key
 
 from pipetrain.app.models.gpt import GPTConfig, gpt_layer, gpt_layer_names, lm_loss
 from pipetrain.planner import ModelCosts, parse_costs
@@ -109,7 +109,13 @@ def arguments() -> argparse.Namespace:
                    help="zero gradients with set_to_none=True between steps (default: keep .grad, "
                         "set_to_none=False, which a replayed graph adds into in place)")  # fmt: skip
     p.add_argument("--resummarize", metavar="JSON", help="rewrite summary.txt from plan_gpu.json")
+    p.add_argument("--runs", metavar="JSON",
+                   help="measure these layouts instead of planning: {\"memory_gib\", \"headroom\", "
+                        "\"runs\": [layouts]}, predicted from --costs (no profile)")  # fmt: skip
+    p.add_argument("--costs", metavar="FILE", help="with --runs: the costs file to predict from")
     args = p.parse_args()
+    if args.runs and not args.costs:
+        p.error("--runs needs --costs (the costs file the layouts are predicted from)")
     args.budgets = [b for b in args.budgets.split(",") if b]
     bad = sorted(set(args.budgets) - set(BUDGETS))
     if bad:
@@ -165,15 +171,19 @@ def main() -> int:
     if rank == 0:
         try:  # a failure here must reach the other ranks, or they wait in the broadcast
             out.mkdir(parents=True, exist_ok=True)
-            timing = "device" if cfg_args["cuda_graph"] else "wall"
-            costs = profile_model(
-                cfg, master, dtype, device, b, cfg_args["repeats"], args.context, timing
-            )
+            if args.runs:  # chosen layouts, predicted from a costs file: no profile, no plan
+                costs = parse_costs(json.loads(Path(args.costs).read_text()))
+                given = [given_budget(costs, json.loads(Path(args.runs).read_text()))]
+                shared[0] = {"costs": costs.to_json(), "budgets": given}
+            else:
+                timing = "device" if cfg_args["cuda_graph"] else "wall"
+                costs = profile_model(
+                    cfg, master, dtype, device, b, cfg_args["repeats"], args.context, timing
+                )
+                log(f"profiled {costs.num_layers} layers, host "
+                    f"{costs.host_bandwidth_gbs or 0:.1f} GB/s")  # fmt: skip
+                shared[0] = {"costs": costs.to_json(), "budgets": plan_budgets(costs, world, counts, args)}  # fmt: skip
             (out / "costs.json").write_text(json.dumps(costs.to_json(), indent=1) + "\n")
-            log(
-                f"profiled {costs.num_layers} layers, host {costs.host_bandwidth_gbs or 0:.1f} GB/s"
-            )
-            shared[0] = {"costs": costs.to_json(), "budgets": plan_budgets(costs, world, counts, args)}  # fmt: skip
             log("planned: " + "; ".join(plan_line(x) for x in shared[0]["budgets"]))
         except Exception as e:
             shared[0] = {"error": f"{type(e).__name__}: {e}"}

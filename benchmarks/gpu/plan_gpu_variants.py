@@ -69,6 +69,24 @@ def plan_budgets(costs: ModelCosts, world: int, counts: list[int], args) -> list
     return out
 
 
+def given_budget(costs: ModelCosts, spec: dict) -> dict:
+    """A budget of the runs ``spec`` names (``{"memory_gib", "headroom", "runs": [layouts]}``),
+    each predicted by the planner's simulation, the first taken as the pick: to measure chosen
+    layouts again without planning (``plan_gpu.py --runs``)."""
+    budget = Budget(spec["memory_gib"], spec.get("headroom", 0.1))
+    runs = []
+    for i, raw in enumerate(spec["runs"]):
+        layout = Layout.from_json(raw)
+        program = build_schedule(layout.schedule, layout.ranks, layout.microbatches,
+                                 layout.stages_per_rank)  # fmt: skip
+        judged = evaluate(costs, program, layout.schedule, layout.stages_per_rank,
+                          layout.stage_layers, "given", budget, layout.recompute,
+                          layout.offload)  # fmt: skip
+        runs.append(as_run(judged.plan, "pick" if i == 0 else f"given {i}"))
+    return {"budget": "given", "memory_gib": budget.memory_gib, "usable_gib": budget.usable,
+            "pick": runs[0], "runs": runs}  # fmt: skip
+
+
 def plain(c) -> bool:
     return not c.plan.layout.recomputes and not c.plan.layout.offloads
 
