@@ -231,7 +231,17 @@ class StageRunner:
         return False, [p for p in self.params if id(p) not in self.quiet_params]
 
     def backward_input(self, mb: int, grads: list[torch.Tensor] | None) -> list[torch.Tensor]:
-        """``I``: input gradients only; what ``W`` needs is kept until ``backward_weight``."""
+        """``I``: input gradients only; what ``W`` needs is kept until ``backward_weight``.
+
+        A split that runs the whole backward in ``I`` (``GraphReplay(whole=True)``: a stage
+        whose layers recompute) runs it as ``B``: the weight gradients then accumulate as the
+        engine produces them, as in a schedule without ``W``, instead of all of the stage's
+        being held at once until the engine ends (parameter-sized, and at the backward's own
+        peak), and its ``W`` has nothing left to do."""
+        if getattr(self.split, "whole", False):
+            found = self.backward(mb, grads)
+            self.weight_work[mb] = None
+            return found
         if self.offload is not None:
             self.offload.ready(mb)
         saved = self.saved.pop(mb)
@@ -247,6 +257,8 @@ class StageRunner:
 
     def backward_weight(self, mb: int) -> None:
         work = self.weight_work.pop(mb)
+        if work is None:  # its I ran the whole backward
+            return
         hooks, fire = self._hook_plan(mb)
         self.split.backward_weight(work, hooks)
         fire_hooks(fire)
