@@ -239,9 +239,8 @@ class StageRunner:
         being held at once until the engine ends (parameter-sized, and at the backward's own
         peak), and its ``W`` has nothing left to do."""
         if getattr(self.split, "whole", False):
-            found = self.backward(mb, grads)
             self.weight_work[mb] = None
-            return found
+            return self.backward(mb, grads)
         if self.offload is not None:
             self.offload.ready(mb)
         saved = self.saved.pop(mb)
