@@ -97,3 +97,32 @@ def test_the_summary_shows_each_stages_mean_action_over_its_price() -> None:
         "mean action / its price, per stage:",
         "  1f1b/v1/M8/3,3: s0 F 0.900 B 1.100 | s1 I 1.000",
     ]
+
+
+def test_given_layouts_are_predicted_as_the_planner_predicts_them() -> None:
+    """``plan_gpu.py --runs``: chosen layouts, each judged by the planner's own ``evaluate`` on
+    the costs given, the first taken as the pick; a K beyond a stage's layers is refused."""
+    from plan_gpu_variants import given_budget
+
+    from pipetrain.planner import ModelCosts
+    from pipetrain.planner.costs_file import LayerCost
+    from pipetrain.planner.judge import simulate_plan
+    from pipetrain.schedule.registry import build_schedule
+
+    layer = LayerCost(name="l", forward=1.0, backward=2.0, backward_input=1.0,
+                      backward_weight=1.0, activation=1.0, params=0.1)  # fmt: skip
+    costs = ModelCosts(layers=(layer,) * 6)
+    base = {"ranks": 2, "stages_per_rank": 1, "microbatches": 4, "stage_layers": [3, 3]}
+    spec = {"memory_gib": 5.0, "headroom": 0.1, "runs": [
+        {**base, "schedule": "1f1b", "recompute": ["full:2", "none"]},
+        {**base, "schedule": "zb-h1"},
+    ]}  # fmt: skip
+    budget = given_budget(costs, spec)
+    assert [r["role"] for r in budget["runs"]] == ["pick", "given 1"]
+    assert budget["pick"] is budget["runs"][0] and budget["usable_gib"] == pytest.approx(4.5)
+    timeline, peaks = simulate_plan(costs, build_schedule("1f1b", 2, 4), (3, 3), ("full:2", "none"))
+    assert budget["runs"][0]["predicted_step_ms"] == pytest.approx(timeline.makespan)
+    assert budget["runs"][0]["predicted_peak_gib"] == pytest.approx(list(peaks))
+    with pytest.raises(ValueError, match="K is from 1 to 3"):
+        given_budget(costs, {**spec, "runs": [{**base, "schedule": "1f1b",
+                                               "recompute": ["full:4", "none"]}]})  # fmt: skip
