@@ -35,10 +35,16 @@ def _step_pieces(runner: StageRunner, ref: nn.Module, backward) -> None:
         ref(x.detach()).backward(torch.ones_like(out))
 
 
+@pytest.mark.parametrize("piece", ["B", "whole I"])
 @pytest.mark.parametrize("hooked", [False, True])
 def test_pieces_accumulate_through_autograd_unless_a_hook_needs_the_whole_gradient(
-    monkeypatch, hooked
+    monkeypatch, hooked, piece
 ):
+    """``B``, and an ``I`` that runs the whole backward (a recomputing stage, which runs it as
+    ``B``): without a hook the weight gradients go through ``AccumulateGrad`` as the engine
+    produces them, never all held at once for a quiet add after the engine ends (measured on
+    GPUs: that held a parameter-sized copy at the backward's peak under zero-bubble schedules);
+    with one, every piece but the last accumulates quietly and the hook fires once."""
     quiet: list[int] = []
     real = graph_replay.accumulate_quietly
     monkeypatch.setattr(
@@ -48,40 +54,22 @@ def test_pieces_accumulate_through_autograd_unless_a_hook_needs_the_whole_gradie
     seen: list[torch.Tensor] = []
     if hooked:
         net[0].weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
-    runner = StageRunner(0, net, False, None, defer_weight_grads=False)
-    _step_pieces(runner, ref, runner.backward)
-    assert runner.unhooked is not hooked
+    if piece == "B":
+        runner = StageRunner(0, net, False, None, defer_weight_grads=False)
+        _step_pieces(runner, ref, runner.backward)
+        assert runner.unhooked is not hooked
+    else:
+        runner = StageRunner(0, net, False, None, split=graph_replay.GraphReplay(whole=True))
+        _step_pieces(runner, ref, runner.backward_input)
+        for mb in range(MICROBATCHES):
+            runner.backward_weight(mb)  # nothing left to do
+        assert runner.leftovers() == 0
     assert len(quiet) == (MICROBATCHES - 1 if hooked else 0)
     for p, q in zip(net.parameters(), ref.parameters()):
         assert torch.allclose(p.grad, q.grad, rtol=1e-14, atol=0)
+    assert len(seen) == (1 if hooked else 0)
     if hooked:
-        assert len(seen) == 1 and torch.allclose(seen[0], ref[0].weight.grad, rtol=1e-14, atol=0)
-
-
-@pytest.mark.parametrize("hooked", [False, True])
-def test_a_whole_backward_in_i_accumulates_as_b_does(monkeypatch, hooked) -> None:
-    """A stage whose backward runs whole in ``I`` (a recomputing stage) runs it as ``B``: without
-    a hook its weight gradients go through ``AccumulateGrad`` as the engine produces them, never
-    all held at once for a quiet add after the engine ends (measured on GPUs: that held a
-    parameter-sized copy at the backward's peak under zero-bubble schedules); with one, every
-    piece but the last accumulates quietly and the hook fires once."""
-    quiet: list[int] = []
-    real = graph_replay.accumulate_quietly
-    monkeypatch.setattr(
-        graph_replay, "accumulate_quietly", lambda *a: (quiet.append(1), real(*a))[1]
-    )
-    net, ref = _net(), _net()
-    seen: list[torch.Tensor] = []
-    if hooked:
-        net[0].weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
-    runner = StageRunner(0, net, False, None, split=graph_replay.GraphReplay(whole=True))
-    _step_pieces(runner, ref, runner.backward_input)
-    assert len(quiet) == (MICROBATCHES - 1 if hooked else 0)
-    for mb in range(MICROBATCHES):
-        runner.backward_weight(mb)
-    assert runner.leftovers() == 0 and len(seen) == (1 if hooked else 0)
-    for p, q in zip(net.parameters(), ref.parameters()):
-        assert torch.allclose(p.grad, q.grad, rtol=1e-14, atol=0)
+        assert torch.allclose(seen[0], ref[0].weight.grad, rtol=1e-14, atol=0)
 
 
 @pytest.mark.parametrize("split", ["deferred", "whole"])
