@@ -4,6 +4,7 @@ turns recompute on only when nothing fits without it, and plans that carry it (p
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 
 import pytest
@@ -294,3 +295,31 @@ def test_cli_plan_prints_recompute_and_memory_per_rank(tmp_path, capsys) -> None
     assert drawn.count('class="mem"') >= 2 and 'class="limit"' in drawn
     assert main([*argv[:-3], "0.5", "--headroom", "0"]) == 2
     assert "even with full recompute on every stage" in capsys.readouterr().err
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    acts=st.lists(st.floats(0.05, 2.0), min_size=1, max_size=8),
+    kept=st.floats(0.0, 0.2),
+    mode=st.sampled_from([Recompute.FULL, Recompute.SELECTIVE]),
+    last=st.booleans(),
+)
+def test_a_stage_holds_less_the_more_of_its_first_layers_recompute(acts, kept, mode, last):
+    """What the search's bisection over K relies on: a stage's held activation never grows as
+    K grows, K = 0 holds what no recompute holds and K = all what the whole-stage mode holds; the
+    model's last layer stays plain under selective recompute whatever K says."""
+    layers = [block(f"l{i}", act=a, kept=min(kept, a)) for i, a in enumerate(acts)]
+    n = len(layers) + (0 if last else 1)  # the stage ends the model, or a layer follows it
+
+    def held(spec) -> float:
+        return sum(x.activation for x in layers_under(layers, spec, 0, n))
+
+    series = [held(Recompute.NONE)]
+    series += [
+        held(stage_recompute(f"{mode.value}:{k}", len(layers))) for k in range(1, len(layers) + 1)
+    ]
+    assert all(b <= a + 1e-12 for a, b in itertools.pairwise(series))
+    assert series[-1] == pytest.approx(held(mode))
+    if last and mode is Recompute.SELECTIVE:  # held as plain, whatever K says
+        under = layers_under(layers, stage_recompute(f"selective:{len(layers)}"), 0, n)
+        assert under[-1].activation == layers[-1].activation
