@@ -13,7 +13,7 @@ from pathlib import Path
 from pipetrain.cli.flags import Command, Option, fraction, gib, int_list, one_positive_int
 from pipetrain.planner.costs_file import ModelCosts, load_costs
 from pipetrain.planner.judge import Candidate, stage_costs
-from pipetrain.planner.recompute import describe
+from pipetrain.planner.recompute import describe, stage_recompute
 from pipetrain.planner.search import DEFAULT_HEADROOM, Search, search
 from pipetrain.schedule.registry import build_schedule
 from pipetrain.sim.costs import per_rank
@@ -196,7 +196,8 @@ def format_plan(found: Search) -> str:
         lines.append(
             "stages: "
             + "; ".join(
-                f"{s}: {n[0]}" + (f"..{n[-1]}" if len(n) > 1 else "") for s, n in enumerate(names)
+                f"{s}: {_span(n)}" + _recomputed(n, mode)
+                for s, (n, mode) in enumerate(zip(names, best.recompute))
             )
         )
     lines += ["", "best plan of each family:", *_family_table(found)]
@@ -249,3 +250,15 @@ COMMAND = Command(
     options=lambda: OPTIONS,
     run=run,
 )
+
+
+def _span(names: list[str]) -> str:
+    return names[0] + (f"..{names[-1]}" if len(names) > 1 else "")
+
+
+def _recomputed(names: list[str], mode: str) -> str:
+    """Which of a stage's layers recompute, where only its first K do (`` (full: a..b)``)."""
+    spec = stage_recompute(mode)
+    if spec.layers is None:
+        return ""
+    return f" ({spec.mode.value}: {_span(names[: spec.layers])})"

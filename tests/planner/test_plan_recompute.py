@@ -323,3 +323,16 @@ def test_a_stage_holds_less_the_more_of_its_first_layers_recompute(acts, kept, m
     if last and mode is Recompute.SELECTIVE:  # held as plain, whatever K says
         under = layers_under(layers, stage_recompute(f"selective:{len(layers)}"), 0, n)
         assert under[-1].activation == layers[-1].activation
+
+
+def test_cli_plan_names_the_layers_a_partial_recompute_covers(tmp_path, capsys) -> None:
+    path = tmp_path / "costs.json"
+    save_costs(heavy(), path)
+    argv = ["plan", "--costs", str(path), "--ranks", "2", "--memory-gib", "5", "--headroom", "0",
+            "--schedules", "1f1b"]  # fmt: skip
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "recompute per stage ['full:2', 'none']" in text
+    assert "stages: 0: l0..l3 (full: l0..l1); 1: l4..l7" in text
+    assert main([*argv, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["recompute"] == ["full:2", "none"]
