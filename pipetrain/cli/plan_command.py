@@ -203,8 +203,10 @@ def format_plan(found: Search) -> str:
     lines += ["", "best plan of each family:", *_family_table(found)]
     if found.skipped:
         lines.append(
-            f"({len(found.skipped)} shapes skipped: not legal for their family, or the family "
-            "splits the backward and the costs file has no backward_input/backward_weight)"
+            f"({len(found.skipped)} shapes skipped: not legal for their family, the same "
+            "program as an earlier family's (interleaved 1F1B with one stage per rank is 1F1B), "
+            "or the family splits the backward and the costs file has no "
+            "backward_input/backward_weight)"
         )
     return "\n".join(lines)
 

@@ -1,7 +1,9 @@
 """The planner: schedule family × stages per rank × micro-batches × layer boundaries, each
 candidate simulated, the fastest per micro-batch that fits the memory budget chosen.
 
-This module walks the shapes (family, stages per rank ``v``, micro-batches ``M``); ``cuts`` says
+This module walks the shapes (family, stages per rank ``v``, micro-batches ``M``), each distinct
+program once (with one stage per rank interleaved 1F1B builds 1F1B's program and interleaved ZB
+ZB-H1's: such a shape is skipped under the later family's name); ``cuts`` says
 which layer boundaries are simulated for each and refines the best, ``judge`` how one cut is
 simulated and scored (docs/planning.md). When no candidate fits, the shapes are tried again with
 stages recomputing their activations (``recompute_search``) and, where the costs file gives a
@@ -202,6 +204,9 @@ def search(
     families = [family(n) for n in schedules] if schedules else default_families()
     out = Search()
     programs: dict[tuple[str, int, int], Program] = {}
+    seen: dict[
+        tuple[object, ...], str
+    ] = {}  # a program's actions and placement -> the family that made it
     for fam in families:
         for v in _stages_per_rank(fam, num_ranks, costs.num_layers, stages_per_rank):
             for m in counts:
@@ -231,6 +236,10 @@ def search(
                             "backward_input/backward_weight",
                         )
                     )
+                    continue
+                same = seen.setdefault((program.actions, program.placement), fam.name)
+                if same != fam.name:  # one stage per rank: interleaved 1F1B is 1F1B, and so on
+                    out.skipped.append((fam.name, v, m, f"the same program as {same}"))
                     continue
                 out.candidates += candidates(costs, program, fam.name, v, budget)
                 programs[fam.name, v, m] = program
