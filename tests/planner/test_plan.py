@@ -405,3 +405,19 @@ def test_the_position_aware_workspace_lies_between_the_last_layers_and_the_large
     assert stage[-1].workspace - 1e-12 <= got <= max(x.workspace for x in stage) + 1e-12
     flat = [_ws_layer(x.name, 0.0, x.workspace) for x in stage]
     assert beside_later_layers(flat) == max(x.workspace for x in stage)
+
+
+def test_a_program_is_searched_once_whatever_family_builds_it() -> None:
+    """With one stage per rank interleaved 1F1B builds 1F1B's program and interleaved ZB
+    ZB-H1's: such shapes are skipped under the later family's name, so the family table and the
+    near candidates hold distinct programs only."""
+    found = search(llama_like(), num_ranks=2, memory_gib=100, microbatches=[8])
+    shapes = {(c.plan.schedule, c.plan.stages_per_rank) for c in found.candidates}
+    assert ("1f1b", 1) in shapes and ("zb-h1", 1) in shapes
+    assert ("interleaved-1f1b", 1) not in shapes and ("interleaved-zb", 1) not in shapes
+    assert ("interleaved-1f1b", 2) in shapes  # its own program
+    same = {(n, v): why for n, v, _, why in found.skipped if why.startswith("the same program")}
+    assert same == {
+        ("interleaved-1f1b", 1): "the same program as 1f1b",
+        ("interleaved-zb", 1): "the same program as zb-h1",
+    }
