@@ -210,6 +210,7 @@ def split(
     names: Sequence[str] | Callable[[int], str] | None = None,
     init: Callable[[int, nn.Module], None] | None = None,
     device: torch.device | str | None = None,
+    recompute: Sequence[str] | None = None,
 ) -> Sequence[nn.Module]:
     """Cut a model given as an ordered list of layers into pipeline stages.
 
@@ -219,8 +220,17 @@ def split(
     layers; with ``init=``, under the meta device, materialised on ``device`` and initialised by
     ``init(index, layer)``). ``stage_layers``: how many consecutive layers each stage gets; they
     must sum to the number of layers and each be at least 1. ``names``: the global layer names
-    (default ``layers.<index>``), dotted paths allowed (``model.layers.3``).
+    (default ``layers.<index>``), dotted paths allowed (``model.layers.3``). ``recompute``: per
+    stage, activation checkpointing as a plan gives it (``"none"``, ``"selective"``, ``"full"``,
+    or ``"selective:K"`` / ``"full:K"`` for the stage's first K layers;
+    ``backward.activation_checkpoint.recompute_stages``).
     """
+    if recompute is not None:
+        from pipetrain.runtime.backward.activation_checkpoint import recompute_stages
+
+        plain = split(layers, stage_layers, num_layers=num_layers, names=names, init=init,
+                      device=device)  # fmt: skip
+        return recompute_stages(plain, recompute)
     if isinstance(layers, (Mapping, nn.ModuleDict)):
         if names is not None:
             raise ValueError("layers is a mapping name -> layer; do not pass names= as well")

@@ -111,6 +111,24 @@ def test_a_stage_recomputes_its_first_k_layers() -> None:
         recompute_stage(split([nn.Linear(4, 4) for _ in range(3)], [3])[0], "full:4", 1)
 
 
+def test_split_recomputes_as_a_plan_does() -> None:
+    """``pipetrain.split(..., recompute=)``: the stages a plan's recompute would give, for a list
+    of layers and for a layer factory (each stage wrapped when first built)."""
+
+    def modes(stage) -> list[str]:
+        return [getattr(layer, "mode", "none") for layer, _ in stage.chain]
+
+    def make(i: int) -> nn.Module:
+        return nn.Linear(4, 4)
+
+    for layers in ([make(i) for i in range(6)], make):
+        stages = split(layers, [3, 3], num_layers=6, recompute=["full:2", "selective"])
+        assert modes(stages[0]) == ["full", "full", "none"]
+        assert modes(stages[1]) == ["selective", "selective", "none"]  # the loss's layer plain
+    with pytest.raises(ValueError, match="recompute gives 1 modes for 2 stages"):
+        split([make(i) for i in range(6)], [3, 3], recompute=["full"])
+
+
 def test_recompute_layers_wraps_the_named_layers_each_in_its_mode() -> None:
     layers = [nn.Sequential(nn.Linear(4, 4), nn.GELU()) for _ in range(3)]
     (stage,) = split(layers, [3])
