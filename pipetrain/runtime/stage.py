@@ -232,15 +232,9 @@ class StageRunner:
 
     def backward_input(self, mb: int, grads: list[torch.Tensor] | None) -> list[torch.Tensor]:
         """``I``: input gradients only; what ``W`` needs is kept until ``backward_weight``.
-
-        A split that runs the whole backward in ``I`` (``GraphReplay(whole=True)``: a stage
-        whose layers recompute) runs it as ``B``: the weight gradients then accumulate as the
-        engine produces them, as in a schedule without ``W``, instead of all of the stage's
-        being held at once until the engine ends (parameter-sized, and at the backward's own
-        peak), and its ``W`` has nothing left to do."""
-        if getattr(self.split, "whole", False):
-            self.weight_work[mb] = None
-            return self.backward(mb, grads)
+        Weight gradients ``I`` takes itself (a split that cannot leave them to ``W``: a stage
+        that recomputes, an opaque node) go through ``AccumulateGrad`` as they come where the
+        stage is ``unhooked``, as ``B``'s do."""
         if self.offload is not None:
             self.offload.ready(mb)
         saved = self.saved.pop(mb)
@@ -249,15 +243,13 @@ class StageRunner:
         # piece's): otherwise the piece accumulates now, and W holds nothing of I's
         hold = self._is_last_weight_piece(mb) and not self.quiet_params
         found, work = self.split.backward_input(
-            saved.roots, root_grads, saved.inputs, self.params, hold
+            saved.roots, root_grads, saved.inputs, self.params, hold, self.unhooked
         )
         self.weight_work[mb] = work
         return _fill(found, saved.inputs)
 
     def backward_weight(self, mb: int) -> None:
         work = self.weight_work.pop(mb)
-        if work is None:  # its I ran the whole backward
-            return
         hooks, fire = self._hook_plan(mb)
         self.split.backward_weight(work, hooks)
         fire_hooks(fire)

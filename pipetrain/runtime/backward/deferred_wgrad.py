@@ -249,6 +249,7 @@ class DeferredLinears:
         inputs: Sequence[torch.Tensor],
         params: Sequence[torch.Tensor],
         last_piece: bool = False,
+        through_autograd: bool = False,
     ) -> tuple[list[torch.Tensor | None], DeferredWork]:
         """``I``: the inputs' gradients (returned) and every parameter gradient but the deferred
         linears' (accumulated quietly into ``.grad``, or with ``last_piece`` kept in the work for

@@ -30,10 +30,12 @@ region's whole backward, a float8 linear's — cannot tell which outputs are wan
 (``ctx.needs_input_grad`` reflects ``requires_grad``, not the engine's plan): its ``backward``
 computes every output whenever it runs, so replaying it in ``W`` would run it twice. And a
 compiled backward that donates its buffers refuses to run under ``retain_graph``, which replay
-needs. So a graph with such a boundary node is not split: ``I`` asks the engine for the stage's
-weight gradients too and frees the graph, adding them into ``.grad`` at once — or, for the
-step's last weight piece where a hook needs the step's whole gradient, handing them to ``W`` to
-pass through ``AccumulateGrad``. Exact,
+needs. So a graph with such a boundary node is not split: ``I`` computes the stage's weight
+gradients too and frees the graph. Where no hook needs them added quietly they go through
+``AccumulateGrad`` as the engine produces them, as a ``B``'s do (collected first and added after
+the engine ended, the stage's whole gradient would exist twice at the backward's peak);
+otherwise they are collected and added into ``.grad`` quietly at once — or, for the step's last
+weight piece, handed to ``W`` to pass through ``AccumulateGrad``. Exact,
 nothing runs twice; such a stage's ``W`` has no work to fill a zero-bubble schedule's bubbles
 with (``deferred_wgrad`` does split a compiled stage's plain linears).
 
@@ -276,11 +278,21 @@ class GraphReplay:
         inputs: Sequence[torch.Tensor],
         params: Sequence[torch.Tensor],
         last_piece: bool = False,
+        through_autograd: bool = False,
     ) -> tuple[list[torch.Tensor | None], WeightWork]:
         """``I``: gradients of ``inputs`` (``None`` where unused) and the work ``W`` will finish.
-        Where the graph has opaque nodes, the weight gradients too: into ``.grad`` quietly, or
-        with ``last_piece`` into the work for ``W`` to pass through ``AccumulateGrad``."""
+        Where the graph has opaque nodes, or the stage recomputes (``whole``), the weight
+        gradients too: with ``through_autograd`` (no hook needs a quiet add) through
+        ``AccumulateGrad`` as the engine produces them, as ``B`` does; else collected from the
+        engine and added into ``.grad`` quietly once it ends, or with ``last_piece`` kept in the
+        work for ``W`` to pass through ``AccumulateGrad``. (Collected, the stage's whole weight
+        gradient exists twice at the end of the backward: parameter-sized memory the planner's
+        model does not see, measured on GPUs under zero-bubble schedules.)"""
         groups, work = self._bind(roots, grads, inputs, params)
+        if work.empty and through_autograd and not last_piece:
+            return backward_full(roots, grads, inputs, params, hooks=True), WeightWork(
+                [], [], [], []
+            )
         handles = []
         for group in groups:
             for i, node in enumerate(group.nodes):
@@ -339,7 +351,7 @@ class GraphReplay:
         order, shape = walk(roots, inputs, params)
         plan = self.plans.get(shape)
         opaque = any(isinstance(order[i], BackwardCFunction) for g in plan.groups for i in g.nodes)
-        if opaque or self.whole:  # I takes every weight gradient; W only accumulates
+        if opaque or self.whole:  # I takes every weight gradient; W at most accumulates them
             reached = {j for g in plan.groups for j in g.params} | set(plan.outside_params)
             return [], WeightWork([], [], [], [], taken=[params[j] for j in sorted(reached)])
         groups = [

@@ -59,9 +59,12 @@ class BackwardSplit(Protocol):
         inputs: Sequence[torch.Tensor],
         params: Sequence[torch.Tensor],
         last_piece: bool = False,
+        through_autograd: bool = False,
     ) -> tuple[list[torch.Tensor | None], Any]:
         """``I``: the inputs' gradients and the work ``backward_weight`` finishes
-        (``last_piece``: this micro-batch's ``W`` is the step's last weight piece)."""
+        (``last_piece``: this micro-batch's ``W`` is the step's last weight piece;
+        ``through_autograd``: no hook needs the weight gradients ``I`` takes added quietly, so
+        they may go through ``AccumulateGrad`` as they come)."""
         ...
 
     def backward_weight(self, work: Any, hooks: bool = True) -> None:
