@@ -460,4 +460,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Every rank has met in the last barrier and the results are written: leave without the
+    # interpreter's teardown, which frees torch's C++ objects in no defined order (a rank of
+    # plan_gpu.py's CPU smoke run aborted there once, 2026-11-28, after its work was done).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
