@@ -92,10 +92,16 @@ class StageRecompute(NamedTuple):
     def __str__(self) -> str:
         return self.mode.value if self.layers is None else f"{self.mode.value}:{self.layers}"
 
-    def layer_modes(self, count: int) -> tuple[Recompute, ...]:
-        """The mode of each of a stage's ``count`` layers, in order."""
+    def layer_modes(self, count: int, ends_model: bool = False) -> tuple[Recompute, ...]:
+        """The mode of each of a stage's ``count`` layers, in order. Where the stage ends the
+        model (``ends_model``), its last layer feeds the loss and stays plain under selective
+        recompute: what it would cache is its output (a language model's logits), which the loss
+        keeps or casts anyway, so caching it would hold a second copy and spare nothing."""
         k = count if self.layers is None else min(self.layers, count)
-        return (self.mode,) * k + (Recompute.NONE,) * (count - k)
+        modes = (self.mode,) * k + (Recompute.NONE,) * (count - k)
+        if ends_model and modes and modes[-1] is Recompute.SELECTIVE:
+            modes = (*modes[:-1], Recompute.NONE)
+        return modes
 
     def layers_of(self, count: int) -> int:
         """How many of a stage's ``count`` layers recompute."""
@@ -218,15 +224,13 @@ def layers_under(
 ) -> list[LayerCost]:
     """``layers`` (the model's layers ``start``, ``start + 1``, ... of ``num_layers``) when their
     stage recomputes as ``recompute`` says: each recomputing layer as ``recomputed_layer``
-    says. The model's last layer stays plain under selective recompute, as the runtime runs it
-    (``runtime.backward.activation_checkpoint.recompute_stage``): it feeds the loss, so what it
-    would cache (its output) is held anyway. A plain layer beside recomputing ones has its
+    says. The model's last layer stays plain under selective recompute
+    (``StageRecompute.layer_modes``, the rule the runtime's ``recompute_stage`` applies too). A
+    plain layer beside recomputing ones has its
     backward run whole in ``I`` with theirs (``backward_whole``); a stage where nothing
     recomputes is a stage of ordinary layers."""
     spec = recompute if isinstance(recompute, StageRecompute) else StageRecompute(recompute)
-    modes = list(spec.layer_modes(len(layers)))
-    if modes and start + len(layers) == num_layers and modes[-1] is Recompute.SELECTIVE:
-        modes[-1] = Recompute.NONE
+    modes = spec.layer_modes(len(layers), ends_model=start + len(layers) == num_layers)
     if all(m is Recompute.NONE for m in modes):
         return list(layers)
     return [

@@ -142,8 +142,9 @@ def _raises(
     if now == StageRecompute(Recompute.FULL):
         return []
     n = costs.num_layers
-    held = sum(x.activation for x in layers_under(costs.layers[a:b], now, a, n))
-    paid = sum(x.backward + x.forward for x in layers_under(costs.layers[a:b], now, a, n))
+    current = layers_under(costs.layers[a:b], now, a, n)
+    held = sum(x.activation for x in current)
+    paid = sum(x.backward + x.forward for x in current)
     for higher in MODES[MODES.index(now.mode) :]:
         if higher is Recompute.NONE or StageRecompute(higher) == now:
             continue

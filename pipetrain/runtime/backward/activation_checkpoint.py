@@ -167,10 +167,8 @@ def recompute_stage(stage: nn.Module, mode: str, index: int, last: bool = False)
     every layer, ``"full:K"`` or ``"selective:K"`` for the first K, the rest plain;
     ``recompute_layers`` does the wrapping: the planner models a stage's recompute layer by
     layer, ``planner.recompute``); ``"none"`` leaves it as it is. On the ``last`` stage,
-    selective recompute leaves the stage's last layer plain: that layer feeds the loss, and the
-    outputs selective recompute would cache are its output (a language model's logits), which
-    the loss keeps or casts anyway — caching them would hold a second copy and spare nothing
-    (``planner.recompute.layers_under`` prices it so). Refused with a ``ValueError``: an
+    selective recompute leaves the stage's last layer plain, the one rule the planner prices
+    too (``StageRecompute.layer_modes``: that layer feeds the loss). Refused with a ``ValueError``: an
     unknown mode, K above the stage's layer count, a stage already recomputing another way, and
     a stage none of whose layers holds parameters (nothing a backward would reach to
     recompute). Idempotent for the same mode."""
@@ -197,9 +195,7 @@ def recompute_stage(stage: nn.Module, mode: str, index: int, last: bool = False)
             "of its layers holds parameters: nothing there is worth checkpointing; plan it with "
             "recompute 'none'"
         )
-    layer_modes = list(spec.layer_modes(len(stage.layer_names)))
-    if last and layer_modes[-1] is Recompute.SELECTIVE:
-        layer_modes[-1] = Recompute.NONE
+    layer_modes = spec.layer_modes(len(stage.layer_names), ends_model=last)
     chosen = {n: m.value for n, m in zip(stage.layer_names, layer_modes) if m is not Recompute.NONE}
     return recompute_layers(stage, chosen, index)
 
