@@ -29,7 +29,10 @@ the layer checkpointed adds to its forward — the checkpoint's bookkeeping; def
 planner's recompute model, ``planner.recompute``; ``optimizer_workspace`` (GiB the optimizer's
 update allocates for the layer's parameters while it runs, after the step's activations are
 gone — AdamW's or Adam's default multi-tensor update makes a parameter-sized temporary; default
-0); per file
+0); ``host_forward``, ``host_backward``, ``host_backward_input``, ``host_backward_weight`` (ms the
+host takes to issue each piece) with ``device_forward`` … ``device_backward_weight`` (ms the
+device takes for it with its kernels queued ahead), given together — an eager GPU profile's
+two-worker model, where the times above are from an idle start (``sim.costs``); per file
 ``host_bandwidth_gbs`` (GB/s between the device and pinned host memory, measured by the profiler
 on CUDA; what the planner times activation offload's copies at). Version 1 files still load
 (those fields absent: their defaults); a version 1 file that gives them is refused, naming
@@ -57,7 +60,10 @@ _LAYER_OPTIONAL = ("comm", "workspace", "activation_for_weight")
 _LAYER_V2 = (
     "recompute", "recompute_activation", "selective_activation", "selective_recompute",
     "recompute_forward", "selective_forward", "optimizer_workspace",
+    *(f"{worker}_{piece}" for worker in ("host", "device")
+      for piece in ("forward", "backward", "backward_input", "backward_weight")),
 )  # fmt: skip
+_ISSUE = _LAYER_V2[-8:]
 _TOP_V2 = ("host_bandwidth_gbs",)
 _LAYER_KEYS = ("name", *_LAYER_NUMBERS, "params", *_LAYER_OPTIONAL, *_LAYER_V2)
 _TOP_KEYS = ("version", "layers", "comm", "meta", *_TOP_V2)
@@ -101,6 +107,16 @@ class LayerCost:
     selective_forward: float | None = None
     #: GiB the optimizer's update allocates for this layer's parameters; ``None``: not measured (0)
     optimizer_workspace: float | None = None
+    #: ms the host takes to issue each piece, and the device with its kernels queued ahead;
+    #: ``None``: not measured (no host model; ``has_issue_times``)
+    host_forward: float | None = None
+    host_backward: float | None = None
+    host_backward_input: float | None = None
+    host_backward_weight: float | None = None
+    device_forward: float | None = None
+    device_backward: float | None = None
+    device_backward_input: float | None = None
+    device_backward_weight: float | None = None
 
     @property
     def split_backward(self) -> bool:
@@ -109,6 +125,17 @@ class LayerCost:
     @property
     def recompute_ms(self) -> float:
         return self.forward if self.recompute is None else self.recompute
+
+    @property
+    def has_issue_times(self) -> bool:
+        """Whether the host and device times of every piece the layer has are given."""
+        return all(getattr(self, f"{w}_{p}") is not None for w in ("host", "device")
+                   for p in self.pieces)  # fmt: skip
+
+    @property
+    def pieces(self) -> tuple[str, ...]:
+        split = ("backward_input", "backward_weight") if self.split_backward else ()
+        return ("forward", "backward", *split)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,6 +160,11 @@ class ModelCosts:
     def split_backward(self) -> bool:
         """Whether every layer has the input/weight pair (needed by zero-bubble schedules)."""
         return all(layer.split_backward for layer in self.layers)
+
+    @property
+    def has_issue_times(self) -> bool:
+        """Whether every layer has its host and device times (an eager GPU profile)."""
+        return all(layer.has_issue_times for layer in self.layers)
 
     def layer_comm(self, index: int) -> float:
         own = self.layers[index].comm
@@ -241,7 +273,7 @@ def _layer(raw: object, where: str, fail: Fail) -> LayerCost:
         raise fail(
             f"{where}.backward", "missing: give backward, or backward_input and backward_weight"
         )
-    return LayerCost(
+    layer = LayerCost(
         name=name,
         forward=need("forward"),
         backward_input=i,
@@ -259,7 +291,14 @@ def _layer(raw: object, where: str, fail: Fail) -> LayerCost:
         recompute_forward=maybe("recompute_forward"),
         selective_forward=maybe("selective_forward"),
         optimizer_workspace=maybe("optimizer_workspace"),
+        **{k: maybe(k) for k in _ISSUE},
     )
+    given = [k for k in _ISSUE if k in raw]
+    if given and not layer.has_issue_times:
+        missing = next(f"{w}_{p}" for w in ("host", "device") for p in layer.pieces
+                       if f"{w}_{p}" not in raw)  # fmt: skip
+        raise fail(f"{where}.{missing}", "missing: give the host and device times of every piece")
+    return layer
 
 
 #: larger numbers are not milliseconds or GiB a pipeline could have

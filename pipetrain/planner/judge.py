@@ -8,13 +8,15 @@ stage that offloads (PipeOffload, arXiv 2503.01328) is judged on its program wit
 inserted (``schedule.offload``), its reloads as far ahead of their backward as the just-in-time
 rule needs (``reload_leads``: the plan records them, so the runtime places them alike), its
 first layers moved layer by layer at the costs file's ``host_bandwidth_gbs``
-(``sim.offload_model``), so the simulator's copy engine says what it costs and saves.
+(``sim.offload_model``), so the simulator's copy engine says what it costs and saves. An eager
+profile's host and device times (``LayerCost.has_issue_times``) make the simulator pace each rank
+by its host as well as its device (``sim.costs``).
 A ``Plan`` is what comes out: everything a ``Pipeline`` needs besides the model, with its
 prediction."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pipetrain.planner.costs_file import LayerCost, ModelCosts
@@ -209,7 +211,21 @@ def stage_costs(
         else 0.0,
         offload=[offload[s % len(blocks)] for s in range(program.num_stages)] if offload else 0.0,
         layers=[b - a for a, b in per_stage],
+        host=_worker_times("host", total, costs) if costs.has_issue_times else None,
+        device=_worker_times("device", total, costs) if costs.has_issue_times else None,
     )
+
+
+def _worker_times(worker: str, total: Callable[[str], list[float]], costs: ModelCosts) -> Costs:
+    """A stage's host or device times (an eager profile's, ``sim.costs``): sums over its layers
+    (``total``), as its wall times are."""
+    b = total(f"{worker}_backward")
+    if costs.split_backward:
+        i, w = total(f"{worker}_backward_input"), total(f"{worker}_backward_weight")
+    else:
+        i = w = [x / 2 for x in b]
+    return Costs(forward=total(f"{worker}_forward"), backward_input=i, backward_weight=w,
+                 backward=b)  # fmt: skip
 
 
 def beside_later_layers(stage: Sequence[LayerCost]) -> float:

@@ -46,6 +46,10 @@ each recomputed linear through a Python autograd function again, and replaying `
 recompute again). So here a recomputed layer's ``I`` is its whole backward plus the recompute,
 its ``W`` costs nothing and holds nothing: zero-bubble schedules get no ``W`` from such a stage
 to fill their bubbles with, as at run time.
+
+An eager profile's host and device times (``LayerCost.has_issue_times``) follow the same
+transformation: the recompute runs the layer's forward again, so its time divides between host
+and device as the forward's does; the checkpoint's bookkeeping is host work.
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from enum import StrEnum
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from pipetrain.planner.costs_file import LayerCost, ModelCosts
 
@@ -208,6 +212,7 @@ def recomputed_layer(layer: LayerCost, mode: Recompute) -> LayerCost:
     whole = layer.backward + paid
     return dataclasses.replace(
         layer,
+        **_issue_under_recompute(layer, bookkeeping or 0.0, paid),
         forward=layer.forward + (bookkeeping or 0.0),
         backward=whole,
         # the whole backward in I, nothing left for W (module docstring)
@@ -244,10 +249,29 @@ def backward_whole(layer: LayerCost) -> LayerCost:
     ``I`` (module docstring), this layer's included, so nothing of it waits for ``W``."""
     return dataclasses.replace(
         layer,
+        **_issue_under_recompute(layer, 0.0, 0.0),
         backward_input=None if layer.backward_input is None else layer.backward,
         backward_weight=None if layer.backward_weight is None else 0.0,
         activation_for_weight=0.0,
     )
+
+
+def _issue_under_recompute(layer: LayerCost, bookkeeping: float, paid: float) -> dict[str, Any]:
+    """The host and device times of ``layer`` in a recomputing stage (module docstring):
+    ``bookkeeping`` ms more on the host's forward, ``paid`` ms of recompute in the whole backward
+    (all in ``I``), shared as the forward's wall time is; {} where the layer has none."""
+    if not layer.has_issue_times:
+        return {}
+    out: dict[str, Any] = {}
+    for worker in ("host", "device"):
+        own = getattr(layer, f"{worker}_forward")
+        share = own / layer.forward if layer.forward > 0 else 1.0
+        whole = getattr(layer, f"{worker}_backward") + paid * share
+        out[f"{worker}_backward"] = whole
+        if layer.split_backward:
+            out[f"{worker}_backward_input"], out[f"{worker}_backward_weight"] = whole, 0.0
+    out["host_forward"] = layer.host_forward + bookkeeping  # type: ignore[operator]
+    return out
 
 
 def recomputed_costs(costs: ModelCosts, mode: Recompute) -> ModelCosts:

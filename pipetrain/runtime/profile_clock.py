@@ -5,6 +5,14 @@ kernels are short the device waits for them, so the time from an action's first 
 last includes those waits. The ``"wall"`` clock measures that: CUDA events around the work on a
 GPU (``perf_counter`` on a CPU), after a synchronisation, so the device starts idle.
 
+The wall clock on a GPU also splits the two (``issue_times``): the host's time to issue the
+work (``perf_counter`` until the call returns, the device starting idle) and the device's time
+for it with its kernels queued ahead (the work issued behind ``QUEUE_LEAD`` of a spinning kernel,
+so the host has issued everything before the device reaches it, timed by events around it).
+An eager step's simulation runs each rank as a host and a device with them (``sim.costs``): a
+wall time alone counts host time that a device busy with earlier work hides, and misses none
+that it waits for only where the host is the slower of the two.
+
 A step replayed as one CUDA graph (``Pipeline(cuda_graph=True)``) issues no Python and no
 launches: the device runs its kernels back to back, and a piece costs the device's busy time
 alone — nearly: a replay still starts each kernel a little after the one before it ends, which
@@ -38,6 +46,8 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
+from pipetrain.runtime import torch_compat
+
 #: the clocks ``profile`` takes (``timing=``)
 TIMINGS = ("wall", "device")
 
@@ -50,6 +60,43 @@ class Clock:
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
+        #: whether ``issue`` and ``queued`` split a time into host and device (a GPU's eager
+        #: step; on a CPU the host is the device)
+        self.issue_times = self.cuda and self.timing == "wall"
+        self._cycles_per_ms = 0.0
+
+    def issue(self, fn: Callable[[], object]) -> tuple[float, float, object]:
+        """(ms from start to end, ms the host took to issue ``fn``, its result), the device
+        starting idle (where the clock does not split them: its time twice)."""
+        if not self.issue_times:
+            ms, result = self.time(fn)
+            return ms, ms, result
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        begin = time.perf_counter()
+        result = fn()
+        host = (time.perf_counter() - begin) * 1e3
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end), host, result
+
+    def queued(self, fn: Callable[[], object], host_ms: float) -> float:
+        """Ms the device takes for ``fn`` with its kernels queued ahead: issued behind a spinning
+        kernel longer than the host's ``host_ms`` to issue it by ``QUEUE_LEAD`` (where the clock
+        does not split them: its time)."""
+        if not self.issue_times:
+            return self.time(fn)[0]
+        if not self._cycles_per_ms:
+            self._cycles_per_ms = _spin_rate()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        torch_compat.device_spin(int(self._cycles_per_ms * QUEUE_LEAD * (host_ms + 1.0)))
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end)
 
     def time(self, fn: Callable[[], object]) -> tuple[float, object]:
         if self.cuda:
@@ -131,6 +178,24 @@ class DeviceClock(Clock):
         spans, result = self.spans(fn)
         busy = busy_us(spans) + len(spans) * self.replay_gap_us
         return self.sustained * busy / 1e3, result
+
+
+#: how much longer than the host's issue time the device is kept busy before work is timed
+#: queued (the issue time varies from round to round)
+QUEUE_LEAD = 2.0
+
+
+def _spin_rate() -> float:
+    """The device's spin cycles per ms (``torch_compat.device_spin``), measured."""
+    cycles = 1 << 22
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch_compat.device_spin(cycles)  # the first launch pays its own set-up
+    torch.cuda.synchronize()
+    start.record()
+    torch_compat.device_spin(cycles)
+    end.record()
+    torch.cuda.synchronize()
+    return cycles / max(start.elapsed_time(end), 1e-3)
 
 
 #: kernels in the chain the clock first measures a replay's gap on

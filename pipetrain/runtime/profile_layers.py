@@ -89,15 +89,18 @@ OPTIMIZER_TEMPORARIES = {"adamw": 1, "adam": 1, "sgd-momentum": 0, "sgd": 0, "no
 #: the CPU transfer model: gloo send/recv over loopback
 CPU_LATENCY_MS = 0.05
 CPU_BANDWIDTH = 2e9  # bytes per second
-#: the four times the window ratios scale
-TIMES = ("forward", "backward", "backward_input", "backward_weight")
-#: which ratio scales each: I and W share the split backward's
+#: the costs file's name of each timed piece -> its key while measuring
+PIECES = {"forward": "forward", "backward": "backward", "backward_input": "i",
+          "backward_weight": "w"}  # fmt: skip
+#: which ratio scales each time the windows scale: I and W share the split backward's; an eager
+#: GPU profile's host and device times (``runtime.profile_clock``) have ratios of their own
 RATIO_OF = {
-    "forward": "forward",
-    "backward": "backward",
-    "backward_input": "split_backward",
-    "backward_weight": "split_backward",
-}
+    f"{worker}{name}": f"{worker}{ratio}"
+    for worker in ("", "host_", "device_")
+    for name, ratio in (("forward", "forward"), ("backward", "backward"),
+                        ("backward_input", "split_backward"), ("backward_weight", "split_backward"))
+}  # fmt: skip
+TIMES = tuple(RATIO_OF)
 
 
 def profile(
@@ -261,7 +264,8 @@ def _scale_by_windows(
             layers, measured, layer_inputs[first], first, end, loss_fn, target, clock, rounds
         )
         for i in range(first, end):
-            scaled = {k: getattr(measured[i], k) * ratios[RATIO_OF[k]] for k in TIMES}
+            scaled = {k: getattr(measured[i], k) * ratios[RATIO_OF[k]] for k in TIMES
+                      if RATIO_OF[k] in ratios}  # fmt: skip
             measured[i] = dataclasses.replace(measured[i], **scaled)
         windows.append({"first": first, "end": end, **ratios})
     return windows
@@ -290,14 +294,17 @@ def _window_ratios(
     layers, measured, inputs, first: int, end: int, loss_fn, target, clock, rounds
 ) -> dict[str, float]:
     """Layers ``first..end-1`` timed as one stage: measured / sum of their lone times, for the
-    forward, the full backward and the split backward (``I + W``)."""
+    forward, the full backward and the split backward (``I + W``), and for the host's and the
+    device's where they were measured."""
     is_last = end == len(layers) and loss_fn is not None
     chain = Stage([(f"layer{i}", layers[i]) for i in range(first, end)])
     runner = StageRunner(first, chain, is_last, loss_fn if is_last else None)
     window, _ = _measure(runner, leaves(inputs), target, clock, *rounds)
     ratios = {}
-    for ratio in dict.fromkeys(RATIO_OF.values()):  # forward, backward, split_backward
+    for ratio in dict.fromkeys(RATIO_OF.values()):  # forward, backward, split_backward, ...
         parts = [k for k in TIMES if RATIO_OF[k] == ratio]
+        if any(window.get(k) is None for k in parts):
+            continue
         alone = sum(getattr(measured[i], k) for i in range(first, end) for k in parts)
         ratios[ratio] = sum(window[k] for k in parts) / alone if alone > 0 else 1.0
     return ratios
@@ -312,9 +319,11 @@ def _measure(
     warmup: int,
     in_flight: int,
     split: bool = True,
+    issue: bool = True,
 ):
-    """The stage's times (the split backward's ``I`` and ``W`` only with ``split``), saved
-    bytes and workspace, and its outputs."""
+    """The stage's times (the split backward's ``I`` and ``W`` only with ``split``; the host's
+    and the device's where the clock splits them and ``issue``), saved bytes and workspace, and
+    its outputs."""
     saved, outputs, grads = _first_pass(runner, args, target)
     mbs = range(in_flight)
 
@@ -326,43 +335,47 @@ def _measure(
         for mb in mbs:
             step(mb)
 
-    times: dict[str, list[float]] = {k: [] for k in ("forward", "backward", "i", "w")}
+    times: dict[str, list[float]] = {}
+    split_times = issue and clock.issue_times
+    passes = ("wall", "queued") if split_times else ("wall",)
     workspace = for_weight = 0.0
     for rep in range(warmup + repeats):
-        for piecewise in (False, True) if split else (False,):
-            runner.begin_step()
-            before = _allocated(clock)
-            t, _ = clock.time(forwards)
-            if piecewise:
-                ti, _ = clock.time(
-                    lambda: run(lambda mb: _discard(runner.backward_input(mb, grads)))
-                )
-                if clock.cuda:  # what W still needs
-                    held = (torch.cuda.memory_allocated() - before) / in_flight
-                    for_weight = max(for_weight, held)
-                tw, _ = clock.time(lambda: run(runner.backward_weight))
-            else:
-                tb, _ = clock.time(lambda: run(lambda mb: _discard(runner.backward(mb, grads))))
-            if rep >= warmup:
-                if piecewise:
-                    times["i"].append(ti / in_flight)
-                    times["w"].append(tw / in_flight)
-                else:
-                    times["forward"].append(t / in_flight)
-                    times["backward"].append(tb / in_flight)
-            if clock.cuda:
-                peak = torch.cuda.max_memory_allocated() - before - in_flight * saved.bytes
-                workspace = max(workspace, peak)
+        host: dict[str, float] = {}  # this round's issue times: how far the queued pass leads
+        for how in passes:
+            for piecewise in (False, True) if split else (False,):
+                runner.begin_step()
+                before = _allocated(clock)
+                pieces = [("forward", forwards)] + (
+                    [("i", lambda: run(lambda mb: _discard(runner.backward_input(mb, grads)))),
+                     ("w", lambda: run(runner.backward_weight))]
+                    if piecewise
+                    else [("backward", lambda: run(lambda mb: _discard(runner.backward(mb, grads))))]
+                )  # fmt: skip
+                for key, fn in pieces:
+                    if how == "queued":
+                        sample = {f"device_{key}": clock.queued(fn, host[key])}
+                    else:
+                        wall, host[key], _ = clock.issue(fn)
+                        sample = {key: wall, **({f"host_{key}": host[key]} if split_times else {})}
+                    if key == "i" and clock.cuda:  # what W still needs
+                        held = (torch.cuda.memory_allocated() - before) / in_flight
+                        for_weight = max(for_weight, held)
+                    if rep >= warmup and not (piecewise and key == "forward"):
+                        for k, v in sample.items():
+                            times.setdefault(k, []).append(v / in_flight)
+                if clock.cuda:
+                    peak = torch.cuda.max_memory_allocated() - before - in_flight * saved.bytes
+                    workspace = max(workspace, peak)
 
     def med(key: str) -> float | None:
-        return statistics.median(times[key]) if times[key] else None
+        return statistics.median(times[key]) if key in times else None
 
+    by_worker = {f"{w}_{name}": med(f"{w}_{key}") for w in ("host", "device")
+                 for name, key in PIECES.items()} if split_times else {}  # fmt: skip
     return (
         {
-            "forward": med("forward"),
-            "backward": med("backward"),
-            "backward_input": med("i"),
-            "backward_weight": med("w"),
+            **{name: med(key) for name, key in PIECES.items()},
+            **by_worker,
             "activation": saved.bytes / GIB,
             "workspace": workspace / GIB,
             "activation_for_weight": for_weight / GIB if clock.cuda else None,

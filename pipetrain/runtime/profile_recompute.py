@@ -62,7 +62,13 @@ class StageTimer:
         is_last = first + len(named) == self.num_layers and self.loss_fn is not None
         runner = StageRunner(first, Stage(named), is_last, self.loss_fn if is_last else None)
         cost, _ = self.measure(
-            runner, leaves(inputs), self.target, self.clock, *self.rounds, split=False
+            runner,
+            leaves(inputs),
+            self.target,
+            self.clock,
+            *self.rounds,
+            split=False,
+            issue=False,
         )
         return float(cost["forward"]), float(cost["backward"])
 

@@ -27,6 +27,7 @@ __all__ = [
     "check_private_apis",
     "copy_lists_",
     "count_output_bytes",
+    "device_spin",
     "engine_run_backward",
     "fsdp_post_backward",
     "get_gradient_edge",
@@ -147,6 +148,17 @@ def store_of(group) -> dist.Store:
     from torch.distributed import distributed_c10d as c10d
 
     return c10d._get_default_store() if group is None else c10d._get_process_group_store(group)
+
+
+def device_spin(cycles: int) -> None:
+    """Keep the current CUDA stream busy for ``cycles`` clock cycles while the host goes on: the
+    profiler queues a piece of work behind it to time the device alone (``profile_clock``)."""
+    torch.cuda._sleep(cycles)
+
+
+def _check_device_spin() -> None:
+    if not callable(torch.cuda._sleep):
+        raise AttributeError("torch.cuda._sleep is not callable")
 
 
 def profiler_enabled() -> bool:
@@ -441,6 +453,11 @@ PRIVATE_APIS: tuple[tuple[str, str, Callable[[], None]], ...] = (
         "torch._dynamo.exc.Unsupported",
         "name a fullgraph=True block that deferral would break (deferred_wgrad)",
         _check_graph_break,
+    ),
+    (
+        "torch.cuda._sleep",
+        "queue a piece of work behind a busy device to time the device alone (profile_clock)",
+        _check_device_spin,
     ),
     (
         "torch._C._autograd._profiler_enabled",

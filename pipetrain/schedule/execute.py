@@ -9,6 +9,15 @@ If ranks remain parked when nothing is left to run, the program deadlocks and ``
 says who waits on whom. A program's OFFLOAD/RELOAD copies run beside compute on each rank's copy
 engine (``copy_engine`` states that model); a backward waits for its reload.
 
+An eager GPU rank is two workers: the host issues its actions one after another, never waiting
+for a transfer (the device waits for those), and the device runs each action's kernels as they
+come. With ``issue`` (each action's host time and its device time when its kernels are queued
+ahead), an action's kernels start when the device is free, its inputs are there and the host has
+begun issuing it, and it ends ``device`` after its start or ``duration`` (its time from an idle
+start, host and device together) after the host began it, whichever is later: a host slower than
+the device makes the device wait, and a device behind the host hides the host's time. Without
+``issue`` the host costs nothing and the device takes ``duration``: the plain model.
+
 The loop runs once per action of every lowering, validation and simulation, so it reads the rule
 through ``deps.compile_rule`` (values as integers) and asks ``duration`` and ``latency`` up front,
 once per (kind, stage) at micro-batch 0, into one plan per (kind, stage): a plain action costs two
@@ -44,7 +53,16 @@ class Plan(NamedTuple):
     needs: tuple[Input, ...]
     #: the values it produces that others await (``deps.CompiledRule.awaited``)
     awaited: tuple[int, ...]
+    #: from an idle start, host and device together (``duration``)
     cost: float
+    #: the host's time to issue it (0: the plain model)
+    host: float
+    #: the device's time with its kernels queued ahead (the plain model: ``cost``)
+    device: float
+
+
+#: an action's (host time, device time with its kernels queued ahead); the module docstring
+Issue = Callable[[Action], tuple[float, float]]
 
 
 class Stretch(NamedTuple):
@@ -123,26 +141,29 @@ def run(
     duration: Callable[[Action], float],
     latency: Callable[[deps.Key], float] = _no_latency,
     copy_plan: Callable[[int], CopyPlan] | None = None,
+    issue: Issue | None = None,
 ) -> Run:
     """``execute``, with the times left per rank (see ``Run``); ``copy_plan``: how each stage's
-    copies run (``copy_engine.CopyPlan``; ``None``: each lasts ``duration`` of it)."""
+    copies run (``copy_engine.CopyPlan``; ``None``: each lasts ``duration`` of it); ``issue``:
+    each action's host and device time (the module docstring; ``None``: the plain model)."""
     rule = deps.compile_rule(program.placement)
     stride = rule.stride
-    plans = _plans(rule, duration, latency)
-    pairs = _PairPlans(plans, stride, duration)
+    plans = _plans(rule, duration, latency, issue)
+    pairs = _PairPlans(plans, stride, duration, issue)
     rows = [[a for a in row if a.kind in COMPUTE_KINDS] for row in program.actions]
     copies = CopyEngine(program.actions, duration, copy_plan) if has_copies(program) else None
     produced: dict[int, float] = {}  # value -> when it was produced
     waiting: dict[int, list[int]] = {}  # value -> ranks parked on it
     pos = [0] * len(rows)
     free_at = [0.0] * len(rows)
+    host_at = [0.0] * len(rows)  # when each rank's host begins issuing its next action
     starts: list[list[float]] = [[] for _ in rows]
     ends: list[list[float]] = [[] for _ in rows]
     stretches: list[Stretch] = []
     work = list(range(len(rows) - 1, -1, -1))
     while work:
         rank = work.pop()
-        row, step, free = rows[rank], pos[rank], free_at[rank]
+        row, step, free, issued = rows[rank], pos[rank], free_at[rank], host_at[rank]
         rank_starts, rank_ends = starts[rank], ends[rank]
         first = step
         while step < len(row):
@@ -156,8 +177,8 @@ def run(
             shift = action.microbatch * stride
             if plan is None:  # unvalidated input naming a stage the placement lacks
                 raise _bad_stage(program, rows, rank, step)
-            needs, awaited, cost = plan
-            start = free
+            needs, awaited, cost, host, device = plan
+            start = free if free > issued else issued
             for value, producer_rank, delay in needs:
                 arrived = produced.get(value + shift)
                 if arrived is None:
@@ -169,7 +190,10 @@ def run(
             else:  # every input is here: run it
                 if copies is not None:
                     start = copies.ready(action, start)
-                free = start + cost
+                free = start + device
+                if issued + cost > free:
+                    free = issued + cost
+                issued += host
                 rank_starts.append(start)
                 rank_ends.append(free)
                 step += 1
@@ -185,7 +209,7 @@ def run(
             copies.issue(rank, step, free)
         if step > first:
             stretches.append(Stretch(rank, first, step))
-        pos[rank], free_at[rank] = step, free
+        pos[rank], free_at[rank], host_at[rank] = step, free, issued
     if any(p < len(r) for p, r in zip(pos, rows)):
         raise deadlock_error(
             program.with_actions(rows), _stuck_computes(program, rows, pos, produced)
@@ -197,20 +221,31 @@ def _plans(
     rule: deps.CompiledRule,
     duration: Callable[[Action], float],
     latency: Callable[[deps.Key], float],
+    issue: Issue | None,
 ) -> dict[OpKind, dict[int, Plan]]:
     """``[kind][stage]`` -> the plain action's plan at micro-batch 0 (every kind has a dict)."""
     plans: dict[OpKind, dict[int, Plan]] = {kind: {} for kind in OpKind}
     for kind, needs_of_stage in rule.needs.items():
         for stage, needs in needs_of_stage.items():
+            action = Action(kind, stage, 0)
             plans[kind][stage] = Plan(
                 tuple(
                     Input(need.value, need.producer_rank, latency((need.token, need.stage, 0)))
                     for need in needs
                 ),
                 rule.awaited[kind][stage],
-                duration(Action(kind, stage, 0)),
+                *_times(action, duration, issue),
             )
     return plans
+
+
+def _times(
+    action: Action, duration: Callable[[Action], float], issue: Issue | None
+) -> tuple[float, float, float]:
+    """(cost, host, device) of a plan (``Plan``)."""
+    cost = duration(action)
+    host, device = (0.0, cost) if issue is None else issue(action)
+    return cost, host, device
 
 
 def pair_shape(pair: Action) -> tuple[object, ...]:
@@ -231,8 +266,9 @@ class _PairPlans:
         plans: dict[OpKind, dict[int, Plan]],
         stride: int,
         duration: Callable[[Action], float],
+        issue: Issue | None = None,
     ) -> None:
-        self.plans, self.stride, self.duration = plans, stride, duration
+        self.plans, self.stride, self.duration, self.issue = plans, stride, duration, issue
         self.of_shape: dict[tuple[object, ...], Plan] = {}
 
     def plan(self, pair: Action, produced: dict[int, float]) -> Plan | None:
@@ -251,7 +287,9 @@ class _PairPlans:
             offset = (part.microbatch - pair.microbatch) * self.stride
             needs += [Input(need.value + offset, *need[1:]) for need in part_plan.needs]
             awaited += [value + offset for value in part_plan.awaited]
-        plan = self.of_shape[shape] = Plan(tuple(needs), tuple(awaited), self.duration(pair))
+        plan = self.of_shape[shape] = Plan(
+            tuple(needs), tuple(awaited), *_times(pair, self.duration, self.issue)
+        )
         return plan
 
     def _bad_part(
@@ -263,7 +301,7 @@ class _PairPlans:
         shift = pair.microbatch * self.stride
         if all(need.value + shift in produced for need in needs):
             return None
-        return Plan(tuple(needs), (), 0.0)
+        return Plan(tuple(needs), (), 0.0, 0.0, 0.0)
 
 
 def _bad_stage(

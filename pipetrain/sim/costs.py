@@ -7,6 +7,11 @@ an overlapped F&B pair = its forward + its backward (no overlap gain unless meas
 communication, activation size 1, held unchanged between a split backward's I and W, no
 workspace, nothing offloaded (how an OFFLOAD/RELOAD moves ``offload`` of its stage's activation,
 whole or layer by layer over the stage's ``layers``, is ``sim.offload_model``'s).
+
+An eager GPU step is also paced by its host: ``host`` (each action's time to issue, per stage)
+and ``device`` (its time with its kernels queued ahead of the device), given together, make the
+simulator run each rank as a host and a device (``schedule.execute``), the times above being an
+action's from an idle start, host and device together. Without them the host costs nothing.
 """
 
 from __future__ import annotations
@@ -43,6 +48,9 @@ class StageCosts:
     host_copy: tuple[float, ...] = ()
     offload: tuple[float, ...] = ()
     layers: tuple[int, ...] = ()
+    #: the host's and the device's times (their time fields only); None: no host model
+    host: StageCosts | None = None
+    device: StageCosts | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,6 +88,15 @@ class Costs:
     #: them back one ahead of its backward (``sim.offload_model``); 1: the share moves in one copy
     #: after the forward
     layers: Cost = 1
+    #: each action's time for the host to issue it, and the device's time for it with its
+    #: kernels queued ahead (their ``forward``, ``backward_input``, ``backward_weight``,
+    #: ``backward`` and ``forward_backward`` are read); both or neither (the module docstring)
+    host: Costs | None = None
+    device: Costs | None = None
+
+    def __post_init__(self) -> None:
+        if (self.host is None) != (self.device is None):
+            raise ValueError("costs host and device: give both (an eager host model) or neither")
 
     def scaled(self, factor: float) -> Costs:
         """Every time and size multiplied by ``factor`` (e.g. 1/v to split a rank's share of the
@@ -110,7 +127,13 @@ class Costs:
         for name in ("offload", "layers"):
             if not isinstance(getattr(self, name), int | float):
                 raise ValueError(f"cost {name}: compare needs one number for every stage")
-        return Costs(**values, offload=self.offload, layers=self.layers)
+        return Costs(
+            **values,
+            offload=self.offload,
+            layers=self.layers,
+            host=None if self.host is None else self.host.scaled(factor),
+            device=None if self.device is None else self.device.scaled(factor),
+        )
 
     def per_stage(self, num_stages: int) -> StageCosts:
         """Resolve to per-stage tuples; ``ValueError`` names a bad value and the legal ones."""
@@ -150,6 +173,8 @@ class Costs:
             host_copy=_resolve("host_copy", self.host_copy, num_stages),
             offload=_resolve_fraction(self.offload, num_stages),
             layers=_resolve_layers(self.layers, num_stages),
+            host=None if self.host is None else self.host.per_stage(num_stages),
+            device=None if self.device is None else self.device.per_stage(num_stages),
         )
 
 

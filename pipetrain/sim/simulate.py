@@ -16,7 +16,9 @@ The model (the one the ZB paper, Qi et al. 2024 §2 and Table 2, uses to state i
   direction, beside compute (``schedule.copy_engine``: PipeOffload, arXiv 2503.01328); how long
   each lasts, when the backward of an offloaded micro-batch may start, and what the copies free
   and take back (``Timeline``) is ``sim.offload_model``'s: the share in one copy after the
-  forward, or layer by layer where a stage has ``layers`` > 1.
+  forward, or layer by layer where a stage has ``layers`` > 1;
+* with ``host`` and ``device`` costs (an eager GPU step), each rank is a host that issues its
+  actions one after another and a device that runs them as they come (``schedule.execute``).
 
 Activations are accounted by the ``Timeline`` (held from the start of F to the end of the last
 backward piece, times the stage's activation size). The event loop is ``schedule.execute``, the
@@ -63,11 +65,15 @@ def simulate(program: Program, costs: Costs | None = None) -> Timeline:
     # The event loop asks a plain action's duration and a value's latency once per stage (they
     # depend on kind and stage only), so neither costs a call per action.
     offload = offload_stages(sc, program.num_stages)
+    host, device = sc.host, sc.device
     ran = run(
         program,
         lambda action: duration(action, sc),
         lambda key: sc.comm[key[1]],
         lambda stage: offload[stage].plan,
+        None
+        if host is None or device is None
+        else lambda action: (duration(action, host), duration(action, device)),
     )
     return Timeline(
         num_ranks=program.num_ranks,

@@ -207,3 +207,45 @@ def test_the_slowdown_is_the_settled_back_to_back_replays_over_the_paused_ones()
     back_to_back = [10.0, 10.3, 10.5] + [10.6] * 6
     assert slowdown(paused, back_to_back) == pytest.approx(1.06)
     assert slowdown(paused, [9.8] * 9) == 1.0  # a device that keeps its clock: never below 1
+
+
+class _SplitClock(Clock):
+    """A GPU's eager clock, stubbed: each piece 8 ms from an idle start, 4 of them the host's
+    to issue, 2 for the device with its kernels queued ahead."""
+
+    def __init__(self) -> None:
+        super().__init__(CPU)
+        self.issue_times = True
+        self.leads: list[float] = []
+
+    def issue(self, fn):
+        return 8.0, 4.0, fn()
+
+    def queued(self, fn, host_ms):
+        self.leads.append(host_ms)
+        fn()
+        return 2.0
+
+
+def test_an_eager_gpu_profile_splits_each_piece_into_host_and_device(monkeypatch) -> None:
+    """Every piece is timed from an idle start (its wall time, and the host's issue time) and
+    again queued behind the host's issue time, per micro-batch; the file carries both, and the
+    planner then paces each rank by its host and its device."""
+    from pipetrain.runtime import profile_layers
+
+    clock = _SplitClock()
+    monkeypatch.setattr(profile_layers, "clock_for", lambda device, timing: clock)
+    layers = [nn.Linear(4, 4) for _ in range(3)]
+    costs = profile(
+        layers, torch.randn(2, 4), repeats=2, warmup=1, in_flight=2, context=1,
+        loss_fn=lambda y, t: (y**2).mean(),
+    )  # fmt: skip
+    assert costs.has_issue_times
+    for layer in costs.layers:
+        for piece in ("forward", "backward", "backward_input", "backward_weight"):
+            assert getattr(layer, piece) == 4.0  # 8 ms over 2 micro-batches
+            assert getattr(layer, f"host_{piece}") == 2.0
+            assert getattr(layer, f"device_{piece}") == 1.0
+    # the queued pass leads by the same round's issue time; recompute's timings skip it
+    assert set(clock.leads) == {4.0}
+    assert len(clock.leads) == 3 * 3 * 5  # layers × rounds × (F, B; F, I, W)

@@ -1,0 +1,108 @@
+"""The eager host model: each rank a host that issues its actions in order and a device that runs
+them as they come (``schedule.execute``, ``sim.costs``)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipetrain.schedule.registry import build_schedule
+from pipetrain.sim.costs import Costs
+from pipetrain.sim.simulate import simulate
+
+
+def _times(f: float, b: float) -> Costs:
+    return Costs(forward=f, backward_input=b / 2, backward_weight=b / 2, backward=b)
+
+
+def test_a_host_slower_than_the_device_paces_the_rank() -> None:
+    # one rank, three forwards: each issues in 2, runs in 1 queued ahead, 2.1 from an idle start;
+    # the device waits for the host, so the step is the host's 6 and the last action's tail
+    program = build_schedule("gpipe", 1, 3)
+    plain = Costs(forward=2.1, backward=0.0, backward_input=0.0, backward_weight=0.0)
+    hosted = Costs(
+        forward=2.1, backward=0.0, backward_input=0.0, backward_weight=0.0,
+        host=_times(2.0, 0.0), device=_times(1.0, 0.0),
+    )  # fmt: skip
+    assert simulate(program, plain).makespan == pytest.approx(6.3)
+    assert simulate(program, hosted).makespan == pytest.approx(6.1)
+
+
+def test_a_device_behind_the_host_hides_the_host_time() -> None:
+    # issued in 0.5, run in 2 queued ahead, 2.2 from idle: only the first action pays its start
+    program = build_schedule("gpipe", 1, 3)
+    hosted = Costs(
+        forward=2.2, backward=0.0, backward_input=0.0, backward_weight=0.0,
+        host=_times(0.5, 0.0), device=_times(2.0, 0.0),
+    )  # fmt: skip
+    assert simulate(program, hosted).makespan == pytest.approx(6.2)
+
+
+def test_the_host_runs_ahead_while_the_device_waits_for_a_transfer() -> None:
+    # rank 1's host issues its forward at once; its device waits for rank 0's output; the host
+    # is then free to issue the backward, whose device time alone remains after the forward
+    program = build_schedule("gpipe", 2, 1)
+    hosted = Costs(
+        forward=1.0, backward=1.0, backward_input=0.5, backward_weight=0.5,
+        host=_times(1.0, 1.0), device=_times(0.2, 0.2),
+    )  # fmt: skip
+    spans = {(s.action.kind.value, s.action.stage): s for s in simulate(program, hosted).spans}
+    assert spans["F", 1].start == pytest.approx(1.0)  # rank 0's forward, wall from idle
+    assert spans["F", 1].end == pytest.approx(1.2)  # queued since 0: device time alone
+    assert spans["B", 1].end == pytest.approx(2.0)  # issued at 1, wall 1 from then
+
+
+def test_both_or_neither() -> None:
+    with pytest.raises(ValueError, match="host and device"):
+        Costs(host=Costs())
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    name=st.sampled_from(
+        ["gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev"]
+    ),
+    p=st.integers(1, 4),
+    m=st.integers(1, 12),
+    times=st.lists(st.floats(0.1, 3), min_size=9, max_size=9),
+    c=st.floats(0, 1),
+)
+def test_between_the_device_alone_and_the_wall_time(name, p, m, times, c) -> None:
+    """Where an action's host and device times are each at most its wall time, the step is at
+    least what the device alone takes and at most the plain wall-time model's: every time in the
+    two-worker run is a max and sum of smaller or equal terms."""
+    try:
+        program = build_schedule(name, p, m)
+    except ValueError:
+        return
+    (fw, iw, ww), host, device = times[:3], times[3:6], times[6:]
+    wall = Costs(forward=fw, backward_input=iw, backward_weight=ww, comm=c)
+
+    def part(share):
+        f, i, w = (x * min(s, 1.0) for x, s in zip((fw, iw, ww), share, strict=True))
+        return Costs(forward=f, backward_input=i, backward_weight=w)
+
+    hosted = Costs(
+        forward=fw, backward_input=iw, backward_weight=ww, comm=c,
+        host=part([h / 3 for h in host]), device=part([d / 3 for d in device]),
+    )  # fmt: skip
+    alone = part([d / 3 for d in device])
+    alone = Costs(
+        forward=alone.forward, backward_input=alone.backward_input,
+        backward_weight=alone.backward_weight, comm=c,
+    )  # fmt: skip
+    between = simulate(program, hosted).makespan
+    assert simulate(program, alone).makespan <= between + 1e-9
+    assert between <= simulate(program, wall).makespan + 1e-9
+
+
+def test_no_host_time_and_the_wall_as_device_time_is_the_plain_model() -> None:
+    program = build_schedule("zb-h1", 4, 8)
+    plain = Costs(forward=1.0, backward_input=1.2, backward_weight=0.7, comm=0.1)
+    hosted = Costs(
+        forward=1.0, backward_input=1.2, backward_weight=0.7, comm=0.1,
+        host=Costs(forward=0.0, backward_input=0.0, backward_weight=0.0),
+        device=Costs(forward=1.0, backward_input=1.2, backward_weight=0.7),
+    )  # fmt: skip
+    assert simulate(program, hosted).spans == simulate(program, plain).spans
