@@ -41,6 +41,7 @@ import argparse
 import copy
 import dataclasses
 import gc
+import itertools
 import json
 import os
 import statistics
@@ -65,6 +66,7 @@ from pipetrain.planner.layout import Layout
 from pipetrain.planner.search import stage_costs
 from pipetrain.runtime.profile_layers import RATIO_OF, TIMES
 from pipetrain.schedule.action import OpKind
+from pipetrain.schedule.timeline import Timeline
 from pipetrain.sim.costs import mean_durations, measured_costs
 from pipetrain.sim.simulate import simulate
 
@@ -288,7 +290,8 @@ def lone_costs(costs: ModelCosts) -> ModelCosts:
     for w in costs.meta.get("context", {}).get("windows", []):
         for i in range(w["first"], w["end"]):
             layers[i] = dataclasses.replace(
-                layers[i], **{k: getattr(layers[i], k) / w[RATIO_OF[k]] for k in TIMES}
+                layers[i],
+                **{k: getattr(layers[i], k) / w[RATIO_OF[k]] for k in TIMES if RATIO_OF[k] in w},
             )
     return dataclasses.replace(costs, layers=tuple(layers))
 
@@ -455,6 +458,8 @@ def explain(run, program, timeline, costs) -> dict:
         own = None
     predicted = stage_costs(costs, program, cut, *extras)
     lone = stage_costs(lone_costs(costs), program, cut, *extras)
+    host = Timeline(timeline.num_ranks, timeline.host_spans, timeline.activation_size)
+    host_means = mean_durations([host]) if timeline.host_spans else {}
     per_stage = []
     for s in range(program.num_stages):
         row: dict = {"stage": s}
@@ -463,6 +468,9 @@ def explain(run, program, timeline, costs) -> dict:
             if (kind, s) in means:
                 row[attr] = {"measured": means[kind, s], "predicted": getattr(predicted, attr)[s],
                              "alone": getattr(lone, attr)[s]}  # fmt: skip
+            if (kind, s) in host_means and predicted.host is not None:
+                row[attr]["host_measured"] = host_means[kind, s]
+                row[attr]["host_predicted"] = getattr(predicted.host, attr)[s]
         per_stage.append(row)
     try:
         alone_ms = simulate(program, lone).makespan
@@ -470,10 +478,23 @@ def explain(run, program, timeline, costs) -> dict:
         alone_ms = None
     return {
         "timeline_step_ms": timeline.makespan,
+        "host_between_ms": host_between(timeline.host_spans, timeline.num_ranks),
         "simulated_with_own_means_ms": own,
         "predicted_from_lone_layers_ms": alone_ms,
         "stages": per_stage,
     }
+
+
+def host_between(spans, num_ranks: int) -> list[float] | None:
+    """Per rank, the host's mean time between ending one action's issue and beginning the next
+    (posting transfers, polling): what an action costs the host beyond its own issue."""
+    if not spans:
+        return None
+    rows = [
+        sorted((s for s in spans if s.rank == r), key=lambda s: s.start) for r in range(num_ranks)
+    ]
+    gaps = [[b.start - a.end for a, b in itertools.pairwise(row)] for row in rows]
+    return [statistics.fmean(g) if g else 0.0 for g in gaps]
 
 
 def best_round(measured: list[dict]) -> dict:

@@ -227,14 +227,26 @@ def stage_lines(runs: list[dict]) -> list[str]:
         seen.add(key)
         parts = []
         for stage in m["stages"]:
-            cells = [f"{short} {stage[f]['measured'] / stage[f]['predicted']:.3f}"
+            cells = [f"{short} {stage[f]['measured'] / stage[f]['predicted']:.3f}" + host_ratio(stage[f])
                      for f, short in ACTION_FIELDS
                      if f in stage and stage[f]["predicted"]]  # fmt: skip
             parts.append(f"s{stage['stage']} " + " ".join(cells))
         lines.append(f"  {key}: " + " | ".join(parts))
+        if m.get("host_between_ms"):
+            lines[-1] += " | host between actions " + ", ".join(
+                f"{g:.3f}" for g in m["host_between_ms"]
+            )
     if lines:
-        lines.insert(0, "mean action / its price, per stage:")
+        lines.insert(
+            0, "mean action / its price, per stage (eager: h the host's issue / its host price):"
+        )
     return lines
+
+
+def host_ratio(cell: dict) -> str:
+    if not cell.get("host_predicted"):
+        return ""
+    return f" h{cell['host_measured'] / cell['host_predicted']:.2f}"
 
 
 def run_line(r: dict) -> str:

@@ -17,6 +17,11 @@ capture turns into event-record nodes that every replay records again, rather th
 dependencies between streams. The ranks line up as for an eager step — a barrier and a
 ``synchronize`` before the replay, whose first node is the start mark — and there is no host
 clock to compare with: a replay issues nothing per action.
+
+Those host readings, with one more when the host has issued the action, are also the measured
+timeline's ``host_spans``: how long the host took to issue each action, and, between them, what
+it did besides (posting transfers, polling) — the host side of an eager step that the
+simulator's host model prices (``sim.costs``).
 """
 
 from __future__ import annotations
@@ -44,13 +49,15 @@ class Recorder:
         #: records inside a CUDA graph's capture (see the module docstring)
         self.captured = captured
         self._marks: list[tuple[Action, object, object, float]] = []
+        #: when the host ended issuing each action (``perf_counter``), beside ``_marks``
+        self._issued: list[float] = []
         self._origin: object = None
         self._host_origin = 0.0
 
     def begin(self, group) -> None:
         if not self.enabled:
             return
-        self._marks = []
+        self._marks, self._issued = [], []
         if not self.captured:  # a captured step lines up before each replay instead
             align(group, self.cuda)
         self._host_origin = time.perf_counter()
@@ -68,7 +75,19 @@ class Recorder:
 
     def stop(self, action: Action, started: tuple[object, float] | None) -> None:
         if started is not None:
+            self._issued.append(time.perf_counter())
             self._marks.append((action, started[0], self._now(), started[1]))
+
+    def host_spans(self) -> list[Span]:
+        """When the host began and ended issuing each action (ms since ``begin``, the device
+        clock's axis); empty on CPU, where issuing is running, and for a replay."""
+        if not self.cuda or self.captured:
+            return []
+        origin = self._host_origin
+        return [
+            Span(self.rank, a, (begun - origin) * 1e3, (ended - origin) * 1e3)
+            for (a, _, _, begun), ended in zip(self._marks, self._issued)
+        ]
 
     def spans(self) -> list[Span]:
         """This rank's spans in milliseconds since ``begin``."""
@@ -112,16 +131,17 @@ def gather_timeline(
 ) -> Timeline:
     """All ranks' spans as one measured ``Timeline`` (a collective: every rank calls it)."""
     spans = recorder.spans()
-    mine = (spans, recorder.host_bound_idle(spans))
+    mine = (spans, recorder.host_bound_idle(spans), recorder.host_spans())
     if num_ranks > 1:
         gathered: list[Any] = [None] * num_ranks
         dist.all_gather_object(gathered, mine, group=group)
         everyone: list[Any] = gathered
     else:
         everyone = [mine]
-    spans = [s for rank_spans, _ in everyone for s in rank_spans]
+    spans = [s for rank_spans, _, _ in everyone for s in rank_spans]
     spans.sort(key=lambda s: (s.start, s.rank))
-    idle = tuple(host for _, host in everyone)
+    host_spans = [s for _, _, rank_host in everyone for s in rank_host]
+    idle = tuple(host for _, host, _ in everyone)
     return Timeline(
         num_ranks=num_ranks,
         spans=tuple(spans),
@@ -129,4 +149,5 @@ def gather_timeline(
         name=name,
         measured=True,
         host_bound_idle=None if None in idle else idle,
+        host_spans=tuple(host_spans),
     )

@@ -93,6 +93,8 @@ class Timeline:
     simulator. ``host_bound_idle[r]`` (measured GPU runs only) is the part of rank ``r``'s idle
     time between actions that its device spent waiting for the host to issue the next action, as
     opposed to waiting for inputs from other ranks: the simulator models the second, not the first.
+    ``host_spans`` (measured eager GPU runs only) are when each rank's host began and ended
+    issuing each action, on the same axis.
     """
 
     num_ranks: int
@@ -108,6 +110,7 @@ class Timeline:
     copies: tuple[Span, ...] = ()
     #: per stage, what offload moves, in activation units (``None``: nothing)
     offload_memory: tuple[OffloadMemory, ...] | None = None
+    host_spans: tuple[Span, ...] = ()
 
     @cached_property
     def start(self) -> float:

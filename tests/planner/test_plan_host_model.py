@@ -53,8 +53,9 @@ def test_a_stage_sums_its_layers_host_and_device_times() -> None:
     assert sc.host.forward == pytest.approx((4.5, 2.7))
     assert sc.device.backward_weight == pytest.approx((2.0, 1.2))
     # one layer without them: no host model for any stage
-    partly = ModelCosts(layers=(_layer("x", 1, 1), dataclasses.replace(_layer("y", 1, 1),
-                                                                       host_forward=None)))
+    partly = ModelCosts(
+        layers=(_layer("x", 1, 1), dataclasses.replace(_layer("y", 1, 1), host_forward=None))
+    )
     assert stage_costs(partly, program, (1, 1)).host is None
 
 
