@@ -123,3 +123,25 @@ def test_the_last_piece_holds_its_gradients_for_w_only_when_a_hook_needs_them(sp
     assert len(seen) == (1 if hooked else 0)
     if hooked:
         assert torch.allclose(seen[0], ref[0].weight.grad, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("hooked", [False, True])
+def test_a_whole_i_walks_its_graph_only_where_a_hook_needs_the_last_piece_held(
+    monkeypatch, hooked
+):
+    """A recomputing stage's ``I`` runs the whole backward: with nothing to split, it walks its
+    autograd graph (Python, per node: host time an eager step waits for) only for the last piece
+    that a hook needs held; without a hook never."""
+    walks: list[int] = []
+    real = graph_replay.walk
+    monkeypatch.setattr(graph_replay, "walk", lambda *a: (walks.append(1), real(*a))[1])
+    net, ref = _net(), _net()
+    if hooked:
+        net[0].weight.register_post_accumulate_grad_hook(lambda p: None)
+    runner = StageRunner(0, net, False, None, split=graph_replay.GraphReplay(whole=True))
+    _step_pieces(runner, ref, runner.backward_input)
+    for mb in range(MICROBATCHES):
+        runner.backward_weight(mb)
+    assert len(walks) == (MICROBATCHES if hooked else 0)
+    for p, q in zip(net.parameters(), ref.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-14, atol=0)

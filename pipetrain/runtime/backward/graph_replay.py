@@ -288,6 +288,11 @@ class GraphReplay:
         work for ``W`` to pass through ``AccumulateGrad``. (Collected, the stage's whole weight
         gradient exists twice at the end of the backward: parameter-sized memory the planner's
         model does not see, measured on GPUs under zero-bubble schedules.)"""
+        if self.whole and through_autograd and not last_piece:
+            # nothing to split and nothing to hold: no walk of the graph (host time per I)
+            return backward_full(roots, grads, inputs, params, hooks=True), WeightWork(
+                [], [], [], []
+            )
         groups, work = self._bind(roots, grads, inputs, params)
         if work.empty and through_autograd and not last_piece:
             return backward_full(roots, grads, inputs, params, hooks=True), WeightWork(
