@@ -110,6 +110,14 @@ def arguments() -> argparse.Namespace:
     p.add_argument("--grads-to-none", action="store_true",
                    help="zero gradients with set_to_none=True between steps (default: keep .grad, "
                         "set_to_none=False, which a replayed graph adds into in place)")  # fmt: skip
+    p.add_argument(
+        "--host-action-ms",
+        type=float,
+        default=None,
+        help="the runtime's host time per action besides its issue, for the eager host "
+        "model (costs file host_action_ms; a measured run prints it as 'host between "
+        "actions')",
+    )
     p.add_argument("--resummarize", metavar="JSON", help="rewrite summary.txt from plan_gpu.json")
     p.add_argument("--runs", metavar="JSON",
                    help="measure these layouts instead of planning: {\"memory_gib\", \"headroom\", "
@@ -175,6 +183,8 @@ def main() -> int:
             out.mkdir(parents=True, exist_ok=True)
             if args.runs:  # chosen layouts, predicted from a costs file: no profile, no plan
                 costs = parse_costs(json.loads(Path(args.costs).read_text()))
+                if args.host_action_ms is not None:
+                    costs = dataclasses.replace(costs, host_action_ms=args.host_action_ms)
                 given = [given_budget(costs, json.loads(Path(args.runs).read_text()))]
                 shared[0] = {"costs": costs.to_json(), "budgets": given}
             else:
@@ -182,6 +192,7 @@ def main() -> int:
                 costs = profile_model(
                     cfg, master, dtype, device, b, cfg_args["repeats"], args.context, timing
                 )
+                costs = dataclasses.replace(costs, host_action_ms=args.host_action_ms)
                 log(f"profiled {costs.num_layers} layers, host "
                     f"{costs.host_bandwidth_gbs or 0:.1f} GB/s")  # fmt: skip
                 shared[0] = {"costs": costs.to_json(), "budgets": plan_budgets(costs, world, counts, args)}  # fmt: skip

@@ -33,6 +33,9 @@ gone — AdamW's or Adam's default multi-tensor update makes a parameter-sized t
 host takes to issue each piece) with ``device_forward`` … ``device_backward_weight`` (ms the
 device takes for it with its kernels queued ahead), given together — an eager GPU profile's
 two-worker model, where the times above are from an idle start (``sim.costs``); per file
+``host_action_ms`` (ms the pipeline runtime's host spends per action besides issuing the action
+itself — posting transfers, bookkeeping — on the host that will run it: read off a measured eager
+step's host spans, ``Timeline.host_spans``; default 0, used only with the times above) and
 ``host_bandwidth_gbs`` (GB/s between the device and pinned host memory, measured by the profiler
 on CUDA; what the planner times activation offload's copies at). Version 1 files still load
 (those fields absent: their defaults); a version 1 file that gives them is refused, naming
@@ -64,7 +67,7 @@ _LAYER_V2 = (
       for piece in ("forward", "backward", "backward_input", "backward_weight")),
 )  # fmt: skip
 _ISSUE = _LAYER_V2[-8:]
-_TOP_V2 = ("host_bandwidth_gbs",)
+_TOP_V2 = ("host_bandwidth_gbs", "host_action_ms")
 _LAYER_KEYS = ("name", *_LAYER_NUMBERS, "params", *_LAYER_OPTIONAL, *_LAYER_V2)
 _TOP_KEYS = ("version", "layers", "comm", "meta", *_TOP_V2)
 
@@ -147,6 +150,8 @@ class ModelCosts:
     meta: Mapping[str, Any] = field(default_factory=dict)
     #: GB/s between the device and pinned host memory (``None``: not measured)
     host_bandwidth_gbs: float | None = None
+    #: ms the runtime's host spends per action beyond the action's own issue (``None``: 0)
+    host_action_ms: float | None = None
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -193,6 +198,8 @@ class ModelCosts:
         out: dict[str, Any] = {"version": VERSION, "layers": layers, "comm": self.comm}
         if self.host_bandwidth_gbs is not None:
             out["host_bandwidth_gbs"] = self.host_bandwidth_gbs
+        if self.host_action_ms is not None:
+            out["host_action_ms"] = self.host_action_ms
         if self.meta:
             out["meta"] = dict(self.meta)
         return out
@@ -229,6 +236,9 @@ def parse_costs(data: object, source: str = "costs") -> ModelCosts:
     bandwidth = data.get("host_bandwidth_gbs")
     if bandwidth is not None:
         bandwidth = _number(bandwidth, "host_bandwidth_gbs", fail)
+    per_action = data.get("host_action_ms")
+    if per_action is not None:
+        per_action = _number(per_action, "host_action_ms", fail)
     meta = data.get("meta", {})
     if not isinstance(meta, dict):
         raise fail("meta", f"expected a JSON object, got {type(meta).__name__}")
@@ -240,6 +250,7 @@ def parse_costs(data: object, source: str = "costs") -> ModelCosts:
         comm=comm,
         meta=meta,
         host_bandwidth_gbs=bandwidth,
+        host_action_ms=per_action,
     )
 
 

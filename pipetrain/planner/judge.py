@@ -218,14 +218,17 @@ def stage_costs(
 
 def _worker_times(worker: str, total: Callable[[str], list[float]], costs: ModelCosts) -> Costs:
     """A stage's host or device times (an eager profile's, ``sim.costs``): sums over its layers
-    (``total``), as its wall times are."""
+    (``total``), as its wall times are; the host's with the runtime's own ``host_action_ms`` on
+    every action."""
     b = total(f"{worker}_backward")
     if costs.split_backward:
         i, w = total(f"{worker}_backward_input"), total(f"{worker}_backward_weight")
     else:
         i = w = [x / 2 for x in b]
-    return Costs(forward=total(f"{worker}_forward"), backward_input=i, backward_weight=w,
-                 backward=b)  # fmt: skip
+    f = total(f"{worker}_forward")
+    extra = (costs.host_action_ms or 0.0) if worker == "host" else 0.0
+    f, i, w, b = ([x + extra for x in xs] for xs in (f, i, w, b))
+    return Costs(forward=f, backward_input=i, backward_weight=w, backward=b)
 
 
 def beside_later_layers(stage: Sequence[LayerCost]) -> float:

@@ -87,3 +87,18 @@ def test_a_host_bound_step_is_paced_by_its_hosts(schedule) -> None:
     host_sum = 8 * 3 * 4  # per rank: 8 micro-batches × (F + I + W) of 4 layers
     assert host_sum <= hosted.makespan <= plain.makespan + 1e-9
     assert hosted.makespan < plain.makespan  # the device's short work hides the pipeline's fill
+
+
+def test_the_runtimes_own_host_time_per_action_delays_every_issue(tmp_path) -> None:
+    """``host_action_ms``: what the pipeline's host spends per action besides issuing it (posting
+    transfers, bookkeeping); a host-bound rank's step grows by it once per action."""
+    program = build_schedule("1f1b", 1, 4)
+    costs = dataclasses.replace(_model(1.0, 0.2, layers=2), host_action_ms=0.25)
+    save_costs(costs, tmp_path / "c.json")
+    assert load_costs(tmp_path / "c.json").host_action_ms == 0.25
+    sc = stage_costs(costs, program, (2,)).per_stage(1)
+    assert sc.host is not None and sc.device is not None
+    assert sc.host.forward == pytest.approx((2.25,)) and sc.device.forward == pytest.approx((0.4,))
+    bare, _ = simulate_plan(dataclasses.replace(costs, host_action_ms=None), program, (2,))
+    slower, _ = simulate_plan(costs, program, (2,))
+    assert slower.makespan == pytest.approx(bare.makespan + 0.25 * 7)  # 8 actions, last no wait

@@ -126,9 +126,7 @@ def test_the_last_piece_holds_its_gradients_for_w_only_when_a_hook_needs_them(sp
 
 
 @pytest.mark.parametrize("hooked", [False, True])
-def test_a_whole_i_walks_its_graph_only_where_a_hook_needs_the_last_piece_held(
-    monkeypatch, hooked
-):
+def test_a_whole_i_walks_its_graph_only_where_a_hook_needs_the_last_piece_held(monkeypatch, hooked):
     """A recomputing stage's ``I`` runs the whole backward: with nothing to split, it walks its
     autograd graph (Python, per node: host time an eager step waits for) only for the last piece
     that a hook needs held; without a hook never."""
