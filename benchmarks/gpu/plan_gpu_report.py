@@ -237,8 +237,11 @@ def stage_lines(runs: list[dict]) -> list[str]:
                 f"{g:.3f}" for g in m["host_between_ms"]
             )
     if lines:
+        hosted = any(" h" in line for line in lines)
         lines.insert(
-            0, "mean action / its price, per stage (eager: h the host's issue / its host price):"
+            0,
+            "mean action / its price, per stage"
+            + (" (h: the host's issue / its host price, eager):" if hosted else ":"),
         )
     return lines
 

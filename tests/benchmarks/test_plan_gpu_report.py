@@ -97,6 +97,15 @@ def test_the_summary_shows_each_stages_mean_action_over_its_price() -> None:
         "mean action / its price, per stage:",
         "  1f1b/v1/M8/3,3: s0 F 0.900 B 1.100 | s1 I 1.000",
     ]
+    # an eager run's host spans: each action's host issue over its host price, and the host's
+    # mean time between actions per rank
+    run["measured"]["stages"][1]["backward_input"] |= {"host_measured": 0.6, "host_predicted": 0.5}
+    run["measured"]["host_between_ms"] = [0.25, 0.3]
+    assert stage_lines([run]) == [
+        "mean action / its price, per stage (h: the host's issue / its host price, eager):",
+        "  1f1b/v1/M8/3,3: s0 F 0.900 B 1.100 | s1 I 1.000 h1.20 | host between actions 0.250, "
+        "0.300",
+    ]
 
 
 def test_given_layouts_are_predicted_as_the_planner_predicts_them() -> None:
