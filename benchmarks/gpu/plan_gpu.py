@@ -62,7 +62,7 @@ from plan_gpu_variants import BUDGETS, given_budget, plan_budgets, run_key
 
 from pipetrain.app.models.gpt import GPTConfig, gpt_layer, gpt_layer_names, lm_loss
 from pipetrain.planner import ModelCosts, parse_costs
-from pipetrain.planner.layout import Layout
+from pipetrain.planner.layout import Layout, default_cut
 from pipetrain.planner.search import stage_costs
 from pipetrain.runtime.profile_layers import RATIO_OF, TIMES
 from pipetrain.schedule.action import OpKind
@@ -118,6 +118,19 @@ def arguments() -> argparse.Namespace:
         "model (costs file host_action_ms; a measured run prints it as 'host between "
         "actions')",
     )
+    p.add_argument(
+        "--gc-steps",
+        type=int,
+        default=0,
+        help="0: Python's automatic garbage collection; N: off while a run steps, a "
+        "young-generation collection every N steps (torchtitan's gc_freq recipe)",
+    )
+    p.add_argument(
+        "--calibrate-host",
+        action="store_true",
+        help="eager: measure uniform 1F1B once before planning and take the runtime's "
+        "host time between actions (host_action_ms) from it",
+    )
     p.add_argument("--resummarize", metavar="JSON", help="rewrite summary.txt from plan_gpu.json")
     p.add_argument("--runs", metavar="JSON",
                    help="measure these layouts instead of planning: {\"memory_gib\", \"headroom\", "
@@ -139,7 +152,8 @@ def main() -> int:
         return resummarize(Path(args.resummarize))
     cuda = torch.cuda.is_available() and args.preset != "cpu-smoke"
     cfg_args = {**PRESETS[args.preset], "cuda_graph": args.cuda_graph and cuda,
-                "grads_to_none": args.grads_to_none}  # fmt: skip
+                "grads_to_none": args.grads_to_none,
+                **({"gc_steps": args.gc_steps} if args.gc_steps else {})}  # fmt: skip
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if cuda:
         torch.cuda.set_device(local)
@@ -177,35 +191,27 @@ def main() -> int:
     counts = [int(m) for m in cfg_args["microbatches"].split(",")]
 
     # 1. profile (rank 0), 2. plan (rank 0), then share the runs
-    shared: list[object] = [None]
-    if rank == 0:
-        try:  # a failure here must reach the other ranks, or they wait in the broadcast
-            out.mkdir(parents=True, exist_ok=True)
-            if args.runs:  # chosen layouts, predicted from a costs file: no profile, no plan
-                costs = parse_costs(json.loads(Path(args.costs).read_text()))
-                if args.host_action_ms is not None:
-                    costs = dataclasses.replace(costs, host_action_ms=args.host_action_ms)
-                given = [given_budget(costs, json.loads(Path(args.runs).read_text()))]
-                shared[0] = {"costs": costs.to_json(), "budgets": given}
-            else:
-                timing = "device" if cfg_args["cuda_graph"] else "wall"
-                costs = profile_model(
-                    cfg, master, dtype, device, b, cfg_args["repeats"], args.context, timing
-                )
-                costs = dataclasses.replace(costs, host_action_ms=args.host_action_ms)
-                log(f"profiled {costs.num_layers} layers, host "
-                    f"{costs.host_bandwidth_gbs or 0:.1f} GB/s")  # fmt: skip
-                shared[0] = {"costs": costs.to_json(), "budgets": plan_budgets(costs, world, counts, args)}  # fmt: skip
-            (out / "costs.json").write_text(json.dumps(costs.to_json(), indent=1) + "\n")
-            log("planned: " + "; ".join(plan_line(x) for x in shared[0]["budgets"]))
-        except Exception as e:
-            shared[0] = {"error": f"{type(e).__name__}: {e}"}
-    dist.broadcast_object_list(shared, src=0)
-    info = shared[0]
+    info = share(rank, lambda: first_costs(args, cfg, master, dtype, device, b, cfg_args))
     if "error" in info:
         log(f"stopped: {info['error']}")
         dist.destroy_process_group()
         return 1
+    costs = parse_costs(info["costs"])
+    if not args.runs:
+        log(f"profiled {costs.num_layers} layers, host {costs.host_bandwidth_gbs or 0:.1f} GB/s")
+    if args.calibrate_host and not cfg_args["cuda_graph"]:
+        costs = calibrated(costs, cfg, master, device, b, cfg_args, world, max(counts), args.run_s)
+        log(f"the runtime's host time between actions on this host: {costs.host_action_ms:.3f} ms")
+    info = share(rank, lambda: {"costs": costs.to_json(), "budgets": [
+        given_budget(costs, json.loads(Path(args.runs).read_text()))] if args.runs
+        else plan_budgets(costs, world, counts, args)})  # fmt: skip
+    if "error" in info:
+        log(f"stopped: {info['error']}")
+        dist.destroy_process_group()
+        return 1
+    if rank == 0:
+        (out / "costs.json").write_text(json.dumps(costs.to_json(), indent=1) + "\n")
+        log("planned: " + "; ".join(plan_line(x) for x in info["budgets"]))
     costs = parse_costs(info["costs"])
     budgets = info["budgets"]
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
@@ -244,6 +250,51 @@ def main() -> int:
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def share(rank: int, make) -> dict:
+    """``make()`` on rank 0, broadcast to every rank; a failure there is every rank's ``error``
+    (the others would otherwise wait in the broadcast)."""
+    shared: list[object] = [None]
+    if rank == 0:
+        try:
+            shared[0] = make()
+        except Exception as e:
+            shared[0] = {"error": f"{type(e).__name__}: {e}"}
+    dist.broadcast_object_list(shared, src=0)
+    return shared[0]  # type: ignore[return-value]
+
+
+def first_costs(args, cfg, master, dtype, device, b: int, cfg_args: dict) -> dict:
+    """The costs runs are predicted from: ``--costs`` with ``--runs`` (no profile, no plan: the
+    layouts given), else a fresh profile."""
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    if args.runs:
+        costs = parse_costs(json.loads(Path(args.costs).read_text()))
+    else:
+        timing = "device" if cfg_args["cuda_graph"] else "wall"
+        costs = profile_model(cfg, master, dtype, device, b, cfg_args["repeats"], args.context,
+                              timing)  # fmt: skip
+    if args.host_action_ms is not None:
+        costs = dataclasses.replace(costs, host_action_ms=args.host_action_ms)
+    return {"costs": costs.to_json()}
+
+
+def calibrated(costs, cfg, master, device, b: int, cfg_args, world: int, count: int, run_s):
+    """``costs`` with ``host_action_ms`` read off uniform 1F1B measured once on this host (every
+    rank): the runtime's mean host time between actions, which an eager step pays per action
+    and the profiler's lone stages do not (posting transfers, bookkeeping)."""
+    cut = default_cut(costs.num_layers - 2, world)
+    run = Layout(schedule="1f1b", ranks=world, stages_per_rank=1, microbatches=count,
+                 stage_layers=tuple(cut)).to_json()  # fmt: skip
+    gen = torch.Generator().manual_seed(1)
+    x, y = (torch.randint(0, cfg.vocab_size, (count * b, cfg.seq_len), generator=gen).to(device)
+            for _ in range(2))  # fmt: skip
+    m = measure(run, master, device, x, y, cfg_args, world, costs, run_s)
+    between = m.get("host_between_ms")
+    if not between:
+        raise RuntimeError(f"calibrating the host model: uniform 1F1B gave no host spans ({m})")
+    return dataclasses.replace(costs, host_action_ms=statistics.fmean(between))
 
 
 def plan_line(budget: dict) -> str:
@@ -320,6 +371,8 @@ def measure(run, master, device, x, y, cfg_args, world, costs, run_s: float) -> 
         mine: object = timed_steps(run, master, device, x, y, cfg_args, base, run_s)
     except Exception as e:  # reported with the run, the other runs go on
         mine = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    finally:
+        gc.enable()  # ``--gc-steps`` turned it off while the run stepped
     gathered: list[object] = [None] * world
     dist.all_gather_object(gathered, mine if isinstance(mine, str) else mine[0])
     errors = [g for g in gathered if isinstance(g, str)]
@@ -362,7 +415,14 @@ def timed_steps(run, master, device, x, y, cfg_args, base, run_s: float):
 
     held = [0.0, 0.0]  # allocated peaks (bytes) of the pipeline steps and of the updates
 
+    gc_steps = cfg_args.get("gc_steps", 0)
+    if gc_steps:
+        gc.disable()  # enabled again when the run ends (``measure``)
+    count = itertools.count(1)
+
     def step() -> tuple[float, float]:  # ms of the pipeline step and of the optimizer step
+        if gc_steps and next(count) % gc_steps == 0:
+            gc.collect(1)
         dist.barrier()
         if cuda:
             torch.cuda.synchronize()
