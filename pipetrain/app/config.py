@@ -98,6 +98,8 @@ class TrainConfig:
     export: str | None = None
     overwrite_export: bool = False
     svg: str = "out/train_step.svg"
+    #: where to write the measured step as a Chrome/Perfetto trace (None: not written)
+    trace: str | None = None
     device: Device = "auto"
     weight_grads: WeightGrads = "auto"
     receive_lead: int | None = 1

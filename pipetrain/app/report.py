@@ -79,9 +79,10 @@ def report(
     cpu_processes: int = 0,
     planned: Mapping[str, Any] | None = None,
     unmeasured: str = "the runtime returned none",
+    trace: str | os.PathLike | None = None,
 ) -> str:
     """The end-of-run text: loss trend, measured vs simulated bubble, pictures (writes the
-    measured step as SVG to ``svg``).
+    measured step as SVG to ``svg``, and as a Chrome/Perfetto trace to ``trace`` if given).
 
     ``cpu_processes``: how many processes of the run shared this machine's CPU cores (0: they
     ran on GPUs); with more processes than cores the measured times include waiting for a core.
@@ -121,6 +122,12 @@ def report(
         lines.append(_planned_line(planned, step))
     lines += _cpu_note(cpu_processes, planned is not None)
     lines += _pictures(Path(svg), step, title)
+    if trace is not None:
+        from pipetrain.render.trace import write_trace
+
+        Path(trace).parent.mkdir(parents=True, exist_ok=True)
+        write_trace(step, trace)
+        lines.append(f"wrote {trace}")
     return "\n".join(lines)
 
 

@@ -189,9 +189,9 @@ def _report(
     """The end-of-run text (``app.report``) and what the run skipped, wrote and exported."""
     args = (config.svg, losses, measured, pipe.program, cpu_processes, _planned(config.plan))
     if config.cuda_graph:
-        text = report(*args, unmeasured="each step replayed as one CUDA graph")
+        text = report(*args, unmeasured="each step replayed as one CUDA graph", trace=config.trace)
     else:
-        text = report(*args)
+        text = report(*args, trace=config.trace)
     if skipped:
         shown = ", ".join(map(str, skipped[:10])) + (" ..." if len(skipped) > 10 else "")
         text += f"\nskipped the update of {len(skipped)} step(s) whose loss was not "

@@ -158,6 +158,12 @@ def _run_options(choices: dict[str, tuple[str, ...]]) -> tuple[Option, ...]:
             "step's optimizer update",
         ),
         Option(("--svg",), metavar="PATH", help="where to write the measured step as SVG"),
+        Option(
+            ("--trace",),
+            metavar="PATH",
+            help="also write the measured step as a Chrome/Perfetto trace JSON (on a GPU eager "
+            "step with each rank's host issuing its actions on a track of its own)",
+        ),
     )
 
 

@@ -8,7 +8,10 @@ One process (pid 0) holds one thread per rank (tid = rank, named ``rank r``). Ea
 complete ("X") event named by its action (``1F3``, ``(0F7;7B3)OVERLAP_F_B``) with the op kind as
 category; each rank's activation curve is a counter ("C") track ``activations rank r``. Offload
 and reload copies (``schedule.offload``), which run beside compute, go on a thread of their own
-per rank (tid = ranks + rank, named ``rank r copies``).
+per rank (tid = ranks + rank, named ``rank r copies``); where the timeline has the host's issue
+spans (an eager GPU step, measured or simulated with host times), they go on a third
+(tid = 2 × ranks + rank, named ``rank r host``), so a device waiting for its host shows as a
+gap under a host span.
 """
 
 from __future__ import annotations
@@ -55,7 +58,8 @@ def render_trace(timeline: Timeline) -> dict[str, Any]:
             }
         )
     events.extend(_span_event(s) for s in sorted(timeline.spans, key=lambda s: (s.start, s.rank)))
-    events.extend(_copy_events(timeline))
+    events.extend(_side_track(timeline, timeline.copies, 1, "copies"))
+    events.extend(_side_track(timeline, timeline.host_spans, 2, "host"))
     events.extend(_counter_events(timeline))
     return {
         "traceEvents": events,
@@ -74,20 +78,23 @@ def write_trace(timeline: Timeline, path: str | os.PathLike[str]) -> None:
         json.dump(render_trace(timeline), f)
 
 
-def _copy_events(timeline: Timeline) -> list[dict[str, Any]]:
-    """The copies on one thread per rank, after the ranks' threads."""
-    if not timeline.copies:
+def _side_track(
+    timeline: Timeline, spans: tuple[Span, ...], track: int, label: str
+) -> list[dict[str, Any]]:
+    """``spans`` on one thread per rank (tid = ``track`` × ranks + rank, named ``rank r label``)
+    after the ranks' own."""
+    if not spans:
         return []
     events: list[dict[str, Any]] = []
+    offset = track * timeline.num_ranks
     for rank in range(timeline.num_ranks):
-        tid = timeline.num_ranks + rank
         events.append(
-            {"name": "thread_name", "ph": "M", "pid": PID, "tid": tid,
-             "args": {"name": f"rank {rank} copies"}}
+            {"name": "thread_name", "ph": "M", "pid": PID, "tid": offset + rank,
+             "args": {"name": f"rank {rank} {label}"}}
         )  # fmt: skip
-    for copy in sorted(timeline.copies, key=lambda s: (s.start, s.rank)):
-        event = _span_event(copy)
-        event["tid"] = timeline.num_ranks + copy.rank
+    for span in sorted(spans, key=lambda s: (s.start, s.rank)):
+        event = _span_event(span)
+        event["tid"] = offset + span.rank
         events.append(event)
     return events
 

@@ -97,6 +97,8 @@ class Run:
     stretches: list[Stretch]
     #: the OFFLOAD/RELOAD copies, on the copy engine beside compute (``copy_engine``)
     copies: tuple[Span, ...] = ()
+    #: with ``issue``: when each rank's host began and ended issuing each action
+    host: tuple[Span, ...] = ()
 
     def spans(self) -> list[Span]:
         spans: list[Span] = []
@@ -157,6 +159,7 @@ def run(
     pos = [0] * len(rows)
     free_at = [0.0] * len(rows)
     host_at = [0.0] * len(rows)  # when each rank's host begins issuing its next action
+    host_spans: list[Span] | None = [] if issue is not None else None
     starts: list[list[float]] = [[] for _ in rows]
     ends: list[list[float]] = [[] for _ in rows]
     stretches: list[Stretch] = []
@@ -193,6 +196,8 @@ def run(
                 free = start + device
                 if issued + cost > free:
                     free = issued + cost
+                if host_spans is not None:
+                    host_spans.append(Span(rank, action, issued, issued + host))
                 issued += host
                 rank_starts.append(start)
                 rank_ends.append(free)
@@ -214,7 +219,14 @@ def run(
         raise deadlock_error(
             program.with_actions(rows), _stuck_computes(program, rows, pos, produced)
         )
-    return Run(rows, starts, ends, stretches, tuple(copies.spans) if copies else ())
+    return Run(
+        rows,
+        starts,
+        ends,
+        stretches,
+        tuple(copies.spans) if copies else (),
+        tuple(host_spans or ()),
+    )
 
 
 def _plans(

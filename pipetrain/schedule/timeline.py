@@ -93,8 +93,8 @@ class Timeline:
     simulator. ``host_bound_idle[r]`` (measured GPU runs only) is the part of rank ``r``'s idle
     time between actions that its device spent waiting for the host to issue the next action, as
     opposed to waiting for inputs from other ranks: the simulator models the second, not the first.
-    ``host_spans`` (measured eager GPU runs only) are when each rank's host began and ended
-    issuing each action, on the same axis.
+    ``host_spans`` are when each rank's host began and ended issuing each action, on the same
+    axis: measured on eager GPU runs, simulated where the costs give host times (``sim.costs``).
     """
 
     num_ranks: int

@@ -85,4 +85,5 @@ def simulate(program: Program, costs: Costs | None = None) -> Timeline:
         workspace_size=sc.workspace if any(sc.workspace) or any(sc.weight_workspace) else None,
         weight_workspace_size=sc.weight_workspace or None,
         name=program.name,
+        host_spans=ran.host,
     )

@@ -285,11 +285,15 @@ def test_train_smoke_two_processes(tmp_path: Path, weight_grads: str) -> None:
     cmd += ["--model", "gpt", "--weight-grads", weight_grads]
     cmd += ["--steps", "5", "--layers", "4", "--hidden", "16", "--heads", "2", "--seq-len", "16"]
     cmd += ["--microbatches", "4", "--microbatch-size", "2", "--svg", str(svg), "--timeout", "60"]
+    cmd += ["--trace", str(tmp_path / "step.json")]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "loss" in done.stdout and "bubble" in done.stdout, done.stdout
     assert svg.exists() and svg.read_text().startswith("<svg")
+    trace = json.loads((tmp_path / "step.json").read_text())
+    spans = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    assert trace["otherData"]["source"] == "measured" and len(spans) == 2 * 4 * 3 * 2  # zbv
 
 
 def test_a_worker_keeps_import_notices_that_say_nothing_of_the_run_out_of_its_output() -> None:

@@ -3,6 +3,8 @@ them as they come (``schedule.execute``, ``sim.costs``)."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -106,3 +108,26 @@ def test_no_host_time_and_the_wall_as_device_time_is_the_plain_model() -> None:
         device=Costs(forward=1.0, backward_input=1.2, backward_weight=0.7),
     )  # fmt: skip
     assert simulate(program, hosted).spans == simulate(program, plain).spans
+
+
+def test_the_host_spans_are_simulated_and_drawn_on_a_track_of_their_own() -> None:
+    """A simulated eager step has its hosts' issue spans, one after another on each rank, as a
+    measured one has them; the trace draws them on a ``rank r host`` thread under the rank's."""
+    from pipetrain.render.trace import render_trace
+
+    program = build_schedule("1f1b", 2, 4)
+    hosted = Costs(
+        forward=1.0, backward_input=1.0, backward_weight=1.0,
+        host=_times(0.5, 0.8), device=_times(0.9, 1.8),
+    )  # fmt: skip
+    timeline = simulate(program, hosted)
+    assert len(timeline.host_spans) == len(timeline.spans)
+    for rank in range(2):
+        mine = [s for s in timeline.host_spans if s.rank == rank]
+        assert mine[0].start == 0.0
+        assert all(a.end == pytest.approx(b.start) for a, b in itertools.pairwise(mine))
+    assert simulate(program, Costs()).host_spans == ()
+    events = render_trace(timeline)["traceEvents"]
+    names = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert names[4] == "rank 0 host" and names[5] == "rank 1 host"
+    assert sum(1 for e in events if e.get("ph") == "X" and e["tid"] in (4, 5)) == 16
