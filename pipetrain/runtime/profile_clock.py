@@ -33,7 +33,9 @@ replays after an idle pause, by the same share for light and heavy work. The pro
 pieces are short, with the device idle between them, so they run at the high clock. The same
 calibration therefore also replays the model's window back to back for ``SUSTAIN_S`` and after
 pauses, and the clock scales every time it reads by the ratio (``sustained``, never below 1;
-1 where no window was measured).
+1 where no window was measured). An eager step's device-bound ranks keep their devices as busy,
+so the wall clock measures the same ratio on the same window and scales the device's queued
+times by it (not the wall or host times: a rank that waits for its host idles its device).
 """
 
 from __future__ import annotations
@@ -60,10 +62,24 @@ class Clock:
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
+        self.device = device
         #: whether ``issue`` and ``queued`` split a time into host and device (a GPU's eager
         #: step; on a CPU the host is the device)
         self.issue_times = self.cuda and self.timing == "wall"
         self._cycles_per_ms = 0.0
+        #: how much slower the device runs under sustained load than after a pause (1:
+        #: unmeasured), and on what; scales the device's times (``queued``, ``DeviceClock.time``)
+        self.sustained = 1.0
+        self.sustained_on = "not measured"
+
+    def measure_sustained(self, work: Callable[[], object], what: str) -> None:
+        """``sustained`` measured on ``work`` (capturable; the module docstring); where it
+        cannot be captured it stays 1 and ``sustained_on`` says why."""
+        try:
+            self.sustained, self.sustained_on = sustained_slowdown(self.device, work), what
+        except Exception as error:  # not capturable
+            torch.cuda.synchronize(self.device)
+            self.sustained_on = f"{what} could not be captured: {type(error).__name__}"
 
     def issue(self, fn: Callable[[], object]) -> tuple[float, float, object]:
         """(ms from start to end, ms the host took to issue ``fn``, its result), the device
@@ -96,7 +112,7 @@ class Clock:
         fn()
         end.record()
         torch.cuda.synchronize()
-        return start.elapsed_time(end)
+        return self.sustained * start.elapsed_time(end)
 
     def time(self, fn: Callable[[], object]) -> tuple[float, object]:
         if self.cuda:
@@ -122,13 +138,10 @@ class DeviceClock(Clock):
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
         self.activities = self._activities(device)
-        self.device = device
         #: µs a replayed graph leaves between one kernel's end and the next one's start, and the
         #: work it was measured on
         self.replay_gap_us = replay_gap_us(device, self, kernel_chain(device))
         self.gap_measured_on = f"a chain of {CHAIN_KERNELS} small kernels"
-        #: how much slower a replay runs under sustained load than after a pause (1: unmeasured)
-        self.sustained = 1.0
 
     def calibrate(self, work: Callable[[], object], what: str) -> None:
         """Measure the replay's gap and its slowdown under sustained load on ``work``
@@ -137,7 +150,7 @@ class DeviceClock(Clock):
         ``gap_measured_on`` says why."""
         try:
             gap = replay_gap_us(self.device, self, work)
-            self.sustained = sustained_slowdown(self.device, work)
+            self.sustained, self.sustained_on = sustained_slowdown(self.device, work), what
             self.replay_gap_us, self.gap_measured_on = gap, what
         except Exception as error:  # not capturable: keep the chain's gap, say so
             torch.cuda.synchronize(self.device)

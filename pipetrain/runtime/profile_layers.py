@@ -134,6 +134,8 @@ def profile(
     clock = clock_for(device, timing)
     if isinstance(clock, DeviceClock):
         profile_replay.calibrate(clock, layers, inputs, context, in_flight)
+    elif clock.issue_times:
+        profile_replay.calibrate_sustained(clock, layers, inputs, context, in_flight)
     rounds = (repeats, warmup, in_flight)
     measured, layer_inputs = _measure_layers(
         layers, inputs, loss_fn, target, clock, rounds, optimizer, names
@@ -169,6 +171,8 @@ def profile(
                     "sustained_slowdown": clock.sustained,
                 }
                 if isinstance(clock, DeviceClock)
+                else {"sustained_slowdown": clock.sustained, "sustained_on": clock.sustained_on}
+                if clock.issue_times
                 else {}
             ),
             "comm_method": _comm_method(device),

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from pipetrain.runtime.layers import Stage
-from pipetrain.runtime.profile_clock import DeviceClock
+from pipetrain.runtime.profile_clock import Clock, DeviceClock
 from pipetrain.runtime.stage import StageRunner, leaves
 
 
@@ -38,6 +38,24 @@ def calibrate(
     window = window_work(layers, inputs, context, in_flight)
     if window is not None:
         clock.calibrate(*window)
+    for p, grad in zip(params, grads):
+        p.grad = grad
+
+
+def calibrate_sustained(
+    clock: Clock,
+    layers: Sequence[nn.Module],
+    inputs: tuple[torch.Tensor, ...],
+    context: int,
+    in_flight: int,
+) -> None:
+    """Measure ``clock``'s slowdown under sustained load on the same window as ``calibrate``
+    (an eager profile's device times); the layers keep the gradients they had."""
+    params = [p for layer in layers for p in layer.parameters()]
+    grads = [p.grad for p in params]
+    window = window_work(layers, inputs, context, in_flight)
+    if window is not None:
+        clock.measure_sustained(*window)
     for p, grad in zip(params, grads):
         p.grad = grad
 

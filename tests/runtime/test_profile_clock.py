@@ -226,6 +226,9 @@ class _SplitClock(Clock):
         fn()
         return 2.0
 
+    def measure_sustained(self, work, what):
+        self.sustained, self.sustained_on = 1.05, what
+
 
 def test_an_eager_gpu_profile_splits_each_piece_into_host_and_device(monkeypatch) -> None:
     """Every piece is timed from an idle start (its wall time, and the host's issue time) and
@@ -241,6 +244,10 @@ def test_an_eager_gpu_profile_splits_each_piece_into_host_and_device(monkeypatch
         loss_fn=lambda y, t: (y**2).mean(),
     )  # fmt: skip
     assert costs.has_issue_times
+    # the device's slowdown under sustained load, measured on the window a graphed profile
+    # calibrates on
+    assert costs.meta["sustained_slowdown"] == 1.05
+    assert costs.meta["sustained_on"].startswith("layers 1..")
     for layer in costs.layers:
         for piece in ("forward", "backward", "backward_input", "backward_weight"):
             assert getattr(layer, piece) == 4.0  # 8 ms over 2 micro-batches
