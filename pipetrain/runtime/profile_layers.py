@@ -132,10 +132,8 @@ def profile(
     inputs = sample_input if isinstance(sample_input, tuple) else (sample_input,)
     device = inputs[0].device
     clock = clock_for(device, timing)
-    if isinstance(clock, DeviceClock):
+    if isinstance(clock, DeviceClock) or clock.issue_times:
         profile_replay.calibrate(clock, layers, inputs, context, in_flight)
-    elif clock.issue_times:
-        profile_replay.calibrate_sustained(clock, layers, inputs, context, in_flight)
     rounds = (repeats, warmup, in_flight)
     measured, layer_inputs = _measure_layers(
         layers, inputs, loss_fn, target, clock, rounds, optimizer, names

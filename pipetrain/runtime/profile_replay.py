@@ -24,38 +24,21 @@ from pipetrain.runtime.stage import StageRunner, leaves
 
 
 def calibrate(
-    clock: DeviceClock,
-    layers: Sequence[nn.Module],
-    inputs: tuple[torch.Tensor, ...],
-    context: int,
-    in_flight: int,
-) -> None:
-    """Measure ``clock``'s replay gap on a middle window of ``layers`` (see the module
-    docstring); the layers keep the gradients they had. A model too short for a window keeps
-    the chain's gap."""
-    params = [p for layer in layers for p in layer.parameters()]
-    grads = [p.grad for p in params]
-    window = window_work(layers, inputs, context, in_flight)
-    if window is not None:
-        clock.calibrate(*window)
-    for p, grad in zip(params, grads):
-        p.grad = grad
-
-
-def calibrate_sustained(
     clock: Clock,
     layers: Sequence[nn.Module],
     inputs: tuple[torch.Tensor, ...],
     context: int,
     in_flight: int,
 ) -> None:
-    """Measure ``clock``'s slowdown under sustained load on the same window as ``calibrate``
-    (an eager profile's device times); the layers keep the gradients they had."""
+    """Measure ``clock``'s replay gap on a middle window of ``layers`` (see the module
+    docstring) and its slowdown under sustained load — for a wall clock (an eager profile's
+    device times) the slowdown alone; the layers keep the gradients they had. A model too short
+    for a window keeps the chain's gap and no slowdown."""
     params = [p for layer in layers for p in layer.parameters()]
     grads = [p.grad for p in params]
     window = window_work(layers, inputs, context, in_flight)
     if window is not None:
-        clock.measure_sustained(*window)
+        (clock.calibrate if isinstance(clock, DeviceClock) else clock.measure_sustained)(*window)
     for p, grad in zip(params, grads):
         p.grad = grad
 

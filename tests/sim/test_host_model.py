@@ -18,27 +18,24 @@ def _times(f: float, b: float) -> Costs:
     return Costs(forward=f, backward_input=b / 2, backward_weight=b / 2, backward=b)
 
 
-def test_a_host_slower_than_the_device_paces_the_rank() -> None:
-    # one rank, three forwards: each issues in 2, runs in 1 queued ahead, 2.1 from an idle start;
-    # the device waits for the host, so the step is the host's 6 and the last action's tail
-    program = build_schedule("gpipe", 1, 3)
-    plain = Costs(forward=2.1, backward=0.0, backward_input=0.0, backward_weight=0.0)
-    hosted = Costs(
-        forward=2.1, backward=0.0, backward_input=0.0, backward_weight=0.0,
-        host=_times(2.0, 0.0), device=_times(1.0, 0.0),
-    )  # fmt: skip
-    assert simulate(program, plain).makespan == pytest.approx(6.3)
-    assert simulate(program, hosted).makespan == pytest.approx(6.1)
-
-
-def test_a_device_behind_the_host_hides_the_host_time() -> None:
-    # issued in 0.5, run in 2 queued ahead, 2.2 from idle: only the first action pays its start
+@pytest.mark.parametrize(
+    ("host", "device", "wall", "step"),
+    [
+        # each forward issues in 2, runs in 1 queued ahead, 2.1 from an idle start: the device
+        # waits for the host, so the step is the host's 6 and the last action's tail (the wall
+        # model: 6.3)
+        (2.0, 1.0, 2.1, 6.1),
+        # issued in 0.5, run in 2 queued ahead, 2.2 from idle: only the first pays its start
+        (0.5, 2.0, 2.2, 6.2),
+    ],
+)
+def test_the_slower_of_host_and_device_paces_the_rank(host, device, wall, step) -> None:
     program = build_schedule("gpipe", 1, 3)
     hosted = Costs(
-        forward=2.2, backward=0.0, backward_input=0.0, backward_weight=0.0,
-        host=_times(0.5, 0.0), device=_times(2.0, 0.0),
+        forward=wall, backward=0.0, backward_input=0.0, backward_weight=0.0,
+        host=_times(host, 0.0), device=_times(device, 0.0),
     )  # fmt: skip
-    assert simulate(program, hosted).makespan == pytest.approx(6.2)
+    assert simulate(program, hosted).makespan == pytest.approx(step)
 
 
 def test_the_host_runs_ahead_while_the_device_waits_for_a_transfer() -> None:
