@@ -81,6 +81,9 @@ OPTIONS = (
 
 def run(args: argparse.Namespace) -> int:
     costs = load_costs(args.costs)
+    note = timing_note(costs.meta.get("timing", "wall"), args.cuda_graph, costs)
+    if args.cuda_graph:  # a replay issues nothing per action: no host to pace it
+        costs = costs.without_issue_times()
     found = search(
         costs,
         num_ranks=args.ranks,
@@ -92,7 +95,6 @@ def run(args: argparse.Namespace) -> int:
         micro_batch_size=args.micro_batch_size,
         offload=not args.cuda_graph,
     )
-    note = timing_note(costs.meta.get("timing", "wall"), args.cuda_graph)
     if note:
         print(f"note: {note}", file=sys.stderr)
     best = found.best  # NoPlanFits (a ValueError) when nothing fits: exit 2
@@ -131,9 +133,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def timing_note(timing: object, cuda_graph: bool) -> str:
+def timing_note(timing: object, cuda_graph: bool, costs: ModelCosts | None = None) -> str:
     """What to say where the costs were timed for another kind of step than the one planned
-    (``runtime.profile_clock``: wall time is an eager step's, device time a graphed one's)."""
+    (``runtime.profile_clock``: wall time is an eager step's, device time a graphed one's), or
+    where an eager plan's host model lacks the runtime's own host time per action."""
     if cuda_graph and timing != "device":
         return (
             "--cuda-graph with costs timed on the wall clock (host waits included): a replayed "
@@ -145,6 +148,13 @@ def timing_note(timing: object, cuda_graph: bool) -> str:
             "costs timed as the device's busy time (for a graphed run): an eager step also "
             "waits for the host and runs slower than predicted; add --cuda-graph, or profile "
             "with --timing wall"
+        )
+    if not cuda_graph and costs is not None and costs.has_issue_times and not costs.host_action_ms:
+        return (
+            "the costs give each piece's host and device time but no host_action_ms (the "
+            "pipeline runtime's own host time per action, read off a measured eager step on the "
+            "host that will train): taken as 0, so host-bound eager steps run slower than "
+            "predicted"
         )
     return ""
 

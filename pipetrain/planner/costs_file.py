@@ -46,6 +46,7 @@ Anything else is refused with the field's path, so a typo never silently becomes
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -170,6 +171,13 @@ class ModelCosts:
     def has_issue_times(self) -> bool:
         """Whether every layer has its host and device times (an eager GPU profile)."""
         return all(layer.has_issue_times for layer in self.layers)
+
+    def without_issue_times(self) -> ModelCosts:
+        """The costs without host and device times: a step replayed as a CUDA graph issues
+        nothing per action, so its host paces nothing."""
+        cleared: dict[str, Any] = dict.fromkeys(_ISSUE)
+        layers = tuple(dataclasses.replace(layer, **cleared) for layer in self.layers)
+        return dataclasses.replace(self, layers=layers, host_action_ms=None)
 
     def layer_comm(self, index: int) -> float:
         own = self.layers[index].comm

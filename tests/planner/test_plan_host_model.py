@@ -102,3 +102,35 @@ def test_the_runtimes_own_host_time_per_action_delays_every_issue(tmp_path) -> N
     bare, _ = simulate_plan(dataclasses.replace(costs, host_action_ms=None), program, (2,))
     slower, _ = simulate_plan(costs, program, (2,))
     assert slower.makespan == pytest.approx(bare.makespan + 0.25 * 7)  # 8 actions, last no wait
+
+
+def test_cli_plan_uses_the_host_model_for_eager_steps_only(tmp_path, capsys) -> None:
+    """``pipetrain plan`` simulates an eager step with the profile's host times and says when
+    the runtime's own per-action host time is missing; with ``--cuda-graph`` (a replay issues
+    nothing per action) it plans from the wall times alone, as from a profile without them."""
+    import json
+
+    from pipetrain.cli import main
+
+    hosted = _model(1.0, 0.2)
+    bare = hosted.without_issue_times()
+    assert not bare.has_issue_times and bare.host_action_ms is None
+    paths = {}
+    for name, costs in (("hosted", hosted), ("bare", bare)):
+        paths[name] = tmp_path / f"{name}.json"
+        save_costs(costs, paths[name])
+
+    def pick(name: str, *extra: str) -> tuple[dict, str]:
+        code = main(["plan", "--costs", str(paths[name]), "--ranks", "2", "--memory-gib", "100",
+                     "--json",
+                     *extra])  # fmt: skip
+        out = capsys.readouterr()
+        assert code == 0, out.err
+        return json.loads(out.out), out.err
+
+    eager, note = pick("hosted")
+    assert "no host_action_ms" in note
+    graphed, graphed_note = pick("hosted", "--cuda-graph")
+    assert "host_action_ms" not in graphed_note
+    assert graphed == pick("bare", "--cuda-graph")[0]
+    assert eager["predicted"]["step_ms"] < pick("bare")[0]["predicted"]["step_ms"]
