@@ -9,6 +9,7 @@ the renderers applied to what the runtime measured (docs/design.md, "The idea").
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import sys
@@ -118,6 +119,8 @@ def report(
         f"{predicted.bubble_fraction:6.1%}   (from the measured times above, communication "
         "taken as free)",
     ]
+    if step.host_spans:
+        lines.append(_host_line(step))
     if planned:
         lines.append(_planned_line(planned, step))
     lines += _cpu_note(cpu_processes, planned is not None)
@@ -129,6 +132,22 @@ def report(
         write_trace(step, trace)
         lines.append(f"wrote {trace}")
     return "\n".join(lines)
+
+
+def _host_line(step: Timeline) -> str:
+    """The hosts' share of an eager GPU step: how long each rank's host took to issue its
+    actions, and its mean time between them (the costs file's ``host_action_ms``)."""
+    busy, gaps = [], []
+    for rank in range(step.num_ranks):
+        row = sorted((s for s in step.host_spans if s.rank == rank), key=lambda s: s.start)
+        busy.append(sum(s.duration for s in row))
+        gaps += [b.start - a.end for a, b in itertools.pairwise(row)]
+    between = fmean(gaps) if gaps else 0.0
+    return (
+        f"host:            issuing {max(busy):8.2f} ms on its busiest rank, {between:.3f} ms "
+        "between actions (the runtime's own: a costs file's host_action_ms for planning eager "
+        "steps)"
+    )
 
 
 def _planned_line(planned: Mapping[str, Any], step: Timeline) -> str:
