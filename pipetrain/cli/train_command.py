@@ -74,13 +74,13 @@ def options() -> tuple[Option, ...]:
             shown_default="none" + or_plan,
         ),
     )
-    run = (*_run_options(CHOICES), *_process_options(CHOICES))
+    run = (*_run_options(CHOICES), *_output_options(CHOICES), *_process_options(CHOICES))
     folder = with_defaults(folder_options(), TrainConfig())
     return (*shape, *folder, *model_options(), *with_defaults(run, TrainConfig()))
 
 
 def _run_options(choices: dict[str, tuple[str, ...]]) -> tuple[Option, ...]:
-    """The flags of the run: data parallel, steps, optimizer, data, plan, checkpoints, picture."""
+    """The flags of the run: data parallel, steps, optimizer, data, plan."""
     return (
         Option(
             ("--dp",), type=positive_int, metavar="D", help="data-parallel replicas of the pipeline"
@@ -128,6 +128,12 @@ def _run_options(choices: dict[str, tuple[str, ...]]) -> tuple[Option, ...]:
             help="run a plan (`pipetrain plan --json > FILE`): its schedule, ranks, stages per "
             "rank, micro-batches, cut, recompute and offload; give no shape flags with it",
         ),
+    )
+
+
+def _output_options(choices: dict[str, tuple[str, ...]]) -> tuple[Option, ...]:
+    """The flags of what the run writes: checkpoints, and the measured step's pictures."""
+    return (
         Option(
             ("--checkpoint-dir",),
             metavar="DIR",

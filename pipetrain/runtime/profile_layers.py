@@ -162,17 +162,7 @@ def profile(
             "optimizer": optimizer,
             "repeats": repeats,
             "timing": timing,
-            **(
-                {
-                    "replay_gap_us": clock.replay_gap_us,
-                    "replay_gap_on": clock.gap_measured_on,
-                    "sustained_slowdown": clock.sustained,
-                }
-                if isinstance(clock, DeviceClock)
-                else {"sustained_slowdown": clock.sustained, "sustained_on": clock.sustained_on}
-                if clock.issue_times
-                else {}
-            ),
+            **_clock_meta(clock),
             "comm_method": _comm_method(device),
             **({"host_bandwidth": host_link.METHOD} if clock.cuda else {}),
             "torch": torch.__version__,
@@ -183,6 +173,16 @@ def profile(
     if path is not None:
         save_costs(costs, path)
     return costs
+
+
+def _clock_meta(clock: Clock) -> dict[str, object]:
+    """What the costs file's ``meta`` says of how the clock was calibrated."""
+    if isinstance(clock, DeviceClock):
+        return {"replay_gap_us": clock.replay_gap_us, "replay_gap_on": clock.gap_measured_on,
+                "sustained_slowdown": clock.sustained}  # fmt: skip
+    if clock.issue_times:
+        return {"sustained_slowdown": clock.sustained, "sustained_on": clock.sustained_on}
+    return {}
 
 
 def _check_arguments(

@@ -159,7 +159,6 @@ def run(
     pos = [0] * len(rows)
     free_at = [0.0] * len(rows)
     host_at = [0.0] * len(rows)  # when each rank's host begins issuing its next action
-    host_spans: list[Span] | None = [] if issue is not None else None
     starts: list[list[float]] = [[] for _ in rows]
     ends: list[list[float]] = [[] for _ in rows]
     stretches: list[Stretch] = []
@@ -196,8 +195,6 @@ def run(
                 free = start + device
                 if issued + cost > free:
                     free = issued + cost
-                if host_spans is not None:
-                    host_spans.append(Span(rank, action, issued, issued + host))
                 issued += host
                 rank_starts.append(start)
                 rank_ends.append(free)
@@ -219,14 +216,23 @@ def run(
         raise deadlock_error(
             program.with_actions(rows), _stuck_computes(program, rows, pos, produced)
         )
-    return Run(
-        rows,
-        starts,
-        ends,
-        stretches,
-        tuple(copies.spans) if copies else (),
-        tuple(host_spans or ()),
-    )
+    spans = tuple(copies.spans) if copies else ()
+    return Run(rows, starts, ends, stretches, spans, _host_spans(rows, issue))
+
+
+def _host_spans(rows: Sequence[Sequence[Action]], issue: Issue | None) -> tuple[Span, ...]:
+    """When each rank's host began and ended issuing each action: one after another from 0,
+    since a host never waits (the module docstring); none without ``issue``."""
+    if issue is None:
+        return ()
+    spans = []
+    for rank, row in enumerate(rows):
+        issued = 0.0
+        for action in row:
+            host = issue(action)[0]
+            spans.append(Span(rank, action, issued, issued + host))
+            issued += host
+    return tuple(spans)
 
 
 def _plans(
