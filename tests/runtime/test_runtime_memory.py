@@ -29,11 +29,15 @@ class FakeWork:
         return True
 
 
-def _transport_with(*states: bool | None) -> tuple[Transport, list[Pending], list[FakeWork]]:
+def _transport_with(
+    *states: bool | None, peers: tuple[int, ...] = ()
+) -> tuple[Transport, list[Pending], list[FakeWork]]:
     transport = Transport(0, None, torch.device("cpu"), timedelta(seconds=1))
     works = [FakeWork(s) for s in states]
+    peers = peers or (1,) * len(works)
     pendings = [
-        Pending(Action(OpKind.SEND_F, 0, j), 1, [torch.zeros(2)], [w]) for j, w in enumerate(works)
+        Pending(Action(OpKind.SEND_F, 0, j), peer, [torch.zeros(2)], [w])
+        for j, (w, peer) in enumerate(zip(works, peers, strict=True))
     ]
     transport._sends = list(pendings)
     return transport, pendings, works
@@ -44,12 +48,26 @@ def test_reap_waits_each_finished_send_once_and_keeps_the_running_ones() -> None
     tensors keeps them until ``wait()`` (or its watchdog's next sweep)."""
     transport, pendings, works = _transport_with(True, False, None)
     transport.reap()
-    assert [w.waits for w in works] == [1, 0, 0]  # a failed check is dropped unwaited
-    assert transport._sends == [pendings[1]]
+    assert [w.waits for w in works] == [1, 0, 0]
+    assert transport._sends == pendings[1:]  # behind a running send to its peer: not checked
     works[1].state = True
     transport.reap()
-    assert [w.waits for w in works] == [1, 1, 0]
+    assert [w.waits for w in works] == [1, 1, 0]  # a failed check is dropped unwaited
     assert transport._sends == []
+
+
+def test_reap_checks_a_send_only_once_every_earlier_send_to_its_peer_has_finished() -> None:
+    """One peer's sends finish in the order posted, so a running one holds back the checks of
+    the later ones to that peer (a sweep per action stays short however many are in flight),
+    not those to another peer."""
+    transport, pendings, works = _transport_with(False, True, True, peers=(1, 1, 2))
+    checked = []
+    for w in works:
+        w.is_completed = lambda w=w: (checked.append(w), w.state)[1]  # type: ignore[method-assign]
+    transport.reap()
+    assert checked == [works[0], works[2]]
+    assert [w.waits for w in works] == [0, 0, 1]
+    assert transport._sends == pendings[:2]
 
 
 def test_reap_names_a_finished_send_whose_wait_fails() -> None:

@@ -272,12 +272,21 @@ class Transport:
         which costs nothing once it has finished and makes a backend that stashes an async op's
         tensors until ``wait()`` (ProcessGroupNCCL's and ProcessGroupXCCL's stash) let go of them
         now rather than at its watchdog's next sweep. A send whose completion check failed is
-        dropped unwaited: the failure surfaces at the next receive."""
-        running = []
+        dropped unwaited: the failure surfaces at the next receive. A send is checked only once
+        every earlier send to its peer has finished: one peer's sends finish in the order posted
+        (one stream per peer and direction on NCCL), and checking every send in flight before
+        every action made a step's sweeps quadratic in its sends (on gloo, whose sends finish only
+        once waited, all of a step's are in flight; on NCCL, as many as the host runs ahead)."""
+        running: list[Pending] = []
+        blocked: set[int] = set()  # peers with an earlier send still running
         for pending in self._sends:
+            if pending.peer in blocked:
+                running.append(pending)
+                continue
             states = [_done(w) for w in pending.works]
             if any(state is False for state in states):
                 running.append(pending)
+                blocked.add(pending.peer)
                 continue
             for work, state in zip(pending.works, states):
                 if state is True:
