@@ -276,7 +276,8 @@ class Transport:
         every earlier send to its peer has finished: one peer's sends finish in the order posted
         (one stream per peer and direction on NCCL), and checking every send in flight before
         every action made a step's sweeps quadratic in its sends (on gloo, whose sends finish only
-        once waited, all of a step's are in flight; on NCCL, as many as the host runs ahead)."""
+        once waited, all of a step's are in flight; NCCL with two groups lets go of its sends at
+        once and has none here)."""
         running: list[Pending] = []
         blocked: set[int] = set()  # peers with an earlier send still running
         for pending in self._sends:
