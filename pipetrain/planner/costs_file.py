@@ -61,13 +61,13 @@ VERSIONS = (1, 2)
 _LAYER_NUMBERS = ("forward", "backward_input", "backward_weight", "backward", "activation")
 _LAYER_OPTIONAL = ("comm", "workspace", "activation_for_weight")
 #: fields a version 1 file may not give
+#: an eager profile's host and device times per piece (``LayerCost.has_issue_times``)
+_ISSUE = tuple(f"{worker}_{piece}" for worker in ("host", "device")
+               for piece in ("forward", "backward", "backward_input", "backward_weight"))  # fmt: skip
 _LAYER_V2 = (
     "recompute", "recompute_activation", "selective_activation", "selective_recompute",
-    "recompute_forward", "selective_forward", "optimizer_workspace",
-    *(f"{worker}_{piece}" for worker in ("host", "device")
-      for piece in ("forward", "backward", "backward_input", "backward_weight")),
+    "recompute_forward", "selective_forward", "optimizer_workspace", *_ISSUE,
 )  # fmt: skip
-_ISSUE = _LAYER_V2[-8:]
 _TOP_V2 = ("host_bandwidth_gbs", "host_action_ms")
 _LAYER_KEYS = ("name", *_LAYER_NUMBERS, "params", *_LAYER_OPTIONAL, *_LAYER_V2)
 _TOP_KEYS = ("version", "layers", "comm", "meta", *_TOP_V2)
