@@ -67,6 +67,10 @@ class Clock:
         #: step; on a CPU the host is the device)
         self.issue_times = self.cuda and self.timing == "wall"
         self._cycles_per_ms = 0.0
+        self._lead = QUEUE_LEAD
+        #: pieces whose device time was measured with the device reaching them before the host
+        #: had issued them all (a spin too short: ``queued``'s lead doubles after each)
+        self.late = 0
         #: how much slower the device runs under sustained load than after a pause (1:
         #: unmeasured), and on what; scales the device's times (``queued``, ``DeviceClock.time``)
         self.sustained = 1.0
@@ -107,9 +111,13 @@ class Clock:
             self._cycles_per_ms = _spin_rate()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
-        torch_compat.device_spin(int(self._cycles_per_ms * QUEUE_LEAD * (host_ms + 1.0)))
+        lead = self._lead * (host_ms + 1.0)
+        torch_compat.device_spin(int(self._cycles_per_ms * lead))
         start.record()
         fn()
+        if start.query():  # the device got there before the host had issued everything
+            self.late += 1
+            self._lead *= 2  # the next pieces lead by more (this one cannot run again)
         end.record()
         torch.cuda.synchronize()
         return self.sustained * start.elapsed_time(end)

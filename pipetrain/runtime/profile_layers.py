@@ -181,7 +181,8 @@ def _clock_meta(clock: Clock) -> dict[str, object]:
         return {"replay_gap_us": clock.replay_gap_us, "replay_gap_on": clock.gap_measured_on,
                 "sustained_slowdown": clock.sustained}  # fmt: skip
     if clock.issue_times:
-        return {"sustained_slowdown": clock.sustained, "sustained_on": clock.sustained_on}
+        return {"sustained_slowdown": clock.sustained, "sustained_on": clock.sustained_on,
+                "queued_late": clock.late}  # fmt: skip
     return {}
 
 

@@ -249,6 +249,7 @@ def test_an_eager_gpu_profile_splits_each_piece_into_host_and_device(monkeypatch
     # calibrates on
     assert costs.meta["sustained_slowdown"] == 1.05
     assert costs.meta["sustained_on"].startswith("layers 1..")
+    assert costs.meta["queued_late"] == 0  # no piece measured with the device there too early
     for layer in costs.layers:
         for piece in ("forward", "backward", "backward_input", "backward_weight"):
             assert getattr(layer, piece) == 4.0  # 8 ms over 2 micro-batches
