@@ -6,11 +6,20 @@ nothing fits, not even with full recompute (``NoPlanFits``)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
-from pipetrain.cli.flags import Command, Option, fraction, gib, int_list, one_positive_int
+from pipetrain.cli.flags import (
+    Command,
+    Option,
+    fraction,
+    gib,
+    int_list,
+    milliseconds,
+    one_positive_int,
+)
 from pipetrain.planner.costs_file import ModelCosts, load_costs
 from pipetrain.planner.judge import Candidate, stage_costs
 from pipetrain.planner.recompute import describe, stage_recompute
@@ -62,6 +71,14 @@ OPTIONS = (
         help="plan a run replayed as a CUDA graph (train --cuda-graph): no activation offload, "
         "which a captured step refuses; profile its costs with --timing device",
     ),
+    Option(
+        ("--host-action-ms",),
+        type=milliseconds,
+        metavar="MS",
+        help="eager plans: the pipeline runtime's own host time per action on the host that "
+        "will train (what `pipetrain train` prints on its host: line); overrides the costs "
+        "file's host_action_ms",
+    ),
     Option(("--json",), switch=True, help="print the pick as one JSON object"),
     Option(
         ("--svg",),
@@ -81,6 +98,8 @@ OPTIONS = (
 
 def run(args: argparse.Namespace) -> int:
     costs = load_costs(args.costs)
+    if args.host_action_ms is not None:
+        costs = dataclasses.replace(costs, host_action_ms=args.host_action_ms)
     note = timing_note(costs.meta.get("timing", "wall"), args.cuda_graph, costs)
     if args.cuda_graph:  # a replay issues nothing per action: no host to pace it
         costs = costs.without_issue_times()

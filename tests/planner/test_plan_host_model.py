@@ -134,3 +134,12 @@ def test_cli_plan_uses_the_host_model_for_eager_steps_only(tmp_path, capsys) -> 
     assert "host_action_ms" not in graphed_note
     assert graphed == pick("bare", "--cuda-graph")[0]
     assert eager["predicted"]["step_ms"] < pick("bare")[0]["predicted"]["step_ms"]
+    # the runtime's own host time per action, from the command line (a train run's host: line)
+    slower, quiet = pick("hosted", "--host-action-ms", "0.5")
+    assert "host_action_ms" not in quiet
+    assert slower["predicted"]["step_ms"] > eager["predicted"]["step_ms"]
+    with pytest.raises(SystemExit) as bad:
+        main(["plan", "--costs", str(paths["hosted"]), "--ranks", "2", "--memory-gib", "100",
+              "--host-action-ms", "-1"])  # fmt: skip
+    assert bad.value.code == 2
+    assert "expected a number of ms >= 0" in capsys.readouterr().err
