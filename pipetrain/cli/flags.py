@@ -161,17 +161,6 @@ def positive_float(text: str) -> float:
     return value
 
 
-def milliseconds(text: str) -> float:
-    """A finite number of milliseconds >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number of ms >= 0, got {text!r}")
-    return value
-
-
 def int_list(text: str) -> list[int]:
     """Comma-separated integers >= 1 (``pipetrain plan --microbatches 4,8``)."""
     try:

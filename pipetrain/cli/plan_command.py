@@ -17,7 +17,6 @@ from pipetrain.cli.flags import (
     fraction,
     gib,
     int_list,
-    milliseconds,
     one_positive_int,
 )
 from pipetrain.planner.costs_file import ModelCosts, load_costs
@@ -26,6 +25,18 @@ from pipetrain.planner.recompute import describe, stage_recompute
 from pipetrain.planner.search import DEFAULT_HEADROOM, Search, search
 from pipetrain.schedule.registry import build_schedule
 from pipetrain.sim.costs import per_rank
+
+
+def milliseconds(text: str) -> float:
+    """A finite number of milliseconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of ms >= 0, got {text!r}")
+    return value
+
 
 OPTIONS = (
     Option(("--costs",), required=True, metavar="FILE", help="costs file (JSON, version 1 or 2)"),

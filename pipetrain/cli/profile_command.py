@@ -26,6 +26,7 @@ import json
 import sys
 
 from pipetrain.cli.flags import Command, Option, model_options, model_shape, require_torch
+from pipetrain.planner.costs_file import ModelCosts
 
 OPTIMIZERS = ("adamw", "adam", "sgd-momentum", "sgd", "none")
 #: the profiler's clocks (``runtime.profile_clock.TIMINGS``; the parser imports no torch)
@@ -130,7 +131,24 @@ def run(args: argparse.Namespace) -> int:
             f"{costs.meta['replay_gap_on']}",
             file=sys.stderr if args.out is None else sys.stdout,
         )
+    if costs.has_issue_times:  # an eager GPU profile: the host model's two halves
+        print(issue_line(costs), file=sys.stderr if args.out is None else sys.stdout)
     return 0
+
+
+def issue_line(costs: ModelCosts) -> str:
+    """The host's and the device's forward+backward per micro-batch, summed over the layers:
+    which of the two an eager step of the whole model waits for."""
+    host = sum((x.host_forward or 0.0) + (x.host_backward or 0.0) for x in costs.layers)
+    device = sum((x.device_forward or 0.0) + (x.device_backward or 0.0) for x in costs.layers)
+    bound = "host-bound" if host > device else "device-bound"
+    slower = costs.meta.get("sustained_slowdown", 1.0)
+    return (
+        f"eager host model: host {host:.3f} ms, device {device:.3f} ms forward+backward per "
+        f"micro-batch ({bound} over the whole model; device times {slower:.3f} x for sustained "
+        "load); plan eager steps with the runtime's own host time per action "
+        "(pipetrain plan --host-action-ms, from a train run's host: line)"
+    )
 
 
 COMMAND = Command(

@@ -143,3 +143,11 @@ def test_cli_plan_uses_the_host_model_for_eager_steps_only(tmp_path, capsys) -> 
               "--host-action-ms", "-1"])  # fmt: skip
     assert bad.value.code == 2
     assert "expected a number of ms >= 0" in capsys.readouterr().err
+
+
+def test_the_profile_command_says_which_half_an_eager_step_waits_for() -> None:
+    from pipetrain.cli.profile_command import issue_line
+
+    line = issue_line(_model(0.9, 0.4, layers=2))
+    assert "host 5.400 ms, device 2.400 ms" in line and "host-bound" in line
+    assert "device-bound" in issue_line(_model(0.2, 0.9, layers=2))
