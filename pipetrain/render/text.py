@@ -7,7 +7,9 @@ numbers; with three or more chunks on a rank, the stage before it, as ``pipetrai
 actions: ``4F3``). When a typical action would be too narrow for its label, time wraps into a few bands,
 one under the other, each with its own axis; a timeline that would need more bands (thousands of
 spans) draws in one, as a heat map. Without colour, kinds are told apart by fill characters; with
-colour (ANSI 256-colour backgrounds) by the ``style`` palette.
+colour (ANSI 256-colour backgrounds) by the ``style`` palette. A timeline with its hosts' issue
+spans (an eager GPU step, measured or simulated with host times) draws each rank's host in a row
+under it, so a device idle under a busy host reads as a host-bound stretch.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import math
 import os
 import sys
 import textwrap
+from collections.abc import Sequence
 
 from pipetrain.render.style import (
     COLOURS,
@@ -29,7 +32,7 @@ from pipetrain.render.style import (
     ticks,
 )
 from pipetrain.schedule.action import Action, OpKind
-from pipetrain.schedule.timeline import Timeline
+from pipetrain.schedule.timeline import Span, Timeline
 
 #: fill character per kind when drawing without colour
 FILL: dict[OpKind, str] = {
@@ -66,8 +69,9 @@ def render_text(
     cols = width - label_w - 3  # "rank r |" + grid + "|"
     bands = _bands_for_labels(timeline, cols, max_bands)
     scale = bands * cols / timeline.makespan
-    rows = _dominant(timeline, bands * cols, scale)
+    rows = _dominant(timeline.spans, timeline, bands * cols, scale)
     _overlay_labels(rows, timeline, scale, cols)
+    hosts = _dominant(timeline.host_spans, timeline, bands * cols, scale)
     lines = textwrap.wrap(head, width)
     for band in range(bands):
         lo, hi = band * cols, (band + 1) * cols
@@ -75,10 +79,14 @@ def render_text(
             lines.append("")
         for rank, row in enumerate(rows):
             lines.append(f"{f'rank {rank}':<{label_w}} |{_paint(row[lo:hi], colour)}|")
+            if timeline.host_spans:
+                lines.append(f"{'host':>{label_w}} |{_paint(hosts[rank][lo:hi], colour)}|")
         lines.extend(_axis(timeline.start + lo / scale, cols, scale, label_w + 2))
     unit = "ms" if timeline.measured else "time units"
     notes = [_chunk_note(chunk_of(timeline))] if multi_stage(timeline) else []
     notes.append(f"1 column = {1 / scale:.3g} {unit}")
+    if timeline.host_spans:
+        notes.append("host: when the rank's host issued each action (an eager step)")
     lines.extend(_legend(kinds_present(timeline), colour, notes, width))
     return "\n".join(lines)
 
@@ -119,12 +127,15 @@ def _header(timeline: Timeline) -> str:
     return text
 
 
-def _dominant(timeline: Timeline, cols: int, scale: float) -> list[list[Cell]]:
-    """Per rank and column, the kind covering most of the column (None when idle dominates)."""
+def _dominant(
+    spans: Sequence[Span], timeline: Timeline, cols: int, scale: float
+) -> list[list[Cell]]:
+    """Per rank and column, the kind of ``spans`` (the timeline's, or its hosts') covering most
+    of the column (None when idle dominates)."""
     cover: list[list[dict[OpKind, float]]] = [
         [{} for _ in range(cols)] for _ in range(timeline.num_ranks)
     ]
-    for s in timeline.spans:
+    for s in spans:
         a = (s.start - timeline.start) * scale
         b = (s.end - timeline.start) * scale
         for c in range(max(0, int(a)), min(cols, int(b) + 1)):

@@ -128,3 +128,17 @@ def test_the_host_spans_are_simulated_and_drawn_on_a_track_of_their_own() -> Non
     names = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
     assert names[4] == "rank 0 host" and names[5] == "rank 1 host"
     assert sum(1 for e in events if e.get("ph") == "X" and e["tid"] in (4, 5)) == 16
+
+
+def test_the_terminal_draws_each_ranks_host_under_it() -> None:
+    from pipetrain.render.text import render_text
+
+    program = build_schedule("1f1b", 2, 4)
+    times = Costs(forward=0.5, backward_input=0.5, backward_weight=0.5)
+    hosted = simulate(program, Costs(host=times, device=times))
+    lines = render_text(hosted, width=80, color=False).splitlines()
+    ranks = [i for i, line in enumerate(lines) if line.startswith("rank ")]
+    assert all(lines[i + 1].lstrip().startswith("host |") for i in ranks)
+    assert "host: when the rank's host issued each action" in "\n".join(lines)
+    plain = render_text(simulate(program), width=80, color=False)
+    assert "host |" not in plain
