@@ -1,4 +1,5 @@
-"""The SVG Gantt chart: a lane per rank, a rectangle per span, axis, legend and a metrics caption.
+"""The SVG Gantt chart: a lane per rank, a rectangle per span, axis, legend and a metrics caption
+(and, for an eager step with its hosts' issue spans, a thin bar per issue under each lane).
 
 Layout: a 1200 px wide picture, lanes whose height shrinks with the rank count (36 px down to
 10 px), a time axis with 1-2-5 ticks, a legend of the op kinds present and a caption with makespan,
@@ -82,7 +83,7 @@ def render_svg(
         timeline,
         top=44.0 if title else 16.0,
         lane=lane,
-        gap=max(1.0, lane * 0.15),
+        gap=max(1.0, lane * (0.45 if timeline.host_spans else 0.15)),
         strip=lane * 0.6 if memory else 0.0,
         static=None if static is None else tuple(static),
         limit=limit,
@@ -95,6 +96,7 @@ def render_svg(
         *_lanes(lay),
         *_axis(lay),
         *_spans(lay),
+        *_hosts(lay),
         *(_memory(lay) if memory else []),
         *_legend(lay, memory),
         *(
@@ -237,6 +239,21 @@ def _memory(lay: _Layout) -> list[str]:
     return out + _copies(lay)
 
 
+def _hosts(lay: _Layout) -> list[str]:
+    """Each rank's host issuing its actions (an eager step's ``host_spans``) as thin bars in the
+    gap under its lane, coloured by kind, each titled with its action."""
+    out = []
+    for span in lay.timeline.host_spans:
+        y = lay.y(span.rank) + lay.lane + lay.strip + lay.gap * 0.15
+        x, w = lay.x(span.start), max(span.duration * lay.scale, 0.5)
+        out.append(
+            f'<rect class="span {span.action.kind.name}" x="{x:.2f}" y="{y:.2f}" '
+            f'width="{w:.2f}" height="{lay.gap * 0.55:.2f}"><title>host issues {span.action}'
+            "</title></rect>"
+        )
+    return out
+
+
 def _copies(lay: _Layout) -> list[str]:
     """Offload and reload copies (``schedule.offload``) as thin bars along the bottom of each
     rank's memory strip, offloads above reloads, each titled with its action."""
@@ -314,4 +331,6 @@ def _caption(tl: Timeline) -> list[str]:
         f"{len(tl.spans)} spans on {tl.num_ranks} ranks"
     )
     peaks = " ".join(f"r{r}={fmt(p)}" for r, p in enumerate(tl.peak_activations))
-    return [first, *textwrap.wrap(f"peak activations per rank: {peaks}", 150)]
+    hosts = ["thin bars under each lane: when its rank's host issued each action"]
+    return [first, *textwrap.wrap(f"peak activations per rank: {peaks}", 150),
+            *(hosts if tl.host_spans else [])]  # fmt: skip

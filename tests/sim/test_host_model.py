@@ -142,3 +142,15 @@ def test_the_terminal_draws_each_ranks_host_under_it() -> None:
     assert "host: when the rank's host issued each action" in "\n".join(lines)
     plain = render_text(simulate(program), width=80, color=False)
     assert "host |" not in plain
+
+
+def test_the_svg_draws_each_ranks_host_in_bars_under_its_lane() -> None:
+    from pipetrain.render.svg import render_svg
+
+    program = build_schedule("1f1b", 2, 4)
+    times = Costs(forward=0.5, backward_input=0.5, backward_weight=0.5)
+    hosted = simulate(program, Costs(host=times, device=times))
+    svg = render_svg(hosted)
+    assert svg.count("<title>host issues") == len(hosted.host_spans) == 16
+    assert "when its rank's host issued each action" in svg
+    assert "host issues" not in render_svg(simulate(program))
