@@ -199,7 +199,9 @@ def main() -> int:
     costs = parse_costs(info["costs"])
     if not args.runs:
         log(f"profiled {costs.num_layers} layers, host {costs.host_bandwidth_gbs or 0:.1f} GB/s")
-    if args.calibrate_host and not cfg_args["cuda_graph"]:
+    if args.calibrate_host and not cuda:
+        log("--calibrate-host: nothing to calibrate on a CPU (its host is its device)")
+    elif args.calibrate_host and not cfg_args["cuda_graph"]:
         costs = calibrated(costs, cfg, master, device, b, cfg_args, world, max(counts), args.run_s)
         log(f"the runtime's host time between actions on this host: {costs.host_action_ms:.3f} ms")
     info = share(rank, lambda: {"costs": costs.to_json(), "budgets": [

@@ -24,11 +24,12 @@ def test_cpu_smoke_plans_and_measures_the_memory_bound_budget(tmp_path: Path) ->
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
         str(SCRIPT), "--preset", "cpu-smoke", "--budgets", "memory-bound", "--rounds", "1",
-        "--max-near", "1", "--out", str(tmp_path),
+        "--max-near", "1", "--calibrate-host", "--out", str(tmp_path),
     ]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "round 0 run 1/" in done.stdout  # progress lines, as each run ends
+    assert "nothing to calibrate on a CPU" in done.stdout  # the eager host model is a GPU's
     report = json.loads((tmp_path / "plan_gpu.json").read_text())
     (budget,) = report["budgets"]
     assert budget["budget"] == "memory-bound"
