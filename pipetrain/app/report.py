@@ -9,7 +9,6 @@ the renderers applied to what the runtime measured (docs/design.md, "The idea").
 
 from __future__ import annotations
 
-import itertools
 import os
 import shutil
 import sys
@@ -137,11 +136,10 @@ def report(
 def _host_line(step: Timeline) -> str:
     """The hosts' share of an eager GPU step: how long each rank's host took to issue its
     actions, and its mean time between them (the costs file's ``host_action_ms``)."""
-    busy, gaps = [], []
-    for rank in range(step.num_ranks):
-        row = sorted((s for s in step.host_spans if s.rank == rank), key=lambda s: s.start)
-        busy.append(sum(s.duration for s in row))
-        gaps += [b.start - a.end for a, b in itertools.pairwise(row)]
+    busy = [0.0] * step.num_ranks
+    for s in step.host_spans:
+        busy[s.rank] += s.duration
+    gaps = [gap for row in step.host_gaps for gap in row]
     between = fmean(gaps) if gaps else 0.0
     return (
         f"host:            issuing {max(busy):8.2f} ms on its busiest rank, {between:.3f} ms "

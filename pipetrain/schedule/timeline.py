@@ -36,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from itertools import accumulate
+from itertools import accumulate, pairwise
 from operator import itemgetter
 from typing import NamedTuple
 
@@ -130,6 +130,16 @@ class Timeline:
         for s in self.spans:
             busy[s.rank] += s.duration
         return tuple(busy)
+
+    @cached_property
+    def host_gaps(self) -> tuple[tuple[float, ...], ...]:
+        """Per rank, its host's time between ending one action's issue and beginning the next
+        (posting transfers, bookkeeping: what an action costs the host beyond its own issue);
+        empty rows without ``host_spans``."""
+        rows: list[list[Span]] = [[] for _ in range(self.num_ranks)]
+        for s in sorted(self.host_spans, key=lambda s: s.start):
+            rows[s.rank].append(s)
+        return tuple(tuple(b.start - a.end for a, b in pairwise(row)) for row in rows)
 
     @cached_property
     def rank_spans(self) -> tuple[float, ...]:

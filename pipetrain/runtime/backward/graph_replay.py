@@ -288,16 +288,12 @@ class GraphReplay:
         work for ``W`` to pass through ``AccumulateGrad``. (Collected, the stage's whole weight
         gradient exists twice at the end of the backward: parameter-sized memory the planner's
         model does not see, measured on GPUs under zero-bubble schedules.)"""
-        if self.whole and through_autograd and not last_piece:
-            # nothing to split and nothing to hold: no walk of the graph (host time per I)
-            return backward_full(roots, grads, inputs, params, hooks=True), WeightWork(
-                [], [], [], []
-            )
+        as_b = through_autograd and not last_piece
+        if as_b and self.whole:  # nothing to split, nothing to hold: no walk of the graph
+            return _as_b(roots, grads, inputs, params)
         groups, work = self._bind(roots, grads, inputs, params)
-        if work.empty and through_autograd and not last_piece:
-            return backward_full(roots, grads, inputs, params, hooks=True), WeightWork(
-                [], [], [], []
-            )
+        if as_b and work.empty:
+            return _as_b(roots, grads, inputs, params)
         handles = []
         for group in groups:
             for i, node in enumerate(group.nodes):
@@ -370,6 +366,12 @@ class GraphReplay:
             root_params=[params[j] for j in plan.outside_params],
         )
         return groups, work
+
+
+def _as_b(roots, grads, inputs, params) -> tuple[list[torch.Tensor | None], WeightWork]:
+    """An ``I`` run as ``B`` runs: one backward through ``AccumulateGrad``, nothing left for
+    ``W``."""
+    return backward_full(roots, grads, inputs, params, hooks=True), WeightWork([], [], [], [])
 
 
 def _capture(group: _Group, i: int):
