@@ -44,7 +44,9 @@ def compare(rows: list[dict], cpu: bool) -> tuple[list[str], list[dict]]:
 
 
 def line(row: dict, ratios: list[dict]) -> str:
-    where = row["kind"] if row["kind"] == "unsplit" else f"{row['schedule']} {row['split']}"
+    where = f"{row['schedule']} {row['split']}" if row["kind"] == "pipeline" else row["kind"]
+    if row["kind"] == "unsplit" and row.get("cuda_graph"):
+        where = "unsplit, graphed"
     head = f"{where:<26} {row['recompute']:<9}"
     if "error" in row:
         return f"{head} FAILED {row['error'][:300]}"
