@@ -20,8 +20,9 @@ Activation Recomputation in Large Transformer Models") define full and selective
    the same micro-batches the pipeline runs (each loss divided by their count, as the pipeline
    weighs them), for recompute none, full, selective.
 2. The pipeline on both ranks, for every family the registry runs on 2 ranks (``--schedules``
-   narrows them) x ``defer_weight_grads`` True ("deferred") and False ("replay": graph replay) x
-   recompute none, full, selective: ``Pipeline.from_plan`` on a ``Layout`` whose cut is
+   narrows them) x ``defer_weight_grads`` True ("deferred") and False ("replay": graph replay)
+   (``--splits``; "default", None, is what the pipeline picks per stage) x recompute none, full,
+   selective: ``Pipeline.from_plan`` on a ``Layout`` whose cut is
    ``make_stage``'s (blocks as even as possible, the embedding on the first stage, the head on
    the last), stages per rank the family's default.
 
@@ -78,7 +79,7 @@ from pipetrain.runtime.pipeline import Pipeline  # noqa: E402
 from pipetrain.schedule.registry import FAMILIES, build_schedule, family  # noqa: E402
 
 GIB = 2**30
-SPLITS = {"deferred": True, "replay": False}
+SPLITS = {"deferred": True, "replay": False, "default": None}
 GPU_SHAPE = dict(layers=8, hidden=2048, heads=16, seq=1024, vocab=8192, mb_size=4, microbatches=8)
 CPU_SHAPE = dict(layers=4, hidden=32, heads=2, seq=16, vocab=64, mb_size=2, microbatches=4)
 #: the CPU dry run's schedules: one per kind of placement and backward (B only, I/W, V)
@@ -427,7 +428,8 @@ FLAGS = (
     ("--schedules", str, None, "comma list of families (default: every one the registry runs; "
      f"cpu: {CPU_SCHEDULES})"),
     ("--splits", str, "deferred,replay",
-     "weight-gradient splits: deferred (defer_weight_grads=True), replay (False); default both"),
+     "weight-gradient splits: deferred (defer_weight_grads=True), replay (False), default (None: "
+     "what the pipeline picks); default deferred,replay"),
     ("--dtype", str, None, "bfloat16 or float32, parameters and activations (default bfloat16; "
      "cpu: float32)"),
     ("--warmup", int, 2, "untimed steps after the checked first (default 2)"),

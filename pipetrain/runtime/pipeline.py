@@ -158,7 +158,7 @@ class Pipeline:
         self._data_parallel = DataParallel.build(
             data_parallel, self.modules, *replicas, self.loss_reduction, self._tied_sets
         )
-        self._runners = self._build_runners(loss_fn, defer_weight_grads, offload)
+        self._runners = self._build_runners(loss_fn, defer_weight_grads, offload, bool(cuda_graph))
         wide = self._data_parallel is not None or mesh is not None
         self._precompile = Precompile.build(precompile, self._agreement, self._runners, wide)
         self._last_uses = resolve.last_uses(self.program.actions[self.rank])
@@ -210,12 +210,14 @@ class Pipeline:
         return tied_weights.build([*tied, *found], self.modules, *ranks, gather=gather, found=found)
 
     def _build_runners(
-        self, loss_fn: LossFn, defer_weight_grads: bool | None, offload: resolve.Offload
+        self, loss_fn: LossFn, defer: bool | None, offload: resolve.Offload, captured: bool
     ) -> dict[int, StageRunner]:
         """A runner per local stage, told its step's last weight-gradient piece (hooks fire)."""
         last, row = self._last_stage, self.program.actions[self.rank]
-        split = defer_weight_grads
-        runners = {s: StageRunner(s, m, s == last, loss_fn, split) for s, m in self.modules.items()}
+        runners = {
+            s: StageRunner(s, m, s == last, loss_fn, defer, captured=captured)
+            for s, m in self.modules.items()
+        }
         host_offload.attach(runners, resolve.offload_fractions(offload), row, self.device)
         for stage, mb in resolve.last_weight_pieces(row).items():
             runners[stage].last_weight_microbatch = mb

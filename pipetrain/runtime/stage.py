@@ -73,8 +73,9 @@ class StageRunner:
 
     ``defer_weight_grads``: split ``I``/``W`` with ``deferred_wgrad`` (the module's plain
     ``nn.Linear`` layers' weight GEMMs deferred while the stage runs; quiet ``B`` pieces fuse
-    their accumulation) instead of ``graph_replay``'s graph replay; ``None``: where
-    ``worth_deferring``. ``split``: a ``BackwardSplit`` of the caller's instead."""
+    their accumulation) instead of ``graph_replay``'s graph replay; ``None``: as
+    ``interface.choose_split`` says for an eager or a ``captured`` (CUDA graph) step.
+    ``split``: a ``BackwardSplit`` of the caller's instead."""
 
     def __init__(
         self,
@@ -84,12 +85,15 @@ class StageRunner:
         loss_fn: Callable | None,
         defer_weight_grads: bool | None = None,
         split: BackwardSplit | None = None,
+        captured: bool = False,
     ) -> None:
         self.index = index
         self.module = module
         self.is_last = is_last
         self.loss_fn = loss_fn
-        self.split = split if split is not None else choose_split(module, defer_weight_grads, index)
+        if split is None:
+            split = choose_split(module, defer_weight_grads, index, captured)
+        self.split = split
         self.defer_weight_grads = self.split.defers_linear_weights
         self.saved: dict[int, _Saved] = {}
         self.weight_work: dict[int, object] = {}

@@ -11,6 +11,7 @@ import torch
 from recompute_cases import PLANS, run_recompute_plans
 from runtime_harness import launch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipetrain.planner.recompute import stage_recompute
 from pipetrain.runtime.backward.activation_checkpoint import (
@@ -197,10 +198,63 @@ def test_replay_recomputes_a_recomputed_stage_once_and_exactly(mode, caplog) -> 
         assert torch.allclose(p.grad, q.grad, rtol=1e-12, atol=0)
 
 
+class ProductFlops(TorchDispatchMode):
+    """Counts the matrix products' FLOPs that run under it (torch's ``FlopCounterMode`` also
+    tracks modules with gradient hooks, which an ``autograd.grad`` on a leaf input refuses)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        aten = torch.ops.aten
+        if func in (aten.mm.default, aten.addmm.default):
+            a, b = args[-2:]
+            self.flops += 2 * a.shape[0] * a.shape[1] * b.shape[1]
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_deferred_linears_recompute_no_more_products_than_nn_linear(mode) -> None:
+    """A checkpoint's recompute stops once its region's last saved tensor is packed again
+    (torch's early stop): under ``nn.Linear`` a recomputed layer skips its last linear's product.
+    The deferred linear packs its input before its product, so it skips it too: a quiet ``B`` of
+    a recomputing stage under deferral costs the products the unsplit model's own backward costs,
+    with the same gradients."""
+    from torch.autograd.graph import get_gradient_edge
+
+    from pipetrain.runtime.backward.interface import choose_split
+
+    torch.manual_seed(0)
+    layers = [Counting().double() for _ in range(2)]
+    reference = [Counting().double() for _ in range(2)]
+    for mine, theirs in zip(layers, reference):
+        theirs.load_state_dict(mine.state_dict())
+    (stage,), (unsplit,) = split(layers, [2]), split(reference, [2])
+    recompute_stage(stage, mode, 0)
+    recompute_stage(unsplit, mode, 0)
+    x0, g = torch.randn(3, 6, dtype=torch.float64), torch.randn(3, 6, dtype=torch.float64)
+    xr = x0.clone().requires_grad_()
+    out = unsplit(xr)
+    with ProductFlops() as plain:
+        out.backward(g)
+    deferred = choose_split(stage, True, 0)
+    x = x0.clone().requires_grad_()
+    out = deferred.call(stage, (x,))
+    params = list(stage.parameters())
+    with ProductFlops() as split_flops:
+        (dx,) = deferred.backward_full([get_gradient_edge(out)], [g], [x], params, False)
+    assert split_flops.flops == plain.flops > 0
+    assert torch.allclose(dx, xr.grad, rtol=1e-12, atol=0)
+    for p, q in zip(stage.parameters(), unsplit.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-12, atol=0)
+
+
 def test_a_recomputing_stage_defaults_to_graph_replay_unless_deferral_is_asked_for(caplog):
-    """By default a stage whose layers recompute is split by graph replay (its backward whole in
-    I), with the reason logged; the same layers without recompute defer their linears, and
-    ``defer_weight_grads=True`` defers a recomputing stage too."""
+    """By default a stage whose layers recompute in an eager step is split by graph replay (its
+    backward whole in I), with the reason logged; the same layers without recompute defer their
+    linears, and ``defer_weight_grads=True`` defers a recomputing stage too, as does a step
+    captured as a CUDA graph (no host time replayed; W keeps the weight GEMMs)."""
     from pipetrain.runtime.backward.deferred_wgrad import DeferredLinears
     from pipetrain.runtime.backward.graph_replay import GraphReplay
     from pipetrain.runtime.backward.interface import choose_split
@@ -214,6 +268,8 @@ def test_a_recomputing_stage_defaults_to_graph_replay_unless_deferral_is_asked_f
     assert isinstance(chosen, GraphReplay) and chosen.whole
     assert "its layers recompute" in caplog.text and "defer_weight_grads=True" in caplog.text
     assert isinstance(choose_split(stage, True, 0), DeferredLinears)
+    assert isinstance(choose_split(stage, None, 0, captured=True), DeferredLinears)
+    assert "captured as a CUDA graph" in caplog.text
 
 
 DROPPED = r"""

@@ -17,8 +17,11 @@ passed it), and it is where almost all of ``W``'s work is. Here:
   dict and behaviour outside the pipeline are never changed. Its backward computes ``dX`` and,
   while the stage's ``I`` is collecting (``backward_input`` below), records
   ``(weight, bias, X, dY)`` instead of computing ``dW`` and ``db``. Outside a stage's backward
-  (plain ``loss.backward()``) it computes everything, as ``nn.Linear`` does. Under autocast it
-  casts as autocast would and saves the casts; ``.grad`` keeps the parameter's dtype. What the
+  (plain ``loss.backward()``) it computes everything, as ``nn.Linear`` does. Under saved-tensor
+  hooks (activation checkpointing, offload) it is two functions, ``_SavedInput`` then
+  ``_Product``, so that ``X`` is packed before the product runs (``_SavedInput`` says why). Under
+  autocast it casts as autocast would and saves the casts (the pair saves the cast ``X`` and
+  casts the weight again in its backward); ``.grad`` keeps the parameter's dtype. What the
   backward does is the ``DeferredLinears`` object's ``mode``, which the graph reaches through
   the autograd context: nothing is shared between stages or pipelines.
 * ``backward_input`` is one engine call for the stage inputs' *and every parameter's* gradient
@@ -70,7 +73,7 @@ from torch import nn
 
 from pipetrain.runtime.backward.graph_replay import accumulate_quietly, backward_full, run_engine
 from pipetrain.runtime.comm.failures import PipelineRefused
-from pipetrain.runtime.torch_compat import GradientEdge, graph_break_refused
+from pipetrain.runtime.torch_compat import GradientEdge, graph_break_refused, saved_tensors_hooked
 
 #: ``DeferredLinears.mode`` during a quiet ``B``: add ``dW``/``db`` into ``.grad`` at once (one
 #: ``addmm_`` instead of a GEMM, a temporary and an add: Megatron-LM's gradient-accumulation
@@ -99,14 +102,8 @@ class _LinearFunction(torch.autograd.Function):
     def forward(ctx, owner, x, weight, bias):
         ctx.owner = owner  # a plain attribute: the graph keeps its stage's DeferredLinears alive
         ctx.params = (weight, bias)
-        device = x.device.type
-        if torch.is_autocast_enabled(device):  # cast as autocast would, and save the casts
-            dtype = torch.get_autocast_dtype(device)
-            x, weight = x.to(dtype), weight.to(dtype)
-            bias = bias.to(dtype) if bias is not None else None
-            with torch.autocast(device, enabled=False):
-                out = F.linear(x, weight, bias)
-        else:
+        x, weight, bias, cast = _autocast(x, weight, bias)
+        with cast:
             out = F.linear(x, weight, bias)
         ctx.save_for_backward(x, weight)
         return out
@@ -116,20 +113,97 @@ class _LinearFunction(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         _, need_x, need_w, need_b = ctx.needs_input_grad
         grad_x = grad_out.matmul(weight) if need_x else None
-        mode = ctx.owner.mode
-        if mode is not None and (need_w or need_b):
-            w, b = ctx.params
-            # detached: the saved input carries its grad_fn, and W must record no history
-            entry = (w if need_w else None, b if need_b else None, x.detach(), grad_out)
-            if mode is ACCUMULATE:
-                _accumulate(*entry)
-            else:
-                mode.append(entry)
-            return None, grad_x, None, None
-        dy, xs = _rows(grad_out), _rows(x)
-        grad_w = dy.t().mm(xs) if need_w else None
-        grad_b = dy.sum(0) if need_b else None
-        return None, grad_x, grad_w, grad_b
+        return None, grad_x, *_weight_half(ctx.owner, ctx.params, need_w, need_b, x, grad_out)
+
+
+class _Link:
+    """What a deferred linear's two halves share (``_SavedInput``, ``_Product``): the owner, and
+    ``dY`` from the product's backward until the input's backward takes it."""
+
+    __slots__ = ("grad_out", "owner")
+
+    def __init__(self, owner: DeferredLinears) -> None:
+        self.owner = owner
+        self.grad_out: torch.Tensor | None = None
+
+
+class _SavedInput(torch.autograd.Function):
+    """A deferred linear's first half where saved-tensor hooks are active (activation
+    checkpointing, offload): saves ``X`` and hands it on, so the hook packs ``X`` as this returns,
+    before the product runs. A checkpoint's recompute stops once the last tensor its region saved
+    is packed again (torch's early stop), so a recomputed layer skips its last linear's product,
+    as with ``nn.Linear``, whose ``addmm`` saves its inputs before computing; one function that
+    saved after its product would run that product for nothing. Its backward is the weight half
+    (``_weight_half``) with ``dY`` from ``_Product``'s backward, which runs first (this function's
+    output feeds only the product)."""
+
+    @staticmethod
+    def forward(ctx, link, x, weight, bias):
+        ctx.link, ctx.params = link, (weight, bias)
+        ctx.set_materialize_grads(False)  # an input that needs no gradient gets none from below
+        x, _, _, _ = _autocast(x, weight, bias)
+        ctx.save_for_backward(x)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad_x):
+        (x,) = ctx.saved_tensors
+        link = ctx.link
+        dy, link.grad_out = link.grad_out, None
+        _, need_x, need_w, need_b = ctx.needs_input_grad
+        weight_half = _weight_half(link.owner, ctx.params, need_w, need_b, x, dy)
+        return None, grad_x if need_x else None, *weight_half
+
+
+class _Product(torch.autograd.Function):
+    """A deferred linear's second half: ``F.linear`` on the saved input; its backward leaves
+    ``dY`` for ``_SavedInput`` and computes ``dX`` from the weight itself (a parameter, held
+    anyway: nothing saved), cast as autocast cast it."""
+
+    @staticmethod
+    def forward(ctx, link, x, weight, bias, input_needs_grad):
+        ctx.link, ctx.weight, ctx.input_needs_grad = link, weight, input_needs_grad
+        x, weight, bias, cast = _autocast(x, weight, bias)
+        with cast:
+            return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        ctx.link.grad_out = grad_out
+        if not ctx.input_needs_grad:
+            return None, None, None, None, None
+        weight = ctx.weight.to(grad_out.dtype)  # the parameter, or its autocast cast again
+        return None, grad_out.matmul(weight), None, None, None
+
+
+def _autocast(x, weight, bias):
+    """``x``, ``weight``, ``bias`` cast as autocast would cast them for ``F.linear`` (unchanged
+    without it), and the context to compute in (autocast off once cast)."""
+    device = x.device.type
+    if not torch.is_autocast_enabled(device):
+        return x, weight, bias, contextlib.nullcontext()
+    dtype = torch.get_autocast_dtype(device)
+    bias = bias.to(dtype) if bias is not None else None
+    return x.to(dtype), weight.to(dtype), bias, torch.autocast(device, enabled=False)
+
+
+def _weight_half(owner, params, need_w: bool, need_b: bool, x, dy):
+    """A deferred linear's ``dW``, ``db`` as its owner's ``mode`` says: stashed for ``W`` or added
+    into ``.grad`` (both returning ``None, None``), else returned, as ``nn.Linear`` would."""
+    if not (need_w or need_b):
+        return None, None
+    mode = owner.mode
+    if mode is not None:
+        w, b = params
+        # detached: the saved input carries its grad_fn, and W must record no history
+        entry = (w if need_w else None, b if need_b else None, x.detach(), dy)
+        if mode is ACCUMULATE:
+            _accumulate(*entry)
+        else:
+            mode.append(entry)
+        return None, None
+    dy2, xs = _rows(dy), _rows(x)
+    return (dy2.t().mm(xs) if need_w else None), (dy2.sum(0) if need_b else None)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -191,6 +265,10 @@ class DeferredLinears:
             wants = weight.requires_grad or (bias is not None and bias.requires_grad)
             if not (wants and torch.is_grad_enabled()):
                 return F.linear(x, weight, bias)
+            if saved_tensors_hooked():  # ``_SavedInput`` says why
+                link = _Link(self)
+                x_in = _SavedInput.apply(link, x, weight, bias)
+                return _Product.apply(link, x_in, weight, bias, x.requires_grad)
             return _LinearFunction.apply(self, x, weight, bias)
 
         # Inside a compiled module, not traced: the mode must be read when the backward runs.

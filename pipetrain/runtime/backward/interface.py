@@ -73,16 +73,22 @@ class BackwardSplit(Protocol):
 
 
 def choose_split(
-    module: nn.Module, defer_weight_grads: bool | None, stage: int | None = None
+    module: nn.Module,
+    defer_weight_grads: bool | None,
+    stage: int | None = None,
+    captured: bool = False,
 ) -> BackwardSplit:
     """``DeferredLinears`` with ``defer_weight_grads`` (``None``: where ``worth_deferring``,
-    nothing is compiled and nothing recomputes), else ``GraphReplay``; the choice and its reason
-    are logged (INFO) for ``stage``. A compiled stage defaults to graph replay: deferral breaks a
-    compiled block's graph around each linear. So does a stage whose layers recompute
-    (``Recomputed``): deferral runs each recomputed forward through a Python autograd function
-    per linear again, which turns an eager step host-bound, while graph replay runs such a
-    stage's backward whole, in one engine call (docs/benchmarks.md, "Activation checkpointing
-    under the pipeline", compares the two). ``defer_weight_grads=True`` defers in both cases."""
+    nothing is compiled and, in an eager step, nothing recomputes), else ``GraphReplay``; the
+    choice and its reason are logged (INFO) for ``stage``. A compiled stage defaults to graph
+    replay: deferral breaks a compiled block's graph around each linear. So does a stage whose
+    layers recompute (``Recomputed``) in an eager step: deferral runs each recomputed forward
+    through Python autograd functions per linear again, which turns the step host-bound, while
+    graph replay runs such a stage's backward whole, in one engine call. In a ``captured`` step
+    (a CUDA graph, which replays no host work) the same stage defers: its ``W`` then keeps the
+    weight GEMMs for the schedule's bubbles, where graph replay would put them in ``I``
+    (docs/benchmarks.md, "Activation checkpointing under the pipeline", measures both).
+    ``defer_weight_grads=True`` defers in every case."""
     from pipetrain.runtime.backward.activation_checkpoint import recomputes
     from pipetrain.runtime.backward.deferred_wgrad import (
         DeferredLinears,
@@ -95,17 +101,17 @@ def choose_split(
     if defer_weight_grads is None and has_compiled_parts(module):
         defer = False
         why = "it holds compiled regions, whose graphs deferral would break around each linear"
-    elif defer_weight_grads is None and recomputes(module):
+    elif defer_weight_grads is None and recomputes(module) and not captured:
         defer = False
         why = (
-            "its layers recompute, and deferral would run each recomputed linear through Python "
-            "again; pass defer_weight_grads=True to defer anyway"
+            "its layers recompute in an eager step, and deferral would run each recomputed "
+            "linear through Python again; pass defer_weight_grads=True to defer anyway"
         )
     elif defer_weight_grads is None:
         defer = worth_deferring(module)
         in_linears, total = linear_share(module)
         share = f"plain nn.Linear layers hold {in_linears} of its {total} trainable elements"
-        why = f"{share}; half defers"
+        why = f"{share}; half defers" + ("; captured as a CUDA graph" if captured else "")
     else:
         defer, why = defer_weight_grads, f"defer_weight_grads={defer_weight_grads}"
     way = "deferred linear weight GEMMs" if defer else "graph replay"
