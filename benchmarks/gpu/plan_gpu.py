@@ -189,7 +189,7 @@ def main() -> int:
         log(f"stopped: {info['error']}")
         dist.destroy_process_group()
         return 1
-    costs = parse_costs(info["costs"])
+    costs = captured_if(parse_costs(info["costs"]), cfg_args)
     if not args.runs:
         log(f"profiled {costs.num_layers} layers, host {costs.host_bandwidth_gbs or 0:.1f} GB/s")
     if args.calibrate_host and not cuda:
@@ -207,7 +207,7 @@ def main() -> int:
     if rank == 0:
         (out / "costs.json").write_text(json.dumps(costs.to_json(), indent=1) + "\n")
         log("planned: " + "; ".join(plan_line(x) for x in info["budgets"]))
-    costs = parse_costs(info["costs"])
+    costs = captured_if(parse_costs(info["costs"]), cfg_args)
     budgets = info["budgets"]
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
 
@@ -258,6 +258,12 @@ def share(rank: int, make) -> dict:
             shared[0] = {"error": f"{type(e).__name__}: {e}"}
     dist.broadcast_object_list(shared, src=0)
     return shared[0]  # type: ignore[return-value]
+
+
+def captured_if(costs, cfg_args: dict):
+    """``costs`` as a step captured as a CUDA graph runs them, where the runs are graphed
+    (recomputing stages split their backward: ``ModelCosts.captured``)."""
+    return costs.for_captured_step() if cfg_args["cuda_graph"] else costs
 
 
 def first_costs(args, cfg, master, dtype, device, b: int, cfg_args: dict) -> dict:

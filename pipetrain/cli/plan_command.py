@@ -112,8 +112,8 @@ def run(args: argparse.Namespace) -> int:
     if args.host_action_ms is not None:
         costs = dataclasses.replace(costs, host_action_ms=args.host_action_ms)
     note = timing_note(costs.meta.get("timing", "wall"), args.cuda_graph, costs)
-    if args.cuda_graph:  # a replay issues nothing per action: no host to pace it
-        costs = costs.without_issue_times()
+    if args.cuda_graph:  # a replay issues nothing per action; recomputing stages split
+        costs = costs.for_captured_step()
     found = search(
         costs,
         num_ranks=args.ranks,

@@ -153,10 +153,15 @@ class ModelCosts:
     host_bandwidth_gbs: float | None = None
     #: ms the runtime's host spends per action beyond the action's own issue (``None``: 0)
     host_action_ms: float | None = None
+    #: the step runs as a CUDA graph, where a recomputing stage splits its backward as any other
+    #: (``planner.recompute``); how the step runs, not part of the file
+    captured: bool = False
 
     def __post_init__(self) -> None:
         if not self.layers:
             raise CostsFileError("layers: a model needs at least one layer")
+        if self.captured and self.has_issue_times:
+            raise CostsFileError("a captured step's costs have no host times: for_captured_step()")
 
     @property
     def num_layers(self) -> int:
@@ -178,6 +183,11 @@ class ModelCosts:
         cleared: dict[str, Any] = dict.fromkeys(_ISSUE)
         layers = tuple(dataclasses.replace(layer, **cleared) for layer in self.layers)
         return dataclasses.replace(self, layers=layers, host_action_ms=None)
+
+    def for_captured_step(self) -> ModelCosts:
+        """The costs of a step replayed as a CUDA graph: no host times, and recomputing
+        stages split (``captured``)."""
+        return dataclasses.replace(self.without_issue_times(), captured=True)
 
     def layer_comm(self, index: int) -> float:
         own = self.layers[index].comm

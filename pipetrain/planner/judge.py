@@ -172,7 +172,7 @@ def stage_costs(
     )
     assert len(modes) == len(blocks), (recompute, cut)
     per_block = [
-        layers_under(costs.layers[a:b], mode, a, costs.num_layers)
+        layers_under(costs.layers[a:b], mode, a, costs.num_layers, costs.captured)
         for (a, b), mode in zip(blocks, modes)
     ]
     per_stage = [blocks[s % len(blocks)] for s in range(program.num_stages)]

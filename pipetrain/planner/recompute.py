@@ -39,13 +39,15 @@ A stage may recompute only its first K layers (``StageRecompute``, written ``"fu
 others hold what they hold without recompute. Memory falls layer by layer, so a rank a little
 over its budget pays the recompute of a few layers, not of the whole stage.
 
-How a recomputing stage splits its backward: by default the runtime runs it by graph replay,
-unsplit — its ``I`` runs the whole backward (recomputing each layer once) and its ``W`` nothing
-(``runtime.backward.interface.choose_split``: deferring the linears' weight gradients would run
-each recomputed linear through a Python autograd function again, and replaying ``W`` would
-recompute again). So here a recomputed layer's ``I`` is its whole backward plus the recompute,
-its ``W`` costs nothing and holds nothing: zero-bubble schedules get no ``W`` from such a stage
-to fill their bubbles with, as at run time.
+How a recomputing stage splits its backward: in an eager step the runtime runs it by graph
+replay, unsplit — its ``I`` runs the whole backward (recomputing each layer once) and its ``W``
+nothing (``runtime.backward.interface.choose_split``: deferring the linears' weight gradients
+would run each recomputed linear through Python autograd functions again, and replaying ``W``
+would recompute again). So here a recomputed layer's ``I`` is its whole backward plus the
+recompute, its ``W`` costs nothing and holds nothing: zero-bubble schedules get no ``W`` from
+such a stage to fill their bubbles with, as at run time. In a step captured as a CUDA graph
+(``ModelCosts.captured``) the runtime defers the linears' weight GEMMs there too: ``I`` is the
+layer's ``I`` plus the recompute, ``W`` its ``W``, holding what its ``W`` holds.
 
 An eager profile's host and device times (``LayerCost.has_issue_times``) follow the same
 transformation: the recompute runs the layer's forward again, so its time divides between host
@@ -196,8 +198,9 @@ def selective_paid(layer: LayerCost) -> float:
     return layer.recompute_ms * SELECTIVE_TIME
 
 
-def recomputed_layer(layer: LayerCost, mode: Recompute) -> LayerCost:
-    """``layer``'s costs when its stage runs ``mode`` (module docstring)."""
+def recomputed_layer(layer: LayerCost, mode: Recompute, split: bool = False) -> LayerCost:
+    """``layer``'s costs when its stage runs ``mode``, its backward whole in ``I`` or, with
+    ``split`` (a captured step), split as a plain layer's (module docstring)."""
     if mode is Recompute.NONE:
         return layer
     if mode is Recompute.FULL:
@@ -210,6 +213,15 @@ def recomputed_layer(layer: LayerCost, mode: Recompute) -> LayerCost:
         )
     dropped = max(0.0, layer.activation - kept)
     whole = layer.backward + paid
+    if split and layer.backward_input is not None:
+        return dataclasses.replace(
+            layer,
+            forward=layer.forward + (bookkeeping or 0.0),
+            backward=whole,
+            backward_input=layer.backward_input + paid,
+            activation=kept,
+            workspace=layer.workspace + dropped,
+        )
     return dataclasses.replace(
         layer,
         **_issue_under_recompute(layer, bookkeeping or 0.0, paid),
@@ -225,7 +237,11 @@ def recomputed_layer(layer: LayerCost, mode: Recompute) -> LayerCost:
 
 
 def layers_under(
-    layers: Sequence[LayerCost], recompute: StageRecompute | Recompute, start: int, num_layers: int
+    layers: Sequence[LayerCost],
+    recompute: StageRecompute | Recompute,
+    start: int,
+    num_layers: int,
+    split: bool = False,
 ) -> list[LayerCost]:
     """``layers`` (the model's layers ``start``, ``start + 1``, ... of ``num_layers``) when their
     stage recomputes as ``recompute`` says: each recomputing layer as ``recomputed_layer``
@@ -233,11 +249,14 @@ def layers_under(
     (``StageRecompute.layer_modes``, the rule the runtime's ``recompute_stage`` applies too). A
     plain layer beside recomputing ones has its
     backward run whole in ``I`` with theirs (``backward_whole``); a stage where nothing
-    recomputes is a stage of ordinary layers."""
+    recomputes is a stage of ordinary layers. With ``split`` (a captured step) the backward
+    splits as without recompute, plain layers unchanged."""
     spec = recompute if isinstance(recompute, StageRecompute) else StageRecompute(recompute)
     modes = spec.layer_modes(len(layers), ends_model=start + len(layers) == num_layers)
     if all(m is Recompute.NONE for m in modes):
         return list(layers)
+    if split:
+        return [recomputed_layer(layer, m, split=True) for layer, m in zip(layers, modes)]
     return [
         backward_whole(layer) if m is Recompute.NONE else recomputed_layer(layer, m)
         for layer, m in zip(layers, modes)
@@ -278,7 +297,7 @@ def recomputed_costs(costs: ModelCosts, mode: Recompute) -> ModelCosts:
     """Every layer of ``costs`` under one mode (for the cut searches' weights and memory caps)."""
     if mode is Recompute.NONE:
         return costs
-    layers = layers_under(costs.layers, mode, 0, costs.num_layers)
+    layers = layers_under(costs.layers, mode, 0, costs.num_layers, costs.captured)
     return dataclasses.replace(costs, layers=tuple(layers))
 
 

@@ -142,13 +142,13 @@ def _raises(
     if now == StageRecompute(Recompute.FULL):
         return []
     n = costs.num_layers
-    current = layers_under(costs.layers[a:b], now, a, n)
+    current = layers_under(costs.layers[a:b], now, a, n, costs.captured)
     held = sum(x.activation for x in current)
     paid = sum(x.backward + x.forward for x in current)
     for higher in MODES[MODES.index(now.mode) :]:
         if higher is Recompute.NONE or StageRecompute(higher) == now:
             continue
-        then = layers_under(costs.layers[a:b], higher, a, n)
+        then = layers_under(costs.layers[a:b], higher, a, n, costs.captured)
         freed = held - sum(x.activation for x in then)
         if freed > 0:
             added = sum(x.backward + x.forward for x in then) - paid
@@ -165,6 +165,8 @@ def _frees_more(
     n = costs.num_layers
 
     def held(spec: StageRecompute) -> float:
-        return sum(x.activation for x in layers_under(costs.layers[a:b], spec, a, n))
+        return sum(
+            x.activation for x in layers_under(costs.layers[a:b], spec, a, n, costs.captured)
+        )
 
     return held(StageRecompute(mode, k)) < held(now)

@@ -111,6 +111,32 @@ def test_the_layer_model_of_full_and_selective_recompute() -> None:
     assert recomputed_layer(measured, Recompute.SELECTIVE).backward == 2.5  # as measured
 
 
+def test_a_captured_step_splits_a_recomputing_stages_backward() -> None:
+    """In a step captured as a CUDA graph the runtime defers a recomputing stage's linears, so
+    the planner prices its ``I`` as the layer's plus the recompute and leaves its ``W`` to fill
+    bubbles: a zero-bubble schedule then predicts a shorter step than with the backward whole."""
+    layer = block("x", act=1.0, kept=0.1)
+    split = recomputed_layer(layer, Recompute.FULL, split=True)
+    assert split.backward_input == pytest.approx(1.8) and split.backward_weight == 1.0
+    assert split.backward == pytest.approx(2.8) and split.activation == 0.1
+    eager, captured = heavy(8), heavy(8).for_captured_step()
+    assert captured.captured and not eager.captured
+    mixed = layers_under(captured.layers[:2], stage_recompute("full:1"), 0, 8, split=True)
+    assert mixed[1] == captured.layers[1]  # a plain layer beside it splits as it would alone
+    program = build_schedule("zb-h1", 2, 8)
+    whole, _ = simulate_plan(eager, program, (4, 4), ("full", "full"))
+    deferred, _ = simulate_plan(captured, program, (4, 4), ("full", "full"))
+    assert deferred.makespan < whole.makespan
+    w = [s for s in deferred.spans if s.action.kind is OpKind.W]
+    assert w and all(s.end - s.start == pytest.approx(4.0) for s in w)
+    with pytest.raises(ValueError, match="no host times"):
+        hosted = dataclasses.replace(layer, host_forward=1.0, host_backward=1.0,
+                                     host_backward_input=1.0, host_backward_weight=1.0,
+                                     device_forward=1.0, device_backward=1.0,
+                                     device_backward_input=1.0, device_backward_weight=1.0)  # fmt: skip
+        ModelCosts(layers=(hosted,), captured=True)
+
+
 def test_selective_recompute_that_holds_more_is_priced_as_measured() -> None:
     """Where a layer's logits are cast by the loss, selective recompute caches the matrix
     product's output beside what the loss saves of it, so it holds more than the plain layer
