@@ -263,21 +263,18 @@ def unsplit_row(bench: Bench, mode: str) -> dict:
 def graphed(step: Callable[[], torch.Tensor], params: list[torch.Tensor]) -> Callable[[], None]:
     """The unsplit step as one CUDA graph (``--cuda-graph 1``), so that both sides of a quotient
     replay: a graphed pipeline pays no per-operator host time (selective recompute's dispatch mode
-    included), and an eager unsplit model would. Two steps on a side stream first (torch's
-    capture rule; they also make every ``.grad``), then the capture of one step that zeroes the
-    gradients in place and accumulates into them, as an eager step into fresh ones."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    grads = [p.grad for p in params if p.grad is not None]
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        torch._foreach_zero_(grads)
+    included), and an eager unsplit model would. The captured step zeroes the gradients in place
+    (the warm-up steps before the capture make them) and accumulates into them, as an eager step
+    into fresh ones."""
+    from recompute_price_gpu import capture  # beside this script; CUDA only
+
+    def zeroed() -> None:
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads:
+            torch._foreach_zero_(grads)
         step()
-    return graph.replay
+
+    return capture(zeroed).replay
 
 
 def make_pipeline(bench: Bench, name: str, defer: bool, mode: str) -> Pipeline:
