@@ -80,7 +80,8 @@ OPTIONS = (
         ("--cuda-graph",),
         switch=True,
         help="plan a run replayed as a CUDA graph (train --cuda-graph): no activation offload, "
-        "which a captured step refuses; profile its costs with --timing device",
+        "which a captured step refuses; no host times; recomputing stages split their backward "
+        "as a captured step runs them; profile its costs with --timing device",
     ),
     Option(
         ("--host-action-ms",),
