@@ -270,6 +270,15 @@ def test_a_recomputing_stage_defaults_to_graph_replay_unless_deferral_is_asked_f
     assert isinstance(choose_split(stage, True, 0), DeferredLinears)
     assert isinstance(choose_split(stage, None, 0, captured=True), DeferredLinears)
     assert "captured as a CUDA graph" in caplog.text
+    # captured, a recomputing stage defers even where its linears hold few of its parameters
+    # (an embedding's stage), but not where it has none
+    (embedding_heavy,) = split([nn.Embedding(1000, 6).double(), Counting().double()], [2])
+    recompute_stage(embedding_heavy, "full", 0)
+    assert isinstance(choose_split(embedding_heavy, None, 0), GraphReplay)
+    assert isinstance(choose_split(embedding_heavy, None, 0, captured=True), DeferredLinears)
+    (no_linears,) = split([nn.Sequential(nn.LayerNorm(6), nn.Tanh()).double()], [1])
+    recompute_stage(no_linears, "full", 0)
+    assert isinstance(choose_split(no_linears, None, 0, captured=True), GraphReplay)
 
 
 DROPPED = r"""

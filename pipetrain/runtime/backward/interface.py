@@ -85,9 +85,10 @@ def choose_split(
     layers recompute (``Recomputed``) in an eager step: deferral runs each recomputed forward
     through Python autograd functions per linear again, which turns the step host-bound, while
     graph replay runs such a stage's backward whole, in one engine call. In a ``captured`` step
-    (a CUDA graph, which replays no host work) the same stage defers: its ``W`` then keeps the
-    weight GEMMs for the schedule's bubbles, where graph replay would put them in ``I``
-    (docs/benchmarks.md, "Activation checkpointing under the pipeline", measures both).
+    (a CUDA graph, which replays no host work) the same stage defers wherever it holds a plain
+    ``nn.Linear``, however few of its parameters the linears hold: its ``W`` then keeps their
+    weight GEMMs for the schedule's bubbles, where graph replay would put the whole backward in
+    ``I`` (docs/benchmarks.md, "Activation checkpointing under the pipeline", measures both).
     ``defer_weight_grads=True`` defers in every case."""
     from pipetrain.runtime.backward.activation_checkpoint import recomputes
     from pipetrain.runtime.backward.deferred_wgrad import (
@@ -107,11 +108,17 @@ def choose_split(
             "its layers recompute in an eager step, and deferral would run each recomputed "
             "linear through Python again; pass defer_weight_grads=True to defer anyway"
         )
+    elif defer_weight_grads is None and recomputes(module):
+        defer = linear_share(module)[0] > 0
+        why = (
+            "its layers recompute in a step captured as a CUDA graph: any deferred linear leaves "
+            "W work for the bubbles, where graph replay would run the whole backward in I"
+        )
     elif defer_weight_grads is None:
         defer = worth_deferring(module)
         in_linears, total = linear_share(module)
         share = f"plain nn.Linear layers hold {in_linears} of its {total} trainable elements"
-        why = f"{share}; half defers" + ("; captured as a CUDA graph" if captured else "")
+        why = f"{share}; half defers"
     else:
         defer, why = defer_weight_grads, f"defer_weight_grads={defer_weight_grads}"
     way = "deferred linear weight GEMMs" if defer else "graph replay"
