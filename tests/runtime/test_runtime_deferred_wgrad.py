@@ -4,6 +4,7 @@ adds into ``.grad`` directly, autocast works, and which stages defer by default.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import weakref
@@ -156,21 +157,33 @@ def test_quiet_full_backward_adds_weight_gradients_straight_into_grad():
             assert torch.allclose(p.grad, q.grad, rtol=1e-12, atol=0), n
 
 
-def test_under_autocast_it_casts_like_autocast_and_keeps_grad_dtypes():
+@pytest.mark.parametrize("hooked", [False, True])
+def test_under_autocast_it_casts_like_autocast_and_keeps_grad_dtypes(hooked):
+    """Also under saved-tensor hooks (``hooked``), where each linear is two functions and the
+    weight is cast again in the backward."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
     ref = copy.deepcopy(net)
     split = DeferredLinears(net)
-    x = torch.randn(3, 8)
+    x0 = torch.randn(3, 8)
+    x, xr = x0.clone().requires_grad_(), x0.clone().requires_grad_()
     g = torch.randn(3, 4, dtype=torch.bfloat16)
+    hooks = (
+        torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+        if hooked
+        else contextlib.nullcontext()
+    )
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        expected = ref(x)
-        out = split.call(net, (x,))
+        expected = ref(xr)
+        with hooks:
+            out = split.call(net, (x,))
     expected.backward(g)
     assert out.dtype == expected.dtype == torch.bfloat16 and torch.equal(out, expected)
+    assert (out.grad_fn.name() == "_ProductBackward") is hooked
     params = list(net.parameters())
-    _, work = split.backward_input([get_gradient_edge(out)], [g], [], params)
+    (dx,), work = split.backward_input([get_gradient_edge(out)], [g], [x], params)
     split.backward_weight(work, hooks=False)
+    assert dx.dtype == torch.float32 and torch.allclose(dx, xr.grad, rtol=1e-2, atol=1e-3)
     for (n, p), q in zip(net.named_parameters(), ref.parameters()):
         assert p.grad.dtype == torch.float32, n
         assert torch.allclose(p.grad, q.grad, rtol=1e-2, atol=1e-3), n
