@@ -116,13 +116,14 @@ class Run:
     def over_budget(self) -> bool:
         return self.ctx.agree(self.ctx.elapsed() + self.row_s > self.args.budget_s)
 
-    def limit(self, row: Row) -> dict:
+    def limit(self, row: Row, graphed: bool = False) -> dict:
         key = f"{row.shape.name}/{row.layout}/{row.v}/{row.n}/{'-'.join(map(str, row.cut))}"
+        key += "/graph" if graphed else ""
         if key not in self.limits:
             if self.over_budget():
                 self.limits[key] = {"skipped": "time budget"}
             else:
-                fn = functools.partial(measure_limit, self.ctx, self.bank, row)
+                fn = functools.partial(measure_limit, self.ctx, self.bank, row, graphed)
                 self.limits[key] = guarded(self.ctx, f"limit {key}", fn) | {"key": key}
             log(self.ctx, f"limit {key}: {self.limits[key].get('median_ms', self.limits[key])}")
         return self.limits[key]
@@ -133,12 +134,14 @@ class Run:
         except ValueError as e:  # a shape/schedule pair that cannot be cut
             log(self.ctx, f"{shape.name} {schedule} n={n}: no rows ({e})")
             return
-        limit = {}
+        limits: dict[bool, dict] = {}
         if schedule in self.args.limit_schedules.split(","):
-            limit = self.limit(rows[0])
+            limits[False] = self.limit(rows[0])
+            if self.args.limit_graph:  # graphed rows' efficiency against a graphed limit
+                limits[True] = self.limit(rows[0], graphed=True)
         k = (self.args.launch + index) % len(rows)
         for order, row in enumerate(rows[k:] + rows[:k]):
-            self.measure(row, order, limit)
+            self.measure(row, order, limits.get(row.lib.endswith("-graph"), limits.get(False, {})))
 
     def measure(self, row: Row, order: int, limit: dict) -> None:
         out = {"shape": row.shape.name, "schedule": row.schedule, "microbatches": row.n}
@@ -289,6 +292,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--receive-leads", default="", help="old spelling: lead variants (none,0)")
     p.add_argument("--limit-schedules", default=",".join(SCHEDULES), help="limits measured")
+    p.add_argument(
+        "--limit-graph",
+        action="store_true",
+        help="also each limit as one CUDA graph per step: the graphed rows' efficiency",
+    )
     p.add_argument("--pipetrain-cut", choices=("planner", "incumbent"), default="planner")
     p.add_argument("--costs", default="analytic", help="planner costs: analytic|profile|FILE")
     p.add_argument("--timeline-steps", type=int, default=1, help="timeline=True steps after")

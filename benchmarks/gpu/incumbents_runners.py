@@ -76,10 +76,13 @@ class GradsToNone:
         self.opt.zero_grad(set_to_none=True)
 
 
-def measure_limit(ctx: Ctx, bank: UnitBank, row: Row) -> dict:
+def measure_limit(ctx: Ctx, bank: UnitBank, row: Row, graphed: bool = False) -> dict:
     """Each rank's own stages of ``row``'s layout and cut, no pipeline, no transfers: per
     micro-batch the forward and backward of each local stage (random activations in, random
-    gradients out), then the same optimizer step; the slowest rank's times."""
+    gradients out), then the same optimizer step; the slowest rank's times. ``graphed``: the
+    micro-batches' passes captured once as a CUDA graph and replayed, the optimizer step eager,
+    as a graphed pipeline row runs — the bound for a row whose host no longer issues kernels
+    (an eager limit carries its own host time, so a graphed row can measure above 1 against it)."""
     shape, n = row.shape, row.n
     mine = row.local(ctx.rank, ctx.world)
     last = row.num_stages - 1
@@ -94,7 +97,7 @@ def measure_limit(ctx: Ctx, bank: UnitBank, row: Row) -> dict:
     hid = torch.randn(size, device=ctx.device, dtype=ctx.dtype, generator=gen)
     gout = torch.randn(size, device=ctx.device, dtype=ctx.dtype, generator=gen) * 1e-3
 
-    def step() -> None:
+    def passes() -> None:
         for j in range(n):
             for s in mine:
                 inp = xs[j] if s == 0 else hid.detach().requires_grad_()
@@ -104,11 +107,42 @@ def measure_limit(ctx: Ctx, bank: UnitBank, row: Row) -> dict:
                 else:
                     out.backward(gout)
                 del out
+
+    def step() -> None:
+        passes()
         opt_step(opt, params)
 
     for _ in range(ctx.args.warmup):
         step()
+    if graphed:
+        step = replayed(passes, opt, params)
     return stats(slowest(ctx, time_steps(ctx, step, ctx.args.steps)))
+
+
+def replayed(passes, opt, params):
+    """``passes`` captured as one CUDA graph (warmed on a side stream first, torch's recipe for
+    capturing a whole network), returned as a step: replay, then the eager optimizer step. The
+    gradients exist before the capture and are zeroed in place, so every replay adds into the
+    same buffers the optimizer reads."""
+    if opt is None:
+        raise ValueError("a graphed limit needs an optimizer that zeroes gradients in place")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            passes()
+            opt.zero_grad(set_to_none=False)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        passes()
+    opt.zero_grad(set_to_none=False)
+
+    def step() -> None:
+        graph.replay()
+        opt_step(opt, params)
+
+    return step
 
 
 def run_pipetrain(ctx: Ctx, bank: UnitBank, row: Row) -> dict:
