@@ -49,6 +49,8 @@ class Group:
         self.shape, self.n, self.k = shape, n, launches
         self.steps: dict[tuple[str, str], list[list[float]]] = {}
         self.rows: dict[tuple[str, str], dict] = {}
+        #: per row, each launch's peak allocated memory per rank
+        self.peaks: dict[tuple[str, str], list[list[float]]] = {}
         self.limits: dict[str, list[list[float]]] = {}
         self.gc_ms: dict[tuple[str, str], list[float]] = {}
         #: per row, its place in each launch's order (None: not measured there)
@@ -64,11 +66,20 @@ class Group:
             self.places[key][launch] = int(row["order"])
         if "all_ms" in row or key not in self.rows:
             self.rows[key] = row
+        if row.get("all_ms") and row.get("peak_total_gib"):
+            self.peaks.setdefault(key, []).append([float(m) for m in row["peak_total_gib"]])
         self.gc_ms.setdefault(key, []).extend(row.get("gc_pause_ms") or [])
         lk = row.get("limit_key")
         if lk and "all_ms" in limits.get(lk, {}):
             self.limits.setdefault(lk, [[] for _ in range(self.k)])
             self.limits[lk][launch] = list(limits[lk]["all_ms"])
+
+    def peak(self, key) -> list[float]:
+        """Per rank, the median over launches of the row's peak allocated memory: a launch's
+        first configuration also holds the process's one-time allocations (library workspaces),
+        whichever row it ran first, so one launch's peak says more about the order than the row."""
+        launches = self.peaks.get(key, [])
+        return [statistics.median(ranks) for ranks in zip(*launches)] if launches else []
 
     def measured(self, key) -> bool:
         return any(self.steps.get(key, []))
@@ -158,15 +169,14 @@ def _cell(iv: Interval | None) -> str:
     return "" if iv is None else str(iv)
 
 
-def _gib(row: dict) -> str:
-    mem = row.get("peak_total_gib")
+def _gib(mem: list[float]) -> str:
     return "/".join(f"{m:.2f}" for m in mem) if mem else "-"
 
 
 def table(g: Group) -> list[str]:
     lines = [
         "| schedule | lib | v | launches × steps | step ms | step CV | slowest / median "
-        "| launch spread | eff [95%] | peak GiB per rank | / Megatron same [95%] "
+        "| launch spread | eff [95%] | peak GiB per rank (launches' median) | / Megatron same [95%] "
         "| / Megatron best [95%] | / torch same [95%] | / DeepSpeed same [95%] |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -188,7 +198,7 @@ def table(g: Group) -> list[str]:
             f"{max(max(x) / statistics.median(x) for x in runs):.3f}",  # intermittent slow steps
             "" if spread is None else f"{spread:.2%}",
             _cell(g.efficiency(key)) if mine else "",
-            _gib(row),
+            _gib(g.peak(key)),
             _cell(g.ratio(key, g.megatron_same(schedule))) if mine else "",
             _cell(g.ratio(key, best)) if mine else "",
             _cell(g.ratio(key, g.same(schedule, "torch"))) if mine else "",
@@ -272,10 +282,21 @@ def best_line(g: Group, world: int, where: str) -> list[str]:
     if iv is None or mine is None or ref is None:
         return []
     target = BEST_TARGET.get(world, 0.97)
-    return [
+    out = [
         f"- {where}: pipetrain's best ({mine[1]} {mine[0]}) / Megatron's best ({ref[1]} "
         f"{ref[0]}): {iv}, target ≤ {target}: {verdict(iv, target)}"
     ]
+    lk = g.rows[mine].get("limit_key")
+    bound = (
+        ratio_interval(g.limits[lk], g.steps[ref], resamples=RESAMPLES) if lk in g.limits else None
+    )
+    if bound is not None:  # no bubble and free transfers: what no schedule of this cut beats
+        how = "one CUDA graph" if lk.endswith("/graph") else "eager"
+        out.append(
+            f"- {where}: its cut's no-pipeline limit ({how}) / Megatron's best: {bound}"
+            f" — the bound for any schedule of this cut and these kernels"
+        )
+    return out
 
 
 def efficiency_lines(g: Group, where: str) -> list[str]:
@@ -291,13 +312,13 @@ def efficiency_lines(g: Group, where: str) -> list[str]:
 
 def memory_lines(g: Group, where: str) -> list[str]:
     out = []
-    for (s, lib), row in g.rows.items():
-        pm = row.get("peak_total_gib")
+    for s, lib in g.rows:
+        pm = g.peak((s, lib))
         if lib != "pipetrain" or not pm:
             continue
         worse = []
-        for (s2, other), r2 in g.rows.items():
-            om = r2.get("peak_total_gib")
+        for s2, other in g.rows:
+            om = g.peak((s2, other))
             if s2 == s and not other.startswith("pipetrain") and om:
                 gap = max(a - b for a, b in zip(pm, om))
                 if gap > 0:
