@@ -15,7 +15,8 @@
 #     and on the incumbents' cut (pipetrain-samecut) beside Megatron's, three launches.
 #   issue21-mgraph / issue21x4-mgraph (2 / 4 GPUs, ~520 s, ALLOC_CONF= TUNED=...): pipetrain's
 #     CUDA-graph rows against Megatron-Core's own full-iteration graph, three launches;
-#     SCHEDULES= a subset, LIMIT_GRAPH=1 also ZBV's limit as one CUDA graph (--limit-graph).
+#     SCHEDULES= a subset, LIMIT_GRAPH=1 also ZBV's limit as one CUDA graph (--limit-graph),
+#     VARIANTS= pipetrain's variants (default graph; nodefer-graph,graph,nodefer: equal kernels).
 #   issue21-equal / issue21x4-equal (2 / 4 GPUs, ~400 s, TUNED=...): the equal-kernel rows alone
 #     (pipetrain, pipetrain-nodefer, Megatron's 1F1B and best interleaved), three launches.
 #   issue21-equal-1f1b (2 GPUs, LAUNCHES=6, ~520 s): the 1F1B equal-kernel rows alone, no limits.
@@ -309,7 +310,7 @@ elif [ "${PLAN:-issue13}" = issue21-mgraph ] || [ "${PLAN:-issue13}" = issue21x4
   M="--shapes $GPT --microbatches 16 --schedules ${SCHEDULES:-1f1b,interleaved-1f1b,zbv}"
   M="$M --limit-schedules zbv ${LIMIT_GRAPH:+--limit-graph}"
   M="$M --plan $PLAN --steps $STEPS --warmup 3 --timeline-steps 0 --torch-schedules none"
-  M="$M --variants graph --gc manual --megatron-top 1"
+  M="$M --variants ${VARIANTS:-graph} --gc manual --megatron-top 1"
   M="$M --libraries megatron-nosync,megatron-nosync-graph,megatron-tuned,megatron-tuned-graph"
   M="$M --megatron-tuned-from ${TUNED:?set TUNED to launch-0 incumbents.json files}"
   launches3 m gpt16 "$NP" 150 185 $M
