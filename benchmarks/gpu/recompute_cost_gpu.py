@@ -287,6 +287,11 @@ def make_pipeline(bench: Bench, name: str, defer: bool, mode: str) -> Pipeline:
     options = dict(loss_fn=lm_loss, device=bench.device or "cpu",
                    timeout=timedelta(seconds=args.timeout_s), defer_weight_grads=defer,
                    cuda_graph=bool(args.cuda_graph))  # fmt: skip
+    if mode == "whole":  # every stage recomputed as one region (not a plan's mode)
+        lazy = split(bench.layer, counts, num_layers=bench.num_layers)  # built when asked for
+        return Pipeline(lambda s: checkpointing.recompute_stage(lazy[s], "whole", s), name,
+                        args.microbatches, stages_per_rank=v, num_stages=num_stages,
+                        **options)  # fmt: skip
     if args.wrap == "all" or mode == "none":  # a plan's per-stage recompute
         layout = Layout(schedule=name, ranks=world, stages_per_rank=v,
                         microbatches=args.microbatches, stage_layers=tuple(counts),
@@ -382,7 +387,7 @@ def run(args: argparse.Namespace, rank: int, world: int) -> int:
         record(row)
     for name, why in schedules(args, world):
         for split_name in args.splits.split(","):
-            for mode in MODES:
+            for mode in (*MODES, "whole") if args.whole else MODES:
                 label = {"kind": "pipeline", "schedule": name, "split": split_name,
                          "recompute": mode}  # fmt: skip
                 if why is not None:
@@ -432,6 +437,8 @@ FLAGS = (
     ("--warmup", int, 2, "untimed steps after the checked first (default 2)"),
     ("--cuda-graph", int, 0, "1: pipeline rows as Pipeline(cuda_graph=True), captured during the "
      "warm-up (needs --warmup >= 2), and the unsplit model's step as one CUDA graph (default 0)"),
+    ("--whole", int, 0, "1: also every stage recomputed as a whole (recompute_stage's "
+     "'whole'), held against the unsplit model's full recompute (default 0)"),
     ("--steps", int, 6, "timed steps per row (default 6)"),
     ("--budget-s", float, 500.0, "start no row after this many seconds (default 500)"),
     ("--row-timeout-s", float, 60.0, "stop a row's timed steps after this many s (default 60)"),

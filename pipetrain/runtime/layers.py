@@ -48,6 +48,8 @@ class Stage(nn.Module):
         self.layer_names = tuple(name for name, _ in named_layers)
         #: name sets of parameters this stage shares with other stages (``runtime.parallel.tied``)
         self.tied_names: list[tuple[str, ...]] = []
+        #: recomputed as a whole in the backward (``backward.whole_stage_recompute``)
+        self.recompute_whole = False
 
     def forward(self, *args, **side):
         out = args

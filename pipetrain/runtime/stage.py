@@ -23,7 +23,9 @@ from torch import nn
 
 from pipetrain.runtime import side_inputs
 from pipetrain.runtime.backward import activation_checkpoint
+from pipetrain.runtime.backward import whole_stage_recompute as whole
 from pipetrain.runtime.backward.interface import BackwardSplit, choose_split
+from pipetrain.runtime.comm.failures import PipelineRefused
 from pipetrain.runtime.comm.p2p import TensorMeta
 from pipetrain.runtime.host_offload import StageOffload
 from pipetrain.runtime.torch_compat import (
@@ -95,7 +97,15 @@ class StageRunner:
             split = choose_split(module, defer_weight_grads, index, captured)
         self.split = split
         self.defer_weight_grads = self.split.defers_linear_weights
-        self.saved: dict[int, _Saved] = {}
+        #: the stage recomputes as a whole (``whole_stage_recompute``): ``F`` without autograd
+        self.recomputes_whole = bool(getattr(module, "recompute_whole", False))
+        if self.recomputes_whole and captured:
+            raise PipelineRefused(
+                f"stage {index} recomputes as a whole, which restores the forward's random state "
+                "for the recompute: not possible inside a captured CUDA graph; recompute its "
+                "layers ('full' or 'selective') or pass cuda_graph=False"
+            )
+        self.saved: dict[int, _Saved | whole.Held] = {}
         self.weight_work: dict[int, object] = {}
         self.losses: dict[int, torch.Tensor] = {}
         #: the micro-batch whose backward piece is this stage's last weight-gradient work in a
@@ -139,6 +149,8 @@ class StageRunner:
         side: dict | None = None,
     ) -> tuple[torch.Tensor, ...]:
         """Run the module; keep what backward needs. Returns the outputs (empty on the last stage)."""
+        if self.recomputes_whole and torch.is_grad_enabled():
+            return self._forward_held(mb, args, target, weight, side)
         if self.offload is not None:
             with self.offload.capture(mb):
                 outputs = self.call(args, side)
@@ -151,6 +163,12 @@ class StageRunner:
             self._check_graph_once(edges)
             self.saved[mb] = _Saved(need, edges, _metas(roots), _device(outputs))
             return outputs
+        loss = self._loss(mb, outputs, target)
+        self.losses[mb] = loss.detach().reshape(())
+        self.saved[mb] = self._saved_loss(need, loss, weight)
+        return ()
+
+    def _loss(self, mb: int, outputs: tuple[torch.Tensor, ...], target: object) -> torch.Tensor:
         output = outputs[0] if len(outputs) == 1 else outputs
         if self.loss_fn is None:
             raise ValueError(f"stage {self.index} is the last stage and needs a loss_fn")
@@ -167,13 +185,67 @@ class StageRunner:
                 f"loss_fn must return a scalar tensor, got {shape} on stage {self.index} "
                 f"micro-batch {mb}; reduce it (e.g. reduction='mean')"
             )
-        self.losses[mb] = loss.detach().reshape(())
+        return loss
+
+    def _saved_loss(
+        self, need: list[torch.Tensor], loss: torch.Tensor, weight: float | torch.Tensor
+    ) -> _Saved:
         scaled = (loss * weight).reshape(())
         roots = [scaled] if scaled.requires_grad else []
         edges = [get_gradient_edge(r) for r in roots]
         self._check_graph_once(edges)
-        self.saved[mb] = _Saved(need, edges, _metas(roots), scaled.device)
-        return ()
+        return _Saved(need, edges, _metas(roots), scaled.device)
+
+    def _forward_held(
+        self,
+        mb: int,
+        args: tuple[torch.Tensor, ...],
+        target: object,
+        weight: float | torch.Tensor,
+        side: dict | None,
+    ) -> tuple[torch.Tensor, ...]:
+        """``F`` of a stage that recomputes as a whole: no graph, only what the recompute needs
+        (``whole_stage_recompute``)."""
+        if self.offload is not None:
+            raise PipelineRefused(
+                f"stage {self.index} recomputes as a whole and keeps no activations to offload; "
+                "offload it or recompute it, not both"
+            )
+        random = whole.RandomState.capture(args)
+        with torch.no_grad():
+            outputs = self.call(args, side)
+        if self.is_last:
+            self.losses[mb] = self._loss(mb, outputs, target).detach().reshape(())
+            needs: tuple[bool, ...] = ()
+        else:
+            needs = whole.outputs_needing_grad(outputs, args, bool(self.params))
+            outputs = whole.as_sent(outputs, needs)
+        metas = _metas([o for o, n in zip(outputs, needs) if n])
+        self.saved[mb] = whole.Held(args, side, target, weight, random, needs, metas)
+        return () if self.is_last else outputs
+
+    def _take_saved(
+        self, mb: int, grads: list[torch.Tensor] | None
+    ) -> tuple[_Saved, list[torch.Tensor] | None]:
+        """A micro-batch's saved state for its backward (for a stage that recomputes as a whole,
+        its forward run again now, with autograd) and the output gradients that go with it."""
+        saved = self.saved.pop(mb)
+        if not isinstance(saved, whole.Held):
+            return saved, grads
+        need = [a for a in saved.args if a.requires_grad]
+        with saved.random.restored():
+            outputs = self.call(saved.args, saved.side)
+            if self.is_last:
+                loss = self._loss(mb, outputs, saved.target)
+                return self._saved_loss(need, loss, saved.weight), grads
+        sent = [o for o, n in zip(outputs, saved.needs_grad) if n]
+        assert grads is not None and len(grads) == len(sent), "gradient count mismatch"
+        # an output that turned out independent of every input and parameter: nothing to add
+        kept = [(o, g) for o, g in zip(sent, grads) if o.requires_grad]
+        edges = [get_gradient_edge(o) for o, _ in kept]
+        self._check_graph_once(edges)
+        metas = _metas([o for o, _ in kept])
+        return _Saved(need, edges, metas, _device(outputs)), [g for _, g in kept]
 
     def _check_graph_once(self, edges: list[GradientEdge]) -> None:
         """On the stage's first forward: refuse what its graph holds that pipetrain cannot run
@@ -208,7 +280,7 @@ class StageRunner:
         """``B``: input gradients (zeros where unused) and weight gradients accumulated."""
         if self.offload is not None:
             self.offload.ready(mb)
-        saved = self.saved.pop(mb)
+        saved, grads = self._take_saved(mb, grads)
         root_grads = self._root_grads(saved, grads)
         hooks, fire = self._hook_plan(mb)
         found = self.split.backward_full(saved.roots, root_grads, saved.inputs, self.params, hooks)
@@ -241,7 +313,7 @@ class StageRunner:
         stage is ``unhooked``, as ``B``'s do."""
         if self.offload is not None:
             self.offload.ready(mb)
-        saved = self.saved.pop(mb)
+        saved, grads = self._take_saved(mb, grads)
         root_grads = self._root_grads(saved, grads)
         # held from I to W only for a hook that needs the step's whole gradient (the last
         # piece's): otherwise the piece accumulates now, and W holds nothing of I's

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from recompute_cases import PLANS, run_recompute_plans
+from recompute_cases import PLANS, WHOLE_PLANS, run_recompute_plans, run_whole_stage_plans
 from runtime_harness import launch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -319,3 +319,18 @@ def test_a_dropped_recomputing_pipeline_is_freed_without_the_garbage_collector(t
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "freed"
+
+
+@pytest.mark.slow
+def test_stages_recomputed_as_a_whole_train_exactly_as_without() -> None:
+    """``recompute_stage(stage, "whole")``: ``F`` without autograd, the forward again at ``I``
+    or ``B``; the loss and every gradient as without recompute under 1F1B, zbv with either
+    split and interleaved ZB (float64), a dropout stack's masks drawn again as they were."""
+    results = launch(2, run_whole_stage_plans, timeout=300)
+    for r in results:
+        assert len(r["differences"]) == len(WHOLE_PLANS) + 1
+        for key, difference in r["differences"].items():
+            assert difference < 1e-12, (key, difference)
+    refusals = results[0]["refusals"]
+    assert "none of its layers holds parameters" in refusals["no parameters"]
+    assert "already recomputes 'full'; it cannot also recompute as a whole" in refusals["twice"]

@@ -106,3 +106,120 @@ def _refusals(world: int) -> dict:
         except ValueError as e:
             out[label] = str(e)
     return out
+
+
+#: (label, schedule, stages per rank, micro-batches, cut, stages recomputed as a whole, defer)
+WHOLE_PLANS = [
+    ("1f1b", "1f1b", 1, 3, [3, 2], [0, 1], None),
+    ("zbv deferred", "zbv", 2, 4, [2, 1, 1, 1], [0, 1, 3], True),
+    ("zbv replayed", "zbv", 2, 4, [1, 2, 1, 1], [1, 2, 3], False),
+    ("interleaved-zb", "interleaved-zb", 2, 4, [2, 1, 1, 1], [0, 2], None),
+]
+
+
+def run_whole_stage_plans(rank: int, world: int) -> dict:
+    """Per plan: the largest relative difference of the loss and of every gradient from the same
+    plan without recompute, for the GPT (float64) and for a stack with dropout (the recompute
+    must draw the forward's masks again); then what is refused."""
+    from pipetrain.app.catalog import ModelShape, build
+
+    out: dict = {"differences": {}, "refusals": {}}
+    tokens = torch.randint(0, 256, (8, 8), generator=torch.Generator().manual_seed(1))
+    targets = torch.roll(tokens, -1, dims=1)
+    shape = ModelShape(model="gpt", blocks=3, hidden=16, heads=4, kv_heads=None, vocab=256, seq_len=8,
+                       dtype="float64", seed=5)  # fmt: skip
+    for label, schedule, v, m, cut, whole, defer in WHOLE_PLANS:
+        model = build(shape)
+        cut = [*cut[:-1], cut[-1] + len(model.names) - sum(cut)]
+        batch = model.batch(tokens, targets)
+        runs = [
+            _run_whole(
+                lambda: _layers(build(shape)),
+                model.loss_fn,
+                batch,
+                schedule,
+                v,
+                m,
+                cut,
+                marked,
+                defer,
+            )
+            for marked in ([], whole)
+        ]
+        out["differences"][f"gpt {label}"] = _worst(*runs)
+    dropout = lambda: [  # noqa: E731
+        torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Dropout(0.5)).double() for _ in range(4)
+    ]
+    x = torch.randn(8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    runs = []
+    for marked in ([], [0, 1]):
+        torch.manual_seed(11)  # the same stream for both: the masks must come out the same
+        runs.append(_run_whole(lambda: _seeded(dropout), _mse, (x, x), "1f1b", 1, 4, [2, 2],
+                               marked, None))  # fmt: skip
+    out["differences"]["dropout 1f1b"] = _worst(*runs)
+    out["refusals"] = _whole_refusals()
+    return out
+
+
+def _layers(model) -> list:
+    """The catalog model's layers as a list (its ``layers`` is a factory ``index -> layer``)."""
+    return [model.layers(i) for i in range(len(model.names))]
+
+
+def _seeded(make):
+    torch.manual_seed(3)  # the same weights in both runs
+    return make()
+
+
+def _mse(y, t):
+    return ((y - t) ** 2).mean()
+
+
+def _worst(run0, run1) -> float:
+    (loss0, grads0), (loss1, grads1) = run0, run1
+    assert grads0.keys() == grads1.keys(), (sorted(grads0), sorted(grads1))
+    worst = abs(loss1 - loss0) / abs(loss0)
+    for name, g in grads0.items():
+        worst = max(worst, float((grads1[name] - g).abs().max() / g.abs().max()))
+    return worst
+
+
+def _run_whole(layers, loss_fn, batch, schedule, v, m, cut, marked, defer):
+    from pipetrain.runtime.backward.activation_checkpoint import recompute_stage
+    from pipetrain.runtime.layers import split
+    from pipetrain.runtime.pipeline import Pipeline
+
+    stages = split(layers(), cut)
+    for s in marked:
+        recompute_stage(stages[s], "whole", s)
+    with Pipeline(lambda s: stages[s], schedule, m, loss_fn, stages_per_rank=v,
+                  num_stages=len(cut), device="cpu", defer_weight_grads=defer) as pipe:  # fmt: skip
+        loss = float(pipe.step(*batch))
+        grads = {
+            f"{s}.{n}": p.grad.clone()
+            for s, st in pipe.modules.items()
+            for n, p in st.named_parameters()
+            if p.grad is not None
+        }
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, grads)
+    return loss, {n: g for part in gathered for n, g in part.items()}
+
+
+def _whole_refusals() -> dict:
+    from pipetrain.runtime.backward.activation_checkpoint import recompute_stage
+    from pipetrain.runtime.layers import split
+
+    out = {}
+    stage = split([torch.nn.Linear(4, 4), torch.nn.ReLU()], [1, 1])[1]
+    try:
+        recompute_stage(stage, "whole", 1)
+    except ValueError as e:
+        out["no parameters"] = str(e)
+    stage = split([torch.nn.Linear(4, 4)], [1])[0]
+    recompute_stage(stage, "full", 0)
+    try:
+        recompute_stage(stage, "whole", 0)
+    except ValueError as e:
+        out["twice"] = str(e)
+    return out

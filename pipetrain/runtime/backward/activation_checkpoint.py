@@ -166,7 +166,9 @@ def recompute_stage(stage: nn.Module, mode: str, index: int, last: bool = False)
     (``planner.recompute.StageRecompute``'s written form: ``"full"`` or ``"selective"`` for
     every layer, ``"full:K"`` or ``"selective:K"`` for the first K, the rest plain;
     ``recompute_layers`` does the wrapping: the planner models a stage's recompute layer by
-    layer, ``planner.recompute``); ``"none"`` leaves it as it is. On the ``last`` stage,
+    layer, ``planner.recompute``); ``"whole"`` marks the stage to run its forward without
+    autograd and again at its backward (``whole_stage_recompute``; not a planner mode: its
+    memory is modelled nowhere yet); ``"none"`` leaves it as it is. On the ``last`` stage,
     selective recompute leaves the stage's last layer plain, the one rule the planner prices
     too (``StageRecompute.layer_modes``: that layer feeds the loss). Refused with a ``ValueError``: an
     unknown mode, K above the stage's layer count, a stage already recomputing another way, and
@@ -180,24 +182,42 @@ def recompute_stage(stage: nn.Module, mode: str, index: int, last: bool = False)
             f"stage {index}: recompute {mode!r} applies to a stage of layers (pipetrain.split "
             f"makes them), got a {type(stage).__name__}"
         )
+    current = {layer.mode for layer, _ in stage.chain if isinstance(layer, Recomputed)}
+    current |= {WHOLE} if stage.recompute_whole else set()
+    if mode == WHOLE:
+        if current - {WHOLE}:
+            raise ValueError(
+                f"stage {index} already recomputes {sorted(current)[0]!r}; it cannot also "
+                "recompute as a whole"
+            )
+        _refuse_without_parameters(stage, index, mode)
+        stage.recompute_whole = True
+        return stage
     spec = _spec(mode, index, len(stage.layer_names))
     if spec.mode is Recompute.NONE:
         return stage
-    current = {layer.mode for layer, _ in stage.chain if isinstance(layer, Recomputed)}
     if current - {spec.mode.value}:
         raise ValueError(
             f"stage {index} already recomputes {sorted(current - {spec.mode.value})[0]!r}; it "
             f"cannot also recompute {mode!r}"
         )
+    _refuse_without_parameters(stage, index, mode)
+    layer_modes = spec.layer_modes(len(stage.layer_names), ends_model=last)
+    chosen = {n: m.value for n, m in zip(stage.layer_names, layer_modes) if m is not Recompute.NONE}
+    return recompute_layers(stage, chosen, index)
+
+
+#: ``recompute_stage``'s mode for a stage recomputed as one region (``whole_stage_recompute``)
+WHOLE = "whole"
+
+
+def _refuse_without_parameters(stage: Stage, index: int, mode: str) -> None:
     if next(stage.parameters(), None) is None:
         raise ValueError(
             f"stage {index} (layers {', '.join(stage.layer_names)}) recomputes {mode!r}, but none "
             "of its layers holds parameters: nothing there is worth checkpointing; plan it with "
             "recompute 'none'"
         )
-    layer_modes = spec.layer_modes(len(stage.layer_names), ends_model=last)
-    chosen = {n: m.value for n, m in zip(stage.layer_names, layer_modes) if m is not Recompute.NONE}
-    return recompute_layers(stage, chosen, index)
 
 
 def _spec(mode: object, index: int, layers: int | None) -> StageRecompute:
