@@ -114,6 +114,7 @@ WHOLE_PLANS = [
     ("zbv deferred", "zbv", 2, 4, [2, 1, 1, 1], [0, 1, 3], True),
     ("zbv replayed", "zbv", 2, 4, [1, 2, 1, 1], [1, 2, 3], False),
     ("interleaved-zb", "interleaved-zb", 2, 4, [2, 1, 1, 1], [0, 2], None),
+    ("dualpipev", "dualpipev", 2, 4, [1, 1, 2, 1], [0, 1, 2, 3], None),
 ]
 
 
@@ -126,27 +127,37 @@ def run_whole_stage_plans(rank: int, world: int) -> dict:
     out: dict = {"differences": {}, "refusals": {}}
     tokens = torch.randint(0, 256, (8, 8), generator=torch.Generator().manual_seed(1))
     targets = torch.roll(tokens, -1, dims=1)
-    shape = ModelShape(model="gpt", blocks=3, hidden=16, heads=4, kv_heads=None, vocab=256, seq_len=8,
-                       dtype="float64", seed=5)  # fmt: skip
-    for label, schedule, v, m, cut, whole, defer in WHOLE_PLANS:
-        model = build(shape)
-        cut = [*cut[:-1], cut[-1] + len(model.names) - sum(cut)]
-        batch = model.batch(tokens, targets)
-        runs = [
-            _run_whole(
-                lambda: _layers(build(shape)),
-                model.loss_fn,
-                batch,
-                schedule,
-                v,
-                m,
-                cut,
-                marked,
-                defer,
-            )
-            for marked in ([], whole)
-        ]
-        out["differences"][f"gpt {label}"] = _worst(*runs)
+    models = ["gpt"]
+    try:
+        import transformers  # noqa: F401
+
+        models.append("llama")  # with its side inputs (position ids, mask)
+    except ImportError:
+        pass
+    for name in models:
+        shape = ModelShape(
+            model=name, blocks=3, hidden=16, heads=4, kv_heads=2 if name == "llama" else None,
+            vocab=256, seq_len=8, dtype="float64", seed=5,
+        )  # fmt: skip
+        for label, schedule, v, m, cut, whole, defer in WHOLE_PLANS:
+            model = build(shape)
+            cut = [*cut[:-1], cut[-1] + len(model.names) - sum(cut)]
+            batch = model.batch(tokens, targets)
+            runs = [
+                _run_whole(
+                    lambda shape=shape: _layers(build(shape)),
+                    model.loss_fn,
+                    batch,
+                    schedule,
+                    v,
+                    m,
+                    cut,
+                    marked,
+                    defer,
+                )
+                for marked in ([], whole)
+            ]
+            out["differences"][f"{name} {label}"] = _worst(*runs)
     dropout = lambda: [  # noqa: E731
         torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Dropout(0.5)).double() for _ in range(4)
     ]
@@ -161,9 +172,13 @@ def run_whole_stage_plans(rank: int, world: int) -> dict:
     return out
 
 
-def _layers(model) -> list:
-    """The catalog model's layers as a list (its ``layers`` is a factory ``index -> layer``)."""
-    return [model.layers(i) for i in range(len(model.names))]
+def _layers(model):
+    """The catalog model's layers as ``split`` takes them: a list where ``layers`` is a factory
+    ``index -> layer`` (the GPT), else as given (a mapping: the Llama)."""
+    layers = model.layers
+    if isinstance(layers, dict) or not callable(layers):
+        return layers
+    return [layers(i) for i in range(len(model.names))]
 
 
 def _seeded(make):
