@@ -158,6 +158,33 @@ def run_whole_stage_plans(rank: int, world: int) -> dict:
                 for marked in ([], whole)
             ]
             out["differences"][f"{name} {label}"] = _worst(*runs)
+    if "llama" in models:  # the embedding tied to the head, both stages recomputed as a whole
+        shape = ModelShape(
+            model="llama", blocks=3, hidden=16, heads=4, kv_heads=2, vocab=256, seq_len=8,
+            dtype="float64", seed=5, tie_embeddings=True,
+        )  # fmt: skip
+        for schedule, v, cut, whole in (
+            ("1f1b", 1, [3, 3], [0, 1]),
+            ("zbv", 2, [2, 1, 1, 2], [0, 3]),
+        ):
+            model = build(shape)
+            batch = model.batch(tokens, targets)
+            runs = [
+                _run_whole(
+                    lambda: _layers(build(shape)),
+                    model.loss_fn,
+                    batch,
+                    schedule,
+                    v,
+                    4,
+                    cut,
+                    marked,
+                    None,
+                    model.tied,
+                )
+                for marked in ([], whole)
+            ]
+            out["differences"][f"llama tied {schedule}"] = _worst(*runs)
     dropout = lambda: [  # noqa: E731
         torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Dropout(0.5)).double() for _ in range(4)
     ]
@@ -199,7 +226,7 @@ def _worst(run0, run1) -> float:
     return worst
 
 
-def _run_whole(layers, loss_fn, batch, schedule, v, m, cut, marked, defer):
+def _run_whole(layers, loss_fn, batch, schedule, v, m, cut, marked, defer, tied=()):
     from pipetrain.runtime.backward.activation_checkpoint import recompute_stage
     from pipetrain.runtime.layers import split
     from pipetrain.runtime.pipeline import Pipeline
@@ -208,7 +235,8 @@ def _run_whole(layers, loss_fn, batch, schedule, v, m, cut, marked, defer):
     for s in marked:
         recompute_stage(stages[s], "whole", s)
     with Pipeline(lambda s: stages[s], schedule, m, loss_fn, stages_per_rank=v,
-                  num_stages=len(cut), device="cpu", defer_weight_grads=defer) as pipe:  # fmt: skip
+                  num_stages=len(cut), device="cpu", defer_weight_grads=defer,
+                  tied=tied) as pipe:  # fmt: skip
         loss = float(pipe.step(*batch))
         grads = {
             f"{s}.{n}": p.grad.clone()
