@@ -69,8 +69,8 @@ def options() -> tuple[Option, ...]:
             ("--recompute",),
             metavar="MODE[,MODE...]",
             help="activation checkpointing, one mode for every stage or one per stage: none, "
-            "selective, full, or full:K / selective:K for a stage's first K layers "
-            '(docs/planning.md, "Recompute")',
+            "selective, full, full:K / selective:K for a stage's first K layers, or whole (the "
+            'stage recomputed as one region) (docs/planning.md, "Recompute")',
             shown_default="none" + or_plan,
         ),
     )

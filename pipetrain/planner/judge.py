@@ -23,10 +23,10 @@ from pipetrain.planner.costs_file import LayerCost, ModelCosts
 from pipetrain.planner.layout import Layout
 from pipetrain.planner.partition import bounds
 from pipetrain.planner.recompute import (
-    MODES,
     Recompute,
     StageRecompute,
     layers_under,
+    raised,
     stage_recompute,
 )
 from pipetrain.schedule.offload import insert_offload, offloadable_stages, reload_leads
@@ -137,11 +137,11 @@ def rank_key(c: Candidate) -> tuple[float, float, int, float, str]:
     the simulator times as free still moves bytes and runs kernels: a plan offloads or
     recomputes only where memory asks for it), then the lower peak."""
     layout = c.plan.layout
-    raised = sum(
-        MODES.index(spec.mode) * spec.layers_of(n)
+    recomputed = sum(
+        raised(spec.mode) * spec.layers_of(n)
         for spec, n in zip(map(stage_recompute, layout.recompute), layout.stage_layers)
     )
-    return (c.plan.ms_per_microbatch, sum(layout.offload), raised, max(c.plan.peak_gib),
+    return (c.plan.ms_per_microbatch, sum(layout.offload), recomputed, max(c.plan.peak_gib),
             c.plan.schedule)  # fmt: skip
 
 

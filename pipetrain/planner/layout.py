@@ -60,6 +60,16 @@ class Layout:
         if self.reload_lead:
             leads = check_leads(self.reload_lead, len(self.stage_layers))
             object.__setattr__(self, "reload_lead", leads)
+        whole = [
+            s
+            for s, (mode, f) in enumerate(zip(parsed, self.offload))
+            if mode.mode is Recompute.WHOLE and f > 0
+        ]
+        if whole:
+            raise ValueError(
+                f"stage(s) {', '.join(map(str, whole))} recompute 'whole' and offload: a stage "
+                "recomputed as a whole keeps no activations to offload; drop one of the two there"
+            )
         both = [
             s
             for s, (mode, f) in enumerate(zip(parsed, self.offload))

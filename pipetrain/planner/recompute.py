@@ -34,6 +34,10 @@ sums over its layers (``judge.stage_costs``):
   ``SELECTIVE_KEPT`` are modelling assumptions where they stand in. The measured sizes are
   checked on CPU (tests/runtime/test_profile.py counts them by hand).
 
+A stage may also recompute as one region (``"whole"``, ``whole_stage``): it holds only its
+input between ``F`` and its backward, which runs the forward again first and then splits as a
+plain stage's. Priced here, not turned on by the search (``MODES``).
+
 A stage may recompute only its first K layers (``StageRecompute``, written ``"full:K"`` or
 ``"selective:K"``; Megatron-LM's ``recompute_method="block"`` with ``recompute_num_layers``): the
 others hold what they hold without recompute. Memory falls layer by layer, so a rank a little
@@ -70,6 +74,9 @@ class Recompute(StrEnum):
     NONE = "none"
     SELECTIVE = "selective"
     FULL = "full"
+    #: the stage as one region: ``F`` without autograd, the forward again at ``I`` or ``B``
+    #: (``whole_stage``); priced and run, not searched (its memory is not yet measured on GPUs)
+    WHOLE = "whole"
 
 
 #: the modes in the order the planner turns them on (each holds less and costs more)
@@ -117,7 +124,10 @@ class StageRecompute(NamedTuple):
 
 
 #: the legal per-stage values, in words (for error messages)
-LEGAL = "'none', 'selective', 'full', or 'selective:K' / 'full:K' (the stage's first K layers)"
+LEGAL = (
+    "'none', 'selective', 'full', 'whole' (the stage recomputed as one region), or "
+    "'selective:K' / 'full:K' (the stage's first K layers)"
+)
 
 
 def stage_recompute(value: object, layers: int | None = None) -> StageRecompute:
@@ -129,12 +139,12 @@ def stage_recompute(value: object, layers: int | None = None) -> StageRecompute:
     if not isinstance(value, str):
         raise ValueError(f"unknown recompute mode {value!r}; legal: {LEGAL}")
     name, colon, count = value.partition(":")
-    if name not in {m.value for m in MODES}:
+    if name not in {m.value for m in Recompute}:
         raise ValueError(f"unknown recompute mode {value!r}; legal: {LEGAL}")
     mode = Recompute(name)
     if not colon:
         return StageRecompute(mode)
-    if mode is Recompute.NONE or not count.isdigit() or int(count) < 1:
+    if mode in (Recompute.NONE, Recompute.WHOLE) or not count.isdigit() or int(count) < 1:
         raise ValueError(f"unknown recompute mode {value!r}; legal: {LEGAL}")
     k = int(count)
     if layers is not None and k > layers:
@@ -252,6 +262,14 @@ def layers_under(
     recomputes is a stage of ordinary layers. With ``split`` (a captured step) the backward
     splits as without recompute, plain layers unchanged."""
     spec = recompute if isinstance(recompute, StageRecompute) else StageRecompute(recompute)
+    if spec.mode is Recompute.WHOLE:
+        if split:
+            raise ValueError(
+                "a stage recomputed as a whole cannot run in a captured step (the recompute "
+                "restores the forward's random state, which a CUDA graph cannot); recompute its "
+                "layers ('full' or 'selective') instead"
+            )
+        return whole_stage(layers)
     modes = spec.layer_modes(len(layers), ends_model=start + len(layers) == num_layers)
     if all(m is Recompute.NONE for m in modes):
         return list(layers)
@@ -261,6 +279,61 @@ def layers_under(
         backward_whole(layer) if m is Recompute.NONE else recomputed_layer(layer, m)
         for layer, m in zip(layers, modes)
     ]
+
+
+def whole_stage(layers: Sequence[LayerCost]) -> list[LayerCost]:
+    """A stage recomputed as one region (``runtime.backward.whole_stage_recompute``): between its
+    forward and its backward a micro-batch holds only the stage's input (the first layer's
+    ``held_full``); the first backward piece (``B`` or ``I``) runs every layer's forward again
+    (``recompute`` ms each, split between host and device as the forward is) and holds the
+    stage's whole activation for that micro-batch while it runs (the first layer's workspace,
+    which ``judge.beside_later_layers`` then counts whole: the later layers hold nothing). The
+    backward splits as a plain stage's, ``W`` holding what it holds there. ``F`` is priced as
+    the forward with autograd, though it runs without: an upper bound."""
+    if not layers:
+        return []
+    held = held_full(layers[0])
+    live = sum(layer.activation for layer in layers)
+    out = []
+    for k, layer in enumerate(layers):
+        paid = layer.recompute_ms
+        out.append(
+            dataclasses.replace(
+                layer,
+                **_issue_recomputed_in_input(layer, paid),
+                backward=layer.backward + paid,
+                backward_input=None
+                if layer.backward_input is None
+                else layer.backward_input + paid,
+                activation=held if k == 0 else 0.0,
+                activation_for_weight=layer.activation
+                if layer.activation_for_weight is None
+                else layer.activation_for_weight,
+                workspace=layer.workspace + (live - held if k == 0 else 0.0),
+            )
+        )
+    return out
+
+
+def _issue_recomputed_in_input(layer: LayerCost, paid: float) -> dict[str, Any]:
+    """Host and device times of a layer whose forward runs again at the start of its ``I`` (or
+    ``B``): ``paid`` ms shared as its forward's wall time is; {} where it has none."""
+    if not layer.has_issue_times:
+        return {}
+    out: dict[str, Any] = {}
+    for worker in ("host", "device"):
+        own = getattr(layer, f"{worker}_forward")
+        extra = paid * (own / layer.forward if layer.forward > 0 else 1.0)
+        out[f"{worker}_backward"] = getattr(layer, f"{worker}_backward") + extra
+        if layer.split_backward:
+            out[f"{worker}_backward_input"] = getattr(layer, f"{worker}_backward_input") + extra
+    return out
+
+
+def raised(mode: Recompute) -> int:
+    """How far ``mode`` raises a stage's recompute, for ranking plans of equal speed (less
+    first): the search's order, a stage recomputed as a whole ranking with full recompute."""
+    return MODES.index(mode) if mode in MODES else MODES.index(Recompute.FULL)
 
 
 def backward_whole(layer: LayerCost) -> LayerCost:
@@ -311,5 +384,10 @@ def describe(modes: Sequence[str]) -> str:
     specs = [stage_recompute(m) for m in modes]
     if all(s.mode is Recompute.NONE for s in specs):
         return "none"
-    short = {Recompute.NONE: "-", Recompute.SELECTIVE: "s", Recompute.FULL: "f"}
+    short = {
+        Recompute.NONE: "-",
+        Recompute.SELECTIVE: "s",
+        Recompute.FULL: "f",
+        Recompute.WHOLE: "w",
+    }
     return ",".join(short[s.mode] + ("" if s.layers is None else str(s.layers)) for s in specs)

@@ -139,7 +139,7 @@ def _raises(
 ) -> list[tuple[float, int, int, Recompute]]:
     """The next mode above ``now`` on the whole stage ``pos`` (layers ``a:b``) that frees some
     activation, as (GiB freed per ms added, -pos, pos, mode); none where it recomputes fully."""
-    if now == StageRecompute(Recompute.FULL):
+    if now == StageRecompute(Recompute.FULL) or now.mode is Recompute.WHOLE:
         return []
     n = costs.num_layers
     current = layers_under(costs.layers[a:b], now, a, n, costs.captured)

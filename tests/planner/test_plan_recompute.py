@@ -265,7 +265,7 @@ def test_a_stage_may_recompute_only_its_first_k_layers() -> None:
         "full:4": "stage 0: recompute 'full:4' names 4 layers of a stage that holds 3; K is "
         "from 1 to 3",
         "full:0": "stage 0: unknown recompute mode 'full:0'; legal: 'none', 'selective', 'full', "
-        "or 'selective:K' / 'full:K'",
+        "'whole' \\(the stage recomputed as one region\\), or 'selective:K' / 'full:K'",
         "none:1": "unknown recompute mode 'none:1'",
         "full:two": "unknown recompute mode 'full:two'",
     }
@@ -362,3 +362,36 @@ def test_cli_plan_names_the_layers_a_partial_recompute_covers(tmp_path, capsys) 
     assert "stages: 0: l0..l3 (full: l0..l1); 1: l4..l7" in text
     assert main([*argv, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["recompute"] == ["full:2", "none"]
+
+
+def test_a_stage_recomputed_as_a_whole_holds_its_input_and_splits_as_plain() -> None:
+    """``"whole"``: between ``F`` and its backward a micro-batch holds the stage's input only;
+    ``I`` pays every layer's recompute and holds the stage's whole activation while it runs;
+    ``W`` stays the plain layers' (the backward splits as without recompute), so a zero-bubble
+    schedule keeps its ``W`` to fill bubbles, unlike full recompute's whole backward in ``I``."""
+    costs = heavy(4)
+    program = build_schedule("zb-h1", 2, 4)
+    sc = stage_costs(costs, program, (2, 2), ("whole", "none"))
+    assert sc.activation == pytest.approx([0.05, 2.0])  # the first layer's input
+    assert sc.backward_input == pytest.approx([2 * 1.8, 2.0])
+    assert sc.backward_weight == pytest.approx([2.0, 2.0])
+    assert sc.activation_for_weight == pytest.approx([2.0, 2.0])
+    assert sc.workspace[0] == pytest.approx(2.0 - 0.05)  # the recompute: the whole activation
+    one_f_one_b = build_schedule("1f1b", 2, 4)  # no W: what F to B holds is the peak
+    _, plain = simulate_plan(costs, one_f_one_b, (2, 2))
+    _, whole = simulate_plan(costs, one_f_one_b, (2, 2), ("whole", "none"))
+    # two micro-batches in flight hold their inputs, the recomputed one its whole activation
+    assert plain[0] == pytest.approx(0.2 + 2 * 2.0)
+    assert whole[0] == pytest.approx(0.2 + 2 * 0.05 + (2.0 - 0.05))
+    full, _ = simulate_plan(costs, program, (2, 2), ("full", "full"))
+    as_whole, _ = simulate_plan(costs, program, (2, 2), ("whole", "whole"))
+    assert as_whole.makespan < full.makespan  # W still fills the bubbles
+    assert describe(["whole", "none"]) == "w,-"
+    with pytest.raises(ValueError, match="unknown recompute mode 'whole:1'"):
+        stage_recompute("whole:1")
+    with pytest.raises(ValueError, match="captured step"):
+        simulate_plan(costs.for_captured_step(), program, (2, 2), ("whole", "none"))
+    base = dict(schedule="zb-h1", ranks=2, stages_per_rank=1, microbatches=4, stage_layers=(2, 2))
+    assert Layout(**base, recompute=("whole", "none")).recompute == ("whole", "none")
+    with pytest.raises(ValueError, match="recompute 'whole' and offload"):
+        Layout(**base, recompute=("whole", "none"), offload=(0.5, 0.0))

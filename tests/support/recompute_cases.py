@@ -14,6 +14,7 @@ PLANS = [
     ("zbv deferred", "zbv", 2, 4, [2, 1, 1, 1], ["full", "selective", "none", "full"], True),
     ("zbv replayed", "zbv", 2, 4, [1, 2, 1, 1], ["full", "selective", "full", "selective"], False),
     ("1f1b first layers", "1f1b", 1, 2, [3, 2], ["full:2", "selective:1"], True),
+    ("zbv whole", "zbv", 2, 4, [2, 1, 1, 1], ["whole", "full", "none", "whole"], None),
 ]
 
 
@@ -73,7 +74,9 @@ def _run(model, plan: dict, tokens, targets, defer):
     keys = sorted(k for s in pipe.modules.values() for k in s.state_dict())
     # per local stage, the mode each of its layers runs under
     wrapped = {
-        s: [layer.mode if isinstance(layer, Recomputed) else "none" for layer, _ in st.chain]
+        s: ["whole"] * len(st.chain)  # one region, no layer wrapped
+        if st.recompute_whole
+        else [layer.mode if isinstance(layer, Recomputed) else "none" for layer, _ in st.chain]
         for s, st in pipe.modules.items()
     }
     pipe.close()
