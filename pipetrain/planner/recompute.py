@@ -284,8 +284,9 @@ def layers_under(
 def whole_stage(layers: Sequence[LayerCost]) -> list[LayerCost]:
     """A stage recomputed as one region (``runtime.backward.whole_stage_recompute``): between its
     forward and its backward a micro-batch holds only the stage's input (the first layer's
-    ``held_full``); the first backward piece (``B`` or ``I``) runs every layer's forward again
-    (``recompute`` ms each, split between host and device as the forward is) and holds the
+    ``held_full``); the first backward piece (``B`` or ``I``) runs every layer's forward again,
+    with autograd as the forward ran (``forward`` ms each, host and device as the forward's: no
+    checkpoint bookkeeping, so not the per-layer ``recompute``) and holds the
     stage's whole activation for that micro-batch while it runs (the first layer's workspace,
     which ``judge.beside_later_layers`` then counts whole: the later layers hold nothing). The
     backward splits as a plain stage's, ``W`` holding what it holds there. ``F`` is priced as
@@ -296,7 +297,7 @@ def whole_stage(layers: Sequence[LayerCost]) -> list[LayerCost]:
     live = sum(layer.activation for layer in layers)
     out = []
     for k, layer in enumerate(layers):
-        paid = layer.recompute_ms
+        paid = layer.forward
         out.append(
             dataclasses.replace(
                 layer,

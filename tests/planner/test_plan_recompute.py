@@ -373,7 +373,7 @@ def test_a_stage_recomputed_as_a_whole_holds_its_input_and_splits_as_plain() -> 
     program = build_schedule("zb-h1", 2, 4)
     sc = stage_costs(costs, program, (2, 2), ("whole", "none"))
     assert sc.activation == pytest.approx([0.05, 2.0])  # the first layer's input
-    assert sc.backward_input == pytest.approx([2 * 1.8, 2.0])
+    assert sc.backward_input == pytest.approx([2 * 2.0, 2.0])  # + each layer's forward again
     assert sc.backward_weight == pytest.approx([2.0, 2.0])
     assert sc.activation_for_weight == pytest.approx([2.0, 2.0])
     assert sc.workspace[0] == pytest.approx(2.0 - 0.05)  # the recompute: the whole activation
