@@ -60,27 +60,22 @@ class Layout:
         if self.reload_lead:
             leads = check_leads(self.reload_lead, len(self.stage_layers))
             object.__setattr__(self, "reload_lead", leads)
-        whole = [
-            s
-            for s, (mode, f) in enumerate(zip(parsed, self.offload))
-            if mode.mode is Recompute.WHOLE and f > 0
-        ]
-        if whole:
-            raise ValueError(
-                f"stage(s) {', '.join(map(str, whole))} recompute 'whole' and offload: a stage "
-                "recomputed as a whole keeps no activations to offload; drop one of the two there"
-            )
-        both = [
-            s
-            for s, (mode, f) in enumerate(zip(parsed, self.offload))
-            if mode.mode is Recompute.SELECTIVE and f > 0
-        ]
-        if both:
-            raise ValueError(
-                f"stage(s) {', '.join(map(str, both))} recompute 'selective' and offload: not "
-                "run together (a selective checkpoint's saved outputs cannot be read twice under "
-                "offload's hooks); use 'full' recompute with offload, or no offload there"
-            )
+        why = {
+            Recompute.WHOLE: "a stage recomputed as a whole keeps no activations to offload; "
+            "drop one of the two there",
+            Recompute.SELECTIVE: "not run together (a selective checkpoint's saved outputs "
+            "cannot be read twice under offload's hooks); use 'full' recompute with offload, or "
+            "no offload there",
+        }
+        for mode, reason in why.items():
+            both = [
+                s for s, (m, f) in enumerate(zip(parsed, self.offload)) if m.mode is mode and f > 0
+            ]
+            if both:
+                raise ValueError(
+                    f"stage(s) {', '.join(map(str, both))} recompute '{mode.value}' and offload: "
+                    + reason
+                )
 
     @property
     def offloads(self) -> bool:

@@ -5,6 +5,8 @@ the runtime refuses."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
@@ -22,23 +24,11 @@ def run_recompute_plans(rank: int, world: int) -> dict:
     """Per model and plan: the largest relative difference of the loss and of every gradient
     from the plan run without recompute, and whether the state-dict keys are the same; then the
     refusals."""
-    from pipetrain.app.catalog import ModelShape, build
+    from pipetrain.app.catalog import build
 
     out: dict = {"differences": {}, "same_keys": {}, "recomputed": {}}
-    models = ["gpt"]
-    try:
-        import transformers  # noqa: F401
-
-        models.append("llama")
-    except ImportError:
-        pass
-    tokens = torch.randint(0, 256, (8, 8), generator=torch.Generator().manual_seed(1))
-    targets = torch.roll(tokens, -1, dims=1)
-    for model in models:
-        shape = ModelShape(
-            model=model, blocks=3, hidden=16, heads=4, kv_heads=2 if model == "llama" else None,
-            vocab=256, seq_len=8, dtype="float64", seed=5,
-        )  # fmt: skip
+    tokens, targets = _tokens()
+    for model, shape in _shapes():
         for label, schedule, v, m, cut, recompute, defer in PLANS:
             cut = [*cut[:-1], cut[-1] + len(build(shape).names) - sum(cut)]  # the rest: last
             plain = {"schedule": schedule, "ranks": world, "stages_per_rank": v,
@@ -55,6 +45,42 @@ def run_recompute_plans(rank: int, world: int) -> dict:
             out["recomputed"][key] = wrapped
     out["refusals"] = _refusals(world)
     return out
+
+
+def _tokens() -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, 256, (8, 8), generator=torch.Generator().manual_seed(1))
+    return tokens, torch.roll(tokens, -1, dims=1)
+
+
+def _shapes() -> list:
+    """(name, shape) of the built-in GPT and, where transformers is installed, the Hugging Face
+    Llama (with its side inputs: position ids, mask), tiny and in float64."""
+    from pipetrain.app.catalog import ModelShape
+
+    models = ["gpt"]
+    try:
+        import transformers  # noqa: F401
+
+        models.append("llama")
+    except ImportError:
+        pass
+    return [
+        (
+            name,
+            ModelShape(
+                model=name,
+                blocks=3,
+                hidden=16,
+                heads=4,
+                kv_heads=2 if name == "llama" else None,
+                vocab=256,
+                seq_len=8,
+                dtype="float64",
+                seed=5,
+            ),
+        )
+        for name in models
+    ]
 
 
 def _run(model, plan: dict, tokens, targets, defer):
@@ -125,23 +151,12 @@ def run_whole_stage_plans(rank: int, world: int) -> dict:
     """Per plan: the largest relative difference of the loss and of every gradient from the same
     plan without recompute, for the GPT (float64) and for a stack with dropout (the recompute
     must draw the forward's masks again); then what is refused."""
-    from pipetrain.app.catalog import ModelShape, build
+    from pipetrain.app.catalog import build
 
     out: dict = {"differences": {}, "refusals": {}}
-    tokens = torch.randint(0, 256, (8, 8), generator=torch.Generator().manual_seed(1))
-    targets = torch.roll(tokens, -1, dims=1)
-    models = ["gpt"]
-    try:
-        import transformers  # noqa: F401
-
-        models.append("llama")  # with its side inputs (position ids, mask)
-    except ImportError:
-        pass
-    for name in models:
-        shape = ModelShape(
-            model=name, blocks=3, hidden=16, heads=4, kv_heads=2 if name == "llama" else None,
-            vocab=256, seq_len=8, dtype="float64", seed=5,
-        )  # fmt: skip
+    tokens, targets = _tokens()
+    shapes = _shapes()
+    for name, shape in shapes:
         for label, schedule, v, m, cut, whole, defer in WHOLE_PLANS:
             model = build(shape)
             cut = [*cut[:-1], cut[-1] + len(model.names) - sum(cut)]
@@ -161,11 +176,10 @@ def run_whole_stage_plans(rank: int, world: int) -> dict:
                 for marked in ([], whole)
             ]
             out["differences"][f"{name} {label}"] = _worst(*runs)
-    if "llama" in models:  # the embedding tied to the head, both stages recomputed as a whole
-        shape = ModelShape(
-            model="llama", blocks=3, hidden=16, heads=4, kv_heads=2, vocab=256, seq_len=8,
-            dtype="float64", seed=5, tie_embeddings=True,
-        )  # fmt: skip
+    if (
+        len(shapes) > 1
+    ):  # the Llama, its embedding tied to the head, both stages recomputed as a whole
+        shape = dataclasses.replace(shapes[1][1], tie_embeddings=True)
         for schedule, v, cut, whole in (
             ("1f1b", 1, [3, 3], [0, 1]),
             ("zbv", 2, [2, 1, 1, 2], [0, 3]),
