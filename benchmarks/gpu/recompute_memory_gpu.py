@@ -44,7 +44,7 @@ from pipetrain.runtime.layers import split
 
 GIB = float(1 << 30)
 #: the modes measured on every stage, K half its layers; on the last also the loss's layer wrapped
-MODES = ("none", "full:{k}", "full", "selective:{k}", "selective")
+MODES = ("none", "full:{k}", "full", "selective:{k}", "selective", "whole")
 WRAPPED = "selective (loss layer wrapped)"
 TINY = dict(vocab_size=64, seq_len=16, num_layers=4, hidden=32, num_heads=2, bias=False)
 
@@ -72,19 +72,35 @@ def predicted(costs, a: int, b: int, mode: str) -> float | None:
 
 
 def measure(stage, inputs, targets, last: bool, device) -> tuple[float, float]:
-    """(held GiB per micro-batch after the forwards, peak GiB above them in the backwards)."""
+    """(held GiB per micro-batch after the forwards, peak GiB above them in the backwards). A
+    stage recomputed as a whole (``stage.recompute_whole``) runs as the pipeline runs it: the
+    forwards without autograd, holding their inputs (which the caller holds here), then per
+    micro-batch the forward again and its backward."""
     cuda = device.type == "cuda"
+    whole = getattr(stage, "recompute_whole", False)
     gc.collect()
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated(device) if cuda else 0
-    outs = [lm_loss(stage(x), y) if last else stage(x) for x, y in zip(inputs, targets)]
+
+    def forward(x, y):
+        return lm_loss(stage(x), y) if last else stage(x)
+
+    if whole:
+        with torch.no_grad():
+            for x, y in zip(inputs, targets):
+                forward(x, y)
+        outs = list(zip(inputs, targets))  # the recompute's arguments, held by the caller
+    else:
+        outs = [forward(x, y) for x, y in zip(inputs, targets)]
     held = (torch.cuda.memory_allocated(device) - before) if cuda else 0
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     top = before + held
     for out in outs:
+        if whole:
+            out = forward(*out)
         if last:
             out.backward()
         else:

@@ -22,8 +22,8 @@ def test_every_stage_and_mode_runs(tmp_path) -> None:
     rows = json.loads((tmp_path / "recompute_memory.json").read_text())["rows"]
     modes = [(r["stage"], r["mode"]) for r in rows]
     assert modes == [
-        *((0, m) for m in ("none", "full:1", "full", "selective:1", "selective")),
-        *((1, m) for m in ("none", "full:1", "full", "selective:1", "selective")),
+        *((0, m) for m in ("none", "full:1", "full", "selective:1", "selective", "whole")),
+        *((1, m) for m in ("none", "full:1", "full", "selective:1", "selective", "whole")),
         (1, "selective (loss layer wrapped)"),
     ]
 
