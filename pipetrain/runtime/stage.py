@@ -4,7 +4,9 @@ The stage owns what a micro-batch leaves behind between its forward and its last
 the input leaves (to read their gradients), the gradient edges of its outputs (never the output
 tensors themselves: an activation that was sent can be freed while its graph stays — Megatron's
 ``deallocate_pipeline_outputs`` without touching ``.data``), and after ``I`` the work for ``W``.
-Each piece pops what it consumed, so after a micro-batch's last piece nothing of it is left.
+Each piece pops what it consumed, so after a micro-batch's last piece nothing of it is left. A
+stage recomputed as a whole owns its inputs instead, and builds the rest at its first backward
+piece (``whole_stage_recompute``).
 Communication and ordering belong to the executor; the split itself to the stage's
 ``BackwardSplit`` (``interface``): ``graph_replay``'s graph replay (any module) or
 ``deferred_wgrad``'s deferred linear weight GEMMs (the zero-bubble paper's way).
