@@ -13,7 +13,9 @@ modules, no library's mixed-precision wrapper, except the ``deepspeed-bf16`` row
 optimizer step (AdamW foreach on the bf16 parameters, ``zero_grad(set_to_none=False)``). A step's
 time is the slowest rank's wall time of the whole step including the optimizer (barrier,
 synchronize, step, synchronize); every timed step is kept (``all_ms``). Within a configuration
-(shape, micro-batches, schedule) the rows' order is rotated by ``launch + configuration index``.
+(shape, micro-batches, schedule) the rows' order is rotated by ``launch // 2 + configuration
+index`` and reversed in odd launches (``incumbents_plan.launch_order``): every two launches run
+every pair of rows both ways round.
 
 Rows: ``pipetrain`` (``Pipeline`` defaults) and its variants (``--variants nodefer``: plain
 autograd weight gradients, the incumbents' kernels; ``leadN``/``leadnone``: ``receive_lead``;
@@ -42,7 +44,7 @@ import torch
 import torch.distributed as dist
 from gpu_pipeline import guarded  # beside this script
 from gpu_setup import Ctx, clock_stamp, log
-from incumbents_plan import Plan
+from incumbents_plan import Plan, launch_order
 from incumbents_report import PT_FAMILIES, tables  # beside this script
 from incumbents_runners import measure_limit, pipetrain_options
 from incumbents_shapes import SHAPES, Row, Shape, UnitBank
@@ -139,8 +141,7 @@ class Run:
             limits[False] = self.limit(rows[0])
             if self.args.limit_graph:  # graphed rows' efficiency against a graphed limit
                 limits[True] = self.limit(rows[0], graphed=True)
-        k = (self.args.launch + index) % len(rows)
-        for order, row in enumerate(rows[k:] + rows[:k]):
+        for order, row in enumerate(launch_order(rows, self.args.launch, index)):
             self.measure(row, order, limits.get(row.lib.endswith("-graph"), limits.get(False, {})))
 
     def measure(self, row: Row, order: int, limit: dict) -> None:
@@ -267,7 +268,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--preset", choices=sorted(PRESETS), default=None, help="default: h100 on GPU")
     p.add_argument("--report", nargs="+", default=None, help="pool saved launches' JSON files")
     p.add_argument("--out", default=None, help="folder for incumbents.json")
-    p.add_argument("--launch", type=int, default=0, help="launch index: rotates the row order")
+    p.add_argument(
+        "--launch",
+        type=int,
+        default=0,
+        help="launch index: rotates (and in odd launches reverses) the row order",
+    )
     p.add_argument("--plan", default="", help="a label recorded in the JSON (the call's plan)")
     p.add_argument("--shapes", default=None, help=f"comma list of: {', '.join(SHAPES)}")
     p.add_argument("--microbatches", default=None, help="comma list, e.g. 16,8")

@@ -4,6 +4,7 @@ sweep and the cuts are what docs/incumbents.md says they are."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import sys
@@ -184,3 +185,17 @@ def test_a_ratio_whose_rows_ran_in_one_order_in_every_launch_says_so(tmp_path) -
     )
     rotated = report(files([first, {"pipetrain-nodefer": 1, "megatron-nosync": 0}]))
     assert "one-sided" not in line(rotated, "pipetrain-nodefer 1f1b / megatron-nosync")
+
+
+def test_every_two_launches_run_every_pair_of_rows_both_ways() -> None:
+    from incumbents_plan import launch_order
+
+    rows = list("abcdef")
+    for index in range(3):
+        for first in (0, 2, 4):
+            runs = [launch_order(rows, launch, index) for launch in (first, first + 1)]
+            assert all(sorted(r) == rows for r in runs)
+            for x, y in itertools.combinations(rows, 2):
+                assert {r.index(x) < r.index(y) for r in runs} == {True, False}, (x, y, runs)
+    # and a different row first from one pair of launches to the next
+    assert len({launch_order(rows, launch, 0)[0] for launch in (0, 2, 4)}) == 3
