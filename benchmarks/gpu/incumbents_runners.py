@@ -120,23 +120,19 @@ def measure_limit(ctx: Ctx, bank: UnitBank, row: Row, graphed: bool = False) -> 
 
 
 def replayed(passes, opt, params):
-    """``passes`` captured as one CUDA graph (warmed on a side stream first, torch's recipe for
-    capturing a whole network), returned as a step: replay, then the eager optimizer step. The
-    gradients exist before the capture and are zeroed in place, so every replay adds into the
-    same buffers the optimizer reads."""
+    """``passes`` captured as one CUDA graph with the gradients zeroed in place first
+    (``recompute_price_gpu.capture``: warmed on a side stream), returned as a step: replay, then
+    the eager optimizer step, which reads the gradients the replay accumulated."""
+    from recompute_price_gpu import capture  # beside this script; CUDA only
+
     if opt is None:
         raise ValueError("a graphed limit needs an optimizer that zeroes gradients in place")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            passes()
-            opt.zero_grad(set_to_none=False)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def zeroed() -> None:
+        opt.zero_grad(set_to_none=False)
         passes()
-    opt.zero_grad(set_to_none=False)
+
+    graph = capture(zeroed)
 
     def step() -> None:
         graph.replay()

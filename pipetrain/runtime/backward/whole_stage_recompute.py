@@ -27,6 +27,8 @@ and the random stream afterwards is the one a run without recompute sees.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -48,23 +50,13 @@ class RandomState:
         devices, states = get_device_states(*tensors)
         return cls(torch.get_rng_state(), devices, states)
 
-    def restored(self):
-        """A context that runs with this state and leaves the generators as it found them."""
-        return _Restored(self)
-
-
-class _Restored:
-    def __init__(self, state: RandomState) -> None:
-        self.state = state
-        self.fork = torch.random.fork_rng(devices=state.devices)
-
-    def __enter__(self) -> None:
-        self.fork.__enter__()
-        torch.set_rng_state(self.state.cpu)
-        set_device_states(self.state.devices, self.state.states)
-
-    def __exit__(self, *exc) -> None:
-        self.fork.__exit__(*exc)
+    @contextlib.contextmanager
+    def restored(self) -> Iterator[None]:
+        """Run with this state; the generators are left as they were found."""
+        with torch.random.fork_rng(devices=self.devices):
+            torch.set_rng_state(self.cpu)
+            set_device_states(self.devices, self.states)
+            yield
 
 
 @dataclass
