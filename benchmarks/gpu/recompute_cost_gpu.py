@@ -65,7 +65,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from local_launch import launch  # beside this script
-from recompute_cost_report import MODES, TARGET, compare, line, summary, write
+from recompute_cost_report import MODES, REFERENCE, TARGET, compare, line, summary, write
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # run from anywhere without installing
@@ -381,13 +381,13 @@ def run(args: argparse.Namespace, rank: int, world: int) -> int:
               f"{args.warmup} warm-up")  # fmt: skip
     unsplit = []
     if rank == 0:  # the unsplit model alone; rank 1 waits at the gloo barrier below
-        unsplit = [unsplit_row(bench, mode) for mode in MODES]
+        unsplit = [unsplit_row(bench, mode) for mode in unsplit_modes(args.modes)]
     dist.barrier(group=bench.control)
     for row in bench.agree(unsplit):
         record(row)
     for name, why in schedules(args, world):
         for split_name in args.splits.split(","):
-            for mode in (*MODES, "whole") if args.whole else MODES:
+            for mode in args.modes:
                 label = {"kind": "pipeline", "schedule": name, "split": split_name,
                          "recompute": mode}  # fmt: skip
                 if why is not None:
@@ -406,6 +406,12 @@ def run(args: argparse.Namespace, rank: int, world: int) -> int:
         bench.say(f"wrote {out}")
     dist.destroy_process_group()
     return 1 if problems and cpu else 0
+
+
+def unsplit_modes(modes: list[str]) -> list[str]:
+    """The unsplit model's rows the pipeline rows of ``modes`` are held against, in order."""
+    wanted = {"none", *(REFERENCE.get(m, m) for m in modes)}
+    return [m for m in MODES if m in wanted]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -437,8 +443,9 @@ FLAGS = (
     ("--warmup", int, 2, "untimed steps after the checked first (default 2)"),
     ("--cuda-graph", int, 0, "1: pipeline rows as Pipeline(cuda_graph=True), captured during the "
      "warm-up (needs --warmup >= 2), and the unsplit model's step as one CUDA graph (default 0)"),
-    ("--whole", int, 0, "1: also every stage recomputed as a whole (recompute_stage's "
-     "'whole'), held against the unsplit model's full recompute (default 0)"),
+    ("--modes", str, ",".join(MODES), "comma list of the pipeline rows' recompute: none, full, "
+     "selective, whole (every stage recomputed as one region, recompute_stage's 'whole', held "
+     f"against the unsplit model's full recompute); default {','.join(MODES)}"),
     ("--steps", int, 6, "timed steps per row (default 6)"),
     ("--budget-s", float, 500.0, "start no row after this many seconds (default 500)"),
     ("--row-timeout-s", float, 60.0, "stop a row's timed steps after this many s (default 60)"),
@@ -476,6 +483,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--dtype {args.dtype}: legal: bfloat16, float32")
     if args.schedules is None and cpu:
         args.schedules = CPU_SCHEDULES
+    args.modes = args.modes.split(",")
+    legal = (*MODES, *REFERENCE)
+    if "none" not in args.modes or any(m not in legal for m in args.modes):
+        parser.error(f"--modes {','.join(args.modes)}: legal: {', '.join(legal)}, with none")
     bad = [s for s in args.splits.split(",") if s not in SPLITS]
     if bad:
         parser.error(f"--splits: unknown {bad[0]!r}; legal: {', '.join(SPLITS)}")

@@ -2,7 +2,8 @@
 both weight-gradient splits) with no, full and selective recompute on 2 gloo processes at a tiny
 shape, every row measured, each recomputing row's first loss equal to its row without recompute,
 and the ratios the GPU table reports computed; then recompute on the blocks only, whose pipeline
-goes through ``recompute_layers`` instead of a plan."""
+goes through ``recompute_layers`` instead of a plan; then stages recomputed as a whole, held
+against the unsplit model's full recompute."""
 
 from __future__ import annotations
 
@@ -50,3 +51,7 @@ def test_cpu_dry_run_measures_every_row_and_recompute_changes_no_loss(tmp_path: 
                       "--splits", "replay")  # fmt: skip
     assert blocks["mismatches"] == [] and len(blocks["ratios"]) == 2
     assert all("step_ms" in r for r in blocks["rows"]), blocks["rows"]
+    whole = _dry_run(tmp_path / "whole", "--modes", "none,whole", "--schedules", "zbv",
+                     "--splits", "deferred")  # fmt: skip
+    assert [r["recompute"] for r in whole["rows"] if r["kind"] == "unsplit"] == ["none", "full"]
+    assert whole["mismatches"] == [] and len(whole["ratios"]) == 1
