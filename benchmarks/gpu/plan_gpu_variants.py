@@ -11,8 +11,9 @@ that judge the planner's pick (docs/planning.md, "Proof on GPUs"). Pure planning
 
 Each budget's runs: the pick; the uniform split of the blocks with 1F1B and torchtitan's rule with
 1F1B (the embedding and the head count as one layer each); for the memory-bound budget the pick's
-schedule and cut with every stage recomputing none, selective or full and offloading 0.5 or 1.0
-(alone, or with full recompute) — ``VARIANTS``, each judged by the planner's own ``evaluate``, so
+schedule and cut with every stage recomputing none, selective, full or as a whole and offloading
+0.5 or 1.0 (alone, or with full recompute; a graphed run neither offloads nor recomputes whole
+stages) — ``VARIANTS``, each judged by the planner's own ``evaluate``, so
 a stage the runtime cannot offload or recompute plans 0 or none and a variant that comes out equal
 to another run is measured once; then up to ``--max-near`` other fitting candidates within
 ``--near`` of the pick in simulation.
@@ -38,6 +39,7 @@ VARIANTS = (
     ("recompute none", "none", 0.0),
     ("selective", "selective", 0.0),
     ("full", "full", 0.0),
+    ("whole", "whole", 0.0),
     ("offload 0.5", "none", 0.5),
     ("offload 1.0", "none", 1.0),
     ("full+offload 1.0", "full", 1.0),
@@ -151,7 +153,7 @@ def budget_runs(label, gib, found, costs, world, args, notes) -> dict:
                         microbatches=pick.microbatches, stage_layers=tuple(cut))  # fmt: skip
         runs.append(run_of(layout, role, timeline.makespan, peaks, budget.usable))
     if label == "memory-bound":
-        runs += variant_runs(costs, runs[0], pick, budget, offload=not args.cuda_graph)
+        runs += variant_runs(costs, runs[0], pick, budget, eager=not args.cuda_graph)
     seen = {run_key(r) for r in runs}
     near = 0
     for c in found.near(args.near)[1:]:
@@ -166,16 +168,16 @@ def budget_runs(label, gib, found, costs, world, args, notes) -> dict:
 
 
 def variant_runs(
-    costs: ModelCosts, pick_run: dict, pick, budget: Budget, offload: bool = True
+    costs: ModelCosts, pick_run: dict, pick, budget: Budget, eager: bool = True
 ) -> list[dict]:
-    """The pick's schedule and cut under each of ``VARIANTS`` (without ``offload``, those that
-    offload left out: a graphed run cannot); a variant that is the pick, or another variant (an
+    """The pick's schedule and cut under each of ``VARIANTS`` (not ``eager``: those that offload
+    or recompute whole stages left out, which a graphed run cannot); a variant that is the pick, or another variant (an
     offload the schedule leaves no room for), is named in that run's ``same_as`` instead."""
     program = build_schedule(pick.schedule, pick.ranks, pick.microbatches, pick.stages_per_rank)
     stages = len(pick.stage_layers)
     out, seen = [], {run_key(pick_run): pick_run}
     for role, mode, fraction in VARIANTS:
-        if fraction and not offload:
+        if (fraction or mode == "whole") and not eager:
             continue
         offloads = (fraction,) * stages if fraction else ()
         judged = evaluate(costs, program, pick.schedule, pick.stages_per_rank,

@@ -14,7 +14,8 @@ with the loss), keeping them as a pipeline's warm-up does, then their backwards:
 * ``peak_gib``: the peak during the backwards above the held forwards (the recompute's
   workspace, the gradients).
 
-Each measured value is printed beside the model's from the costs file (``predicted_gib``), and
+Each measured value is printed beside the model's from the costs file (``predicted_gib``; for
+a stage recomputed as a whole also ``predicted_peak_gib``, ``predicted_peak``), and
 ``selective (loss layer wrapped)`` shows what the runtime held before the loss's layer was left
 plain. One GPU, no process group::
 
@@ -38,7 +39,13 @@ import torch
 from pipetrain.app.models.gpt import GPTConfig, gpt_layer, lm_loss
 from pipetrain.planner.costs_file import load_costs
 from pipetrain.planner.partition import bounds
-from pipetrain.planner.recompute import Recompute, layers_under, recomputed_layer, stage_recompute
+from pipetrain.planner.recompute import (
+    Recompute,
+    beside_later_layers,
+    layers_under,
+    recomputed_layer,
+    stage_recompute,
+)
 from pipetrain.runtime.backward.activation_checkpoint import recompute_layers, recompute_stage
 from pipetrain.runtime.layers import split
 
@@ -69,6 +76,19 @@ def predicted(costs, a: int, b: int, mode: str) -> float | None:
     return sum(
         x.activation for x in layers_under(layers, stage_recompute(mode), a, len(costs.layers))
     )
+
+
+def predicted_peak(costs, a: int, b: int, stage) -> float | None:
+    """The model's backward peak of a stage recomputed as a whole, above its held inputs: the
+    recomputed activation and a plain backward's temporaries (``beside_later_layers`` of
+    ``whole_stage``'s layers) and, from the second micro-batch on, the stage's gradients (the
+    model counts those in its static memory; here they are counted from the stage's
+    parameters)."""
+    if costs is None:
+        return None
+    layers = layers_under(costs.layers[a:b], stage_recompute("whole"), a, len(costs.layers))
+    grads = sum(p.numel() * p.element_size() for p in stage.parameters() if p.requires_grad)
+    return beside_later_layers(layers) + grads / GIB
 
 
 def measure(stage, inputs, targets, last: bool, device) -> tuple[float, float]:
@@ -154,8 +174,12 @@ def main() -> int:
             held, peak = measure(stage, inputs, targets, last, device)
             row = {"stage": s, "layers": [a, z], "mode": mode, "held_gib": round(held, 4),
                    "peak_gib": round(peak, 4), "predicted_gib": predicted(costs, a, z, mode)}  # fmt: skip
+            if mode == "whole":
+                row["predicted_peak_gib"] = predicted_peak(costs, a, z, stage)
             rows.append(row)
             pred = "" if row["predicted_gib"] is None else f"  predicted {row['predicted_gib']:.4f}"
+            if row.get("predicted_peak_gib") is not None:
+                pred += f", peak {row['predicted_peak_gib']:.4f}"
             print(f"[{time.perf_counter() - started:5.1f}s] stage {s} {mode:32s} held "
                   f"{held:.4f} GiB/mb  backward peak +{peak:.4f}{pred}", flush=True)  # fmt: skip
     out = Path(args.out)

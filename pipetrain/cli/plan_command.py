@@ -225,7 +225,8 @@ def format_plan(found: Search) -> str:
             )
             + " (full: each layer keeps its input and runs its forward again in the backward; "
             "selective: keeps matmul outputs; full:K, selective:K: the stage's first K layers "
-            "only; docs/planning.md)"
+            "only; whole: the stage keeps its input and runs its forward again as one region; "
+            "docs/planning.md)"
         )
         if best.layout.offloads:
             lines.append(

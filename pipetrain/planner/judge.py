@@ -25,6 +25,7 @@ from pipetrain.planner.partition import bounds
 from pipetrain.planner.recompute import (
     Recompute,
     StageRecompute,
+    beside_later_layers,
     layers_under,
     raised,
     stage_recompute,
@@ -229,21 +230,6 @@ def _worker_times(worker: str, total: Callable[[str], list[float]], costs: Model
     extra = (costs.host_action_ms or 0.0) if worker == "host" else 0.0
     f, i, w, b = ([x + extra for x in xs] for xs in (f, i, w, b))
     return Costs(forward=f, backward_input=i, backward_weight=w, backward=b)
-
-
-def beside_later_layers(stage: Sequence[LayerCost]) -> float:
-    """What a stage's ``F``, ``B`` or ``I`` uses beyond the micro-batch's whole activation, which
-    the simulator holds from the forward's start to the backward's end: a layer's temporaries
-    come while the layers before it hold their activation and the layers after it hold nothing
-    yet (forward) or nothing any more (backward), so each counts less the activation of the
-    layers after it (a first layer's large temporary, an embedding's dense weight gradient, meets
-    little); the largest, at least 0. ``W`` meets only what it still needs: there every layer's
-    whole temporary counts (``weight_workspace``)."""
-    out = after = 0.0
-    for layer in reversed(stage):
-        out = max(out, layer.workspace - after)
-        after += layer.activation
-    return out
 
 
 def planned_offload(

@@ -75,7 +75,7 @@ class Recompute(StrEnum):
     SELECTIVE = "selective"
     FULL = "full"
     #: the stage as one region: ``F`` without autograd, the forward again at ``I`` or ``B``
-    #: (``whole_stage``); priced and run, not searched (its memory is not yet measured on GPUs)
+    #: (``whole_stage``); searched in eager steps only (``recompute_search.as_whole``)
     WHOLE = "whole"
 
 
@@ -281,20 +281,37 @@ def layers_under(
     ]
 
 
+def beside_later_layers(stage: Sequence[LayerCost]) -> float:
+    """What a stage's ``F``, ``B`` or ``I`` uses beyond the micro-batch's whole activation, which
+    the simulator holds from the forward's start to the backward's end: a layer's temporaries
+    come while the layers before it hold their activation and the layers after it hold nothing
+    yet (forward) or nothing any more (backward), so each counts less the activation of the
+    layers after it (a first layer's large temporary, an embedding's dense weight gradient, meets
+    little); the largest, at least 0. ``W`` meets only what it still needs: there every layer's
+    whole temporary counts (``weight_workspace``)."""
+    out = after = 0.0
+    for layer in reversed(stage):
+        out = max(out, layer.workspace - after)
+        after += layer.activation
+    return out
+
+
 def whole_stage(layers: Sequence[LayerCost]) -> list[LayerCost]:
     """A stage recomputed as one region (``runtime.backward.whole_stage_recompute``): between its
     forward and its backward a micro-batch holds only the stage's input (the first layer's
     ``held_full``); the first backward piece (``B`` or ``I``) runs every layer's forward again,
     with autograd as the forward ran (``forward`` ms each, host and device as the forward's: no
     checkpoint bookkeeping, so not the per-layer ``recompute``) and holds the
-    stage's whole activation for that micro-batch while it runs (the first layer's workspace,
-    which ``judge.beside_later_layers`` then counts whole: the later layers hold nothing). The
-    backward splits as a plain stage's, ``W`` holding what it holds there. ``F`` is priced as
-    the forward with autograd, though it runs without: an upper bound."""
+    stage's whole activation for that micro-batch while it runs, beside the temporaries a plain
+    stage's backward meets (``beside_later_layers``): both on the first layer's workspace, which
+    ``beside_later_layers`` then counts whole (the later layers hold nothing). The backward
+    splits as a plain stage's, ``W`` holding what it holds there; its workspace, the largest
+    layer's, then includes the first layer's: an upper bound. ``F`` is priced as the forward
+    with autograd, though it runs without: an upper bound too."""
     if not layers:
         return []
     held = held_full(layers[0])
-    live = sum(layer.activation for layer in layers)
+    recomputing = sum(layer.activation for layer in layers) - held + beside_later_layers(layers)
     out = []
     for k, layer in enumerate(layers):
         paid = layer.forward
@@ -310,7 +327,7 @@ def whole_stage(layers: Sequence[LayerCost]) -> list[LayerCost]:
                 activation_for_weight=layer.activation
                 if layer.activation_for_weight is None
                 else layer.activation_for_weight,
-                workspace=layer.workspace + (live - held if k == 0 else 0.0),
+                workspace=max(layer.workspace, recomputing) if k == 0 else layer.workspace,
             )
         )
     return out

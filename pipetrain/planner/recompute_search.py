@@ -16,6 +16,13 @@ For each shape (family, stages per rank, micro-batches) already built:
   is not the bottleneck costs the step little, and recompute of a few layers less than of all,
   which the uniform modes cannot express.
 
+In an eager step (not ``captured``: a captured step cannot restore the random state a whole
+stage's recompute needs), the best few of those plans are judged again with their recomputing
+stages recomputed as a whole (``recompute.whole_stage``), one at a time and all together: the
+same extra forward without per-layer checkpoint bookkeeping, which on a host-bound eager step is
+the cheaper, and only the stage's input held, though its whole activation returns while its
+backward runs.
+
 The search then refines the fitting ones like any other (``cuts.refine``, keeping each stage's
 mode) and picks the fastest per micro-batch, so a plan recomputes only where memory asks for it.
 """
@@ -50,24 +57,78 @@ def recompute_candidates(
     if static_floor(costs, next(iter(programs.values())).num_ranks) > budget.usable:
         return out
     for (name, v, m), program in programs.items():
+        shape: list[Candidate] = []
         for mode in (Recompute.FULL, Recompute.SELECTIVE):
-            out += candidates(costs, program, name, v, budget, mode)
+            shape += candidates(costs, program, name, v, budget, mode)
         mine = [
             c
             for c in plain
             if (c.plan.schedule, c.plan.stages_per_rank, c.plan.microbatches) == (name, v, m)
         ]
-        if not mine:
-            continue
-        fastest, lowest = min(mine, key=rank_key), min(mine, key=lambda c: max(c.plan.peak_gib))
-        for start in (fastest, lowest) if lowest is not fastest else (fastest,):
-            # raising ends at full recompute on every stage at best: try that first
-            cut = start.plan.stage_layers
-            full = (Recompute.FULL,) * len(cut)
-            ceiling = evaluate(costs, program, name, v, cut, "full", budget, full)
-            out.append(ceiling)
-            if ceiling.plan.fits:
-                out += raise_where_over(costs, program, name, v, start, budget)
+        if mine:
+            shape += raised_from(costs, program, name, v, mine, budget)
+        if not costs.captured:
+            shape += as_whole(costs, program, name, v, shape, budget)
+        out += shape
+    return out
+
+
+def raised_from(
+    costs: ModelCosts,
+    program: Program,
+    name: str,
+    v: int,
+    mine: Sequence[Candidate],
+    budget: Budget,
+) -> list[Candidate]:
+    """From the shape's fastest and its lowest-peak plain plans (``mine``): full recompute on
+    every stage, and where that fits, one stage raised at a time (``raise_where_over``)."""
+    out: list[Candidate] = []
+    fastest, lowest = min(mine, key=rank_key), min(mine, key=lambda c: max(c.plan.peak_gib))
+    for start in (fastest, lowest) if lowest is not fastest else (fastest,):
+        # raising ends at full recompute on every stage at best: try that first
+        cut = start.plan.stage_layers
+        full = (Recompute.FULL,) * len(cut)
+        ceiling = evaluate(costs, program, name, v, cut, "full", budget, full)
+        out.append(ceiling)
+        if ceiling.plan.fits:
+            out += raise_where_over(costs, program, name, v, start, budget)
+    return out
+
+
+#: how many of a shape's recomputing plans are judged with whole stages
+AS_WHOLE = 4
+
+
+def as_whole(
+    costs: ModelCosts,
+    program: Program,
+    name: str,
+    v: int,
+    found: Sequence[Candidate],
+    budget: Budget,
+) -> list[Candidate]:
+    """The ``AS_WHOLE`` best of ``found`` (fitting first, then the fastest), judged again with
+    each of their recomputing stages (any mode, any K) recomputed as a whole instead, one at a
+    time and all together: a stage checkpointing a few layers may fit as a whole stage too, at
+    the plain forward's price."""
+    seen: set[tuple[tuple[int, ...], tuple[str, ...]]] = set()
+    out: list[Candidate] = []
+    ranked = sorted(found, key=lambda c: (not c.plan.fits, rank_key(c)))
+    for c in [c for c in ranked if any(m != Recompute.NONE for m in c.plan.recompute)][:AS_WHOLE]:
+        modes = c.plan.recompute
+        recomputing = [p for p, m in enumerate(modes) if m != Recompute.NONE]
+        swaps = [(p,) for p in recomputing] + ([tuple(recomputing)] if len(recomputing) > 1 else [])
+        for swap in swaps:
+            whole = tuple(Recompute.WHOLE.value if p in swap else m for p, m in enumerate(modes))
+            if (c.plan.stage_layers, whole) in seen:
+                continue
+            seen.add((c.plan.stage_layers, whole))
+            out.append(
+                evaluate(
+                    costs, program, name, v, c.plan.stage_layers, "recompute-whole", budget, whole
+                )
+            )
     return out
 
 

@@ -364,7 +364,8 @@ def test_a_layers_temporaries_meet_only_the_activation_held_beside_them() -> Non
     after the later layers freed their activation, and in ``F`` before they made it: the stage's
     ``F``/``B`` workspace counts it less their activation. Its ``W`` meets only what ``W`` still
     needs, so there the whole temporary counts."""
-    from pipetrain.planner.judge import beside_later_layers, stage_costs
+    from pipetrain.planner.judge import stage_costs
+    from pipetrain.planner.recompute import beside_later_layers
     from pipetrain.schedule.registry import build_schedule
 
     embed, blocks, head = (
@@ -398,7 +399,7 @@ def test_the_position_aware_workspace_lies_between_the_last_layers_and_the_large
     """Never more than the largest layer's temporaries (what the model counted before), never
     less than the last layer's (nothing comes after it), and exactly the largest where no layer
     holds activation."""
-    from pipetrain.planner.judge import beside_later_layers
+    from pipetrain.planner.recompute import beside_later_layers
 
     stage = [_ws_layer(f"l{i}", act, ws) for i, (act, ws) in enumerate(sizes)]
     got = beside_later_layers(stage)

@@ -377,6 +377,14 @@ def test_a_stage_recomputed_as_a_whole_holds_its_input_and_splits_as_plain() -> 
     assert sc.backward_weight == pytest.approx([2.0, 2.0])
     assert sc.activation_for_weight == pytest.approx([2.0, 2.0])
     assert sc.workspace[0] == pytest.approx(2.0 - 0.05)  # the recompute: the whole activation
+    # a last layer's temporaries (a head's logits) come while the recomputed layers before it
+    # still hold theirs: the stage's backward peak is both, not the larger
+    head = dataclasses.replace(block("head"), workspace=1.5)
+    ending = ModelCosts(layers=(block("a"), block("b"), block("c"), head))
+    plain_ends = stage_costs(ending, program, (2, 2))
+    whole_ends = stage_costs(ending, program, (2, 2), ("none", "whole"))
+    assert plain_ends.workspace[1] == pytest.approx(1.5)
+    assert whole_ends.workspace[1] == pytest.approx(2.0 - 0.05 + 1.5)
     one_f_one_b = build_schedule("1f1b", 2, 4)  # no W: what F to B holds is the peak
     _, plain = simulate_plan(costs, one_f_one_b, (2, 2))
     _, whole = simulate_plan(costs, one_f_one_b, (2, 2), ("whole", "none"))
@@ -395,3 +403,26 @@ def test_a_stage_recomputed_as_a_whole_holds_its_input_and_splits_as_plain() -> 
     assert Layout(**base, recompute=("whole", "none")).recompute == ("whole", "none")
     with pytest.raises(ValueError, match="recompute 'whole' and offload"):
         Layout(**base, recompute=("whole", "none"), offload=(0.5, 0.0))
+
+
+def test_an_eager_search_recomputes_whole_stages_where_checkpointing_costs_more() -> None:
+    """Where a layer's checkpointed recompute costs far more than its plain forward (an eager
+    step, the checkpoint's bookkeeping on the host), a search that must recompute picks stages
+    recomputed as a whole, which pay the plain forward, over checkpointing some of their
+    layers; a captured step (no random state to restore) never plans them."""
+    costs = ModelCosts(layers=tuple(
+        dataclasses.replace(block(f"l{i}"), recompute=3.0, selective_recompute=2.5)
+        for i in range(8)
+    ))  # fmt: skip
+    roomy = search(costs, num_ranks=2, memory_gib=100, headroom=0, schedules=["1f1b"])
+    lowest_plain = min(max(c.plan.peak_gib) for c in roomy.candidates)
+    found = search(costs, num_ranks=2, memory_gib=lowest_plain * 0.8, headroom=0,
+                   schedules=["1f1b"])  # fmt: skip
+    pick = found.best.plan
+    assert pick.fits and "whole" in pick.recompute, pick.recompute
+    as_full = [c for c in found.fitting if "whole" not in c.plan.recompute]
+    assert as_full and pick.ms_per_microbatch < min(c.plan.ms_per_microbatch for c in as_full)
+    captured = search(costs.for_captured_step(), num_ranks=2, memory_gib=lowest_plain * 0.8,
+                      headroom=0, schedules=["1f1b"])  # fmt: skip
+    assert captured.fitting
+    assert not any("whole" in c.plan.recompute for c in captured.candidates)
