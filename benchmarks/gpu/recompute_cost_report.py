@@ -83,3 +83,59 @@ def write(out: Path, meta: dict, rows: list[dict], problems: list[str], ratios: 
     out.parent.mkdir(parents=True, exist_ok=True)
     report = {"meta": meta, "rows": rows, "ratios": ratios, "mismatches": problems}
     out.write_text(json.dumps(report, indent=1))
+
+
+def pooled(reports: list[dict]) -> list[dict]:
+    """Per recomputing pipeline row measured in every launch (``reports``, one
+    ``recompute_cost.json`` each): its quotient over the launches with a 95% interval
+    (``intervals.quotient_interval``: the pipeline's ratio to its row without recompute, over
+    the unsplit model's ratio for the same recompute; the step times' medians averaged over
+    launches, launches and steps resampled) and whether the interval's far end meets the
+    target."""
+    from intervals import quotient_interval  # beside this script
+
+    def steps(rows: list[dict], key: tuple) -> list[float]:
+        found = [r for r in rows if (r["kind"], r.get("schedule"), r.get("split"),
+                                     r["recompute"]) == key and "all_ms" in r]  # fmt: skip
+        return found[0]["all_ms"] if found else []
+
+    keys = [(r["kind"], r.get("schedule"), r.get("split"), r["recompute"])
+            for r in reports[0]["rows"] if r["kind"] == "pipeline" and r["recompute"] != "none"]  # fmt: skip
+    out = []
+    for kind, schedule, split, mode in keys:
+        launches = [rep["rows"] for rep in reports]
+        against = REFERENCE.get(mode, mode)
+        iv = quotient_interval(
+            [steps(rows, (kind, schedule, split, mode)) for rows in launches],
+            [steps(rows, (kind, schedule, split, "none")) for rows in launches],
+            [steps(rows, ("unsplit", None, None, against)) for rows in launches],
+            [steps(rows, ("unsplit", None, None, "none")) for rows in launches],
+        )
+        if iv is not None:
+            out.append({"schedule": schedule, "split": split, "recompute": mode,
+                        "quotient": iv.estimate, "low": iv.low, "high": iv.high,
+                        "launches": iv.launches, "meets": iv.high <= TARGET})  # fmt: skip
+    return out
+
+
+def pooled_lines(rows: list[dict]) -> list[str]:
+    """A markdown table of ``pooled``'s rows, then per mode how many meet the target."""
+    lines = ["| schedule | split | recompute | quotient [95%] | launches | ≤ 1.03 |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    for q in rows:
+        lines.append(f"| {q['schedule']} | {q['split']} | {q['recompute']} | {q['quotient']:.3f} "
+                     f"[{q['low']:.3f}, {q['high']:.3f}] | {q['launches']} | "
+                     f"{'yes' if q['meets'] else 'no' if q['low'] > TARGET else 'undecided'} |")  # fmt: skip
+    for mode in sorted({q["recompute"] for q in rows}):
+        mine = [q for q in rows if q["recompute"] == mode]
+        met = sum(q["meets"] for q in mine)
+        lines.append(f"\n{mode}: {met} of {len(mine)} rows meet {TARGET} at the interval's far end")
+    return lines
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) < 2:
+        raise SystemExit("usage: recompute_cost_report.py LAUNCH.json [LAUNCH.json ...]")
+    print("\n".join(pooled_lines(pooled([json.loads(Path(p).read_text()) for p in sys.argv[1:]]))))
