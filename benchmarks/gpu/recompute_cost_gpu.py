@@ -14,15 +14,19 @@ a plan's per-stage ``Layout.recompute``, which ``Pipeline.from_plan`` applies wi
 ``recompute_stages``) or only the blocks (``--wrap blocks``: ``recompute_layers``); the unsplit
 model wraps the same layers with the same functions. Korthikanti et al. 2022 ("Reducing
 Activation Recomputation in Large Transformer Models") define full and selective recompute.
+``--modes`` adds "whole": every pipeline stage recomputed as one region (``recompute_stage``'s
+"whole": its forward without autograd, again before its backward), held against the unsplit
+model run the same way (every micro-batch's forward without autograd, then each forward again
+with its backward) — the same extra forward with no checkpoint on either side.
 
 1. The unsplit model, on rank 0's GPU alone (rank 1 waits at a barrier of a gloo group; no
    collective runs while it is timed): the layers as one ``Stage``, gradients accumulated over
    the same micro-batches the pipeline runs (each loss divided by their count, as the pipeline
-   weighs them), for recompute none, full, selective.
+   weighs them), for each recompute of ``--modes`` (default none, full, selective).
 2. The pipeline on both ranks, for every family the registry runs on 2 ranks (``--schedules``
    narrows them) x ``defer_weight_grads`` True ("deferred") and False ("replay": graph replay)
-   (``--splits``; "default", None, is what the pipeline picks per stage) x recompute none, full,
-   selective: ``Pipeline.from_plan`` on a ``Layout`` whose cut is
+   (``--splits``; "default", None, is what the pipeline picks per stage) x each recompute of
+   ``--modes``: ``Pipeline.from_plan`` on a ``Layout`` whose cut is
    ``make_stage``'s (blocks as even as possible, the embedding on the first stage, the head on
    the last), stages per rank the family's default.
 
@@ -65,7 +69,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from local_launch import launch  # beside this script
-from recompute_cost_report import MODES, REFERENCE, TARGET, compare, line, summary, write
+from recompute_cost_report import MODES, TARGET, compare, line, summary, write
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # run from anywhere without installing
@@ -229,11 +233,15 @@ def profiled(bench: Bench, step: Callable[[], None], stem: str) -> None:
 
 def unsplit_row(bench: Bench, mode: str) -> dict:
     """The whole model on this rank's device, recomputing as ``mode`` on the layers
-    ``--wrap`` names, one step accumulating over the micro-batches."""
+    ``--wrap`` names, one step accumulating over the micro-batches. ``"whole"``: the model as
+    one region, as a pipeline stage recomputed as a whole runs it — every micro-batch's
+    forward without autograd, then each forward again with its backward."""
     bench.memory_reset()
     layers = [bench.layer(i).to(bench.device or "cpu") for i in range(bench.num_layers)]
     (stage,) = split(layers, [bench.num_layers])
-    if bench.args.wrap == "all":
+    if mode == "whole":
+        pass  # the extra forward is the step's own (below)
+    elif bench.args.wrap == "all":
         (stage,) = checkpointing.recompute_stages([stage], [mode])
     elif mode != "none":
         checkpointing.recompute_layers(stage, dict.fromkeys(bench.block_names(), mode))
@@ -243,6 +251,10 @@ def unsplit_row(bench: Bench, mode: str) -> dict:
 
     def step() -> torch.Tensor:
         total = torch.zeros((), device=bench.x.device)
+        if mode == "whole":
+            with torch.no_grad():
+                for xs, ys in pieces:
+                    lm_loss(stage(xs), ys)
         for xs, ys in pieces:
             loss = lm_loss(stage(xs), ys) / n
             loss.backward()
@@ -381,7 +393,7 @@ def run(args: argparse.Namespace, rank: int, world: int) -> int:
               f"{args.warmup} warm-up")  # fmt: skip
     unsplit = []
     if rank == 0:  # the unsplit model alone; rank 1 waits at the gloo barrier below
-        unsplit = [unsplit_row(bench, mode) for mode in unsplit_modes(args.modes)]
+        unsplit = [unsplit_row(bench, mode) for mode in MODES if mode in args.modes]
     dist.barrier(group=bench.control)
     for row in bench.agree(unsplit):
         record(row)
@@ -406,12 +418,6 @@ def run(args: argparse.Namespace, rank: int, world: int) -> int:
         bench.say(f"wrote {out}")
     dist.destroy_process_group()
     return 1 if problems and cpu else 0
-
-
-def unsplit_modes(modes: list[str]) -> list[str]:
-    """The unsplit model's rows the pipeline rows of ``modes`` are held against, in order."""
-    wanted = {"none", *(REFERENCE.get(m, m) for m in modes)}
-    return [m for m in MODES if m in wanted]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -443,9 +449,9 @@ FLAGS = (
     ("--warmup", int, 2, "untimed steps after the checked first (default 2)"),
     ("--cuda-graph", int, 0, "1: pipeline rows as Pipeline(cuda_graph=True), captured during the "
      "warm-up (needs --warmup >= 2), and the unsplit model's step as one CUDA graph (default 0)"),
-    ("--modes", str, ",".join(MODES), "comma list of the pipeline rows' recompute: none, full, "
-     "selective, whole (every stage recomputed as one region, recompute_stage's 'whole', held "
-     f"against the unsplit model's full recompute); default {','.join(MODES)}"),
+    ("--modes", str, ",".join(MODES[:3]), "comma list of the rows' recompute: none, full, "
+     "selective, whole (every stage recomputed as one region, recompute_stage's 'whole'; the "
+     f"unsplit model as one region); default {','.join(MODES[:3])}"),
     ("--steps", int, 6, "timed steps per row (default 6)"),
     ("--budget-s", float, 500.0, "start no row after this many seconds (default 500)"),
     ("--row-timeout-s", float, 60.0, "stop a row's timed steps after this many s (default 60)"),
@@ -484,9 +490,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if args.schedules is None and cpu:
         args.schedules = CPU_SCHEDULES
     args.modes = args.modes.split(",")
-    legal = (*MODES, *REFERENCE)
-    if "none" not in args.modes or any(m not in legal for m in args.modes):
-        parser.error(f"--modes {','.join(args.modes)}: legal: {', '.join(legal)}, with none")
+    if "none" not in args.modes or any(m not in MODES for m in args.modes):
+        parser.error(f"--modes {','.join(args.modes)}: legal: {', '.join(MODES)}, with none")
     bad = [s for s in args.splits.split(",") if s not in SPLITS]
     if bad:
         parser.error(f"--splits: unknown {bad[0]!r}; legal: {', '.join(SPLITS)}")

@@ -3,7 +3,7 @@ both weight-gradient splits) with no, full and selective recompute on 2 gloo pro
 shape, every row measured, each recomputing row's first loss equal to its row without recompute,
 and the ratios the GPU table reports computed; then recompute on the blocks only, whose pipeline
 goes through ``recompute_layers`` instead of a plan; then stages recomputed as a whole, held
-against the unsplit model's full recompute."""
+against the unsplit model recomputed as a whole."""
 
 from __future__ import annotations
 
@@ -53,5 +53,5 @@ def test_cpu_dry_run_measures_every_row_and_recompute_changes_no_loss(tmp_path: 
     assert all("step_ms" in r for r in blocks["rows"]), blocks["rows"]
     whole = _dry_run(tmp_path / "whole", "--modes", "none,whole", "--schedules", "zbv",
                      "--splits", "deferred")  # fmt: skip
-    assert [r["recompute"] for r in whole["rows"] if r["kind"] == "unsplit"] == ["none", "full"]
+    assert [r["recompute"] for r in whole["rows"] if r["kind"] == "unsplit"] == ["none", "whole"]
     assert whole["mismatches"] == [] and len(whole["ratios"]) == 1
