@@ -177,6 +177,7 @@ def stage_costs(
         for (a, b), mode in zip(blocks, modes)
     ]
     per_stage = [blocks[s % len(blocks)] for s in range(program.num_stages)]
+    whole_at = [modes[s % len(blocks)].mode is Recompute.WHOLE for s in range(program.num_stages)]
     layers_of = [per_block[s % len(blocks)] for s in range(program.num_stages)]
 
     def total(attr: str) -> list[float]:
@@ -204,7 +205,11 @@ def stage_costs(
             for stage in layers_of
         ],
         workspace=[beside_later_layers(stage) for stage in layers_of],
-        weight_workspace=[max(layer.workspace for layer in stage) for stage in layers_of],
+        weight_workspace=[
+            # a stage recomputed as a whole runs its W as a plain stage does (``whole_stage``)
+            max(x.workspace for x in (costs.layers[a:b] if whole else stage))
+            for stage, (a, b), whole in zip(layers_of, per_stage, whole_at)
+        ],
         static=total("params"),
         optimizer_workspace=total("optimizer_workspace"),
         host_copy=[a * _GIB_PER_GB / bandwidth * 1e3 for a in total("activation")]

@@ -305,9 +305,9 @@ def whole_stage(layers: Sequence[LayerCost]) -> list[LayerCost]:
     stage's whole activation for that micro-batch while it runs, beside the temporaries a plain
     stage's backward meets (``beside_later_layers``): both on the first layer's workspace, which
     ``beside_later_layers`` then counts whole (the later layers hold nothing). The backward
-    splits as a plain stage's, ``W`` holding what it holds there; its workspace, the largest
-    layer's, then includes the first layer's: an upper bound. ``F`` is priced as the forward
-    with autograd, though it runs without: an upper bound too."""
+    splits as a plain stage's, ``W`` holding and using what it does there (``judge.stage_costs``
+    reads a whole stage's ``W`` workspace off its plain layers). ``F`` is priced as the forward
+    with autograd, though it runs without: an upper bound."""
     if not layers:
         return []
     held = held_full(layers[0])

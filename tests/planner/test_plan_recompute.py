@@ -385,6 +385,7 @@ def test_a_stage_recomputed_as_a_whole_holds_its_input_and_splits_as_plain() -> 
     whole_ends = stage_costs(ending, program, (2, 2), ("none", "whole"))
     assert plain_ends.workspace[1] == pytest.approx(1.5)
     assert whole_ends.workspace[1] == pytest.approx(2.0 - 0.05 + 1.5)
+    assert whole_ends.weight_workspace[1] == plain_ends.weight_workspace[1] == pytest.approx(1.5)
     one_f_one_b = build_schedule("1f1b", 2, 4)  # no W: what F to B holds is the peak
     _, plain = simulate_plan(costs, one_f_one_b, (2, 2))
     _, whole = simulate_plan(costs, one_f_one_b, (2, 2), ("whole", "none"))
