@@ -171,8 +171,9 @@ def variant_runs(
     costs: ModelCosts, pick_run: dict, pick, budget: Budget, eager: bool = True
 ) -> list[dict]:
     """The pick's schedule and cut under each of ``VARIANTS`` (not ``eager``: those that offload
-    or recompute whole stages left out, which a graphed run cannot); a variant that is the pick, or another variant (an
-    offload the schedule leaves no room for), is named in that run's ``same_as`` instead."""
+    or recompute whole stages left out, which a graphed run cannot); a variant that is the pick,
+    or another variant (an offload the schedule leaves no room for), is named in that run's
+    ``same_as`` instead."""
     program = build_schedule(pick.schedule, pick.ranks, pick.microbatches, pick.stages_per_rank)
     stages = len(pick.stage_layers)
     out, seen = [], {run_key(pick_run): pick_run}

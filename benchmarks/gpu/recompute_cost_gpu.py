@@ -233,17 +233,14 @@ def profiled(bench: Bench, step: Callable[[], None], stem: str) -> None:
 
 def unsplit_row(bench: Bench, mode: str) -> dict:
     """The whole model on this rank's device, recomputing as ``mode`` on the layers
-    ``--wrap`` names, one step accumulating over the micro-batches. ``"whole"``: the model as
-    one region, as a pipeline stage recomputed as a whole runs it — every micro-batch's
-    forward without autograd, then each forward again with its backward."""
+    ``--wrap`` names, one step accumulating over the micro-batches; ``"whole"``: the model as
+    one region (the module docstring), its extra forward the step's own."""
     bench.memory_reset()
     layers = [bench.layer(i).to(bench.device or "cpu") for i in range(bench.num_layers)]
     (stage,) = split(layers, [bench.num_layers])
-    if mode == "whole":
-        pass  # the extra forward is the step's own (below)
-    elif bench.args.wrap == "all":
+    if bench.args.wrap == "all" and mode != "whole":
         (stage,) = checkpointing.recompute_stages([stage], [mode])
-    elif mode != "none":
+    elif mode not in ("none", "whole"):
         checkpointing.recompute_layers(stage, dict.fromkeys(bench.block_names(), mode))
     params = list(stage.parameters())
     n = bench.args.microbatches

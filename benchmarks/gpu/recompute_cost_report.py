@@ -97,9 +97,9 @@ def pooled(reports: list[dict]) -> list[dict]:
 
     keys = [(r["kind"], r.get("schedule"), r.get("split"), r["recompute"])
             for r in reports[0]["rows"] if r["kind"] == "pipeline" and r["recompute"] != "none"]  # fmt: skip
+    launches = [rep["rows"] for rep in reports]
     out = []
     for kind, schedule, split, mode in keys:
-        launches = [rep["rows"] for rep in reports]
         iv = quotient_interval(
             [steps(rows, (kind, schedule, split, mode)) for rows in launches],
             [steps(rows, (kind, schedule, split, "none")) for rows in launches],

@@ -15,7 +15,7 @@ with the loss), keeping them as a pipeline's warm-up does, then their backwards:
   workspace, the gradients).
 
 Each measured value is printed beside the model's from the costs file (``predicted_gib``; for
-a stage recomputed as a whole also ``predicted_peak_gib``, ``predicted_peak``), and
+a stage recomputed as a whole also its backward peak, ``predicted_peak_gib``), and
 ``selective (loss layer wrapped)`` shows what the runtime held before the loss's layer was left
 plain. One GPU, no process group::
 
