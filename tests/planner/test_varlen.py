@@ -1,0 +1,123 @@
+"""Length-aware packing of documents into fixed-shape micro-batches (pure Python)."""
+
+from __future__ import annotations
+
+from itertools import pairwise
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipetrain.planner.varlen import LengthCost, StepPack, pack_step
+
+
+@st.composite
+def steps(draw: st.DrawFn) -> tuple[list[int], int, int, int, LengthCost]:
+    seq_len = draw(st.integers(1, 64))
+    lengths = draw(st.lists(st.integers(1, seq_len), max_size=40))
+    microbatches = draw(st.integers(1, 6))
+    rows = draw(st.integers(1, 3))
+    cost = LengthCost(
+        per_token=draw(st.sampled_from([0.0, 1.0, 2.5])),
+        per_token_sq=draw(st.sampled_from([0.0, 0.01, 1.0])),
+    )
+    return lengths, microbatches, rows, seq_len, cost
+
+
+def pack(case: tuple[list[int], int, int, int, LengthCost], balanced: bool) -> StepPack:
+    lengths, microbatches, rows, seq_len, cost = case
+    return pack_step(
+        lengths, microbatches=microbatches, rows=rows, seq_len=seq_len, cost=cost, balanced=balanced
+    )
+
+
+def check_well_formed(result: StepPack, case: tuple[list[int], int, int, int, LengthCost]) -> None:
+    lengths, microbatches, rows, seq_len, _ = case
+    assert len(result.microbatches) == microbatches
+    assert all(len(mb) == rows for mb in result.microbatches)
+    packed = [i for mb in result.microbatches for row in mb for i in row]
+    assert len(packed) == len(set(packed)), "an index packed twice"
+    assert not set(packed) & set(result.left_over)
+    assert sorted(packed + list(result.left_over)) == list(range(len(lengths)))
+    assert list(result.left_over) == sorted(result.left_over)
+    for mb in result.microbatches:
+        for row in mb:
+            assert sum(lengths[i] for i in row) <= seq_len
+            assert list(row) == sorted(row)
+
+
+@settings(max_examples=300, deadline=None)
+@given(steps())
+def test_both_packings_are_well_formed_and_deterministic(case) -> None:
+    for balanced in (False, True):
+        result = pack(case, balanced)
+        check_well_formed(result, case)
+        assert pack(case, balanced) == result
+
+
+@settings(max_examples=300, deadline=None)
+@given(steps())
+def test_balanced_is_never_dearer_and_never_packs_fewer_tokens(case) -> None:
+    lengths, _, _, seq_len, cost = case
+    fixed, balanced = pack(case, False), pack(case, True)
+    assert set(fixed.packed()) <= set(balanced.packed()), "balanced dropped a document fixed took"
+    worst_fixed = max(fixed.costs(lengths, cost, padded_to=seq_len))
+    worst_balanced = max(balanced.costs(lengths, cost, padded_to=seq_len))
+    assert worst_balanced <= worst_fixed + 1e-9 * max(1.0, worst_fixed)
+
+
+@settings(max_examples=200, deadline=None)
+@given(steps())
+def test_fixed_packing_is_next_fit_in_order(case) -> None:
+    lengths, _, _, seq_len, _ = case
+    result = pack(case, False)
+    rows = [row for mb in result.microbatches for row in mb]
+    flat = [i for row in rows for i in row]
+    assert flat == list(range(len(flat))), "fixed packing keeps the given order"
+    assert result.left_over == tuple(range(len(flat), len(lengths)))
+    used = [row for row in rows if row]
+    for row, nxt in pairwise(used):
+        assert sum(lengths[i] for i in row) + lengths[nxt[0]] > seq_len, "opened a row too soon"
+    if result.left_over:
+        assert rows[-1], "left documents over with an empty row"
+        assert sum(lengths[i] for i in rows[-1]) + lengths[result.left_over[0]] > seq_len
+
+
+def test_balanced_spreads_long_documents_that_fixed_packing_bunches() -> None:
+    # two long documents first, then short ones: fixed packing puts both long ones in
+    # micro-batch 0 (2 rows each), balanced gives each micro-batch one long document
+    lengths = [8, 8, 2, 2, 2, 2, 2, 2, 2, 2]
+    cost = LengthCost(per_token=1.0, per_token_sq=1.0)
+    kw = {"microbatches": 2, "rows": 2, "seq_len": 8, "cost": cost}
+    fixed = pack_step(lengths, balanced=False, **kw)
+    balanced = pack_step(lengths, balanced=True, **kw)
+    assert fixed.microbatches[0] == ((0,), (1,))
+    assert fixed.costs(lengths, cost, padded_to=8) == (16 + 128, 16 + 32)
+    assert balanced.costs(lengths, cost, padded_to=8) == (16 + 64 + 16, 16 + 64 + 16)
+    assert fixed.left_over == balanced.left_over == ()
+
+
+def test_balanced_fills_gaps_with_later_documents() -> None:
+    # fixed packing stops at the 5-token document; a later 1-token one fits the gap
+    lengths = [4, 5, 1]
+    kw = {"microbatches": 1, "rows": 1, "seq_len": 5, "cost": LengthCost(1.0, 0.0)}
+    assert pack_step(lengths, balanced=False, **kw).left_over == (1, 2)
+    balanced = pack_step(lengths, balanced=True, **kw)
+    assert balanced.microbatches == (((0, 2),),) and balanced.left_over == (1,)
+
+
+@pytest.mark.parametrize(
+    ("lengths", "kw", "match"),
+    [
+        ([0], {}, "lengths must be integers 1..seq_len=8"),
+        ([9], {}, "split longer documents first"),
+        ([2], {"microbatches": 0}, "microbatches must be an integer >= 1"),
+        ([2], {"rows": 0}, "rows must be an integer >= 1"),
+    ],
+)
+def test_refuses_what_it_cannot_pack(lengths, kw, match) -> None:
+    args = {"microbatches": 2, "rows": 1, "seq_len": 8, "cost": LengthCost(), **kw}
+    with pytest.raises(ValueError, match=match):
+        pack_step(lengths, balanced=True, **args)
+    with pytest.raises(ValueError, match="per_token_sq must be a finite number >= 0"):
+        LengthCost(1.0, -1.0)
