@@ -1,0 +1,249 @@
+"""Each training step's batch, the same from ``(seed, step)`` however the run got there; and a
+fixed list of eval batches.
+
+Documents are read as a stream: epoch ``e`` is a permutation of all documents drawn from
+``(seed, e)``, and the epochs follow each other. A step offers the planner the documents the
+previous step left over, first, then the next ones of the stream until they hold a whole
+step's tokens; ``pipetrain.planner.varlen.pack_step`` decides which go into which micro-batch and
+row (length-aware when ``balanced``, next-fit in order otherwise), and the rest is left over for
+the next step. Planning reads only lengths, so step ``s`` is found by replaying the plans of
+steps ``0 .. s-1`` (cheap) and building only the rows of ``s``: a resumed run sees exactly the
+batches of the uninterrupted one.
+
+A step's batch is ``dp x microbatches`` micro-batches of ``microbatch_size`` rows, in that
+order: replica ``r`` takes rows ``r*M*mbs .. (r+1)*M*mbs - 1`` (its micro-batches ``r*M ..
+r*M+M-1``). With ``packing="none"`` each row holds the next document of the stream, nothing is
+left over, and ``balanced`` changes nothing (a padded row costs its full length whatever it
+holds).
+
+Eval batches are planned the same way from the documents in file order, no shuffle, until every
+document is packed once: the same batches, of the training shape, at every eval.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pipetrain.app.data.data_options import DataOptions
+from pipetrain.app.data.packing import packed_rows, padded_rows
+from pipetrain.app.data.token_cache import TokenCorpus
+from pipetrain.planner.varlen import LengthCost, pack_step
+
+#: a step's rows, each the indices of the documents it holds (an empty row holds none)
+RowPlan = tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """A step's shape: ``dp`` replicas, each running ``microbatches`` micro-batches of
+    ``microbatch_size`` rows."""
+
+    dp: int
+    microbatches: int
+    microbatch_size: int
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "microbatches", "microbatch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+    @property
+    def groups(self) -> int:
+        """Micro-batches over all replicas."""
+        return self.dp * self.microbatches
+
+    @property
+    def rows(self) -> int:
+        """Rows over all replicas."""
+        return self.groups * self.microbatch_size
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """One step's batch for every replica (see the module docstring for the row order):
+    ``pipe.step(inputs, targets, side=side)`` after each replica takes its rows.
+
+    ``rows`` are the document indices of each row; ``real_tokens`` the document tokens in the
+    inputs, ``predicted_tokens`` the targets not ignored (what ``token_mean`` divides by),
+    ``padding_tokens`` the rest; ``microbatch_costs`` each micro-batch's cost as a fixed shape
+    pays it (``LengthCost`` of its documents, padding at the linear rate)."""
+
+    step: int
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    side: dict[str, torch.Tensor]
+    rows: RowPlan
+    real_tokens: int
+    predicted_tokens: int
+    padding_tokens: int
+    microbatch_costs: tuple[float, ...]
+
+
+def transformer_cost(hidden: int) -> LengthCost:
+    """A decoder layer's forward cost per document of ``n`` tokens, in units of one token
+    through its dense layers: ``n + n² / (6 · hidden)``, from Megatron-LM's count of
+    ``24·h²`` multiply-adds per token in the dense layers and ``4·n·h`` in attention
+    (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters")."""
+    if hidden < 1:
+        raise ValueError(f"hidden must be >= 1, got {hidden}")
+    return LengthCost(per_token=1.0, per_token_sq=1.0 / (6 * hidden))
+
+
+def epoch_order(documents: int, seed: int, epoch: int) -> np.ndarray:
+    """Epoch ``epoch``'s permutation of ``documents`` document indices, drawn from
+    ``(seed, epoch)`` alone."""
+    return np.random.default_rng([seed, epoch]).permutation(documents)
+
+
+def step_plans(
+    lengths: Sequence[int],
+    options: DataOptions,
+    shape: BatchShape,
+    *,
+    seed: int,
+    cost: LengthCost = LengthCost(),
+) -> Iterator[RowPlan]:
+    """Every step's rows, from step 0 on, drawn from the shuffled stream (lengths only)."""
+    lengths = [int(n) for n in lengths]
+    _check_lengths(lengths, options.seq_len)
+    if seed < 0:
+        raise ValueError(f"seed must be >= 0, got {seed}")
+    stream = _shuffled(len(lengths), seed)
+    if options.packing == "none":
+        while True:
+            yield tuple((next(stream),) for _ in range(shape.rows))
+    left: list[int] = []
+    while True:
+        rows, left = _plan(lengths, left, stream, options, shape, cost)
+        yield rows
+
+
+def train_batches(
+    corpus: TokenCorpus,
+    options: DataOptions,
+    shape: BatchShape,
+    *,
+    seed: int,
+    start: int = 0,
+    cost: LengthCost = LengthCost(),
+) -> Iterator[StepBatch]:
+    """Endless training batches from step ``start`` on (steps before it are planned, not
+    built): step ``s``'s batch is the same whatever ``start`` is."""
+    plans = step_plans(corpus.lengths, options, shape, seed=seed, cost=cost)
+    for step, rows in enumerate(plans):
+        if step >= start:
+            yield build_batch(corpus, options, shape, rows, step, cost)
+
+
+def eval_batches(
+    corpus: TokenCorpus,
+    options: DataOptions,
+    shape: BatchShape,
+    *,
+    cost: LengthCost = LengthCost(),
+) -> list[StepBatch]:
+    """Batches covering every document once, in file order (see the module docstring). Each is
+    built when the list is made; give an eval corpus of a size that fits in memory."""
+    lengths = [int(n) for n in corpus.lengths]
+    _check_lengths(lengths, options.seq_len)
+    plans: list[RowPlan] = []
+    if options.packing == "none":
+        for first in range(0, len(lengths), shape.rows):
+            plans.append(tuple((i,) for i in range(first, min(first + shape.rows, len(lengths)))))
+    else:
+        stream = iter(range(len(lengths)))
+        left: list[int] = []
+        while True:
+            rows, left = _plan(lengths, left, stream, options, shape, cost)
+            if not any(rows):
+                break
+            plans.append(rows)
+    return [build_batch(corpus, options, shape, rows, i, cost) for i, rows in enumerate(plans)]
+
+
+def build_batch(
+    corpus: TokenCorpus,
+    options: DataOptions,
+    shape: BatchShape,
+    rows: RowPlan,
+    step: int,
+    cost: LengthCost,
+) -> StepBatch:
+    """The tensors of one step's planned ``rows`` (fewer rows than the shape's: empty rows added)."""
+    rows = tuple(rows) + ((),) * (shape.rows - len(rows))
+    if options.packing == "none":
+        built = padded_rows(corpus, [row[0] if row else None for row in rows], options.seq_len)
+    else:
+        built = packed_rows(corpus, rows, options.seq_len)
+    lengths = corpus.lengths
+    per_row = [
+        sum(cost.of(int(lengths[i])) for i in row)
+        + cost.per_token * (options.seq_len - sum(int(lengths[i]) for i in row))
+        for row in rows
+    ]
+    size = shape.microbatch_size
+    costs = tuple(sum(per_row[m * size : (m + 1) * size]) for m in range(shape.groups))
+    return StepBatch(
+        step=step,
+        inputs=built.inputs,
+        targets=built.targets,
+        side=built.side,
+        rows=rows,
+        real_tokens=built.real_tokens,
+        predicted_tokens=built.predicted_tokens,
+        padding_tokens=built.padding_tokens,
+        microbatch_costs=costs,
+    )
+
+
+def _plan(
+    lengths: list[int],
+    left: list[int],
+    stream: Iterator[int],
+    options: DataOptions,
+    shape: BatchShape,
+    cost: LengthCost,
+) -> tuple[RowPlan, list[int]]:
+    """One step's rows from the left-over documents and as many more of ``stream`` as hold a
+    step's tokens; and what is left over after it."""
+    offered = list(left)
+    room = shape.rows * options.seq_len - sum(lengths[i] for i in offered)
+    while room > 0:
+        index = next(stream, None)
+        if index is None:
+            break
+        offered.append(index)
+        room -= lengths[index]
+    pack = pack_step(
+        [lengths[i] for i in offered],
+        microbatches=shape.groups,
+        rows=shape.microbatch_size,
+        seq_len=options.seq_len,
+        cost=cost,
+        balanced=options.balanced,
+    )
+    rows = tuple(tuple(offered[k] for k in row) for mb in pack.microbatches for row in mb)
+    return rows, [offered[k] for k in pack.left_over]
+
+
+def _shuffled(documents: int, seed: int) -> Iterator[int]:
+    epoch = 0
+    while True:
+        yield from (int(i) for i in epoch_order(documents, seed, epoch))
+        epoch += 1
+
+
+def _check_lengths(lengths: list[int], seq_len: int) -> None:
+    if not lengths:
+        raise ValueError("the corpus holds no documents")
+    longest = max(lengths)
+    if longest > seq_len:
+        raise ValueError(
+            f"the corpus holds a document of {longest} tokens, longer than seq_len {seq_len}: "
+            "prepare it with the same seq_len"
+        )
