@@ -183,12 +183,12 @@ def _dataset_records(path: Path) -> Iterator[Record]:
         table = datasets.load_dataset(
             DATASETS_SUFFIXES[path.suffix], data_files=str(path), split="train", streaming=True
         )
-    columns = [c for c in ("text", "messages") if c in (table.column_names or ())]
-    if not columns:
-        found = ", ".join(table.column_names or ()) or "none"
-        raise ValueError(f"{path} has no 'text' or 'messages' column (its columns: {found})")
     number = 0
-    for batch in table.select_columns(columns).iter(batch_size=512):
+    for batch in table.iter(batch_size=512):
+        columns = [c for c in ("text", "messages") if c in batch]
+        if not columns:
+            found = ", ".join(batch) or "none"
+            raise ValueError(f"{path} has no 'text' or 'messages' column (its columns: {found})")
         for i in range(len(batch[columns[0]])):
             number += 1
             row = {c: batch[c][i] for c in columns if batch[c][i] is not None}
