@@ -100,6 +100,16 @@ def epoch_order(documents: int, seed: int, epoch: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(documents)
 
 
+@dataclass(frozen=True)
+class StepPlan:
+    """One step's plan: its ``rows`` (document indices), the documents ``left_over`` for the
+    next step, and how many documents of the stream had been read by then (``consumed``)."""
+
+    rows: RowPlan
+    left_over: tuple[int, ...]
+    consumed: int
+
+
 def step_plans(
     lengths: Sequence[int],
     options: DataOptions,
@@ -107,20 +117,21 @@ def step_plans(
     *,
     seed: int,
     cost: LengthCost = LengthCost(),
-) -> Iterator[RowPlan]:
-    """Every step's rows, from step 0 on, drawn from the shuffled stream (lengths only)."""
+) -> Iterator[StepPlan]:
+    """Every step's plan, from step 0 on, drawn from the shuffled stream (lengths only)."""
     lengths = [int(n) for n in lengths]
     _check_lengths(lengths, options.seq_len)
     if seed < 0:
         raise ValueError(f"seed must be >= 0, got {seed}")
-    stream = _shuffled(len(lengths), seed)
+    stream = _Stream(len(lengths), seed)
     if options.packing == "none":
         while True:
-            yield tuple((next(stream),) for _ in range(shape.rows))
+            rows = tuple((next(stream),) for _ in range(shape.rows))
+            yield StepPlan(rows, (), stream.consumed)
     left: list[int] = []
     while True:
         rows, left = _plan(lengths, left, stream, options, shape, cost)
-        yield rows
+        yield StepPlan(rows, tuple(left), stream.consumed)
 
 
 def train_batches(
@@ -135,9 +146,9 @@ def train_batches(
     """Endless training batches from step ``start`` on (steps before it are planned, not
     built): step ``s``'s batch is the same whatever ``start`` is."""
     plans = step_plans(corpus.lengths, options, shape, seed=seed, cost=cost)
-    for step, rows in enumerate(plans):
+    for step, plan in enumerate(plans):
         if step >= start:
-            yield build_batch(corpus, options, shape, rows, step, cost)
+            yield build_batch(corpus, options, shape, plan.rows, step, cost)
 
 
 def eval_batches(
@@ -231,11 +242,22 @@ def _plan(
     return rows, [offered[k] for k in pack.left_over]
 
 
-def _shuffled(documents: int, seed: int) -> Iterator[int]:
-    epoch = 0
-    while True:
-        yield from (int(i) for i in epoch_order(documents, seed, epoch))
-        epoch += 1
+class _Stream:
+    """The documents, epoch after epoch, each epoch in its own order (``epoch_order``)."""
+
+    def __init__(self, documents: int, seed: int) -> None:
+        self.documents, self.seed, self.consumed = documents, seed, 0
+        self._order = epoch_order(documents, seed, 0)
+
+    def __iter__(self) -> Iterator[int]:
+        return self
+
+    def __next__(self) -> int:
+        epoch, at = divmod(self.consumed, self.documents)
+        if at == 0 and epoch:
+            self._order = epoch_order(self.documents, self.seed, epoch)
+        self.consumed += 1
+        return int(self._order[at])
 
 
 def _check_lengths(lengths: list[int], seq_len: int) -> None:
