@@ -147,9 +147,7 @@ def chat_document(record: Record, tokenizer: Any) -> Document:
 
 def _render(tokenizer: Any, messages: list[dict[str, str]], where: Place, prompt: bool = False):
     try:
-        return tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=prompt
-        )
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
     except Exception as e:  # the template's own checks (jinja raise_exception) land here
         raise ValueError(f"{where}: the chat template refuses this conversation ({e})") from None
 

@@ -58,7 +58,10 @@ def check_path(path: str | Path) -> Path:
     """The data path, checked: an existing file of a known format or a ``datasets`` folder."""
     data = Path(path)
     if data.is_dir():
-        if not (data / "dataset_info.json").is_file() and not (data / "dataset_dict.json").is_file():
+        if (
+            not (data / "dataset_info.json").is_file()
+            and not (data / "dataset_dict.json").is_file()
+        ):
             raise ValueError(
                 f"{data} is a folder but not one written by datasets' save_to_disk (no "
                 "dataset_info.json); give a .txt, .jsonl, .json or .parquet file, or such a folder"
@@ -169,7 +172,7 @@ def record_of(value: Any, where: Place) -> Record:
 def _dataset_records(path: Path) -> Iterator[Record]:
     """Rows of a ``datasets`` folder or of ``.parquet`` / ``.json`` files, read in batches."""
     try:
-        import datasets
+        import datasets  # type: ignore[import-untyped]
     except ImportError:
         raise ValueError(f"{path} is read with the datasets package: {INSTALL_DATASETS}") from None
     if path.is_dir():

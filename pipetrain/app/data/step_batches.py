@@ -33,6 +33,8 @@ from pipetrain.app.data.packing import packed_rows, padded_rows
 from pipetrain.app.data.token_cache import TokenCorpus
 from pipetrain.planner.varlen import LengthCost, pack_step
 
+#: the default cost: a document costs its tokens (what balances rows when attention is cheap)
+LINEAR = LengthCost()
 #: a step's rows, each the indices of the documents it holds (an empty row holds none)
 RowPlan = tuple[tuple[int, ...], ...]
 
@@ -111,12 +113,12 @@ class StepPlan:
 
 
 def step_plans(
-    lengths: Sequence[int],
+    lengths: Sequence[int] | np.ndarray,
     options: DataOptions,
     shape: BatchShape,
     *,
     seed: int,
-    cost: LengthCost = LengthCost(),
+    cost: LengthCost = LINEAR,
 ) -> Iterator[StepPlan]:
     """Every step's plan, from step 0 on, drawn from the shuffled stream (lengths only)."""
     lengths = [int(n) for n in lengths]
@@ -126,7 +128,7 @@ def step_plans(
     stream = _Stream(len(lengths), seed)
     if options.packing == "none":
         while True:
-            rows = tuple((next(stream),) for _ in range(shape.rows))
+            rows: RowPlan = tuple((next(stream),) for _ in range(shape.rows))
             yield StepPlan(rows, (), stream.consumed)
     left: list[int] = []
     while True:
@@ -141,7 +143,7 @@ def train_batches(
     *,
     seed: int,
     start: int = 0,
-    cost: LengthCost = LengthCost(),
+    cost: LengthCost = LINEAR,
 ) -> Iterator[StepBatch]:
     """Endless training batches from step ``start`` on (steps before it are planned, not
     built): step ``s``'s batch is the same whatever ``start`` is."""
@@ -156,7 +158,7 @@ def eval_batches(
     options: DataOptions,
     shape: BatchShape,
     *,
-    cost: LengthCost = LengthCost(),
+    cost: LengthCost = LINEAR,
 ) -> list[StepBatch]:
     """Batches covering every document once, in file order (see the module docstring). Each is
     built when the list is made; give an eval corpus of a size that fits in memory."""

@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 from data_cases import write_tokenizer
 
-from pipetrain.app.data import DataOptions, default_cache_dir, prepare
-from pipetrain.app.data import token_cache
+from pipetrain.app.data import DataOptions, default_cache_dir, prepare, token_cache
 
 pytest.importorskip("tokenizers")
 
@@ -78,7 +77,9 @@ def test_what_changes_the_tokens_changes_the_key(tok_dir, text, tmp_path):
 def test_refusing_long_documents_does_not_depend_on_seq_len(tok_dir, text, tmp_path):
     cache = tmp_path / "c"
     prepare(text, tok_dir, DataOptions(seq_len=16, long_documents="refuse"), cache_dir=cache)
-    again = prepare(text, tok_dir, DataOptions(seq_len=32, long_documents="refuse"), cache_dir=cache)
+    again = prepare(
+        text, tok_dir, DataOptions(seq_len=32, long_documents="refuse"), cache_dir=cache
+    )
     assert not again.report.built and len(folders(cache)) == 1
 
 

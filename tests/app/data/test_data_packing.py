@@ -175,8 +175,12 @@ def test_costs_and_refusals():
     data = corpus_of(documents)
     shape = BatchShape(dp=1, microbatches=1, microbatch_size=1)
     cost = LengthCost(per_token=1.0, per_token_sq=0.5)
-    batch = next(train_batches(data, DataOptions(seq_len=SEQ, balanced=False), shape, seed=0, cost=cost))
-    assert batch.microbatch_costs == (SEQ + 0.5 * sum(len(documents[d]) ** 2 for d in batch.rows[0]),)
+    batch = next(
+        train_batches(data, DataOptions(seq_len=SEQ, balanced=False), shape, seed=0, cost=cost)
+    )
+    assert batch.microbatch_costs == (
+        SEQ + 0.5 * sum(len(documents[d]) ** 2 for d in batch.rows[0]),
+    )
     with pytest.raises(ValueError, match="longer than seq_len 4"):
         next(train_batches(data, DataOptions(seq_len=4), shape, seed=0))
     with pytest.raises(ValueError, match="microbatches must be an integer >= 1"):
