@@ -121,8 +121,7 @@ def step_plans(
     cost: LengthCost = LINEAR,
 ) -> Iterator[StepPlan]:
     """Every step's plan, from step 0 on, drawn from the shuffled stream (lengths only)."""
-    lengths = [int(n) for n in lengths]
-    _check_lengths(lengths, options.seq_len)
+    lengths = _checked_lengths(lengths, options.seq_len)
     if seed < 0:
         raise ValueError(f"seed must be >= 0, got {seed}")
     stream = _Stream(len(lengths), seed)
@@ -162,8 +161,7 @@ def eval_batches(
 ) -> list[StepBatch]:
     """Batches covering every document once, in file order (see the module docstring). Each is
     built when the list is made; give an eval corpus of a size that fits in memory."""
-    lengths = [int(n) for n in corpus.lengths]
-    _check_lengths(lengths, options.seq_len)
+    lengths = _checked_lengths(corpus.lengths, options.seq_len)
     plans: list[RowPlan] = []
     if options.packing == "none":
         for first in range(0, len(lengths), shape.rows):
@@ -193,12 +191,10 @@ def build_batch(
         built = padded_rows(corpus, [row[0] if row else None for row in rows], options.seq_len)
     else:
         built = packed_rows(corpus, rows, options.seq_len)
-    lengths = corpus.lengths
-    per_row = [
-        sum(cost.of(int(lengths[i])) for i in row)
-        + cost.per_token * (options.seq_len - sum(int(lengths[i]) for i in row))
-        for row in rows
-    ]
+    per_row = []
+    for row in rows:
+        sizes = [len(corpus.document(i)[0]) for i in row]
+        per_row.append(sum(map(cost.of, sizes)) + cost.per_token * (options.seq_len - sum(sizes)))
     size = shape.microbatch_size
     costs = tuple(sum(per_row[m * size : (m + 1) * size]) for m in range(shape.groups))
     return StepBatch(
@@ -215,7 +211,7 @@ def build_batch(
 
 
 def _plan(
-    lengths: list[int],
+    lengths: np.ndarray,
     left: list[int],
     stream: Iterator[int],
     options: DataOptions,
@@ -225,15 +221,15 @@ def _plan(
     """One step's rows from the left-over documents and as many more of ``stream`` as hold a
     step's tokens; and what is left over after it."""
     offered = list(left)
-    room = shape.rows * options.seq_len - sum(lengths[i] for i in offered)
+    room = shape.rows * options.seq_len - sum(int(lengths[i]) for i in offered)
     while room > 0:
         index = next(stream, None)
         if index is None:
             break
         offered.append(index)
-        room -= lengths[index]
+        room -= int(lengths[index])
     pack = pack_step(
-        [lengths[i] for i in offered],
+        [int(lengths[i]) for i in offered],
         microbatches=shape.groups,
         rows=shape.microbatch_size,
         seq_len=options.seq_len,
@@ -262,12 +258,16 @@ class _Stream:
         return int(self._order[at])
 
 
-def _check_lengths(lengths: list[int], seq_len: int) -> None:
-    if not lengths:
+def _checked_lengths(lengths: Sequence[int] | np.ndarray, seq_len: int) -> np.ndarray:
+    """The lengths as an int64 array (a Python int per document would not fit a large corpus in
+    memory), each within ``seq_len``."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if not len(lengths):
         raise ValueError("the corpus holds no documents")
-    longest = max(lengths)
+    longest = int(lengths.max())
     if longest > seq_len:
         raise ValueError(
             f"the corpus holds a document of {longest} tokens, longer than seq_len {seq_len}: "
             "prepare it with the same seq_len"
         )
+    return lengths

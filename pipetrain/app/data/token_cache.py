@@ -106,6 +106,15 @@ class TokenCorpus:
         mask = None if self.loss_mask is None else self.loss_mask[a:b]
         return self.tokens[a:b], mask
 
+    def check_vocabulary(self, vocab: int, model: str) -> None:
+        """``ValueError`` unless every token id is below ``vocab``, the size of ``model``'s
+        embedding: a tokenizer that is not the model's would index past it."""
+        if self.max_token_id >= vocab:
+            raise ValueError(
+                f"the tokenizer gives {self.source} token id {self.max_token_id}, but the model "
+                f"{model} has {vocab} embeddings: is the tokenizer the model's?"
+            )
+
     def where(self, index: int) -> str:
         """Document ``index``'s record, as errors name it (``"FILE line 12"``)."""
         return f"{self.source} {self.unit} {int(self.numbers[index])}"

@@ -166,3 +166,14 @@ def test_token_ids_are_uint32_and_offsets_int64(tok_dir, tmp_path):
     corpus = load(text, tok_dir, tmp_path)
     assert corpus.tokens.dtype == np.uint32 and corpus.offsets.dtype == np.int64
     assert corpus.max_token_id == int(corpus.tokens.max())
+
+
+def test_no_eos_is_appended_where_the_tokenizer_has_none(tmp_path):
+    folder = write_tokenizer(tmp_path / "noeos", eos=False)
+    text = tmp_path / "a.txt"
+    text.write_text("abc\n")
+    corpus = load(text, folder, tmp_path)
+    assert documents(corpus) == [tokenizer(eos=False)("abc")["input_ids"]]
+    corpus.check_vocabulary(corpus.max_token_id + 1, "m")
+    with pytest.raises(ValueError, match="is the tokenizer the model's"):
+        corpus.check_vocabulary(corpus.max_token_id, "m")
