@@ -175,19 +175,8 @@ def _dataset_records(path: Path) -> Iterator[Record]:
         import datasets  # type: ignore[import-untyped]
     except ImportError:
         raise ValueError(f"{path} is read with the datasets package: {INSTALL_DATASETS}") from None
-    if path.is_dir():
-        table = datasets.load_from_disk(str(path))
-        if isinstance(table, datasets.DatasetDict):
-            raise ValueError(
-                f"{path} holds the splits {', '.join(table)}; give one split's folder "
-                f"({path / next(iter(table))})"
-            )
-    else:
-        table = datasets.load_dataset(
-            DATASETS_SUFFIXES[path.suffix], data_files=str(path), split="train", streaming=True
-        )
     number = 0
-    for batch in table.iter(batch_size=512):
+    for batch in _batches(datasets, path):
         columns = [c for c in ("text", "messages") if c in batch]
         if not columns:
             found = ", ".join(batch) or "none"
@@ -196,3 +185,36 @@ def _dataset_records(path: Path) -> Iterator[Record]:
             number += 1
             row = {c: batch[c][i] for c in columns if batch[c][i] is not None}
             yield record_of(row, Place(str(path), "row", number))
+
+
+def _batches(datasets: Any, path: Path) -> Iterator[dict[str, list[Any]]]:
+    """The table's rows in column batches; what ``datasets`` cannot read is one ``ValueError``
+    (its own errors vary, and some of pyarrow's are ``ValueError``s of many lines)."""
+    try:
+        if path.is_dir():
+            table = datasets.load_from_disk(str(path))
+        else:
+            table = datasets.load_dataset(
+                DATASETS_SUFFIXES[path.suffix], data_files=str(path), split="train", streaming=True
+            )
+    except Exception as e:
+        raise _unreadable(path, e) from None
+    if isinstance(table, datasets.DatasetDict):
+        raise ValueError(
+            f"{path} holds the splits {', '.join(table)}; give one split's folder "
+            f"({path / next(iter(table))})"
+        )
+    batches = iter(table.iter(batch_size=512))
+    while True:
+        try:
+            batch = next(batches, None)
+        except Exception as e:
+            raise _unreadable(path, e) from None
+        if batch is None:
+            return
+        yield batch
+
+
+def _unreadable(path: Path, error: Exception) -> ValueError:
+    first = (str(error).strip().splitlines() or [""])[0]
+    return ValueError(f"{path} cannot be read by datasets ({type(error).__name__}: {first})")

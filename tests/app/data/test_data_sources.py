@@ -177,3 +177,33 @@ def test_no_eos_is_appended_where_the_tokenizer_has_none(tmp_path):
     corpus.check_vocabulary(corpus.max_token_id + 1, "m")
     with pytest.raises(ValueError, match="is the tokenizer the model's"):
         corpus.check_vocabulary(corpus.max_token_id, "m")
+
+
+def test_datasets_errors_are_one_line(tok_dir, tmp_path):
+    datasets = pytest.importorskip("datasets")
+    splits = datasets.DatasetDict({"train": datasets.Dataset.from_list([{"text": "a"}])})
+    splits.save_to_disk(str(tmp_path / "splits"))
+    with pytest.raises(ValueError, match=r"holds the splits train; give one split's folder"):
+        load(tmp_path / "splits", tok_dir, tmp_path)
+    (tmp_path / "bad.parquet").write_bytes(b"not parquet")
+    with pytest.raises(ValueError, match=r"bad.parquet cannot be read by datasets") as e:
+        load(tmp_path / "bad.parquet", tok_dir, tmp_path)
+    assert "\n" not in str(e.value)
+    datasets.Dataset.from_list([{"body": "a"}]).to_parquet(str(tmp_path / "body.parquet"))
+    with pytest.raises(ValueError, match=r"no 'text' or 'messages' column \(its columns: body\)"):
+        load(tmp_path / "body.parquet", tok_dir, tmp_path)
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path):
+    folder = write_tokenizer(tmp_path / "rewrites")
+    tok = tokenizer()
+    # earlier answers shown as "x" once a later turn follows (as templates that drop reasoning do)
+    tok.chat_template = (
+        "{% for m in messages %}<|{{ m.role }}|>"
+        "{% if m.role == 'assistant' and not loop.last %}x{% else %}{{ m.content }}{% endif %}"
+        "<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    tok.save_pretrained(folder)
+    data = write_jsonl(tmp_path / "c.jsonl", [chat("q", "a", "q2", "a2")])
+    with pytest.raises(ValueError, match=r"c.jsonl line 1: the chat template renders turn 1"):
+        load(data, folder, tmp_path)
