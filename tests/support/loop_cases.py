@@ -18,8 +18,26 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-TINY = ["--model", "gpt", "--layers", "2", "--hidden", "16", "--heads", "2", "--seq-len", "16",
-        "--dtype", "float64", "-m", "2", "--microbatch-size", "2", "--timeout", "60"]  # fmt: skip
+TINY = [
+    "--model",
+    "gpt",
+    "--layers",
+    "2",
+    "--hidden",
+    "16",
+    "--heads",
+    "2",
+    "--seq-len",
+    "16",
+    "--dtype",
+    "float64",
+    "-m",
+    "2",
+    "--microbatch-size",
+    "2",
+    "--timeout",
+    "60",
+]
 
 
 def train_args(*argv: str):
@@ -47,9 +65,27 @@ def schedule_and_eval_runs(rank: int, world: int, directory: str) -> dict:
 
     root = Path(directory)
     train_text, eval_text = _texts(root, rank)
-    common = [*TINY, "--steps", "6", "--lr-schedule", "cosine", "--warmup", "2", "--min-lr",
-              "1e-4", "--weight-decay", "0.1", "--data", train_text, "--eval-data", eval_text,
-              "--eval-every", "3", "--svg", f"{directory}/step.svg"]  # fmt: skip
+    common = [
+        *TINY,
+        "--steps",
+        "6",
+        "--lr-schedule",
+        "cosine",
+        "--warmup",
+        "2",
+        "--min-lr",
+        "1e-4",
+        "--weight-decay",
+        "0.1",
+        "--data",
+        train_text,
+        "--eval-data",
+        eval_text,
+        "--eval-every",
+        "3",
+        "--svg",
+        f"{directory}/step.svg",
+    ]
     cpu = torch.device("cpu")
     straight = train(train_args(*common, "--metrics", f"{directory}/straight.jsonl"), cpu)
     resumed_file = f"{directory}/resumed.jsonl"
@@ -84,9 +120,10 @@ def _gpt_eval_loss(common: list[str], states: list[dict], eval_text: str) -> flo
     model = build(config.shape)
     state = {k: v for part in states for k, v in part.items()}
     layers = []
-    for i, name in enumerate(model.names):
-        layer = model.layers(i) if callable(model.layers) else model.layers[name]
-        own = {k[len(name) + 1 :]: v for k, v in state.items() if k.startswith(name + ".")}
+    for i in range(len(model.names)):
+        layer = model.layers(i)  # the built-in GPT: a factory, its layers named layers.<index>
+        prefix = f"layers.{i}."
+        own = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
         layer.load_state_dict(own)
         layers.append(layer)
     tokens = torch.tensor(list(Path(eval_text).read_bytes()))
@@ -108,10 +145,34 @@ def fine_tune_defaults_run(rank: int, world: int, directory: str, folder: str) -
 
     root = Path(directory)
     train_text, eval_text = _texts(root, rank)
-    args = ["--model-dir", folder, "--dtype", "float64", "--seq-len", "24", "-m", "2",
-            "--microbatch-size", "2", "--steps", "6", "--data", train_text, "--eval-data",
-            eval_text, "--eval-every", "2", "--metrics", f"{directory}/m.jsonl", "--export",
-            f"{directory}/export", "--svg", f"{directory}/step.svg", "--timeout", "60"]  # fmt: skip
+    args = [
+        "--model-dir",
+        folder,
+        "--dtype",
+        "float64",
+        "--seq-len",
+        "24",
+        "-m",
+        "2",
+        "--microbatch-size",
+        "2",
+        "--steps",
+        "6",
+        "--data",
+        train_text,
+        "--eval-data",
+        eval_text,
+        "--eval-every",
+        "2",
+        "--metrics",
+        f"{directory}/m.jsonl",
+        "--export",
+        f"{directory}/export",
+        "--svg",
+        f"{directory}/step.svg",
+        "--timeout",
+        "60",
+    ]
     run = train(train_args(*args), torch.device("cpu"))
     if rank != 0:
         return {}
@@ -136,5 +197,7 @@ def _folder_eval_loss(config, exported: str) -> float:
     with torch.no_grad():
         logits = model(ids, attention_mask=mask).logits
     targets = next_token_targets(ids, attention_mask=mask)
-    total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
+    total = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"
+    )
     return float(total / (targets != IGNORE_INDEX).sum())
