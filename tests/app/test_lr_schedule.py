@@ -4,6 +4,7 @@ the flags that cannot apply refused, and weight decay on matrices only."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -25,7 +26,7 @@ def test_cosine_and_linear_decay_to_the_final_rate_at_the_end_of_the_run() -> No
         assert schedule.at(7) == pytest.approx(0.55)  # halfway: the mean of peak and end
         assert schedule.at(12) == pytest.approx(0.1) and schedule.at(50) == pytest.approx(0.1)
         rates = [schedule.at(s) for s in range(2, 13)]
-        assert all(a > b for a, b in zip(rates, rates[1:]))
+        assert all(a > b for a, b in itertools.pairwise(rates))
     assert cosine.at(4) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.2)))
     assert linear.at(4) == pytest.approx(1.0 - 0.9 * 0.2)
 
