@@ -3,17 +3,21 @@ ranks × dp processes (``app.launch`` starts them).
 
 A worker builds its own stages (same seed everywhere, so the weights equal the unsplit model's)
 and runs them with ``Pipeline.from_plan`` on the run's layout (``app.config``); with
-``--model-dir`` it loads its stages from the folder and trains on the folder tokenizer's padded
-rows instead (``app.model_folder``), and ``--export`` writes the folder back at the end. Tokens
-are the bytes of a text file (``--text``; by default the corpus ``app.models.data`` generates, written to
-``--corpus-out`` first). It trains with AdamW (``--clip-grad-norm``: clipped by the whole
-pipeline's norm), writes checkpoints every ``--checkpoint-every`` steps (``app.checkpoints``;
-``--resume`` continues from the latest one, bit for bit on the same layout), and on rank 0 shows
-a progress bar (loss, tokens/s). The last ``MEASURED_STEPS`` steps are measured
-(``timeline=True``) for the end-of-run report (``app.report``). What the pipeline refuses at
-construction is raised as ``Refused``, the same on every rank; a loss that is not finite raises
-``NonFinite`` before that step's update (``--on-nonfinite skip``: the update is skipped), the same
-on every rank too, since every rank returns the same loss.
+``--model-dir`` it loads its stages from the folder instead (``app.model_folder``), and
+``--export`` writes the folder back at the end. Its batches come from ``app.batch_source`` (the
+bytes of ``--data``, by default the corpus ``app.models.data`` generates, written to
+``--corpus-out`` first; a folder tokenizer's padded rows with ``--model-dir``). It trains with
+AdamW at each step's rate from ``app.lr_schedule`` (``--clip-grad-norm``: clipped by the whole
+pipeline's norm), evaluates ``--eval-data`` when due (``app.evaluation``), records each step
+with ``--metrics`` / ``--tensorboard`` (``app.metrics``), writes checkpoints every
+``--checkpoint-every`` steps (``app.checkpoints``; ``--resume`` continues from the latest one,
+bit for bit on the same layout, and says which), and on rank 0 shows a progress bar (loss,
+tokens/s). The last ``MEASURED_STEPS`` steps are measured (``timeline=True``) for the
+end-of-run report (``app.report``). What the pipeline refuses at construction is raised as
+``Refused``, the same on every rank; a loss or gradient norm that is not finite raises
+``NonFinite`` before that step's update (``--on-nonfinite skip``: the update is skipped, up to
+``--max-skipped`` steps in a row), the same on every rank too, since every rank returns the same
+loss and norm.
 
 torch is imported inside functions only, so ``pipetrain --help`` stays fast.
 """
