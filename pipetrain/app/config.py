@@ -40,6 +40,12 @@ DataParallel = Literal["ddp", "fsdp"]
 Device = Literal["auto", "cpu", "cuda"]
 WeightGrads = Literal["auto", "deferred", "replay"]
 OnNonfinite = Literal["stop", "skip"]
+LrScheduleKind = Literal["constant", "cosine", "linear"]
+TextUnit = Literal["line", "paragraph"]
+Packing = Literal["documents", "none"]
+LongDocuments = Literal["split", "refuse"]
+Attention = Literal["auto", "flex", "sdpa"]
+MicrobatchBalance = Literal["length", "fixed"]
 #: field → its legal values
 CHOICES: dict[str, tuple[str, ...]] = {
     "model": MODELS,
@@ -48,7 +54,15 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "device": get_args(Device),
     "weight_grads": get_args(WeightGrads),
     "on_nonfinite": get_args(OnNonfinite),
+    "lr_schedule": get_args(LrScheduleKind),
+    "text_unit": get_args(TextUnit),
+    "packing": get_args(Packing),
+    "long_documents": get_args(LongDocuments),
+    "attention": get_args(Attention),
+    "microbatch_balance": get_args(MicrobatchBalance),
 }
+#: numeric fields where 0 is legal (the others but the seed must be > 0)
+NON_NEGATIVE = ("warmup", "min_lr", "weight_decay")
 #: the fields that give the pipeline's shape (a plan gives them instead)
 SHAPE_FIELDS = ("schedule", "ranks", "microbatches", "stages_per_rank", "recompute")
 
@@ -85,9 +99,25 @@ class TrainConfig:
     tp: int = 1
     sequence_parallel: bool = False
     steps: int = 60
-    lr: float = 3e-3
+    #: the optimizer; None: resolved by ``app.lr_schedule.resolve_schedule`` (a fine-tune's
+    #: defaults with ``model_dir``, the from-scratch demo's without)
+    lr: float | None = None
+    lr_schedule: LrScheduleKind | None = None
+    warmup: int | None = None
+    min_lr: float | None = None
+    weight_decay: float = 0.0
     clip_grad_norm: float | None = None
-    text: str | None = None
+    #: the training text (``--data``, alias ``--text``)
+    data: str | None = None
+    text_unit: TextUnit = "line"
+    packing: Packing = "documents"
+    long_documents: LongDocuments = "split"
+    data_cache: str | None = None
+    eval_data: str | None = None
+    #: None: after the last step, and every ``checkpoint_every`` steps if given
+    eval_every: int | None = None
+    metrics: str | None = None
+    tensorboard: str | None = None
     corpus_out: str = "out/corpus.txt"
     plan: str | None = None
     checkpoint_dir: str | None = None
@@ -95,6 +125,7 @@ class TrainConfig:
     resume: bool = False
     overwrite_checkpoints: bool = False
     on_nonfinite: OnNonfinite = "stop"
+    max_skipped: int = 3
     export: str | None = None
     overwrite_export: bool = False
     svg: str = "out/train_step.svg"
@@ -106,6 +137,9 @@ class TrainConfig:
     cuda_graph: bool = False
     compile: bool = False
     float8: bool = False
+    attention: Attention = "auto"
+    microbatch_balance: MicrobatchBalance = "length"
+    deterministic: bool = False
     timeout: float = 300.0
     #: set by the launcher on the processes it starts
     worker: bool = False
@@ -113,13 +147,22 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for name in _field_names():
             value, flag = getattr(self, name), _flag(name)
-            if name in CHOICES and value not in CHOICES[name]:
+            if name in CHOICES and value is not None and value not in CHOICES[name]:
                 raise ValueError(f"{flag} must be one of {', '.join(CHOICES[name])}")
             if name == "receive_lead":
                 if value is not None and (type(value) is not int or value < 0):
                     raise ValueError(f"{flag} must be none or an integer >= 0, got {value}")
-            elif type(value) in (int, float) and name != "seed" and value <= 0:
+            elif type(value) not in (int, float) or name == "seed":
+                continue
+            elif name in NON_NEGATIVE and not 0 <= value < float("inf"):
+                raise ValueError(f"{flag} must be >= 0, got {value}")
+            elif name not in NON_NEGATIVE and not 0 < value < float("inf"):
                 raise ValueError(f"{flag} must be > 0, got {value}")
+
+    @property
+    def text(self) -> str | None:
+        """``--data`` by its older name (``--text``, still accepted on the command line)."""
+        return self.data
 
     @property
     def shape(self) -> ModelShape:
@@ -169,13 +212,19 @@ def check_arguments(config: TrainConfig) -> Layout:
     Raises ``ValueError`` naming the bad value and the legal ones.
     """
     shape = run_shape(config)
-    if config.text is not None and not Path(config.text).is_file():
-        raise ValueError(f"--text {config.text}: no such file")
+    for flag, path in (("--data", config.data), ("--eval-data", config.eval_data)):
+        if path is not None and not Path(path).is_file():
+            raise ValueError(f"{flag} {path}: no such file")
     if config.resume and config.checkpoint_dir is None:
         raise ValueError("--resume needs --checkpoint-dir DIR (where the checkpoints are)")
     if config.checkpoint_every is not None and config.checkpoint_dir is None:
         raise ValueError("--checkpoint-every needs --checkpoint-dir DIR")
     _check_tensor_parallel(config, shape)
+    from pipetrain.app.lr_schedule import resolve_schedule
+    from pipetrain.app.metrics import check_metrics
+
+    resolve_schedule(config)
+    check_metrics(config)
     from pipetrain.app.checkpoints import Checkpoints, check_directory
     from pipetrain.app.model_folder import check_data, check_export
 
@@ -193,6 +242,10 @@ def check_arguments(config: TrainConfig) -> Layout:
         _check_text(config, layout)
     elif not config.worker:  # tokenized once, by the launcher
         check_data(config, shape.vocab)
+    if not config.worker:
+        from pipetrain.app.evaluation import check_eval
+
+        check_eval(config, config.microbatch_size * layout.microbatches * config.dp)
     if shape.num_layers < len(layout.stage_layers):
         more = shape.num_layers - len(layout.stage_layers)
         raise ValueError(
@@ -291,16 +344,16 @@ def _check_tensor_parallel(config: TrainConfig, shape: ModelShape) -> None:
 
 
 def _check_text(config: TrainConfig, layout: Layout) -> None:
-    """``--text`` holds one batch of the asked shape: every row a window of ``--seq-len`` bytes
+    """``--data`` holds one batch of the asked shape: every row a window of ``--seq-len`` bytes
     and the byte after it (its target)."""
-    if config.text is None:
+    if config.data is None:
         return
     rows = config.microbatch_size * layout.microbatches * config.dp
     need = rows * (config.seq_len + 1)
-    size = Path(config.text).stat().st_size
+    size = Path(config.data).stat().st_size
     if size < need:
         raise ValueError(
-            f"--text {config.text} has {size} bytes; one batch of {rows} rows (--microbatch-size "
+            f"--data {config.data} has {size} bytes; one batch of {rows} rows (--microbatch-size "
             f"{config.microbatch_size} × --microbatches {layout.microbatches} × --dp {config.dp}) "
             f"of --seq-len {config.seq_len} bytes and a target byte each needs at least {need}: "
             "give a longer text, or smaller flags"

@@ -53,6 +53,11 @@ class Progress:
         elif step % self.every == 0 or step in (self.start + 1, self.total):
             print(line, flush=True)
 
+    def note(self, text: str) -> None:
+        """A line of its own under the progress line (an evaluation's loss)."""
+        if self.enabled:
+            print(("\n" if self.tty else "") + text, flush=True)
+
     def close(self) -> None:
         if self.tty:
             print(flush=True)

@@ -3,17 +3,21 @@ ranks × dp processes (``app.launch`` starts them).
 
 A worker builds its own stages (same seed everywhere, so the weights equal the unsplit model's)
 and runs them with ``Pipeline.from_plan`` on the run's layout (``app.config``); with
-``--model-dir`` it loads its stages from the folder and trains on the folder tokenizer's padded
-rows instead (``app.model_folder``), and ``--export`` writes the folder back at the end. Tokens
-are the bytes of a text file (``--text``; by default the corpus ``app.models.data`` generates, written to
-``--corpus-out`` first). It trains with AdamW (``--clip-grad-norm``: clipped by the whole
-pipeline's norm), writes checkpoints every ``--checkpoint-every`` steps (``app.checkpoints``;
-``--resume`` continues from the latest one, bit for bit on the same layout), and on rank 0 shows
-a progress bar (loss, tokens/s). The last ``MEASURED_STEPS`` steps are measured
-(``timeline=True``) for the end-of-run report (``app.report``). What the pipeline refuses at
-construction is raised as ``Refused``, the same on every rank; a loss that is not finite raises
-``NonFinite`` before that step's update (``--on-nonfinite skip``: the update is skipped), the same
-on every rank too, since every rank returns the same loss.
+``--model-dir`` it loads its stages from the folder instead (``app.model_folder``), and
+``--export`` writes the folder back at the end. Its batches come from ``app.batch_source`` (the
+bytes of ``--data``, by default the corpus ``app.models.data`` generates, written to
+``--corpus-out`` first; a folder tokenizer's padded rows with ``--model-dir``). It trains with
+AdamW at each step's rate from ``app.lr_schedule`` (``--clip-grad-norm``: clipped by the whole
+pipeline's norm), evaluates ``--eval-data`` when due (``app.evaluation``), records each step
+with ``--metrics`` / ``--tensorboard`` (``app.metrics``), writes checkpoints every
+``--checkpoint-every`` steps (``app.checkpoints``; ``--resume`` continues from the latest one,
+bit for bit on the same layout, and says which), and on rank 0 shows a progress bar (loss,
+tokens/s). The last ``MEASURED_STEPS`` steps are measured (``timeline=True``) for the
+end-of-run report (``app.report``). What the pipeline refuses at construction is raised as
+``Refused``, the same on every rank; a loss or gradient norm that is not finite raises
+``NonFinite`` before that step's update (``--on-nonfinite skip``: the update is skipped, up to
+``--max-skipped`` steps in a row), the same on every rank too, since every rank returns the same
+loss and norm.
 
 torch is imported inside functions only, so ``pipetrain --help`` stays fast.
 """
@@ -22,12 +26,15 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pipetrain.app.batch_source import StepBatch
 from pipetrain.app.config import TrainConfig, check_arguments, run_shape
+from pipetrain.app.evaluation import eval_due
+from pipetrain.app.lr_schedule import LrSchedule, set_lr
 from pipetrain.app.report import Progress, report
 from pipetrain.schedule.timeline import Timeline
 
@@ -38,8 +45,6 @@ if TYPE_CHECKING:
     from pipetrain.planner.layout import Layout
     from pipetrain.runtime.pipeline import Pipeline
 
-#: one step's batch: stage 0's inputs, the loss's targets, side inputs by name
-Batch = tuple["torch.Tensor", "torch.Tensor", dict[str, "torch.Tensor"]]
 MEASURED_STEPS = 5  # the last steps run with timeline=True; the median one is reported
 #: ``--weight-grads`` → ``Pipeline(defer_weight_grads=...)``
 _DEFER = {"auto": None, "deferred": True, "replay": False}
@@ -86,37 +91,26 @@ def read_tokens(config: TrainConfig) -> torch.Tensor:
     return torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8).long()
 
 
-def _batches(config: TrainConfig, model: LayerModel | None, rows: int) -> Iterator[Batch]:
-    """Endless ``(inputs, targets, side inputs)`` of ``rows`` rows (every replica's): windows of
-    the text's bytes for the built-in models, padded rows of the folder's tokens for
-    ``--model-dir`` (``app.model_folder``)."""
-    if model is None:
-        from pipetrain.app.model_folder import padded_batches
-
-        yield from padded_batches(config, rows)
-        return
-    from pipetrain.app.models.data import batches
-
-    for inputs, targets in batches(read_tokens(config), rows, config.seq_len, config.seed):
-        yield (*model.batch(inputs, targets), {})
-
-
 def train(config: TrainConfig, device: torch.device) -> Run:
     """One worker's training loop, inside an initialised process group of ranks × dp."""
     import torch
     import torch.distributed as dist
 
     from pipetrain.app import checkpoints
+    from pipetrain.app.batch_source import train_batches
     from pipetrain.app.catalog import build
+    from pipetrain.app.lr_schedule import parameter_groups, resolve_schedule
 
     layout = check_arguments(config)
     rank = dist.get_rank()
     model = build(config.shape) if config.model_dir is None else None  # None: the folder's
     pipe, replica = _pipeline(config, layout, model, device)
+    schedule = resolve_schedule(config)
     # closed at the end: a captured step (--cuda-graph) holds NCCL's communicators until its
     # pipeline lets go, and the worker destroys its process group next
     with pipe:
-        opt = torch.optim.AdamW(_parameter_groups(pipe), lr=config.lr, betas=(0.9, 0.95))
+        groups = parameter_groups(pipe.parameters(), config.weight_decay)
+        opt = torch.optim.AdamW(groups, lr=schedule.lr, betas=(0.9, 0.95))
         saver = (
             checkpoints.Checkpoints(
                 config.checkpoint_dir, run_shape(config), overwrite=config.overwrite_checkpoints
@@ -124,69 +118,196 @@ def train(config: TrainConfig, device: torch.device) -> Run:
             if config.checkpoint_dir
             else None
         )
-        try:
-            start = saver.resume(pipe, opt) if saver is not None and config.resume else 0
-        except ValueError as e:
-            raise Refused(str(e)) from None
-        if start >= config.steps:
-            raise Refused(
-                f"the checkpoint in {config.checkpoint_dir} is at step {start}; --steps {config.steps} "
-                "leaves nothing to run (give more steps)"
-            )
+        start = _resume(config, saver, pipe, opt, rank)
         local = config.microbatch_size * layout.microbatches
-        data = _batches(config, model, local * config.dp)
+        data = train_batches(config, model, local * config.dp)
         for _ in range(start):  # the batches the checkpointed steps used
             next(data)
         mine = slice(replica * local, (replica + 1) * local)
+        steps = Steps(config, pipe, opt, schedule, device, mine, start, local * config.dp)
         every = config.checkpoint_every or config.steps
-        bar = Progress(config.steps, enabled=rank == 0, start=start)
-        losses: list[float] = []
-        measured: list[Timeline] = []
-        skipped: list[int] = []
-        for step in range(start, config.steps):
-            inputs, targets, side = next(data)
-            inputs, targets = inputs[mine].to(device), targets[mine].to(device)
-            side = {k: v[mine].to(device) for k, v in side.items()}
-            # a captured step replays as one: no per-action timeline to measure
-            timed = not config.cuda_graph and step >= config.steps - MEASURED_STEPS
-            t0 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            loss = pipe.step(inputs, targets, timeline=timed, side=side)
-            try:
-                norm = _update(config, pipe, opt, loss, step + 1, skipped)
-            except NonFinite:
-                bar.close()
-                raise
-            losses.append(float(loss))
-            mask = side.get("attention_mask")  # padded rows: count the real tokens only
-            tokens = inputs.numel() if mask is None else int(mask.sum())
-            rate = tokens * config.dp / (time.perf_counter() - t0)
-            bar.update(step + 1, losses[-1], rate, None if norm is None else float(norm))
-            if timed and pipe.last_timeline is not None:
-                measured.append(pipe.last_timeline)
-            if saver is not None and ((step + 1) % every == 0 or step + 1 == config.steps):
-                saver.save(step + 1, pipe, opt)
-        bar.close()
+        try:
+            for step in range(start, config.steps):
+                steps.run(step, next(data))
+                if saver is not None and ((step + 1) % every == 0 or step + 1 == config.steps):
+                    saver.save(step + 1, pipe, opt)
+        finally:
+            steps.close()
         if config.export is not None:
             from pipetrain.app.model_folder import export
 
             export(config, pipe)
-        run = Run(losses, start, {k: v.detach().clone() for k, v in _local_state(pipe).items()})
+        state = {k: v.detach().clone() for k, v in _local_state(pipe).items()}
+        run = Run(steps.losses, start, state)
         if rank == 0:
             cpu_processes = dist.get_world_size() if device.type == "cpu" else 0
-            run.report = _report(config, losses, measured, pipe, cpu_processes, skipped)
+            run.report = _report(config, steps, pipe, cpu_processes)
         return run
 
 
-def _report(
-    config: TrainConfig,
-    losses: list[float],
-    measured: list[Timeline],
-    pipe: Pipeline,
-    cpu_processes: int,
-    skipped: list[int],
-) -> str:
+def _resume(config: TrainConfig, saver, pipe: Pipeline, opt, rank: int) -> int:
+    """The step to start from: the latest checkpoint's with ``--resume`` (loaded into ``pipe``
+    and ``opt``, and named on rank 0), else 0; ``Refused`` when there is nothing left to run."""
+    if saver is None or not config.resume:
+        return 0
+    try:
+        start: int = saver.resume(pipe, opt)
+    except ValueError as e:
+        raise Refused(str(e)) from None
+    if start >= config.steps:
+        raise Refused(
+            f"the checkpoint in {config.checkpoint_dir} is at step {start}; --steps {config.steps} "
+            "leaves nothing to run (give more steps)"
+        )
+    if rank == 0:
+        folder = saver.directory / f"step-{start:06d}"
+        print(f"resuming from {folder} (step {start} of {config.steps})", flush=True)
+    return start
+
+
+class Steps:
+    """The loop's steps one at a time: the scheduled rate, the pipeline's step, the update (or
+    its skip), the progress line, the evaluation when due and the metrics record; it keeps the
+    losses, the measured timelines and the skipped steps for the report."""
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        pipe: Pipeline,
+        opt: Any,
+        schedule: LrSchedule,
+        device: torch.device,
+        mine: slice,
+        start: int,
+        rows: int,
+    ) -> None:
+        import torch.distributed as dist
+
+        from pipetrain.app import metrics
+
+        self.config, self.pipe, self.opt, self.schedule = config, pipe, opt, schedule
+        self.device, self.mine = device, mine
+        lead = dist.get_rank() == 0
+        self.bar = Progress(config.steps, enabled=lead, start=start)
+        self.log = metrics.MetricsLog(config, start, enabled=lead)
+        self.recorded = config.metrics is not None or config.tensorboard is not None
+        self.flops, self.peak = 0, None
+        if self.recorded:  # collective: every rank counts its parameters
+            shape = run_shape(config)
+            matmul = metrics.matmul_parameters(pipe)
+            self.flops = metrics.flops_per_token(matmul, shape.blocks, shape.hidden, shape.seq_len)
+            peak = metrics.peak_flops(device, config.dtype)
+            self.peak = None if peak is None else peak * dist.get_world_size()
+        self.eval_set: list[StepBatch] | None = None
+        self.rows = rows
+        self.losses: list[float] = []
+        self.measured: list[Timeline] = []
+        self.skips = Skips(config)
+        self.evals: list[tuple[int, float]] = []
+
+    def run(self, step: int, batch: StepBatch) -> None:
+        """Step ``step`` (0-based) on ``batch`` (every replica's rows)."""
+        config, pipe = self.config, self.pipe
+        local = batch.rows(self.mine, self.device)
+        # a captured step replays as one: no per-action timeline to measure
+        timed = not config.cuda_graph and step >= config.steps - MEASURED_STEPS
+        t0 = time.perf_counter()
+        lr = self.schedule.at(step)
+        set_lr(self.opt, lr)
+        self.opt.zero_grad(set_to_none=True)
+        loss = pipe.step(local.inputs, local.targets, timeline=timed, side=local.side)
+        norm = self._update(loss, lr, step + 1)
+        self.losses.append(float(loss))
+        rate = batch.real_tokens / (time.perf_counter() - t0)
+        shown = None if norm is None else float(norm)
+        self.bar.update(step + 1, self.losses[-1], rate, shown if config.clip_grad_norm else None)
+        if timed and pipe.last_timeline is not None:
+            self.measured.append(pipe.last_timeline)
+        eval_loss = self._evaluate() if eval_due(config, step + 1) else None
+        if eval_loss is not None:
+            self.bar.note(f"step {step + 1}: eval loss {eval_loss:.4f} (--eval-data)")
+            self.evals.append((step + 1, eval_loss))
+        if self.recorded:
+            record = {
+                "step": step + 1,
+                "loss": self.losses[-1],
+                "lr": lr,
+                "grad_norm": shown,
+                "tokens": batch.real_tokens,
+                "padding_tokens": batch.padding_tokens,
+                "tok_per_s": rate,
+                "mfu": None if self.peak is None else self.flops * rate / self.peak,
+            }
+            self.log.write(record | ({} if eval_loss is None else {"eval_loss": eval_loss}))
+
+    def _update(self, loss: torch.Tensor, lr: float, step: int) -> torch.Tensor | None:
+        """The optimizer's update after ``step``'s backward, clipped first with
+        ``--clip-grad-norm`` (its norm returned; measured unclipped when metrics are written),
+        unless the loss or the norm is not finite: then ``Skips`` skips it or stops the run.
+        Every rank holds the same loss and norm, so every rank decides alike."""
+        config, pipe = self.config, self.pipe
+        what = None if pipe.loss_is_finite(loss) else f"the loss is {float(loss)}"
+        norm = None
+        if what is None and (config.clip_grad_norm or self.recorded):
+            norm = pipe.clip_grad_norm_(config.clip_grad_norm or float("inf"))
+            what = None if pipe.loss_is_finite(norm) else f"the gradient norm is {float(norm)}"
+        if what is not None:
+            self.skips.skip(what, step, lr)
+            self.opt.zero_grad(set_to_none=True)
+            return None
+        self.skips.passed()
+        self.opt.step()
+        return norm
+
+    def _evaluate(self) -> float:
+        from pipetrain.app.batch_source import eval_batches
+        from pipetrain.app.evaluation import evaluate
+
+        if self.eval_set is None:
+            self.eval_set = eval_batches(self.config, self.config.model_dir is not None, self.rows)
+        return evaluate(self.pipe, self.eval_set, self.mine, self.device)
+
+    def close(self) -> None:
+        self.bar.close()
+        self.log.close()
+
+
+class Skips:
+    """``--on-nonfinite``: a step whose loss or gradient norm is not finite stops the run
+    (``stop``), or has its update skipped (``skip``) until ``--max-skipped`` consecutive steps
+    were, which stops it too: a run whose every step is skipped trains nothing."""
+
+    def __init__(self, config: TrainConfig) -> None:
+        self.config = config
+        self.steps: list[int] = []
+        self.consecutive: list[int] = []
+
+    def skip(self, what: str, step: int, lr: float) -> None:
+        """Record step ``step``'s skip, or raise ``NonFinite`` naming it."""
+        config = self.config
+        if config.on_nonfinite == "stop":
+            raise NonFinite(
+                f"{what} at step {step}: stopped before its optimizer step (lower --lr, "
+                f"{lr:g} at that step, or clip with --clip-grad-norm; --on-nonfinite skip skips "
+                "such steps instead)"
+            )
+        self.steps.append(step)
+        self.consecutive.append(step)
+        if len(self.consecutive) >= config.max_skipped:
+            shown = ", ".join(map(str, self.consecutive))
+            raise NonFinite(
+                f"{what} at step {step}: stopped after {len(self.consecutive)} consecutive "
+                f"skipped steps ({shown}; --max-skipped {config.max_skipped}); lower --lr or "
+                "clip with --clip-grad-norm"
+            )
+
+    def passed(self) -> None:
+        self.consecutive = []
+
+
+def _report(config: TrainConfig, steps: Steps, pipe: Pipeline, cpu_processes: int) -> str:
     """The end-of-run text (``app.report``) and what the run skipped, wrote and exported."""
+    losses, measured, skipped = steps.losses, steps.measured, steps.skips.steps
     args = (config.svg, losses, measured, pipe.program, cpu_processes, _planned(config.plan))
     if config.cuda_graph:
         text = report(*args, unmeasured="each step replayed as one CUDA graph", trace=config.trace)
@@ -194,33 +315,20 @@ def _report(
         text = report(*args, trace=config.trace)
     if skipped:
         shown = ", ".join(map(str, skipped[:10])) + (" ..." if len(skipped) > 10 else "")
-        text += f"\nskipped the update of {len(skipped)} step(s) whose loss was not "
-        text += f"finite (--on-nonfinite skip): {shown}"
+        text += f"\nskipped the update of {len(skipped)} step(s) whose loss or gradient norm "
+        text += f"was not finite (--on-nonfinite skip): {shown}"
+    if steps.evals:
+        at, loss = steps.evals[-1]
+        text += f"\neval loss {loss:.4f} at step {at} (token mean over --eval-data)"
+    if config.metrics is not None:
+        from pipetrain.app.metrics_chart import write_chart
+
+        text += f"\nmetrics in {config.metrics}; drawn in {write_chart(config.metrics)}"
     if config.checkpoint_dir:
         text += f"\ncheckpoints in {config.checkpoint_dir} (latest: step {config.steps})"
     if config.export is not None:
         text += f"\nexported to {config.export} (a Hugging Face model folder)"
     return text
-
-
-def _update(config: TrainConfig, pipe, opt, loss, step: int, skipped: list[int]):
-    """The optimizer's update after ``step``'s backward (clipped first with
-    ``--clip-grad-norm``; its norm returned), unless the loss is not finite: then the step is
-    added to ``skipped`` (``--on-nonfinite skip``) or ``NonFinite`` raised. Every rank holds the
-    same loss, so every rank decides alike with no collective."""
-    if not pipe.loss_is_finite(loss):
-        if config.on_nonfinite == "skip":
-            skipped.append(step)
-            opt.zero_grad(set_to_none=True)
-            return None
-        raise NonFinite(
-            f"the loss is {float(loss)} at step {step}: stopped before its optimizer step (lower "
-            f"--lr {config.lr:g}, or clip with --clip-grad-norm; --on-nonfinite skip skips such "
-            "steps instead)"
-        )
-    norm = pipe.clip_grad_norm_(config.clip_grad_norm) if config.clip_grad_norm else None
-    opt.step()
-    return norm
 
 
 def _pipeline(
@@ -304,19 +412,6 @@ def _placement(
         return placement, 0
     placement["data_parallel"] = config.data_parallel
     return placement, mesh.get_local_rank("dp")
-
-
-def _parameter_groups(pipe: Pipeline) -> list[dict[str, Any]]:
-    """This rank's parameters in two groups, DTensors (tensor parallel, FSDP2) and plain ones:
-    AdamW's fused multi-tensor step refuses a list that mixes them (on CUDA, its default)."""
-    from torch.distributed.tensor import DTensor
-
-    params = list(pipe.parameters())
-    kinds = [
-        [p for p in params if isinstance(p, DTensor)],
-        [p for p in params if not isinstance(p, DTensor)],
-    ]
-    return [{"params": group} for group in kinds if group]
 
 
 def _planned(plan_file: str | None) -> dict[str, Any] | None:

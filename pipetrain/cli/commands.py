@@ -18,6 +18,7 @@ from pipetrain.cli import (
     demo_command,
     plan_command,
     profile_command,
+    report_command,
     schedules_command,
     show_command,
     simulate_command,
@@ -34,27 +35,35 @@ COMMANDS: tuple[Command, ...] = (
     plan_command.COMMAND,
     profile_command.COMMAND,
     train_command.COMMAND,
+    report_command.COMMAND,
     demo_command.COMMAND,
 )
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # allow_abbrev=False: a prefix (--data) is never taken for a longer flag (--data-parallel)
     parser = argparse.ArgumentParser(
         prog=PROG,
         description="Pipeline-parallel schedules: build, check, simulate, draw and train.",
+        allow_abbrev=False,
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
-        add_options(sub.add_parser(command.name, help=command.help), command.options())
+        add_options(
+            sub.add_parser(command.name, help=command.help, allow_abbrev=False), command.options()
+        )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     name: str = args.command
-    run = next(command.run for command in COMMANDS if command.name == name)
+    command = next(command for command in COMMANDS if command.name == name)
     try:
-        return run(args)
+        if command.reparse is not None:
+            args = command.reparse(args, argv[argv.index(name) + 1 :])
+        return command.run(args)
     except ValueError as e:  # ScheduleError and UsageError are ValueErrors
         print(f"{PROG} {name}: error: {e}", file=sys.stderr)
         return 2

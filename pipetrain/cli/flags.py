@@ -97,6 +97,9 @@ class Command:
     help: str
     options: Callable[[], Sequence[Option]]
     run: Callable[[argparse.Namespace], int]
+    #: parses the command's flags again from its command line, where parsed flags say to
+    #: (``train --config FILE``); None: never
+    reparse: Callable[[argparse.Namespace, Sequence[str]], argparse.Namespace] | None = None
 
 
 def add_options(parser: argparse.ArgumentParser, options: Iterable[Option]) -> None:

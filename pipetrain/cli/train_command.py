@@ -33,6 +33,7 @@ from pipetrain.cli.flags import (
     stages_per_rank_option,
     with_defaults,
 )
+from pipetrain.cli.train_options import data_options, eval_options, guard_options, optimizer_options
 from pipetrain.schedule.registry import FAMILIES
 
 if TYPE_CHECKING:
@@ -74,13 +75,27 @@ def options() -> tuple[Option, ...]:
             shown_default="none" + or_plan,
         ),
     )
-    run = (*_run_options(CHOICES), *_output_options(CHOICES), *_process_options(CHOICES))
+    run = (
+        *_run_options(CHOICES),
+        *optimizer_options(CHOICES),
+        *data_options(CHOICES),
+        *eval_options(),
+        *_output_options(CHOICES),
+        *guard_options(CHOICES),
+        *_process_options(CHOICES),
+    )
     folder = with_defaults(folder_options(), TrainConfig())
-    return (*shape, *folder, *model_options(), *with_defaults(run, TrainConfig()))
+    config = Option(
+        ("--config",),
+        metavar="FILE.toml",
+        help="read these flags from a TOML file, each by its name (seq_len = 2048, or "
+        '"seq-len"); flags given on the command line override it',
+    )
+    return (config, *shape, *folder, *model_options(), *with_defaults(run, TrainConfig()))
 
 
 def _run_options(choices: dict[str, tuple[str, ...]]) -> tuple[Option, ...]:
-    """The flags of the run: data parallel, steps, optimizer, data, plan."""
+    """The flags of the run: data parallel, steps, clipping, plan."""
     return (
         Option(
             ("--dp",), type=positive_int, metavar="D", help="data-parallel replicas of the pipeline"
@@ -105,7 +120,6 @@ def _run_options(choices: dict[str, tuple[str, ...]]) -> tuple[Option, ...]:
             "at 1/T of the bytes",
         ),
         Option(("--steps",), type=positive_int, metavar="N", help="optimizer steps"),
-        Option(("--lr",), type=positive_float, metavar="LR", help="AdamW learning rate"),
         Option(
             ("--clip-grad-norm",),
             type=positive_float,
@@ -113,14 +127,9 @@ def _run_options(choices: dict[str, tuple[str, ...]]) -> tuple[Option, ...]:
             help="clip gradients to this norm of the whole model (default: no clipping)",
         ),
         Option(
-            ("--text",),
-            metavar="FILE",
-            help="a text file to train on, its bytes the tokens (default: the generated corpus)",
-        ),
-        Option(
             ("--corpus-out",),
             metavar="FILE",
-            help="where the generated corpus is written when --text is not given",
+            help="where the generated corpus is written when --data is not given",
         ),
         Option(
             ("--plan",),
@@ -234,9 +243,30 @@ def config_from(args: argparse.Namespace) -> TrainConfig:
 
 def config_from_argv(argv: Sequence[str]) -> TrainConfig:
     """Parse ``train``'s flags (what a worker is started with; the demo's jobs) into a config."""
-    parser = argparse.ArgumentParser(prog=f"{PROG} train")
-    add_options(parser, options())
-    return config_from(parser.parse_args(list(argv)))
+    return config_from(parse_train(list(argv)))
+
+
+def parse_train(argv: Sequence[str]) -> argparse.Namespace:
+    """``train``'s flags parsed, those of ``--config FILE`` (``cli.config_file``) under the ones
+    given in ``argv`` (``ValueError`` for a file that cannot be read as flags)."""
+    parser = argparse.ArgumentParser(prog=f"{PROG} train", allow_abbrev=False)
+    table = options()
+    add_options(parser, table)
+    args = parser.parse_args(list(argv))
+    if args.config is None:
+        return args
+    from pipetrain.cli.config_file import read_config
+
+    parser.set_defaults(**read_config(args.config, table))
+    return parser.parse_args(list(argv))
+
+
+def reparse(args: argparse.Namespace, argv: Sequence[str]) -> argparse.Namespace:
+    """With ``--config``: ``args`` again, the file's values under the command line's (``argv``:
+    the command line after ``train``)."""
+    if getattr(args, "config", None) is None:
+        return args
+    return argparse.Namespace(**vars(parse_train(argv)), command=args.command)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -246,4 +276,4 @@ def run(args: argparse.Namespace) -> int:
     return run_train(config_from(args))
 
 
-COMMAND = Command(name="train", help=HELP, options=options, run=run)
+COMMAND = Command(name="train", help=HELP, options=options, run=run, reparse=reparse)

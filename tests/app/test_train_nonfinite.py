@@ -1,6 +1,6 @@
 """A loss that turns nan or inf stops ``pipetrain train`` at that step, naming it, with exit
 status 1 and no traceback; ``--on-nonfinite skip`` skips those steps' updates instead and names
-them at the end. ``--lr 1000`` makes the tiny model's loss nan within a few steps."""
+them at the end (``--max-skipped``: stopping after that many in a row). ``--lr 1000`` makes the tiny model's loss nan within a few steps."""
 
 from __future__ import annotations
 
@@ -36,6 +36,6 @@ def test_a_nonfinite_loss_stops_the_run_naming_the_step(tmp_path: Path) -> None:
 
 
 def test_on_nonfinite_skip_finishes_and_names_the_skipped_steps(tmp_path: Path) -> None:
-    done = _train(tmp_path, "--on-nonfinite", "skip")
+    done = _train(tmp_path, "--on-nonfinite", "skip", "--max-skipped", "12")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "skipped the update of" in done.stdout, done.stdout

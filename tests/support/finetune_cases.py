@@ -78,7 +78,7 @@ def reference_run(config, steps: int):
     from pipetrain.hf import IGNORE_INDEX, causal_lm_token_loss
 
     model = AutoModelForCausalLM.from_pretrained(config.model_dir, dtype=torch.float64).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=0.0)
     rows = config.microbatch_size * (config.microbatches or 4) * config.dp
     data = padded_batches(config, rows)
     losses = []
@@ -118,7 +118,7 @@ def finetune_run(rank: int, directory: str, folder: str) -> dict:
         text.write_bytes(make_corpus(4096))
     dist.barrier()
     common = ["--model-dir", folder, "--dtype", "float64", "--seq-len", "24", "-s", schedule,
-              "-m", "4", "--microbatch-size", "2", "--lr", "0.01", "--text", str(text), "--svg", f"{directory}/step.svg",
+              "-m", "4", "--microbatch-size", "2", "--lr", "0.01", "--lr-schedule", "constant", "--warmup", "0", "--text", str(text), "--svg", f"{directory}/step.svg",
               "--timeout", "60"]  # fmt: skip
     out = f"{directory}/export"
     straight = train(train_args(*common, "--steps", "4", "--export", out), torch.device("cpu"))

@@ -1,0 +1,188 @@
+"""``pipetrain train``'s flags of the optimizer, the data, evaluation and metrics: the rows of its
+flag table that ``train_command`` does not hold itself (that module stays readable).
+
+Each flag is named as its ``TrainConfig`` field and takes that field's default; the learning-rate
+flags default to None there and their help names both resolved defaults
+(``app.lr_schedule.resolve_schedule``: a ``--model-dir`` fine-tune's and the built-in models').
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from pipetrain.cli.flags import Option, one_of, positive_float, positive_int
+
+
+def non_negative_int(text: str) -> int:
+    """An integer >= 0 (warm-up steps)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0 (a final learning rate, weight decay)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):  # NaN fails too
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def optimizer_options(choices: dict[str, tuple[str, ...]]) -> tuple[Option, ...]:
+    """AdamW's rate, its schedule and weight decay."""
+    from pipetrain.app.lr_schedule import (
+        FINE_TUNE_LR,
+        FINE_TUNE_SCHEDULE,
+        FINE_TUNE_WARMUP,
+        SCRATCH_LR,
+        SCRATCH_SCHEDULE,
+    )
+
+    return (
+        Option(
+            ("--lr",),
+            type=positive_float,
+            metavar="LR",
+            help="AdamW's peak learning rate",
+            shown_default=f"{FINE_TUNE_LR:g} with --model-dir, TRL's SFT default; else "
+            f"{SCRATCH_LR:g}",
+        ),
+        Option(
+            ("--lr-schedule",),
+            metavar="{" + ",".join(choices["lr_schedule"]) + "}",
+            choices=choices["lr_schedule"],
+            help="how the rate decays after the warm-up, to --min-lr at the end of the run",
+            shown_default=f"{FINE_TUNE_SCHEDULE} with --model-dir, else {SCRATCH_SCHEDULE}",
+        ),
+        Option(
+            ("--warmup",),
+            type=non_negative_int,
+            metavar="STEPS",
+            help="steps of linear warm-up from 0 to --lr",
+            shown_default=f"{FINE_TUNE_WARMUP:.0%}% of --steps, at least 1, with --model-dir; "
+            "else 0",
+        ),
+        Option(
+            ("--min-lr",),
+            type=non_negative_float,
+            metavar="LR",
+            help="the rate a cosine or linear schedule ends at",
+            shown_default="0",
+        ),
+        Option(
+            ("--weight-decay",),
+            type=non_negative_float,
+            metavar="WD",
+            help="AdamW's decoupled weight decay, on parameters of 2 or more dimensions only "
+            "(not norms, not biases)",
+        ),
+    )
+
+
+def data_options(choices: dict[str, tuple[str, ...]]) -> tuple[Option, ...]:
+    """What the run trains on, and how documents become rows."""
+    return (
+        Option(
+            ("--data", "--text"),
+            metavar="FILE",
+            help="the text to train on (default: the generated corpus)",
+        ),
+        one_of(
+            "--text-unit",
+            choices["text_unit"],
+            "what one document of a text file is: a line, or a paragraph (blank-line separated)",
+        ),
+        one_of(
+            "--packing",
+            choices["packing"],
+            "rows: documents packed end to end (attention kept within each), or one document a "
+            "row, padded",
+        ),
+        one_of(
+            "--long-documents",
+            choices["long_documents"],
+            "a document longer than --seq-len: split into rows, or refused naming it",
+        ),
+        Option(
+            ("--data-cache",),
+            metavar="DIR",
+            help="where tokenized data is kept between runs (default: none kept)",
+        ),
+        one_of(
+            "--microbatch-balance",
+            choices["microbatch_balance"],
+            "how rows are dealt to micro-batches: balanced by real tokens, or in order",
+        ),
+    )
+
+
+def eval_options() -> tuple[Option, ...]:
+    """The held-out loss and the metrics the run writes."""
+    return (
+        Option(
+            ("--eval-data",),
+            metavar="FILE",
+            help="held-out text: its loss (the token mean over the whole file) is computed "
+            "forward only and printed, and recorded in --metrics",
+        ),
+        Option(
+            ("--eval-every",),
+            type=positive_int,
+            metavar="N",
+            help="evaluate every N steps, and after the last",
+            shown_default="every --checkpoint-every steps if given, and after the last step",
+        ),
+        Option(
+            ("--metrics",),
+            metavar="FILE",
+            help="write one JSON line per step (loss, lr, grad_norm, tokens, padding_tokens, "
+            "tok_per_s, mfu, eval_loss), and at the end FILE's loss and lr drawn as SVG beside it; "
+            "--resume keeps the lines up to its step",
+        ),
+        Option(
+            ("--tensorboard",),
+            metavar="DIR",
+            help="write the same scalars as TensorBoard events under DIR (needs pip install "
+            "'pipetrain[data]')",
+        ),
+    )
+
+
+def guard_options(choices: dict[str, tuple[str, ...]]) -> tuple[Option, ...]:
+    """How the run behaves at a non-finite step, and its kernels' determinism."""
+    return (
+        Option(
+            ("--max-skipped",),
+            type=positive_int,
+            metavar="K",
+            help="with --on-nonfinite skip: stop after K consecutive skipped steps",
+        ),
+        one_of(
+            "--attention",
+            choices["attention"],
+            "attention kernel: flex attention, SDPA, or auto (flex on CUDA, SDPA elsewhere)",
+        ),
+        Option(
+            ("--deterministic",),
+            switch=True,
+            help="deterministic kernels only (torch.use_deterministic_algorithms): repeatable "
+            "runs, at some speed",
+        ),
+    )
+
+
+__all__ = [
+    "data_options",
+    "eval_options",
+    "guard_options",
+    "non_negative_float",
+    "non_negative_int",
+    "optimizer_options",
+]
