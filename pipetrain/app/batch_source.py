@@ -2,16 +2,20 @@
 records for evaluation, each carrying its own token counts.
 
 A ``StepBatch`` is what the loop needs of a step's data: the inputs for stage 0, the targets for
-the loss, side inputs by name (an attention mask), and how many of its tokens are real and how
-many padding (the metrics count them from the record, not from a mask). ``train_batches`` reads
-the training data as the loop always has — windows of a text file's bytes for the built-in
-models, the ``--model-dir`` tokenizer's padded rows (``app.model_folder``) for a folder — and
-``eval_batches`` reads ``--eval-data`` the same way but in order, every row once: byte windows
-of ``--seq-len`` that overlap by one byte, so each byte after the first is predicted exactly
-once, or the folder's padded rows. Evaluation targets are aligned with the logits (position t
-predicts target t; -100 where nothing is predicted), whatever the model's training loss takes;
-the last batch is filled up to the pipeline's batch size with copies of a row whose targets are
-all -100, so it counts nothing.
+the loss, side inputs by name (position ids of packed documents, or an attention mask), and how
+many of its tokens are real and how many padding (the metrics count them from the record, not
+from a mask). ``train_batches`` gives windows of a text file's bytes for the built-in models; for
+``--model-dir`` it gives the folder tokenizer's documents from ``app.data``: read from ``--data``
+(text, JSONL text or chat, a ``datasets`` folder), tokenized once into the data cache, and packed
+into rows with their boundaries kept (``--packing documents``, micro-batches balanced by cost) or
+one per right-padded row (``--packing none``). Step ``s``'s batch is a function of the seed and
+``s``, so a resumed run starts at its step without replaying the data. ``eval_batches`` reads
+``--eval-data`` in order, every document (or byte) once: byte windows of ``--seq-len`` that
+overlap by one byte, so each byte after the first is predicted exactly once, or the folder's
+rows packed as training packs them. Evaluation targets are aligned with the logits (position t
+predicts target t; -100 where nothing is predicted); the last batch of byte windows is filled
+up to the pipeline's batch size with copies of a row whose targets are all -100, so it counts
+nothing.
 
 These two functions are the only place the loop reads data, so another source (packed
 documents, JSONL, chat) replaces them without touching the loop.
@@ -29,6 +33,7 @@ if TYPE_CHECKING:
 
     from pipetrain.app.catalog import LayerModel
     from pipetrain.app.config import TrainConfig
+    from pipetrain.app.data import DataOptions, TokenCorpus
 
 #: a target that predicts nothing (``transformers``' and ``F.cross_entropy``'s ignore index)
 IGNORE_INDEX = -100
@@ -55,24 +60,83 @@ class StepBatch:
         )
 
 
-def train_batches(config: TrainConfig, model: LayerModel | None, rows: int) -> Iterator[StepBatch]:
-    """Endless training batches of ``rows`` rows (every replica's), drawn from the seed and the
-    step: windows of the text's bytes for the built-in ``model``, padded rows of the folder's
-    tokens when ``model`` is None (``--model-dir``)."""
+def train_batches(
+    config: TrainConfig, model: LayerModel | None, microbatches: int, start: int = 0
+) -> Iterator[StepBatch]:
+    """Endless training batches from step ``start`` on (every replica's rows; ``microbatches``
+    per replica), each drawn from the seed and its step, so a resumed run sees the batches the
+    uninterrupted one did: windows of the text's bytes for the built-in ``model``; for
+    ``--model-dir`` (``model`` None), the folder tokenizer's documents packed or padded into rows
+    (``folder_batches``)."""
     if model is None:
-        from pipetrain.app.model_folder import padded_batches
-
-        for inputs, targets, side in padded_batches(config, rows):
-            mask = side["attention_mask"]
-            real = int(mask.sum())
-            yield StepBatch(inputs, targets, side, real, mask.numel() - real)
+        yield from folder_batches(config, microbatches, start)
         return
     from pipetrain.app.models.data import batches
     from pipetrain.app.train import read_tokens
 
-    for window, shifted in batches(read_tokens(config), rows, config.seq_len, config.seed):
-        inputs, targets = model.batch(window, shifted)
-        yield StepBatch(inputs, targets, {}, window.numel(), 0)
+    rows = config.microbatch_size * microbatches * config.dp
+    drawn = batches(read_tokens(config), rows, config.seq_len, config.seed)
+    for step, (window, shifted) in enumerate(drawn):
+        if step >= start:  # the earlier steps' draws, made and dropped: the same stream
+            inputs, targets = model.batch(window, shifted)
+            yield StepBatch(inputs, targets, {}, window.numel(), 0)
+
+
+def folder_batches(config: TrainConfig, microbatches: int, start: int) -> Iterator[StepBatch]:
+    """``--model-dir``'s batches: ``--data`` tokenized by the folder's tokenizer (from the data
+    cache) and packed per step by ``app.data``; micro-batches balanced by their cost as a
+    transformer of the folder's width pays it (``--microbatch-balance length``)."""
+    from pipetrain.app.config import run_shape
+    from pipetrain.app.data import BatchShape, transformer_cost
+    from pipetrain.app.data import train_batches as packed
+
+    shape = BatchShape(config.dp, microbatches, config.microbatch_size)
+    cost = transformer_cost(run_shape(config).hidden)
+    corpus = folder_corpus(config, training_data(config))
+    for b in packed(corpus, data_options(config), shape, seed=config.seed, start=start, cost=cost):
+        yield StepBatch(b.inputs, b.targets, b.side, b.real_tokens, b.padding_tokens)
+
+
+def training_data(config: TrainConfig) -> str:
+    """``--data``, else the generated corpus (written first if missing)."""
+    from pipetrain.app.train import text_path
+
+    return str(text_path(config))
+
+
+def data_options(config: TrainConfig) -> DataOptions:
+    """How ``--model-dir``'s data becomes rows, from the run's flags."""
+    from pipetrain.app.data import DataOptions
+
+    return DataOptions(
+        seq_len=config.seq_len,
+        text_unit=config.text_unit,
+        long_documents=config.long_documents,
+        packing=config.packing,
+        balanced=config.microbatch_balance == "length",
+    )
+
+
+def folder_corpus(config: TrainConfig, path: str) -> TokenCorpus:
+    """``path`` tokenized by the ``--model-dir`` tokenizer, from ``--data-cache`` (built there
+    first, under a lock, when missing)."""
+    from pipetrain.app.data import prepare
+
+    assert config.model_dir is not None
+    return prepare(path, config.model_dir, data_options(config), cache_dir=config.data_cache)
+
+
+def check_folder_data(config: TrainConfig, vocab: int) -> list[str]:
+    """The launcher's check of ``--data`` and ``--eval-data`` for ``--model-dir``: each
+    tokenized once into the cache (the workers find it there) and its token ids within the
+    model's ``vocab``; the lines to print about them."""
+    lines = []
+    for path in (training_data(config), config.eval_data):
+        if path is not None:
+            corpus = folder_corpus(config, path)
+            corpus.check_vocabulary(vocab, str(config.model_dir))
+            lines.append(corpus.report.describe())
+    return lines
 
 
 def eval_batches(config: TrainConfig, folder: bool, rows: int) -> list[StepBatch]:
@@ -82,25 +146,25 @@ def eval_batches(config: TrainConfig, folder: bool, rows: int) -> list[StepBatch
 
     assert config.eval_data is not None
     if folder:
-        from pipetrain.app.model_folder import token_rows
-        from pipetrain.hf import next_token_targets
+        from pipetrain.app.data import BatchShape
+        from pipetrain.app.data import eval_batches as packed
 
-        ids, mask = token_rows(dataclasses.replace(config, data=config.eval_data))
-        targets = next_token_targets(ids, attention_mask=mask, ignore_index=IGNORE_INDEX)
-        side = {"attention_mask": mask}
-    else:
-        data = bytearray(open(config.eval_data, "rb").read())
-        tokens = torch.frombuffer(data, dtype=torch.uint8).long() if data else torch.zeros(0)
-        width = config.seq_len
-        count = (tokens.numel() - 1) // width
-        if count < 1:
-            raise ValueError(
-                f"--eval-data {config.eval_data} has {tokens.numel()} bytes: one row of --seq-len "
-                f"{width} and its next byte needs at least {width + 1}"
-            )
-        starts = torch.arange(count)[:, None] * width + torch.arange(width + 1)
-        windows = tokens[starts]
-        ids, targets, side = windows[:, :-1], windows[:, 1:].clone(), {}
+        corpus = folder_corpus(config, config.eval_data)
+        shape = BatchShape(1, 1, rows)  # the rows in order: each replica slices its own
+        batches = packed(corpus, data_options(config), shape)
+        return [StepBatch(b.inputs, b.targets, b.side, b.predicted_tokens) for b in batches]
+    data = bytearray(open(config.eval_data, "rb").read())
+    tokens = torch.frombuffer(data, dtype=torch.uint8).long() if data else torch.zeros(0)
+    width = config.seq_len
+    count = (tokens.numel() - 1) // width
+    if count < 1:
+        raise ValueError(
+            f"--eval-data {config.eval_data} has {tokens.numel()} bytes: one row of --seq-len "
+            f"{width} and its next byte needs at least {width + 1}"
+        )
+    starts = torch.arange(count)[:, None] * width + torch.arange(width + 1)
+    windows = tokens[starts]
+    ids, targets, side = windows[:, :-1], windows[:, 1:].clone(), {}
     fill = -len(ids) % rows
     if fill:
         ids = torch.cat([ids, ids[:1].expand(fill, -1)])

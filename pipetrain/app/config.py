@@ -212,9 +212,7 @@ def check_arguments(config: TrainConfig) -> Layout:
     Raises ``ValueError`` naming the bad value and the legal ones.
     """
     shape = run_shape(config)
-    for flag, path in (("--data", config.data), ("--eval-data", config.eval_data)):
-        if path is not None and not Path(path).is_file():
-            raise ValueError(f"{flag} {path}: no such file")
+    _check_data_flags(config)
     if config.resume and config.checkpoint_dir is None:
         raise ValueError("--resume needs --checkpoint-dir DIR (where the checkpoints are)")
     if config.checkpoint_every is not None and config.checkpoint_dir is None:
@@ -269,6 +267,38 @@ def check_arguments(config: TrainConfig) -> Layout:
             )
         )
     return layout
+
+
+#: the flags that say how a ``--model-dir`` folder's tokenizer reads the data (the built-in
+#: models read a text file's bytes as they are)
+FOLDER_DATA_FIELDS = ("text_unit", "packing", "long_documents", "data_cache", "microbatch_balance")
+
+
+def _check_data_flags(config: TrainConfig) -> None:
+    """``--data`` and ``--eval-data`` exist (a file, or a ``datasets`` folder with
+    ``--model-dir``); the flags for tokenized data need ``--model-dir``."""
+    folder = config.model_dir is not None
+    for flag, path in (("--data", config.data), ("--eval-data", config.eval_data)):
+        if path is None:
+            continue
+        if not Path(path).exists() or (Path(path).is_dir() and not folder):
+            raise ValueError(f"{flag} {path}: no such file")
+        if not folder and Path(path).suffix not in ("", ".txt"):
+            raise ValueError(
+                f"{flag} {path}: the built-in models read a text file's bytes; JSONL, chat, "
+                "parquet and datasets folders need a tokenizer: give --model-dir DIR"
+            )
+    if not folder:
+        given = [
+            _flag(name)
+            for name in FOLDER_DATA_FIELDS
+            if getattr(config, name) != getattr(TrainConfig(), name)
+        ]
+        if given:
+            raise ValueError(
+                f"{', '.join(given)} apply to a --model-dir folder's tokenized data; the built-in "
+                "models read the text's bytes: drop them or give --model-dir DIR"
+            )
 
 
 def _check_cuda_graph(config: TrainConfig) -> None:

@@ -5,15 +5,16 @@ run. Each worker builds only its own stages with ``pipetrain.hf.from_pretrained`
 sequence: only this rank's tensors are read), tensor-parallelized by the Llama family's plan with
 ``--tp`` and recomputing as a plan's ``recompute`` says.
 
-Data: ``--text`` (default the generated corpus) is cut into lines, each line tokenized by the
-folder's own tokenizer (special tokens as it adds them) and cut into rows of at most ``--seq-len``
-tokens; rows of fewer than two tokens predict nothing and are dropped. Each row is right-padded to
-``--seq-len`` with an ``attention_mask`` (1 for a token, 0 for padding), so the mask comes from
-the padding and ``next_token_targets`` ignores the padded targets: the loss is
-``causal_lm_token_loss`` under the pipeline's ``token_mean``, a mean over the real tokens of the
-whole batch (all micro-batches and data-parallel replicas), as ``transformers`` computes it with
-``labels`` of -100 at the padding. A step's rows are drawn from the seed and the step (with
-replacement), so a resumed run sees the batches the uninterrupted one would.
+Data: ``--data`` (default the generated corpus) is read as documents — a text file's lines or
+paragraphs, JSONL records of ``text`` or chat ``messages`` (the loss on the assistant's tokens
+only), a local ``datasets`` folder — tokenized once by the folder's own tokenizer into the data
+cache, and packed into rows of ``--seq-len`` with each document's boundaries kept (position ids
+from 0 per document, no token attending across documents, no target crossing one); ``--packing
+none`` right-pads one document per row under an ``attention_mask`` instead (``app.data``,
+``app.batch_source``). The loss is ``causal_lm_token_loss`` under the pipeline's ``token_mean``,
+a mean over the predicted tokens of the whole batch (all micro-batches and data-parallel
+replicas), as ``transformers`` computes it with ``labels`` of -100 where nothing is predicted.
+The attention implementation follows a fixed rule (``attention_implementation``).
 
 A folder without tokenizer files is refused rather than fed bytes as token ids: a released model's
 ids are its tokenizer's, and bytes would train it on a different language without an error.
@@ -26,7 +27,6 @@ bad folder, flag or export folder is one line and exit 2.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -131,15 +131,24 @@ def folder_shape(config: TrainConfig, hf_config: Any) -> ModelShape:
 
 
 def check_data(config: TrainConfig, vocab: int) -> None:
-    """The folder has a tokenizer, and ``--text`` gives at least one row whose ids fit the
-    vocabulary (the launcher's check: it tokenizes the text once)."""
-    ids, _ = token_rows(config)
-    top = int(ids.max())
-    if top >= vocab:
-        raise ValueError(
-            f"the tokenizer of --model-dir {config.model_dir} gives token id {top}, but the "
-            f"model's vocabulary has {vocab} entries: is the tokenizer the model's?"
-        )
+    """The launcher's check of the folder's data: ``--data`` and ``--eval-data`` tokenized once
+    by the folder's tokenizer into the data cache, their ids within the model's ``vocab``; what
+    it found is printed (``app.batch_source.check_folder_data``)."""
+    from pipetrain.app.batch_source import check_folder_data
+
+    for line in check_folder_data(config, vocab):
+        print(line, flush=True)
+
+
+def attention_implementation(config: TrainConfig, device: torch.device) -> str:
+    """``transformers``' attention implementation for ``--attention``, by a fixed rule rather
+    than by timing, so two identical runs compute the same thing: FlexAttention (a block mask
+    that skips the blocks across packed documents) on CUDA, SDPA with the block-diagonal mask
+    elsewhere."""
+    choice = config.attention
+    if choice == "auto":
+        choice = "flex" if device.type == "cuda" else "sdpa"
+    return {"flex": "flex_attention", "sdpa": "sdpa"}[choice]
 
 
 def check_export(config: TrainConfig) -> None:
@@ -179,53 +188,6 @@ def _tokenizer(config: TrainConfig) -> Any:
         raise ValueError(f"--model-dir {folder}: its tokenizer cannot be loaded ({e})") from None
 
 
-def token_rows(config: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(input_ids, attention_mask)``, each ``(rows, --seq-len)``: the text's lines tokenized,
-    cut into rows and right-padded (see the module docstring)."""
-    import torch
-
-    from pipetrain.app.train import text_path
-
-    tokenizer = _tokenizer(config)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    width = config.seq_len
-    text = text_path(config).read_text(errors="replace")
-    lines = [line for line in text.splitlines() if line.strip()]
-    rows: list[list[int]] = []
-    for ids in tokenizer(lines)["input_ids"] if lines else []:  # one call: fast tokenizers batch
-        rows += [ids[i : i + width] for i in range(0, len(ids), width)]
-    rows = [row for row in rows if len(row) >= 2]
-    if not rows:
-        raise ValueError(
-            f"--text {config.text or config.corpus_out} gives no line of two tokens or more: "
-            "nothing to predict"
-        )
-    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        input_ids[i, : len(row)] = torch.tensor(row)
-        mask[i, : len(row)] = 1
-    return input_ids, mask
-
-
-def padded_batches(
-    config: TrainConfig, rows: int
-) -> Iterator[tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]:
-    """Endless batches of ``rows`` token rows drawn from the seed: ``(input_ids, targets,
-    {"attention_mask": mask})``, the targets shifted and padding ignored."""
-    import torch
-
-    from pipetrain.hf import next_token_targets
-
-    ids, mask = token_rows(config)
-    gen = torch.Generator().manual_seed(config.seed)
-    while True:
-        pick = torch.randint(0, ids.shape[0], (rows,), generator=gen)
-        batch, batch_mask = ids[pick], mask[pick]
-        targets = next_token_targets(batch, attention_mask=batch_mask)
-        yield batch, targets, {"attention_mask": batch_mask}
-
-
 def folder_stages(
     config: TrainConfig, layout: Layout, tp_mesh: Any, device: torch.device
 ) -> tuple[Any, bool]:
@@ -238,7 +200,10 @@ def folder_stages(
     from pipetrain.runtime.backward.activation_checkpoint import recompute_stage
 
     stages = from_pretrained(
-        str(config.model_dir), layout.stage_layers, dtype=getattr(torch, config.dtype)
+        str(config.model_dir),
+        layout.stage_layers,
+        dtype=getattr(torch, config.dtype),
+        attn_implementation=attention_implementation(config, device),
     )
     recompute = layout.recompute if layout.recomputes else ("none",) * len(layout.stage_layers)
 

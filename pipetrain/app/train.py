@@ -120,9 +120,7 @@ def train(config: TrainConfig, device: torch.device) -> Run:
         )
         start = _resume(config, saver, pipe, opt, rank)
         local = config.microbatch_size * layout.microbatches
-        data = train_batches(config, model, local * config.dp)
-        for _ in range(start):  # the batches the checkpointed steps used
-            next(data)
+        data = train_batches(config, model, layout.microbatches, start)
         mine = slice(replica * local, (replica + 1) * local)
         steps = Steps(config, pipe, opt, schedule, device, mine, start, local * config.dp)
         every = config.checkpoint_every or config.steps

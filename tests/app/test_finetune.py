@@ -1,6 +1,7 @@
 """``pipetrain train --model-dir``: a tiny Llama folder fine-tuned on 2 gloo processes in
-float64 equals the unsplit ``transformers`` model trained with the same AdamW on the same padded
-batches (losses and the exported folder; with ``--tp 2`` too), ``--resume`` continues bit for
+float64 equals the unsplit ``transformers`` model trained with the same AdamW on the same packed
+batches (losses and the exported folder; 1F1B, ZBV and DualPipeV, with ``--tp 2`` and ``--dp
+2`` too), ``--resume`` continues bit for
 bit, GPT-2 with tied embeddings too, and bad input is one line with exit 2 before any process starts."""
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ def test_folders_fine_tune_as_the_unsplit_model_resume_and_export(tmp_path):
         if schedule == "1f1b":  # tensor parallel: the same sums in another order
             assert lead["tp"] == pytest.approx(lead["reference"], rel=1e-10, abs=0)
             assert lead["tp_export_error"] < 1e-8, lead["tp_export_error"]
+            assert lead["dp"] == pytest.approx(lead["reference"], rel=1e-10, abs=0)
+            assert lead["dualpipev"] == pytest.approx(lead["reference"], rel=1e-12, abs=0)
         for result in (r[schedule] for r in results):
             assert result["resumed"] == (2, result["straight"][2:])  # bit for bit
             assert result["differ"] == [], result["differ"]

@@ -74,21 +74,23 @@ def reference_run(config, steps: int):
     its losses and final state dict."""
     from transformers import AutoModelForCausalLM
 
-    from pipetrain.app.model_folder import padded_batches
+    from pipetrain.app.batch_source import train_batches
     from pipetrain.hf import IGNORE_INDEX, causal_lm_token_loss
 
     model = AutoModelForCausalLM.from_pretrained(config.model_dir, dtype=torch.float64).train()
     opt = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    rows = config.microbatch_size * (config.microbatches or 4) * config.dp
-    data = padded_batches(config, rows)
+    data = train_batches(config, None, config.microbatches or 4)
     losses = []
     for _ in range(steps):
-        ids, targets, side = next(data)
+        batch = next(data)
         opt.zero_grad(set_to_none=True)
-        logits = model(ids, attention_mask=side["attention_mask"]).logits
-        # transformers' loss for labels with -100 at the padding, without its float32 upcast
-        count = (targets != IGNORE_INDEX).sum()
-        loss = causal_lm_token_loss(logits, targets) / count
+        # packed rows: position ids restarting per document and no mask, from which
+        # transformers builds the block-diagonal causal mask (with no cache to look at)
+        logits = model(batch.inputs, use_cache=False, **batch.side).logits
+        # transformers' loss for labels with -100 where nothing is predicted, without its
+        # float32 upcast
+        count = (batch.targets != IGNORE_INDEX).sum()
+        loss = causal_lm_token_loss(logits, batch.targets) / count
         loss.backward()
         opt.step()
         losses.append(loss.item())
@@ -131,10 +133,17 @@ def finetune_run(rank: int, directory: str, folder: str) -> dict:
         "resumed": (resumed.first_step, resumed.losses),
         "differ": differ + sorted(resumed.state.keys() - straight.state.keys()),
     }
-    if schedule == "1f1b":  # the Llama folder: also one stage split over 2 tensor-parallel ranks
-        tp = train(train_args(*common, "-p", "1", "--tp", "2", "--steps", "4", "--export",
-                              f"{directory}/export-tp"), torch.device("cpu"))  # fmt: skip
-        result["tp"] = tp.losses
+    if schedule == "1f1b":  # the Llama folder: one stage over 2 tensor-parallel ranks, over 2
+        # data-parallel replicas, and dualpipev's V of 4 stages, each on the same packed rows
+        tp = ["-p", "1", "--tp", "2", "--steps", "4", "--export", f"{directory}/export-tp"]
+        result["tp"] = train(train_args(*common, *tp), torch.device("cpu")).losses
+        # 2 replicas of 2 micro-batches: the reference's 4 micro-batches, the same rows
+        dp = [*common, "-p", "1", "--dp", "2", "--steps", "4"]
+        dp[dp.index("-m") + 1] = "2"
+        result["dp"] = train(train_args(*dp), torch.device("cpu")).losses
+        v = [*common, "--steps", "4"]
+        v[v.index("-s") + 1] = "dualpipev"
+        result["dualpipev"] = train(train_args(*v), torch.device("cpu")).losses
     if rank == 0:
         result["reference"], expected = reference_run(train_args(*common), 4)
         result["export_error"] = _export_error(out, expected)

@@ -184,20 +184,19 @@ def fine_tune_defaults_run(rank: int, world: int, directory: str, folder: str) -
 
 
 def _folder_eval_loss(config, exported: str) -> float:
-    """The held-out rows' token-mean loss under ``transformers``' model from ``exported``."""
-    import dataclasses
-
+    """The held-out documents' token-mean loss under ``transformers``' model from ``exported``,
+    each document run alone (no packing: what the packed rows' masks must reproduce)."""
     from transformers import AutoModelForCausalLM
 
-    from pipetrain.app.model_folder import token_rows
-    from pipetrain.hf import IGNORE_INDEX, next_token_targets
+    from pipetrain.app.batch_source import folder_corpus
 
-    ids, mask = token_rows(dataclasses.replace(config, data=config.eval_data))
+    corpus = folder_corpus(config, config.eval_data)
     model = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float64).eval()
+    total, count = 0.0, 0
     with torch.no_grad():
-        logits = model(ids, attention_mask=mask).logits
-    targets = next_token_targets(ids, attention_mask=mask)
-    total = F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"
-    )
-    return float(total / (targets != IGNORE_INDEX).sum())
+        for i in range(len(corpus)):
+            ids = torch.as_tensor(corpus.document(i)[0].astype("int64"))[None]
+            logits = model(ids, use_cache=False).logits[0, :-1]
+            total += float(F.cross_entropy(logits, ids[0, 1:], reduction="sum"))
+            count += ids.shape[1] - 1
+    return total / count
