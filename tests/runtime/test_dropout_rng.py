@@ -6,7 +6,7 @@ the same keys, on two steps."""
 from __future__ import annotations
 
 import pytest
-from dropout_rng_cases import PIPELINE_CASES, run_pipelines
+from dropout_rng_cases import PIPELINE_CASES, run_pipelines, run_tensor_parallel
 from runtime_harness import launch
 
 
@@ -29,3 +29,13 @@ def test_layouts_agree_on_the_loss_only_when_seeded(pipelines):
         assert got == pytest.approx(first, rel=1e-12, abs=0), label
     # without a seed the masks follow each schedule's order: the dropout here is active
     assert unseeded[0] != pytest.approx(unseeded[1], rel=1e-9)
+
+
+def test_tensor_parallel_replicated_dropout_is_exact_and_sharded_dropout_per_rank():
+    results = launch(2, run_tensor_parallel)
+    problems = [p for r in results for p in r["problems"]]
+    assert not problems, "\n".join(problems)
+    for r in results:
+        assert r["replicated equal"], "replicated gradients diverged across the tp ranks"
+        assert r["shard masks differ"], "both tp ranks drew one mask for different shards"
+        assert r["dropped"] > 0

@@ -54,11 +54,11 @@ def batch(step: int, rows: int = ROWS):
     return x, torch.randn(rows, WIDTH, dtype=torch.float64, generator=g)
 
 
-def reference(microbatches: int, rows: int = ROWS) -> list[tuple[float, dict]]:
+def reference(microbatches: int, rows: int = ROWS, build=build_layers) -> list[tuple[float, dict]]:
     """The layers unsplit under the same keys: per step, the loss and every gradient."""
     from pipetrain.runtime.dropout_rng import DropoutKeys
 
-    layers = build_layers()
+    layers = build()
     keys = DropoutKeys(SEED).attach(layers)
     out = []
     for step in range(STEPS):
@@ -166,3 +166,92 @@ def run_pipelines(rank: int, world: int) -> dict:
     problems += _differences("dp 2", got, want)
     pipe.close()
     return {"problems": problems, "losses": losses}
+
+
+class Sharded(nn.Module):
+    """Up colwise and down rowwise under tensor parallel; between them a dropout passed as a
+    float (``attention_dropout``, as attention over sharded heads does), on the sharded part."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.attention_dropout = p
+        self.up = nn.Linear(WIDTH, 2 * WIDTH)
+        self.down = nn.Linear(2 * WIDTH, WIDTH)
+        self.mask: torch.Tensor | None = None
+
+    def forward(self, h):
+        z = nn.functional.dropout(torch.tanh(self.up(h)), self.attention_dropout, self.training)
+        self.mask = (z == 0).detach()
+        return self.down(z)
+
+
+class ShardedLayer(nn.Module):
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.attn = Sharded(p)
+        self.drop = nn.Dropout(P)  # on the replicated output of the rowwise projection
+
+    def forward(self, h):
+        return h + self.drop(self.attn(h))
+
+
+def sharded_layers(p: float) -> list[nn.Module]:
+    torch.manual_seed(6)
+    return [ShardedLayer(p).double() for _ in range(2)]
+
+
+def run_tensor_parallel(rank: int, world: int) -> dict:
+    """Tensor parallel over 2 ranks (one pipeline rank): without a sharded dropout the run
+    equals the unsplit model (the replicated dropout draws one mask on both tp ranks); with one,
+    each tp rank draws its own mask on its shard while the replicated parameters' gradients
+    stay equal on both ranks."""
+    import functools
+
+    import pipetrain
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("pp", "tp"))
+    plan = {"attn.up": ColwiseParallel(), "attn.down": RowwiseParallel()}
+    out: dict = {}
+    for p in (0.0, 0.3):
+        layers = sharded_layers(p)
+        for layer in layers:
+            parallelize_module(layer, mesh["tp"], plan)
+        pipe = pipetrain.Pipeline(
+            pipetrain.split(layers, [2]), "1f1b", MICROBATCHES, mse, mesh=mesh, seed=SEED
+        )
+        got = _train(pipe, STEPS)
+        full = [(loss, {n: _full(g) for n, g in grads.items()}) for loss, grads in got]
+        if p == 0.0:
+            want = reference(MICROBATCHES, build=functools.partial(sharded_layers, p))
+            out["problems"] = _differences("tp 2", full, want)
+            pipe.close()
+            continue
+        replicated = {
+            n: g.to_local() for n, g in got[-1][1].items() if not _sharded(g)
+        }  # the last step's: the same on both tp ranks, or the ranks diverged
+        gathered: list = [None, None]
+        dist.all_gather_object(gathered, (replicated, [layer.attn.mask for layer in layers]))
+        out["replicated equal"] = all(
+            torch.equal(gathered[0][0][n], gathered[1][0][n]) for n in replicated
+        ) and bool(replicated)
+        out["shard masks differ"] = all(
+            not torch.equal(a, b) for a, b in zip(gathered[0][1], gathered[1][1])
+        )
+        out["dropped"] = sum(int(m.sum()) for m in gathered[rank][1])
+        pipe.close()
+    return out
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _sharded(t) -> bool:
+    return any(pl.is_shard() for pl in getattr(t, "placements", ()))
