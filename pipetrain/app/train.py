@@ -128,6 +128,7 @@ def train(config: TrainConfig, device: torch.device) -> Run:
             start = saver.resume(pipe, opt) if saver is not None and config.resume else 0
         except ValueError as e:
             raise Refused(str(e)) from None
+        pipe.dropout_keys.step = start  # a resumed run draws the straight run's masks
         if start >= config.steps:
             raise Refused(
                 f"the checkpoint in {config.checkpoint_dir} is at step {start}; --steps {config.steps} "
@@ -245,6 +246,7 @@ def _pipeline(
         cuda_graph=config.cuda_graph,
         # every rank compiles at once where the runtime finds it exact (runtime.precompile)
         precompile=None if config.compile else False,
+        seed=config.seed,  # dropout keyed by (seed, step, micro-batch, layer): any layout draws alike
         **placement,
     )
     try:
