@@ -62,19 +62,14 @@ def test_keyed_masks_depend_on_the_key_only_and_leave_the_stream_alone():
 
 def test_nothing_is_keyed_without_active_dropout_or_a_seed():
     x = torch.ones(8, 4)
-    for layers, keys in (
-        (_layers(0.0), None),
-        (_layers(), "eval"),
-        (_layers(), "unseeded"),
-    ):
-        seed = None if keys == "unseeded" else 7
-        bound = DropoutKeys(seed).attach(layers)
-        if keys == "eval":
+    for layers, why in ((_layers(0.0), "p = 0"), (_layers(), "eval"), (_layers(), "no seed")):
+        keys = DropoutKeys(None if why == "no seed" else 7).attach(layers)
+        if why == "eval":
             for layer in layers:
                 layer.eval()
-        assert not bound.active()
+        assert not keys.active(), why
         torch.manual_seed(0)
-        with bound.running(0):
+        with keys.running(0):
             drawn = torch.rand(2)  # the global stream, not a keyed one
         torch.manual_seed(0)
         assert torch.equal(drawn, torch.rand(2))

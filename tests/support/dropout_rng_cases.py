@@ -129,8 +129,9 @@ def _train(pipe, steps: int, rows: slice | None = None) -> list[tuple[float, dic
 def run_pipelines(rank: int, world: int) -> dict:
     """Every ``PIPELINE_CASES`` layout on 2 ranks against the unsplit reference, and a
     data-parallel pair of replicas (one stage each) against it over the whole batch."""
-    import pipetrain
     from torch.distributed.device_mesh import init_device_mesh
+
+    import pipetrain
 
     want = reference(MICROBATCHES)
     problems: list[str] = []
@@ -207,7 +208,6 @@ def run_tensor_parallel(rank: int, world: int) -> dict:
     stay equal on both ranks."""
     import functools
 
-    import pipetrain
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import (
@@ -215,6 +215,8 @@ def run_tensor_parallel(rank: int, world: int) -> dict:
         RowwiseParallel,
         parallelize_module,
     )
+
+    import pipetrain
 
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("pp", "tp"))
     plan = {"attn.up": ColwiseParallel(), "attn.down": RowwiseParallel()}
