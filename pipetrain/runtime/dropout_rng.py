@@ -172,16 +172,15 @@ class DropoutKeys:
             if len(names) != len(listed):
                 raise ValueError(f"{len(names)} names for {len(listed)} layers; give one each")
             named = list(zip(names, listed))
-        for name, layer in named:
-            self._attach_layer(name, layer)
+        for name, layer in named:  # every layer: a draw no site reveals is keyed all the same
+            self._attach_layer(name, layer, find_sites(layer))
         return self
 
     def attach_stage(self, module: nn.Module, index: int) -> None:
         """A pipeline's stage ``index``: a ``Stage``'s layers, or the module as one layer."""
         self.attach(module if isinstance(module, Stage) else {f"stages.{index}": module})
 
-    def _attach_layer(self, name: str, layer: nn.Module) -> None:
-        sites = find_sites(layer)
+    def _attach_layer(self, name: str, layer: nn.Module, sites: list[Site]) -> None:
         self.sites += sites
         self.handles.append(layer.register_forward_pre_hook(self._seeding(name)))
         if self.tp_rank is None:
