@@ -119,6 +119,7 @@ def train(config: TrainConfig, device: torch.device) -> Run:
             else None
         )
         start = _resume(config, saver, pipe, opt, rank)
+        pipe.dropout_keys.step = start  # a resumed run draws the straight run's masks
         local = config.microbatch_size * layout.microbatches
         data = train_batches(config, model, layout.microbatches, start)
         mine = slice(replica * local, (replica + 1) * local)
@@ -351,6 +352,7 @@ def _pipeline(
         cuda_graph=config.cuda_graph,
         # every rank compiles at once where the runtime finds it exact (runtime.precompile)
         precompile=None if config.compile else False,
+        seed=config.seed,  # dropout keyed by (seed, step, micro-batch, layer): any layout draws alike
         **placement,
     )
     try:

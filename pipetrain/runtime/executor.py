@@ -36,6 +36,7 @@ from pipetrain.runtime.comm.p2p import (
     recv_buffer,
     wire,
 )
+from pipetrain.runtime.dropout_rng import DropoutKeys
 from pipetrain.runtime.stage import StageRunner, leaves
 from pipetrain.runtime.timing import Recorder
 from pipetrain.runtime.torch_compat import profiler_enabled
@@ -90,8 +91,12 @@ class Executor:
         arities: list[tuple[int, float]],
         side_stream: torch.cuda.Stream | None = None,
         after_compute: Callable[[Action], None] | None = None,
+        keys: DropoutKeys | None = None,
     ) -> None:
         self.rank = rank
+        #: dropout keyed per (step, micro-batch, layer) around each compute piece
+        #: (``runtime.dropout_rng``; None: torch's global stream)
+        self.keys = keys
         #: called after each compute action, once the transfers posted after it are out (the
         #: pipeline's data-parallel sync hangs on it)
         self.after_compute = after_compute
@@ -188,11 +193,14 @@ class Executor:
         s, j = action.stage, action.microbatch
         match action.kind:
             case OpKind.F:
-                self.forward(s, j)
+                with self._keyed(j):
+                    self.forward(s, j)
             case OpKind.B | OpKind.I:
-                self.backward(action)
+                with self._keyed(j):  # a recompute draws the forward's masks again
+                    self.backward(action)
             case OpKind.W:
-                self.runners[s].backward_weight(j)
+                with self._keyed(j):
+                    self.runners[s].backward_weight(j)
             case OpKind.OVERLAP_F_B:
                 self.overlapped(action)
             case OpKind.SEND_F:
@@ -208,6 +216,9 @@ class Executor:
                 offload = self.runners[s].offload
                 assert offload is not None, f"{action}: stage {s} has no offload"
                 (offload.offload if action.kind is OpKind.OFFLOAD else offload.reload)(j)
+
+    def _keyed(self, microbatch: int) -> AbstractContextManager[object]:
+        return contextlib.nullcontext() if self.keys is None else self.keys.running(microbatch)
 
     def overlapped(self, action: Action) -> None:
         """An F&B pair: one after the other, or with a side stream (CUDA) the forward on it while

@@ -32,6 +32,7 @@ from pipetrain.runtime.comm import failures, teardown
 from pipetrain.runtime.comm.agreement import Agreement, pipeline_prefix
 from pipetrain.runtime.comm.failures import Failures, OwnedGroup, posts_failures, stops_on_failure
 from pipetrain.runtime.comm.p2p import Transport
+from pipetrain.runtime.dropout_rng import for_pipeline as keyed_dropout
 from pipetrain.runtime.executor import Executor, MetaCache, StepData, cache_for
 from pipetrain.runtime.parallel import grad_norm
 from pipetrain.runtime.parallel import tied as tied_weights
@@ -103,7 +104,9 @@ class Pipeline:
     and modes stay (``runtime.cuda_graph``): no host time per action; ``"timed"``: with timing
     events inside the graph, so ``step(timeline=True)`` measures a replay. ``precompile``: compile
     every rank's compiled stages at once before a step of new shapes (``None``, the default:
-    where every rank's stages allow it and some stage is compiled; ``False``: never).
+    where every rank's stages allow it and some stage is compiled; ``False``: never). ``seed``:
+    dropout masks keyed by (seed, step, global micro-batch, layer), the same on every layout and
+    unsplit (``runtime.dropout_rng``; ``dropout_keys.step`` counts steps); None: torch's stream.
     """
 
     @posts_failures(_PHASES)
@@ -130,6 +133,7 @@ class Pipeline:
         offload: resolve.Offload = None,
         cuda_graph: bool | Literal["timed"] = False,
         precompile: bool | None = None,
+        seed: int | None = None,
     ) -> None:
         resolve.require_process_group()
         groups = resolve.resolve_groups(group, mesh, data_parallel)
@@ -159,6 +163,8 @@ class Pipeline:
             data_parallel, self.modules, *replicas, self.loss_reduction, self._tied_sets
         )
         self._runners = self._build_runners(loss_fn, defer_weight_grads, offload, bool(cuda_graph))
+        where = (self.device, self.num_microbatches, groups.replicas, groups.mesh, bool(cuda_graph))
+        self.dropout_keys = keyed_dropout(seed, self.modules, *where)
         wide = self._data_parallel is not None or mesh is not None
         self._precompile = Precompile.build(precompile, self._agreement, self._runners, wide)
         self._last_uses = resolve.last_uses(self.program.actions[self.rank])
@@ -185,8 +191,7 @@ class Pipeline:
     def _join(
         self, groups: Groups, data_parallel: DataParallelKind | None, timeout: timedelta
     ) -> None:
-        """This rank's place in the pipeline's group, the groups its sums span, and the
-        exchanges through which the ranks agree (and hear of each other's failures)."""
+        """This rank's place in its group, the groups its sums span, how its ranks agree."""
         self.group = groups.pipeline
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
@@ -255,8 +260,7 @@ class Pipeline:
 
     @property
     def mesh_groups(self) -> MeshGroups | None:
-        """The mesh's groups and this rank's coordinates on its dimensions but ``pp``
-        (``mesh=``), else ``None``: what a collective over every replica needs."""
+        """The mesh's groups and this rank's coordinates but ``pp`` (``mesh=``), else None."""
         return self._mesh
 
     #: the fields a plan must give (``pipetrain plan --json`` prints them, with ``predicted``)
@@ -385,6 +389,7 @@ class Pipeline:
         else:
             self._execute(rows, mbs, self._side, "train", timeline)
         self._tied_grads.end_step(self._transport, self.rank)
+        self.dropout_keys.step += 1
         loss = self._agree_on_loss(mbs.weights)
         if self._data_parallel is not None:
             loss = self._data_parallel.global_loss(loss)
@@ -392,8 +397,7 @@ class Pipeline:
 
     @staticmethod
     def loss_is_finite(loss: torch.Tensor) -> bool:
-        """Whether ``step``'s loss is finite: the same on every rank with no collective (every
-        rank returns the loss the last stage's rank broadcast)."""
+        """Whether ``step``'s loss is finite: the same on every rank (all return one broadcast)."""
         return bool(torch.isfinite(loss).all())
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -467,9 +471,8 @@ class Pipeline:
         recorder.begin(self._transport.group)  # the pipeline's own group: its timeout holds
         after = self._sync_after if self._data_parallel is not None and mode == "train" else None
         runners, transport = self._runners, self._transport
-        executor = Executor(
-            self.rank, self.placement, runners, transport, self._arities, self._side_stream, after
-        )
+        where = (self.placement, runners, transport, self._arities, self._side_stream, after)
+        executor = Executor(self.rank, *where, keys=self.dropout_keys)
         data = StepData(mbs.inputs, mbs.targets, mbs.weights, side)
         executor.run(rows, data, cache, recorder, train=mode == "train", discover=discover)
         if self._data_parallel is not None:
