@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from pipetrain.hf.folder_check import INDEX, SINGLE
+from pipetrain.hf.folder_check import INDEX
+
 #: safetensors' dtype names for the floating types a model is stored in
 FLOATING = {
     "F64": torch.float64,

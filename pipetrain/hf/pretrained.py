@@ -258,7 +258,9 @@ class PretrainedStages(Sequence):
         recompute_buffers(module, skeleton, loaded)
         module.tied_names = [tuple(sorted(pair)) for pair in self.tied]
         module.hf_config = self.config
-        module.hf_folder = self.files.folder  # its config and tokenizer files travel with checkpoints
+        module.hf_folder = (
+            self.files.folder
+        )  # its config and tokenizer files travel with checkpoints
         modes = {n: m for n, m in self.recompute.items() if n in module.layer_names}
         if modes:
             recompute_layers(module, modes, stage)

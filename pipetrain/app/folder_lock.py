@@ -1,0 +1,141 @@
+"""One writer per folder: a run's checkpoint and export folders are locked while it writes them.
+
+Two runs given one ``--checkpoint-dir`` would interleave their steps and move ``latest`` back
+and forth, each resuming the other's state; nothing in the files says so. The rank-0 worker
+holds ``fcntl.flock`` on ``DIR/.lock`` for the whole run (a lock the kernel drops when the
+process dies, however it dies, so a restart of the same job takes it again), and writes its
+host, pid and start time inside; the launcher checks it before any process starts, so a second
+run is refused in one line naming the first's host and pid.
+
+Where ``flock`` does not work (some network file systems refuse it), the file's contents decide:
+a lock naming a live process on this host is held; one whose process is gone (on the same host)
+is taken over. A lock written on another host cannot be checked from here and is held.
+
+An export folder is renamed into place when complete (``app.model_folder``), so its lock is a
+sibling file, ``.<name>.lock``, beside it.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+LOCK = ".lock"
+
+
+def lock_file(folder: Path) -> Path:
+    """A checkpoint folder's lock: inside it."""
+    return folder / LOCK
+
+
+def sibling_lock_file(folder: Path) -> Path:
+    """A folder renamed into place (an export): its lock beside it."""
+    return folder.with_name(f".{folder.name}.lock")
+
+
+class FolderLock:
+    """The lock of one folder (``path`` its lock file; ``what`` names the folder, a flag and its
+    value, in refusals). Taken with ``take``, held until ``release`` or the process's end."""
+
+    def __init__(self, path: Path, what: str) -> None:
+        self.path, self.what = path, what
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def take(self) -> None:
+        """Take the lock (again taking it is nothing); a ``ValueError`` naming the run holding
+        it."""
+        if self._fd is not None:
+            return
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ValueError(self._refusal(holder(self.path))) from None
+        except OSError as e:
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                os.close(fd)
+                raise
+            found = holder(self.path)  # no flock here: the pid written inside decides
+            if found is not None and _alive(found) and found.get("pid") != os.getpid():
+                os.close(fd)
+                raise ValueError(self._refusal(found)) from None
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "started": _now()}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        """Drop the lock; its file is emptied first, so that where ``flock`` does not work no
+        pid is left behind to refuse the next run (a holder that dies leaves its pid)."""
+        if self._fd is not None:
+            os.ftruncate(self._fd, 0)
+            os.close(self._fd)  # closing drops the flock
+            self._fd = None
+
+    def __enter__(self) -> FolderLock:
+        self.take()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def _refusal(self, found: dict | None) -> str:
+        who = (
+            f"host {found.get('host')}, pid {found.get('pid')}, since {found.get('started')}"
+            if found
+            else "its host and pid unknown"
+        )
+        return (
+            f"{self.what} is being written by another run ({who}; lock {self.path}); wait for "
+            "it to end or stop it, or give another folder"
+        )
+
+
+def check_free(path: Path, what: str) -> None:
+    """The launcher's check: ``ValueError`` naming the holder where another run holds the lock
+    (taken and dropped at once: the rank-0 worker takes it for the run). Nothing where the
+    lock's folder does not exist yet."""
+    if not path.parent.is_dir():
+        return
+    with FolderLock(path, what):
+        pass
+
+
+def holder(path: Path) -> dict | None:
+    """What the lock file says of its holder (host, pid, start), or None."""
+    try:
+        found = json.loads(path.read_text() or "null")
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) else None
+
+
+def _alive(found: dict) -> bool:
+    """Whether the holder may be running: not provably gone (a pid on another host cannot be
+    checked from here)."""
+    if found.get("host") != socket.gethostname():
+        return True
+    try:
+        os.kill(int(found.get("pid", -1)), 0)
+    except (ProcessLookupError, ValueError, TypeError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+__all__ = ["LOCK", "FolderLock", "check_free", "holder", "lock_file", "sibling_lock_file"]
