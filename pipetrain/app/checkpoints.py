@@ -34,7 +34,7 @@ import tempfile
 from pathlib import Path
 
 from pipetrain.app.catalog import ModelShape
-from pipetrain.app.folder_lock import FolderLock, check_free, lock_file
+from pipetrain.app.folder_lock import FolderLock, check_free, hold_on_rank0, lock_file
 from pipetrain.runtime import checksums
 from pipetrain.runtime.checkpoint_disk import PARTIAL, remove
 
@@ -90,22 +90,8 @@ class Checkpoints:
         where another run holds it, every process raises the ``ValueError`` naming that run.
         Call it once the process group is up, before training, so that a second run is
         refused before either writes."""
-        import torch.distributed as dist
-
-        if self._holding:
-            return
-        refusal = None
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            try:
-                self._lock.take()
-            except ValueError as e:
-                refusal = str(e)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            said = [refusal]
-            dist.broadcast_object_list(said, src=0)
-            refusal = said[0]
-        if refusal is not None:
-            raise ValueError(refusal)
+        if not self._holding:
+            hold_on_rank0(self._lock)
         self._holding = True
 
     def save(self, step: int, pipe, optimizer) -> Path:
@@ -155,7 +141,7 @@ class Checkpoints:
         if not path.exists():  # removed by hand (it was corrupt): the newest complete one
             path = latest_complete(self.directory) or path
         try:
-            step = _checked(path)
+            step = checked_step(path)
         except ValueError as e:
             raise ValueError(f"{e}; {_fallback(self.directory, path)}") from None
         saved = json.loads((path / INFO).read_text()).get("model", {})
@@ -217,7 +203,7 @@ class Checkpoints:
         return path, step
 
 
-def _checked(path: Path, hashes: bool = False) -> int:
+def checked_step(path: Path, hashes: bool = False) -> int:
     """A complete checkpoint's step (its ``train.json`` and DCP files checked; with ``hashes``,
     every file against its ``SHA256SUMS`` too), or ``ValueError`` naming what is wrong."""
     from pipetrain.runtime.checkpoint_disk import verify
@@ -279,7 +265,7 @@ def latest_complete(directory: str | os.PathLike, before: Path | None = None) ->
         if path.name.endswith(PARTIAL) or path == before:
             continue
         try:
-            _checked(path, hashes=True)
+            checked_step(path, hashes=True)
         except ValueError:
             continue
         return path
@@ -352,6 +338,7 @@ __all__ = [
     "LATEST",
     "Checkpoints",
     "check_directory",
+    "checked_step",
     "checkpoint_folders",
     "folder_copies",
     "incomplete_checkpoints",

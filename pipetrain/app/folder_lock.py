@@ -101,6 +101,25 @@ class FolderLock:
         )
 
 
+def hold_on_rank0(lock: FolderLock) -> None:
+    """Take ``lock`` on the job's rank 0, agreed: where another run holds it, every process
+    raises the ``ValueError`` naming that run (none is left waiting in a later collective)."""
+    import torch.distributed as dist
+
+    refusal = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            lock.take()
+        except ValueError as e:
+            refusal = str(e)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        said = [refusal]
+        dist.broadcast_object_list(said, src=0)
+        refusal = said[0]
+    if refusal is not None:
+        raise ValueError(refusal)
+
+
 def check_free(path: Path, what: str) -> None:
     """The launcher's check: ``ValueError`` naming the holder where another run holds the lock
     (taken and dropped at once: the rank-0 worker takes it for the run). Nothing where the
@@ -138,4 +157,4 @@ def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S%z")
 
 
-__all__ = ["LOCK", "FolderLock", "check_free", "holder", "lock_file", "sibling_lock_file"]
+__all__ = ["LOCK", "FolderLock", "check_free", "hold_on_rank0", "holder", "lock_file", "sibling_lock_file"]

@@ -16,12 +16,14 @@ from collections.abc import Sequence
 from pipetrain.cli import (
     compare_command,
     demo_command,
+    export_command,
     plan_command,
     profile_command,
     schedules_command,
     show_command,
     simulate_command,
     train_command,
+    verify_command,
 )
 from pipetrain.cli.flags import PROG, Command, add_options
 
@@ -34,6 +36,8 @@ COMMANDS: tuple[Command, ...] = (
     plan_command.COMMAND,
     profile_command.COMMAND,
     train_command.COMMAND,
+    export_command.COMMAND,
+    verify_command.COMMAND,
     demo_command.COMMAND,
 )
 
