@@ -55,18 +55,21 @@ class FolderLock:
         it."""
         if self._fd is not None:
             return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            os.close(fd)
-            raise ValueError(self._refusal(holder(self.path))) from None
+            found = holder(self.path)
+            if not _this_process(found):  # this process holds it through another handle
+                os.close(fd)
+                raise ValueError(self._refusal(found)) from None
         except OSError as e:
             if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
                 os.close(fd)
                 raise
             found = holder(self.path)  # no flock here: the pid written inside decides
-            if found is not None and _alive(found) and found.get("pid") != os.getpid():
+            if found is not None and _alive(found) and not _this_process(found):
                 os.close(fd)
                 raise ValueError(self._refusal(found)) from None
         me = {"host": socket.gethostname(), "pid": os.getpid(), "started": _now()}
@@ -81,6 +84,10 @@ class FolderLock:
             os.ftruncate(self._fd, 0)
             os.close(self._fd)  # closing drops the flock
             self._fd = None
+
+    def __del__(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
 
     def __enter__(self) -> FolderLock:
         self.take()
@@ -112,6 +119,8 @@ def hold_on_rank0(lock: FolderLock) -> None:
             lock.take()
         except ValueError as e:
             refusal = str(e)
+        except OSError as e:
+            refusal = f"{lock.what} cannot be locked ({lock.path}: {e.strerror or e})"
     if dist.is_initialized() and dist.get_world_size() > 1:
         said = [refusal]
         dist.broadcast_object_list(said, src=0)
@@ -153,8 +162,24 @@ def _alive(found: dict) -> bool:
     return True
 
 
+def _this_process(found: dict | None) -> bool:
+    """Whether the lock file names this very process (it holds the lock through another
+    handle)."""
+    if found is None:
+        return False
+    return found.get("host") == socket.gethostname() and found.get("pid") == os.getpid()
+
+
 def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S%z")
 
 
-__all__ = ["LOCK", "FolderLock", "check_free", "hold_on_rank0", "holder", "lock_file", "sibling_lock_file"]
+__all__ = [
+    "LOCK",
+    "FolderLock",
+    "check_free",
+    "hold_on_rank0",
+    "holder",
+    "lock_file",
+    "sibling_lock_file",
+]

@@ -13,7 +13,10 @@ rank's host memory at its own layers plus the tensor being copied.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,9 +100,17 @@ def shard_name(number: int, count: int) -> str:
 
 
 def write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Write one safetensors file; a failed write (a full disk) is an ``OSError`` with its errno
+    and ``path`` (safetensors raises its own error, the errno only in its text)."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
-    save_file(tensors, str(path), metadata={"format": "pt"})
+    try:
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    except SafetensorError as e:
+        found = re.search(r"os error (\d+)", str(e))
+        number = int(found.group(1)) if found else errno.EIO
+        raise OSError(number, os.strerror(number), str(path)) from None
 
 
 def write_index(folder: Path, weight_map: dict[str, str], total_size: int) -> None:

@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from pipetrain.runtime import checkpoint_disk, checksums
 
@@ -46,7 +47,7 @@ def write_folder(
     try:
         save(partial)
         mine = checksums.hash_files(partial, own_files(partial, group.rank))
-    except Exception as e:  # DCP raises the failure of any rank on every rank
+    except (Exception, CheckpointException) as e:  # DCP raises any rank's failure on every rank
         failure = _os_error(e, partial)
     failure = group.first(failure)
     if failure is None:
