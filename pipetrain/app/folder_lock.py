@@ -26,6 +26,10 @@ import time
 from pathlib import Path
 
 LOCK = ".lock"
+#: the errors of a file system without ``flock``
+_NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+#: how long taking the lock waits for another process's check (which holds it for moments)
+_CHECK_WAIT_S = 1.0
 
 
 def lock_file(folder: Path) -> Path:
@@ -58,14 +62,14 @@ class FolderLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _flock_soon(fd)
         except BlockingIOError:
             found = holder(self.path)
             if not _this_process(found):  # this process holds it through another handle
                 os.close(fd)
                 raise ValueError(self._refusal(found)) from None
         except OSError as e:
-            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            if e.errno not in _NO_FLOCK:
                 os.close(fd)
                 raise
             found = holder(self.path)  # no flock here: the pid written inside decides
@@ -130,13 +134,43 @@ def hold_on_rank0(lock: FolderLock) -> None:
 
 
 def check_free(path: Path, what: str) -> None:
-    """The launcher's check: ``ValueError`` naming the holder where another run holds the lock
-    (taken and dropped at once: the rank-0 worker takes it for the run). Nothing where the
-    lock's folder does not exist yet."""
+    """The launcher's check: ``ValueError`` naming the holder where another run holds the lock.
+    A shared lock, taken and dropped at once, so that checks never refuse each other (the rank-0
+    worker takes the exclusive one for the run). Nothing where the folder does not exist yet."""
     if not path.parent.is_dir():
         return
-    with FolderLock(path, what):
-        pass
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        found = holder(path)
+        if not _this_process(found):
+            raise ValueError(FolderLock(path, what)._refusal(found)) from None
+    except OSError as e:  # no flock here: the pid written inside decides
+        found = holder(path)
+        if (
+            e.errno in _NO_FLOCK
+            and found is not None
+            and _alive(found)
+            and not _this_process(found)
+        ):
+            raise ValueError(FolderLock(path, what)._refusal(found)) from None
+    finally:
+        os.close(fd)
+
+
+def _flock_soon(fd: int) -> None:
+    """``flock`` the file exclusively, waiting a moment for checks that hold it shared (they
+    drop it at once; a run holds it for its whole life): ``BlockingIOError`` after that."""
+    deadline = time.monotonic() + _CHECK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 def holder(path: Path) -> dict | None:

@@ -10,12 +10,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
-torch = pytest.importorskip("torch")
-
-import pipetrain
+import torch
 from runtime_harness import launch
 
+import pipetrain
 from pipetrain.runtime.checksums import SUMS
 
 
@@ -46,7 +44,9 @@ def test_a_flipped_byte_is_refused_naming_the_file(tmp_path: Path) -> None:
     data[len(data) // 2] ^= 1  # same size: the structure checks cannot see it
     shard.write_bytes(bytes(data))
     before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(ValueError, match=rf"checkpoint .*step is damaged: .*{shard.name} is damaged"):
+    with pytest.raises(
+        ValueError, match=rf"checkpoint .*step is damaged: .*{shard.name} is damaged"
+    ):
         pipetrain.load_checkpoint(path, model)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     (path / SUMS).unlink()
@@ -59,9 +59,11 @@ def test_damaged_resume_and_failed_writes_on_two_ranks(tmp_path: Path) -> None:
     ckpt, out = tmp_path / "ckpt", tmp_path / "exports" / "model"
     out.parent.mkdir()
     said = launch(2, _cases(), str(ckpt), str(out), timeout=120)
-    for rank, result in enumerate(said):
+    for result in said:
         assert "__1_0.distcp is damaged" in result["resume"], result["resume"]
-        assert "the last complete checkpoint" in result["resume"] and "step-000001" in result["resume"]
+        assert (
+            "the last complete checkpoint" in result["resume"] and "step-000001" in result["resume"]
+        )
         code, where = result["full"]
         assert code == "EFBIG" and "step-000003.partial" in where, result["full"]
         assert not result["partial_left"] and not result["step3"]

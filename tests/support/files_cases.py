@@ -63,3 +63,41 @@ def _limited(limited: bool, write) -> tuple | None:
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     return None
+
+
+def checkpointed_run(rank: int, world: int, directory: str, folder: str) -> bool:
+    """``pipetrain train --model-dir`` 2 steps, a checkpoint each step and ``--export``."""
+    import torch
+    from finetune_cases import train_args
+
+    from pipetrain.app.train import train
+
+    out = Path(directory)
+    if rank == 0:
+        from pipetrain.app.models.data import make_corpus
+
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "text.txt").write_bytes(make_corpus(2048))
+    dist.barrier()
+    args = [
+        "--model-dir",
+        folder,
+        "--seq-len",
+        "16",
+        "--steps",
+        "2",
+        "--checkpoint-dir",
+        str(out / "ckpt"),
+        "--checkpoint-every",
+        "1",
+        "--export",
+        str(out / "exported"),
+        "--text",
+        str(out / "text.txt"),
+        "--svg",
+        str(out / "step.svg"),
+        "--timeout",
+        "60",
+    ]
+    train(train_args(*args), torch.device("cpu"))
+    return True
