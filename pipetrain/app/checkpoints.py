@@ -3,7 +3,10 @@ the latest.
 
     DIR/step-000040/       model and optimizer state by global name (pipetrain.save_checkpoint)
     DIR/step-000040/train.json   the step and the model's shape
+    DIR/step-000040/hf/    copies of --model-dir's config and tokenizer files (pipetrain export)
+    DIR/step-000040/SHA256SUMS   every file's SHA-256 (sha256sum -c format; pipetrain verify)
     DIR/latest             "step-000040", written once the whole checkpoint is on disk
+    DIR/.lock              held by the run writing here (app.folder_lock)
 
 A step's folder appears only once complete (``runtime.checkpoint_disk``: written as
 ``step-000040.partial``, then renamed), so a run stopped while saving (a signal, a dead process)
@@ -17,6 +20,13 @@ State is keyed by the model's global layer names (``runtime.checkpoint``), so a 
 at another pipeline size or schedule, and with or without data parallel (DDP or FSDP2, whose
 replicas write their shards). Resuming checks the latest checkpoint's files and the model's shape
 first and names the first problem, and the last complete checkpoint where the latest is corrupt.
+Each process hashes the files it wrote, and ``SHA256SUMS`` is written before the folder is
+published; resuming checks every file against it (each process a share), so a shard damaged
+after it was written is refused naming the file and the last checkpoint that verifies, instead of
+loading silently. One run writes a directory at a time: the rank-0 process holds its lock
+(``hold``), and the launcher's ``check_directory`` refuses a second run naming the first's host
+and pid.
+
 The step count is all the training loop needs besides: the data order is a function of the seed
 and the step, and AdamW's state (its step included) is in the checkpoint — so a run resumed on
 the same layout continues bit for bit. On another layout it continues to float64 round-off only:
