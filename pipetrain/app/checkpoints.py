@@ -21,9 +21,10 @@ at another pipeline size or schedule, and with or without data parallel (DDP or 
 replicas write their shards). Resuming checks the latest checkpoint's files and the model's shape
 first and names the first problem, and the last complete checkpoint where the latest is corrupt.
 Each process hashes the files it wrote, and ``SHA256SUMS`` is written before the folder is
-published; resuming checks every file against it (each process a share), so a shard damaged
-after it was written is refused naming the file and the last checkpoint that verifies, instead of
-loading silently. One run writes a directory at a time: the rank-0 process holds its lock
+published; resuming with ``verify`` (``--verify-checkpoint``) checks every file against it (each
+process a share), so a shard damaged after it was written is refused naming the file and the last
+checkpoint that verifies, instead of loading silently; ``pipetrain verify`` checks without
+resuming. One run writes a directory at a time: the rank-0 process holds its lock
 (``hold``), and the launcher's ``check_directory`` refuses a second run naming the first's host
 and pid.
 
@@ -84,12 +85,13 @@ class Checkpoints:
         directory: str | os.PathLike,
         shape: ModelShape,
         overwrite: bool = False,
-        verify: bool = True,
+        verify: bool = False,
     ) -> None:
         self.directory = Path(directory)
         self.shape = shape
         self.overwrite = overwrite
-        #: check the resumed checkpoint's files against its SHA256SUMS
+        #: check the resumed checkpoint's files against its SHA256SUMS (``--verify-checkpoint``:
+        #: it adds about 40% to loading, docs/results/cpu-2026-12-02-checkpoint-verify)
         self.verify = verify
         self._lock = FolderLock(lock_file(self.directory), f"--checkpoint-dir {self.directory}")
         self._holding = False

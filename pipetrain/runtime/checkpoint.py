@@ -184,7 +184,7 @@ def load_checkpoint(
     optimizer=None,
     *,
     strict: bool = True,
-    verify: bool = True,
+    verify: bool = False,
 ) -> None:
     """Read what ``target`` (a ``Pipeline`` at any size, with or without data parallel, or the
     plain model) and ``optimizer`` (built over its parameters, before its first step) need from
@@ -197,7 +197,8 @@ def load_checkpoint(
     ``strict``: refuse a checkpoint holding model keys that no rank's stages have (a deeper
     model's, say); ``False`` loads what the target has and ignores the rest. ``verify``: check
     every file against the checkpoint's ``SHA256SUMS`` first (each process hashes a share of
-    the files), refusing a damaged one naming the file.
+    the files), refusing a damaged one naming the file; off by default, as it adds about 40% to
+    a load (docs/results/cpu-2026-12-02-checkpoint-verify).
 
     Collective over the same processes as ``save_checkpoint``. A refusal (a missing key,
     another shape or dtype, a corrupt file) is raised on every one of them: a ``KeyError`` for

@@ -47,11 +47,11 @@ def test_a_flipped_byte_is_refused_naming_the_file(tmp_path: Path) -> None:
     with pytest.raises(
         ValueError, match=rf"checkpoint .*step is damaged: .*{shard.name} is damaged"
     ):
-        pipetrain.load_checkpoint(path, model)
+        pipetrain.load_checkpoint(path, model, verify=True)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     (path / SUMS).unlink()
     with pytest.raises(ValueError, match=f"has no {SUMS}"):
-        pipetrain.load_checkpoint(path, model)
+        pipetrain.load_checkpoint(path, model, verify=True)
 
 
 @pytest.mark.slow

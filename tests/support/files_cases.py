@@ -28,7 +28,7 @@ def damaged_resume_and_full_disk(rank: int, world: int, directory: str, out: str
             shard.write_bytes(bytes(data))
         dist.barrier()
         try:
-            Checkpoints(directory, shape).resume(pipe, opt)
+            Checkpoints(directory, shape, verify=True).resume(pipe, opt)
             said["resume"] = "resumed"
         except ValueError as e:
             said["resume"] = str(e)
