@@ -3,7 +3,10 @@ the latest.
 
     DIR/step-000040/       model and optimizer state by global name (pipetrain.save_checkpoint)
     DIR/step-000040/train.json   the step and the model's shape
+    DIR/step-000040/hf/    copies of --model-dir's config and tokenizer files (pipetrain export)
+    DIR/step-000040/SHA256SUMS   every file's SHA-256 (sha256sum -c format; pipetrain verify)
     DIR/latest             "step-000040", written once the whole checkpoint is on disk
+    DIR/.lock              held by the run writing here (app.folder_lock)
 
 A step's folder appears only once complete (``runtime.checkpoint_disk``: written as
 ``step-000040.partial``, then renamed), so a run stopped while saving (a signal, a dead process)
@@ -17,6 +20,14 @@ State is keyed by the model's global layer names (``runtime.checkpoint``), so a 
 at another pipeline size or schedule, and with or without data parallel (DDP or FSDP2, whose
 replicas write their shards). Resuming checks the latest checkpoint's files and the model's shape
 first and names the first problem, and the last complete checkpoint where the latest is corrupt.
+Each process hashes the files it wrote, and ``SHA256SUMS`` is written before the folder is
+published; resuming with ``verify`` (``--verify-checkpoint``) checks every file against it (each
+process a share), so a shard damaged after it was written is refused naming the file and the last
+checkpoint that verifies, instead of loading silently; ``pipetrain verify`` checks without
+resuming. One run writes a directory at a time: the rank-0 process holds its lock
+(``hold``), and the launcher's ``check_directory`` refuses a second run naming the first's host
+and pid.
+
 The step count is all the training loop needs besides: the data order is a function of the seed
 and the step, and AdamW's state (its step included) is in the checkpoint — so a run resumed on
 the same layout continues bit for bit. On another layout it continues to float64 round-off only:
@@ -34,10 +45,29 @@ import tempfile
 from pathlib import Path
 
 from pipetrain.app.catalog import ModelShape
+from pipetrain.app.folder_lock import FolderLock, check_free, hold_on_rank0, lock_file
+from pipetrain.runtime import checksums
 from pipetrain.runtime.checkpoint_disk import PARTIAL, remove
 
 LATEST = "latest"
 INFO = "train.json"
+#: the subfolder holding copies of the model folder's config and tokenizer files
+FOLDER_COPIES = "hf"
+#: the files of a Hugging Face folder besides its weights that an export needs
+FOLDER_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 _STEP = re.compile(r"step-(\d+)(\.partial)?")
 #: fields of the shape a checkpoint must share with the run resuming it (the seed only orders
 #: the data and initialises weights the checkpoint replaces)
@@ -51,11 +81,30 @@ class Checkpoints:
     checkpoints``)."""
 
     def __init__(
-        self, directory: str | os.PathLike, shape: ModelShape, overwrite: bool = False
+        self,
+        directory: str | os.PathLike,
+        shape: ModelShape,
+        overwrite: bool = False,
+        verify: bool = False,
     ) -> None:
         self.directory = Path(directory)
         self.shape = shape
         self.overwrite = overwrite
+        #: check the resumed checkpoint's files against its SHA256SUMS (``--verify-checkpoint``:
+        #: it adds about 40% to loading, docs/results/cpu-2026-12-02-checkpoint-verify)
+        self.verify = verify
+        self._lock = FolderLock(lock_file(self.directory), f"--checkpoint-dir {self.directory}")
+        self._holding = False
+
+    def hold(self) -> None:
+        """Lock the directory for this run (``app.folder_lock``): the rank-0 process takes the
+        lock and keeps it until it exits. Collective (``save`` and ``resume`` call it first):
+        where another run holds it, every process raises the ``ValueError`` naming that run.
+        Call it once the process group is up, before training, so that a second run is
+        refused before either writes."""
+        if not self._holding:
+            hold_on_rank0(self._lock)
+        self._holding = True
 
     def save(self, step: int, pipe, optimizer) -> Path:
         """Write step ``step``: every process writes its part (with data parallel, each DDP
@@ -69,6 +118,7 @@ class Checkpoints:
 
         from pipetrain.runtime.checkpoint import save_checkpoint
 
+        self.hold()
         lead = dist.get_rank() == 0
         if self.overwrite and lead:  # save_checkpoint's first barrier orders this before it
             for path in checkpoint_folders(self.directory):
@@ -77,7 +127,10 @@ class Checkpoints:
         self.overwrite = False
         path = self.directory / f"step-{step:06d}"
         info = {"step": step, "model": dataclasses.asdict(self.shape)}
-        save_checkpoint(path, pipe, optimizer, files={INFO: json.dumps(info, indent=1) + "\n"})
+        files: dict[str, str | bytes] = {INFO: json.dumps(info, indent=1) + "\n"}
+        if lead:
+            files.update(folder_copies(pipe))
+        save_checkpoint(path, pipe, optimizer, files=files)
         if lead:  # the checkpoint is complete on disk: the pointer moves
             tmp = self.directory / f"{LATEST}.tmp"
             tmp.write_text(path.name + "\n")
@@ -100,7 +153,7 @@ class Checkpoints:
         if not path.exists():  # removed by hand (it was corrupt): the newest complete one
             path = latest_complete(self.directory) or path
         try:
-            step = _checked(path)
+            step = checked_step(path)
         except ValueError as e:
             raise ValueError(f"{e}; {_fallback(self.directory, path)}") from None
         saved = json.loads((path / INFO).read_text()).get("model", {})
@@ -119,9 +172,10 @@ class Checkpoints:
         the pipeline or the optimizer changed then."""
         from pipetrain.runtime.checkpoint import load_checkpoint
 
+        self.hold()
         path, step = self._agreed_latest()
         try:
-            load_checkpoint(path, pipe, optimizer)
+            load_checkpoint(path, pipe, optimizer, verify=self.verify)
         except (KeyError, ValueError) as e:
             message = str(e.args[0]) if e.args else str(e)
             raise ValueError(f"{message}; {_fallback(self.directory, path)}") from None
@@ -161,9 +215,9 @@ class Checkpoints:
         return path, step
 
 
-def _checked(path: Path) -> int:
-    """A complete checkpoint's step (its ``train.json`` and DCP files checked), or ``ValueError``
-    naming what is wrong."""
+def checked_step(path: Path, hashes: bool = False) -> int:
+    """A complete checkpoint's step (its ``train.json`` and DCP files checked; with ``hashes``,
+    every file against its ``SHA256SUMS`` too), or ``ValueError`` naming what is wrong."""
     from pipetrain.runtime.checkpoint_disk import verify
 
     try:
@@ -174,7 +228,28 @@ def _checked(path: Path) -> int:
             f"checkpoint {path} is incomplete: {path / INFO} cannot be read ({e})"
         ) from None
     verify(path)
+    if hashes:
+        try:
+            checksums.verify(path)
+        except ValueError as e:
+            raise ValueError(f"checkpoint {path} is damaged: {e}") from None
     return step
+
+
+def folder_copies(pipe) -> dict[str, bytes]:
+    """The model folder's files besides its weights (config, generation config, tokenizer) that
+    a checkpoint keeps under ``hf/``, read from the folder this process's stages were loaded
+    from (``Stage.hf_folder``; none for a model built in memory), so that ``pipetrain export``
+    needs the checkpoint alone."""
+    folders = [getattr(m, "hf_folder", None) for m in getattr(pipe, "modules", {}).values()]
+    source = next((Path(f) for f in folders if f is not None), None)
+    if source is None:
+        return {}
+    return {
+        f"{FOLDER_COPIES}/{name}": (source / name).read_bytes()
+        for name in FOLDER_FILES
+        if (source / name).is_file()
+    }
 
 
 def checkpoint_folders(directory: str | os.PathLike) -> list[Path]:
@@ -196,13 +271,13 @@ def latest_pointer(directory: str | os.PathLike) -> Path | None:
 
 
 def latest_complete(directory: str | os.PathLike, before: Path | None = None) -> Path | None:
-    """The newest checkpoint in ``directory`` whose files are all there (older than ``before``
-    when given), or None."""
+    """The newest checkpoint in ``directory`` whose files are all there and verify against its
+    ``SHA256SUMS`` (older than ``before`` when given), or None."""
     for path in reversed(checkpoint_folders(directory)):
         if path.name.endswith(PARTIAL) or path == before:
             continue
         try:
-            _checked(path)
+            checked_step(path, hashes=True)
         except ValueError:
             continue
         return path
@@ -243,6 +318,7 @@ def check_directory(config) -> None:
         )
     folder = Path(config.checkpoint_dir)
     make_writable_folder(folder, flag)
+    check_free(lock_file(folder), flag)
     if config.resume or config.overwrite_checkpoints:
         return
     held = [p for p in checkpoint_folders(folder) if not p.name.endswith(PARTIAL)]
@@ -268,11 +344,15 @@ def make_writable_folder(folder: Path, flag: str) -> None:
 
 
 __all__ = [
+    "FOLDER_COPIES",
+    "FOLDER_FILES",
     "INFO",
     "LATEST",
     "Checkpoints",
     "check_directory",
+    "checked_step",
     "checkpoint_folders",
+    "folder_copies",
     "incomplete_checkpoints",
     "latest_complete",
     "latest_pointer",

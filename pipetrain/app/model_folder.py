@@ -20,8 +20,10 @@ A folder without tokenizer files is refused rather than fed bytes as token ids: 
 ids are its tokenizer's, and bytes would train it on a different language without an error.
 
 ``--export OUT`` writes the trained model with ``pipetrain.hf.save_pretrained`` at the end (every
-process takes part; the tokenizer's files are copied beside it), a folder that ``transformers``
-and ``--model-dir`` load. The checks here run before any process starts (``app.config``), so a
+process takes part; the tokenizer's files are saved beside it), a folder that ``transformers``
+and ``--model-dir`` load, with a ``SHA256SUMS``; it is written beside ``OUT`` and renamed into
+place when complete, so a failed export leaves nothing that looks like a model, and the run
+holds ``OUT``'s lock meanwhile (a second run exporting there is refused). The checks here run before any process starts (``app.config``), so a
 bad folder, flag or export folder is one line and exit 2.
 """
 
@@ -32,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipetrain.app.catalog import FOLDER_MODELS, ModelShape
 from pipetrain.app.checkpoints import make_writable_folder
+from pipetrain.app.folder_lock import FolderLock, check_free, hold_on_rank0, sibling_lock_file
 
 if TYPE_CHECKING:
     import torch
@@ -52,9 +55,6 @@ BUILT_IN_MODEL_FIELDS = (
 )
 #: files that hold a tokenizer (``transformers``' fast or slow formats)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
-#: what ``--overwrite-export`` removes before writing (a previous export's weights and index;
-#: ``config.json`` and the tokenizer's files are written over)
-_EXPORTED = ("*.safetensors", "model.safetensors.index.json")
 
 
 def folder_config(config: TrainConfig) -> Any:
@@ -165,6 +165,7 @@ def check_export(config: TrainConfig) -> None:
     if out.resolve() == Path(config.model_dir).resolve():
         raise ValueError(f"{flag} is the --model-dir folder: export to another folder")
     make_writable_folder(out, flag)
+    check_free(sibling_lock_file(out), flag)
     if any(out.iterdir()) and not config.overwrite_export:
         raise ValueError(
             f"{flag} is not empty; name an empty or new folder, or replace what it holds with "
@@ -226,17 +227,15 @@ def folder_stages(
 
 
 def export(config: TrainConfig, pipe: Any) -> None:
-    """Write the trained model to ``--export`` (every process calls; see the module docstring)."""
-    import torch.distributed as dist
-
+    """Write the trained model to ``--export`` (every process calls; see the module docstring):
+    the folder locked for this run (``app.folder_lock``), written beside it and renamed into
+    place whole (``pipetrain.hf.save_pretrained``), replacing what it held."""
     from pipetrain.hf import save_pretrained
 
     out = Path(str(config.export))
-    if dist.get_rank() == 0:
-        if config.overwrite_export:
-            for pattern in _EXPORTED:
-                for path in out.glob(pattern):
-                    path.unlink()
-        _tokenizer(config).save_pretrained(out)
-    dist.barrier()  # the old files are gone before any rank writes its shard
-    save_pretrained(pipe, out)
+    lock = FolderLock(sibling_lock_file(out), f"--export {out}")
+    hold_on_rank0(lock)
+    try:
+        save_pretrained(pipe, out, tokenizer=_tokenizer(config))
+    finally:
+        lock.release()

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pipetrain.cli import (
     compare_command,
     demo_command,
+    export_command,
     plan_command,
     profile_command,
     report_command,
@@ -23,6 +24,7 @@ from pipetrain.cli import (
     show_command,
     simulate_command,
     train_command,
+    verify_command,
 )
 from pipetrain.cli.flags import PROG, Command, add_options
 
@@ -36,6 +38,8 @@ COMMANDS: tuple[Command, ...] = (
     profile_command.COMMAND,
     train_command.COMMAND,
     report_command.COMMAND,
+    export_command.COMMAND,
+    verify_command.COMMAND,
     demo_command.COMMAND,
 )
 

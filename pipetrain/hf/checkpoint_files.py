@@ -13,15 +13,18 @@ rank's host memory at its own layers plus the tensor being copied.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
+from pipetrain.hf.folder_check import INDEX
+
 #: safetensors' dtype names for the floating types a model is stored in
 FLOATING = {
     "F64": torch.float64,
@@ -37,10 +40,14 @@ class ModelFiles:
 
     folder: Path
     where: Mapping[str, str]
+    #: each tensor's shape, from its file's header
+    shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
     @classmethod
     def open(cls, folder: str | Path) -> ModelFiles:
-        from safetensors import safe_open
+        """The folder's tensors, every safetensors file's header and size and the index checked
+        first (``folder_check``: a ``ValueError`` naming the file at fault)."""
+        from pipetrain.hf.folder_check import folder_tensors
 
         path = Path(folder)
         if not path.is_dir():
@@ -48,21 +55,8 @@ class ModelFiles:
                 f"{folder} is not a folder; pipetrain.hf.from_pretrained reads a local model "
                 "folder (config.json and safetensors files; download it first)"
             )
-        if (path / INDEX).is_file():
-            weight_map = json.loads((path / INDEX).read_text()).get("weight_map")
-            if not isinstance(weight_map, dict) or not weight_map:
-                raise ValueError(f"{path / INDEX} has no weight_map (tensor name -> file)")
-            return cls(path, dict(weight_map))
-        if (path / SINGLE).is_file():
-            with safe_open(str(path / SINGLE), framework="pt") as f:
-                return cls(path, dict.fromkeys(f.keys(), SINGLE))
-        found = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
-        raise FileNotFoundError(
-            f"{path} has neither {INDEX} nor {SINGLE}"
-            + (f" (it has {', '.join(found)})" if found else "")
-            + "; pipetrain.hf reads safetensors files only (transformers' save_pretrained "
-            "writes them)"
-        )
+        where, entries = folder_tensors(path)
+        return cls(path, where, {n: e.shape for n, e in entries.items()})
 
     def key_for(self, name: str, source: str | None, prefix: str) -> str:
         """The file's key for parameter ``name``: ``source`` instead where ``name`` is tied to
@@ -106,9 +100,17 @@ def shard_name(number: int, count: int) -> str:
 
 
 def write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Write one safetensors file; a failed write (a full disk) is an ``OSError`` with its errno
+    and ``path`` (safetensors raises its own error, the errno only in its text)."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
-    save_file(tensors, str(path), metadata={"format": "pt"})
+    try:
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    except SafetensorError as e:
+        found = re.search(r"os error (\d+)", str(e))
+        number = int(found.group(1)) if found else errno.EIO
+        raise OSError(number, os.strerror(number), str(path)) from None
 
 
 def write_index(folder: Path, weight_map: dict[str, str], total_size: int) -> None:

@@ -34,7 +34,8 @@ schedule and either weight-gradient split like any checkpoint inside a stage (do
 Stages are returned in training mode (``transformers`` returns its model in eval mode). Each
 carries the tie of embedding and head by global name (``Stage.tied_names``), so ``Pipeline``
 sums the tied gradient as for ``split``'s stages, and the model's config (``Stage.hf_config``)
-for ``pipetrain.hf.save_pretrained``.
+for ``pipetrain.hf.save_pretrained``, and the folder it came from (``Stage.hf_folder``), whose
+config and tokenizer files a checkpoint keeps copies of (``app.checkpoints``).
 """
 
 from __future__ import annotations
@@ -151,8 +152,9 @@ def _is_decoder(layer: nn.Module) -> bool:
 
 
 def check_folder(model_dir: str | Path) -> None:
-    """``model_dir`` holds every tensor its config describes (a launcher's check before any
-    process loads anything; ``from_pretrained`` makes the same check on every rank)."""
+    """``model_dir``'s files are whole and hold every tensor its config describes, in the shape
+    it describes (a launcher's check before any process loads anything, from the files' headers
+    alone; ``from_pretrained`` makes the same check on every rank)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     files = ModelFiles.open(model_dir)
@@ -164,21 +166,29 @@ def check_folder(model_dir: str | Path) -> None:
 
 
 def check_tensors(files: ModelFiles, skeleton: Any, tied, prefix: str) -> None:
-    """Every tensor of ``skeleton``'s state dict is in ``files`` (the index or file list only, no
-    tensor read): a ``ValueError`` naming the missing ones, on every rank alike, rather than a
-    ``KeyError`` mid-load on the ranks whose stages hold them."""
+    """Every tensor of ``skeleton``'s state dict is in ``files``, of the skeleton's shape (the
+    headers only, no tensor read): a ``ValueError`` naming the missing ones or the first of
+    another shape, on every rank alike, rather than a ``KeyError`` mid-load on the ranks whose
+    stages hold them."""
     sources = {target: source for source, target in tied}
-    names = list(skeleton.state_dict(keep_vars=True))
+    state = skeleton.state_dict(keep_vars=True)
     missing = []
-    for name in names:
+    for name, tensor in state.items():
         try:
-            files.key_for(name, sources.get(name), prefix)
+            key = files.key_for(name, sources.get(name), prefix)
         except KeyError:
             missing.append(name)
+            continue
+        stored = files.shapes.get(key)
+        if stored is not None and tuple(stored) != tuple(tensor.shape):
+            raise ValueError(
+                f"{files.folder / files.where[key]} holds {key!r} of shape {tuple(stored)}, but "
+                f"config.json describes {tuple(tensor.shape)}; is config.json this model's?"
+            )
     if missing:
         shown = ", ".join(repr(n) for n in missing[:4]) + (" ..." if len(missing) > 4 else "")
         raise ValueError(
-            f"{files.folder} holds no tensor for {len(missing)} of the {len(names)} its "
+            f"{files.folder} holds no tensor for {len(missing)} of the {len(state)} its "
             f"config.json describes ({shown}); is it a complete checkpoint of this model? "
             "pipetrain.hf loads tensors under the model's own names"
         )
@@ -248,6 +258,9 @@ class PretrainedStages(Sequence):
         recompute_buffers(module, skeleton, loaded)
         module.tied_names = [tuple(sorted(pair)) for pair in self.tied]
         module.hf_config = self.config
+        module.hf_folder = (
+            self.files.folder
+        )  # its config and tokenizer files travel with checkpoints
         modes = {n: m for n, m in self.recompute.items() if n in module.layer_names}
         if modes:
             recompute_layers(module, modes, stage)
