@@ -143,8 +143,7 @@ def run_plain(folder: Path, text: Path, p: dict, out: Path, attention: str) -> l
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pipetrain.app.data import BatchShape, DataOptions, prepare, train_batches
-    from pipetrain.app.data import transformer_cost
+    from pipetrain.app.data import BatchShape, DataOptions, prepare, train_batches, transformer_cost
 
     device = torch.device(p["device"])
     options = DataOptions(seq_len=p["seq"])
@@ -228,7 +227,9 @@ def main() -> None:
             rows.append(summary(name, run_plain(folder, text, p, out, attention), p["warmup"]))
         else:
             extra = ["--packing", "none"] if name == "padded" else []
-            rows.append(summary(name, run_pipetrain(name, folder, text, p, out, extra), p["warmup"]))
+            rows.append(
+                summary(name, run_pipetrain(name, folder, text, p, out, extra), p["warmup"])
+            )
     result = {"preset": args.preset, "shape": p, "attention": attention, "rows": rows}
     (out / "packed_tokens.json").write_text(json.dumps(result, indent=1))
     plain = next((r["tok_per_s"] for r in rows if r["run"] == "plain" and "tok_per_s" in r), None)

@@ -124,6 +124,8 @@ class TrainConfig:
     checkpoint_every: int | None = None
     resume: bool = False
     overwrite_checkpoints: bool = False
+    #: check every file of the checkpoint resumed against its SHA256SUMS first
+    verify_checkpoint: bool = False
     on_nonfinite: OnNonfinite = "stop"
     max_skipped: int = 3
     export: str | None = None

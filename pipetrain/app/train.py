@@ -113,7 +113,10 @@ def train(config: TrainConfig, device: torch.device) -> Run:
         opt = torch.optim.AdamW(groups, lr=schedule.lr, betas=(0.9, 0.95))
         saver = (
             checkpoints.Checkpoints(
-                config.checkpoint_dir, run_shape(config), overwrite=config.overwrite_checkpoints
+                config.checkpoint_dir,
+                run_shape(config),
+                overwrite=config.overwrite_checkpoints,
+                verify=config.verify_checkpoint,
             )
             if config.checkpoint_dir
             else None
@@ -147,9 +150,12 @@ def train(config: TrainConfig, device: torch.device) -> Run:
 def _resume(config: TrainConfig, saver, pipe: Pipeline, opt, rank: int) -> int:
     """The step to start from: the latest checkpoint's with ``--resume`` (loaded into ``pipe``
     and ``opt``, and named on rank 0), else 0; ``Refused`` when there is nothing left to run."""
-    if saver is None or not config.resume:
+    if saver is None:
         return 0
     try:
+        saver.hold()  # one writer per folder, from now until the run ends
+        if not config.resume:
+            return 0
         start: int = saver.resume(pipe, opt)
     except ValueError as e:
         raise Refused(str(e)) from None

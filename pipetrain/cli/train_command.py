@@ -161,6 +161,13 @@ def _output_options(choices: dict[str, tuple[str, ...]]) -> tuple[Option, ...]:
             "same layout)",
         ),
         Option(
+            ("--verify-checkpoint",),
+            switch=True,
+            help="with --resume, check every file of the checkpoint against its SHA256SUMS "
+            "first and refuse a damaged one, naming the last good checkpoint (reads the "
+            "checkpoint twice; `pipetrain verify DIR` checks without resuming)",
+        ),
+        Option(
             ("--overwrite-checkpoints",),
             switch=True,
             help="replace the checkpoints already in --checkpoint-dir (removed when this run "
