@@ -164,18 +164,16 @@ def eval_batches(config: TrainConfig, folder: bool, rows: int) -> list[StepBatch
         )
     starts = torch.arange(count)[:, None] * width + torch.arange(width + 1)
     windows = tokens[starts]
-    ids, targets, side = windows[:, :-1], windows[:, 1:].clone(), {}
+    ids, targets = windows[:, :-1], windows[:, 1:].clone()
     fill = -len(ids) % rows
     if fill:
         ids = torch.cat([ids, ids[:1].expand(fill, -1)])
         targets = torch.cat([targets, torch.full_like(targets[:1], IGNORE_INDEX).expand(fill, -1)])
-        side = {k: torch.cat([v, v[:1].expand(fill, -1)]) for k, v in side.items()}
     out = []
     for start in range(0, len(ids), rows):
         part = slice(start, start + rows)
         predicted = int((targets[part] != IGNORE_INDEX).sum())
-        batch = StepBatch(ids[part], targets[part], {k: v[part] for k, v in side.items()})
-        out.append(dataclasses.replace(batch, real_tokens=predicted))
+        out.append(StepBatch(ids[part], targets[part], {}, predicted))
     return out
 
 
