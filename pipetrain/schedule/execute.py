@@ -144,10 +144,14 @@ def run(
     latency: Callable[[deps.Key], float] = _no_latency,
     copy_plan: Callable[[int], CopyPlan] | None = None,
     issue: Issue | None = None,
+    scale: Callable[[Action], float] | None = None,
 ) -> Run:
     """``execute``, with the times left per rank (see ``Run``); ``copy_plan``: how each stage's
     copies run (``copy_engine.CopyPlan``; ``None``: each lasts ``duration`` of it); ``issue``:
-    each action's host and device time (the module docstring; ``None``: the plain model)."""
+    each action's host and device time (the module docstring; ``None``: the plain model);
+    ``scale``: a factor on a compute action's device time (and its time from an idle start), for
+    micro-batches of unequal work: the plans stay per (kind, stage), the factor is per action,
+    and the host issues the same kernels whatever the work (``None``: 1)."""
     rule = deps.compile_rule(program.placement)
     stride = rule.stride
     plans = _plans(rule, duration, latency, issue)
@@ -180,6 +184,9 @@ def run(
             if plan is None:  # unvalidated input naming a stage the placement lacks
                 raise _bad_stage(program, rows, rank, step)
             needs, awaited, cost, host, device = plan
+            if scale is not None:
+                factor = scale(action)
+                cost, device = cost * factor, device * factor
             start = free if free > issued else issued
             for value, producer_rank, delay in needs:
                 arrived = produced.get(value + shift)

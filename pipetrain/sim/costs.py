@@ -51,6 +51,8 @@ class StageCosts:
     #: the host's and the device's times (their time fields only); None: no host model
     host: StageCosts | None = None
     device: StageCosts | None = None
+    #: per micro-batch, a factor on its compute times (``Costs.microbatch_weights``); (): all 1
+    microbatch_weights: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,10 +95,26 @@ class Costs:
     #: ``backward`` and ``forward_backward`` are read); both or neither (the module docstring)
     host: Costs | None = None
     device: Costs | None = None
+    #: per micro-batch, a factor on its compute times (F, B, I, W and its share of an overlapped
+    #: pair) relative to the stage costs above, e.g. packed documents' attention work
+    #: (``planner.varlen``); one value per micro-batch of the simulated program, ``None``: all 1.
+    #: Activation sizes, copies and communication stay as given: micro-batches of one fixed shape
+    #: hold and send the same tokens, only what attention does with them differs
+    microbatch_weights: Sequence[float] | None = None
 
     def __post_init__(self) -> None:
         if (self.host is None) != (self.device is None):
             raise ValueError("costs host and device: give both (an eager host model) or neither")
+        if self.microbatch_weights is not None:
+            weights = list(self.microbatch_weights)
+            if not weights or any(
+                isinstance(w, bool) or not isinstance(w, int | float) or not 0 <= w <= MAX_COST
+                for w in weights
+            ):
+                raise ValueError(
+                    f"costs microbatch_weights must be one number in [0, {MAX_COST:g}] per "
+                    f"micro-batch, got {weights!r}"
+                )
 
     def scaled(self, factor: float) -> Costs:
         """Every time and size multiplied by ``factor`` (e.g. 1/v to split a rank's share of the
@@ -133,6 +151,7 @@ class Costs:
             layers=self.layers,
             host=None if self.host is None else self.host.scaled(factor),
             device=None if self.device is None else self.device.scaled(factor),
+            microbatch_weights=self.microbatch_weights,
         )
 
     def per_stage(self, num_stages: int) -> StageCosts:
@@ -175,6 +194,9 @@ class Costs:
             layers=_resolve_layers(self.layers, num_stages),
             host=None if self.host is None else self.host.per_stage(num_stages),
             device=None if self.device is None else self.device.per_stage(num_stages),
+            microbatch_weights=()
+            if self.microbatch_weights is None
+            else tuple(float(w) for w in self.microbatch_weights),
         )
 
 

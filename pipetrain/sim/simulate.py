@@ -18,7 +18,12 @@ The model (the one the ZB paper, Qi et al. 2024 §2 and Table 2, uses to state i
   and take back (``Timeline``) is ``sim.offload_model``'s: the share in one copy after the
   forward, or layer by layer where a stage has ``layers`` > 1;
 * with ``host`` and ``device`` costs (an eager GPU step), each rank is a host that issues its
-  actions one after another and a device that runs them as they come (``schedule.execute``).
+  actions one after another and a device that runs them as they come (``schedule.execute``);
+* with ``microbatch_weights``, a compute action of micro-batch ``m`` lasts ``weights[m]`` times
+  its stage's cost (an overlapped pair: each part's cost times its micro-batch's weight, the
+  pair's measured time scaled alike), so a step of unequal micro-batches (packed documents of
+  unequal attention work, ``planner.varlen``) is priced as such; memory and copies are not
+  weighted (``sim.costs``).
 
 Activations are accounted by the ``Timeline`` (held from the start of F to the end of the last
 backward piece, times the stage's activation size). The event loop is ``schedule.execute``, the
@@ -26,6 +31,8 @@ same one lowering uses; this module supplies the durations and latencies.
 """
 
 from __future__ import annotations
+
+from statistics import fmean
 
 from pipetrain.schedule.action import Action, OpKind
 from pipetrain.schedule.execute import run
@@ -59,9 +66,28 @@ def duration(action: Action, costs: StageCosts) -> float:
             raise TypeError(f"communication has no duration of its own: {action}")
 
 
+def weight(action: Action, costs: StageCosts) -> float:
+    """The factor on a compute action's time from its micro-batch's weight; an overlapped pair's
+    is its parts' weights averaged by their costs (their plain mean when the parts cost nothing)."""
+    weights = costs.microbatch_weights
+    if not action.parts:
+        return weights[action.microbatch]
+    parts = [(duration(p, costs), weights[p.microbatch]) for p in action.parts]
+    total = sum(c for c, _ in parts)
+    if total <= 0:
+        return fmean(w for _, w in parts)
+    return sum(c * w for c, w in parts) / total
+
+
 def simulate(program: Program, costs: Costs | None = None) -> Timeline:
     """Predict the timeline of one step of ``program``; raises ``ScheduleError`` on deadlock."""
     sc = (costs or Costs()).per_stage(program.num_stages)
+    weights = sc.microbatch_weights
+    if weights and len(weights) != program.num_microbatches:
+        raise ValueError(
+            f"costs microbatch_weights has {len(weights)} values; give one per micro-batch "
+            f"({program.num_microbatches})"
+        )
     # The event loop asks a plain action's duration and a value's latency once per stage (they
     # depend on kind and stage only), so neither costs a call per action.
     offload = offload_stages(sc, program.num_stages)
@@ -74,6 +100,7 @@ def simulate(program: Program, costs: Costs | None = None) -> Timeline:
         None
         if host is None or device is None
         else lambda action: (duration(action, host), duration(action, device)),
+        None if not weights else lambda action: weight(action, sc),
     )
     return Timeline(
         num_ranks=program.num_ranks,
