@@ -51,8 +51,10 @@ class StageCosts:
     #: the host's and the device's times (their time fields only); None: no host model
     host: StageCosts | None = None
     device: StageCosts | None = None
-    #: per micro-batch, a factor on its compute times (``Costs.microbatch_weights``); (): all 1
+    #: per micro-batch, a factor on its F and I times, and on its W times
+    #: (``Costs.microbatch_weights``, ``Costs.microbatch_weights_w``); (): all 1
     microbatch_weights: tuple[float, ...] = ()
+    microbatch_weights_w: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,26 +97,35 @@ class Costs:
     #: ``backward`` and ``forward_backward`` are read); both or neither (the module docstring)
     host: Costs | None = None
     device: Costs | None = None
-    #: per micro-batch, a factor on its compute times (F, B, I, W and its share of an overlapped
-    #: pair) relative to the stage costs above, e.g. packed documents' attention work
-    #: (``planner.varlen``); one value per micro-batch of the simulated program, ``None``: all 1.
-    #: Activation sizes, copies and communication stay as given: micro-batches of one fixed shape
-    #: hold and send the same tokens, only what attention does with them differs
+    #: per micro-batch, a factor on its F and I times (and the I share of a B, and its parts'
+    #: share of an overlapped pair) relative to the stage costs above, e.g. packed documents'
+    #: attention work (``planner.varlen``); one value per micro-batch of the simulated program,
+    #: ``None``: all 1. Activation sizes, copies and communication stay as given: micro-batches
+    #: of one fixed shape hold and send the same tokens, only what attention does differs
     microbatch_weights: Sequence[float] | None = None
+    #: the same factor for W (and the W share of a B), where it differs (``None``: as
+    #: ``microbatch_weights``): attention has no weights, so packed documents of one fixed shape
+    #: give W the same work whatever their lengths (all 1)
+    microbatch_weights_w: Sequence[float] | None = None
 
     def __post_init__(self) -> None:
         if (self.host is None) != (self.device is None):
             raise ValueError("costs host and device: give both (an eager host model) or neither")
-        if self.microbatch_weights is not None:
-            weights = list(self.microbatch_weights)
+        for name in ("microbatch_weights", "microbatch_weights_w"):
+            given = getattr(self, name)
+            if given is None:
+                continue
+            weights = list(given)
             if not weights or any(
                 isinstance(w, bool) or not isinstance(w, int | float) or not 0 <= w <= MAX_COST
                 for w in weights
             ):
                 raise ValueError(
-                    f"costs microbatch_weights must be one number in [0, {MAX_COST:g}] per "
-                    f"micro-batch, got {weights!r}"
+                    f"costs {name} must be one number in [0, {MAX_COST:g}] per micro-batch, "
+                    f"got {weights!r}"
                 )
+        if self.microbatch_weights_w is not None and self.microbatch_weights is None:
+            raise ValueError("costs microbatch_weights_w needs microbatch_weights (F and I)")
 
     def scaled(self, factor: float) -> Costs:
         """Every time and size multiplied by ``factor`` (e.g. 1/v to split a rank's share of the
@@ -152,6 +163,7 @@ class Costs:
             host=None if self.host is None else self.host.scaled(factor),
             device=None if self.device is None else self.device.scaled(factor),
             microbatch_weights=self.microbatch_weights,
+            microbatch_weights_w=self.microbatch_weights_w,
         )
 
     def per_stage(self, num_stages: int) -> StageCosts:
@@ -194,9 +206,12 @@ class Costs:
             layers=_resolve_layers(self.layers, num_stages),
             host=None if self.host is None else self.host.per_stage(num_stages),
             device=None if self.device is None else self.device.per_stage(num_stages),
-            microbatch_weights=()
-            if self.microbatch_weights is None
-            else tuple(float(w) for w in self.microbatch_weights),
+            microbatch_weights=_weights(self.microbatch_weights),
+            microbatch_weights_w=_weights(
+                self.microbatch_weights
+                if self.microbatch_weights_w is None
+                else self.microbatch_weights_w
+            ),
         )
 
 
@@ -210,6 +225,10 @@ def _resolve(name: str, value: Cost, num_stages: int) -> tuple[float, ...]:
         if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= MAX_COST:
             raise ValueError(f"cost {name} must be a number in [0, {MAX_COST:g}], got {v!r}")
     return tuple(float(v) for v in values)
+
+
+def _weights(given: Sequence[float] | None) -> tuple[float, ...]:
+    return () if given is None else tuple(float(w) for w in given)
 
 
 def _resolve_fraction(value: Cost, num_stages: int) -> tuple[float, ...]:

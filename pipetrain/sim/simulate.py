@@ -19,11 +19,11 @@ The model (the one the ZB paper, Qi et al. 2024 §2 and Table 2, uses to state i
   forward, or layer by layer where a stage has ``layers`` > 1;
 * with ``host`` and ``device`` costs (an eager GPU step), each rank is a host that issues its
   actions one after another and a device that runs them as they come (``schedule.execute``);
-* with ``microbatch_weights``, a compute action of micro-batch ``m`` lasts ``weights[m]`` times
-  its stage's cost (an overlapped pair: each part's cost times its micro-batch's weight, the
-  pair's measured time scaled alike), so a step of unequal micro-batches (packed documents of
-  unequal attention work, ``planner.varlen``) is priced as such; memory and copies are not
-  weighted (``sim.costs``).
+* with ``microbatch_weights`` (and ``microbatch_weights_w``), an F or I of micro-batch ``m``
+  lasts its stage's cost times ``weights[m]``, a W times ``weights_w[m]``, a B its I and W
+  shares so weighted, an overlapped pair its parts so weighted (a measured pair's time scaled
+  alike): a step of unequal micro-batches (packed documents of unequal attention work,
+  ``planner.varlen``) is priced as such; memory and copies are not weighted (``sim.costs``).
 
 Activations are accounted by the ``Timeline`` (held from the start of F to the end of the last
 backward piece, times the stage's activation size). The event loop is ``schedule.execute``, the
@@ -67,27 +67,43 @@ def duration(action: Action, costs: StageCosts) -> float:
 
 
 def weight(action: Action, costs: StageCosts) -> float:
-    """The factor on a compute action's time from its micro-batch's weight; an overlapped pair's
-    is its parts' weights averaged by their costs (their plain mean when the parts cost nothing)."""
-    weights = costs.microbatch_weights
-    if not action.parts:
-        return weights[action.microbatch]
-    parts = [(duration(p, costs), weights[p.microbatch]) for p in action.parts]
-    total = sum(c for c, _ in parts)
+    """The factor on a compute action's time from its micro-batch's weights: a B's is its I's and
+    W's weights averaged by their costs, an overlapped pair's its parts' averaged by theirs (the
+    plain mean where the shares cost nothing)."""
+    if action.parts:
+        return _blend([(duration(p, costs), weight(p, costs)) for p in action.parts])
+    mb, stage = action.microbatch, action.stage
+    match action.kind:
+        case OpKind.W:
+            return costs.microbatch_weights_w[mb]
+        case OpKind.B:
+            return _blend(
+                [
+                    (costs.backward_input[stage], costs.microbatch_weights[mb]),
+                    (costs.backward_weight[stage], costs.microbatch_weights_w[mb]),
+                ]
+            )
+        case _:
+            return costs.microbatch_weights[mb]
+
+
+def _blend(shares: list[tuple[float, float]]) -> float:
+    total = sum(cost for cost, _ in shares)
     if total <= 0:
-        return fmean(w for _, w in parts)
-    return sum(c * w for c, w in parts) / total
+        return fmean(w for _, w in shares)
+    return sum(cost * w for cost, w in shares) / total
 
 
 def simulate(program: Program, costs: Costs | None = None) -> Timeline:
     """Predict the timeline of one step of ``program``; raises ``ScheduleError`` on deadlock."""
     sc = (costs or Costs()).per_stage(program.num_stages)
     weights = sc.microbatch_weights
-    if weights and len(weights) != program.num_microbatches:
-        raise ValueError(
-            f"costs microbatch_weights has {len(weights)} values; give one per micro-batch "
-            f"({program.num_microbatches})"
-        )
+    for name, given in (("", weights), ("_w", sc.microbatch_weights_w)):
+        if given and len(given) != program.num_microbatches:
+            raise ValueError(
+                f"costs microbatch_weights{name} has {len(given)} values; give one per "
+                f"micro-batch ({program.num_microbatches})"
+            )
     # The event loop asks a plain action's duration and a value's latency once per stage (they
     # depend on kind and stage only), so neither costs a call per action.
     offload = offload_stages(sc, program.num_stages)

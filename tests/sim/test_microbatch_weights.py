@@ -53,6 +53,22 @@ def test_one_rank_runs_the_sum_of_its_weighted_micro_batches(name) -> None:
     assert simulate(build_schedule(name, 1, 4), costs).makespan == pytest.approx(4.5 * sum(weights))
 
 
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1"])
+def test_w_has_its_own_weights_in_a_split_or_a_whole_backward(name) -> None:
+    # attention has no weights: packed documents weigh F and I, not W (B: its I share only)
+    weights, weights_w = [0.5, 2.0, 1.25, 3.0], [1.0, 1.0, 1.0, 1.0]
+    costs = Costs(
+        forward=1.0,
+        backward_input=2.0,
+        backward_weight=1.5,
+        microbatch_weights=weights,
+        microbatch_weights_w=weights_w,
+    )
+    assert simulate(build_schedule(name, 1, 4), costs).makespan == pytest.approx(
+        3.0 * sum(weights) + 1.5 * 4
+    )
+
+
 def test_a_heavy_micro_batch_lengthens_1f1b_as_worked_by_hand() -> None:
     # 1F1B, 2 ranks, 2 micro-batches, F = 1, B = 2; micro-batch 1 weighs 3.
     # rank 0: F0 [0,1]  F1 [1,4]                 B0 [4,6]   B1 [13,19]
@@ -95,8 +111,19 @@ def test_an_overlapped_pair_weighs_its_parts_by_their_costs() -> None:
         ([1.0, 1.0], "give one per micro-batch \\(4\\)"),
         ([1.0, -1.0, 1.0, 1.0], "microbatch_weights must be one number in"),
         ([], "microbatch_weights must be one number in"),
+        ([True, 1.0, 1.0, 1.0], "microbatch_weights must be one number in"),
     ],
 )
 def test_bad_weights_are_refused(weights, match) -> None:
     with pytest.raises(ValueError, match=match):
         simulate(build_schedule("1f1b", 2, 4), Costs(microbatch_weights=weights))
+
+
+def test_w_weights_need_the_f_and_i_weights_and_one_per_micro_batch() -> None:
+    with pytest.raises(ValueError, match="microbatch_weights_w needs microbatch_weights"):
+        Costs(microbatch_weights_w=[1.0])
+    with pytest.raises(ValueError, match="microbatch_weights_w has 3 values"):
+        simulate(
+            build_schedule("zb-h1", 2, 4),
+            Costs(microbatch_weights=[1.0] * 4, microbatch_weights_w=[1.0] * 3),
+        )
