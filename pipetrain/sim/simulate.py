@@ -19,11 +19,11 @@ The model (the one the ZB paper, Qi et al. 2024 §2 and Table 2, uses to state i
   forward, or layer by layer where a stage has ``layers`` > 1;
 * with ``host`` and ``device`` costs (an eager GPU step), each rank is a host that issues its
   actions one after another and a device that runs them as they come (``schedule.execute``);
-* with ``microbatch_weights`` (and ``microbatch_weights_w``), an F or I of micro-batch ``m``
-  lasts its stage's cost times ``weights[m]``, a W times ``weights_w[m]``, a B its I and W
-  shares so weighted, an overlapped pair its parts so weighted (a measured pair's time scaled
-  alike): a step of unequal micro-batches (packed documents of unequal attention work,
-  ``planner.varlen``) is priced as such; memory and copies are not weighted (``sim.costs``).
+* with ``microbatch_weights`` (and its ``_i``, ``_w``), an F, I or W of micro-batch ``m`` lasts
+  its stage's cost times that kind's weight of ``m``, a B its I and W shares so weighted, an
+  overlapped pair its parts so weighted (a measured pair's time scaled alike): a step of
+  unequal micro-batches (packed documents of unequal attention work, ``planner.varlen``) is
+  priced as such; memory and copies are not weighted (``sim.costs``).
 
 Activations are accounted by the ``Timeline`` (held from the start of F to the end of the last
 backward piece, times the stage's activation size). The event loop is ``schedule.execute``, the
@@ -79,10 +79,12 @@ def weight(action: Action, costs: StageCosts) -> float:
         case OpKind.B:
             return _blend(
                 [
-                    (costs.backward_input[stage], costs.microbatch_weights[mb]),
+                    (costs.backward_input[stage], costs.microbatch_weights_i[mb]),
                     (costs.backward_weight[stage], costs.microbatch_weights_w[mb]),
                 ]
             )
+        case OpKind.I:
+            return costs.microbatch_weights_i[mb]
         case _:
             return costs.microbatch_weights[mb]
 
@@ -98,7 +100,11 @@ def simulate(program: Program, costs: Costs | None = None) -> Timeline:
     """Predict the timeline of one step of ``program``; raises ``ScheduleError`` on deadlock."""
     sc = (costs or Costs()).per_stage(program.num_stages)
     weights = sc.microbatch_weights
-    for name, given in (("", weights), ("_w", sc.microbatch_weights_w)):
+    for name, given in (
+        ("", weights),
+        ("_i", sc.microbatch_weights_i),
+        ("_w", sc.microbatch_weights_w),
+    ):
         if given and len(given) != program.num_microbatches:
             raise ValueError(
                 f"costs microbatch_weights{name} has {len(given)} values; give one per "

@@ -54,18 +54,19 @@ def test_one_rank_runs_the_sum_of_its_weighted_micro_batches(name) -> None:
 
 
 @pytest.mark.parametrize("name", ["1f1b", "zb-h1"])
-def test_w_has_its_own_weights_in_a_split_or_a_whole_backward(name) -> None:
-    # attention has no weights: packed documents weigh F and I, not W (B: its I share only)
-    weights, weights_w = [0.5, 2.0, 1.25, 3.0], [1.0, 1.0, 1.0, 1.0]
+def test_i_and_w_have_their_own_weights_in_a_split_or_a_whole_backward(name) -> None:
+    # attention has no weights: packed documents weigh F and I (each its own way), not W
+    weights, weights_i, weights_w = [0.5, 2.0, 1.25, 3.0], [1.5, 1.0, 2.0, 4.0], [1.0] * 4
     costs = Costs(
         forward=1.0,
         backward_input=2.0,
         backward_weight=1.5,
         microbatch_weights=weights,
+        microbatch_weights_i=weights_i,
         microbatch_weights_w=weights_w,
     )
     assert simulate(build_schedule(name, 1, 4), costs).makespan == pytest.approx(
-        3.0 * sum(weights) + 1.5 * 4
+        1.0 * sum(weights) + 2.0 * sum(weights_i) + 1.5 * 4
     )
 
 
@@ -120,8 +121,10 @@ def test_bad_weights_are_refused(weights, match) -> None:
 
 
 def test_w_weights_need_the_f_and_i_weights_and_one_per_micro_batch() -> None:
-    with pytest.raises(ValueError, match="microbatch_weights_w needs microbatch_weights"):
+    with pytest.raises(ValueError, match="microbatch_weights_w need microbatch_weights"):
         Costs(microbatch_weights_w=[1.0])
+    with pytest.raises(ValueError, match="microbatch_weights_i and"):
+        Costs(microbatch_weights_i=[1.0])
     with pytest.raises(ValueError, match="microbatch_weights_w has 3 values"):
         simulate(
             build_schedule("zb-h1", 2, 4),
