@@ -15,6 +15,10 @@ cheapest micro-batch with room, best-fit row), falling back to moving the fixed 
 rows between micro-batches when the document-level assignment cannot fit them all, then fills
 the rows' remaining room with later documents that do not raise the most expensive micro-batch.
 
+``fit_length_cost`` finds the two coefficients from times measured at several lengths (least
+squares, never negative), and ``with_length_costs`` writes each layer's into a costs file
+(``pipetrain profile --seq-lens``).
+
 The balance is judged on the cost a fixed shape pays (``StepPack.costs(..., padded_to=seq_len)``):
 padding runs through the dense layers like any token, so only the quadratic part differs between
 micro-batches of one step. Costs are in the caller's time units; nothing here knows seconds.
@@ -22,9 +26,12 @@ micro-batches of one step. Costs are in the caller's time units; nothing here kn
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+from pipetrain.planner.costs_file import ModelCosts
 
 Rows = tuple[tuple[int, ...], ...]
 
@@ -226,4 +233,77 @@ def _assemble(
     return StepPack(
         microbatches=tuple(tuple(tuple(sorted(row)) for row in mb) for mb in grid),
         left_over=tuple(i for i in range(len(lengths)) if i not in chosen),
+    )
+
+
+def fit_length_cost(lengths: Sequence[int], times: Sequence[float]) -> LengthCost:
+    """The ``LengthCost`` whose ``of(n)`` best fits ``times`` measured at ``lengths`` (least
+    squares, no intercept: a row of no tokens costs nothing); a coefficient the unconstrained fit
+    makes negative (noise on a term too small to see) is held at 0 and the other refitted."""
+    if len(lengths) != len(times):
+        raise ValueError(f"{len(lengths)} lengths for {len(times)} times")
+    if len(set(lengths)) < 2 or any(n < 1 for n in lengths):
+        raise ValueError(
+            f"fitting a length cost needs times at two or more distinct lengths >= 1, got "
+            f"{list(lengths)}"
+        )
+    if any(not math.isfinite(t) or t < 0 for t in times):
+        raise ValueError(f"times must be finite and >= 0, got {list(times)}")
+    top = max(lengths)
+    xs = [n / top for n in lengths]  # scaled so that n, n² are of one size: a well-posed system
+    s2, s3, s4 = (sum(x**k for x in xs) for k in (2, 3, 4))
+    t1 = sum(x * t for x, t in zip(xs, times, strict=True))
+    t2 = sum(x * x * t for x, t in zip(xs, times, strict=True))
+    det = s2 * s4 - s3 * s3
+    a, b = (t1 * s4 - t2 * s3) / det, (s2 * t2 - s3 * t1) / det
+    if a < 0 or b < 0:
+        candidates = [(t1 / s2, 0.0), (0.0, t2 / s4)]
+        a, b = min(candidates, key=lambda c: _residual(c, xs, times))
+    return LengthCost(per_token=a / top, per_token_sq=b / (top * top))
+
+
+def _residual(
+    coefficients: tuple[float, float], xs: Sequence[float], times: Sequence[float]
+) -> float:
+    a, b = coefficients
+    return sum((a * x + b * x * x - t) ** 2 for x, t in zip(xs, times, strict=True))
+
+
+def with_length_costs(by_length: Mapping[int, ModelCosts], *, at: int, rows: int) -> ModelCosts:
+    """The costs measured at sequence length ``at``, each layer given the ``per_token`` and
+    ``per_token_sq`` fitted to its forward + backward per row (``rows`` rows per micro-batch) over
+    every length in ``by_length``: what a document of ``n`` tokens adds to a micro-batch."""
+    if at not in by_length:
+        raise ValueError(f"no costs measured at sequence length {at}: {sorted(by_length)}")
+    if rows < 1:
+        raise ValueError(f"rows must be >= 1, got {rows}")
+    lengths = sorted(by_length)
+    base = by_length[at]
+    if any(by_length[n].num_layers != base.num_layers for n in lengths):
+        raise ValueError("costs measured at different lengths have different layer counts")
+    layers = []
+    for i, layer in enumerate(base.layers):
+        measured = [by_length[n].layers[i] for n in lengths]
+        per_row = [(m.forward + m.backward) / rows for m in measured]
+        fit = fit_length_cost(lengths, per_row)
+        layers.append(
+            dataclasses.replace(layer, per_token=fit.per_token, per_token_sq=fit.per_token_sq)
+        )
+    meta = {**base.meta, "length_cost": {"seq_lens": lengths, "rows": rows, "at": at}}
+    return dataclasses.replace(base, layers=tuple(layers), meta=meta)
+
+
+def model_length_cost(costs: ModelCosts) -> LengthCost:
+    """What a document of ``n`` tokens costs the whole model (every layer's fit summed, ms): the
+    cost to balance micro-batches by; ``ValueError`` when the file has no fit (profile it with
+    ``--seq-lens``)."""
+    missing = [x.name for x in costs.layers if x.per_token is None or x.per_token_sq is None]
+    if missing:
+        raise ValueError(
+            f"the costs file has no per_token/per_token_sq for layer {missing[0]!r}: profile "
+            "with pipetrain profile --seq-lens N1,N2,..."
+        )
+    return LengthCost(
+        per_token=sum(x.per_token or 0.0 for x in costs.layers),
+        per_token_sq=sum(x.per_token_sq or 0.0 for x in costs.layers),
     )
