@@ -5,12 +5,14 @@ Packed documents make micro-batches of one shape cost unequal time: the dense la
 ``n²`` per document of ``n`` tokens, so a micro-batch holding one long document is slower than
 one holding many short ones, and every pipeline stage waits behind the slowest (WLB-LLM, Wang et
 al. 2025). This script draws long-tailed document lengths (log-normal, median ``seq_len / 8``,
-clipped to ``seq_len``, seeded), packs each step with ``planner.varlen.pack_step`` three ways —
-fixed (next-fit in order), length-aware on the same documents (the fixed packing's, reassigned:
-the balance alone), and length-aware as ``pack_step`` does it (the same documents reassigned,
-then the rows' gaps filled from a look-ahead of the stream) — prices each step's micro-batches
-with the simulator's per-micro-batch weights, and reports the mean step time, real tokens per
-time, and the max/mean micro-batch cost.
+clipped to ``seq_len``, seeded), packs each step with ``planner.varlen`` five ways (``PACKINGS``)
+— fixed (next-fit in order); fixed with its micro-batches ordered lightest first
+(``arrange_microbatches``: the order alone); balanced on the same documents (the fixed
+packing's, reassigned by ``pack_step``: the balance alone); balanced and ordered; and
+``pack_step`` as it is meant to run (the same documents balanced, the rows' gaps filled from a
+look-ahead of the stream), ordered — prices each step's micro-batches with the simulator's
+per-micro-batch weights, and reports the mean step time, real tokens per time, and the max/mean
+micro-batch cost.
 
 Cost coefficients, from FLOP counts of one Llama-3-8B-like layer (hidden ``h`` = 4096, 32 query
 and 8 key/value heads of 128, MLP 14336): the layer's weights are ``2h²`` (q, o) + ``2·h·h/4``
@@ -28,7 +30,8 @@ so the simulator's stage costs are the dense part (F : I : W = 1 : 2 : 2) and ea
 weighs ``1 + 2h·S / (26h²·T)`` on F, ``1 + 5h·S / (52h²·T)`` on I and 1 on W. Attention equals
 the dense forward of a document only at ``n = 13h`` (53248 tokens), which is why the gain grows
 with ``seq_len``. The packer balances ``LengthCost(per_token=130h², per_token_sq=7h)``, the
-whole step's F + I + W of a document. No communication time, one pipeline, no data parallel.
+whole step's F + I + W of a document. No communication time, one pipeline, no data parallel. Step times are in units of one rank's dense forward of a
+micro-batch.
 
 Run (under a minute on 2 CPU cores)::
 
@@ -45,7 +48,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipetrain.planner.varlen import LengthCost, StepPack, pack_step
+from pipetrain.planner.varlen import LengthCost, StepPack, arrange_microbatches, pack_step
 from pipetrain.schedule.registry import build_schedule
 from pipetrain.sim.costs import Costs
 from pipetrain.sim.simulate import simulate
@@ -77,7 +80,7 @@ def document_lengths(seq_len: int, rng: random.Random):  # type: ignore[no-untyp
         yield max(1, min(seq_len, round(median * rng.lognormvariate(0.0, SIGMA))))
 
 
-PACKINGS = ("fixed", "same documents", "look-ahead")
+PACKINGS = ("fixed", "fixed, ordered", "balanced", "balanced, ordered", "look-ahead, ordered")
 
 
 def steps(
@@ -94,11 +97,13 @@ def steps(
         lengths = list(carried)
         while sum(lengths) < 2 * capacity:
             lengths.append(next(stream))
-        pack = pack_step(lengths, cost=COST, balanced=packing == "look-ahead", **kw)
-        if packing == "same documents":  # the fixed packing takes a prefix: balance just that
+        pack = pack_step(lengths, cost=COST, balanced=packing.startswith("look-ahead"), **kw)
+        if packing.startswith("balanced"):  # the fixed packing takes a prefix: balance just that
             taken = len(pack.packed())
             balanced = pack_step(lengths[:taken], cost=COST, balanced=True, **kw)
             pack = StepPack(balanced.microbatches, pack.left_over)
+        if packing.endswith("ordered"):
+            pack = arrange_microbatches(pack, lengths, COST, seq_len=shape.seq_len)
         out.append((pack, lengths))
         carried = [lengths[i] for i in pack.left_over]
     return out
@@ -163,21 +168,26 @@ def measure(shape: Shape, num_steps: int, seed: int) -> list[dict[str, object]]:
 
 
 def table(rows: list[dict[str, object]]) -> str:
-    """One line per (shape, schedule): the balance alone (same documents: step time, the
-    max/mean micro-batch cost), then with the look-ahead (real tokens per time, padding)."""
+    """One line per (shape, schedule): each packing's speed-up over fixed packing (step time on
+    the same documents; real tokens per time with the look-ahead, which packs more), the
+    max/mean micro-batch cost and the padding."""
     lines = [
-        "| ranks | schedule | rows × seq_len | step time, fixed | same documents: speed-up "
-        "| max/mean cost, fixed → same | look-ahead: tokens/time | padding, fixed → look-ahead |",
-        "|---|---|---|---|---|---|---|---|",
+        "| ranks | schedule | rows × seq_len | step, fixed | ordered | balanced "
+        "| balanced + ordered | look-ahead + ordered: tokens/time "
+        "| max/mean cost: fixed → balanced | padding: fixed → look-ahead |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for fixed, same, ahead in zip(rows[::3], rows[1::3], rows[2::3], strict=True):
-        t0, t1 = float(fixed["mean_step_time"]), float(same["mean_step_time"])  # type: ignore[arg-type]
-        r0, r2 = float(fixed["tokens_per_time"]), float(ahead["tokens_per_time"])  # type: ignore[arg-type]
+    width = len(PACKINGS)
+    for first in range(0, len(rows), width):
+        fixed, ordered, balanced, both, ahead = rows[first : first + width]
+        t0 = float(fixed["mean_step_time"])  # type: ignore[arg-type]
+        speed = [t0 / float(r["mean_step_time"]) for r in (ordered, balanced, both)]  # type: ignore[arg-type]
+        tokens = float(ahead["tokens_per_time"]) / float(fixed["tokens_per_time"])  # type: ignore[arg-type]
         lines.append(
             f"| {fixed['ranks']} | {fixed['schedule']} | {fixed['rows']} × {fixed['seq_len']} "
-            f"| {t0:.2f} | {t0 / t1:.3f}× "
-            f"| {fixed['max_over_mean_cost']:.3f} → {same['max_over_mean_cost']:.3f} "
-            f"| {r2 / r0:.3f}× | {fixed['padding']:.1%} → {ahead['padding']:.1%} |"
+            f"| {t0:.2f} | " + " | ".join(f"{x:.3f}×" for x in speed) + f" | {tokens:.3f}× "
+            f"| {fixed['max_over_mean_cost']:.3f} → {balanced['max_over_mean_cost']:.3f} "
+            f"| {fixed['padding']:.1%} → {ahead['padding']:.1%} |"
         )
     return "\n".join(lines)
 

@@ -15,6 +15,12 @@ cheapest micro-batch with room, best-fit row), falling back to moving the fixed 
 rows between micro-batches when the document-level assignment cannot fit them all, then fills
 the rows' remaining room with later documents that do not raise the most expensive micro-batch.
 
+``arrange_microbatches`` then deals a step's micro-batches to data-parallel replicas so that
+their sums match (each replica runs its own pipeline and the step waits for the slowest) and
+orders each replica's lightest first: in the simulator, micro-batches of unequal cost in random
+order stall a pipeline's steady state where similar neighbours do not, and lightest first suits
+both 1F1B and ZBV (``benchmarks/varlen_balance.py`` measures it).
+
 ``fit_length_cost`` finds the two coefficients from times measured at several lengths (least
 squares, never negative), and ``with_length_costs`` writes each layer's into a costs file
 (``pipetrain profile --seq-lens``).
@@ -113,6 +119,32 @@ def pack_step(
     ]
     best = min(candidates, key=lambda c: _score(c, lengths, cost, seq_len))
     return _fill(best, lengths, seq_len, cost)
+
+
+def arrange_microbatches(
+    pack: StepPack, lengths: Sequence[int], cost: LengthCost, *, seq_len: int, replicas: int = 1
+) -> StepPack:
+    """The same micro-batches, reordered: dealt to ``replicas`` consecutive groups of equal size
+    (replica ``r`` runs micro-batches ``r·M .. r·M+M-1``) dearest first to the cheapest group
+    still short of ``M``, then each group lightest first (padded costs; ties by index)."""
+    count = len(pack.microbatches)
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        raise ValueError(f"replicas must be an integer >= 1, got {replicas!r}")
+    if count % replicas:
+        raise ValueError(
+            f"{count} micro-batches do not split evenly over {replicas} replicas: give a "
+            "multiple of the replicas"
+        )
+    per = count // replicas
+    costs = pack.costs(lengths, cost, padded_to=seq_len)
+    groups: list[list[int]] = [[] for _ in range(replicas)]
+    sums = [0.0] * replicas
+    for m in sorted(range(count), key=lambda m: (-costs[m], m)):
+        g = min((g for g in range(replicas) if len(groups[g]) < per), key=lambda g: (sums[g], g))
+        groups[g].append(m)
+        sums[g] += costs[m]
+    order = [m for group in groups for m in sorted(group, key=lambda m: (costs[m], m))]
+    return StepPack(tuple(pack.microbatches[m] for m in order), pack.left_over)
 
 
 def _check(lengths: Sequence[int], microbatches: int, rows: int, seq_len: int) -> None:

@@ -19,6 +19,7 @@ from pipetrain.planner.costs_file import (
 from pipetrain.planner.varlen import (
     LengthCost,
     StepPack,
+    arrange_microbatches,
     fit_length_cost,
     model_length_cost,
     pack_step,
@@ -216,3 +217,34 @@ def test_a_costs_file_gives_per_token_and_per_token_sq_together() -> None:
         parse_costs({"version": 1, "layers": [{**layer, "per_token": 0.1, "per_token_sq": 0}]})
     old = parse_costs({"version": 2, "layers": [layer]})
     assert old.layers[0].per_token is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(steps(), st.integers(1, 3))
+def test_arranging_deals_whole_micro_batches_to_replicas_lightest_first(case, replicas) -> None:
+    lengths, microbatches, rows, seq_len, cost = case
+    packed = pack_step(
+        lengths,
+        microbatches=microbatches * replicas,
+        rows=rows,
+        seq_len=seq_len,
+        cost=cost,
+        balanced=True,
+    )
+    arranged = arrange_microbatches(packed, lengths, cost, seq_len=seq_len, replicas=replicas)
+    assert sorted(arranged.microbatches) == sorted(packed.microbatches)
+    assert arranged.left_over == packed.left_over
+    costs = arranged.costs(lengths, cost, padded_to=seq_len)
+    groups = [costs[r * microbatches : (r + 1) * microbatches] for r in range(replicas)]
+    assert all(list(g) == sorted(g) for g in groups), "each replica lightest first"
+    sums = [sum(g) for g in groups]
+    # dealt dearest first to the cheapest replica: replicas differ by at most the dearest one
+    assert max(sums) - min(sums) <= max(costs) + 1e-9 * max(1.0, max(sums))
+
+
+def test_arranging_refuses_an_uneven_split() -> None:
+    packed = pack_step(
+        [3, 3, 3], microbatches=3, rows=1, seq_len=4, cost=LengthCost(), balanced=True
+    )
+    with pytest.raises(ValueError, match="3 micro-batches do not split evenly over 2 replicas"):
+        arrange_microbatches(packed, [3, 3, 3], LengthCost(), seq_len=4, replicas=2)
