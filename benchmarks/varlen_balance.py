@@ -6,13 +6,13 @@ Packed documents make micro-batches of one shape cost unequal time: the dense la
 one holding many short ones, and every pipeline stage waits behind the slowest (WLB-LLM, Wang et
 al. 2025). This script draws long-tailed document lengths (log-normal, median ``seq_len / 8``,
 clipped to ``seq_len``, seeded), packs each step with ``planner.varlen`` five ways (``PACKINGS``)
-— fixed (next-fit in order); fixed with its micro-batches ordered lightest first
-(``arrange_microbatches``: the order alone); balanced on the same documents (the fixed
-packing's, reassigned by ``pack_step``: the balance alone); balanced and ordered; and
-``pack_step`` as it is meant to run (the same documents balanced, the rows' gaps filled from a
-look-ahead of the stream), ordered — prices each step's micro-batches with the simulator's
-per-micro-batch weights, and reports the mean step time, real tokens per time, and the max/mean
-micro-batch cost.
+— fixed (next-fit in order); fixed, arranged (``arrange_microbatches``: the micro-batches dealt
+to the replicas to match their sums, each replica's lightest first — the order alone); balanced
+on the same documents (the fixed packing's, reassigned by ``pack_step``: the balance alone);
+balanced and arranged; and ``pack_step`` as it is meant to run (the same documents balanced, the
+rows' gaps filled from a look-ahead of the stream), arranged — prices each step's micro-batches
+with the simulator's per-micro-batch weights, and reports the mean step time, real tokens per
+time, and the max/mean micro-batch cost.
 
 Cost coefficients, from FLOP counts of one Llama-3-8B-like layer (hidden ``h`` = 4096, 32 query
 and 8 key/value heads of 128, MLP 14336): the layer's weights are ``2h²`` (q, o) + ``2·h·h/4``
@@ -30,8 +30,10 @@ so the simulator's stage costs are the dense part (F : I : W = 1 : 2 : 2) and ea
 weighs ``1 + 2h·S / (26h²·T)`` on F, ``1 + 5h·S / (52h²·T)`` on I and 1 on W. Attention equals
 the dense forward of a document only at ``n = 13h`` (53248 tokens), which is why the gain grows
 with ``seq_len``. The packer balances ``LengthCost(per_token=130h², per_token_sq=7h)``, the
-whole step's F + I + W of a document. No communication time, one pipeline, no data parallel. Step times are in units of one rank's dense forward of a
-micro-batch.
+whole step's F + I + W of a document. No communication time; with ``--replicas R`` a step packs
+``R`` data-parallel replicas' micro-batches at once (the arranged packings deal them with
+``arrange_microbatches``) and lasts as long as the slowest replica's pipeline. Step times are in
+units of one rank's dense forward of a micro-batch.
 
 Run (under a minute on 2 CPU cores)::
 
@@ -67,10 +69,17 @@ class Shape:
     ranks: int
     rows: int
     seq_len: int
+    #: data-parallel replicas, each a pipeline of ``ranks`` running its own micro-batches
+    replicas: int = 1
 
     @property
     def microbatches(self) -> int:
+        """Per replica."""
         return 2 * self.ranks
+
+    @property
+    def step_microbatches(self) -> int:
+        return self.replicas * self.microbatches
 
 
 def document_lengths(seq_len: int, rng: random.Random):  # type: ignore[no-untyped-def]
@@ -80,7 +89,7 @@ def document_lengths(seq_len: int, rng: random.Random):  # type: ignore[no-untyp
         yield max(1, min(seq_len, round(median * rng.lognormvariate(0.0, SIGMA))))
 
 
-PACKINGS = ("fixed", "fixed, ordered", "balanced", "balanced, ordered", "look-ahead, ordered")
+PACKINGS = ("fixed", "fixed, arranged", "balanced", "balanced, arranged", "look-ahead, arranged")
 
 
 def steps(
@@ -89,8 +98,8 @@ def steps(
     """Each step's packing of the stream: documents carried over first, then new ones up to a
     look-ahead of twice the step's capacity in tokens (``PACKINGS``)."""
     stream = document_lengths(shape.seq_len, random.Random(seed))
-    capacity = shape.microbatches * shape.rows * shape.seq_len
-    kw = {"microbatches": shape.microbatches, "rows": shape.rows, "seq_len": shape.seq_len}
+    capacity = shape.step_microbatches * shape.rows * shape.seq_len
+    kw = {"microbatches": shape.step_microbatches, "rows": shape.rows, "seq_len": shape.seq_len}
     carried: list[int] = []
     out = []
     for _ in range(num_steps):
@@ -102,8 +111,10 @@ def steps(
             taken = len(pack.packed())
             balanced = pack_step(lengths[:taken], cost=COST, balanced=True, **kw)
             pack = StepPack(balanced.microbatches, pack.left_over)
-        if packing.endswith("ordered"):
-            pack = arrange_microbatches(pack, lengths, COST, seq_len=shape.seq_len)
+        if packing.endswith("arranged"):
+            pack = arrange_microbatches(
+                pack, lengths, COST, seq_len=shape.seq_len, replicas=shape.replicas
+            )
         out.append((pack, lengths))
         carried = [lengths[i] for i in pack.left_over]
     return out
@@ -132,6 +143,17 @@ def step_time(program, v: int, forward: list[float], backward_input: list[float]
     return float(simulate(program, costs).makespan)
 
 
+def replica_step_time(program, v: int, pack: StepPack, lengths: list[int], shape: Shape) -> float:  # type: ignore[no-untyped-def]
+    """The step: every replica's pipeline on its micro-batches (replica ``r`` runs ``r·M ..
+    r·M+M-1``), the slowest one's time (the gradients' all-reduce waits for it)."""
+    per = shape.microbatches
+    times = []
+    for r in range(shape.replicas):
+        mine = StepPack(pack.microbatches[r * per : (r + 1) * per], ())
+        times.append(step_time(program, v, *weights(mine, lengths, shape)))
+    return max(times)
+
+
 def spread(pack: StepPack, lengths: list[int], shape: Shape) -> float:
     """The dearest micro-batch's cost (the fixed shape's, padding included) over the mean's."""
     costs = pack.costs(lengths, COST, padded_to=shape.seq_len)
@@ -141,17 +163,18 @@ def spread(pack: StepPack, lengths: list[int], shape: Shape) -> float:
 def measure(shape: Shape, num_steps: int, seed: int) -> list[dict[str, object]]:
     """Every packing of one shape under every schedule: one row per (schedule, packing)."""
     packed = {packing: steps(shape, num_steps, seed, packing) for packing in PACKINGS}
-    capacity = shape.microbatches * shape.rows * shape.seq_len
+    capacity = shape.step_microbatches * shape.rows * shape.seq_len
     rows: list[dict[str, object]] = []
     for name, v in SCHEDULES.items():
         program = build_schedule(name, shape.ranks, shape.microbatches, v)
         for packing, run in packed.items():
-            times = [step_time(program, v, *weights(p, lengths, shape)) for p, lengths in run]
+            times = [replica_step_time(program, v, p, lengths, shape) for p, lengths in run]
             tokens = [sum(lengths[i] for i in p.packed()) for p, lengths in run]
             rows.append(
                 {
                     "schedule": name,
                     "ranks": shape.ranks,
+                    "replicas": shape.replicas,
                     "microbatches": shape.microbatches,
                     "rows": shape.rows,
                     "seq_len": shape.seq_len,
@@ -172,19 +195,19 @@ def table(rows: list[dict[str, object]]) -> str:
     the same documents; real tokens per time with the look-ahead, which packs more), the
     max/mean micro-batch cost and the padding."""
     lines = [
-        "| ranks | schedule | rows × seq_len | step, fixed | ordered | balanced "
-        "| balanced + ordered | look-ahead + ordered: tokens/time "
+        "| ranks × replicas | schedule | rows × seq_len | step, fixed | arranged | balanced "
+        "| balanced + arranged | look-ahead + arranged: tokens/time "
         "| max/mean cost: fixed → balanced | padding: fixed → look-ahead |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     width = len(PACKINGS)
     for first in range(0, len(rows), width):
-        fixed, ordered, balanced, both, ahead = rows[first : first + width]
+        fixed, arranged, balanced, both, ahead = rows[first : first + width]
         t0 = float(fixed["mean_step_time"])  # type: ignore[arg-type]
-        speed = [t0 / float(r["mean_step_time"]) for r in (ordered, balanced, both)]  # type: ignore[arg-type]
+        speed = [t0 / float(r["mean_step_time"]) for r in (arranged, balanced, both)]  # type: ignore[arg-type]
         tokens = float(ahead["tokens_per_time"]) / float(fixed["tokens_per_time"])  # type: ignore[arg-type]
         lines.append(
-            f"| {fixed['ranks']} | {fixed['schedule']} | {fixed['rows']} × {fixed['seq_len']} "
+            f"| {fixed['ranks']} × {fixed['replicas']} | {fixed['schedule']} | {fixed['rows']} × {fixed['seq_len']} "
             f"| {t0:.2f} | " + " | ".join(f"{x:.3f}×" for x in speed) + f" | {tokens:.3f}× "
             f"| {fixed['max_over_mean_cost']:.3f} → {balanced['max_over_mean_cost']:.3f} "
             f"| {fixed['padding']:.1%} → {ahead['padding']:.1%} |"
@@ -203,6 +226,9 @@ def main() -> None:
         default="4096,8192,16384,32768",
         help="row lengths (default 4096,8192,16384,32768)",
     )
+    parser.add_argument(
+        "--replicas", type=int, default=1, help="data-parallel replicas (default 1)"
+    )
     parser.add_argument("--out", type=Path, default=Path("out/varlen_balance.json"))
     args = parser.parse_args()
     began = time.perf_counter()
@@ -210,7 +236,8 @@ def main() -> None:
     for ranks in map(int, args.ranks.split(",")):
         for rows_per in map(int, args.rows.split(",")):
             for seq_len in map(int, args.seq_lens.split(",")):
-                rows += measure(Shape(ranks, rows_per, seq_len), args.steps, args.seed)
+                shape = Shape(ranks, rows_per, seq_len, args.replicas)
+                rows += measure(shape, args.steps, args.seed)
     print(table(rows))
     seconds = time.perf_counter() - began
     print(f"\n{args.steps} steps per shape, seed {args.seed}, {seconds:.1f} s")

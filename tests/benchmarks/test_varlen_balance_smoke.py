@@ -20,16 +20,22 @@ def test_the_varlen_benchmark_prints_its_table_and_writes_json(tmp_path: Path) -
         timeout=60,
         check=True,
     )
-    assert "| ranks | schedule | rows × seq_len |" in done.stdout
+    assert "| ranks × replicas | schedule | rows × seq_len |" in done.stdout
     rows = json.loads(out.read_text())["rows"]
-    packings = ("fixed", "fixed, ordered", "balanced", "balanced, ordered", "look-ahead, ordered")
+    packings = (
+        "fixed",
+        "fixed, arranged",
+        "balanced",
+        "balanced, arranged",
+        "look-ahead, arranged",
+    )
     assert [(r["schedule"], r["packing"]) for r in rows] == [
         (s, p) for s in ("1f1b", "zbv") for p in packings
     ]
     for row in rows:
         assert row["mean_step_time"] > 0 and row["max_over_mean_cost"] >= 1
-    fixed, ordered, balanced, both, ahead = rows[:5]
-    assert fixed["padding"] == ordered["padding"] == balanced["padding"] == both["padding"]
-    assert ordered["max_over_mean_cost"] == fixed["max_over_mean_cost"], "the order alone"
+    fixed, arranged, balanced, both, ahead = rows[:5]
+    assert fixed["padding"] == arranged["padding"] == balanced["padding"] == both["padding"]
+    assert arranged["max_over_mean_cost"] == fixed["max_over_mean_cost"], "the order alone"
     assert ahead["padding"] <= fixed["padding"]
     assert balanced["max_over_mean_cost"] <= fixed["max_over_mean_cost"] + 1e-12
