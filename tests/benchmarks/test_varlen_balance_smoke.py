@@ -12,7 +12,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "varlen_balance.py
 
 def test_the_varlen_benchmark_prints_its_table_and_writes_json(tmp_path: Path) -> None:
     out = tmp_path / "varlen.json"
-    args = ["--steps", "3", "--ranks", "2", "--rows", "2", "--seq-lens", "4096"]
+    args = ["--steps", "3", "--ranks", "2", "--rows", "2", "--seq-lens", "4096", "--replicas", "2"]
     done = subprocess.run(
         [sys.executable, str(SCRIPT), *args, "--out", str(out)],
         capture_output=True,
