@@ -82,7 +82,13 @@ class StepPack:
             for row in rows:
                 total += sum(cost.of(lengths[i]) for i in row)
                 if padded_to is not None:
-                    total += cost.per_token * (padded_to - sum(lengths[i] for i in row))
+                    tokens = sum(lengths[i] for i in row)
+                    if tokens > padded_to:
+                        raise ValueError(
+                            f"a row holds {tokens} tokens, more than padded_to={padded_to}: "
+                            "pass the row length the documents were packed into"
+                        )
+                    total += cost.per_token * (padded_to - tokens)
             out.append(total)
         return tuple(out)
 
@@ -102,7 +108,9 @@ def pack_step(
 ) -> StepPack:
     """Pack documents of ``lengths`` tokens into ``microbatches`` micro-batches of ``rows`` rows
     of ``seq_len`` tokens; the rest is ``left_over``. ``balanced`` packs at least the tokens the
-    fixed packing does, with a most expensive micro-batch (padded cost) no dearer than its."""
+    fixed packing does, with a most expensive micro-batch (padded cost) no dearer than its. With
+    data parallelism, pack the whole step (``replicas × M`` micro-batches) and pass the result
+    to ``arrange_microbatches``, which deals them to the replicas."""
     _check(lengths, microbatches, rows, seq_len)
     fixed = _fixed(lengths, microbatches, rows, seq_len)
     if not balanced:

@@ -248,3 +248,10 @@ def test_arranging_refuses_an_uneven_split() -> None:
     )
     with pytest.raises(ValueError, match="3 micro-batches do not split evenly over 2 replicas"):
         arrange_microbatches(packed, [3, 3, 3], LengthCost(), seq_len=4, replicas=2)
+
+
+def test_padded_costs_refuse_a_row_longer_than_the_padding() -> None:
+    packed = pack_step([6, 2], microbatches=1, rows=1, seq_len=8, cost=LengthCost(), balanced=False)
+    assert packed.costs([6, 2], LengthCost(2.0, 1.0), padded_to=8) == (2.0 * 8 + 36 + 4,)
+    with pytest.raises(ValueError, match="a row holds 8 tokens, more than padded_to=4"):
+        packed.costs([6, 2], LengthCost(), padded_to=4)
