@@ -192,8 +192,14 @@ class _FolderModel:
         from pipetrain.hf import from_pretrained
 
         given = {opt.dest: getattr(args, opt.dest) for opt in model_options()}
-        config = TrainConfig(**{**given, "seq_len": longest}, model_dir=args.model_dir)
+        config = TrainConfig(**given, model_dir=args.model_dir)
         self.hf_config = folder_config(config)  # the checks ``train --model-dir`` makes
+        limit = getattr(self.hf_config, "max_position_embeddings", None)
+        if limit is not None and longest > limit:
+            raise ValueError(
+                f"--seq-lens reaches {longest}, longer than the model's max_position_embeddings "
+                f"{limit} (--model-dir {args.model_dir}/config.json): give lengths <= {limit}"
+            )
         self.folder = str(args.model_dir)
         # the embedding, the decoder layers, the final norm and the head: one stage each
         count = self.hf_config.num_hidden_layers + 3

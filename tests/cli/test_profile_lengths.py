@@ -122,7 +122,9 @@ def test_model_dir_hands_the_folders_own_layers_to_the_profiler(tmp_path, capsys
     assert "gives the model (its config.json): drop --layers" in capsys.readouterr().err
     too_long = ["profile", "--model-dir", folder, "--seq-len", "8", "--seq-lens", "64", *QUICK]
     assert main(too_long) == 2
-    assert "longer than the model's max_position_embeddings 32" in capsys.readouterr().err
+    assert "--seq-lens reaches 64, longer than the model's max_position_embeddings 32" in (
+        capsys.readouterr().err
+    )
 
 
 def test_a_folders_layers_are_profiled_for_real(tmp_path) -> None:
