@@ -15,6 +15,14 @@ standard output, so
 profiles, plans and runs the same model (``pipetrain train --plan`` checks the layer count).
 For a run replayed as a CUDA graph (``train --cuda-graph``) profile with ``--timing device``: the
 layers' device time alone, without the host time an eager step waits for.
+
+``--model-dir DIR`` profiles a local Hugging Face folder's own layers (its weights, loaded with
+``pipetrain.hf.from_pretrained`` one layer to a stage) instead of a built model, checked as
+``pipetrain train --model-dir`` checks it (``app.model_folder``). ``--seq-lens N1,N2,...``
+profiles the model at each sequence length (and at ``--seq-len``, whose times the file keeps)
+and fits each layer's ``per_token`` and ``per_token_sq`` (``planner.varlen.with_length_costs``):
+what a packed document of ``n`` tokens costs, attention's ``n²`` included, for balancing packed
+micro-batches.
 torch is imported when the command runs, not when its parser is built.
 """
 
@@ -24,9 +32,18 @@ import argparse
 import dataclasses
 import json
 import sys
+from typing import Any
 
-from pipetrain.cli.flags import Command, Option, model_options, model_shape, require_torch
-from pipetrain.planner.costs_file import ModelCosts
+from pipetrain.cli.flags import (
+    Command,
+    Option,
+    int_list,
+    model_options,
+    model_shape,
+    require_torch,
+)
+from pipetrain.planner.costs_file import ModelCosts, save_costs
+from pipetrain.planner.varlen import with_length_costs
 
 OPTIMIZERS = ("adamw", "adam", "sgd-momentum", "sgd", "none")
 #: the profiler's clocks (``runtime.profile_clock.TIMINGS``; the parser imports no torch)
@@ -41,6 +58,21 @@ def options() -> tuple[Option, ...]:
             help="where to write the costs file (default: standard output)",
         ),
         *model_options(),
+        Option(
+            ("--model-dir",),
+            metavar="DIR",
+            help="profile the Hugging Face model in DIR (config.json, safetensors files; Llama "
+            "family or GPT-2) with its own weights instead of building one: the model flags "
+            "other than --seq-len, --dtype and --microbatch-size do not apply",
+        ),
+        Option(
+            ("--seq-lens",),
+            type=int_list,
+            metavar="N1,N2,...",
+            help="also profile at these sequence lengths and fit each layer's per_token and "
+            "per_token_sq (time ~ n and n², attention's cost) into the costs file; the times "
+            "stay --seq-len's",
+        ),
         Option(
             ("--optimizer",),
             default="adamw",
@@ -79,9 +111,6 @@ def run(args: argparse.Namespace) -> int:
     require_torch()
     import torch
 
-    from pipetrain.app.catalog import build
-    from pipetrain.runtime.profile_layers import profile
-
     if args.repeats < 1 or args.context < 1:
         raise ValueError(
             f"--repeats and --context must be >= 1, got {args.repeats}, {args.context}"
@@ -91,49 +120,137 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--device cuda asked for, but no GPU is visible; use --device cpu")
     if args.timing == "device" and device.type != "cuda":
         raise ValueError("--timing device reads a GPU's busy time; on a CPU use --timing wall")
-    shape = model_shape(args)
-    model = build(shape)
-    layers = [m.to(device) for m in model.layer_list()]
+    lengths = sorted({args.seq_len, *(args.seq_lens or ())})
+    if args.seq_lens is not None and len(lengths) < 2:
+        raise ValueError(
+            f"--seq-lens {','.join(map(str, args.seq_lens))}: fitting needs two or more "
+            f"distinct lengths besides --seq-len {args.seq_len}"
+        )
+    model = _FolderModel(args, max(lengths)) if args.model_dir else _BuiltModel(args)
+    by_length = {n: _profile_at(args, model, n, device) for n in lengths}
+    costs = by_length[args.seq_len]
+    if args.seq_lens is not None:
+        costs = with_length_costs(by_length, at=args.seq_len, rows=args.microbatch_size)
+    if args.out is not None:
+        save_costs(costs, args.out)
+    _report(args, costs, model.label)
+    return 0
+
+
+def _profile_at(args: argparse.Namespace, model: Any, seq_len: int, device: Any) -> ModelCosts:
+    """The model's layers profiled on micro-batches of ``seq_len`` random tokens."""
+    import torch
+
+    from pipetrain.runtime.profile_layers import profile
+
+    layers, loss_fn, batch, vocab, meta = model.at(seq_len)
+    layers = [m.to(device) for m in layers]
     gen = torch.Generator().manual_seed(0)
-    size = (args.microbatch_size, args.seq_len)
-    tokens = torch.randint(0, args.vocab, size, generator=gen).to(device)
-    inputs, targets = model.batch(tokens, torch.randint(0, args.vocab, size, generator=gen))
-    costs = profile(
+    size = (args.microbatch_size, seq_len)
+    tokens = torch.randint(0, vocab, size, generator=gen).to(device)
+    inputs, targets = batch(tokens, torch.randint(0, vocab, size, generator=gen))
+    return profile(
         layers,
         inputs,
-        loss_fn=model.loss_fn,
+        loss_fn=loss_fn,
         target=targets.to(device),
         optimizer=args.optimizer,
         repeats=args.repeats,
         context=args.context,
         names=model.names,
-        path=args.out,
         timing=args.timing,
-        meta={
-            "model": args.model,
-            "shape": dataclasses.asdict(shape),
-            "micro_batch_size": args.microbatch_size,
-        },
+        meta={**meta, "micro_batch_size": args.microbatch_size, "seq_len": seq_len},
     )
-    total = sum(layer.forward + layer.backward for layer in costs.layers)
+
+
+class _BuiltModel:
+    """The model the model flags describe (``app.catalog``), built at each length asked."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.shape = model_shape(args)
+        self.label = args.model
+        self.names: list[str] | None = None
+
+    def at(self, seq_len: int) -> tuple[list[Any], Any, Any, int, dict[str, Any]]:
+        from pipetrain.app.catalog import build
+
+        shape = dataclasses.replace(self.shape, seq_len=seq_len)
+        model = build(shape)
+        self.names = model.names
+        meta = {"model": shape.model, "shape": dataclasses.asdict(shape)}
+        return model.layer_list(), model.loss_fn, model.batch, shape.vocab, meta
+
+
+class _FolderModel:
+    """A Hugging Face folder's own layers, loaded once, one layer to a stage."""
+
+    def __init__(self, args: argparse.Namespace, longest: int) -> None:
+        import torch
+
+        from pipetrain.app.config import TrainConfig
+        from pipetrain.app.model_folder import folder_config
+        from pipetrain.hf import from_pretrained
+
+        given = {opt.dest: getattr(args, opt.dest) for opt in model_options()}
+        config = TrainConfig(**given, model_dir=args.model_dir)
+        self.hf_config = folder_config(config)  # the checks ``train --model-dir`` makes
+        limit = getattr(self.hf_config, "max_position_embeddings", None)
+        if limit is not None and longest > limit:
+            raise ValueError(
+                f"--seq-lens reaches {longest}, longer than the model's max_position_embeddings "
+                f"{limit} (--model-dir {args.model_dir}/config.json): give lengths <= {limit}"
+            )
+        self.folder = str(args.model_dir)
+        # the embedding, the decoder layers, the final norm and the head: one stage each
+        count = self.hf_config.num_hidden_layers + 3
+        stages = from_pretrained(self.folder, (1,) * count, dtype=getattr(torch, args.dtype))
+        self.layers = [stages[i] for i in range(len(stages))]
+        self.names: list[str] | None = list(stages.names)
+        self.label = f"--model-dir {self.folder}"
+
+    def at(self, seq_len: int) -> tuple[list[Any], Any, Any, int, dict[str, Any]]:
+        from pipetrain.hf import causal_lm_loss
+
+        meta = {"model_dir": self.folder, "model": self.hf_config.model_type}
+        return self.layers, causal_lm_loss, _labels_are_inputs, self.hf_config.vocab_size, meta
+
+
+def _labels_are_inputs(inputs: Any, _: Any) -> tuple[Any, Any]:
+    """Hugging Face's loss takes the inputs as labels and shifts them itself."""
+    return inputs, inputs
+
+
+def _report(args: argparse.Namespace, costs: ModelCosts, label: str) -> None:
+    """The costs file on standard output without ``--out``; a summary line (standard error
+    then)."""
+    where = sys.stderr if args.out is None else sys.stdout
     if args.out is None:
         print(json.dumps(costs.to_json(), indent=1))
+    total = sum(layer.forward + layer.backward for layer in costs.layers)
     print(
-        f"profiled {costs.num_layers} layers of {args.model} on {costs.meta['device']}: "
+        f"profiled {costs.num_layers} layers of {label} on {costs.meta['device']}: "
         f"{total:.3f} ms forward+backward per micro-batch; wrote {args.out or 'standard output'}",
-        file=sys.stderr if args.out is None else sys.stdout,
+        file=where,
     )
+    if "length_cost" in costs.meta:
+        per_token = sum(x.per_token or 0.0 for x in costs.layers)
+        per_token_sq = sum(x.per_token_sq or 0.0 for x in costs.layers)
+        fitted = ",".join(map(str, costs.meta["length_cost"]["seq_lens"]))
+        print(
+            f"length cost per row: {per_token:.3g} ms per token + {per_token_sq:.3g} ms per "
+            f"token² (fitted over sequence lengths {fitted})",
+            file=where,
+        )
     if "replay_gap_us" in costs.meta:  # what the device clock adds per kernel, and measured on
         slower = costs.meta.get("sustained_slowdown", 1.0)
         print(
             f"device clock: busy time plus {costs.meta['replay_gap_us']:.2f} µs a kernel, times "
             f"{slower:.3f} for sustained load; the replay's gap and slowdown measured on "
             f"{costs.meta['replay_gap_on']}",
-            file=sys.stderr if args.out is None else sys.stdout,
+            file=where,
         )
     if costs.has_issue_times:  # an eager GPU profile: the host model's two halves
-        print(issue_line(costs), file=sys.stderr if args.out is None else sys.stdout)
-    return 0
+        print(issue_line(costs), file=where)
 
 
 def issue_line(costs: ModelCosts) -> str:

@@ -37,7 +37,11 @@ two-worker model, where the times above are from an idle start (``sim.costs``); 
 itself — posting transfers, bookkeeping — on the host that will run it: read off a measured eager
 step's host spans, ``Timeline.host_spans``; default 0, used only with the times above) and
 ``host_bandwidth_gbs`` (GB/s between the device and pinned host memory, measured by the profiler
-on CUDA; what the planner times activation offload's copies at). Version 1 files still load
+on CUDA; what the planner times activation offload's copies at); per layer ``per_token`` and
+``per_token_sq`` (ms per token and per token squared, given together: one row's forward +
+backward for a document of ``n`` tokens is ``per_token·n + per_token_sq·n²``, fitted by
+``pipetrain profile --seq-lens`` over several lengths; the attention term is what makes packed
+micro-batches unequal, ``planner.varlen``). Version 1 files still load
 (those fields absent: their defaults); a version 1 file that gives them is refused, naming
 version 2. Files are written as version 2.
 
@@ -67,6 +71,7 @@ _ISSUE = tuple(f"{worker}_{piece}" for worker in ("host", "device")
 _LAYER_V2 = (
     "recompute", "recompute_activation", "selective_activation", "selective_recompute",
     "recompute_forward", "selective_forward", "optimizer_workspace", *_ISSUE,
+    "per_token", "per_token_sq",
 )  # fmt: skip
 _TOP_V2 = ("host_bandwidth_gbs", "host_action_ms")
 _LAYER_KEYS = ("name", *_LAYER_NUMBERS, "params", *_LAYER_OPTIONAL, *_LAYER_V2)
@@ -121,6 +126,9 @@ class LayerCost:
     device_backward: float | None = None
     device_backward_input: float | None = None
     device_backward_weight: float | None = None
+    #: ms per token and per token squared of one row's forward + backward (``None``: not fitted)
+    per_token: float | None = None
+    per_token_sq: float | None = None
 
     @property
     def split_backward(self) -> bool:
@@ -321,7 +329,12 @@ def _layer(raw: object, where: str, fail: Fail) -> LayerCost:
         selective_forward=maybe("selective_forward"),
         optimizer_workspace=maybe("optimizer_workspace"),
         **{k: maybe(k) for k in _ISSUE},
+        per_token=maybe("per_token"),
+        per_token_sq=maybe("per_token_sq"),
     )
+    if (layer.per_token is None) != (layer.per_token_sq is None):
+        missing = "per_token" if layer.per_token is None else "per_token_sq"
+        raise fail(f"{where}.{missing}", "missing: give per_token and per_token_sq together")
     given = [k for k in _ISSUE if k in raw]
     if given and not layer.has_issue_times:
         missing = next(f"{w}_{p}" for w in ("host", "device") for p in layer.pieces

@@ -15,6 +15,16 @@ cheapest micro-batch with room, best-fit row), falling back to moving the fixed 
 rows between micro-batches when the document-level assignment cannot fit them all, then fills
 the rows' remaining room with later documents that do not raise the most expensive micro-batch.
 
+``arrange_microbatches`` then deals a step's micro-batches to data-parallel replicas so that
+their sums match (each replica runs its own pipeline and the step waits for the slowest) and
+orders each replica's lightest first: in the simulator, micro-batches of unequal cost in random
+order stall a pipeline's steady state where similar neighbours do not, and lightest first suits
+both 1F1B and ZBV (``benchmarks/varlen_balance.py`` measures it).
+
+``fit_length_cost`` finds the two coefficients from times measured at several lengths (least
+squares, never negative), and ``with_length_costs`` writes each layer's into a costs file
+(``pipetrain profile --seq-lens``).
+
 The balance is judged on the cost a fixed shape pays (``StepPack.costs(..., padded_to=seq_len)``):
 padding runs through the dense layers like any token, so only the quadratic part differs between
 micro-batches of one step. Costs are in the caller's time units; nothing here knows seconds.
@@ -22,9 +32,12 @@ micro-batches of one step. Costs are in the caller's time units; nothing here kn
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+from pipetrain.planner.costs_file import ModelCosts
 
 Rows = tuple[tuple[int, ...], ...]
 
@@ -69,7 +82,13 @@ class StepPack:
             for row in rows:
                 total += sum(cost.of(lengths[i]) for i in row)
                 if padded_to is not None:
-                    total += cost.per_token * (padded_to - sum(lengths[i] for i in row))
+                    tokens = sum(lengths[i] for i in row)
+                    if tokens > padded_to:
+                        raise ValueError(
+                            f"a row holds {tokens} tokens, more than padded_to={padded_to}: "
+                            "pass the row length the documents were packed into"
+                        )
+                    total += cost.per_token * (padded_to - tokens)
             out.append(total)
         return tuple(out)
 
@@ -89,7 +108,9 @@ def pack_step(
 ) -> StepPack:
     """Pack documents of ``lengths`` tokens into ``microbatches`` micro-batches of ``rows`` rows
     of ``seq_len`` tokens; the rest is ``left_over``. ``balanced`` packs at least the tokens the
-    fixed packing does, with a most expensive micro-batch (padded cost) no dearer than its."""
+    fixed packing does, with a most expensive micro-batch (padded cost) no dearer than its. With
+    data parallelism, pack the whole step (``replicas × M`` micro-batches) and pass the result
+    to ``arrange_microbatches``, which deals them to the replicas."""
     _check(lengths, microbatches, rows, seq_len)
     fixed = _fixed(lengths, microbatches, rows, seq_len)
     if not balanced:
@@ -106,6 +127,32 @@ def pack_step(
     ]
     best = min(candidates, key=lambda c: _score(c, lengths, cost, seq_len))
     return _fill(best, lengths, seq_len, cost)
+
+
+def arrange_microbatches(
+    pack: StepPack, lengths: Sequence[int], cost: LengthCost, *, seq_len: int, replicas: int = 1
+) -> StepPack:
+    """The same micro-batches, reordered: dealt to ``replicas`` consecutive groups of equal size
+    (replica ``r`` runs micro-batches ``r·M .. r·M+M-1``) dearest first to the cheapest group
+    still short of ``M``, then each group lightest first (padded costs; ties by index)."""
+    count = len(pack.microbatches)
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        raise ValueError(f"replicas must be an integer >= 1, got {replicas!r}")
+    if count % replicas:
+        raise ValueError(
+            f"{count} micro-batches do not split evenly over {replicas} replicas: give a "
+            "multiple of the replicas"
+        )
+    per = count // replicas
+    costs = pack.costs(lengths, cost, padded_to=seq_len)
+    groups: list[list[int]] = [[] for _ in range(replicas)]
+    sums = [0.0] * replicas
+    for m in sorted(range(count), key=lambda m: (-costs[m], m)):
+        g = min((g for g in range(replicas) if len(groups[g]) < per), key=lambda g: (sums[g], g))
+        groups[g].append(m)
+        sums[g] += costs[m]
+    order = [m for group in groups for m in sorted(group, key=lambda m: (costs[m], m))]
+    return StepPack(tuple(pack.microbatches[m] for m in order), pack.left_over)
 
 
 def _check(lengths: Sequence[int], microbatches: int, rows: int, seq_len: int) -> None:
@@ -226,4 +273,77 @@ def _assemble(
     return StepPack(
         microbatches=tuple(tuple(tuple(sorted(row)) for row in mb) for mb in grid),
         left_over=tuple(i for i in range(len(lengths)) if i not in chosen),
+    )
+
+
+def fit_length_cost(lengths: Sequence[int], times: Sequence[float]) -> LengthCost:
+    """The ``LengthCost`` whose ``of(n)`` best fits ``times`` measured at ``lengths`` (least
+    squares, no intercept: a row of no tokens costs nothing); a coefficient the unconstrained fit
+    makes negative (noise on a term too small to see) is held at 0 and the other refitted."""
+    if len(lengths) != len(times):
+        raise ValueError(f"{len(lengths)} lengths for {len(times)} times")
+    if len(set(lengths)) < 2 or any(n < 1 for n in lengths):
+        raise ValueError(
+            f"fitting a length cost needs times at two or more distinct lengths >= 1, got "
+            f"{list(lengths)}"
+        )
+    if any(not math.isfinite(t) or t < 0 for t in times):
+        raise ValueError(f"times must be finite and >= 0, got {list(times)}")
+    top = max(lengths)
+    xs = [n / top for n in lengths]  # scaled so that n, n² are of one size: a well-posed system
+    s2, s3, s4 = (sum(x**k for x in xs) for k in (2, 3, 4))
+    t1 = sum(x * t for x, t in zip(xs, times, strict=True))
+    t2 = sum(x * x * t for x, t in zip(xs, times, strict=True))
+    det = s2 * s4 - s3 * s3
+    a, b = (t1 * s4 - t2 * s3) / det, (s2 * t2 - s3 * t1) / det
+    if a < 0 or b < 0:
+        candidates = [(t1 / s2, 0.0), (0.0, t2 / s4)]
+        a, b = min(candidates, key=lambda c: _residual(c, xs, times))
+    return LengthCost(per_token=a / top, per_token_sq=b / (top * top))
+
+
+def _residual(
+    coefficients: tuple[float, float], xs: Sequence[float], times: Sequence[float]
+) -> float:
+    a, b = coefficients
+    return sum((a * x + b * x * x - t) ** 2 for x, t in zip(xs, times, strict=True))
+
+
+def with_length_costs(by_length: Mapping[int, ModelCosts], *, at: int, rows: int) -> ModelCosts:
+    """The costs measured at sequence length ``at``, each layer given the ``per_token`` and
+    ``per_token_sq`` fitted to its forward + backward per row (``rows`` rows per micro-batch) over
+    every length in ``by_length``: what a document of ``n`` tokens adds to a micro-batch."""
+    if at not in by_length:
+        raise ValueError(f"no costs measured at sequence length {at}: {sorted(by_length)}")
+    if rows < 1:
+        raise ValueError(f"rows must be >= 1, got {rows}")
+    lengths = sorted(by_length)
+    base = by_length[at]
+    if any(by_length[n].num_layers != base.num_layers for n in lengths):
+        raise ValueError("costs measured at different lengths have different layer counts")
+    layers = []
+    for i, layer in enumerate(base.layers):
+        measured = [by_length[n].layers[i] for n in lengths]
+        per_row = [(m.forward + m.backward) / rows for m in measured]
+        fit = fit_length_cost(lengths, per_row)
+        layers.append(
+            dataclasses.replace(layer, per_token=fit.per_token, per_token_sq=fit.per_token_sq)
+        )
+    meta = {**base.meta, "length_cost": {"seq_lens": lengths, "rows": rows, "at": at}}
+    return dataclasses.replace(base, layers=tuple(layers), meta=meta)
+
+
+def model_length_cost(costs: ModelCosts) -> LengthCost:
+    """What a document of ``n`` tokens costs the whole model (every layer's fit summed, ms): the
+    cost to balance micro-batches by; ``ValueError`` when the file has no fit (profile it with
+    ``--seq-lens``)."""
+    missing = [x.name for x in costs.layers if x.per_token is None or x.per_token_sq is None]
+    if missing:
+        raise ValueError(
+            f"the costs file has no per_token/per_token_sq for layer {missing[0]!r}: profile "
+            "with pipetrain profile --seq-lens N1,N2,..."
+        )
+    return LengthCost(
+        per_token=sum(x.per_token or 0.0 for x in costs.layers),
+        per_token_sq=sum(x.per_token_sq or 0.0 for x in costs.layers),
     )

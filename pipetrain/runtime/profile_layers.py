@@ -64,28 +64,27 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from pipetrain.planner.costs_file import LayerCost, ModelCosts, save_costs
-from pipetrain.runtime import host_link, profile_replay, torch_compat
-from pipetrain.runtime.backward.activation_checkpoint import Recomputed
+from pipetrain.runtime import host_link, profile_replay
 from pipetrain.runtime.layers import Stage
 from pipetrain.runtime.profile_clock import Clock, DeviceClock, clock_for
+from pipetrain.runtime.profile_memory import (
+    GIB,
+    OPTIMIZER_STATES,
+    OPTIMIZER_TEMPORARIES,
+    SavedBytes,
+    checkpointed_bytes,
+    static_bytes,
+)
 from pipetrain.runtime.profile_recompute import StageTimer, recompute_times
 from pipetrain.runtime.stage import StageRunner, leaves
 
-GIB = float(1 << 30)
-#: optimizer states per parameter element
-OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0, "none": 0}
-#: parameter-sized temporaries the optimizer's update allocates while it runs: torch's default
-#: multi-tensor AdamW and Adam make the denominator (the square root of the second moments) for
-#: every parameter at once; SGD, with or without momentum, updates in place. A fused
-#: (``fused=True``) update allocates none: there the count is an upper bound
-OPTIMIZER_TEMPORARIES = {"adamw": 1, "adam": 1, "sgd-momentum": 0, "sgd": 0, "none": 0}
 #: the CPU transfer model: gloo send/recv over loopback
 CPU_LATENCY_MS = 0.05
 CPU_BANDWIDTH = 2e9  # bytes per second
@@ -104,7 +103,7 @@ TIMES = tuple(RATIO_OF)
 
 
 def profile(
-    layers: Sequence[nn.Module],
+    layers: Sequence[nn.Module] | Mapping[str, nn.Module],
     sample_input: torch.Tensor | tuple[torch.Tensor, ...],
     *,
     loss_fn: Callable | None = None,
@@ -121,6 +120,9 @@ def profile(
 ) -> ModelCosts:
     """Measure every layer (see the module docstring); write the costs file to ``path`` if given.
 
+    ``layers``: in call order, a sequence or, as ``pipetrain.split`` takes them, a mapping
+    name -> layer (``nn.ModuleDict`` included) whose names become the layers' names.
+
     ``sample_input`` is one micro-batch, already on the layers' device. With ``loss_fn``, the last
     layer's output goes through ``loss_fn(output, target)`` and its backward starts from that
     loss; without, from a random output gradient (as every other layer's does). ``context``:
@@ -128,6 +130,10 @@ def profile(
     ``"wall"`` (an eager step's times, host waits included) or ``"device"`` (the device's busy
     time alone, what a step replayed as a CUDA graph pays; CUDA only): ``runtime.profile_clock``.
     """
+    if isinstance(layers, Mapping | nn.ModuleDict):
+        if names is not None:
+            raise ValueError("layers is a mapping name -> layer; do not pass names= as well")
+        names, layers = list(layers.keys()), list(layers.values())
     _check_arguments(layers, optimizer, repeats, warmup, in_flight, context, names)
     inputs = sample_input if isinstance(sample_input, tuple) else (sample_input,)
     device = inputs[0].device
@@ -229,10 +235,10 @@ def _measure_layers(
         runner = StageRunner(index, layer, is_last, loss_fn if is_last else None)
         args = leaves(inputs)
         cost, outputs = _measure(runner, args, target, clock, *rounds)
-        static, trained = _static_bytes(layer, seen, OPTIMIZER_STATES[optimizer])
+        static, trained = static_bytes(layer, seen, OPTIMIZER_STATES[optimizer])
         comm = _transfer_ms(outputs, clock, rounds[0]) if outputs else 0.0
         name = names[index] if names is not None else f"{index}:{type(layer).__name__}"
-        kept = {m: _checkpointed_bytes(index, layer, is_last, loss_fn, args, target, m) / GIB
+        kept = {m: checkpointed_bytes(index, layer, is_last, loss_fn, args, target, m) / GIB
                 for m in ("full", "selective")}  # fmt: skip
         measured.append(
             LayerCost(
@@ -272,25 +278,6 @@ def _scale_by_windows(
             measured[i] = dataclasses.replace(measured[i], **scaled)
         windows.append({"first": first, "end": end, **ratios})
     return windows
-
-
-def _checkpointed_bytes(
-    index: int, layer: nn.Module, is_last: bool, loss_fn, args, target, mode: str
-) -> int:
-    """What one micro-batch's forward holds with ``layer`` recomputed as ``mode``, the loss
-    included on the last layer: the ``saved_tensors_hooks`` count, as for ``activation``, and
-    under selective recompute the outputs it caches (the saved ops', counted at dispatch)."""
-    stage = Stage([("layer", Recomputed(layer, mode))])
-    runner = StageRunner(index, stage, is_last, loss_fn if is_last else None)
-    runner.begin_step()
-    saved = _SavedBytes(stage)
-    cached = torch_compat.saved_by_selective_recompute() if mode == "selective" else []
-    with (
-        torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack),
-        torch_compat.count_output_bytes(cached) as outputs,
-    ):
-        runner.forward(0, args, target, 1.0)  # the runner and what it holds go with this call
-    return saved.bytes + outputs[0]
 
 
 def _window_ratios(
@@ -387,12 +374,12 @@ def _measure(
     )
 
 
-def _first_pass(runner: StageRunner, args, target) -> tuple[_SavedBytes, tuple, list | None]:
+def _first_pass(runner: StageRunner, args, target) -> tuple[SavedBytes, tuple, list | None]:
     """One untimed forward and backward: what the forward saves (counted here, outside the timed
     runs, as the hooks cost host time), its outputs, and the output gradients later backwards
     start from (random; none for the last layer, whose backward starts from the loss)."""
     runner.begin_step()
-    saved = _SavedBytes(runner.module)
+    saved = SavedBytes(runner.module)
     with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
         outputs = runner.forward(0, args, target, 1.0)
     grads = None
@@ -419,42 +406,6 @@ def _allocated(clock: Clock) -> int:
         return 0
     torch.cuda.reset_peak_memory_stats()
     return torch.cuda.memory_allocated()
-
-
-class _SavedBytes:
-    """Counts the distinct storages a forward saves for backward, parameters excluded."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self.params = {p.untyped_storage().data_ptr() for p in module.parameters()}
-        self.seen: set[tuple[int, torch.device]] = set()
-        self.bytes = 0
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        key = (storage.data_ptr(), t.device)
-        if storage.data_ptr() not in self.params and key not in self.seen:
-            self.seen.add(key)
-            self.bytes += storage.nbytes()
-        return t
-
-    @staticmethod
-    def unpack(t: torch.Tensor) -> torch.Tensor:
-        return t
-
-
-def _static_bytes(layer: nn.Module, seen: set[int], states: int) -> tuple[int, int]:
-    """Bytes of the layer's parameters with their gradients and ``states`` optimizer states
-    (trainable ones), and of its trainable parameters alone; a parameter ``seen`` before counts
-    on its first layer only."""
-    total = trained = 0
-    for p in layer.parameters():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        size = p.numel() * p.element_size()
-        total += size * (1 + (1 + states if p.requires_grad else 0))
-        trained += size if p.requires_grad else 0
-    return total, trained
 
 
 def _transfer_ms(outputs: tuple[torch.Tensor, ...], clock: Clock, repeats: int) -> float:

@@ -16,7 +16,10 @@ ahead), an action's kernels start when the device is free, its inputs are there 
 begun issuing it, and it ends ``device`` after its start or ``duration`` (its time from an idle
 start, host and device together) after the host began it, whichever is later: a host slower than
 the device makes the device wait, and a device behind the host hides the host's time. Without
-``issue`` the host costs nothing and the device takes ``duration``: the plain model.
+``issue`` the host costs nothing and the device takes ``duration``: the plain model. With
+``scale`` (a factor per action: micro-batches of unequal work, e.g. packed documents) an action's
+device time and its time from an idle start are its plan's times that factor; its host time is
+not (the host issues the same kernels whatever the work).
 
 The loop runs once per action of every lowering, validation and simulation, so it reads the rule
 through ``deps.compile_rule`` (values as integers) and asks ``duration`` and ``latency`` up front,
@@ -144,10 +147,10 @@ def run(
     latency: Callable[[deps.Key], float] = _no_latency,
     copy_plan: Callable[[int], CopyPlan] | None = None,
     issue: Issue | None = None,
+    scale: Callable[[Action], float] | None = None,
 ) -> Run:
-    """``execute``, with the times left per rank (see ``Run``); ``copy_plan``: how each stage's
-    copies run (``copy_engine.CopyPlan``; ``None``: each lasts ``duration`` of it); ``issue``:
-    each action's host and device time (the module docstring; ``None``: the plain model)."""
+    """``execute`` with the times left per rank (``Run``); ``copy_plan``: how each stage's copies
+    run (``None``: each lasts its ``duration``); ``issue``, ``scale``: the module docstring."""
     rule = deps.compile_rule(program.placement)
     stride = rule.stride
     plans = _plans(rule, duration, latency, issue)
@@ -176,7 +179,7 @@ def run(
                 plan = pairs.plan(action, produced)
             else:
                 plan = plans[action.kind].get(action.stage)
-            shift = action.microbatch * stride
+            shift, factor = action.microbatch * stride, 1.0 if scale is None else scale(action)
             if plan is None:  # unvalidated input naming a stage the placement lacks
                 raise _bad_stage(program, rows, rank, step)
             needs, awaited, cost, host, device = plan
@@ -192,9 +195,9 @@ def run(
             else:  # every input is here: run it
                 if copies is not None:
                     start = copies.ready(action, start)
-                free = start + device
-                if issued + cost > free:
-                    free = issued + cost
+                free = start + device * factor
+                if issued + cost * factor > free:
+                    free = issued + cost * factor
                 issued += host
                 rank_starts.append(start)
                 rank_ends.append(free)

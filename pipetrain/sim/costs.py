@@ -51,6 +51,11 @@ class StageCosts:
     #: the host's and the device's times (their time fields only); None: no host model
     host: StageCosts | None = None
     device: StageCosts | None = None
+    #: per micro-batch, a factor on its F, I and W times (``Costs.microbatch_weights`` and its
+    #: ``_i``, ``_w``, resolved); (): all 1
+    microbatch_weights: tuple[float, ...] = ()
+    microbatch_weights_i: tuple[float, ...] = ()
+    microbatch_weights_w: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,10 +98,43 @@ class Costs:
     #: ``backward`` and ``forward_backward`` are read); both or neither (the module docstring)
     host: Costs | None = None
     device: Costs | None = None
+    #: per micro-batch, a factor on its compute times relative to the stage costs above (an
+    #: overlapped pair: its parts', weighted by their costs), e.g. packed documents' attention
+    #: work (``planner.varlen``); one value per micro-batch of the simulated program, ``None``:
+    #: all 1. Activation sizes, copies and communication stay as given: micro-batches of one
+    #: fixed shape hold and send the same tokens, only what attention does with them differs
+    microbatch_weights: Sequence[float] | None = None
+    #: the factor for I (and the I share of a B) where it differs (``None``: as
+    #: ``microbatch_weights``): attention's backward is a different multiple of its forward than
+    #: the dense layers' is
+    microbatch_weights_i: Sequence[float] | None = None
+    #: the factor for W (and the W share of a B) where it differs (``None``: as
+    #: ``microbatch_weights``): attention has no weights, so packed documents of one fixed shape
+    #: give W the same work whatever their lengths (all 1)
+    microbatch_weights_w: Sequence[float] | None = None
 
     def __post_init__(self) -> None:
         if (self.host is None) != (self.device is None):
             raise ValueError("costs host and device: give both (an eager host model) or neither")
+        for name in ("microbatch_weights", "microbatch_weights_i", "microbatch_weights_w"):
+            given = getattr(self, name)
+            if given is None:
+                continue
+            weights = list(given)
+            if not weights or any(
+                isinstance(w, bool) or not isinstance(w, int | float) or not 0 <= w <= MAX_COST
+                for w in weights
+            ):
+                raise ValueError(
+                    f"costs {name} must be one number in [0, {MAX_COST:g}] per micro-batch, "
+                    f"got {weights!r}"
+                )
+        if self.microbatch_weights is None and (
+            self.microbatch_weights_i is not None or self.microbatch_weights_w is not None
+        ):
+            raise ValueError(
+                "costs microbatch_weights_i and microbatch_weights_w need microbatch_weights (F)"
+            )
 
     def scaled(self, factor: float) -> Costs:
         """Every time and size multiplied by ``factor`` (e.g. 1/v to split a rank's share of the
@@ -133,6 +171,9 @@ class Costs:
             layers=self.layers,
             host=None if self.host is None else self.host.scaled(factor),
             device=None if self.device is None else self.device.scaled(factor),
+            microbatch_weights=self.microbatch_weights,
+            microbatch_weights_i=self.microbatch_weights_i,
+            microbatch_weights_w=self.microbatch_weights_w,
         )
 
     def per_stage(self, num_stages: int) -> StageCosts:
@@ -175,6 +216,9 @@ class Costs:
             layers=_resolve_layers(self.layers, num_stages),
             host=None if self.host is None else self.host.per_stage(num_stages),
             device=None if self.device is None else self.device.per_stage(num_stages),
+            microbatch_weights=_weights(self.microbatch_weights, None),
+            microbatch_weights_i=_weights(self.microbatch_weights_i, self.microbatch_weights),
+            microbatch_weights_w=_weights(self.microbatch_weights_w, self.microbatch_weights),
         )
 
 
@@ -188,6 +232,11 @@ def _resolve(name: str, value: Cost, num_stages: int) -> tuple[float, ...]:
         if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= MAX_COST:
             raise ValueError(f"cost {name} must be a number in [0, {MAX_COST:g}], got {v!r}")
     return tuple(float(v) for v in values)
+
+
+def _weights(given: Sequence[float] | None, default: Sequence[float] | None) -> tuple[float, ...]:
+    chosen = default if given is None else given
+    return () if chosen is None else tuple(float(w) for w in chosen)
 
 
 def _resolve_fraction(value: Cost, num_stages: int) -> tuple[float, ...]:

@@ -18,7 +18,12 @@ The model (the one the ZB paper, Qi et al. 2024 §2 and Table 2, uses to state i
   and take back (``Timeline``) is ``sim.offload_model``'s: the share in one copy after the
   forward, or layer by layer where a stage has ``layers`` > 1;
 * with ``host`` and ``device`` costs (an eager GPU step), each rank is a host that issues its
-  actions one after another and a device that runs them as they come (``schedule.execute``).
+  actions one after another and a device that runs them as they come (``schedule.execute``);
+* with ``microbatch_weights`` (and its ``_i``, ``_w``), an F, I or W of micro-batch ``m`` lasts
+  its stage's cost times that kind's weight of ``m``, a B its I and W shares so weighted, an
+  overlapped pair its parts so weighted (a measured pair's time scaled alike): a step of
+  unequal micro-batches (packed documents of unequal attention work, ``planner.varlen``) is
+  priced as such; memory and copies are not weighted (``sim.costs``).
 
 Activations are accounted by the ``Timeline`` (held from the start of F to the end of the last
 backward piece, times the stage's activation size). The event loop is ``schedule.execute``, the
@@ -26,6 +31,8 @@ same one lowering uses; this module supplies the durations and latencies.
 """
 
 from __future__ import annotations
+
+from statistics import fmean
 
 from pipetrain.schedule.action import Action, OpKind
 from pipetrain.schedule.execute import run
@@ -59,9 +66,50 @@ def duration(action: Action, costs: StageCosts) -> float:
             raise TypeError(f"communication has no duration of its own: {action}")
 
 
+def weight(action: Action, costs: StageCosts) -> float:
+    """The factor on a compute action's time from its micro-batch's weights: a B's is its I's and
+    W's weights averaged by their costs, an overlapped pair's its parts' averaged by theirs (the
+    plain mean where the shares cost nothing)."""
+    if action.parts:
+        return _blend([(duration(p, costs), weight(p, costs)) for p in action.parts])
+    mb, stage = action.microbatch, action.stage
+    match action.kind:
+        case OpKind.W:
+            return costs.microbatch_weights_w[mb]
+        case OpKind.B:
+            return _blend(
+                [
+                    (costs.backward_input[stage], costs.microbatch_weights_i[mb]),
+                    (costs.backward_weight[stage], costs.microbatch_weights_w[mb]),
+                ]
+            )
+        case OpKind.I:
+            return costs.microbatch_weights_i[mb]
+        case _:
+            return costs.microbatch_weights[mb]
+
+
+def _blend(shares: list[tuple[float, float]]) -> float:
+    total = sum(cost for cost, _ in shares)
+    if total <= 0:
+        return fmean(w for _, w in shares)
+    return sum(cost * w for cost, w in shares) / total
+
+
 def simulate(program: Program, costs: Costs | None = None) -> Timeline:
     """Predict the timeline of one step of ``program``; raises ``ScheduleError`` on deadlock."""
     sc = (costs or Costs()).per_stage(program.num_stages)
+    weights = sc.microbatch_weights
+    for name, given in (
+        ("", weights),
+        ("_i", sc.microbatch_weights_i),
+        ("_w", sc.microbatch_weights_w),
+    ):
+        if given and len(given) != program.num_microbatches:
+            raise ValueError(
+                f"costs microbatch_weights{name} has {len(given)} values; give one per "
+                f"micro-batch ({program.num_microbatches})"
+            )
     # The event loop asks a plain action's duration and a value's latency once per stage (they
     # depend on kind and stage only), so neither costs a call per action.
     offload = offload_stages(sc, program.num_stages)
@@ -74,6 +122,7 @@ def simulate(program: Program, costs: Costs | None = None) -> Timeline:
         None
         if host is None or device is None
         else lambda action: (duration(action, host), duration(action, device)),
+        None if not weights else lambda action: weight(action, sc),
     )
     return Timeline(
         num_ranks=program.num_ranks,

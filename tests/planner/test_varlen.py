@@ -8,7 +8,23 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipetrain.planner.varlen import LengthCost, StepPack, pack_step
+from pipetrain.planner.costs_file import (
+    CostsFileError,
+    LayerCost,
+    ModelCosts,
+    load_costs,
+    parse_costs,
+    save_costs,
+)
+from pipetrain.planner.varlen import (
+    LengthCost,
+    StepPack,
+    arrange_microbatches,
+    fit_length_cost,
+    model_length_cost,
+    pack_step,
+    with_length_costs,
+)
 
 
 @st.composite
@@ -121,3 +137,121 @@ def test_refuses_what_it_cannot_pack(lengths, kw, match) -> None:
         pack_step(lengths, balanced=True, **args)
     with pytest.raises(ValueError, match="per_token_sq must be a finite number >= 0"):
         LengthCost(1.0, -1.0)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.floats(0.0, 10.0),
+    st.floats(0.0, 1e-2),
+    st.lists(st.integers(1, 8192), min_size=2, max_size=6, unique=True),
+)
+def test_a_fit_on_exact_times_recovers_the_coefficients(a, b, lengths) -> None:
+    times = [a * n + b * n * n for n in lengths]
+    fit = fit_length_cost(lengths, times)
+    for n, t in zip(lengths, times, strict=True):
+        assert fit.of(n) == pytest.approx(t, rel=1e-6, abs=1e-9)
+    assert fit.per_token == pytest.approx(a, rel=1e-5, abs=1e-9)
+    assert fit.per_token_sq == pytest.approx(b, rel=1e-5, abs=1e-12)
+
+
+def test_a_fit_holds_a_negative_coefficient_at_zero() -> None:
+    # times linear in n with noise that an unconstrained fit reads as a negative n² term
+    fit = fit_length_cost([512, 1024, 2048], [1.0, 2.0, 3.9])
+    assert fit.per_token_sq == 0.0
+    assert fit.per_token == pytest.approx(
+        (512 + 2 * 1024 + 3.9 * 2048) / (512**2 + 1024**2 + 2048**2)
+    )
+    with pytest.raises(ValueError, match="two or more distinct lengths"):
+        fit_length_cost([512, 512], [1.0, 1.0])
+
+
+def test_length_costs_are_written_per_layer_and_summed_for_the_model(tmp_path) -> None:
+    def measured(n: int) -> ModelCosts:
+        # two rows per micro-batch; layer 0 linear, layer 1 with an attention term
+        return ModelCosts(
+            layers=(
+                LayerCost(
+                    name="embed",
+                    forward=2e-3 * n,
+                    backward_input=None,
+                    backward_weight=None,
+                    backward=2e-3 * n,
+                    activation=1.0,
+                    params=1.0,
+                ),
+                LayerCost(
+                    name="block",
+                    forward=2 * (1e-3 * n + 1e-6 * n * n),
+                    backward_input=None,
+                    backward_weight=None,
+                    backward=4 * (1e-3 * n + 1e-6 * n * n),
+                    activation=1.0,
+                    params=1.0,
+                ),
+            )
+        )
+
+    costs = with_length_costs({n: measured(n) for n in (64, 128, 256)}, at=128, rows=2)
+    assert costs.layers[0].forward == measured(128).layers[0].forward
+    assert costs.layers[0].per_token == pytest.approx(2e-3)
+    assert costs.layers[0].per_token_sq == pytest.approx(0.0, abs=1e-12)
+    assert costs.layers[1].per_token == pytest.approx(3e-3)
+    assert costs.layers[1].per_token_sq == pytest.approx(3e-6)
+    whole = model_length_cost(costs)
+    assert (whole.per_token, whole.per_token_sq) == pytest.approx((5e-3, 3e-6))
+    path = tmp_path / "costs.json"
+    save_costs(costs, path)
+    assert load_costs(path) == costs
+    assert costs.meta["length_cost"] == {"seq_lens": [64, 128, 256], "rows": 2, "at": 128}
+    with pytest.raises(ValueError, match="profile with pipetrain profile --seq-lens"):
+        model_length_cost(measured(128))
+    with pytest.raises(ValueError, match="no costs measured at sequence length 100"):
+        with_length_costs({n: measured(n) for n in (64, 128)}, at=100, rows=2)
+
+
+def test_a_costs_file_gives_per_token_and_per_token_sq_together() -> None:
+    layer = {"name": "b", "forward": 1, "backward": 2, "activation": 1, "params": 1}
+    with pytest.raises(CostsFileError, match=r"layers\[0\].per_token_sq: missing"):
+        parse_costs({"version": 2, "layers": [{**layer, "per_token": 0.1}]})
+    with pytest.raises(CostsFileError, match="a version 2 field in a version 1 file"):
+        parse_costs({"version": 1, "layers": [{**layer, "per_token": 0.1, "per_token_sq": 0}]})
+    old = parse_costs({"version": 2, "layers": [layer]})
+    assert old.layers[0].per_token is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(steps(), st.integers(1, 3))
+def test_arranging_deals_whole_micro_batches_to_replicas_lightest_first(case, replicas) -> None:
+    lengths, microbatches, rows, seq_len, cost = case
+    packed = pack_step(
+        lengths,
+        microbatches=microbatches * replicas,
+        rows=rows,
+        seq_len=seq_len,
+        cost=cost,
+        balanced=True,
+    )
+    arranged = arrange_microbatches(packed, lengths, cost, seq_len=seq_len, replicas=replicas)
+    assert sorted(arranged.microbatches) == sorted(packed.microbatches)
+    assert arranged.left_over == packed.left_over
+    costs = arranged.costs(lengths, cost, padded_to=seq_len)
+    groups = [costs[r * microbatches : (r + 1) * microbatches] for r in range(replicas)]
+    assert all(list(g) == sorted(g) for g in groups), "each replica lightest first"
+    sums = [sum(g) for g in groups]
+    # dealt dearest first to the cheapest replica: replicas differ by at most the dearest one
+    assert max(sums) - min(sums) <= max(costs) + 1e-9 * max(1.0, max(sums))
+
+
+def test_arranging_refuses_an_uneven_split() -> None:
+    packed = pack_step(
+        [3, 3, 3], microbatches=3, rows=1, seq_len=4, cost=LengthCost(), balanced=True
+    )
+    with pytest.raises(ValueError, match="3 micro-batches do not split evenly over 2 replicas"):
+        arrange_microbatches(packed, [3, 3, 3], LengthCost(), seq_len=4, replicas=2)
+
+
+def test_padded_costs_refuse_a_row_longer_than_the_padding() -> None:
+    packed = pack_step([6, 2], microbatches=1, rows=1, seq_len=8, cost=LengthCost(), balanced=False)
+    assert packed.costs([6, 2], LengthCost(2.0, 1.0), padded_to=8) == (2.0 * 8 + 36 + 4,)
+    with pytest.raises(ValueError, match="a row holds 8 tokens, more than padded_to=4"):
+        packed.costs([6, 2], LengthCost(), padded_to=4)
