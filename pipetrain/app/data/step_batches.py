@@ -5,8 +5,9 @@ Documents are read as a stream: epoch ``e`` is a permutation of all documents dr
 ``(seed, e)``, and the epochs follow each other. A step offers the planner the documents the
 previous step left over, first, then the next ones of the stream until they hold a whole
 step's tokens; ``pipetrain.planner.varlen.pack_step`` decides which go into which micro-batch and
-row (length-aware when ``balanced``, next-fit in order otherwise), and the rest is left over for
-the next step. Planning reads only lengths, so step ``s`` is found by replaying the plans of
+row (length-aware when ``balanced``, next-fit in order otherwise; balanced micro-batches are then
+dealt to the replicas so their costs match and each replica runs its lightest first,
+``arrange_microbatches``), and the rest is left over for the next step. Planning reads only lengths, so step ``s`` is found by replaying the plans of
 steps ``0 .. s-1`` (cheap) and building only the rows of ``s``: a resumed run sees exactly the
 batches of the uninterrupted one.
 
@@ -31,7 +32,7 @@ import torch
 from pipetrain.app.data.data_options import DataOptions
 from pipetrain.app.data.packing import packed_rows, padded_rows
 from pipetrain.app.data.token_cache import TokenCorpus
-from pipetrain.planner.varlen import LengthCost, pack_step
+from pipetrain.planner.varlen import LengthCost, arrange_microbatches, pack_step
 
 #: the default cost: a document costs its tokens (what balances rows when attention is cheap)
 LINEAR = LengthCost()
@@ -228,14 +229,19 @@ def _plan(
             break
         offered.append(index)
         room -= int(lengths[index])
+    offered_lengths = [int(lengths[i]) for i in offered]
     pack = pack_step(
-        [int(lengths[i]) for i in offered],
+        offered_lengths,
         microbatches=shape.groups,
         rows=shape.microbatch_size,
         seq_len=options.seq_len,
         cost=cost,
         balanced=options.balanced,
     )
+    if options.balanced:  # replicas of equal cost, each running its lightest micro-batch first
+        pack = arrange_microbatches(
+            pack, offered_lengths, cost, seq_len=options.seq_len, replicas=shape.dp
+        )
     rows = tuple(tuple(offered[k] for k in row) for mb in pack.microbatches for row in mb)
     return rows, [offered[k] for k in pack.left_over]
 
