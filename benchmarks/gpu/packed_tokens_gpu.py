@@ -14,7 +14,11 @@ trained on the text) and a text file of short lines (5 to 40 words each), then r
 * ``packed``: ``pipetrain train`` with its defaults (documents packed, length-aware
   micro-batches);
 * ``plain``: a loop over ``AutoModelForCausalLM`` on the rows ``pipetrain.app.data`` gives the
-  packed run for the same steps, each micro-batch's forward and backward in turn, then AdamW.
+  packed run for the same steps, each micro-batch's forward and backward in turn, the gradient
+  norm (which pipetrain measures for ``--metrics``), then AdamW.
+
+``--runs`` names the launches in order (e.g. ``plain,packed,packed,plain``: each kind both early
+and late in the call); a ratio is over the median of the plain launches.
 
 Each run's real tokens per second is the median over its timed steps (the first ``--warmup``
 steps dropped). The two pipetrain runs report theirs through ``--metrics``; the plain loop
@@ -173,6 +177,8 @@ def run_plain(folder: Path, text: Path, p: dict, out: Path, attention: str) -> l
                 logits.flatten(0, 1).float(), targets[rows].flatten(), reduction="sum"
             )
             (loss / count).backward()
+        # the norm a loop logs (pipetrain measures it for --metrics): one pass over the grads
+        torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
         opt.step()
         sync(device)
         dt = time.perf_counter() - t0
@@ -222,26 +228,30 @@ def main() -> None:
         write_folder(folder, text, p)
     attention = "flex_attention" if p["device"] == "cuda" else "sdpa"
     rows = []
-    for name in args.runs.split(","):
+    for launch, name in enumerate(args.runs.split(",")):
         if name == "plain":
-            rows.append(summary(name, run_plain(folder, text, p, out, attention), p["warmup"]))
+            row = summary(name, run_plain(folder, text, p, out, attention), p["warmup"])
         else:
             extra = ["--packing", "none"] if name == "padded" else []
-            rows.append(
-                summary(name, run_pipetrain(name, folder, text, p, out, extra), p["warmup"])
-            )
+            lines = run_pipetrain(f"{name}-{launch}", folder, text, p, out, extra)
+            row = summary(name, lines, p["warmup"])
+        rows.append(row | {"launch": launch})
     result = {"preset": args.preset, "shape": p, "attention": attention, "rows": rows}
     (out / "packed_tokens.json").write_text(json.dumps(result, indent=1))
-    plain = next((r["tok_per_s"] for r in rows if r["run"] == "plain" and "tok_per_s" in r), None)
-    print(f"{'run':8} {'tok/s':>10} {'x plain':>8} {'padding':>8} {'mfu':>6}")
+    plains = [r["tok_per_s"] for r in rows if r["run"] == "plain" and "tok_per_s" in r]
+    plain = statistics.median(plains) if plains else None
+    print("x plain: over the median of the plain launches")
+    print(f"{'launch':6} {'run':8} {'tok/s':>10} {'x plain':>8} {'padding':>8} {'mfu':>6}")
     for r in rows:
         if r.get("failed"):
-            print(f"{r['run']:8} failed (see {r['run']}.log)")
+            print(f"{r['launch']:<6} {r['run']:8} failed (see its log)")
             continue
         ratio = f"{r['tok_per_s'] / plain:.3f}" if plain else "-"
         pad = f"{r['padding_share']:.1%}" if "padding_share" in r else "-"
         mfu = f"{r['mfu']:.1%}" if "mfu" in r else "-"
-        print(f"{r['run']:8} {r['tok_per_s']:>10,.0f} {ratio:>8} {pad:>8} {mfu:>6}")
+        print(
+            f"{r['launch']:<6} {r['run']:8} {r['tok_per_s']:>10,.0f} {ratio:>8} {pad:>8} {mfu:>6}"
+        )
 
 
 if __name__ == "__main__":
