@@ -88,9 +88,12 @@ def test_an_os_error_is_named_by_errno_and_path_wherever_it_is_in_the_chain(tmp_
         assert cause_of(outer) == "OSError EFBIG (File too large)"
 
     class Collected(BaseException):  # as torch.distributed.checkpoint's CheckpointException
-        failures = {1: (PermissionError(errno.EACCES, "Permission denied", "/x"), None)}
+        def __init__(self, message: str, failures: dict) -> None:
+            super().__init__(message)
+            self.failures = failures
 
-    assert cause_of(Collected("two ranks failed\nTraceback...")) == (
+    denied = {1: (PermissionError(errno.EACCES, "Permission denied", "/x"), None)}
+    assert cause_of(Collected("two ranks failed\nTraceback...", denied)) == (
         "PermissionError EACCES (Permission denied): /x"
     )
     assert cause_of(ValueError("bad\nmore")) == "ValueError: bad"
