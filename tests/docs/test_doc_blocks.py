@@ -1,0 +1,141 @@
+"""Every python, sh and bash block of the README and docs/*.md runs in the test suite, or says on
+the line above it why not (``<!-- not run: REASON -->``: GPUs, several machines, installs).
+
+The command blocks run in one folder, in the documentation's order (a plan written by one block
+is the one a later block trains with), each distinct command once, ``pipetrain`` in this
+process (its workers are processes of their own); where a block reads a released model's folder
+(Llama-3.2-1B) a tiny folder of that name stands in. The python blocks run here or in
+``test_readme_runs.py``, each after a prelude that makes what its text assumes
+(``readme_cases``)."""
+
+from __future__ import annotations
+
+import contextlib
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from readme_cases import (
+    CLOSE_WITH,
+    FACTORY_SPLIT,
+    FINE_TUNING,
+    FROM_PLAN,
+    LOGGING,
+    PROFILER,
+    ROOT,
+    TENSOR_PARALLEL,
+    block_code,
+    commands,
+    doc_blocks,
+    run_four_rank_blocks,
+    run_two_rank_blocks,
+)
+from runtime_harness import launch
+
+#: python blocks run by tests/docs/test_readme_runs.py
+RUN_IN_README_TESTS = {
+    'README.md: dist.init_process_group("nccl")',
+    "README.md: layers = pipetrain.hf.causal_lm_layers(model)",
+    'README.md: program = validate(lower(build_schedule("zbv", num_ranks=4, num_microbatches=8)))',
+    'docs/training.md: layers = {"embed": Embed(), **{f"blocks.{i}": Block() for i in range(L)}, '
+    '"head": Head()}',
+    "docs/planning.md: costs = pipetrain.profile(layers, sample_microbatch, loss_fn=loss, "
+    'target=targets, path="costs.json")',
+}
+#: python blocks run here
+RUN_HERE = {FROM_PLAN, FACTORY_SPLIT, TENSOR_PARALLEL, CLOSE_WITH, PROFILER, LOGGING, FINE_TUNING}
+
+
+def test_every_block_runs_or_says_why_not() -> None:
+    blocks = doc_blocks()
+    keys = [b.key for b in blocks]
+    assert len(set(keys)) == len(keys), "two blocks share a first line: name them apart"
+    for block in blocks:
+        where = f"{block.doc}:{block.line}"
+        if block.not_run is not None:
+            assert len(block.not_run.split()) >= 2, f"{where}: say why it is not run"
+        elif block.language == "python":
+            assert block.key in RUN_IN_README_TESTS | RUN_HERE, f"{where}: no test runs it"
+    runnable = {b.key for b in blocks if b.not_run is None}
+    assert RUN_IN_README_TESTS | RUN_HERE <= runnable, "a test runs a block that is gone"
+    print("not run:", *(f"{b.doc}:{b.line}: {b.not_run}" for b in blocks if b.not_run), sep="\n")
+
+
+def test_the_logging_block_runs() -> None:
+    code = block_code(LOGGING) + "import logging\nlogging.getLogger('pipetrain.x').info('heard')\n"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "pipetrain.x heard" in done.stderr, done.stderr
+
+
+@pytest.mark.slow
+def test_the_two_rank_python_blocks_run(tmp_path: Path) -> None:
+    results = launch(2, run_two_rank_blocks, str(tmp_path), timeout=180)
+    for said in results:
+        assert said["closed"] and said["profiled"] and said["exported"], said
+        assert 0 < said["loss"] < 10 and 0 < said["fine_tuned"] < 10, said
+    assert results[0]["fine_tuned"] == results[1]["fine_tuned"], results
+
+
+@pytest.mark.slow
+def test_the_four_rank_python_blocks_run(tmp_path: Path) -> None:
+    results = launch(4, run_four_rank_blocks, str(tmp_path), timeout=240)
+    for name in ("from_plan", "factory", "tensor_parallel"):
+        losses = {r[name] for r in results}
+        assert len(losses) == 1 and 0 < losses.pop() < 100, (name, results)
+
+
+def _tiny_released_model(folder: Path) -> None:
+    """A tiny Llama folder named Llama-3.2-1B (with a tokenizer, rows of 512 tokens) and a text."""
+    from finetune_cases import tokenizer
+    from readme_cases import _tiny_llama
+
+    from pipetrain.app.models.data import make_corpus
+
+    _tiny_llama(2, positions=512).save_pretrained(folder / "Llama-3.2-1B")
+    tokenizer().save_pretrained(folder / "Llama-3.2-1B")
+    (folder / "data.txt").write_bytes(make_corpus()[:20_000])
+
+
+def _run_command(line: str, folder: Path, capfd) -> str:
+    """Run one documented command in ``folder`` (``> FILE`` redirects its output); its output."""
+    from pipetrain.cli.commands import main
+
+    words = shlex.split(line, comments=True)
+    target = None
+    if ">" in words:
+        at = words.index(">")
+        words, target = words[:at], words[at + 1]
+    assert words[0] == "pipetrain", f"{line}: only pipetrain commands run here"
+    with contextlib.ExitStack() as stack:
+        if target is not None:
+            out = stack.enter_context((folder / target).open("w"))
+            stack.enter_context(contextlib.redirect_stdout(out))
+        status = main(words[1:])
+    said = capfd.readouterr()
+    assert status == 0, f"{line}: exit {status}\n{said.out[-3000:]}\n{said.err[-3000:]}"
+    return said.err
+
+
+@pytest.mark.slow
+def test_the_command_blocks_run(tmp_path: Path, monkeypatch, capfd) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    _tiny_released_model(tmp_path)
+    ran: set[tuple[str, ...]] = set()
+    for block in doc_blocks():
+        if block.language == "python" or block.not_run is not None:
+            continue
+        for line in commands(block):
+            words = tuple(shlex.split(line, comments=True))
+            if words in ran:
+                continue
+            ran.add(words)
+            errors = _run_command(line, tmp_path, capfd)
+            assert "Traceback" not in errors, f"{block.doc}:{block.line}: {line}\n{errors}"
+    assert len(ran) >= 10, ran
