@@ -281,10 +281,10 @@ def _tell_peers(config: TrainConfig, error: BaseException) -> None:
 
 
 def _leave_without_teardown(status: int, said: str, stream) -> NoReturn:
-    """End a worker that stopped on NCCL, now, without meeting its peers or destroying its
-    groups: a peer may be blocked on the device for good (waiting for a transfer this rank will
-    never send — inside a replayed CUDA graph, or behind its launch queue), and both the barrier
-    and the communicators' destruction would wait for it. The launcher (``app.processes``) stops
+    """End a worker that stopped on NCCL (or failed, on any backend), now, without meeting its
+    peers or destroying its groups: a peer may be blocked on the device for good (waiting for a
+    transfer this rank will never send — inside a replayed CUDA graph, or behind its launch
+    queue), and both the barrier and the communicators' destruction would wait for it. The launcher (``app.processes``) stops
     the others once this process has exited. ``said`` (refusals, the same on every rank) is
     printed by rank 0; another rank prints it only if rank 0 has not within ``_SAID_WAIT_S``
     (rank 0 may be the blocked one)."""
