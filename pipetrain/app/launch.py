@@ -13,9 +13,11 @@ torchrun sets — gloo on CPU, NCCL with a GPU per process — each running this
 the flags that reproduce the config (``TrainConfig.argv``). A worker sets up its device and the
 process group, runs the training loop (``app.train``) and, on rank 0, prints the report
 (``app.report``). ``app.processes`` supervises them: a stop signal to the launcher stops them all
-(exit 128 + the signal), a worker killed by a signal is named. Exit status: 0; 2 for bad input
-or a configuration the pipeline refuses (the library's message, no traceback); 1 when the run
-stopped (a loss that is not finite, a worker killed); else the first failed worker's status.
+(exit 128 + the signal), a worker killed by a signal is named. A worker that fails writes its
+traceback to its log and the launcher prints the cause in one line (``app.failure_logs``). Exit
+status: 0; 2 for bad input or a configuration the pipeline refuses (the library's message, no
+traceback); 1 when the run stopped (a loss that is not finite, a worker killed, a worker
+failed).
 How many processes a run has, and along which dimensions, is ``process_grid``'s alone.
 
 torch is imported inside functions only, so ``pipetrain --help`` stays fast.
@@ -28,9 +30,10 @@ import math
 import os
 import sys
 import time
-import traceback
+from typing import NoReturn
 
-from pipetrain.app.checkpoints import incomplete_checkpoints, latest_pointer
+from pipetrain.app import failure_logs
+from pipetrain.app.checkpoints import incomplete_checkpoints, latest_complete, latest_pointer
 from pipetrain.app.config import Device, TrainConfig, check_arguments
 from pipetrain.app.processes import Ended, signal_name, start_processes, watch_launcher
 from pipetrain.app.train import NonFinite, Refused, train
@@ -42,6 +45,7 @@ def run_train(config: TrainConfig) -> int:
     """Launch the workers (outside torchrun) or be one (inside); return the exit status."""
     if config.worker:
         watch_launcher()  # first: a launcher gone while this one starts up is noticed
+    _quiet_import_notices()  # before the checks, which import transformers for --model-dir
     try:
         layout = check_arguments(config)
     except ValueError as e:
@@ -100,6 +104,7 @@ def _launch(config: TrainConfig, layout: Layout) -> int:
         print(f"note: ignoring {path}: an incomplete checkpoint (a run stopped while writing it)")
     sys.stdout.flush()
     cmd = [sys.executable, "-m", "pipetrain", "train", *worker_argv, "--worker"]
+    failure_logs.clear_logs(failure_logs.log_folder(config))
     ended = start_processes(processes, cmd, worker_environment(processes))
     status, message = _outcome(ended, config)
     if message:
@@ -148,10 +153,15 @@ def _outcome(ended: Ended, config: TrainConfig) -> tuple[int, str]:
             1,
             f"error: {who} killed by {name}{why}; the other workers were stopped{_kept(config)}",
         )
-    return ended.status, (
-        f"error: {who} exited with status {ended.status} (its error is above); the other workers "
-        f"were stopped{_kept(config)}"
-    )
+    logs = failure_logs.log_folder(config)
+    found = failure_logs.read_cause(logs)
+    if found is None:  # no worker could write its log: it printed its traceback
+        return ended.status, (
+            f"error: {who} exited with status {ended.status} (its error is above); the other "
+            f"workers were stopped{_kept(config)}"
+        )
+    rank, cause = found
+    return ended.status, f"error: rank {rank} failed: {cause}{_good(config)}; logs: {logs}/"
 
 
 def _kept(config: TrainConfig) -> str:
@@ -160,6 +170,14 @@ def _kept(config: TrainConfig) -> str:
         return ""
     latest = latest_pointer(config.checkpoint_dir)  # a file read: no time lost stopping
     return f"; latest checkpoint: {latest}" if latest is not None else ""
+
+
+def _good(config: TrainConfig) -> str:
+    """The latest checkpoint whose files are all there, to resume from after a failure."""
+    if config.checkpoint_dir is None:
+        return ""
+    good = latest_complete(config.checkpoint_dir)
+    return f"; latest good checkpoint: {good}" if good is not None else "; no checkpoint written"
 
 
 def _describe(layout: Layout, plan_file: str | None) -> str:
@@ -198,8 +216,6 @@ def _worker(config: TrainConfig, layout: Layout) -> int:
     import torch
     import torch.distributed as dist
 
-    _quiet_import_notices()
-
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device_kind = _resolve_device(config, layout)
     if device_kind == "cuda":
@@ -217,15 +233,15 @@ def _worker(config: TrainConfig, layout: Layout) -> int:
         try:
             run = train(config, device)
             status, said, stream = 0, run.report, sys.stdout
-        except (Refused, PipelineRefused) as e:  # the same on every rank
+        except (Refused, PipelineRefused) as e:  # the same on every rank, once they hear of it
+            _tell_peers(config, e)  # a refusal of this rank's alone (before its pipeline)
             status, said, stream = _REFUSED, f"pipetrain train: error: {e}", sys.stderr
         except NonFinite as e:  # the same on every rank: every rank has the same loss
             status, said, stream = _STOPPED, f"pipetrain train: error: {e}", sys.stderr
-        except Exception:
-            if device.type != "cuda":
-                raise  # gloo: the peers heard of it and fail too; each prints its traceback
-            traceback.print_exc()
-            status, said, stream = 1, "", sys.stderr
+        except BaseException as e:  # torch.distributed.checkpoint's failures are BaseExceptions
+            if isinstance(e, (SystemExit, KeyboardInterrupt)):
+                raise
+            _failed(config, e)
         if status != 0 and device.type == "cuda":
             _leave_without_teardown(status, said, stream)
         if dist.get_rank() == 0:
@@ -238,11 +254,37 @@ def _worker(config: TrainConfig, layout: Layout) -> int:
         dist.destroy_process_group()
 
 
-def _leave_without_teardown(status: int, said: str, stream) -> None:
-    """End a worker that stopped on NCCL, now, without meeting its peers or destroying its
-    groups: a peer may be blocked on the device for good (waiting for a transfer this rank will
-    never send — inside a replayed CUDA graph, or behind its launch queue), and both the barrier
-    and the communicators' destruction would wait for it. The launcher (``app.processes``) stops
+def _failed(config: TrainConfig, error: BaseException) -> NoReturn:
+    """End a worker that failed: its traceback to its log (``app.failure_logs``; printed where
+    the log cannot be written), the peers told (they may be waiting to build their pipeline
+    with this one), then exit at once with status 1. Leaving without teardown closes this
+    process's connections, so a peer blocked on it fails now; the launcher stops the rest."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    if not failure_logs.write_log(failure_logs.log_folder(config), rank, error):
+        import traceback
+
+        traceback.print_exception(error)
+    _tell_peers(config, error)
+    _leave_without_teardown(1, "", sys.stderr)
+
+
+def _tell_peers(config: TrainConfig, error: BaseException) -> None:
+    """Tell the peers building their pipeline that this rank failed before building its own
+    (``runtime.comm.agreement.fail_next_pipeline``), on the default group: the pipeline's own
+    where there is no mesh (``--dp`` and ``--tp`` 1)."""
+    if config.dp == 1 and config.tp == 1:
+        from pipetrain.runtime.comm.agreement import fail_next_pipeline
+
+        fail_next_pipeline(error)
+
+
+def _leave_without_teardown(status: int, said: str, stream) -> NoReturn:
+    """End a worker that stopped on NCCL (or failed, on any backend), now, without meeting its
+    peers or destroying its groups: a peer may be blocked on the device for good (waiting for a
+    transfer this rank will never send — inside a replayed CUDA graph, or behind its launch
+    queue), and both the barrier and the communicators' destruction would wait for it. The launcher (``app.processes``) stops
     the others once this process has exited. ``said`` (refusals, the same on every rank) is
     printed by rank 0; another rank prints it only if rank 0 has not within ``_SAID_WAIT_S``
     (rank 0 may be the blocked one)."""

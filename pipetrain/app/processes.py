@@ -5,7 +5,8 @@ Ctrl-C reaches the launcher alone and the launcher decides what every worker doe
 watches them:
 
 * A worker that ends with a failure stops the others (they would wait for it until their
-  timeout). One that died by a signal is named: ``rank 1 (pid 4242) killed by SIGKILL``, the
+  timeout): they get ``SETTLE_S`` to end on their own first (each hears of the failure and
+  writes its log), then SIGTERM. One that died by a signal is named: ``rank 1 (pid 4242) killed by SIGKILL``, the
   kernel's out-of-memory killer's signal.
 * SIGTERM, SIGINT or SIGHUP to the launcher (``timeout``, ``kill``, Slurm, Kubernetes, Ctrl-C, a
   closed terminal) is forwarded to every worker as SIGTERM; a worker still there after
@@ -35,6 +36,8 @@ from dataclasses import dataclass
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 #: how long a worker may take to end after SIGTERM before it is killed (s)
 GRACE_S = 3.0
+#: how long the others may take to end on their own after a worker failed, before SIGTERM (s)
+SETTLE_S = 1.0
 #: the launcher's pid, in each worker's environment (the parent it must outlive no longer than)
 LAUNCHER_PID = "PIPETRAIN_LAUNCHER_PID"
 _POLL_S = 0.05
@@ -79,6 +82,8 @@ def start_processes(count: int, cmd: list[str], env: dict[str, str]) -> Ended:
             rank_env = {**base, "RANK": str(r), "LOCAL_RANK": str(r)}
             procs[r] = subprocess.Popen(cmd, env=rank_env, start_new_session=True)
         ended = _watch(procs, received)
+        if ended.status != 0 and not ended.signalled:
+            _settle(procs, received)
         _stop(procs, received)
         return ended
     finally:
@@ -104,6 +109,15 @@ def _watch(procs: dict[int, subprocess.Popen[bytes]], received: list[int]) -> En
                 return Ended(code, rank=r, pid=p.pid, signalled=received[0] if received else 0)
         time.sleep(_POLL_S)
     return Ended(0, signalled=received[0] if received else 0)
+
+
+def _settle(procs: dict[int, subprocess.Popen[bytes]], received: list[int]) -> None:
+    """Wait up to ``SETTLE_S`` for every process to end (a signal to the launcher ends it)."""
+    deadline = time.monotonic() + SETTLE_S
+    while time.monotonic() < deadline and not received:
+        if all(p.poll() is not None for p in procs.values()):
+            return
+        time.sleep(_POLL_S)
 
 
 def _stop(procs: dict[int, subprocess.Popen[bytes]], received: list[int]) -> None:
@@ -166,6 +180,7 @@ def _watchdog(launcher: int) -> None:
 __all__ = [
     "GRACE_S",
     "LAUNCHER_PID",
+    "SETTLE_S",
     "STOP_SIGNALS",
     "Ended",
     "signal_name",

@@ -26,8 +26,15 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
-from pipetrain.runtime.comm.failures import Failures, PipelineRefused, first_notice, peer_error
+from pipetrain.runtime.comm.failures import (
+    Failures,
+    PipelineRefused,
+    first_notice,
+    notice_of,
+    peer_error,
+)
 from pipetrain.runtime.comm.p2p import PipelineTimeoutError
 from pipetrain.runtime.torch_compat import store_of
 from pipetrain.schedule.program import Program
@@ -41,6 +48,24 @@ def pipeline_prefix(group, rank: int) -> str:
     """Store-key prefix of this rank's next pipeline on ``group``: ``pipetrain/<n>``."""
     n = store_of(group).add(f"pipetrain/count/{rank}", 1)
     return f"pipetrain/{n}"
+
+
+def fail_next_pipeline(error: BaseException, group=None) -> None:
+    """Tell the peers that this rank failed with ``error`` before building its next pipeline on
+    ``group`` (cutting, loading or placing its layers): their pipeline's first exchange reads
+    the notice and raises at once, naming this rank and ``error`` (``PipelineRefused`` for a
+    ``ValueError``, as construction's own refusals), instead of waiting ``timeout`` for a record
+    this rank never writes. A notice for a pipeline nobody builds is never read, so calling this
+    after any failure is harmless; it never raises (the store may have gone with a peer)."""
+    try:
+        rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+        if world_size < 2:
+            return
+        failures = Failures(group, rank, world_size, pipeline_prefix(group, rank))
+        refused = isinstance(error, ValueError)
+        failures.post(getattr(error, "origin", rank), notice_of(error), refused)
+    except Exception:  # no process group, or its store is gone: nobody is left to tell
+        pass
 
 
 class Agreement:
