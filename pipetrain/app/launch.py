@@ -45,7 +45,7 @@ def run_train(config: TrainConfig) -> int:
     """Launch the workers (outside torchrun) or be one (inside); return the exit status."""
     if config.worker:
         watch_launcher()  # first: a launcher gone while this one starts up is noticed
-    _quiet_import_notices()  # before the checks, which import transformers for --model-dir
+    quiet_import_notices()  # before the checks, which import transformers for --model-dir
     try:
         layout = check_arguments(config)
     except ValueError as e:
@@ -199,7 +199,7 @@ _REFUSED = 3
 _STOPPED = 4
 
 
-def _quiet_import_notices() -> None:
+def quiet_import_notices() -> None:
     """Keep notices that say nothing about the run out of a worker's output. ``transformers``
     imports torchao where it is installed (its quantizer registry): torchao warns for each
     prebuilt CUDA extension it cannot load on this machine, and torch warns that torchao's pytree
@@ -216,6 +216,10 @@ def _worker(config: TrainConfig, layout: Layout) -> int:
     import torch
     import torch.distributed as dist
 
+    if config.deterministic:  # before CUDA starts: cuBLAS reads its workspace setting then
+        from pipetrain.runtime.deterministic import use_deterministic_algorithms
+
+        use_deterministic_algorithms()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device_kind = _resolve_device(config, layout)
     if device_kind == "cuda":

@@ -343,12 +343,29 @@ def _pipeline(
     1, the layers tensor-parallelized by the Llama family's plan), and its data-parallel
     replica; ``Refused`` with the pipeline's message when it refuses. ``model`` None: the
     ``--model-dir`` folder's stages (``app.model_folder``)."""
+    placement, replica = _placement(config, layout, device)
+    try:
+        return _build_pipeline(config, layout, model, device, placement), replica
+    except BaseException as e:
+        if "mesh" in placement:  # a failure of this rank's alone: its stage's peers hear now
+            from pipetrain.runtime.comm.agreement import fail_next_pipeline
+
+            fail_next_pipeline(e, placement["mesh"]["pp"].get_group())
+        raise
+
+
+def _build_pipeline(
+    config: TrainConfig,
+    layout: Layout,
+    model: LayerModel | None,
+    device: torch.device,
+    placement: dict[str, Any],
+) -> Pipeline:
     from datetime import timedelta
 
     from pipetrain.app import kernels
     from pipetrain.runtime.pipeline import Pipeline
 
-    placement, replica = _placement(config, layout, device)
     tp_mesh = placement["mesh"]["tp"] if config.tp > 1 else None
     options: dict[str, Any] = dict(
         device=device,
@@ -377,7 +394,7 @@ def _pipeline(
                 offload=layout.offload_spec,  # from_plan's own, for the folder's stages
                 **options,
             )
-            return pipe, replica
+            return pipe
         tied = bool(model.tied)
         if tp_mesh is not None:
             from pipetrain.hf import parallelize_causal_lm
@@ -395,7 +412,7 @@ def _pipeline(
         what = "--tie-embeddings" if model is not None else "the folder's tied embeddings"
         flags = f"{what} with --dp {config.dp}: " if tied and config.dp > 1 else ""
         raise Refused(flags + str(e)) from None
-    return pipe, replica
+    return pipe
 
 
 def _placement(

@@ -109,6 +109,9 @@ def options() -> tuple[Option, ...]:
 
 def run(args: argparse.Namespace) -> int:
     require_torch()
+    from pipetrain.app.launch import quiet_import_notices
+
+    quiet_import_notices()
     import torch
 
     if args.repeats < 1 or args.context < 1:

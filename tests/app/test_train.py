@@ -300,7 +300,7 @@ def test_a_worker_keeps_import_notices_that_say_nothing_of_the_run_out_of_its_ou
     """transformers imports torchao where it is installed; on a machine without the CUDA kernels
     torchao's extensions target, torchao and torch print warnings a worker keeps out."""
     pytest.importorskip("transformers")
-    quiet = "from pipetrain.app.launch import _quiet_import_notices; _quiet_import_notices(); "
+    quiet = "from pipetrain.app.launch import quiet_import_notices; quiet_import_notices(); "
     code = quiet + "from transformers import LlamaForCausalLM"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

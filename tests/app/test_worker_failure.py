@@ -64,9 +64,6 @@ def test_a_failed_checkpoint_write_is_one_line_naming_the_cause(full_disk) -> No
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True, reason="needs the checkpoint writer that removes its .partial folder on failure"
-)
 def test_a_failed_checkpoint_write_leaves_no_partial_folder(full_disk) -> None:
     folder, done = full_disk
     assert done.returncode == 1, done.stderr

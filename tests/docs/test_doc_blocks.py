@@ -203,7 +203,6 @@ def test_the_command_blocks_run(block, shared: dict, tmp_path: Path, monkeypatch
             path.replace(shared["folder"] / path.name)
 
 
-@pytest.mark.xfail(strict=True, reason="needs pipetrain.profile to take a {name: layer} dict")
 def test_the_planning_block_profiles_the_layers_by_name(tmp_path: Path, monkeypatch) -> None:
     """docs/planning.md's first block with ``layers`` as ``from_plan`` takes them below it (and
     ``pipetrain.hf.causal_lm_layers`` gives them): a mapping name → layer."""
