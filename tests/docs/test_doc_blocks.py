@@ -98,16 +98,32 @@ def test_the_four_rank_python_blocks_run(tmp_path: Path) -> None:
         assert len(losses) == 1 and 0 < losses.pop() < 100, (name, results)
 
 
+#: a chat template for the stand-in tokenizer (its characters are the corpus's)
+CHAT_TEMPLATE = "{% for m in messages %}{{ m.role }} = {{ m.content }} {% endfor %}"
+
+
 def _tiny_released_model(folder: Path) -> None:
-    """A tiny Llama folder named Llama-3.2-1B (with a tokenizer, rows of 512 tokens) and a text."""
+    """A tiny Llama folder named Llama-3.2-1B (with a tokenizer that has a chat template, rows
+    of 512 tokens), a text, and chat and held-out JSONL files of the text's lines."""
     from finetune_cases import tokenizer
     from readme_cases import _tiny_llama
 
     from pipetrain.app.models.data import make_corpus
 
     _tiny_llama(2, positions=512).save_pretrained(folder / "Llama-3.2-1B")
-    tokenizer().save_pretrained(folder / "Llama-3.2-1B")
-    (folder / "data.txt").write_bytes(make_corpus()[:20_000])
+    tok = tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(folder / "Llama-3.2-1B")
+    text = make_corpus()[:20_000]
+    (folder / "data.txt").write_bytes(text)
+    lines = text.decode().splitlines()[:-1]
+    turns = [
+        {"role": role, "content": line}
+        for role, line in zip(("user", "assistant") * len(lines), lines)
+    ]
+    chats = [{"messages": turns[i : i + 2]} for i in range(0, len(turns) - 1, 2)]
+    (folder / "chat.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
+    (folder / "eval.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in lines[:40]))
 
 
 #: what torchao and torch print on import on a machine without torchao's CUDA kernels
