@@ -200,6 +200,13 @@ class TrainConfig:
         return [_flag(name) for name in SHAPE_FIELDS if getattr(self, name) is not None]
 
 
+def flags_given(config: TrainConfig, names: tuple[str, ...]) -> list[str]:
+    """The flags among the fields ``names`` that ``config`` sets to other than their defaults
+    (to name them where they do not apply)."""
+    defaults = TrainConfig()
+    return [_flag(n) for n in names if getattr(config, n) != getattr(defaults, n)]
+
+
 def _field_names() -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(TrainConfig))
 
@@ -291,11 +298,7 @@ def _check_data_flags(config: TrainConfig) -> None:
                 "parquet and datasets folders need a tokenizer: give --model-dir DIR"
             )
     if not folder:
-        given = [
-            _flag(name)
-            for name in FOLDER_DATA_FIELDS
-            if getattr(config, name) != getattr(TrainConfig(), name)
-        ]
+        given = flags_given(config, FOLDER_DATA_FIELDS)
         if given:
             raise ValueError(
                 f"{', '.join(given)} apply to a --model-dir folder's tokenized data; the built-in "

@@ -60,7 +60,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
 def folder_config(config: TrainConfig) -> Any:
     """The ``transformers`` config of ``--model-dir``, checked: a folder with ``config.json`` and
     safetensors files, of a model type ``pipetrain.hf`` supports; ``ValueError`` otherwise."""
-    from pipetrain.app.config import TrainConfig as Defaults
+    from pipetrain.app.config import flags_given
 
     flag = f"--model-dir {config.model_dir}"
     folder = Path(str(config.model_dir))
@@ -75,11 +75,7 @@ def folder_config(config: TrainConfig) -> Any:
             f"{flag} has no safetensors files{held}; pipetrain reads safetensors only "
             "(transformers' save_pretrained writes them)"
         )
-    given = [
-        "--" + name.replace("_", "-")
-        for name in BUILT_IN_MODEL_FIELDS
-        if getattr(config, name) != getattr(Defaults(), name)
-    ]
+    given = flags_given(config, BUILT_IN_MODEL_FIELDS)
     if given:
         raise ValueError(
             f"{flag} gives the model (its config.json): drop {', '.join(given)}, the built-in "
