@@ -301,8 +301,8 @@ def _check_data_flags(config: TrainConfig) -> None:
         given = flags_given(config, FOLDER_DATA_FIELDS)
         if given:
             raise ValueError(
-                f"{', '.join(given)} apply to a --model-dir folder's tokenized data; the built-in "
-                "models read the text's bytes: drop them or give --model-dir DIR"
+                f"{', '.join(given)}: for a --model-dir folder's tokenized data (the built-in "
+                "models read the text's bytes); drop it or give --model-dir DIR"
             )
 
 
