@@ -106,6 +106,17 @@ class Checkpoints:
             hold_on_rank0(self._lock)
         self._holding = True
 
+    def release(self) -> None:
+        """Let the directory's lock go (the end of the run; a process's exit lets it go too)."""
+        self._lock.release()
+        self._holding = False
+
+    def __enter__(self) -> Checkpoints:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
     def save(self, step: int, pipe, optimizer) -> Path:
         """Write step ``step``: every process writes its part (with data parallel, each DDP
         replica offers the same tensors and DCP writes them once; each FSDP2 replica its shards).

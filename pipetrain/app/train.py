@@ -24,6 +24,7 @@ torch is imported inside functions only, so ``pipetrain --help`` stays fast.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Mapping
@@ -106,21 +107,22 @@ def train(config: TrainConfig, device: torch.device) -> Run:
     model = build(config.shape) if config.model_dir is None else None  # None: the folder's
     pipe, replica = _pipeline(config, layout, model, device)
     schedule = resolve_schedule(config)
+    saver = (
+        checkpoints.Checkpoints(
+            config.checkpoint_dir,
+            run_shape(config),
+            overwrite=config.overwrite_checkpoints,
+            verify=config.verify_checkpoint,
+        )
+        if config.checkpoint_dir
+        else None
+    )
     # closed at the end: a captured step (--cuda-graph) holds NCCL's communicators until its
-    # pipeline lets go, and the worker destroys its process group next
-    with pipe:
+    # pipeline lets go, and the worker destroys its process group next; the checkpoint folder's
+    # lock is let go too, so the next run of this process may take it
+    with pipe, saver if saver is not None else contextlib.nullcontext():
         groups = parameter_groups(pipe.parameters(), config.weight_decay)
         opt = torch.optim.AdamW(groups, lr=schedule.lr, betas=(0.9, 0.95))
-        saver = (
-            checkpoints.Checkpoints(
-                config.checkpoint_dir,
-                run_shape(config),
-                overwrite=config.overwrite_checkpoints,
-                verify=config.verify_checkpoint,
-            )
-            if config.checkpoint_dir
-            else None
-        )
         start = _resume(config, saver, pipe, opt, rank)
         pipe.dropout_keys.step = start  # a resumed run draws the straight run's masks
         local = config.microbatch_size * layout.microbatches

@@ -22,7 +22,6 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
 
 from pipetrain.runtime import checkpoint_disk, checksums
 
@@ -37,6 +36,10 @@ def write_folder(
     save), then ``files`` (name → text or bytes, names may hold a subfolder) and ``SHA256SUMS``
     by the coordinator, then the rename. Collective over ``processes`` (``runtime.checkpoint``'s
     ``_dist_args``); raises the same ``OSError`` on every process where any write failed."""
+    # imported here, not with the module: torch.distributed.checkpoint's package keeps the
+    # rendezvous store alive past the end of a script that never destroys its process group
+    from torch.distributed.checkpoint.api import CheckpointException
+
     partial = checkpoint_disk.partial_path(final)
     group = _Group(processes)
     if group.lead:  # what a writer killed earlier left
