@@ -34,8 +34,7 @@ from pipetrain.schedule.offload import insert_offload, offloadable_stages, reloa
 from pipetrain.schedule.program import Program
 from pipetrain.schedule.timeline import Timeline
 from pipetrain.sim.costs import Costs, rank_peak_memory
-from pipetrain.sim.offload_model import reload_timing
-from pipetrain.sim.simulate import simulate
+from pipetrain.sim.simulate import reload_timing, simulate
 
 #: share of the budget kept free by default for what a costs file cannot see: the allocator's
 #: fragmentation (reserved above allocated), NCCL's buffers, the optimizer step's temporaries and
