@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pipetrain.runtime.layers import Stage
+from pipetrain.runtime.named_layers import Stage
 
 #: attributes through which a module passes its dropout probability to a kernel as a float
 FLOAT_DROPOUTS = ("attention_dropout", "dropout", "attn_dropout", "dropout_p")

@@ -72,7 +72,7 @@ from torch import nn
 
 from pipetrain.planner.costs_file import LayerCost, ModelCosts, save_costs
 from pipetrain.runtime import host_link, profile_replay
-from pipetrain.runtime.layers import Stage
+from pipetrain.runtime.named_layers import Stage
 from pipetrain.runtime.profile_clock import Clock, DeviceClock, clock_for
 from pipetrain.runtime.profile_memory import (
     GIB,

@@ -11,7 +11,7 @@ from torch import nn
 
 from pipetrain.runtime import torch_compat
 from pipetrain.runtime.backward.activation_checkpoint import Recomputed
-from pipetrain.runtime.layers import Stage
+from pipetrain.runtime.named_layers import Stage
 from pipetrain.runtime.stage import StageRunner
 
 GIB = float(1 << 30)

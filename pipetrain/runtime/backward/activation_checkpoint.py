@@ -41,7 +41,7 @@ from torch.utils.checkpoint import (
 from pipetrain.planner.recompute import Recompute, StageRecompute, stage_recompute
 from pipetrain.runtime import torch_compat
 from pipetrain.runtime.comm.failures import PipelineRefused
-from pipetrain.runtime.layers import LazyStages, Stage
+from pipetrain.runtime.named_layers import LazyStages, Stage
 
 REENTRANT_NODE = "CheckpointFunctionBackward"
 
