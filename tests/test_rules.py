@@ -86,10 +86,11 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def imports(path: Path) -> Iterator[tuple[int, str, bool]]:
+def imports(path: Path, type_checking: bool = True) -> Iterator[tuple[int, str, bool]]:
     """(line, imported dotted name, lazily?) for every import of a module, at any depth; lazy
-    means inside a function or under ``if TYPE_CHECKING``. ``from a import b`` yields ``a.b``
-    (``b`` may be a module); relative imports are resolved."""
+    means inside a function or under ``if TYPE_CHECKING`` (left out with ``type_checking=False``:
+    those never run). ``from a import b`` yields ``a.b`` (``b`` may be a module); relative
+    imports are resolved."""
     package = dotted(path) if path.name == "__init__.py" else dotted(path)[:-1]
     stack: list[tuple[ast.AST, bool]] = [(ast.parse(path.read_text()), False)]
     while stack:
@@ -102,7 +103,7 @@ def imports(path: Path) -> Iterator[tuple[int, str, bool]]:
             yield from ((node.lineno, f"{module}.{alias.name}", lazy) for alias in node.names)
         inner = lazy or isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda)
         if isinstance(node, ast.If) and _is_type_checking(node.test):
-            stack += [(child, True) for child in node.body]
+            stack += [(child, True) for child in node.body if type_checking]
             stack += [(child, inner) for child in node.orelse]
             continue
         stack += [(child, inner) for child in ast.iter_child_nodes(node)]
@@ -241,3 +242,105 @@ def test_the_file_map_lists_every_package_and_module() -> None:
     problems += [f"remove the line of `{p}`: no such package or module" for p in extra]
     problems += [f"`{p}` is listed more than once" for p in twice]
     assert problems == [], f"{rel(DESIGN)}, section 'File map':\n" + "\n".join(problems)
+
+
+def module_of(name: str) -> str | None:
+    """The module of pipetrain an imported dotted name loads (``a.b.c`` where ``a/b/c.py`` or
+    ``a/b/c/__init__.py`` exists, else its longest such prefix), or None outside pipetrain."""
+    parts = name.split(".")
+    if parts[0] != "pipetrain":
+        return None
+    while parts:
+        path = ROOT.joinpath(*parts)
+        if path.with_suffix(".py").is_file() or (path / "__init__.py").is_file():
+            return ".".join(parts)
+        parts.pop()
+    return None
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the modules of pipetrain it imports: at module level and inside functions alike
+    (an import put off into a function still closes a circle, only later); imports under ``if
+    TYPE_CHECKING`` are left out (they never run: annotations only)."""
+    graph: dict[str, set[str]] = {}
+    for path in modules():
+        me = ".".join(dotted(path))
+        targets = {module_of(name) for _, name, _ in imports(path, type_checking=False)}
+        graph[me] = {t for t in targets if t is not None and t != me}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iteratively), each
+    sorted, each a circle of imports."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            nxt = next(edges, None)
+            if nxt is not None:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph.get(nxt, ())))))
+                elif nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def cycle_in(graph: dict[str, set[str]], component: list[str]) -> list[str]:
+    """One circle through the component's first module, as the modules in import order (the
+    first again at the end), to name in a failure."""
+    members, start = set(component), component[0]
+    paths = {start: [start]}
+    queue = [start]
+    while queue:
+        node = queue.pop(0)
+        for nxt in sorted(graph[node] & members):
+            if nxt == start:
+                return [*paths[node], start]
+            if nxt not in paths:
+                paths[nxt] = [*paths[node], nxt]
+                queue.append(nxt)
+    raise AssertionError(f"{component} is not strongly connected")
+
+
+def test_circles_are_found() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e"}}
+    assert circles(graph) == [["a", "b", "c"]]
+    assert cycle_in(graph, ["a", "b", "c"]) == ["a", "b", "c", "a"]
+    assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    graph = import_graph()
+    problems = [" -> ".join(cycle_in(graph, c)) for c in circles(graph)]
+    assert problems == [], (
+        "import circles (lazy imports included; move what both sides need to where it belongs, "
+        "docs/design.md, Import rules):\n" + "\n".join(problems)
+    )
