@@ -198,6 +198,20 @@ def test_modules_are_small() -> None:
     )
 
 
+def test_no_module_is_packed_to_meet_the_line_cap() -> None:
+    """The formatter's layout is the one the line cap counts: a ``# fmt: skip`` (or ``fmt: off``)
+    that packs lines to fit is refused; a module that needs it has two jobs (habit 10)."""
+    packed = [
+        f"{rel(path)}:{number}"
+        for path in modules()
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"#\s*fmt:\s*(skip|off)\b", line)
+    ]
+    assert packed == [], "remove the formatter escape, reformat, split the module:\n" + "\n".join(
+        packed
+    )
+
+
 def test_functions_are_small() -> None:
     over = []
     for path in modules():

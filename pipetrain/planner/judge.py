@@ -141,8 +141,13 @@ def rank_key(c: Candidate) -> tuple[float, float, int, float, str]:
         raised(spec.mode) * spec.layers_of(n)
         for spec, n in zip(map(stage_recompute, layout.recompute), layout.stage_layers)
     )
-    return (c.plan.ms_per_microbatch, sum(layout.offload), recomputed, max(c.plan.peak_gib),
-            c.plan.schedule)  # fmt: skip
+    return (
+        c.plan.ms_per_microbatch,
+        sum(layout.offload),
+        recomputed,
+        max(c.plan.peak_gib),
+        c.plan.schedule,
+    )
 
 
 def family_key(c: Candidate) -> tuple[bool, float, float, int, float, str]:
@@ -256,8 +261,9 @@ def planned_offload(
     leads = reload_leads(program, per_stage, timing)
     lead = tuple(max(leads[s] for s in range(p, n, positions)) for p in range(positions))
     able = offloadable_stages(program, 1, timing)
-    hidden = [f if all(s in able for s in range(p, n, positions)) else 0.0
-              for p, f in enumerate(offload)]  # fmt: skip
+    hidden = [
+        f if all(s in able for s in range(p, n, positions)) else 0.0 for p, f in enumerate(offload)
+    ]
     return usable_offload(program, positions, hidden, lead), lead
 
 
