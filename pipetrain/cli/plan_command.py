@@ -166,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
 
 def timing_note(timing: object, cuda_graph: bool, costs: ModelCosts | None = None) -> str:
     """What to say where the costs were timed for another kind of step than the one planned
-    (``runtime.profile_clock``: wall time is an eager step's, device time a graphed one's), or
+    (``runtime.profile.profile_clock``: wall time is an eager step's, device time a graphed one's), or
     where an eager plan's host model lacks the runtime's own host time per action."""
     if cuda_graph and timing != "device":
         return (

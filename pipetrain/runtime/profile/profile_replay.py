@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from pipetrain.runtime.named_layers import Stage
-from pipetrain.runtime.profile_clock import Clock, DeviceClock
+from pipetrain.runtime.profile.profile_clock import Clock, DeviceClock
 from pipetrain.runtime.stage import StageRunner, leaves
 
 

@@ -1,7 +1,7 @@
 """What a profiled layer holds in memory: the tensors its forward saves for its backward
 (``saved_tensors_hooks``), with the layer checkpointed as a plan's recompute runs it, and its
 static bytes (parameters, gradients, optimizer state) — the profiler's memory half
-(``runtime.profile_layers`` times the layers and writes the costs file).
+(``runtime.profile.profile_layers`` times the layers and writes the costs file).
 """
 
 from __future__ import annotations

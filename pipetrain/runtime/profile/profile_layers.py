@@ -11,7 +11,7 @@ so ``I`` and ``W`` are split exactly as a pipeline splits them):
   synchronisation around each over-estimated a block, measured: ``docs/performance.md``) and divided
   by their number; the median over ``repeats`` rounds after ``warmup`` rounds, timed with CUDA
   events on a GPU and ``time.perf_counter`` on a CPU — or, with ``timing="device"``, as the
-  device's busy time alone (``runtime.profile_clock``); ``.grad`` is kept between rounds as
+  device's busy time alone (``runtime.profile.profile_clock``); ``.grad`` is kept between rounds as
   ``zero_grad(set_to_none=False)`` keeps it, so backward pieces add into it as they do in training; the last layer's forward and backward include ``loss_fn``, as
   the last stage's do in a pipeline;
 * ``activation``: the bytes of the distinct tensors the layer's forward saves for its backward
@@ -71,10 +71,10 @@ import torch
 from torch import nn
 
 from pipetrain.planner.costs_file import LayerCost, ModelCosts, save_costs
-from pipetrain.runtime import host_link, profile_replay
 from pipetrain.runtime.named_layers import Stage
-from pipetrain.runtime.profile_clock import Clock, DeviceClock, clock_for
-from pipetrain.runtime.profile_memory import (
+from pipetrain.runtime.profile import host_link, profile_replay
+from pipetrain.runtime.profile.profile_clock import Clock, DeviceClock, clock_for
+from pipetrain.runtime.profile.profile_memory import (
     GIB,
     OPTIMIZER_STATES,
     OPTIMIZER_TEMPORARIES,
@@ -82,7 +82,7 @@ from pipetrain.runtime.profile_memory import (
     checkpointed_bytes,
     static_bytes,
 )
-from pipetrain.runtime.profile_recompute import StageTimer, recompute_times
+from pipetrain.runtime.profile.profile_recompute import StageTimer, recompute_times
 from pipetrain.runtime.stage import StageRunner, leaves
 
 #: the CPU transfer model: gloo send/recv over loopback
@@ -96,7 +96,7 @@ PIECES = {
     "backward_weight": "w",
 }
 #: which ratio scales each time the windows scale: I and W share the split backward's; an eager
-#: GPU profile's host and device times (``runtime.profile_clock``) have ratios of their own
+#: GPU profile's host and device times (``runtime.profile.profile_clock``) have ratios of their own
 RATIO_OF = {
     f"{worker}{name}": f"{worker}{ratio}"
     for worker in ("", "host_", "device_")
@@ -136,7 +136,7 @@ def profile(
     loss; without, from a random output gradient (as every other layer's does). ``context``:
     layers per window timed as one stage to scale the lone times (1: no windows). ``timing``:
     ``"wall"`` (an eager step's times, host waits included) or ``"device"`` (the device's busy
-    time alone, what a step replayed as a CUDA graph pays; CUDA only): ``runtime.profile_clock``.
+    time alone, what a step replayed as a CUDA graph pays; CUDA only): ``runtime.profile.profile_clock``.
     """
     if isinstance(layers, Mapping | nn.ModuleDict):
         if names is not None:
