@@ -34,6 +34,23 @@ MAY_IMPORT: dict[str, set[str]] = {
     "__init__": LIBRARY - {"hf"},  # the package root: the library's API, loaded lazily
     "__main__": {"cli"},
 }
+#: the planner's formats: what a plan and a costs file say, apart from the search that makes them
+#: (docs/design.md, "Import rules"). The runtime and ``hf`` read these and no other planner
+#: module, and a format reads only other formats of the planner.
+PLANNER_FORMATS = {"layout", "costs_file", "recompute_modes"}
+#: the parts held to the planner's formats
+FORMAT_READERS = {"runtime", "hf"}
+#: the runtime's sub-packages and what else of the runtime each may import (docs/design.md,
+#: "Import rules"): a sub-package name, or a module at the runtime's top. ``comm`` is the floor,
+#: ``profile`` the roof: it measures stages, and nothing that trains imports it.
+RUNTIME_WINGS: dict[str, set[str]] = {
+    "comm": {"torch_compat"},
+    "backward": {"comm", "torch_compat", "named_layers"},
+    "parallel": {"comm", "backward", "torch_compat"},
+    "profile": {"comm", "backward", "torch_compat", "named_layers", "stage"},
+}
+#: modules at the runtime's top that the sub-packages stand on: they import only each other
+RUNTIME_BASE = {"torch_compat", "named_layers", "side_inputs"}
 #: what each part may import from outside the standard library and pipetrain (the application
 #: and the command line are not held to a list)
 THIRD_PARTY: dict[str, set[str]] = {
@@ -153,6 +170,78 @@ def test_each_part_imports_only_the_parts_below_it() -> None:
                 legal = ", ".join(sorted(MAY_IMPORT[part]))
                 broken.append(f"{rel(path)}:{line} imports {name}; {part} may import {legal}")
     assert broken == [], "layer rule broken (docs/design.md, Layers):\n" + "\n".join(broken)
+
+
+def planner_module(name: str) -> str | None:
+    """The planner module an imported dotted name lies in (``layout`` for
+    ``pipetrain.planner.layout.Layout``), ``__init__`` for the package's own names, or None
+    outside the planner."""
+    parts = name.split(".")
+    if parts[:2] != ["pipetrain", "planner"]:
+        return None
+    if len(parts) > 2 and (PACKAGE / "planner" / f"{parts[2]}.py").is_file():
+        return parts[2]
+    return "__init__"
+
+
+def test_the_runtime_reads_only_the_planners_formats() -> None:
+    broken = []
+    for path in modules():
+        part = part_of(path)
+        is_format = part == "planner" and path.stem in PLANNER_FORMATS
+        if part not in FORMAT_READERS and not is_format:
+            continue
+        for line, name, _ in sorted(imports(path)):
+            module = planner_module(name)
+            if module is not None and module not in PLANNER_FORMATS:
+                legal = ", ".join(f"planner.{m}" for m in sorted(PLANNER_FORMATS))
+                who = "a format" if is_format else part
+                broken.append(f"{rel(path)}:{line} imports {name}; {who} may read {legal}")
+    assert broken == [], "the planner's search imported where only its formats may be:\n" + (
+        "\n".join(broken)
+    )
+
+
+def runtime_place(module: str) -> str | None:
+    """Where a runtime module lies: its sub-package (``comm``), its own name for a module at the
+    runtime's top (``stage``), ``__init__`` for the package itself; None outside the runtime."""
+    parts = module.split(".")
+    if parts[:2] != ["pipetrain", "runtime"]:
+        return None
+    return parts[2] if len(parts) > 2 else "__init__"
+
+
+def runtime_import_problem(source: str, target: str) -> str | None:
+    """Why the runtime module at ``source`` may not import the one at ``target`` (both
+    ``runtime_place``s), or None where it may."""
+    if source == target:
+        return None
+    if source in RUNTIME_WINGS and target not in RUNTIME_WINGS[source]:
+        return f"runtime/{source}/ may import {', '.join(sorted(RUNTIME_WINGS[source]))}"
+    if source in RUNTIME_BASE and target not in RUNTIME_BASE:
+        return (
+            f"{source} is under the sub-packages: it may import {', '.join(sorted(RUNTIME_BASE))}"
+        )
+    if source not in RUNTIME_WINGS and target == "profile":
+        return "only the profiler's own modules import runtime/profile/ (nothing that trains)"
+    return None
+
+
+def test_the_runtimes_sub_packages_import_downwards() -> None:
+    broken = []
+    for path in modules():
+        source = runtime_place(".".join(dotted(path)))
+        if source is None:
+            continue
+        for line, name, _ in sorted(imports(path)):
+            module = module_of(name)
+            target = runtime_place(module) if module else None
+            problem = None if target is None else runtime_import_problem(source, target)
+            if problem:
+                broken.append(f"{rel(path)}:{line} imports {name}; {problem}")
+    assert broken == [], "runtime sub-package rule broken (docs/design.md, Import rules):\n" + (
+        "\n".join(broken)
+    )
 
 
 def test_third_party_imports_stay_in_their_layers() -> None:

@@ -68,7 +68,7 @@ class TrainConfig:
     microbatches: int | None = None
     stages_per_rank: int | None = None
     #: activation checkpointing: one mode for every stage or one per stage, comma-separated
-    #: (``planner.recompute.StageRecompute``'s written form); None: none, or the plan's
+    #: (``planner.recompute_modes.StageRecompute``'s written form); None: none, or the plan's
     recompute: str | None = None
     # a Hugging Face model folder to fine-tune (its config.json gives the model)
     model_dir: str | None = None

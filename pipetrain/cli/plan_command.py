@@ -21,7 +21,7 @@ from pipetrain.cli.flags import (
 )
 from pipetrain.planner.costs_file import ModelCosts, load_costs
 from pipetrain.planner.judge import Candidate, stage_costs
-from pipetrain.planner.recompute import describe, stage_recompute
+from pipetrain.planner.recompute_modes import describe, stage_recompute
 from pipetrain.planner.search import DEFAULT_HEADROOM, Search, search
 from pipetrain.schedule.registry import build_schedule
 from pipetrain.sim.costs import per_rank

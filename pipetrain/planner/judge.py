@@ -22,14 +22,8 @@ from dataclasses import dataclass
 from pipetrain.planner.costs_file import LayerCost, ModelCosts
 from pipetrain.planner.layout import Layout
 from pipetrain.planner.partition import bounds
-from pipetrain.planner.recompute import (
-    Recompute,
-    StageRecompute,
-    beside_later_layers,
-    layers_under,
-    raised,
-    stage_recompute,
-)
+from pipetrain.planner.recompute import beside_later_layers, layers_under, raised
+from pipetrain.planner.recompute_modes import Recompute, StageRecompute, stage_recompute
 from pipetrain.schedule.offload import insert_offload, offloadable_stages, reload_leads
 from pipetrain.schedule.program import Program
 from pipetrain.schedule.timeline import Timeline

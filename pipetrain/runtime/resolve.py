@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipetrain.planner.layout import Layout, layout_of
+from pipetrain.planner.layout import Layout, PlanLike, layout_of
 from pipetrain.runtime.parallel.mesh import MeshGroups, resolve_mesh
 from pipetrain.schedule import deps
 from pipetrain.schedule.action import Action, OpKind
@@ -316,7 +316,7 @@ def plan_stages(layers, layout: Layout, kwargs: dict) -> Callable[[int], nn.Modu
     return stage
 
 
-def plan_layout(plan: object) -> Layout:
-    """The ``Layout`` of a ``Plan``, a ``Layout`` or a plan dict, checked (a ``ValueError`` names
+def plan_layout(plan: PlanLike) -> Layout:
+    """The ``Layout`` of a ``Plan`` (anything with a ``layout``), a ``Layout`` or a plan dict, checked (a ``ValueError`` names
     the first missing or bad field)."""
     return layout_of(plan)

@@ -184,7 +184,8 @@ def test_recompute_is_timed_as_what_checkpointing_adds_to_the_backward(monkeypat
     difference below zero counts as 0 (a stubbed clock). ``recompute_forward`` and
     ``selective_forward``: the same for the forward."""
     import pipetrain.runtime.profile.profile_layers as profiler
-    from pipetrain.planner.recompute import Recompute, recomputed_layer
+    from pipetrain.planner.recompute import recomputed_layer
+    from pipetrain.planner.recompute_modes import Recompute
     from pipetrain.runtime.backward.activation_checkpoint import Recomputed
 
     real = profiler._measure

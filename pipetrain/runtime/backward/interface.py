@@ -72,6 +72,16 @@ class BackwardSplit(Protocol):
         ...
 
 
+def fire_hooks(params: Sequence[torch.Tensor]) -> None:
+    """Run post-accumulate-grad hooks of ``params`` once, adding nothing: ``AccumulateGrad`` of a
+    zero gradient (only where a gradient exists; an unused parameter's hooks never fire). A stage
+    whose split accumulates quietly (``hooks`` off) fires them once afterwards, as tied
+    weights do after their sum (``parallel.tied``)."""
+    ready = [p for p in params if p.grad is not None]
+    if ready:
+        torch.autograd.backward(ready, [torch.zeros_like(p) for p in ready])
+
+
 def choose_split(
     module: nn.Module,
     defer_weight_grads: bool | None,
