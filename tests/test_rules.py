@@ -18,6 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "pipetrain"
 DESIGN = ROOT / "docs" / "design.md"
+BENCHMARKS = ROOT / "benchmarks"
 
 LIBRARY = {"schedule", "sim", "render", "planner", "runtime", "hf"}
 #: the parts of pipetrain each part may import (itself included): docs/design.md, "Layers".
@@ -51,6 +52,10 @@ RUNTIME_WINGS: dict[str, set[str]] = {
 }
 #: modules at the runtime's top that the sub-packages stand on: they import only each other
 RUNTIME_BASE = {"torch_compat", "named_layers", "side_inputs"}
+#: the parts of the application a benchmark may import besides the library (docs/design.md,
+#: "Import rules"): self-contained packages that import nothing else of the application — the
+#: built-in GPT and its corpus, and the tokenized-data pipeline a data benchmark measures
+BENCHMARK_APP = ("pipetrain.app.models", "pipetrain.app.data")
 #: what each part may import from outside the standard library and pipetrain (the application
 #: and the command line are not held to a list)
 THIRD_PARTY: dict[str, set[str]] = {
@@ -447,3 +452,30 @@ def test_no_module_imports_itself_through_others() -> None:
         "import circles (lazy imports included; move what both sides need to where it belongs, "
         "docs/design.md, Import rules):\n" + "\n".join(problems)
     )
+
+
+def test_benchmarks_use_the_library_not_the_application() -> None:
+    broken = []
+    for path in sorted(BENCHMARKS.rglob("*.py")):
+        for line, name, _ in sorted(imports(path)):
+            if name.split(".")[0] != "pipetrain" or target_part(name) in LIBRARY | {"pipetrain"}:
+                continue
+            if not any(name == a or name.startswith(a + ".") for a in BENCHMARK_APP):
+                legal = ", ".join(BENCHMARK_APP)
+                broken.append(f"{rel(path)}:{line} imports {name}; the library, {legal} only")
+    assert broken == [], "benchmarks measure the library (docs/design.md, Import rules):\n" + (
+        "\n".join(broken)
+    )
+
+
+def test_what_benchmarks_may_import_of_the_application_stands_alone() -> None:
+    broken = []
+    for path in modules():
+        here = ".".join(dotted(path))
+        if not any(here == a or here.startswith(a + ".") for a in BENCHMARK_APP):
+            continue
+        for line, name, _ in sorted(imports(path)):
+            inside = any(name == a or name.startswith(a + ".") for a in BENCHMARK_APP)
+            if target_part(name) in {"app", "cli"} and not inside:
+                broken.append(f"{rel(path)}:{line} imports {name}")
+    assert broken == [], "benchmarks import these packages; keep them apart:\n" + "\n".join(broken)
