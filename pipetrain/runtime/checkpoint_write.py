@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from pipetrain.runtime import checkpoint_disk, checksums
+from pipetrain.runtime.comm.barrier import barrier
 
 
 def write_folder(
@@ -130,8 +131,6 @@ class _Group:
 
     def barrier(self) -> None:
         if not self.alone:
-            from pipetrain.runtime.comm.barrier import barrier
-
             barrier(self.group)
 
     def gather(self, value: object) -> list:
