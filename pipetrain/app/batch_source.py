@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pipetrain.app.model_folder import run_shape
+
 if TYPE_CHECKING:
     import torch
 
@@ -110,7 +112,6 @@ def folder_batches(config: TrainConfig, microbatches: int, start: int) -> Iterat
     transformer of the folder's width pays it (``--microbatch-balance length``)."""
     from pipetrain.app.data import BatchShape, transformer_cost
     from pipetrain.app.data import train_batches as packed
-    from pipetrain.app.model_folder import run_shape
 
     shape = BatchShape(config.dp, microbatches, config.microbatch_size)
     cost = transformer_cost(run_shape(config).hidden)

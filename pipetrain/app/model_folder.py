@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipetrain.app.catalog import BYTE_VOCAB, FOLDER_MODELS, ModelShape
 from pipetrain.app.checkpoints import make_writable_folder
+from pipetrain.app.config import flags_given
 from pipetrain.app.folder_lock import FolderLock, check_free, hold_on_rank0, sibling_lock_file
 
 if TYPE_CHECKING:
@@ -80,8 +81,6 @@ def run_shape(config: TrainConfig) -> ModelShape:
 def folder_config(config: TrainConfig) -> Any:
     """The ``transformers`` config of ``--model-dir``, checked: a folder with ``config.json`` and
     safetensors files, of a model type ``pipetrain.hf`` supports; ``ValueError`` otherwise."""
-    from pipetrain.app.config import flags_given
-
     flag = f"--model-dir {config.model_dir}"
     folder = Path(str(config.model_dir))
     if not folder.is_dir():
