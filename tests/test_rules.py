@@ -1,6 +1,8 @@
 """The house rules a test can hold (docs/design.md: "Layers", "Import rules", habit 10, "File
-map"): which layer imports which, the size of modules and functions, unique module basenames,
-and a file map that lists exactly the modules in the tree.
+map"): which layer imports which (the runtime and ``hf`` only the planner's formats; the
+runtime's sub-packages downwards; benchmarks the library), no import circles, the size of
+modules and functions as the formatter lays them out (no ``# fmt: skip``), unique module
+basenames, and a file map that lists exactly the modules in the tree.
 
 Imports are read with ``ast`` from every module, imports inside functions included, so a rule
 holds whether or not a test happens to run the code that imports."""
