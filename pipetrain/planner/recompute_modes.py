@@ -25,7 +25,8 @@ class Recompute(StrEnum):
     SELECTIVE = "selective"
     FULL = "full"
     #: the stage as one region: ``F`` without autograd, the forward again at ``I`` or ``B``
-    #: (``whole_stage``); searched in eager steps only (``recompute_search.as_whole``)
+    #: (priced by ``planner.recompute.whole_stage``); searched in eager steps only
+    #: (``planner.recompute_search.as_whole``)
     WHOLE = "whole"
 
 
