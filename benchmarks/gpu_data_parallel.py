@@ -28,9 +28,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from pipetrain.app.catalog import default_stage_layers
 from pipetrain.app.models.data import batches, corpus_tensor
 from pipetrain.hf import causal_lm_layers, causal_lm_loss
+from pipetrain.planner.layout import default_cut
 from pipetrain.runtime.layers import split
 from pipetrain.runtime.pipeline import Pipeline
 
@@ -55,7 +55,8 @@ def llama(hidden: int, layers: int, heads: int, seq: int, dtype, seed: int = 0):
 
 
 def stages_of(model, num_stages: int, layers: int):
-    return split(causal_lm_layers(model), default_stage_layers("llama", layers, num_stages))
+    # the embedding before the decoder layers, the final norm and the LM head after them
+    return split(causal_lm_layers(model), default_cut(layers, num_stages, first=1, last=2))
 
 
 def _full(grad):

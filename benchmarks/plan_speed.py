@@ -14,9 +14,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from pipetrain.cli.plan_command import format_plan
 from pipetrain.planner.costs_file import LayerCost, ModelCosts
-from pipetrain.planner.search import search
+from pipetrain.planner.search import Search, search
 from pipetrain.schedule.registry import FAMILIES
 
 
@@ -57,7 +56,27 @@ def main() -> None:
         f"{len(found.candidates)} candidates simulated, {len(found.skipped)} shapes skipped, "
         f"{cpu:.1f} s CPU ({elapsed:.1f} s wall)"
     )
-    print(format_plan(found))
+    print(summary(found))
+
+
+def summary(found: Search) -> str:
+    """The pick, then each family's best: what ``pipetrain plan`` prints, in brief (the library's
+    ``Search``, not the command line's wording)."""
+    best = found.best.plan
+    lines = [
+        f"plan: {best.schedule}, {best.ranks} ranks x {best.stages_per_rank} stage(s), "
+        f"{best.microbatches} micro-batches, stage_layers {list(best.stage_layers)}",
+        f"predicted: step {best.step_ms:.3f} ms, bubble {best.bubble_fraction:.1%}, "
+        f"peak GiB {max(best.peak_gib):.2f} (budget {best.memory_gib:g})",
+    ]
+    for c in found.best_per_family():
+        plan = c.plan
+        lines.append(
+            f"  {plan.schedule:<14} {plan.ms_per_microbatch:8.3f} ms per micro-batch, "
+            f"bubble {plan.bubble_fraction:6.1%}, peak {max(plan.peak_gib):6.2f} GiB"
+            + ("" if plan.fits else " (does not fit)")
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from pipetrain.runtime.layers import split
     from pipetrain.runtime.losses import TokenCrossEntropy
     from pipetrain.runtime.pipeline import Pipeline
-    from pipetrain.runtime.profile_layers import profile
+    from pipetrain.runtime.profile.profile_layers import profile
 
 __all__ = [
     "PeerFailedError",
@@ -51,7 +51,7 @@ _LAZY = {
     "StageError": "pipetrain.runtime.comm.failures",
     "PipelineTimeoutError": "pipetrain.runtime.comm.p2p",
     "plan": "pipetrain.planner",
-    "profile": "pipetrain.runtime.profile_layers",
+    "profile": "pipetrain.runtime.profile.profile_layers",
     "split": "pipetrain.runtime.layers",
     "TokenCrossEntropy": "pipetrain.runtime.losses",
     "save_checkpoint": "pipetrain.runtime.checkpoint",

@@ -1,6 +1,8 @@
 """The house rules a test can hold (docs/design.md: "Layers", "Import rules", habit 10, "File
-map"): which layer imports which, the size of modules and functions, unique module basenames,
-and a file map that lists exactly the modules in the tree.
+map"): which layer imports which (the runtime and ``hf`` only the planner's formats; the
+runtime's sub-packages downwards; benchmarks the library), no import circles, the size of
+modules and functions as the formatter lays them out (no ``# fmt: skip``), unique module
+basenames, and a file map that lists exactly the modules in the tree.
 
 Imports are read with ``ast`` from every module, imports inside functions included, so a rule
 holds whether or not a test happens to run the code that imports."""
@@ -18,6 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "pipetrain"
 DESIGN = ROOT / "docs" / "design.md"
+BENCHMARKS = ROOT / "benchmarks"
 
 LIBRARY = {"schedule", "sim", "render", "planner", "runtime", "hf"}
 #: the parts of pipetrain each part may import (itself included): docs/design.md, "Layers".
@@ -34,6 +37,27 @@ MAY_IMPORT: dict[str, set[str]] = {
     "__init__": LIBRARY - {"hf"},  # the package root: the library's API, loaded lazily
     "__main__": {"cli"},
 }
+#: the planner's formats: what a plan and a costs file say, apart from the search that makes them
+#: (docs/design.md, "Import rules"). The runtime and ``hf`` read these and no other planner
+#: module, and a format reads only other formats of the planner.
+PLANNER_FORMATS = {"layout", "costs_file", "recompute_modes"}
+#: the parts held to the planner's formats
+FORMAT_READERS = {"runtime", "hf"}
+#: the runtime's sub-packages and what else of the runtime each may import (docs/design.md,
+#: "Import rules"): a sub-package name, or a module at the runtime's top. ``comm`` is the floor,
+#: ``profile`` the roof: it measures stages, and nothing that trains imports it.
+RUNTIME_WINGS: dict[str, set[str]] = {
+    "comm": {"torch_compat"},
+    "backward": {"comm", "torch_compat", "named_layers"},
+    "parallel": {"comm", "backward", "torch_compat"},
+    "profile": {"comm", "backward", "torch_compat", "named_layers", "stage"},
+}
+#: modules at the runtime's top that the sub-packages stand on: they import only each other
+RUNTIME_BASE = {"torch_compat", "named_layers", "side_inputs"}
+#: the parts of the application a benchmark may import besides the library (docs/design.md,
+#: "Import rules"): self-contained packages that import nothing else of the application — the
+#: built-in GPT and its corpus, and the tokenized-data pipeline a data benchmark measures
+BENCHMARK_APP = ("pipetrain.app.models", "pipetrain.app.data")
 #: what each part may import from outside the standard library and pipetrain (the application
 #: and the command line are not held to a list)
 THIRD_PARTY: dict[str, set[str]] = {
@@ -86,10 +110,11 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def imports(path: Path) -> Iterator[tuple[int, str, bool]]:
+def imports(path: Path, type_checking: bool = True) -> Iterator[tuple[int, str, bool]]:
     """(line, imported dotted name, lazily?) for every import of a module, at any depth; lazy
-    means inside a function or under ``if TYPE_CHECKING``. ``from a import b`` yields ``a.b``
-    (``b`` may be a module); relative imports are resolved."""
+    means inside a function or under ``if TYPE_CHECKING`` (left out with ``type_checking=False``:
+    those never run). ``from a import b`` yields ``a.b`` (``b`` may be a module); relative
+    imports are resolved."""
     package = dotted(path) if path.name == "__init__.py" else dotted(path)[:-1]
     stack: list[tuple[ast.AST, bool]] = [(ast.parse(path.read_text()), False)]
     while stack:
@@ -102,7 +127,7 @@ def imports(path: Path) -> Iterator[tuple[int, str, bool]]:
             yield from ((node.lineno, f"{module}.{alias.name}", lazy) for alias in node.names)
         inner = lazy or isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda)
         if isinstance(node, ast.If) and _is_type_checking(node.test):
-            stack += [(child, True) for child in node.body]
+            stack += [(child, True) for child in node.body if type_checking]
             stack += [(child, inner) for child in node.orelse]
             continue
         stack += [(child, inner) for child in ast.iter_child_nodes(node)]
@@ -154,6 +179,78 @@ def test_each_part_imports_only_the_parts_below_it() -> None:
     assert broken == [], "layer rule broken (docs/design.md, Layers):\n" + "\n".join(broken)
 
 
+def planner_module(name: str) -> str | None:
+    """The planner module an imported dotted name lies in (``layout`` for
+    ``pipetrain.planner.layout.Layout``), ``__init__`` for the package's own names, or None
+    outside the planner."""
+    parts = name.split(".")
+    if parts[:2] != ["pipetrain", "planner"]:
+        return None
+    if len(parts) > 2 and (PACKAGE / "planner" / f"{parts[2]}.py").is_file():
+        return parts[2]
+    return "__init__"
+
+
+def test_the_runtime_reads_only_the_planners_formats() -> None:
+    broken = []
+    for path in modules():
+        part = part_of(path)
+        is_format = part == "planner" and path.stem in PLANNER_FORMATS
+        if part not in FORMAT_READERS and not is_format:
+            continue
+        for line, name, _ in sorted(imports(path)):
+            module = planner_module(name)
+            if module is not None and module not in PLANNER_FORMATS:
+                legal = ", ".join(f"planner.{m}" for m in sorted(PLANNER_FORMATS))
+                who = "a format" if is_format else part
+                broken.append(f"{rel(path)}:{line} imports {name}; {who} may read {legal}")
+    assert broken == [], "the planner's search imported where only its formats may be:\n" + (
+        "\n".join(broken)
+    )
+
+
+def runtime_place(module: str) -> str | None:
+    """Where a runtime module lies: its sub-package (``comm``), its own name for a module at the
+    runtime's top (``stage``), ``__init__`` for the package itself; None outside the runtime."""
+    parts = module.split(".")
+    if parts[:2] != ["pipetrain", "runtime"]:
+        return None
+    return parts[2] if len(parts) > 2 else "__init__"
+
+
+def runtime_import_problem(source: str, target: str) -> str | None:
+    """Why the runtime module at ``source`` may not import the one at ``target`` (both
+    ``runtime_place``s), or None where it may."""
+    if source == target:
+        return None
+    if source in RUNTIME_WINGS and target not in RUNTIME_WINGS[source]:
+        return f"runtime/{source}/ may import {', '.join(sorted(RUNTIME_WINGS[source]))}"
+    if source in RUNTIME_BASE and target not in RUNTIME_BASE:
+        return (
+            f"{source} is under the sub-packages: it may import {', '.join(sorted(RUNTIME_BASE))}"
+        )
+    if source not in RUNTIME_WINGS and target == "profile":
+        return "only the profiler's own modules import runtime/profile/ (nothing that trains)"
+    return None
+
+
+def test_the_runtimes_sub_packages_import_downwards() -> None:
+    broken = []
+    for path in modules():
+        source = runtime_place(".".join(dotted(path)))
+        if source is None:
+            continue
+        for line, name, _ in sorted(imports(path)):
+            module = module_of(name)
+            target = runtime_place(module) if module else None
+            problem = None if target is None else runtime_import_problem(source, target)
+            if problem:
+                broken.append(f"{rel(path)}:{line} imports {name}; {problem}")
+    assert broken == [], "runtime sub-package rule broken (docs/design.md, Import rules):\n" + (
+        "\n".join(broken)
+    )
+
+
 def test_third_party_imports_stay_in_their_layers() -> None:
     broken = []
     for path in modules():
@@ -194,6 +291,20 @@ def test_modules_are_small() -> None:
     ]
     assert back == [], (
         f"gone or within {MAX_MODULE_LINES} lines: drop from OVER_MODULE_LINES: {back}"
+    )
+
+
+def test_no_module_is_packed_to_meet_the_line_cap() -> None:
+    """The formatter's layout is the one the line cap counts: a ``# fmt: skip`` (or ``fmt: off``)
+    that packs lines to fit is refused; a module that needs it has two jobs (habit 10)."""
+    packed = [
+        f"{rel(path)}:{number}"
+        for path in modules()
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"#\s*fmt:\s*(skip|off)\b", line)
+    ]
+    assert packed == [], "remove the formatter escape, reformat, split the module:\n" + "\n".join(
+        packed
     )
 
 
@@ -241,3 +352,132 @@ def test_the_file_map_lists_every_package_and_module() -> None:
     problems += [f"remove the line of `{p}`: no such package or module" for p in extra]
     problems += [f"`{p}` is listed more than once" for p in twice]
     assert problems == [], f"{rel(DESIGN)}, section 'File map':\n" + "\n".join(problems)
+
+
+def module_of(name: str) -> str | None:
+    """The module of pipetrain an imported dotted name loads (``a.b.c`` where ``a/b/c.py`` or
+    ``a/b/c/__init__.py`` exists, else its longest such prefix), or None outside pipetrain."""
+    parts = name.split(".")
+    if parts[0] != "pipetrain":
+        return None
+    while parts:
+        path = ROOT.joinpath(*parts)
+        if path.with_suffix(".py").is_file() or (path / "__init__.py").is_file():
+            return ".".join(parts)
+        parts.pop()
+    return None
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the modules of pipetrain it imports: at module level and inside functions alike
+    (an import put off into a function still closes a circle, only later); imports under ``if
+    TYPE_CHECKING`` are left out (they never run: annotations only)."""
+    graph: dict[str, set[str]] = {}
+    for path in modules():
+        me = ".".join(dotted(path))
+        targets = {module_of(name) for _, name, _ in imports(path, type_checking=False)}
+        graph[me] = {t for t in targets if t is not None and t != me}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iteratively), each
+    sorted, each a circle of imports."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            nxt = next(edges, None)
+            if nxt is not None:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph.get(nxt, ())))))
+                elif nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def cycle_in(graph: dict[str, set[str]], component: list[str]) -> list[str]:
+    """One circle through the component's first module, as the modules in import order (the
+    first again at the end), to name in a failure."""
+    members, start = set(component), component[0]
+    paths = {start: [start]}
+    queue = [start]
+    while queue:
+        node = queue.pop(0)
+        for nxt in sorted(graph[node] & members):
+            if nxt == start:
+                return [*paths[node], start]
+            if nxt not in paths:
+                paths[nxt] = [*paths[node], nxt]
+                queue.append(nxt)
+    raise AssertionError(f"{component} is not strongly connected")
+
+
+def test_circles_are_found() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e"}}
+    assert circles(graph) == [["a", "b", "c"]]
+    assert cycle_in(graph, ["a", "b", "c"]) == ["a", "b", "c", "a"]
+    assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    graph = import_graph()
+    problems = [" -> ".join(cycle_in(graph, c)) for c in circles(graph)]
+    assert problems == [], (
+        "import circles (lazy imports included; move what both sides need to where it belongs, "
+        "docs/design.md, Import rules):\n" + "\n".join(problems)
+    )
+
+
+def test_benchmarks_use_the_library_not_the_application() -> None:
+    broken = []
+    for path in sorted(BENCHMARKS.rglob("*.py")):
+        for line, name, _ in sorted(imports(path)):
+            if name.split(".")[0] != "pipetrain" or target_part(name) in LIBRARY | {"pipetrain"}:
+                continue
+            if not any(name == a or name.startswith(a + ".") for a in BENCHMARK_APP):
+                legal = ", ".join(BENCHMARK_APP)
+                broken.append(f"{rel(path)}:{line} imports {name}; the library, {legal} only")
+    assert broken == [], "benchmarks measure the library (docs/design.md, Import rules):\n" + (
+        "\n".join(broken)
+    )
+
+
+def test_what_benchmarks_may_import_of_the_application_stands_alone() -> None:
+    broken = []
+    for path in modules():
+        here = ".".join(dotted(path))
+        if not any(here == a or here.startswith(a + ".") for a in BENCHMARK_APP):
+            continue
+        for line, name, _ in sorted(imports(path)):
+            inside = any(name == a or name.startswith(a + ".") for a in BENCHMARK_APP)
+            if target_part(name) in {"app", "cli"} and not inside:
+                broken.append(f"{rel(path)}:{line} imports {name}")
+    assert broken == [], "benchmarks import these packages; keep them apart:\n" + "\n".join(broken)

@@ -2,7 +2,7 @@
 "Offload's price"): GB/s of copies between the GPU and pinned host memory, device to host alone,
 host to device alone, and both at once on two streams (what a pipeline's steady state runs: one
 micro-batch's activations leave while another's come back; what the profiler's
-``host_bandwidth_gbs`` now times), at a few sizes (``runtime.host_link.link_gbs``).
+``host_bandwidth_gbs`` now times), at a few sizes (``runtime.profile.host_link.link_gbs``).
 
     python3 benchmarks/gpu/host_link_gpu.py --out $OUT
 """
@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from pipetrain.runtime.host_link import link_gbs
+from pipetrain.runtime.profile.host_link import link_gbs
 
 SIZES_MIB = (8, 32, 128, 512)
 

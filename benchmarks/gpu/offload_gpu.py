@@ -64,7 +64,7 @@ if str(ROOT) not in sys.path:  # run from anywhere without installing
 
 import pipetrain  # noqa: E402
 from pipetrain.runtime.backward.activation_checkpoint import recompute_stage  # noqa: E402
-from pipetrain.runtime.layers import Stage  # noqa: E402
+from pipetrain.runtime.named_layers import Stage  # noqa: E402
 from pipetrain.schedule.offload import OffloadSpec, offloadable_stages  # noqa: E402
 from pipetrain.schedule.registry import build_schedule  # noqa: E402
 

@@ -37,9 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_setup import allocator_counts
 from recompute_price_gpu import build, host_calls, stage_parser, stage_setup, timed, write_report
 
-from pipetrain.runtime import host_link
 from pipetrain.runtime.host_offload import MIN_BYTES, StageOffload, stage_layers
-from pipetrain.runtime.profile_clock import Clock, DeviceClock, busy_us
+from pipetrain.runtime.profile import host_link
+from pipetrain.runtime.profile.profile_clock import Clock, DeviceClock, busy_us
 from pipetrain.runtime.stage import StageRunner
 
 

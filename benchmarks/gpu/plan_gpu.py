@@ -314,7 +314,7 @@ def progress_line(run: dict, m: dict) -> str:
 
 
 def profile_model(cfg: GPTConfig, master, dtype, device, b: int, repeats: int, context: int, timing: str = "wall") -> ModelCosts:  # fmt: skip
-    from pipetrain.runtime.profile_layers import profile
+    from pipetrain.runtime.profile.profile_layers import profile
 
     layers = [copy.deepcopy(m).to(device) for m in master]
     gen = torch.Generator().manual_seed(1)

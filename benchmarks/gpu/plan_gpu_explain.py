@@ -10,7 +10,7 @@ import statistics
 
 from pipetrain.planner import ModelCosts
 from pipetrain.planner.search import stage_costs
-from pipetrain.runtime.profile_layers import RATIO_OF, TIMES
+from pipetrain.runtime.profile.profile_layers import RATIO_OF, TIMES
 from pipetrain.schedule.action import OpKind
 from pipetrain.schedule.timeline import Timeline
 from pipetrain.sim.costs import mean_durations, measured_costs

@@ -30,7 +30,7 @@ from pathlib import Path
 from plan_gpu_variants import run_key
 
 from pipetrain.planner.judge import DEFAULT_HEADROOM
-from pipetrain.planner.recompute import describe
+from pipetrain.planner.recompute_modes import describe
 
 #: the targets (docs/planning.md, "Proof on GPUs"): step error, peak error, regret
 STEP_WITHIN, PEAK_WITHIN, REGRET_WITHIN = 0.05, 0.10, 0.03

@@ -30,7 +30,7 @@ from pipetrain.planner import ModelCosts, search
 from pipetrain.planner.judge import Budget, evaluate, simulate_plan
 from pipetrain.planner.layout import Layout, default_cut
 from pipetrain.planner.partition import uniform_cut
-from pipetrain.planner.recompute import describe
+from pipetrain.planner.recompute_modes import describe
 from pipetrain.schedule.registry import build_schedule
 
 BUDGETS = ("memory-bound", "tight", "generous")

@@ -39,13 +39,8 @@ import torch
 from pipetrain.app.models.gpt import GPTConfig, gpt_layer, lm_loss
 from pipetrain.planner.costs_file import load_costs
 from pipetrain.planner.partition import bounds
-from pipetrain.planner.recompute import (
-    Recompute,
-    beside_later_layers,
-    layers_under,
-    recomputed_layer,
-    stage_recompute,
-)
+from pipetrain.planner.recompute import beside_later_layers, layers_under, recomputed_layer
+from pipetrain.planner.recompute_modes import Recompute, stage_recompute
 from pipetrain.runtime.backward.activation_checkpoint import recompute_layers, recompute_stage
 from pipetrain.runtime.layers import split
 

@@ -35,11 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pipetrain.app.models.gpt import GPTConfig, gpt_layer
 from pipetrain.runtime.backward.activation_checkpoint import Recomputed
-from pipetrain.runtime.layers import Stage
-from pipetrain.runtime.profile_clock import Clock, DeviceClock, busy_us
-from pipetrain.runtime.profile_layers import _measure
-from pipetrain.runtime.profile_recompute import StageTimer, recompute_times
-from pipetrain.runtime.profile_replay import window_work
+from pipetrain.runtime.named_layers import Stage
+from pipetrain.runtime.profile.profile_clock import Clock, DeviceClock, busy_us
+from pipetrain.runtime.profile.profile_layers import _measure
+from pipetrain.runtime.profile.profile_recompute import StageTimer, recompute_times
+from pipetrain.runtime.profile.profile_replay import window_work
 from pipetrain.runtime.stage import StageRunner
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from recompute_price_gpu import build, capture, stage_parser, stage_setup, step_fn, write_report
 
-from pipetrain.runtime.profile_clock import DeviceClock, busy_us
+from pipetrain.runtime.profile.profile_clock import DeviceClock, busy_us
 
 
 def replays(graph, count: int, pause_s: float) -> list[float]:

@@ -24,9 +24,13 @@ documents, JSONL, chat) replaces them without touching the loop.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
+
+from pipetrain.app.model_folder import run_shape
 
 if TYPE_CHECKING:
     import torch
@@ -60,6 +64,27 @@ class StepBatch:
         )
 
 
+def text_path(config: TrainConfig) -> Path:
+    """The text to train on: ``--text``, else the generated corpus (written first if missing)."""
+    path = Path(config.text) if config.text is not None else Path(config.corpus_out)
+    if config.text is None and not path.is_file():
+        from pipetrain.app.models.data import make_corpus
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # several ranks may write at once
+        tmp.write_bytes(make_corpus())
+        tmp.replace(path)
+    return path
+
+
+def read_tokens(config: TrainConfig) -> torch.Tensor:
+    """The text file's bytes as token ids (the generated corpus, written first, by default)."""
+    import torch
+
+    path = text_path(config)
+    return torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8).long()
+
+
 def train_batches(
     config: TrainConfig, model: LayerModel | None, microbatches: int, start: int = 0
 ) -> Iterator[StepBatch]:
@@ -72,7 +97,6 @@ def train_batches(
         yield from folder_batches(config, microbatches, start)
         return
     from pipetrain.app.models.data import batches
-    from pipetrain.app.train import read_tokens
 
     rows = config.microbatch_size * microbatches * config.dp
     drawn = batches(read_tokens(config), rows, config.seq_len, config.seed)
@@ -86,7 +110,6 @@ def folder_batches(config: TrainConfig, microbatches: int, start: int) -> Iterat
     """``--model-dir``'s batches: ``--data`` tokenized by the folder's tokenizer (from the data
     cache) and packed per step by ``app.data``; micro-batches balanced by their cost as a
     transformer of the folder's width pays it (``--microbatch-balance length``)."""
-    from pipetrain.app.config import run_shape
     from pipetrain.app.data import BatchShape, transformer_cost
     from pipetrain.app.data import train_batches as packed
 
@@ -99,8 +122,6 @@ def folder_batches(config: TrainConfig, microbatches: int, start: int) -> Iterat
 
 def training_data(config: TrainConfig) -> str:
     """``--data``, else the generated corpus (written first if missing)."""
-    from pipetrain.app.train import text_path
-
     return str(text_path(config))
 
 

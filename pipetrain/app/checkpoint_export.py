@@ -27,6 +27,7 @@ from pipetrain.app.checkpoints import (
     make_writable_folder,
 )
 from pipetrain.app.folder_lock import FolderLock, sibling_lock_file
+from pipetrain.app.model_folder import TOKENIZER_FILES
 from pipetrain.runtime.checkpoint_disk import PARTIAL
 
 
@@ -118,8 +119,6 @@ def _folder_files(copies: Path) -> tuple[Any, Any]:
     """The model's ``transformers`` config and its tokenizer (None where the folder had none),
     from the checkpoint's copies."""
     from transformers import AutoConfig, AutoTokenizer
-
-    from pipetrain.app.model_folder import TOKENIZER_FILES
 
     try:
         config = AutoConfig.from_pretrained(copies)

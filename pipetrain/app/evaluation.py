@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from pipetrain.app.batch_source import IGNORE_INDEX, StepBatch
+from pipetrain.app.batch_source import IGNORE_INDEX, StepBatch, eval_batches
 
 if TYPE_CHECKING:
     import torch
@@ -42,8 +42,6 @@ def check_eval(config: TrainConfig, rows: int) -> None:
     if config.eval_every is not None and config.eval_data is None:
         raise ValueError("--eval-every needs --eval-data FILE (the held-out text)")
     if config.eval_data is not None:
-        from pipetrain.app.batch_source import eval_batches
-
         eval_batches(config, config.model_dir is not None, rows)
 
 

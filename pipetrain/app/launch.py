@@ -34,9 +34,10 @@ from typing import NoReturn
 
 from pipetrain.app import failure_logs
 from pipetrain.app.checkpoints import incomplete_checkpoints, latest_complete, latest_pointer
-from pipetrain.app.config import Device, TrainConfig, check_arguments
+from pipetrain.app.config import Device, TrainConfig
 from pipetrain.app.processes import Ended, signal_name, start_processes, watch_launcher
 from pipetrain.app.train import NonFinite, Refused, train
+from pipetrain.app.train_checks import check_arguments
 from pipetrain.planner.layout import Layout
 from pipetrain.schedule.program import describe_shape
 

@@ -32,8 +32,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipetrain.app.catalog import FOLDER_MODELS, ModelShape
+from pipetrain.app.catalog import BYTE_VOCAB, FOLDER_MODELS, ModelShape
 from pipetrain.app.checkpoints import make_writable_folder
+from pipetrain.app.config import flags_given
 from pipetrain.app.folder_lock import FolderLock, check_free, hold_on_rank0, sibling_lock_file
 
 if TYPE_CHECKING:
@@ -57,11 +58,29 @@ BUILT_IN_MODEL_FIELDS = (
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
+def run_shape(config: TrainConfig) -> ModelShape:
+    """The model the run trains: the folder's (``--model-dir``) or the built-in model flags',
+    checked."""
+    if config.model_dir is not None:
+        return folder_shape(config, folder_config(config))
+    shape = config.shape
+    shape.check()
+    if config.model != "gpt":
+        from pipetrain.hf.causal_lm import transformers_problem
+
+        problem = transformers_problem()
+        if problem is not None:
+            raise ValueError(
+                f"--model {config.model}: {problem} (or train the built-in model: --model gpt)"
+            )
+    if config.vocab < BYTE_VOCAB:
+        raise ValueError(f"--vocab {config.vocab}: the tokens are bytes, so it must be >= 256")
+    return shape
+
+
 def folder_config(config: TrainConfig) -> Any:
     """The ``transformers`` config of ``--model-dir``, checked: a folder with ``config.json`` and
     safetensors files, of a model type ``pipetrain.hf`` supports; ``ValueError`` otherwise."""
-    from pipetrain.app.config import flags_given
-
     flag = f"--model-dir {config.model_dir}"
     folder = Path(str(config.model_dir))
     if not folder.is_dir():
@@ -124,16 +143,6 @@ def folder_shape(config: TrainConfig, hf_config: Any) -> ModelShape:
         seed=config.seed,
         tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
     )
-
-
-def check_data(config: TrainConfig, vocab: int) -> None:
-    """The launcher's check of the folder's data: ``--data`` and ``--eval-data`` tokenized once
-    by the folder's tokenizer into the data cache, their ids within the model's ``vocab``; what
-    it found is printed (``app.batch_source.check_folder_data``)."""
-    from pipetrain.app.batch_source import check_folder_data
-
-    for line in check_folder_data(config, vocab):
-        print(line, flush=True)
 
 
 def attention_implementation(config: TrainConfig, device: torch.device) -> str:

@@ -25,7 +25,6 @@ torch is imported inside functions only, so ``pipetrain --help`` stays fast.
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -33,10 +32,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipetrain.app.batch_source import StepBatch
-from pipetrain.app.config import TrainConfig, check_arguments, run_shape
+from pipetrain.app.config import TrainConfig
 from pipetrain.app.evaluation import eval_due
 from pipetrain.app.lr_schedule import LrSchedule, set_lr
+from pipetrain.app.model_folder import run_shape
 from pipetrain.app.report import Progress, report
+from pipetrain.app.train_checks import check_arguments
 from pipetrain.schedule.timeline import Timeline
 
 if TYPE_CHECKING:
@@ -69,27 +70,6 @@ class Run:
     first_step: int
     state: dict[str, Any] = field(default_factory=dict)
     report: str = ""
-
-
-def text_path(config: TrainConfig) -> Path:
-    """The text to train on: ``--text``, else the generated corpus (written first if missing)."""
-    path = Path(config.text) if config.text is not None else Path(config.corpus_out)
-    if config.text is None and not path.is_file():
-        from pipetrain.app.models.data import make_corpus
-
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # several ranks may write at once
-        tmp.write_bytes(make_corpus())
-        tmp.replace(path)
-    return path
-
-
-def read_tokens(config: TrainConfig) -> torch.Tensor:
-    """The text file's bytes as token ids (the generated corpus, written first, by default)."""
-    import torch
-
-    path = text_path(config)
-    return torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8).long()
 
 
 def train(config: TrainConfig, device: torch.device) -> Run:
@@ -457,4 +437,4 @@ def _local_state(pipe) -> dict[str, torch.Tensor]:
     return out
 
 
-__all__ = ["MEASURED_STEPS", "NonFinite", "Refused", "Run", "read_tokens", "train"]
+__all__ = ["MEASURED_STEPS", "NonFinite", "Refused", "Run", "train"]

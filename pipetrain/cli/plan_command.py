@@ -21,7 +21,7 @@ from pipetrain.cli.flags import (
 )
 from pipetrain.planner.costs_file import ModelCosts, load_costs
 from pipetrain.planner.judge import Candidate, stage_costs
-from pipetrain.planner.recompute import describe, stage_recompute
+from pipetrain.planner.recompute_modes import describe, stage_recompute
 from pipetrain.planner.search import DEFAULT_HEADROOM, Search, search
 from pipetrain.schedule.registry import build_schedule
 from pipetrain.sim.costs import per_rank
@@ -166,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
 
 def timing_note(timing: object, cuda_graph: bool, costs: ModelCosts | None = None) -> str:
     """What to say where the costs were timed for another kind of step than the one planned
-    (``runtime.profile_clock``: wall time is an eager step's, device time a graphed one's), or
+    (``runtime.profile.profile_clock``: wall time is an eager step's, device time a graphed one's), or
     where an eager plan's host model lacks the runtime's own host time per action."""
     if cuda_graph and timing != "device":
         return (

@@ -5,7 +5,7 @@ built-in GPT as ``[embed, block0, ..., head]`` or a Hugging Face Llama-family mo
 ``pipetrain.hf.causal_lm_layers`` gives it (``[model.embed_tokens, model.layers.0, ...,
 model.norm, lm_head]``). The embedding and the head are layers of their own, so the planner sees
 how heavy they are and can give their stages fewer blocks; the last layer is measured with the
-model's loss (``runtime.profile_layers``). The costs file goes to ``--out`` or, without it, to
+model's loss (``runtime.profile.profile_layers``). The costs file goes to ``--out`` or, without it, to
 standard output, so
 
     pipetrain profile --model llama > costs.json
@@ -46,7 +46,7 @@ from pipetrain.planner.costs_file import ModelCosts, save_costs
 from pipetrain.planner.varlen import with_length_costs
 
 OPTIMIZERS = ("adamw", "adam", "sgd-momentum", "sgd", "none")
-#: the profiler's clocks (``runtime.profile_clock.TIMINGS``; the parser imports no torch)
+#: the profiler's clocks (``runtime.profile.profile_clock.TIMINGS``; the parser imports no torch)
 TIMINGS = ("wall", "device")
 
 
@@ -144,7 +144,7 @@ def _profile_at(args: argparse.Namespace, model: Any, seq_len: int, device: Any)
     """The model's layers profiled on micro-batches of ``seq_len`` random tokens."""
     import torch
 
-    from pipetrain.runtime.profile_layers import profile
+    from pipetrain.runtime.profile.profile_layers import profile
 
     layers, loss_fn, batch, vocab, meta = model.at(seq_len)
     layers = [m.to(device) for m in layers]

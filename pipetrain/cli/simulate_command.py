@@ -36,8 +36,7 @@ from pipetrain.schedule.timeline import Timeline
 from pipetrain.schedule.validate import validate
 from pipetrain.sim.compare import summary
 from pipetrain.sim.costs import Costs
-from pipetrain.sim.offload_model import reload_timing
-from pipetrain.sim.simulate import simulate
+from pipetrain.sim.simulate import reload_timing, simulate
 
 COSTS_GROUP = (
     "costs (time units per stage; one number, or a comma-separated list with one per stage)"

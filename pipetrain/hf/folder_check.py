@@ -21,9 +21,22 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 #: bytes per element of each safetensors dtype
 DTYPE_BYTES = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
-    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
-}  # fmt: off
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U64": 8,
+    "U32": 4,
+    "U16": 2,
+    "U8": 1,
+    "BOOL": 1,
+}
 #: the largest header safetensors itself accepts (its ``MAX_HEADER_SIZE``)
 MAX_HEADER = 100_000_000
 REDOWNLOAD = "re-download this file"

@@ -58,7 +58,7 @@ from pipetrain.hf.causal_lm import (
 )
 from pipetrain.hf.checkpoint_files import ModelFiles
 from pipetrain.runtime.backward.activation_checkpoint import RECOMPUTE_MODES, recompute_layers
-from pipetrain.runtime.layers import Stage, check_counts, stage_ranges
+from pipetrain.runtime.named_layers import Stage, check_counts, stage_ranges
 
 
 def from_pretrained(

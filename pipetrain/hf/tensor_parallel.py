@@ -114,10 +114,15 @@ def parallelize_causal_lm(
             elif name.endswith("lm_head") and isinstance(layer, nn.Linear):
                 if not vocab_parallel:
                     if sequence_parallel:
-                        parallelize_module(layer, tp_mesh, t.prepare(
-                            input_layouts=(seq,), desired_input_layouts=(t.replicate(),),
-                            use_local_output=True,
-                        ))  # fmt: skip
+                        parallelize_module(
+                            layer,
+                            tp_mesh,
+                            t.prepare(
+                                input_layouts=(seq,),
+                                desired_input_layouts=(t.replicate(),),
+                                use_local_output=True,
+                            ),
+                        )
                     continue
                 style = t.colwise(input_layouts=seq, output_layouts=t.replicate())
                 parallelize_module(layer, tp_mesh, style)

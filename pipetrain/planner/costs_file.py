@@ -66,13 +66,23 @@ _LAYER_NUMBERS = ("forward", "backward_input", "backward_weight", "backward", "a
 _LAYER_OPTIONAL = ("comm", "workspace", "activation_for_weight")
 #: fields a version 1 file may not give
 #: an eager profile's host and device times per piece (``LayerCost.has_issue_times``)
-_ISSUE = tuple(f"{worker}_{piece}" for worker in ("host", "device")
-               for piece in ("forward", "backward", "backward_input", "backward_weight"))  # fmt: skip
+_ISSUE = tuple(
+    f"{worker}_{piece}"
+    for worker in ("host", "device")
+    for piece in ("forward", "backward", "backward_input", "backward_weight")
+)
 _LAYER_V2 = (
-    "recompute", "recompute_activation", "selective_activation", "selective_recompute",
-    "recompute_forward", "selective_forward", "optimizer_workspace", *_ISSUE,
-    "per_token", "per_token_sq",
-)  # fmt: skip
+    "recompute",
+    "recompute_activation",
+    "selective_activation",
+    "selective_recompute",
+    "recompute_forward",
+    "selective_forward",
+    "optimizer_workspace",
+    *_ISSUE,
+    "per_token",
+    "per_token_sq",
+)
 _TOP_V2 = ("host_bandwidth_gbs", "host_action_ms")
 _LAYER_KEYS = ("name", *_LAYER_NUMBERS, "params", *_LAYER_OPTIONAL, *_LAYER_V2)
 _TOP_KEYS = ("version", "layers", "comm", "meta", *_TOP_V2)
@@ -141,8 +151,9 @@ class LayerCost:
     @property
     def has_issue_times(self) -> bool:
         """Whether the host and device times of every piece the layer has are given."""
-        return all(getattr(self, f"{w}_{p}") is not None for w in ("host", "device")
-                   for p in self.pieces)  # fmt: skip
+        return all(
+            getattr(self, f"{w}_{p}") is not None for w in ("host", "device") for p in self.pieces
+        )
 
     @property
     def pieces(self) -> tuple[str, ...]:
@@ -337,8 +348,9 @@ def _layer(raw: object, where: str, fail: Fail) -> LayerCost:
         raise fail(f"{where}.{missing}", "missing: give per_token and per_token_sq together")
     given = [k for k in _ISSUE if k in raw]
     if given and not layer.has_issue_times:
-        missing = next(f"{w}_{p}" for w in ("host", "device") for p in layer.pieces
-                       if f"{w}_{p}" not in raw)  # fmt: skip
+        missing = next(
+            f"{w}_{p}" for w in ("host", "device") for p in layer.pieces if f"{w}_{p}" not in raw
+        )
         raise fail(f"{where}.{missing}", "missing: give the host and device times of every piece")
     return layer
 

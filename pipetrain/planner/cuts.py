@@ -28,7 +28,8 @@ from pipetrain.planner.partition import (
     rank_balanced_cut,
     uniform_cut,
 )
-from pipetrain.planner.recompute import Recompute, recomputed_costs, uniform
+from pipetrain.planner.recompute import recomputed_costs, uniform
+from pipetrain.planner.recompute_modes import Recompute
 from pipetrain.schedule.program import Program
 from pipetrain.schedule.timeline import Timeline
 

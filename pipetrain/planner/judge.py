@@ -22,20 +22,13 @@ from dataclasses import dataclass
 from pipetrain.planner.costs_file import LayerCost, ModelCosts
 from pipetrain.planner.layout import Layout
 from pipetrain.planner.partition import bounds
-from pipetrain.planner.recompute import (
-    Recompute,
-    StageRecompute,
-    beside_later_layers,
-    layers_under,
-    raised,
-    stage_recompute,
-)
+from pipetrain.planner.recompute import beside_later_layers, layers_under, raised
+from pipetrain.planner.recompute_modes import Recompute, StageRecompute, stage_recompute
 from pipetrain.schedule.offload import insert_offload, offloadable_stages, reload_leads
 from pipetrain.schedule.program import Program
 from pipetrain.schedule.timeline import Timeline
 from pipetrain.sim.costs import Costs, rank_peak_memory
-from pipetrain.sim.offload_model import reload_timing
-from pipetrain.sim.simulate import simulate
+from pipetrain.sim.simulate import reload_timing, simulate
 
 #: share of the budget kept free by default for what a costs file cannot see: the allocator's
 #: fragmentation (reserved above allocated), NCCL's buffers, the optimizer step's temporaries and
@@ -142,8 +135,13 @@ def rank_key(c: Candidate) -> tuple[float, float, int, float, str]:
         raised(spec.mode) * spec.layers_of(n)
         for spec, n in zip(map(stage_recompute, layout.recompute), layout.stage_layers)
     )
-    return (c.plan.ms_per_microbatch, sum(layout.offload), recomputed, max(c.plan.peak_gib),
-            c.plan.schedule)  # fmt: skip
+    return (
+        c.plan.ms_per_microbatch,
+        sum(layout.offload),
+        recomputed,
+        max(c.plan.peak_gib),
+        c.plan.schedule,
+    )
 
 
 def family_key(c: Candidate) -> tuple[bool, float, float, int, float, str]:
@@ -257,8 +255,9 @@ def planned_offload(
     leads = reload_leads(program, per_stage, timing)
     lead = tuple(max(leads[s] for s in range(p, n, positions)) for p in range(positions))
     able = offloadable_stages(program, 1, timing)
-    hidden = [f if all(s in able for s in range(p, n, positions)) else 0.0
-              for p, f in enumerate(offload)]  # fmt: skip
+    hidden = [
+        f if all(s in able for s in range(p, n, positions)) else 0.0 for p, f in enumerate(offload)
+    ]
     return usable_offload(program, positions, hidden, lead), lead
 
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar, Protocol
 
-from pipetrain.planner.recompute import Recompute, parse_modes
+from pipetrain.planner.recompute_modes import Recompute, parse_modes
 from pipetrain.schedule.offload import OffloadSpec, check_fractions, check_leads
 
 
@@ -31,7 +31,7 @@ class Layout:
     stage_layers: tuple[int, ...]
     #: per stage, in the order of ``stage_layers``: ``"none"``, ``"selective"`` or ``"full"``, or
     #: ``"selective:K"`` / ``"full:K"`` for the stage's first K layers
-    #: (``planner.recompute.StageRecompute``); empty: ``"none"`` for every stage
+    #: (``planner.recompute_modes.StageRecompute``); empty: ``"none"`` for every stage
     recompute: tuple[str, ...] = ()
     #: per stage, in the order of ``stage_layers``: the share of its activations held in host
     #: memory between forward and backward — its first ⌈share × layers⌉ layers, moved layer by
@@ -217,8 +217,23 @@ def default_cut(
     return tuple(counts)
 
 
-def layout_of(plan: object) -> Layout:
-    """The ``Layout`` of a ``Plan``, a ``Layout``, or a plan dict (checked)."""
+class HasLayout(Protocol):
+    """Anything that carries a layout, as the planner's ``Plan`` does (a layout and its
+    prediction): what the runtime reads of a plan, so it never imports the search that made
+    one."""
+
+    @property
+    def layout(self) -> Layout: ...
+
+
+#: what a plan may be given as: a layout, anything that has one, or ``pipetrain plan --json``'s
+#: dict
+PlanLike = Layout | HasLayout | Mapping[str, Any]
+
+
+def layout_of(plan: PlanLike | object) -> Layout:
+    """The ``Layout`` of a ``Plan`` (or anything with a ``layout``), a ``Layout``, or a plan dict
+    (checked)."""
     if isinstance(plan, Layout):
         return plan
     inner = getattr(plan, "layout", None)

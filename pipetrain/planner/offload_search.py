@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 
 from pipetrain.planner.costs_file import ModelCosts
 from pipetrain.planner.judge import Budget, Candidate, evaluate, rank_key
-from pipetrain.planner.recompute import Recompute
+from pipetrain.planner.recompute_modes import Recompute
 from pipetrain.schedule.program import Program
 
 #: the offload fractions tried per stage, smallest first

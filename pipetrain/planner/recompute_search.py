@@ -35,13 +35,8 @@ from pipetrain.planner.costs_file import ModelCosts
 from pipetrain.planner.cuts import candidates
 from pipetrain.planner.judge import Budget, Candidate, evaluate, rank_key
 from pipetrain.planner.partition import bounds
-from pipetrain.planner.recompute import (
-    MODES,
-    Recompute,
-    StageRecompute,
-    layers_under,
-    stage_recompute,
-)
+from pipetrain.planner.recompute import MODES, layers_under
+from pipetrain.planner.recompute_modes import Recompute, StageRecompute, stage_recompute
 from pipetrain.schedule.program import Program
 
 

@@ -31,7 +31,7 @@ from pipetrain.planner.judge import (
     stage_costs,
 )
 from pipetrain.planner.offload_search import offload_candidates
-from pipetrain.planner.recompute import describe
+from pipetrain.planner.recompute_modes import describe
 from pipetrain.planner.recompute_search import recompute_candidates
 from pipetrain.schedule.action import OpKind
 from pipetrain.schedule.program import Program

@@ -332,5 +332,8 @@ def _caption(tl: Timeline) -> list[str]:
     )
     peaks = " ".join(f"r{r}={fmt(p)}" for r, p in enumerate(tl.peak_activations))
     hosts = ["thin bars under each lane: when its rank's host issued each action"]
-    return [first, *textwrap.wrap(f"peak activations per rank: {peaks}", 150),
-            *(hosts if tl.host_spans else [])]  # fmt: skip
+    return [
+        first,
+        *textwrap.wrap(f"peak activations per rank: {peaks}", 150),
+        *(hosts if tl.host_spans else []),
+    ]

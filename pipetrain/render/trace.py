@@ -89,9 +89,14 @@ def _side_track(
     offset = track * timeline.num_ranks
     for rank in range(timeline.num_ranks):
         events.append(
-            {"name": "thread_name", "ph": "M", "pid": PID, "tid": offset + rank,
-             "args": {"name": f"rank {rank} {label}"}}
-        )  # fmt: skip
+            {
+                "name": "thread_name",
+                "ph": "M",
+                "pid": PID,
+                "tid": offset + rank,
+                "args": {"name": f"rank {rank} {label}"},
+            }
+        )
     for span in sorted(spans, key=lambda s: (s.start, s.rank)):
         event = _span_event(span)
         event["tid"] = offset + span.rank

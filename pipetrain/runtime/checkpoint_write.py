@@ -24,6 +24,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from pipetrain.runtime import checkpoint_disk, checksums
+from pipetrain.runtime.comm.barrier import barrier
 
 
 def write_folder(
@@ -133,8 +134,6 @@ class _Group:
 
     def barrier(self) -> None:
         if not self.alone:
-            from pipetrain.runtime.comm.barrier import barrier
-
             barrier(self.group)
 
     def gather(self, value: object) -> list:

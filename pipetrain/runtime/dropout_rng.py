@@ -50,7 +50,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pipetrain.runtime.layers import Stage
+from pipetrain.runtime.backward.activation_checkpoint import Recomputed
+from pipetrain.runtime.named_layers import Stage
 
 #: attributes through which a module passes its dropout probability to a kernel as a float
 FLOAT_DROPOUTS = ("attention_dropout", "dropout", "attn_dropout", "dropout_p")
@@ -110,8 +111,6 @@ def _tp_sharded(module: nn.Module) -> bool:
 def _unwrapped(layer: nn.Module) -> nn.Module:
     """The layer as given, under pipetrain's recompute wrapper or ``torch.compile``'s: the one a
     reference attaches to, so sites are named alike."""
-    from pipetrain.runtime.backward.activation_checkpoint import Recomputed
-
     while True:
         inner = layer.layer if isinstance(layer, Recomputed) else getattr(layer, "_orig_mod", None)
         if not isinstance(inner, nn.Module):

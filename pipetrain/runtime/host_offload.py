@@ -43,6 +43,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipetrain.runtime.backward.activation_checkpoint import Recomputed
+from pipetrain.runtime.named_layers import Stage
 from pipetrain.schedule.action import Action, OpKind
 from pipetrain.schedule.offload import RESIDENT_LAYERS, offloaded_layers
 
@@ -403,8 +405,6 @@ def _stays(tensor: torch.Tensor, params: frozenset[int]) -> bool:
 def stage_layers(module: nn.Module) -> list[nn.Module]:
     """The layers offload goes by: a ``pipetrain.split`` stage's call list, an ``nn.Sequential``'s
     children; otherwise none (the stage moves in one piece)."""
-    from pipetrain.runtime.layers import Stage
-
     if isinstance(module, Stage):
         return [layer for layer, _ in module.chain]
     if isinstance(module, nn.Sequential):
@@ -444,8 +444,6 @@ def _refuse_selective(module: nn.Module, stage: int) -> None:
     """Selective checkpoints (``torch.utils.checkpoint`` with a policy) raise when a backward
     reads their saved outputs under saved-tensor hooks a second time, as a split backward does;
     refused here rather than at the first ``W``."""
-    from pipetrain.runtime.backward.activation_checkpoint import Recomputed
-
     if any(isinstance(m, Recomputed) and m.mode == "selective" for m in module.modules()):
         raise ValueError(
             f"stage {stage} recomputes 'selective' and offloads: not run together; use 'full' "

@@ -24,8 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipetrain.planner.judge import Plan
-from pipetrain.planner.layout import Layout
+from pipetrain.planner.layout import Layout, PlanLike
 from pipetrain.runtime import checkpoint, host_offload, losses, microbatch, resolve, side_inputs
 from pipetrain.runtime import cuda_graph as step_graph
 from pipetrain.runtime.comm import failures, teardown
@@ -270,7 +269,7 @@ class Pipeline:
     def from_plan(
         cls,
         layers: Sequence[nn.Module] | Mapping[str, nn.Module] | Callable[[int], nn.Module],
-        plan: Plan | Layout | Mapping[str, Any],
+        plan: PlanLike,
         loss_fn: LossFn | None = None,
         **kwargs: Any,
     ) -> Pipeline:
@@ -278,7 +277,8 @@ class Pipeline:
         layer, or a factory ``index -> layer``) cut by the plan's ``stage_layers`` with
         ``pipetrain.split``, under the plan's schedule, stages per rank and micro-batches.
 
-        ``plan``: a ``pipetrain.planner.Plan`` or the dict ``pipetrain plan --json`` prints.
+        ``plan``: a ``Layout``, anything that has one (``planner.layout.HasLayout``: a
+        ``pipetrain.planner.Plan``), or the dict ``pipetrain plan --json`` prints.
         ``kwargs``: any other ``Pipeline`` option (``device``, ``mesh``, ``tied``...). A plan made
         for another number of pipeline ranks than this process group's (the mesh's ``pp``
         dimension with ``mesh=``) is refused: its cut and its schedule were chosen for that

@@ -21,7 +21,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipetrain.planner.layout import Layout, layout_of
+from pipetrain.planner.layout import Layout, PlanLike, layout_of
+from pipetrain.runtime.backward.activation_checkpoint import recompute_stages
+from pipetrain.runtime.layers import split
 from pipetrain.runtime.parallel.mesh import MeshGroups, resolve_mesh
 from pipetrain.schedule import deps
 from pipetrain.schedule.action import Action, OpKind
@@ -281,8 +283,6 @@ def plan_stages(layers, layout: Layout, kwargs: dict) -> Callable[[int], nn.Modu
     plan sets and a plan made for another number of pipeline ranks than this process group's
     (the mesh's ``pp`` dimension with ``mesh=``): its cut and its schedule were chosen for that
     size."""
-    from pipetrain.runtime.layers import split
-
     plan_sets = {"schedule", "num_microbatches", "stages_per_rank", "num_stages", "offload"}
     given = sorted(plan_sets & set(kwargs))
     if given:
@@ -307,8 +307,6 @@ def plan_stages(layers, layout: Layout, kwargs: dict) -> Callable[[int], nn.Modu
         if not cut:
             stages = split(layers, counts, num_layers=sum(counts) if callable_form else None)
             if layout.recomputes:
-                from pipetrain.runtime.backward.activation_checkpoint import recompute_stages
-
                 stages = recompute_stages(stages, layout.recompute)
             cut.append(stages)
         return cut[0][index]
@@ -316,7 +314,7 @@ def plan_stages(layers, layout: Layout, kwargs: dict) -> Callable[[int], nn.Modu
     return stage
 
 
-def plan_layout(plan: object) -> Layout:
-    """The ``Layout`` of a ``Plan``, a ``Layout`` or a plan dict, checked (a ``ValueError`` names
+def plan_layout(plan: PlanLike) -> Layout:
+    """The ``Layout`` of a ``Plan`` (anything with a ``layout``), a ``Layout`` or a plan dict, checked (a ``ValueError`` names
     the first missing or bad field)."""
     return layout_of(plan)

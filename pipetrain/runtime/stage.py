@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +26,7 @@ from torch import nn
 from pipetrain.runtime import side_inputs
 from pipetrain.runtime.backward import activation_checkpoint
 from pipetrain.runtime.backward import whole_stage_recompute as whole
-from pipetrain.runtime.backward.interface import BackwardSplit, choose_split
+from pipetrain.runtime.backward.interface import BackwardSplit, choose_split, fire_hooks
 from pipetrain.runtime.comm.failures import PipelineRefused
 from pipetrain.runtime.comm.p2p import TensorMeta
 from pipetrain.runtime.host_offload import StageOffload
@@ -350,14 +350,6 @@ class StageRunner:
 
     def leftovers(self) -> int:
         return len(self.saved) + len(self.weight_work)
-
-
-def fire_hooks(params: Sequence[torch.Tensor]) -> None:
-    """Run post-accumulate-grad hooks of ``params`` once, adding nothing: ``AccumulateGrad`` of a
-    zero gradient (only where a gradient exists; an unused parameter's hooks never fire)."""
-    ready = [p for p in params if p.grad is not None]
-    if ready:
-        torch.autograd.backward(ready, [torch.zeros_like(p) for p in ready])
 
 
 def _device(tensors: tuple[torch.Tensor, ...]) -> torch.device:

@@ -29,16 +29,15 @@ runtime does the second where a stage is a list of layers (``runtime.host_offloa
   (``b = B/L``): early enough that every reloaded layer is back when its backward begins, with the
   copies back to back.
 
-``reload_timing`` gives ``schedule.offload``'s just-in-time rule the same numbers.
+``sim.simulate.reload_timing`` gives ``schedule.offload``'s just-in-time rule the same numbers.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipetrain.schedule.action import Action, OpKind
 from pipetrain.schedule.copy_engine import CopyPlan
-from pipetrain.schedule.offload import RESIDENT_LAYERS, ReloadTiming, offloaded_layers
+from pipetrain.schedule.offload import RESIDENT_LAYERS, offloaded_layers
 from pipetrain.schedule.timeline import OffloadMemory
 from pipetrain.sim.costs import StageCosts
 
@@ -113,18 +112,3 @@ def stage_offload(costs: StageCosts, stage: int) -> StageOffload:
 
 def offload_stages(costs: StageCosts, num_stages: int) -> tuple[StageOffload, ...]:
     return tuple(stage_offload(costs, s) for s in range(num_stages))
-
-
-def reload_timing(costs: StageCosts, num_stages: int) -> ReloadTiming:
-    """The just-in-time rule's numbers (``schedule.offload``) under the same model: each compute
-    action's simulated duration and each backward piece's ``need``."""
-    from pipetrain.sim.simulate import duration
-
-    stages = offload_stages(costs, num_stages)
-
-    def need(backward: Action) -> float:
-        plan = stages[backward.stage].plan
-        wait = plan.need_i if backward.kind is OpKind.I else plan.need_b
-        return plan.reload if wait is None else wait
-
-    return ReloadTiming(duration=lambda action: duration(action, costs), need=need)

@@ -36,6 +36,7 @@ from statistics import fmean
 
 from pipetrain.schedule.action import Action, OpKind
 from pipetrain.schedule.execute import run
+from pipetrain.schedule.offload import ReloadTiming
 from pipetrain.schedule.program import Program
 from pipetrain.schedule.timeline import Timeline
 from pipetrain.sim.costs import Costs, StageCosts
@@ -64,6 +65,19 @@ def duration(action: Action, costs: StageCosts) -> float:
             return sum(duration(p, costs) for p in action.parts)
         case _:
             raise TypeError(f"communication has no duration of its own: {action}")
+
+
+def reload_timing(costs: StageCosts, num_stages: int) -> ReloadTiming:
+    """The just-in-time rule's numbers (``schedule.offload``) under the same model: each compute
+    action's simulated duration and each backward piece's ``need``."""
+    stages = offload_stages(costs, num_stages)
+
+    def need(backward: Action) -> float:
+        plan = stages[backward.stage].plan
+        wait = plan.need_i if backward.kind is OpKind.I else plan.need_b
+        return plan.reload if wait is None else wait
+
+    return ReloadTiming(duration=lambda action: duration(action, costs), need=need)
 
 
 def weight(action: Action, costs: StageCosts) -> float:

@@ -43,7 +43,7 @@ def test_bad_folders_and_flags_are_refused_before_launching(tmp_path):
     """Each refused by the launcher's checks: what is missing or contradicts is named."""
     from finetune_cases import build, train_args
 
-    from pipetrain.app.config import check_arguments
+    from pipetrain.app.train_checks import check_arguments
 
     good = write_folder(tmp_path / "llama")
     bare = tmp_path / "bare"

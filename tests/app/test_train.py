@@ -16,7 +16,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from pipetrain.app.config import TrainConfig, check_arguments  # noqa: E402
+from pipetrain.app.config import TrainConfig  # noqa: E402
 from pipetrain.app.models import (  # noqa: E402
     GPTConfig,
     batches,
@@ -28,6 +28,7 @@ from pipetrain.app.models import (  # noqa: E402
     split_gpt,
     stage_layers,
 )
+from pipetrain.app.train_checks import check_arguments  # noqa: E402
 from pipetrain.cli.train_command import config_from_argv  # noqa: E402
 from pipetrain.schedule.registry import build_schedule  # noqa: E402
 from pipetrain.sim.costs import Costs, measured_costs  # noqa: E402

@@ -22,7 +22,8 @@ from pipetrain.app.checkpoints import (  # noqa: E402
     Checkpoints,
     incomplete_checkpoints,
 )
-from pipetrain.app.config import TrainConfig, check_arguments  # noqa: E402
+from pipetrain.app.config import TrainConfig  # noqa: E402
+from pipetrain.app.train_checks import check_arguments  # noqa: E402
 from pipetrain.cli.train_command import config_from_argv  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]

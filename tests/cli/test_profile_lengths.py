@@ -47,7 +47,7 @@ def fake_profile(calls: list[dict]):
 
 
 def test_seq_lens_fit_each_layers_length_cost_into_the_file(tmp_path, capsys, monkeypatch) -> None:
-    import pipetrain.runtime.profile_layers as profiler
+    import pipetrain.runtime.profile.profile_layers as profiler
 
     calls: list[dict] = []
     monkeypatch.setattr(profiler, "profile", fake_profile(calls))
@@ -93,7 +93,7 @@ def write_llama(folder, blocks: int):  # type: ignore[no-untyped-def]
 
 
 def test_model_dir_hands_the_folders_own_layers_to_the_profiler(tmp_path, capsys, monkeypatch):
-    import pipetrain.runtime.profile_layers as profiler
+    import pipetrain.runtime.profile.profile_layers as profiler
 
     pytest.importorskip("transformers")
     model = write_llama(tmp_path / "llama", blocks=2).eval()

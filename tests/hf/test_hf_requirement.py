@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from pipetrain.app.config import check_arguments
+from pipetrain.app.train_checks import check_arguments
 from pipetrain.cli.train_command import config_from_argv
 from pipetrain.hf import causal_lm, from_pretrained
 from pipetrain.hf.causal_lm import MIN_TRANSFORMERS, transformers_problem

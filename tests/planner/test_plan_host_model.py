@@ -10,7 +10,8 @@ import pytest
 
 from pipetrain.planner import ModelCosts, parse_costs
 from pipetrain.planner.costs_file import CostsFileError, LayerCost, load_costs, save_costs
-from pipetrain.planner.recompute import Recompute, recomputed_layer
+from pipetrain.planner.recompute import recomputed_layer
+from pipetrain.planner.recompute_modes import Recompute
 from pipetrain.planner.search import simulate_plan, stage_costs
 from pipetrain.schedule.registry import build_schedule
 

@@ -18,12 +18,10 @@ from pipetrain.planner.recompute import (
     INPUT_SHARE,
     SELECTIVE_KEPT,
     SELECTIVE_TIME,
-    Recompute,
-    describe,
     layers_under,
     recomputed_layer,
-    stage_recompute,
 )
+from pipetrain.planner.recompute_modes import Recompute, describe, stage_recompute
 from pipetrain.planner.search import simulate_plan, stage_costs
 from pipetrain.schedule.action import OpKind
 from pipetrain.schedule.registry import build_schedule

@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from pipetrain.runtime.host_offload import StageOffload, stage_layers
-from pipetrain.runtime.layers import Stage
+from pipetrain.runtime.named_layers import Stage
 
 ROWS, WIDTH = 16, 64
 #: one float64 activation of a micro-batch, in bytes

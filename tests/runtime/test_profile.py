@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from pipetrain.planner import load_costs, plan
-from pipetrain.runtime.profile_layers import CPU_BANDWIDTH, CPU_LATENCY_MS, GIB, profile
+from pipetrain.runtime.profile.profile_layers import CPU_BANDWIDTH, CPU_LATENCY_MS, GIB, profile
 
 
 def test_profile_counts_activation_and_static_bytes_by_hand(tmp_path) -> None:
@@ -135,7 +135,7 @@ def test_profile_scales_lone_times_by_their_window_timed_as_one_stage(monkeypatc
     """Each window of ``context`` layers is run as one stage; its layers' lone times are scaled
     so that they sum to the window's time (a lone layer leaves the GPU idle at its edges that a
     stage does not); a one-layer tail window is left as it was; the loss runs in the last window."""
-    import pipetrain.runtime.profile_layers as profiler
+    import pipetrain.runtime.profile.profile_layers as profiler
 
     real = profiler._measure
     seen = []
@@ -183,8 +183,9 @@ def test_recompute_is_timed_as_what_checkpointing_adds_to_the_backward(monkeypat
     backward, timed alone, then scaled by windows timed plain and checkpointed as one stage; a
     difference below zero counts as 0 (a stubbed clock). ``recompute_forward`` and
     ``selective_forward``: the same for the forward."""
-    import pipetrain.runtime.profile_layers as profiler
-    from pipetrain.planner.recompute import Recompute, recomputed_layer
+    import pipetrain.runtime.profile.profile_layers as profiler
+    from pipetrain.planner.recompute import recomputed_layer
+    from pipetrain.planner.recompute_modes import Recompute
     from pipetrain.runtime.backward.activation_checkpoint import Recomputed
 
     real = profiler._measure

@@ -1,4 +1,4 @@
-"""The profiler's clocks (``runtime.profile_clock``): which one a timing names, what is refused,
+"""The profiler's clocks (``runtime.profile.profile_clock``): which one a timing names, what is refused,
 and the device clock's busy time — the union of the device's intervals — from a stubbed
 ``torch.profiler`` (the real one needs a GPU: ``benchmarks/gpu/plan_gpu.py --cuda-graph``)."""
 
@@ -13,8 +13,8 @@ from torch import nn
 from torch.autograd import DeviceType
 
 from pipetrain.cli import profile_command
-from pipetrain.runtime import profile_clock, profile_replay
-from pipetrain.runtime.profile_clock import (
+from pipetrain.runtime.profile import profile_clock, profile_replay
+from pipetrain.runtime.profile.profile_clock import (
     Clock,
     DeviceClock,
     busy_us,
@@ -22,8 +22,8 @@ from pipetrain.runtime.profile_clock import (
     gap_per_kernel,
     slowdown,
 )
-from pipetrain.runtime.profile_layers import profile
-from pipetrain.runtime.profile_replay import window_work
+from pipetrain.runtime.profile.profile_layers import profile
+from pipetrain.runtime.profile.profile_replay import window_work
 
 CPU = torch.device("cpu")
 
@@ -129,7 +129,7 @@ def test_plan_says_when_the_costs_were_timed_for_the_other_kind_of_step():
 
 
 def test_the_host_link_names_its_directions():
-    from pipetrain.runtime.host_link import link_gbs
+    from pipetrain.runtime.profile.host_link import link_gbs
 
     with pytest.raises(ValueError, match="directions must be some of down, up, got"):
         link_gbs(CPU, 1 << 10, 1, ("sideways",))
@@ -235,7 +235,7 @@ def test_an_eager_gpu_profile_splits_each_piece_into_host_and_device(monkeypatch
     """Every piece is timed from an idle start (its wall time, and the host's issue time) and
     again queued behind the host's issue time, per micro-batch; the file carries both, and the
     planner then paces each rank by its host and its device."""
-    from pipetrain.runtime import profile_layers
+    from pipetrain.runtime.profile import profile_layers
 
     clock = _SplitClock()
     monkeypatch.setattr(profile_layers, "clock_for", lambda device, timing: clock)

@@ -13,7 +13,7 @@ from runtime_harness import launch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pipetrain.planner.recompute import stage_recompute
+from pipetrain.planner.recompute_modes import stage_recompute
 from pipetrain.runtime.backward.activation_checkpoint import (
     Recomputed,
     recompute_layers,

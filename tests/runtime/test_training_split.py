@@ -8,7 +8,7 @@ from torch import nn
 from training_cases import SEQ, Block, build_layers, run_unsplit
 
 import pipetrain
-from pipetrain.runtime.layers import Stage
+from pipetrain.runtime.named_layers import Stage
 
 
 def test_stages_chain_the_layers_and_keep_global_names():

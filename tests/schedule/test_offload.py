@@ -21,8 +21,7 @@ from pipetrain.schedule.program import ScheduleError
 from pipetrain.schedule.registry import FAMILIES, build_schedule
 from pipetrain.schedule.validate import validate
 from pipetrain.sim.costs import Costs
-from pipetrain.sim.offload_model import reload_timing
-from pipetrain.sim.simulate import simulate
+from pipetrain.sim.simulate import reload_timing, simulate
 
 
 def _copies(program):

@@ -13,8 +13,8 @@ from pipetrain.schedule.lower import lower
 from pipetrain.schedule.offload import insert_offload, offloadable_stages
 from pipetrain.schedule.registry import FAMILIES, build_schedule
 from pipetrain.sim.costs import Costs
-from pipetrain.sim.offload_model import reload_timing, stage_offload
-from pipetrain.sim.simulate import simulate
+from pipetrain.sim.offload_model import stage_offload
+from pipetrain.sim.simulate import reload_timing, simulate
 
 
 def test_one_piece_moves_the_share_after_the_forward() -> None:

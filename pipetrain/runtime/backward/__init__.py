@@ -1,3 +1,3 @@
-"""How a stage's backward splits into ``I`` (input gradients) and ``W`` (weight gradients):
-the ``interface`` a stage calls, its two implementations (``deferred_wgrad``, ``graph_replay``)
-and what activation checkpointing inside a stage may be (``activation_checkpoint``)."""
+"""How a stage's backward splits into ``I`` (input gradients) and ``W`` (weight gradients), and
+what activation checkpointing inside a stage may be. Stands on ``comm`` and the stage's module
+(``runtime.named_layers``); docs/design.md's "File map" lists its modules."""

@@ -38,10 +38,10 @@ from torch.utils.checkpoint import (
     noop_context_fn,
 )
 
-from pipetrain.planner.recompute import Recompute, StageRecompute, stage_recompute
+from pipetrain.planner.recompute_modes import Recompute, StageRecompute, stage_recompute
 from pipetrain.runtime import torch_compat
 from pipetrain.runtime.comm.failures import PipelineRefused
-from pipetrain.runtime.layers import LazyStages, Stage
+from pipetrain.runtime.named_layers import LazyStages, Stage
 
 REENTRANT_NODE = "CheckpointFunctionBackward"
 
@@ -163,7 +163,7 @@ def recomputes(module: nn.Module) -> bool:
 
 def recompute_stage(stage: nn.Module, mode: str, index: int, last: bool = False) -> nn.Module:
     """``stage`` with the layers in its call list wrapped in ``Recomputed`` as ``mode`` says
-    (``planner.recompute.StageRecompute``'s written form: ``"full"`` or ``"selective"`` for
+    (``planner.recompute_modes.StageRecompute``'s written form: ``"full"`` or ``"selective"`` for
     every layer, ``"full:K"`` or ``"selective:K"`` for the first K, the rest plain;
     ``recompute_layers`` does the wrapping: the planner models a stage's recompute layer by
     layer, ``planner.recompute``); ``"whole"`` marks the stage to run its forward without

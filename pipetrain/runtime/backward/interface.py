@@ -22,6 +22,14 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from pipetrain.runtime.backward.activation_checkpoint import recomputes
+from pipetrain.runtime.backward.deferred_wgrad import (
+    DeferredLinears,
+    has_compiled_parts,
+    linear_share,
+    worth_deferring,
+)
+from pipetrain.runtime.backward.graph_replay import GraphReplay
 from pipetrain.runtime.torch_compat import GradientEdge
 
 _log = logging.getLogger(__name__)
@@ -72,6 +80,16 @@ class BackwardSplit(Protocol):
         ...
 
 
+def fire_hooks(params: Sequence[torch.Tensor]) -> None:
+    """Run post-accumulate-grad hooks of ``params`` once, adding nothing: ``AccumulateGrad`` of a
+    zero gradient (only where a gradient exists; an unused parameter's hooks never fire). A stage
+    whose split accumulates quietly (``hooks`` off) fires them once afterwards, as tied
+    weights do after their sum (``parallel.tied``)."""
+    ready = [p for p in params if p.grad is not None]
+    if ready:
+        torch.autograd.backward(ready, [torch.zeros_like(p) for p in ready])
+
+
 def choose_split(
     module: nn.Module,
     defer_weight_grads: bool | None,
@@ -90,15 +108,6 @@ def choose_split(
     weight GEMMs for the schedule's bubbles, where graph replay would put the whole backward in
     ``I`` (docs/benchmarks.md, "Activation checkpointing under the pipeline", measures both).
     ``defer_weight_grads=True`` defers in every case."""
-    from pipetrain.runtime.backward.activation_checkpoint import recomputes
-    from pipetrain.runtime.backward.deferred_wgrad import (
-        DeferredLinears,
-        has_compiled_parts,
-        linear_share,
-        worth_deferring,
-    )
-    from pipetrain.runtime.backward.graph_replay import GraphReplay
-
     if defer_weight_grads is None and has_compiled_parts(module):
         defer = False
         why = "it holds compiled regions, whose graphs deferral would break around each linear"
@@ -137,12 +146,8 @@ def _caveats(module: nn.Module, defer: bool) -> str:
     notes = []
     if subclasses:
         notes.append(f"{', '.join(subclasses)} layers: weight gradients in I, not deferred")
-    from pipetrain.runtime.backward.deferred_wgrad import has_compiled_parts
-
     if not defer and has_compiled_parts(module):
         notes.append("compiled regions: their whole backward runs in I")
-    from pipetrain.runtime.backward.activation_checkpoint import recomputes
-
     if not defer and recomputes(module):
         notes.append(
             "recomputed layers: the whole backward runs in I (replayed, they would recompute twice)"

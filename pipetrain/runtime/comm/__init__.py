@@ -1,2 +1,3 @@
-"""Between ranks: point-to-point transfers (``p2p``), agreement on per-step values
-(``agreement``) and failures that reach every rank (``failures``)."""
+"""Between ranks: transfers, agreement, failures that reach every rank, leaving together. The
+runtime's floor: it imports only ``runtime.torch_compat``; docs/design.md's "File map" lists its
+modules."""

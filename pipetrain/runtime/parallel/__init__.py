@@ -1,2 +1,3 @@
-"""The job's dimensions besides the pipeline: data parallel on a mesh (``data_parallel``), tied
-weights across stages (``tied``) and the global gradient norm (``grad_norm``)."""
+"""The job's dimensions besides the pipeline (the mesh, data parallel, tied weights, the global
+gradient norm). Stands on ``comm`` and ``backward``; docs/design.md's "File map" lists its
+modules."""

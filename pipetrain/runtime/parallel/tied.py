@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from pipetrain.runtime.stage import fire_hooks
+from pipetrain.runtime.backward.interface import fire_hooks
 
 
 @dataclass

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from pipetrain.runtime.backward.activation_checkpoint import Recomputed
-from pipetrain.runtime.layers import Stage
+from pipetrain.runtime.named_layers import Stage
 from pipetrain.runtime.stage import StageRunner, leaves
 
 #: recompute mode -> the costs file's fields for what it adds to the backward and the forward

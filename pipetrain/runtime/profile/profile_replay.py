@@ -18,8 +18,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from pipetrain.runtime.layers import Stage
-from pipetrain.runtime.profile_clock import Clock, DeviceClock
+from pipetrain.runtime.named_layers import Stage
+from pipetrain.runtime.profile.profile_clock import Clock, DeviceClock
 from pipetrain.runtime.stage import StageRunner, leaves
 
 

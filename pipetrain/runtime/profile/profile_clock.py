@@ -22,7 +22,7 @@ kernels and copies occupied on the device (overlapping intervals, from several s
 once) plus, per kernel or copy, the replay's gap between dependent kernels, measured once per
 clock (``replay_gap_us``: work captured as a graph, its replay against the same kernels' busy
 time). The work is first a chain of small dependent kernels; ``DeviceClock.calibrate`` then
-measures it again on the model's own layers run as a stage (``runtime.profile_replay``): the
+measures it again on the model's own layers run as a stage (``runtime.profile.profile_replay``): the
 gap depends on the kernels' sizes and on what is in flight, so it is measured on the work the
 clock will time. A profile for a graphed run takes this clock; one taken with the wall clock
 predicts a graphed step slow by the host time it no longer pays.

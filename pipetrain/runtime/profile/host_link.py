@@ -13,7 +13,7 @@ import statistics
 
 import torch
 
-from pipetrain.runtime.profile_clock import Clock
+from pipetrain.runtime.profile.profile_clock import Clock
 
 #: bytes each way the profiler times: the order of one layer's saved activations, which
 #: layer-by-layer offload copies as one piece

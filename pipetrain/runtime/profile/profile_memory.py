@@ -1,7 +1,7 @@
 """What a profiled layer holds in memory: the tensors its forward saves for its backward
 (``saved_tensors_hooks``), with the layer checkpointed as a plan's recompute runs it, and its
 static bytes (parameters, gradients, optimizer state) — the profiler's memory half
-(``runtime.profile_layers`` times the layers and writes the costs file).
+(``runtime.profile.profile_layers`` times the layers and writes the costs file).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from torch import nn
 
 from pipetrain.runtime import torch_compat
 from pipetrain.runtime.backward.activation_checkpoint import Recomputed
-from pipetrain.runtime.layers import Stage
+from pipetrain.runtime.named_layers import Stage
 from pipetrain.runtime.stage import StageRunner
 
 GIB = float(1 << 30)

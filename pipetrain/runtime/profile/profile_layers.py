@@ -11,7 +11,7 @@ so ``I`` and ``W`` are split exactly as a pipeline splits them):
   synchronisation around each over-estimated a block, measured: ``docs/performance.md``) and divided
   by their number; the median over ``repeats`` rounds after ``warmup`` rounds, timed with CUDA
   events on a GPU and ``time.perf_counter`` on a CPU — or, with ``timing="device"``, as the
-  device's busy time alone (``runtime.profile_clock``); ``.grad`` is kept between rounds as
+  device's busy time alone (``runtime.profile.profile_clock``); ``.grad`` is kept between rounds as
   ``zero_grad(set_to_none=False)`` keeps it, so backward pieces add into it as they do in training; the last layer's forward and backward include ``loss_fn``, as
   the last stage's do in a pipeline;
 * ``activation``: the bytes of the distinct tensors the layer's forward saves for its backward
@@ -71,10 +71,10 @@ import torch
 from torch import nn
 
 from pipetrain.planner.costs_file import LayerCost, ModelCosts, save_costs
-from pipetrain.runtime import host_link, profile_replay
-from pipetrain.runtime.layers import Stage
-from pipetrain.runtime.profile_clock import Clock, DeviceClock, clock_for
-from pipetrain.runtime.profile_memory import (
+from pipetrain.runtime.named_layers import Stage
+from pipetrain.runtime.profile import host_link, profile_replay
+from pipetrain.runtime.profile.profile_clock import Clock, DeviceClock, clock_for
+from pipetrain.runtime.profile.profile_memory import (
     GIB,
     OPTIMIZER_STATES,
     OPTIMIZER_TEMPORARIES,
@@ -82,23 +82,31 @@ from pipetrain.runtime.profile_memory import (
     checkpointed_bytes,
     static_bytes,
 )
-from pipetrain.runtime.profile_recompute import StageTimer, recompute_times
+from pipetrain.runtime.profile.profile_recompute import StageTimer, recompute_times
 from pipetrain.runtime.stage import StageRunner, leaves
 
 #: the CPU transfer model: gloo send/recv over loopback
 CPU_LATENCY_MS = 0.05
 CPU_BANDWIDTH = 2e9  # bytes per second
 #: the costs file's name of each timed piece -> its key while measuring
-PIECES = {"forward": "forward", "backward": "backward", "backward_input": "i",
-          "backward_weight": "w"}  # fmt: skip
+PIECES = {
+    "forward": "forward",
+    "backward": "backward",
+    "backward_input": "i",
+    "backward_weight": "w",
+}
 #: which ratio scales each time the windows scale: I and W share the split backward's; an eager
-#: GPU profile's host and device times (``runtime.profile_clock``) have ratios of their own
+#: GPU profile's host and device times (``runtime.profile.profile_clock``) have ratios of their own
 RATIO_OF = {
     f"{worker}{name}": f"{worker}{ratio}"
     for worker in ("", "host_", "device_")
-    for name, ratio in (("forward", "forward"), ("backward", "backward"),
-                        ("backward_input", "split_backward"), ("backward_weight", "split_backward"))
-}  # fmt: skip
+    for name, ratio in (
+        ("forward", "forward"),
+        ("backward", "backward"),
+        ("backward_input", "split_backward"),
+        ("backward_weight", "split_backward"),
+    )
+}
 TIMES = tuple(RATIO_OF)
 
 
@@ -128,7 +136,7 @@ def profile(
     loss; without, from a random output gradient (as every other layer's does). ``context``:
     layers per window timed as one stage to scale the lone times (1: no windows). ``timing``:
     ``"wall"`` (an eager step's times, host waits included) or ``"device"`` (the device's busy
-    time alone, what a step replayed as a CUDA graph pays; CUDA only): ``runtime.profile_clock``.
+    time alone, what a step replayed as a CUDA graph pays; CUDA only): ``runtime.profile.profile_clock``.
     """
     if isinstance(layers, Mapping | nn.ModuleDict):
         if names is not None:
@@ -184,11 +192,17 @@ def profile(
 def _clock_meta(clock: Clock) -> dict[str, object]:
     """What the costs file's ``meta`` says of how the clock was calibrated."""
     if isinstance(clock, DeviceClock):
-        return {"replay_gap_us": clock.replay_gap_us, "replay_gap_on": clock.gap_measured_on,
-                "sustained_slowdown": clock.sustained}  # fmt: skip
+        return {
+            "replay_gap_us": clock.replay_gap_us,
+            "replay_gap_on": clock.gap_measured_on,
+            "sustained_slowdown": clock.sustained,
+        }
     if clock.issue_times:
-        return {"sustained_slowdown": clock.sustained, "sustained_on": clock.sustained_on,
-                "queued_late": clock.late}  # fmt: skip
+        return {
+            "sustained_slowdown": clock.sustained,
+            "sustained_on": clock.sustained_on,
+            "queued_late": clock.late,
+        }
     return {}
 
 
@@ -238,15 +252,21 @@ def _measure_layers(
         static, trained = static_bytes(layer, seen, OPTIMIZER_STATES[optimizer])
         comm = _transfer_ms(outputs, clock, rounds[0]) if outputs else 0.0
         name = names[index] if names is not None else f"{index}:{type(layer).__name__}"
-        kept = {m: checkpointed_bytes(index, layer, is_last, loss_fn, args, target, m) / GIB
-                for m in ("full", "selective")}  # fmt: skip
+        kept = {
+            m: checkpointed_bytes(index, layer, is_last, loss_fn, args, target, m) / GIB
+            for m in ("full", "selective")
+        }
         measured.append(
             LayerCost(
-                name=name, params=static / GIB, comm=comm, recompute_activation=kept["full"],
+                name=name,
+                params=static / GIB,
+                comm=comm,
+                recompute_activation=kept["full"],
                 optimizer_workspace=trained * OPTIMIZER_TEMPORARIES[optimizer] / GIB,
-                selective_activation=kept["selective"], **cost,  # type: ignore[arg-type]
+                selective_activation=kept["selective"],
+                **cost,  # type: ignore[arg-type]
             )
-        )  # fmt: skip
+        )
         with torch.no_grad():
             out = layer(*inputs)
         inputs = out if isinstance(out, tuple) else (out,)
@@ -273,8 +293,11 @@ def _scale_by_windows(
             layers, measured, layer_inputs[first], first, end, loss_fn, target, clock, rounds
         )
         for i in range(first, end):
-            scaled = {k: getattr(measured[i], k) * ratios[RATIO_OF[k]] for k in TIMES
-                      if RATIO_OF[k] in ratios}  # fmt: skip
+            scaled = {
+                k: getattr(measured[i], k) * ratios[RATIO_OF[k]]
+                for k in TIMES
+                if RATIO_OF[k] in ratios
+            }
             measured[i] = dataclasses.replace(measured[i], **scaled)
         windows.append({"first": first, "end": end, **ratios})
     return windows
@@ -336,11 +359,15 @@ def _measure(
                 runner.begin_step()
                 before = _allocated(clock)
                 pieces = [("forward", forwards)] + (
-                    [("i", lambda: run(lambda mb: _discard(runner.backward_input(mb, grads)))),
-                     ("w", lambda: run(runner.backward_weight))]
+                    [
+                        ("i", lambda: run(lambda mb: _discard(runner.backward_input(mb, grads)))),
+                        ("w", lambda: run(runner.backward_weight)),
+                    ]
                     if piecewise
-                    else [("backward", lambda: run(lambda mb: _discard(runner.backward(mb, grads))))]
-                )  # fmt: skip
+                    else [
+                        ("backward", lambda: run(lambda mb: _discard(runner.backward(mb, grads))))
+                    ]
+                )
                 for key, fn in pieces:
                     if how == "queued":
                         sample = {f"device_{key}": clock.queued(fn, host[key])}
@@ -357,21 +384,39 @@ def _measure(
                     peak = torch.cuda.max_memory_allocated() - before - in_flight * saved.bytes
                     workspace = max(workspace, peak)
 
+    return _summary(times, split_times, saved, workspace, for_weight, clock), outputs
+
+
+def _summary(
+    times: dict[str, list[float]],
+    split_times: bool,
+    saved: SavedBytes,
+    workspace: float,
+    for_weight: float,
+    clock: Clock,
+) -> dict[str, float | None]:
+    """A stage's measured times (medians of the rounds), its activation and workspace, in the
+    costs file's names and units."""
+
     def med(key: str) -> float | None:
         return statistics.median(times[key]) if key in times else None
 
-    by_worker = {f"{w}_{name}": med(f"{w}_{key}") for w in ("host", "device")
-                 for name, key in PIECES.items()} if split_times else {}  # fmt: skip
-    return (
+    by_worker = (
         {
-            **{name: med(key) for name, key in PIECES.items()},
-            **by_worker,
-            "activation": saved.bytes / GIB,
-            "workspace": workspace / GIB,
-            "activation_for_weight": for_weight / GIB if clock.cuda else None,
-        },
-        outputs,
+            f"{w}_{name}": med(f"{w}_{key}")
+            for w in ("host", "device")
+            for name, key in PIECES.items()
+        }
+        if split_times
+        else {}
     )
+    return {
+        **{name: med(key) for name, key in PIECES.items()},
+        **by_worker,
+        "activation": saved.bytes / GIB,
+        "workspace": workspace / GIB,
+        "activation_for_weight": for_weight / GIB if clock.cuda else None,
+    }
 
 
 def _first_pass(runner: StageRunner, args, target) -> tuple[SavedBytes, tuple, list | None]:
