@@ -169,7 +169,7 @@ def main() -> int:
     p.add_argument("--launch", type=int, default=0, help="recorded in each row (the report pools)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--device", choices=("auto", "cpu"), default="auto")
-    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--out", default=os.environ.get("OUT", "out"))
     p.add_argument(
         "--stall-dump-s",
         type=float,

@@ -61,7 +61,7 @@ def main() -> None:
     parser.add_argument("--fail-rank", type=int, default=1)
     parser.add_argument("--pg-timeout-s", type=float, default=90.0)
     parser.add_argument("--stack-dump-s", type=float, default=0.0, help="0: off")
-    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
     args = parser.parse_args()
     timeout = timedelta(seconds=args.pg_timeout_s)
     if args.stack_dump_s:  # where a rank that does not stop is waiting

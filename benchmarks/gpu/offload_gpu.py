@@ -347,7 +347,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="how long any wait on a peer may take (default 120)")  # fmt: skip
     add("--bandwidth-mib", type=int, default=1024, help="bytes the bandwidth copy moves (MiB)")
     add("--nproc", type=int, default=2, help="processes to spawn without torchrun (default 2)")
-    add("--out", default=os.environ.get("OUT", "."), help="folder for offload_gpu.json ($OUT)")
+    add("--out", default=os.environ.get("OUT", "out"), help="folder for offload_gpu.json ($OUT)")
     args = parser.parse_args(argv)
     cpu = args.device == "cpu"
     gpu_shape = {"hidden": 4096, "heads": 32, "kv_heads": 8, "ffn": 14336, "seq": 8192}

@@ -377,6 +377,7 @@ def run(args: argparse.Namespace, rank: int, world: int) -> int:
             "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
             "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}  # fmt: skip
     out = Path(args.out) / "recompute_cost.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
 
     def record(row: dict) -> None:
@@ -456,7 +457,7 @@ FLAGS = (
     ("--profile", str, "", "comma list of schedule/split/recompute rows to trace one more step of "
      "(e.g. zbv/deferred/full): profile-<row>.txt beside the JSON"),
     ("--nproc", int, 2, "processes to spawn without torchrun (default 2)"),
-    ("--out", str, os.environ.get("OUT", "."), "folder for recompute_cost.json ($OUT)"),
+    ("--out", str, os.environ.get("OUT", "out"), "folder for recompute_cost.json ($OUT)"),
 )  # fmt: skip
 SHAPE_FLAGS = {"layers": "blocks", "hidden": "hidden size", "heads": "attention heads",
                "seq": "sequence length", "vocab": "vocabulary", "mb_size": "sequences per "

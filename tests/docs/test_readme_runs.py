@@ -86,13 +86,13 @@ def test_the_planning_guide_block_runs(tmp_path: Path, monkeypatch) -> None:
 
 
 def test_the_fine_tuning_commands_are_train_flags() -> None:
-    """docs/training.md's fine-tuning commands parse as ``pipetrain train`` flags (running them
+    """docs/train-command.md's fine-tuning commands parse as ``pipetrain train`` flags (running them
     needs a released model; ``tests/app/test_finetune.py`` runs the same flags on a tiny one)."""
     import shlex
 
     from pipetrain.cli.train_command import config_from_argv
 
-    block = code_block("docs/training.md", "## Fine-tuning a Hugging Face folder", "bash")
+    block = code_block("docs/train-command.md", "## Fine-tuning a Hugging Face folder", "bash")
     commands = block.replace("\\\n", " ").strip().splitlines()
     assert len(commands) == 2
     for command in commands:

@@ -210,7 +210,7 @@ CLOSE_WITH = (
 PROFILER = "docs/runtime.md: with profile() as prof:"
 LOGGING = 'docs/runtime.md: logging.basicConfig(format="%(asctime)s %(name)s %(message)s")'
 FINE_TUNING = (
-    'docs/training.md: stages = pipetrain.hf.from_pretrained("Llama-3.2-1B", [5, 5, 5, 4], '
+    'docs/finetuning.md: stages = pipetrain.hf.from_pretrained("Llama-3.2-1B", [5, 5, 5, 4], '
     "dtype=torch.bfloat16,"
 )
 
@@ -280,7 +280,7 @@ def run_four_rank_blocks(rank: int, world: int, folder: str) -> dict:
 
 def run_two_rank_blocks(rank: int, world: int, folder: str) -> dict:
     """docs/runtime.md's ``with Pipeline(...)`` loop and profiler blocks (4 linear stages), and
-    docs/training.md's fine-tuning block on a tiny folder named Llama-3.2-1B (its 19 layers) and
+    docs/finetuning.md's fine-tuning block on a tiny folder named Llama-3.2-1B (its 19 layers) and
     two padded batches: what each left."""
     import torch
     import torch.distributed as dist
