@@ -57,7 +57,17 @@ RUN_IN_README_TESTS = {
     '"head": Head()}',
 }
 #: python blocks run here
-RUN_HERE = {FROM_PLAN, FACTORY_SPLIT, TENSOR_PARALLEL, CLOSE_WITH, PROFILER, LOGGING, FINE_TUNING}
+DROPOUT_KEYS = "docs/runtime.md: keys = DropoutKeys(seed=S).attach(layers)"
+RUN_HERE = {
+    FROM_PLAN,
+    FACTORY_SPLIT,
+    TENSOR_PARALLEL,
+    CLOSE_WITH,
+    PROFILER,
+    LOGGING,
+    FINE_TUNING,
+    DROPOUT_KEYS,
+}
 
 
 def test_every_block_runs_or_says_why_not() -> None:
@@ -73,6 +83,35 @@ def test_every_block_runs_or_says_why_not() -> None:
     runnable = {b.key for b in blocks if b.not_run is None}
     assert RUN_IN_README_TESTS | RUN_HERE <= runnable, "a test runs a block that is gone"
     print("not run:", *(f"{b.doc}:{b.line}: {b.not_run}" for b in blocks if b.not_run), sep="\n")
+
+
+def test_the_dropout_keys_block_draws_the_same_masks_whatever_the_global_stream() -> None:
+    """docs/runtime.md's unsplit reference loop, as written, twice from different global random
+    states: the same keys give the same losses (and a third run with another seed does not)."""
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    torch.manual_seed(0)
+    made = [nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5)) for _ in range(2)]
+    batches = [(torch.randn(4, 8), torch.randn(4, 8)) for _ in range(3)]
+
+    def losses(seed: int, stream: int) -> list[float]:
+        layers = copy.deepcopy(made)
+        model = nn.Sequential(*layers).train()
+        scope = {"S": seed, "layers": layers, "model": model}
+        scope |= {"micro_batches": batches, "loss_fn": F.mse_loss}
+        torch.manual_seed(stream)  # the caller's own stream: the keys must not depend on it
+        out = []
+        code = block_code(DROPOUT_KEYS).replace("loss_j = ", "out.append(").rstrip()
+        code = code.replace("model(x), y)", "model(x), y).item())")
+        exec(compile(code, "docs/runtime.md: dropout keys", "exec"), scope | {"out": out})
+        return out
+
+    assert losses(7, 1) == losses(7, 2)
+    assert losses(7, 1) != losses(8, 1)
 
 
 def test_the_logging_block_runs() -> None:
