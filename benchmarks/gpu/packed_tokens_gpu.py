@@ -215,6 +215,12 @@ def main() -> None:
     ap.add_argument("--preset", choices=sorted(PRESETS), default="llama-2048")
     ap.add_argument("--out", required=True)
     ap.add_argument("--runs", default="padded,packed,plain")
+    ap.add_argument(
+        "--attention",
+        choices=("flex", "sdpa"),
+        default=None,
+        help="both sides' attention (default: flex on CUDA, sdpa on the CPU, as pipetrain's rule)",
+    )
     args = ap.parse_args()
     p = PRESETS[args.preset]
     out = Path(args.out)
@@ -226,13 +232,14 @@ def main() -> None:
         write_text(text, p["lines"])
     if not (folder / "config.json").is_file():
         write_folder(folder, text, p)
-    attention = "flex_attention" if p["device"] == "cuda" else "sdpa"
+    chosen = args.attention or ("flex" if p["device"] == "cuda" else "sdpa")
+    attention = {"flex": "flex_attention", "sdpa": "sdpa"}[chosen]
     rows = []
     for launch, name in enumerate(args.runs.split(",")):
         if name == "plain":
             row = summary(name, run_plain(folder, text, p, out, attention), p["warmup"])
         else:
-            extra = ["--packing", "none"] if name == "padded" else []
+            extra = ["--attention", chosen, *(["--packing", "none"] if name == "padded" else [])]
             lines = run_pipetrain(f"{name}-{launch}", folder, text, p, out, extra)
             row = summary(name, lines, p["warmup"])
         rows.append(row | {"launch": launch})
