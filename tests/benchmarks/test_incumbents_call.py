@@ -1,4 +1,4 @@
-"""benchmarks/gpu/incumbents_call.sh's launch series: three launches numbered from 0 by default,
+"""benchmarks/incumbents/incumbents_call.sh's launch series: three launches numbered from 0 by default,
 ``LAUNCHES`` and ``FIRST_LAUNCH`` to run more or to continue a series in a later call (each
 launch's number rotates the libraries' order and names its folder)."""
 
@@ -8,7 +8,7 @@ import os
 import subprocess
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu" / "incumbents_call.sh"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "incumbents" / "incumbents_call.sh"
 
 
 def _parts(**env: str) -> list[str]:

@@ -1,0 +1,1 @@
+"""What several benchmark folders share: the GPU process context and presets, the launch-and-step intervals, the local launcher."""
