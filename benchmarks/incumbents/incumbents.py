@@ -1,6 +1,6 @@
 """pipetrain against the incumbents on the same GPUs (docs/incumbents.md): Megatron-Core's
 pipeline schedules, DeepSpeed's pipeline engines and ``torch.distributed.pipelining``; a
-benchmark, not a test. One run of this script is one *launch*; ``incumbents_call.sh`` runs
+benchmark, not a test. One run of this script is one *launch*; ``incumbents_call.py`` runs
 several with the libraries' order rotated (``--launch K``) and ``incumbents_stats.py`` pools them.
 
     torchrun --nproc-per-node 2 benchmarks/incumbents/incumbents.py --out $OUT/l0 --launch 0   # NCCL
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print(report([Path(p) for p in args.report]))
         return 0
-    if os.environ.get("STACKS_AFTER"):  # a hang shows where each rank waits (incumbents_call.sh)
+    if os.environ.get("STACKS_AFTER"):  # a hang shows where each rank waits (incumbents_call.py)
         faulthandler.dump_traceback_later(float(os.environ["STACKS_AFTER"]))
     ctx = Ctx(args)
     n_list = [int(v) for v in args.microbatches.split(",") if v] or [2 * ctx.world]

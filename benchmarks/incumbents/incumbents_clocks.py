@@ -1,6 +1,6 @@
 """Each incumbents row's GPU clock: the SM clock, power and temperature ``nvidia-smi`` sampled
 while the row's timed steps ran, beside the caching allocator's retries per rank
-(``gpu_pipeline.guarded``). ``incumbents_call.sh`` samples every 200 ms per part into
+(``gpu_pipeline.guarded``). ``incumbents_call.py`` samples every 200 ms per part into
 ``<part>.smi.csv``; each row records when its timed steps began and ended (``timed_from``,
 ``timed_to``) in the same local time, and when the whole row did (``started``, ``ended``). The
 timed steps are the window that counts: a row's set-up (building the model, warm-up) idles the

@@ -40,7 +40,7 @@ ORDER = ("1f1b", "zb-h1", "interleaved-1f1b", "interleaved-zb", "zbv", "dualpipe
 LIBS = ("pipetrain", "megatron", "deepspeed", "torch")
 #: 2 ranks: pipetrain's best ≤ 0.97 × Megatron's best; 4 ranks: ≤ 0.93 (issue 21)
 BEST_TARGET = {2: 0.97, 4: 0.93}
-#: bootstrap draws per interval (incumbents_call.sh asks for fewer in its summaries between parts)
+#: bootstrap draws per interval (incumbents_call.py asks for fewer in its summaries between parts)
 RESAMPLES = int(os.environ.get("INCUMBENTS_RESAMPLES", "2000"))
 
 

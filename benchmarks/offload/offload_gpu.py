@@ -59,14 +59,12 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout
 from torch import nn
 
+import pipetrain
 from benchmarks.common.local_launch import launch
-
-
-import pipetrain  # noqa: E402
-from pipetrain.runtime.backward.activation_checkpoint import recompute_stage  # noqa: E402
-from pipetrain.runtime.named_layers import Stage  # noqa: E402
-from pipetrain.schedule.offload import OffloadSpec, offloadable_stages  # noqa: E402
-from pipetrain.schedule.registry import build_schedule  # noqa: E402
+from pipetrain.runtime.backward.activation_checkpoint import recompute_stage
+from pipetrain.runtime.named_layers import Stage
+from pipetrain.schedule.offload import OffloadSpec, offloadable_stages
+from pipetrain.schedule.registry import build_schedule
 
 GIB = 2**30
 #: the CPU dry run's shape: every code path, seconds per variant

@@ -72,14 +72,12 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout
 from benchmarks.common.local_launch import launch
 from benchmarks.recompute.recompute_cost_report import MODES, TARGET, compare, line, summary, write
-
-
-from pipetrain.app.models.gpt import GPTConfig, gpt_layer, lm_loss, stage_layers  # noqa: E402
-from pipetrain.planner.layout import Layout  # noqa: E402
-from pipetrain.runtime.backward import activation_checkpoint as checkpointing  # noqa: E402
-from pipetrain.runtime.layers import split  # noqa: E402
-from pipetrain.runtime.pipeline import Pipeline  # noqa: E402
-from pipetrain.schedule.registry import FAMILIES, build_schedule, family  # noqa: E402
+from pipetrain.app.models.gpt import GPTConfig, gpt_layer, lm_loss, stage_layers
+from pipetrain.planner.layout import Layout
+from pipetrain.runtime.backward import activation_checkpoint as checkpointing
+from pipetrain.runtime.layers import split
+from pipetrain.runtime.pipeline import Pipeline
+from pipetrain.schedule.registry import FAMILIES, build_schedule, family
 
 GIB = 2**30
 SPLITS = {"deferred": True, "replay": False, "default": None}
