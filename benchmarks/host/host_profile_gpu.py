@@ -121,7 +121,17 @@ def main(argv: list[str] | None = None) -> int:
                 if burst and r:
                     times[name].append((time.perf_counter() - t0) * 1e3)
     result["host_ms"] = {k: statistics.median(v) for k, v in times.items()}
-    # profile one of each (GPU busy)
+    profile_each(pieces, state, cuda, result)
+    print(json.dumps(result, indent=1))
+    if a.out:
+        Path(a.out).mkdir(parents=True, exist_ok=True)
+        (Path(a.out) / "host_profile.json").write_text(json.dumps(result, indent=1))
+    return 0
+
+
+def profile_each(pieces: dict, state: dict, cuda: bool, result: dict) -> None:
+    """One profiled call of each piece with the GPU kept busy: its aten ops, kernel launches,
+    autograd nodes and busiest host operators, into ``result["profile"]``."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -148,11 +158,6 @@ def main(argv: list[str] | None = None) -> int:
                     f"{e.key[:50]} x{e.count}: {e.self_cpu_time_total:.0f}" for e in top
                 ],
             }
-    print(json.dumps(result, indent=1))
-    if a.out:
-        Path(a.out).mkdir(parents=True, exist_ok=True)
-        (Path(a.out) / "host_profile.json").write_text(json.dumps(result, indent=1))
-    return 0
 
 
 if __name__ == "__main__":

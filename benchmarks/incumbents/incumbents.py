@@ -326,7 +326,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--op-timeout", type=float, default=60.0, help="pipetrain wait timeout (s)")
     p.add_argument("--pg-timeout", type=float, default=120.0, help="process-group timeout (s)")
     p.add_argument("--verbose", action="store_true", help="print tracebacks of failures")
-    args = p.parse_args(argv)
+    return completed(p, p.parse_args(argv))
+
+
+def completed(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """The preset's values where no flag set them, the old lead spelling folded into the
+    variants, and every variant, shape and schedule checked now rather than per row."""
     if args.report:
         return args
     preset = args.preset or ("h100" if torch.cuda.is_available() else "cpu-smoke")

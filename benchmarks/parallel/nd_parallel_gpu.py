@@ -35,6 +35,7 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -190,10 +191,7 @@ def run_layout(ctx: Ctx, name: str, pp: int, tp: int, cfg: dict, dtype: torch.dt
         return row | {"skipped": f"tp={tp} does not divide the heads or the MLP"}
     sp = a.sequence_parallel and tp > 1
     row["sequence_parallel"] = sp
-    if ctx.cuda:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(ctx.device)
-        base = torch.cuda.memory_allocated(ctx.device)
+    base = fresh_peak(ctx)
     mesh = init_device_mesh(ctx.device.type, (pp, tp), mesh_dim_names=("pp", "tp"))
     model = build_model(cfg, ctx.device, dtype)
     fpt = flops_per_token(model, cfg)
@@ -223,12 +221,7 @@ def run_layout(ctx: Ctx, name: str, pp: int, tp: int, cfg: dict, dtype: torch.dt
     del model, layers  # only this process's stages stay (in pipe.modules)
     gc.collect()
     params = [p for p in pipe.parameters() if p.requires_grad]
-    # foreach kernels (the step and zero_grad's) take DTensors or plain tensors, not both: one
-    # optimizer for each kind (the norms stay plain tensors under tensor parallel without SP)
-    from torch.distributed.tensor import DTensor
-
-    kinds = [[p for p in params if isinstance(p, DTensor) == d] for d in (True, False)]
-    opts = [torch.optim.AdamW(g, lr=1e-5, foreach=True) for g in kinds if g]
+    opts = optimizers(params)
     rows = a.microbatches * a.mb_size
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, cfg["vocab"], (rows, cfg["seq"]), generator=g).to(ctx.device)
@@ -247,32 +240,8 @@ def run_layout(ctx: Ctx, name: str, pp: int, tp: int, cfg: dict, dtype: torch.dt
         step()
     ctx.sync()
     if a.profile_dir:  # one profiled step: where the time goes (rank 0's table)
-        from torch.profiler import ProfilerActivity, profile
-
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.cuda else [])
-        with profile(activities=acts) as prof:
-            step()
-            ctx.sync()
-        if ctx.rank == 0:
-            out = Path(a.profile_dir) / f"{name}-{a.engine}-{a.defer}.txt"
-            out.parent.mkdir(parents=True, exist_ok=True)
-            key = "self_cuda_time_total" if ctx.cuda else "self_cpu_time_total"
-            out.write_text(
-                prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
-                + "\n\n"
-                + prof.key_averages().table(sort_by=key, row_limit=25)
-            )
-    times = []
-    for _ in range(a.steps):
-        dist.barrier()
-        ctx.sync()
-        t = time.perf_counter()
-        step()
-        ctx.sync()
-        times.append(time.perf_counter() - t)
-    slowest = torch.tensor(times, dtype=torch.float64, device=ctx.device)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    ms = [1e3 * t for t in slowest.tolist()]
+        profile_step(ctx, Path(a.profile_dir) / f"{name}-{a.engine}-{a.defer}.txt", step)
+    ms = timed_ms(ctx, a.steps, step)
     tokens = rows * cfg["seq"]
     med = statistics.median(ms)
     row |= {
@@ -291,6 +260,58 @@ def run_layout(ctx: Ctx, name: str, pp: int, tp: int, cfg: dict, dtype: torch.dt
         row["peak_gib"] = [v / 2**30 for v in ctx.gather(peak)]
     pipe.close()  # the stages, optimizers and buffers go when this function returns
     return row
+
+
+def fresh_peak(ctx: Ctx) -> int:
+    """Bytes allocated before a layout builds anything, with the peak counter reset (0 on CPU)."""
+    if not ctx.cuda:
+        return 0
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(ctx.device)
+    return torch.cuda.memory_allocated(ctx.device)
+
+
+def optimizers(params: list) -> list[torch.optim.Optimizer]:
+    """AdamW over the parameters: foreach kernels (the step and zero_grad's) take DTensors or
+    plain tensors, not both, so one optimizer for each kind (the norms stay plain tensors under
+    tensor parallel without sequence parallel)."""
+    from torch.distributed.tensor import DTensor
+
+    kinds = [[p for p in params if isinstance(p, DTensor) == d] for d in (True, False)]
+    return [torch.optim.AdamW(g, lr=1e-5, foreach=True) for g in kinds if g]
+
+
+def profile_step(ctx: Ctx, out: Path, step: Callable[[], None]) -> None:
+    """One profiled step; rank 0 writes its operators by host time and by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.cuda else [])
+    with profile(activities=acts) as prof:
+        step()
+        ctx.sync()
+    if ctx.rank == 0:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        key = "self_cuda_time_total" if ctx.cuda else "self_cpu_time_total"
+        out.write_text(
+            prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+            + "\n\n"
+            + prof.key_averages().table(sort_by=key, row_limit=25)
+        )
+
+
+def timed_ms(ctx: Ctx, steps: int, step: Callable[[], None]) -> list[float]:
+    """Each timed step's wall time in ms, the slowest rank's."""
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        ctx.sync()
+        t = time.perf_counter()
+        step()
+        ctx.sync()
+        times.append(time.perf_counter() - t)
+    slowest = torch.tensor(times, dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return [1e3 * t for t in slowest.tolist()]
 
 
 class PlainAccumulation:

@@ -280,20 +280,9 @@ def guarded(ctx: Ctx, what: str, fn) -> dict:
     return row
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    ctx = Ctx(args)
+def describe(ctx: Ctx, args: argparse.Namespace, fpt: float) -> dict:
+    """The JSON's ``meta``: the machine, the model, the settings and what each number means."""
     cfg = ctx.cfg
-    n_list = [int(v) for v in args.microbatches.split(",") if v] or [2 * ctx.world]
-    names = [s for s in args.schedules.split(",") if s]
-    bad = [s for s in names if s not in FAMILIES]
-    if bad:
-        raise SystemExit(f"unknown schedules {bad}; legal: {', '.join(FAMILIES)}")
-    out = Path(args.out) if args.out else None
-    if out and ctx.rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "timelines.txt").unlink(missing_ok=True)
-    fpt = flops_per_token(cfg)
     meta = {
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name(ctx.device) if ctx.cuda else "cpu",
@@ -318,11 +307,39 @@ def main(argv: list[str] | None = None) -> int:
         "efficiency": "limit step time / step time",
         "argv": sys.argv,
     }
-    log(ctx, f"gpu_pipeline: {meta['device']} × {ctx.world}, torch {torch.__version__}, {cfg}")
     meta["memory_model"] = (
         "resident before the step + simulated activation peak; activation = one micro-batch's "
         "forward bytes (limit run), activation_for_weight = bytes StageRunner holds after I"
     )
+    return meta
+
+
+def with_rates(res: dict, tokens: int, fpt: float, world: int, limit: dict) -> dict:
+    """A measured row with its tokens/s, TFLOP/s per GPU and efficiency against the limit."""
+    if "median_ms" in res:
+        res["tokens_per_s"] = tokens / (res["median_ms"] / 1e3)
+        res["tflops_per_gpu"] = fpt * tokens / (res["median_ms"] / 1e3) / world / 1e12
+        if "median_ms" in limit:
+            res["efficiency"] = limit["median_ms"] / res["median_ms"]
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    ctx = Ctx(args)
+    cfg = ctx.cfg
+    n_list = [int(v) for v in args.microbatches.split(",") if v] or [2 * ctx.world]
+    names = [s for s in args.schedules.split(",") if s]
+    bad = [s for s in names if s not in FAMILIES]
+    if bad:
+        raise SystemExit(f"unknown schedules {bad}; legal: {', '.join(FAMILIES)}")
+    out = Path(args.out) if args.out else None
+    if out and ctx.rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "timelines.txt").unlink(missing_ok=True)
+    fpt = flops_per_token(cfg)
+    meta = describe(ctx, args, fpt)
+    log(ctx, f"gpu_pipeline: {meta['device']} × {ctx.world}, torch {torch.__version__}, {cfg}")
     comm_ms = guarded(ctx, "comm", lambda: {"ms": measure_comm_ms(ctx)}).get("ms")
     meta["comm_ms_one_way"] = comm_ms
     meta["comm_source"] = "measured ping-pong of one activation between ranks 0 and 1"
@@ -364,14 +381,9 @@ def main(argv: list[str] | None = None) -> int:
                     fn = functools.partial(run_pipetrain, ctx, name, fam, n, limit, comm_ms, lib)
                 else:
                     fn = functools.partial(run_torch, ctx, name, fam, n)
-                res = guarded(ctx, f"{name} n={n} {lib}", fn)
-                if "median_ms" in res:
-                    res["tokens_per_s"] = tokens / (res["median_ms"] / 1e3)
-                    res["tflops_per_gpu"] = (
-                        fpt * tokens / (res["median_ms"] / 1e3) / ctx.world / 1e12
-                    )
-                    if "median_ms" in limit:
-                        res["efficiency"] = limit["median_ms"] / res["median_ms"]
+                res = with_rates(
+                    guarded(ctx, f"{name} n={n} {lib}", fn), tokens, fpt, ctx.world, limit
+                )
                 row[lib] = res
                 log(ctx, f"{name} n={n} {lib}: {short(res)}")
             row["limit_ms"] = limit.get("median_ms")

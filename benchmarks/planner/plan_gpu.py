@@ -46,6 +46,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
@@ -208,7 +209,28 @@ def main() -> int:
         log("planned: " + "; ".join(plan_line(x) for x in info["budgets"]))
     costs = captured_if(parse_costs(info["costs"]), cfg_args)
     budgets = info["budgets"]
-    name = torch.cuda.get_device_name(device) if cuda else "cpu"
+    measure_runs(args, cfg, cfg_args, master, device, costs, budgets, log, started)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def measure_runs(
+    args: argparse.Namespace,
+    cfg: GPTConfig,
+    cfg_args: dict,
+    master: list,
+    device: torch.device,
+    costs: ModelCosts,
+    budgets: list[dict],
+    log: Callable[[str], None],
+    started: float,
+) -> None:
+    """Measure every distinct run, round after round, in budget order (the memory-bound one
+    first), until ``--budget-s``; rank 0 rewrites the report after each run."""
+    out = Path(args.out)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    b, rank, world = cfg_args["mb_size"], dist.get_rank(), dist.get_world_size()
 
     # 3. measure every distinct run (in budget order: the memory-bound one first)
     distinct = {run_key(run): run for budget in budgets for run in budget["runs"]}
@@ -241,9 +263,6 @@ def main() -> int:
         results = {k: best_round(ms) for k, ms in rounds.items() if ms}
         report = summarize(costs.meta, budgets, results, progress)
         write(out, report, cfg_args, world, name, echo=True)
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
 
 
 def share(rank: int, make) -> dict:

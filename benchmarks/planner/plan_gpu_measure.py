@@ -122,9 +122,7 @@ def timed_steps(run, master, device, x, y, cfg_args, base, run_s: float):
         warm.append(sum(step()))
     # a slow run (an offload the host link cannot hide) times fewer steps; rank 0's last
     # warm-up step decides for all
-    steps = [cfg_args["steps"]]
-    if warm and warm[-1] > 0:
-        steps[0] = min(steps[0], max(3, int(run_s * 1e3 / warm[-1])))
+    steps = [timed_count(cfg_args["steps"], warm, run_s)]
     dist.broadcast_object_list(steps, src=0)
     if not graph:
         if cuda:
@@ -138,8 +136,16 @@ def timed_steps(run, master, device, x, y, cfg_args, base, run_s: float):
     allocs = [a - b for a, b in zip(after, before)]
     step_peak, update_peak = ((h - base) / GIB if cuda else 0.0 for h in held)
     peak = max(step_peak, update_peak)
-    # one more step with its measured timeline (where a prediction error comes from); a graphed
-    # run's is a replay's, on a pipeline whose graph holds timing events (cuda_graph="timed")
+    program, timeline = timeline_step(pipe, build, graph, x, y)
+    medians = [statistics.median(step_times), statistics.median(opt_times)]
+    return [*medians, peak, step_peak, update_peak, *allocs], (program, timeline)
+
+
+def timeline_step(pipe, build, graph: bool, x, y):
+    """The run's program and one more step's measured timeline (where a prediction error comes
+    from); the pipeline closed after it."""
+    # a graphed run's is a replay's, on a pipeline whose graph holds timing events
+    # (cuda_graph="timed")
     if graph:
         pipe.close()
         try:
@@ -160,8 +166,13 @@ def timed_steps(run, master, device, x, y, cfg_args, base, run_s: float):
         pipe.step(x, y, timeline=True)
     program, timeline = pipe.program, pipe.last_timeline
     pipe.close()
-    medians = [statistics.median(step_times), statistics.median(opt_times)]
-    return [*medians, peak, step_peak, update_peak, *allocs], (program, timeline)
+    return program, timeline
+
+
+def timed_count(steps: int, warm: list[float], run_s: float) -> int:
+    """The preset's steps, fewer (at least 3) where they would take over ``run_s`` seconds at
+    the last warm-up step's pace."""
+    return min(steps, max(3, int(run_s * 1e3 / warm[-1]))) if warm and warm[-1] > 0 else steps
 
 
 #: replays run back to back before a graphed run's timed replay, so that it runs at the clock the

@@ -153,7 +153,7 @@ def make_step(args, variant: dict, cfg: GPTConfig, x, y, device, world: int):
     return pipeline_step
 
 
-def main() -> int:
+def arguments() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--part", choices=("unsplit", "pipeline"), required=True)
     p.add_argument("--preset", choices=sorted(PRESETS), default="h2048")
@@ -176,20 +176,14 @@ def main() -> int:
         default=0.0,
         help="print every thread's stack each N s (0: off; one run died right after a dump)",
     )
-    args = p.parse_args()
-    if args.stall_dump_s > 0:
-        faulthandler.dump_traceback_later(args.stall_dump_s, repeat=True, file=sys.stderr)
-    shape = PRESETS[args.preset]
-    cfg = GPTConfig(
-        vocab_size=shape["vocab"],
-        seq_len=shape["seq"],
-        num_layers=shape["layers"],
-        hidden=shape["hidden"],
-        num_heads=shape["heads"],
-    )
-    cuda = torch.cuda.is_available() and args.device != "cpu"
+    return p.parse_args()
+
+
+def start(part: str, cuda: bool) -> tuple[torch.device, int, int]:
+    """This process's device, rank and world size: the pipeline part joins the process group
+    (NCCL, or gloo on the CPU), the unsplit part runs alone on the first GPU."""
     rank, world = 0, 1
-    if args.part == "pipeline":
+    if part == "pipeline":
         local = int(os.environ.get("LOCAL_RANK", "0"))
         if cuda:
             torch.cuda.set_device(local)
@@ -202,6 +196,23 @@ def main() -> int:
         rank, world = dist.get_rank(), dist.get_world_size()
     else:
         device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    return device, rank, world
+
+
+def main() -> int:
+    args = arguments()
+    if args.stall_dump_s > 0:
+        faulthandler.dump_traceback_later(args.stall_dump_s, repeat=True, file=sys.stderr)
+    shape = PRESETS[args.preset]
+    cfg = GPTConfig(
+        vocab_size=shape["vocab"],
+        seq_len=shape["seq"],
+        num_layers=shape["layers"],
+        hidden=shape["hidden"],
+        num_heads=shape["heads"],
+    )
+    cuda = torch.cuda.is_available() and args.device != "cpu"
+    device, rank, world = start(args.part, cuda)
 
     def sync() -> None:
         if cuda:
