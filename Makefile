@@ -31,7 +31,7 @@ test: lint typecheck
 	$(PY) -m pytest
 
 bench: $(STAMP)
-	$(PY) benchmarks/schedule_build.py
+	$(PY) benchmarks/schedules/schedule_build.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .mypy_cache

@@ -23,7 +23,7 @@ So every parameter and buffer equals ``AutoModelForCausalLM.from_pretrained(mode
 dtype=dtype)``'s. Host memory while loading stays within the rank's own layers (when ``device``
 is the CPU) plus the largest tensor read, beside the meta-device model's Python objects: tensors
 are read one at a time (``checkpoint_files``), largest first, into memory that becomes resident
-only as it is written (``benchmarks/hf_load_memory.py`` measures it). A tensor the folder lacks is a
+only as it is written (``benchmarks/runtime/hf_load_memory.py`` measures it). A tensor the folder lacks is a
 ``KeyError`` naming it (``transformers`` would initialise it randomly, with a warning).
 
 With ``recompute=``, the decoder layers chosen run inside non-reentrant activation checkpoints,

@@ -162,7 +162,7 @@ def _neighbours(cut: tuple[int, ...], time: Sequence[float]) -> Iterator[tuple[i
     and two neighbouring moves (a rank's load is split over distant stages, so the better cut is
     often two moves away through a worse one); up to ``FAR_PAIRS_UP_TO`` stages, also two moves
     of which one or both are handovers. On small random models this finds the exhaustive best
-    cut every time (benchmarks/plan_optimality.py, docs/planning.md)."""
+    cut every time (benchmarks/planner/plan_optimality.py, docs/planning.md)."""
     singles = _moves(cut, time)
     yield from singles
     if len(cut) > PAIR_MOVES_UP_TO:

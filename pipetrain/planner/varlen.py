@@ -19,7 +19,7 @@ the rows' remaining room with later documents that do not raise the most expensi
 their sums match (each replica runs its own pipeline and the step waits for the slowest) and
 orders each replica's lightest first: in the simulator, micro-batches of unequal cost in random
 order stall a pipeline's steady state where similar neighbours do not, and lightest first suits
-both 1F1B and ZBV (``benchmarks/varlen_balance.py`` measures it).
+both 1F1B and ZBV (``benchmarks/data/varlen_balance.py`` measures it).
 
 ``fit_length_cost`` finds the two coefficients from times measured at several lengths (least
 squares, never negative), and ``with_length_costs`` writes each layer's into a costs file

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "schedule_build.py"
+SCRIPT = ROOT / "benchmarks" / "schedules" / "schedule_build.py"
 
 
 def test_quick_benchmark_prints_a_table_and_writes_json(tmp_path: Path) -> None:
@@ -33,7 +33,7 @@ def test_memory_model_predicts_the_saved_gpu_runs_within_ten_percent() -> None:
     """The simulator's memory model (activations + per-action workspace) against the peaks that
     4 × H100 run 3 measured (a copy of its results in tests/fixtures), re-predicted from each
     row's measured action times."""
-    bench = SCRIPT.parent / "gpu"
+    bench = ROOT / "benchmarks" / "pipeline"
     run = ROOT / "tests/fixtures/h100x4-2026-11-26-run3"
     runs = [run / r / "gpu_pipeline.json" for r in ("p2", "p4")]
     done = subprocess.run(

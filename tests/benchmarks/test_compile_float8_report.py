@@ -1,4 +1,4 @@
-"""benchmarks/gpu/compile_float8_report.py: the compile and float8 targets read from the
+"""benchmarks/runtime/compile_float8_report.py: the compile and float8 targets read from the
 benchmark's rows — each ratio under the pipeline over the same ratio unsplit, pooled over
 launches, and the first step against the unsplit model's."""
 
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "gpu"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout
 
-from compile_float8_report import main, read_rows, report
+from benchmarks.runtime.compile_float8_report import main, read_rows, report
 
 
 def row(part, variant, launch, step_s, first_s, schedule=None):

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "gpu" / "hf_masks_gpu.py"
+SCRIPT = ROOT / "benchmarks" / "runtime" / "hf_masks_gpu.py"
 
 
 def test_cpu_smoke_times_both_variants_with_the_same_loss(tmp_path: Path, monkeypatch) -> None:

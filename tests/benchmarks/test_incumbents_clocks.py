@@ -8,9 +8,9 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "gpu"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout
 
-from incumbents_clocks import report
+from benchmarks.incumbents.incumbents_clocks import report
 
 
 def test_rows_get_the_samples_taken_while_they_ran(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""benchmarks/gpu/incumbents_report.py: the tables and target verdicts docs/incumbents.md shows,
+"""benchmarks/incumbents/incumbents_report.py: the tables and target verdicts docs/incumbents.md shows,
 from a small hand-made result file whose ratios are known."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ FIXTURE = ROOT / "tests" / "fixtures" / "incumbents_small.json"
 
 
 def _report() -> str:
-    script = ROOT / "benchmarks" / "gpu" / "incumbents_report.py"
+    script = ROOT / "benchmarks" / "incumbents" / "incumbents_report.py"
     done = subprocess.run(
         [sys.executable, str(script), str(FIXTURE)], capture_output=True, text=True, timeout=60
     )

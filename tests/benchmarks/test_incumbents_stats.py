@@ -1,4 +1,4 @@
-"""benchmarks/gpu/incumbents_stats.py and the harness's row plumbing: pooled launches give each
+"""benchmarks/incumbents/incumbents_stats.py and the harness's row plumbing: pooled launches give each
 ratio its interval and read verdicts off the interval's far end; Megatron's variant names, its
 sweep and the cuts are what docs/incumbents.md says they are."""
 
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "gpu"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout
 
-from incumbents_stats import report
+from benchmarks.incumbents.incumbents_stats import report
 
 #: per (schedule, lib): the median step (ms) the synthetic launches scatter around
 ROWS = {
@@ -90,7 +90,7 @@ def test_efficiency_noise_floor_and_memory(out: str) -> None:
 
 
 def test_megatron_variants_and_sweep() -> None:
-    from incumbents_megatron import Variant, name, parse, sweep
+    from benchmarks.incumbents.incumbents_megatron import Variant, name, parse, sweep
 
     assert parse("megatron-nosync") == Variant(sync=False)
     assert parse("megatron-v4-g4-wf") == Variant(v=4, group=4, warmup_flush=True)
@@ -109,7 +109,7 @@ def test_megatron_variants_and_sweep() -> None:
 
 
 def test_cuts() -> None:
-    from incumbents_shapes import (
+    from benchmarks.incumbents.incumbents_shapes import (
         SHAPES,
         analytic_costs,
         incumbent_cut,
@@ -153,8 +153,8 @@ def test_launches_of_different_collector_policies_are_not_pooled(tmp_path) -> No
 def test_the_sweep_without_warmup_flush_overlap() -> None:
     from types import SimpleNamespace
 
-    from incumbents_plan import Plan
-    from incumbents_shapes import SHAPES
+    from benchmarks.incumbents.incumbents_plan import Plan
+    from benchmarks.incumbents.incumbents_shapes import SHAPES
 
     args = SimpleNamespace(libraries="megatron-sweep-nowf", megatron_tuned_from="", megatron_top=2)
     plan = Plan(SimpleNamespace(world=4, args=args), bank=None)
@@ -188,7 +188,7 @@ def test_a_ratio_whose_rows_ran_in_one_order_in_every_launch_says_so(tmp_path) -
 
 
 def test_every_two_launches_run_every_pair_of_rows_both_ways() -> None:
-    from incumbents_plan import launch_order
+    from benchmarks.incumbents.incumbents_plan import launch_order
 
     rows = list("abcdef")
     for index in range(3):

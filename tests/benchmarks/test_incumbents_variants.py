@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "gpu"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout
 
-from incumbents_runners import pipetrain_options
+from benchmarks.incumbents.incumbents_runners import pipetrain_options
 
 
 def test_variants_give_their_options_alone_and_joined() -> None:

@@ -1,4 +1,4 @@
-"""benchmarks/gpu/intervals.py: the two-level bootstrap's coverage on synthetic step times whose
+"""benchmarks/common/intervals.py: the two-level bootstrap's coverage on synthetic step times whose
 true ratio is known, and the verdicts that read an interval's far end.
 
 Synthetic launches: each launch scales a row's steps by a launch factor (log-normal; part of it
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "gpu"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout
 
-from intervals import (
+from benchmarks.common.intervals import (
     Interval,
     launch_spread,
     location,

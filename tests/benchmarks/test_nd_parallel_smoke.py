@@ -1,4 +1,4 @@
-"""benchmarks/gpu/nd_parallel_gpu.py runs end to end on 4 gloo processes (its cpu-smoke preset,
+"""benchmarks/parallel/nd_parallel_gpu.py runs end to end on 4 gloo processes (its cpu-smoke preset,
 shrunk further: one decoder layer, two micro-batches, one warm-up and two timed steps): a row for
 each of (pp=2, tp=2), pp=4 and tp=4 with positive tokens/s. Mostly process start-up and imports
 (torch, transformers) in four processes: about 25–55 s on the 2-core development box."""
@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "gpu" / "nd_parallel_gpu.py"
+SCRIPT = ROOT / "benchmarks" / "parallel" / "nd_parallel_gpu.py"
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "gpu" / "offload_gpu.py"
+SCRIPT = ROOT / "benchmarks" / "offload" / "offload_gpu.py"
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "gpu" / "offload_price_gpu.py"
+SCRIPT = ROOT / "benchmarks" / "offload" / "offload_price_gpu.py"
 
 
 def test_cpu_dry_run_moves_more_as_the_fraction_grows(tmp_path: Path) -> None:

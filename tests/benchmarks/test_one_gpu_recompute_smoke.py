@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_every_stage_and_mode_runs(tmp_path) -> None:
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks/gpu/recompute_memory_gpu.py"), "--device", "cpu",
+        [sys.executable, str(ROOT / "benchmarks/recompute/recompute_memory_gpu.py"), "--device", "cpu",
          "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )  # fmt: skip
@@ -30,7 +30,7 @@ def test_every_stage_and_mode_runs(tmp_path) -> None:
 
 def test_host_times_every_layer_and_mode(tmp_path) -> None:
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks/gpu/host_time_gpu.py"), "--device", "cpu",
+        [sys.executable, str(ROOT / "benchmarks/host/host_time_gpu.py"), "--device", "cpu",
          "--repeats", "1", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )  # fmt: skip

@@ -1,4 +1,4 @@
-"""benchmarks/gpu/plan_gpu_report.py: a run fits a budget when its allocated peak is within the
+"""benchmarks/planner/plan_gpu_report.py: a run fits a budget when its allocated peak is within the
 usable memory (the budget less the planner's headroom) for the regret and the stricter
 over-budget check; the regret and the check against the whole budget are reported beside them."""
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "gpu"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout
 
-from plan_gpu_report import format_summary, summarize
+from benchmarks.planner.plan_gpu_report import format_summary, summarize
 
 
 def _run(role: str, cut: list[int], step_ms: float, peak: float, fits: bool) -> dict:
@@ -81,7 +81,7 @@ def test_the_summary_says_what_a_device_timed_profiles_clock_added() -> None:
 
 
 def test_the_summary_shows_each_stages_mean_action_over_its_price() -> None:
-    from plan_gpu_report import stage_lines
+    from benchmarks.planner.plan_gpu_report import stage_lines
 
     run = _run("pick", [3, 3], 100.0, 8.5, fits=True)
     run["measured"] = {"step_ms": 100.0, "peak_gib": [8.5, 8.4], "stages": [
@@ -111,8 +111,7 @@ def test_the_summary_shows_each_stages_mean_action_over_its_price() -> None:
 def test_given_layouts_are_predicted_as_the_planner_predicts_them() -> None:
     """``plan_gpu.py --runs``: chosen layouts, each judged by the planner's own ``evaluate`` on
     the costs given, the first taken as the pick; a K beyond a stage's layers is refused."""
-    from plan_gpu_variants import given_budget
-
+    from benchmarks.planner.plan_gpu_variants import given_budget
     from pipetrain.planner import ModelCosts
     from pipetrain.planner.costs_file import LayerCost
     from pipetrain.planner.judge import simulate_plan

@@ -1,4 +1,4 @@
-"""benchmarks/gpu/plan_gpu.py runs end to end on 2 gloo processes (its cpu-smoke preset, the
+"""benchmarks/planner/plan_gpu.py runs end to end on 2 gloo processes (its cpu-smoke preset, the
 memory-bound budget alone, one round): a budget no plan fits without recompute or offload, a pick
 that recomputes or offloads, the pick's cut measured with every variant, and a report that
 ``--resummarize`` rewrites unchanged. About 30 s on the 2-core development box (profiling the
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "gpu" / "plan_gpu.py"
+SCRIPT = ROOT / "benchmarks" / "planner" / "plan_gpu.py"
 
 
 @pytest.mark.slow

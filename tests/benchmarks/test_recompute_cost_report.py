@@ -1,4 +1,4 @@
-"""benchmarks/gpu/recompute_cost_report.py pooled over launches: each recomputing pipeline row's
+"""benchmarks/recompute/recompute_cost_report.py pooled over launches: each recomputing pipeline row's
 quotient (its ratio to its row without recompute over the unsplit model's ratio for the same
 recompute) with an interval, met only where the interval's far end is within the target."""
 
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "gpu"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout
 
-from recompute_cost_report import TARGET, pooled, pooled_lines
+from benchmarks.recompute.recompute_cost_report import TARGET, pooled, pooled_lines
 
 #: (kind, schedule, split, recompute) -> the median step (ms) a launch's steps scatter around
 ROWS = {

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "gpu" / "recompute_cost_gpu.py"
+SCRIPT = ROOT / "benchmarks" / "recompute" / "recompute_cost_gpu.py"
 
 
 def _dry_run(out: Path, *extra: str) -> dict:

@@ -1,4 +1,4 @@
-"""benchmarks/varlen_balance.py runs end to end on one small shape and reports every packing."""
+"""benchmarks/data/varlen_balance.py runs end to end on one small shape and reports every packing."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "varlen_balance.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "varlen_balance.py"
 
 
 def test_the_varlen_benchmark_prints_its_table_and_writes_json(tmp_path: Path) -> None:

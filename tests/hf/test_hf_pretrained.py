@@ -201,9 +201,9 @@ def test_save_pretrained_under_fsdp_and_ddp(tmp_path):
 
 @pytest.mark.slow
 def test_peak_host_memory_while_loading_stays_within_own_layers_and_the_largest_tensor():
-    """Each stage loaded in a fresh process (benchmarks/hf_load_memory.py): the growth of the
+    """Each stage loaded in a fresh process (benchmarks/runtime/hf_load_memory.py): the growth of the
     peak resident set is at most the stage's bytes plus its largest tensor."""
-    script = ROOT / "benchmarks" / "hf_load_memory.py"
+    script = ROOT / "benchmarks" / "runtime" / "hf_load_memory.py"
     args = ["--hidden", "512", "--vocab", "8000", "--layers", "4", "--shard-mb", "20"]
     done = subprocess.run(
         [sys.executable, str(script), *args, "--json", "/dev/stdout"],

@@ -314,7 +314,7 @@ def test_top_level_plan_is_the_planner() -> None:
 @pytest.mark.parametrize("seed", [1, 9])
 def test_pick_is_the_exhaustive_best_cut_of_small_models(seed) -> None:
     """Against simulating every cut of small models with very uneven layers, one and two stages
-    per rank: the pick is the best cut (docs/planning.md; benchmarks/plan_optimality.py runs 180
+    per rank: the pick is the best cut (docs/planning.md; benchmarks/planner/plan_optimality.py runs 180
     models). Seed 9 needs the refinement's moves between distant stages: without them its
     interleaved 1F1B pick was 3.1% above the best."""
     import random

@@ -1,7 +1,7 @@
 """Whole-step CUDA graphs (``runtime.cuda_graph``) as far as a CPU can hold them: what is refused,
 when a step must be captured again, and how a replay's gradients reach ``.grad`` — each
 accumulation case against eager autograd's. Capture and replay themselves need GPUs:
-``benchmarks/gpu/cuda_graph_gpu.py --part exact`` compares them with eager steps in float64 on
+``benchmarks/runtime/cuda_graph_gpu.py --part exact`` compares them with eager steps in float64 on
 NCCL (docs/benchmarks.md, "Whole-step CUDA graphs")."""
 
 from __future__ import annotations

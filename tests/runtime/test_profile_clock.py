@@ -1,6 +1,6 @@
 """The profiler's clocks (``runtime.profile.profile_clock``): which one a timing names, what is refused,
 and the device clock's busy time — the union of the device's intervals — from a stubbed
-``torch.profiler`` (the real one needs a GPU: ``benchmarks/gpu/plan_gpu.py --cuda-graph``)."""
+``torch.profiler`` (the real one needs a GPU: ``benchmarks/planner/plan_gpu.py --cuda-graph``)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A finished run exits 0, every time, and so does one whose checkpoint load was refused: the
 README-shaped script run many times as real processes (the interpreter's own teardown is what is
-tested, so no multiprocessing workers). ``benchmarks/exit_stress.py`` runs such jobs by the
+tested, so no multiprocessing workers). ``benchmarks/runtime/exit_stress.py`` runs such jobs by the
 hundred."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from runtime_harness import free_port
 
 SCRIPT = Path(__file__).parents[1] / "support" / "runtime_exit_script.py"
 RUNS = [  # (ranks, schedule, variant, probe): 7 runs, most of them zb-h1 (where exits died
-    # most); the hundreds are benchmarks/exit_stress.py's. The first also probes the store's
+    # most); the hundreds are benchmarks/runtime/exit_stress.py's. The first also probes the store's
     # server from the last exit handler (test_nothing_of_the_job_is_left_...)
     (2, "zb-h1", "plain", True),
     *((2, "zb-h1", variant, False) for variant in ("plain", "with", "destroy", "refused")),

@@ -5,7 +5,7 @@ with autograd, then goes on as a stage without recompute does.
 Why beside per-layer checkpoints (``activation_checkpoint``). ``torch.utils.checkpoint``'s
 non-reentrant form — the one whose backward a pipeline can split — packs every saved tensor
 through a Python hook and recomputes through frames of its own: several times the host work of
-the layer's plain forward and backward (``benchmarks/checkpoint_host.py``). An eager stage whose
+the layer's plain forward and backward (``benchmarks/recompute/checkpoint_host.py``). An eager stage whose
 host path is the longest one pays all of it. Recomputed as one region, the stage costs its host
 one gradient-free forward more than no recompute, as the reentrant checkpoint and Megatron-LM's
 full recompute of a chunk of layers do (Chen et al. 2016, "Training Deep Nets with Sublinear

@@ -1,0 +1,1 @@
+"""Scripts that run the application (pipetrain demo and train) on GPUs."""

@@ -1,0 +1,1 @@
+"""Benchmarks of the data path: length-aware micro-batches and packed tokens."""

@@ -1,0 +1,1 @@
+"""Benchmarks of activation offload and the host link it uses."""

@@ -1,0 +1,1 @@
+"""Benchmarks of the pipeline combined with data and tensor parallelism."""

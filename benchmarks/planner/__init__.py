@@ -1,0 +1,1 @@
+"""Benchmarks of the planner: its picks measured on GPUs, how near to optimal, how fast."""

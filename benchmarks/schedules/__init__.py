@@ -1,0 +1,1 @@
+"""Benchmarks of building, lowering, validating and simulating the schedules."""
