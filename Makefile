@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint typecheck bench clean
+.PHONY: install demo test test-all lint typecheck bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,10 @@ typecheck: $(STAMP)
 
 test: lint typecheck
 	$(PY) -m pytest
+
+# everything, the stress tier too (the benchmarks' long CPU dry runs)
+test-all: lint typecheck
+	$(PY) -m pytest -m "stress or not stress"
 
 bench: $(STAMP)
 	$(PY) benchmarks/schedules/schedule_build.py

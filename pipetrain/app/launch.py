@@ -122,8 +122,11 @@ def worker_environment(count: int) -> dict[str, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    # one thread per process: they share the cores
+    # one thread per process: they share the cores; torch's C++ warnings stay out of the
+    # output (a peer's closed store connection, once one worker has failed, is a warning per
+    # rank that says nothing the launcher's one line does not)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
+    env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     return env | {
         "MASTER_PORT": str(port),
         "WORLD_SIZE": str(count),

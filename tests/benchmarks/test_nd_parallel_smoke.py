@@ -15,6 +15,9 @@ import pytest
 
 pytest.importorskip("transformers")
 
+#: a benchmark's dry run of a minute or more on 2 cores: the stress tier (make test-all)
+pytestmark = pytest.mark.stress
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "parallel" / "nd_parallel_gpu.py"
 

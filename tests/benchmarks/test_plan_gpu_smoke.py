@@ -14,6 +14,9 @@ from pathlib import Path
 
 import pytest
 
+#: a benchmark's dry run of a minute or more on 2 cores: the stress tier (make test-all)
+pytestmark = pytest.mark.stress
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "planner" / "plan_gpu.py"
 

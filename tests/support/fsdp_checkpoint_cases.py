@@ -237,5 +237,5 @@ def fsdp_train_resume(rank: int, world: int, directory: str) -> dict:
             or n not in resumed.state
             or not local(straight.state[n]).equal(local(resumed.state[n]))
         ),
-        "saved": sorted(p.name for p in (Path(directory) / "ckpt").iterdir()),
+        "saved": sorted(p.name for p in (Path(directory) / "ckpt").iterdir() if p.name != ".lock"),
     }
