@@ -313,6 +313,16 @@ def incomplete_checkpoints(config) -> list[Path]:
     return [p for p in checkpoint_folders(config.checkpoint_dir) if p.name.endswith(PARTIAL)]
 
 
+def _lock_is_ours_to_check() -> bool:
+    """Whether this process probes the folder's lock: the launcher (no process group yet) or
+    the job's rank 0, which takes the lock. Ranks of a job that calls ``train`` again in the same
+    processes may reach the next run's checks before rank 0 has let the last run's lock go."""
+    import sys
+
+    dist = sys.modules.get("torch.distributed")
+    return dist is None or not dist.is_initialized() or dist.get_rank() == 0
+
+
 def check_directory(config) -> None:
     """Before any process starts: ``--checkpoint-dir`` is a writable folder (made if missing),
     and one holding checkpoints is resumed from or overwritten on purpose; ``ValueError``
@@ -329,7 +339,8 @@ def check_directory(config) -> None:
         )
     folder = Path(config.checkpoint_dir)
     make_writable_folder(folder, flag)
-    check_free(lock_file(folder), flag)
+    if _lock_is_ours_to_check():
+        check_free(lock_file(folder), flag)
     if config.resume or config.overwrite_checkpoints:
         return
     held = [p for p in checkpoint_folders(folder) if not p.name.endswith(PARTIAL)]
