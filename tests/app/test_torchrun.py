@@ -1,0 +1,123 @@
+"""``pipetrain train`` under torchrun: two torchrun agents on the loopback address, 2 processes
+each, train to the same losses, bit for bit, as the own launcher's one-machine run of the same
+flags (pp 4, and pp 2 × dp 2); rank 0's checks refuse a job whose process count the flags do
+not give, on every process, with exit status 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+from pipetrain.app.config import TrainConfig  # noqa: E402
+from pipetrain.app.torchrun import check_world_size, tensor_parallel_warning  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ["--model", "gpt", "--layers", "4", "--hidden", "16", "--heads", "2", "--seq-len", "16"]
+TINY += ["--steps", "2", "--microbatches", "2", "--microbatch-size", "1", "--timeout", "60"]
+LAYOUTS = {"pp4": ["--ranks", "4"], "pp2xdp2": ["--ranks", "2", "--dp", "2"]}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _env() -> dict[str, str]:
+    """This test's environment, less anything a launcher around pytest set."""
+    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    return env | {"OMP_NUM_THREADS": "1"}
+
+
+def _flags(tmp_path: Path, name: str, layout: list[str]) -> list[str]:
+    out = tmp_path / name
+    out.mkdir()
+    return [*TINY, *layout, "--corpus-out", str(tmp_path / "corpus.txt"), "--svg", str(out / "s.svg")]
+
+
+def _agents(flags: list[str], nproc: int = 2, nodes: int = 2) -> list[subprocess.Popen[str]]:
+    """``nodes`` torchrun agents on the loopback address (as on ``nodes`` machines), each
+    starting ``nproc`` processes of ``pipetrain train flags``."""
+    port = str(_free_port())
+    procs = []
+    for node in range(nodes):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes)]
+        cmd += ["--node-rank", str(node), "--nproc-per-node", str(nproc)]
+        cmd += ["--master-addr", "127.0.0.1", "--master-port", port]
+        cmd += ["-m", "pipetrain", "train", *flags]
+        procs.append(_start(cmd))
+    return procs
+
+
+def _start(cmd: list[str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def _finish(proc: subprocess.Popen[str]) -> tuple[int, str]:
+    try:
+        out, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        return -1, out
+    return proc.returncode, out
+
+
+def _losses(metrics: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+
+
+def test_two_torchrun_agents_train_as_one_machine_does_bit_for_bit(tmp_path: Path) -> None:
+    runs: dict[str, list[subprocess.Popen[str]]] = {}
+    for name, layout in LAYOUTS.items():  # all four jobs at once: the cores are shared anyway
+        flags = _flags(tmp_path, f"{name}-torchrun", layout)
+        runs[f"{name}-torchrun"] = _agents(flags + ["--metrics", str(tmp_path / f"{name}-t.jsonl")])
+        own = [sys.executable, "-m", "pipetrain", "train", *_flags(tmp_path, f"{name}-own", layout)]
+        runs[f"{name}-own"] = [_start(own + ["--metrics", str(tmp_path / f"{name}-o.jsonl")])]
+    ended = {name: [_finish(p) for p in procs] for name, procs in runs.items()}
+    for name, results in ended.items():
+        for status, out in results:
+            assert status == 0, f"{name}:\n{out}"
+    lead = ended["pp2xdp2-torchrun"][0][1]
+    assert "torchrun started 4 processes: 2 pipeline × 2 data parallel × 1 tensor parallel" in lead
+    for name in LAYOUTS:
+        mine, reference = _losses(tmp_path / f"{name}-t.jsonl"), _losses(tmp_path / f"{name}-o.jsonl")
+        assert len(mine) == 2 and mine == reference, (name, mine, reference)
+
+
+def test_a_process_count_the_flags_do_not_give_is_refused_on_every_process(
+    tmp_path: Path,
+) -> None:
+    flags = _flags(tmp_path, "refused", ["--ranks", "2", "--dp", "2"])
+    (status, out), = [_finish(p) for p in _agents(flags, nproc=1, nodes=1)]
+    line = (
+        "pipetrain train: error: torchrun started 1 processes (--nnodes × --nproc-per-node), "
+        "but --ranks 2 × --tp 1 × --dp 2 needs 4: start 4 processes or change the flags"
+    )
+    assert status != 0 and out.count(line) == 1, out
+    assert "exitcode  : 2" in out, out  # torchrun's report of the process's own status
+
+
+def test_world_size_and_tensor_parallel_span_checks() -> None:
+    config = TrainConfig(ranks=2, dp=2)
+    check_world_size(config, 4, 4)
+    with pytest.raises(ValueError, match="torchrun started 8 processes .* needs 4"):
+        check_world_size(config, 4, 8)
+    assert tensor_parallel_warning(tp=2, local=4, world=8) == ""
+    assert tensor_parallel_warning(tp=4, local=4, world=8) == ""
+    assert tensor_parallel_warning(tp=1, local=3, world=6) == ""
+    assert tensor_parallel_warning(tp=3, local=3, world=3) == ""
+    assert "--tp 4 does not divide the 2 processes per machine" in tensor_parallel_warning(
+        tp=4, local=2, world=8
+    )
