@@ -52,15 +52,11 @@ if TYPE_CHECKING:
 
 
 def run_train(config: TrainConfig) -> int:
-    """Launch the workers (outside a launcher) or be one (started by this command's own
-    launcher with ``--worker``, or by torchrun: ``app.torchrun``); return the exit status."""
+    """Launch the workers, or be one (``--worker``: started by this command's own launcher);
+    return the exit status. Under torchrun, ``app.torchrun.run_under_torchrun`` runs instead."""
     if config.worker:
         watch_launcher()  # first: a launcher gone while this one starts up is noticed
     quiet_import_notices()  # before the checks, which import transformers for --model-dir
-    if not config.worker and under_torchrun():
-        from pipetrain.app.torchrun import run_under_torchrun
-
-        return run_under_torchrun(config)
     try:
         layout = check_arguments(config)
     except ValueError as e:
@@ -69,13 +65,6 @@ def run_train(config: TrainConfig) -> int:
     if config.worker:
         return _worker(config, layout)
     return _launch(config, layout)
-
-
-def under_torchrun() -> bool:
-    """Whether torchrun (``torch.distributed.run``) started this process: its agent sets
-    ``TORCHELASTIC_RUN_ID`` in every worker's environment. A worker of this command's own
-    launcher (``LAUNCHER_PID`` set) is not one, even where that launcher ran under torchrun."""
-    return "TORCHELASTIC_RUN_ID" in os.environ and LAUNCHER_PID not in os.environ
 
 
 def _resolve_device(config: TrainConfig, layout: Layout) -> Device:
@@ -320,7 +309,8 @@ def _failed(config: TrainConfig, error: BaseException) -> NoReturn:
 
     rank = dist.get_rank()
     logged = failure_logs.write_log(failure_logs.log_folder(config), rank, error)
-    if not logged or under_torchrun():  # torchrun's agent reads no log: the traceback is shown
+    # torchrun's agent reads no log (no LAUNCHER_PID: not the own launcher's): show the traceback
+    if not logged or LAUNCHER_PID not in os.environ:
         import traceback
 
         traceback.print_exception(error)
@@ -386,7 +376,6 @@ __all__ = [
     "process_grid",
     "processes_of",
     "run_train",
-    "under_torchrun",
     "work",
     "worker_environment",
 ]

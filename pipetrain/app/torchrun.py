@@ -29,7 +29,7 @@ import time
 from datetime import timedelta
 
 from pipetrain.app import failure_logs
-from pipetrain.app.config import TrainConfig
+from pipetrain.app.config import Device, TrainConfig
 from pipetrain.app.launch import (
     REFUSED,
     STOPPED,
@@ -38,8 +38,10 @@ from pipetrain.app.launch import (
     device_for,
     join_group,
     processes_of,
+    quiet_import_notices,
     work,
 )
+from pipetrain.app.processes import LAUNCHER_PID
 from pipetrain.app.train_checks import check_arguments
 
 #: the store key under which rank 0 writes the checks' outcome
@@ -53,11 +55,21 @@ _CHECKS_WAIT_S = 3600.0
 _TOLD_WAIT_S = 10.0
 
 
+def under_torchrun(config: TrainConfig) -> bool:
+    """Whether torchrun (``torch.distributed.run``) started this process as one of the job's:
+    its agent sets ``TORCHELASTIC_RUN_ID`` in every worker's environment. A worker of this
+    command's own launcher (``--worker``, ``LAUNCHER_PID``) is not one, even where that launcher
+    ran under torchrun."""
+    own = config.worker or LAUNCHER_PID in os.environ
+    return "TORCHELASTIC_RUN_ID" in os.environ and not own
+
+
 def run_under_torchrun(config: TrainConfig) -> int:
     """This process's run as one of torchrun's workers; its exit status (2: refused, 1:
     stopped or failed, 0: trained)."""
     import torch.distributed as dist
 
+    quiet_import_notices()  # before the checks, which import transformers for --model-dir
     world = int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     try:
@@ -75,7 +87,7 @@ def run_under_torchrun(config: TrainConfig) -> int:
     return {REFUSED: 2, STOPPED: 1}.get(status, status)
 
 
-def _checked_once(config: TrainConfig, device_kind: str, world: int, local: int) -> str:
+def _checked_once(config: TrainConfig, device_kind: Device, world: int, local: int) -> str:
     """Rank 0's checks of the job (see the module docstring), their outcome shared with every
     rank: "" when they passed, else the error's line."""
     import torch.distributed as dist
@@ -142,4 +154,4 @@ def _refuse_together(error: str, world: int) -> None:
         pass
 
 
-__all__ = ["check_world_size", "run_under_torchrun", "tensor_parallel_warning"]
+__all__ = ["check_world_size", "run_under_torchrun", "tensor_parallel_warning", "under_torchrun"]

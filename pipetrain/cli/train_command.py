@@ -281,8 +281,10 @@ def reparse(args: argparse.Namespace, argv: Sequence[str]) -> argparse.Namespace
 def run(args: argparse.Namespace) -> int:
     require_torch()
     from pipetrain.app.launch import run_train
+    from pipetrain.app.torchrun import run_under_torchrun, under_torchrun
 
-    return run_train(config_from(args))
+    config = config_from(args)
+    return run_under_torchrun(config) if under_torchrun(config) else run_train(config)
 
 
 COMMAND = Command(name="train", help=HELP, options=options, run=run, reparse=reparse)

@@ -16,8 +16,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from pipetrain.app.config import TrainConfig  # noqa: E402
-from pipetrain.app.torchrun import check_world_size, tensor_parallel_warning  # noqa: E402
+from pipetrain.app.config import TrainConfig
+from pipetrain.app.torchrun import check_world_size, tensor_parallel_warning
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--model", "gpt", "--layers", "4", "--hidden", "16", "--heads", "2", "--seq-len", "16"]
@@ -39,9 +39,11 @@ def _env() -> dict[str, str]:
 
 
 def _flags(tmp_path: Path, name: str, layout: list[str]) -> list[str]:
+    """The run's flags, its files under ``tmp_path/name`` (metrics in ``name.jsonl``)."""
     out = tmp_path / name
     out.mkdir()
-    return [*TINY, *layout, "--corpus-out", str(tmp_path / "corpus.txt"), "--svg", str(out / "s.svg")]
+    files = ["--corpus-out", str(tmp_path / "corpus.txt"), "--svg", str(out / "s.svg")]
+    return [*TINY, *layout, *files, "--metrics", str(tmp_path / f"{name}.jsonl")]
 
 
 def _agents(flags: list[str], nproc: int = 2, nodes: int = 2) -> list[subprocess.Popen[str]]:
@@ -81,10 +83,9 @@ def _losses(metrics: Path) -> list[float]:
 def test_two_torchrun_agents_train_as_one_machine_does_bit_for_bit(tmp_path: Path) -> None:
     runs: dict[str, list[subprocess.Popen[str]]] = {}
     for name, layout in LAYOUTS.items():  # all four jobs at once: the cores are shared anyway
-        flags = _flags(tmp_path, f"{name}-torchrun", layout)
-        runs[f"{name}-torchrun"] = _agents(flags + ["--metrics", str(tmp_path / f"{name}-t.jsonl")])
-        own = [sys.executable, "-m", "pipetrain", "train", *_flags(tmp_path, f"{name}-own", layout)]
-        runs[f"{name}-own"] = [_start(own + ["--metrics", str(tmp_path / f"{name}-o.jsonl")])]
+        runs[f"{name}-torchrun"] = _agents(_flags(tmp_path, f"{name}-torchrun", layout))
+        own = [sys.executable, "-m", "pipetrain", "train"]
+        runs[f"{name}-own"] = [_start([*own, *_flags(tmp_path, f"{name}-own", layout)])]
     ended = {name: [_finish(p) for p in procs] for name, procs in runs.items()}
     for name, results in ended.items():
         for status, out in results:
@@ -92,7 +93,8 @@ def test_two_torchrun_agents_train_as_one_machine_does_bit_for_bit(tmp_path: Pat
     lead = ended["pp2xdp2-torchrun"][0][1]
     assert "torchrun started 4 processes: 2 pipeline × 2 data parallel × 1 tensor parallel" in lead
     for name in LAYOUTS:
-        mine, reference = _losses(tmp_path / f"{name}-t.jsonl"), _losses(tmp_path / f"{name}-o.jsonl")
+        mine = _losses(tmp_path / f"{name}-torchrun.jsonl")
+        reference = _losses(tmp_path / f"{name}-own.jsonl")
         assert len(mine) == 2 and mine == reference, (name, mine, reference)
 
 
@@ -100,7 +102,7 @@ def test_a_process_count_the_flags_do_not_give_is_refused_on_every_process(
     tmp_path: Path,
 ) -> None:
     flags = _flags(tmp_path, "refused", ["--ranks", "2", "--dp", "2"])
-    (status, out), = [_finish(p) for p in _agents(flags, nproc=1, nodes=1)]
+    ((status, out),) = [_finish(p) for p in _agents(flags, nproc=1, nodes=1)]
     line = (
         "pipetrain train: error: torchrun started 1 processes (--nnodes × --nproc-per-node), "
         "but --ranks 2 × --tp 1 × --dp 2 needs 4: start 4 processes or change the flags"
