@@ -67,7 +67,6 @@ def under_torchrun(config: TrainConfig) -> bool:
 def run_under_torchrun(config: TrainConfig) -> int:
     """This process's run as one of torchrun's workers; its exit status (2: refused, 1:
     stopped or failed, 0: trained)."""
-    import torch.distributed as dist
 
     quiet_import_notices()  # before the checks, which import transformers for --model-dir
     world = int(os.environ["WORLD_SIZE"])
@@ -81,8 +80,10 @@ def run_under_torchrun(config: TrainConfig) -> int:
     error = _checked_once(config, device_kind, world, local)
     if error:
         _refuse_together(error, world)
-        dist.destroy_process_group()
-        return 2
+        # at once, every process together: torchrun stops the others when the first one exits
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(2)
     status = work(dataclasses.replace(config, worker=True, device=device_kind), device)
     return {REFUSED: 2, STOPPED: 1}.get(status, status)
 

@@ -98,17 +98,19 @@ def test_two_torchrun_agents_train_as_one_machine_does_bit_for_bit(tmp_path: Pat
         assert len(mine) == 2 and mine == reference, (name, mine, reference)
 
 
-def test_a_process_count_the_flags_do_not_give_is_refused_on_every_process(
+def test_a_process_count_the_flags_do_not_give_is_refused_on_every_machine(
     tmp_path: Path,
 ) -> None:
+    """Two machines of one process each, for flags that need 4: rank 0's checks refuse it, and
+    each machine's process says so in the same line and exits 2."""
     flags = _flags(tmp_path, "refused", ["--ranks", "2", "--dp", "2"])
-    ((status, out),) = [_finish(p) for p in _agents(flags, nproc=1, nodes=1)]
     line = (
-        "pipetrain train: error: torchrun started 1 processes (--nnodes × --nproc-per-node), "
+        "pipetrain train: error: torchrun started 2 processes (--nnodes × --nproc-per-node), "
         "but --ranks 2 × --tp 1 × --dp 2 needs 4: start 4 processes or change the flags"
     )
-    assert status != 0 and out.count(line) == 1, out
-    assert "exitcode  : 2" in out, out  # torchrun's report of the process's own status
+    for status, out in [_finish(p) for p in _agents(flags, nproc=1, nodes=2)]:
+        assert status != 0 and out.count(line) == 1, out
+        assert "exitcode  : 2" in out, out  # torchrun's report of the process's own status
 
 
 def test_world_size_and_tensor_parallel_span_checks() -> None:
