@@ -67,7 +67,6 @@ def under_torchrun(config: TrainConfig) -> bool:
 def run_under_torchrun(config: TrainConfig) -> int:
     """This process's run as one of torchrun's workers; its exit status (2: refused, 1:
     stopped or failed, 0: trained)."""
-
     quiet_import_notices()  # before the checks, which import transformers for --model-dir
     world = int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
