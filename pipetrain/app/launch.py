@@ -18,7 +18,9 @@ traceback to its log and the launcher prints the cause in one line (``app.failur
 status: 0; 2 for bad input or a configuration the pipeline refuses (the library's message, no
 traceback); 1 when the run stopped (a loss that is not finite, a worker killed, a worker
 failed).
-How many processes a run has, and along which dimensions, is ``process_grid``'s alone.
+How many processes a run has, and along which dimensions, is ``process_grid``'s alone. Started
+by torchrun (on one machine or several), every process is a worker instead and global rank 0
+checks the job for all (``app.torchrun``), through this module's ``join_group`` and ``work``.
 
 torch is imported inside functions only, so ``pipetrain --help`` stays fast.
 """
