@@ -1,7 +1,8 @@
 """``pipetrain train`` under torchrun: two torchrun agents on the loopback address, 2 processes
 each, train to the same losses, bit for bit, as the own launcher's one-machine run of the same
 flags (pp 4, and pp 2 × dp 2); rank 0's checks refuse a job whose process count the flags do
-not give, on every process, with exit status 2."""
+not give, on every process, with exit status 2. Without processes: the mesh's pp-major order,
+the tensor-parallel span warning, and how a process knows torchrun started it."""
 
 from __future__ import annotations
 
@@ -14,10 +15,15 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torch")
+torch = pytest.importorskip("torch")
 
-from pipetrain.app.config import TrainConfig
-from pipetrain.app.torchrun import check_world_size, tensor_parallel_warning
+from pipetrain.app.config import TrainConfig  # noqa: E402
+from pipetrain.app.processes import LAUNCHER_PID  # noqa: E402
+from pipetrain.app.torchrun import (  # noqa: E402
+    check_world_size,
+    tensor_parallel_warning,
+    under_torchrun,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--model", "gpt", "--layers", "4", "--hidden", "16", "--heads", "2", "--seq-len", "16"]
@@ -125,3 +131,41 @@ def test_world_size_and_tensor_parallel_span_checks() -> None:
     assert "--tp 4 does not divide the 2 processes per machine" in tensor_parallel_warning(
         tp=4, local=2, world=8
     )
+
+
+def test_the_mesh_is_pp_major_with_tp_innermost(monkeypatch) -> None:
+    """``app.train`` asks for ``("pp", "dp", "tp")`` (the sizes in that order), and the replica
+    that slices the data is the mesh's ``dp`` coordinate."""
+    import torch.distributed.device_mesh as device_mesh
+
+    from pipetrain.app.train import _placement
+    from pipetrain.app.train_checks import check_arguments
+
+    asked = []
+
+    class Mesh:
+        def get_local_rank(self, name: str) -> int:
+            return {"pp": 1, "dp": 2, "tp": 0}[name]
+
+    def init_device_mesh(kind, sizes, mesh_dim_names):
+        asked.append((kind, sizes, mesh_dim_names))
+        return Mesh()
+
+    monkeypatch.setattr(device_mesh, "init_device_mesh", init_device_mesh)
+    config = TrainConfig(ranks=2, dp=3, tp=2, data_parallel="fsdp", worker=True)
+    placement, replica = _placement(config, check_arguments(config), torch.device("cpu"))
+    assert asked == [("cpu", (2, 3, 2), ("pp", "dp", "tp"))] and replica == 2
+    assert placement["data_parallel"] == "fsdp"
+
+
+def test_torchrun_is_recognised_by_its_environment_and_never_in_the_own_launchers_workers(
+    monkeypatch,
+) -> None:
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.delenv(LAUNCHER_PID, raising=False)
+    assert not under_torchrun(TrainConfig())
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    assert under_torchrun(TrainConfig())
+    assert not under_torchrun(TrainConfig(worker=True))
+    monkeypatch.setenv(LAUNCHER_PID, "1")
+    assert not under_torchrun(TrainConfig())
