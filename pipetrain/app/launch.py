@@ -269,9 +269,11 @@ def join_group(config: TrainConfig, device_kind: Device) -> torch.device:
     return device
 
 
-def work(config: TrainConfig, device: torch.device) -> int:
+def work(config: TrainConfig, device: torch.device, *, final: bool = False) -> int:
     """One worker's run inside the joined process group: train, print the report (rank 0) or
-    the reason it stopped, leave the group; return the worker's exit status."""
+    the reason it stopped, leave the group; return the worker's exit status: for the own
+    launcher (``REFUSED``, ``STOPPED``), or with ``final`` the command's own (2, 1), for a
+    worker whose status no launcher of ours reads (torchrun's)."""
     import torch.distributed as dist
 
     try:
@@ -290,6 +292,8 @@ def work(config: TrainConfig, device: torch.device) -> int:
             if isinstance(e, (SystemExit, KeyboardInterrupt)):
                 raise
             _failed(config, e)
+        if final:
+            status = {REFUSED: 2, STOPPED: 1}.get(status, status)
         if status != 0 and device.type == "cuda":
             _leave_without_teardown(status, said, stream)
         if dist.get_rank() == 0:

@@ -31,8 +31,6 @@ from datetime import timedelta
 from pipetrain.app import failure_logs
 from pipetrain.app.config import Device, TrainConfig
 from pipetrain.app.launch import (
-    REFUSED,
-    STOPPED,
     announce,
     check_offload,
     device_for,
@@ -83,8 +81,7 @@ def run_under_torchrun(config: TrainConfig) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(2)
-    status = work(dataclasses.replace(config, worker=True, device=device_kind), device)
-    return {REFUSED: 2, STOPPED: 1}.get(status, status)
+    return work(dataclasses.replace(config, worker=True, device=device_kind), device, final=True)
 
 
 def _checked_once(config: TrainConfig, device_kind: Device, world: int, local: int) -> str:
