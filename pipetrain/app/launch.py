@@ -18,7 +18,9 @@ traceback to its log and the launcher prints the cause in one line (``app.failur
 status: 0; 2 for bad input or a configuration the pipeline refuses (the library's message, no
 traceback); 1 when the run stopped (a loss that is not finite, a worker killed, a worker
 failed).
-How many processes a run has, and along which dimensions, is ``process_grid``'s alone.
+How many processes a run has, and along which dimensions, is ``process_grid``'s alone. Started
+by torchrun (on one machine or several), every process is a worker instead and global rank 0
+checks the job for all (``app.torchrun``), through this module's ``join_group`` and ``work``.
 
 torch is imported inside functions only, so ``pipetrain --help`` stays fast.
 """
@@ -30,20 +32,30 @@ import math
 import os
 import sys
 import time
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from pipetrain.app import failure_logs
 from pipetrain.app.checkpoints import incomplete_checkpoints, latest_complete, latest_pointer
 from pipetrain.app.config import Device, TrainConfig
-from pipetrain.app.processes import Ended, signal_name, start_processes, watch_launcher
+from pipetrain.app.processes import (
+    LAUNCHER_PID,
+    Ended,
+    signal_name,
+    start_processes,
+    watch_launcher,
+)
 from pipetrain.app.train import NonFinite, Refused, train
 from pipetrain.app.train_checks import check_arguments
 from pipetrain.planner.layout import Layout
 from pipetrain.schedule.program import describe_shape
 
+if TYPE_CHECKING:
+    import torch
+
 
 def run_train(config: TrainConfig) -> int:
-    """Launch the workers (outside torchrun) or be one (inside); return the exit status."""
+    """Launch the workers, or be one (``--worker``: started by this command's own launcher);
+    return the exit status. Under torchrun, ``app.torchrun.run_under_torchrun`` runs instead."""
     if config.worker:
         watch_launcher()  # first: a launcher gone while this one starts up is noticed
     quiet_import_notices()  # before the checks, which import transformers for --model-dir
@@ -58,25 +70,37 @@ def run_train(config: TrainConfig) -> int:
 
 
 def _resolve_device(config: TrainConfig, layout: Layout) -> Device:
+    """``--device`` for the whole job on this machine, checked against the layout."""
+    device = device_for(config, processes_of(config, layout))
+    check_offload(device, layout)
+    return device
+
+
+def device_for(config: TrainConfig, need: int) -> Device:
+    """``--device`` resolved for ``need`` processes on this machine, a GPU each."""
     import torch
 
-    need, gpus = processes_of(config, layout), torch.cuda.device_count()
+    gpus = torch.cuda.device_count()
     if config.device == "cuda" and gpus < need:
         raise ValueError(f"--device cuda needs {need} GPUs (one per process); found {gpus}")
-    device = ("cuda" if gpus >= need else "cpu") if config.device == "auto" else config.device
+    return ("cuda" if gpus >= need else "cpu") if config.device == "auto" else config.device
+
+
+def check_offload(device: str, layout: Layout) -> None:
+    """A plan that offloads activations to host memory runs on GPUs only."""
     if device == "cpu" and layout.offloads:
         raise ValueError(
             f"the plan offloads activations to host memory (offload {list(layout.offload)}), "
             "which saves nothing on a CPU run, where the host is the device; run on GPUs "
             "(--device cuda) or plan without offload (a costs file without host_bandwidth_gbs)"
         )
-    return device
 
 
 def process_grid(config: TrainConfig, layout: Layout) -> dict[str, int]:
-    """The run's processes as named dimensions (their product is the process count), in the
-    order the launch line names them; the one place that says how many processes a run has."""
-    return {"pipeline": layout.ranks, "tensor parallel": config.tp, "data parallel": config.dp}
+    """The run's processes as named dimensions (their product is the process count), outermost
+    first as the processes are numbered (pp-major, tp innermost: ``app.train``'s mesh); the one
+    place that says how many processes a run has."""
+    return {"pipeline": layout.ranks, "data parallel": config.dp, "tensor parallel": config.tp}
 
 
 def processes_of(config: TrainConfig, layout: Layout) -> int:
@@ -90,20 +114,10 @@ def _launch(config: TrainConfig, layout: Layout) -> int:
     except ValueError as e:
         print(f"pipetrain train: error: {e}", file=sys.stderr)
         return 2
-    grid = process_grid(config, layout)
-    processes = math.prod(grid.values())
+    processes = processes_of(config, layout)
     # every worker parses this back into the same config, the device resolved once here
     worker_argv = dataclasses.replace(config, device=device).argv()
-    backend = "NCCL" if device == "cuda" else "gloo"
-    model = config.model if config.model_dir is None else f"--model-dir {config.model_dir}"
-    shape = " × ".join(f"{n} {name}" for name, n in grid.items())
-    print(
-        f"launching {processes} processes: {shape} ({backend} on {device}); "
-        f"{model}, {_describe(layout, config.plan)}"
-    )
-    for path in incomplete_checkpoints(config):
-        print(f"note: ignoring {path}: an incomplete checkpoint (a run stopped while writing it)")
-    sys.stdout.flush()
+    announce("launching", config, layout, device)
     cmd = [sys.executable, "-m", "pipetrain", "train", *worker_argv, "--worker"]
     failure_logs.clear_logs(failure_logs.log_folder(config))
     ended = start_processes(processes, cmd, worker_environment(processes))
@@ -112,6 +126,22 @@ def _launch(config: TrainConfig, layout: Layout) -> int:
         lead = "\n" if sys.stderr.isatty() else ""  # after a progress line still being drawn
         print(f"{lead}pipetrain train: {message}", file=sys.stderr)
     return status
+
+
+def announce(verb: str, config: TrainConfig, layout: Layout, device: Device) -> None:
+    """The launch line (``verb`` N processes: their grid, backend, model and layout) and the
+    incomplete checkpoints the run ignores."""
+    grid = process_grid(config, layout)
+    backend = "NCCL" if device == "cuda" else "gloo"
+    model = config.model if config.model_dir is None else f"--model-dir {config.model_dir}"
+    shape = " × ".join(f"{n} {name}" for name, n in grid.items())
+    print(
+        f"{verb} {math.prod(grid.values())} processes: {shape} ({backend} on {device}); "
+        f"{model}, {_describe(layout, config.plan)}"
+    )
+    for path in incomplete_checkpoints(config):
+        print(f"note: ignoring {path}: an incomplete checkpoint (a run stopped while writing it)")
+    sys.stdout.flush()
 
 
 def worker_environment(count: int) -> dict[str, str]:
@@ -141,9 +171,9 @@ def _outcome(ended: Ended, config: TrainConfig) -> tuple[int, str]:
         return 128 + ended.signalled, f"stopped by {name}; every worker stopped{_kept(config)}"
     if ended.status == 0:
         return 0, ""
-    if ended.status == _REFUSED:
+    if ended.status == REFUSED:
         return 2, ""  # the worker printed the pipeline's refusal
-    if ended.status == _STOPPED:
+    if ended.status == STOPPED:
         return 1, ""  # the worker printed why it stopped
     who = f"rank {ended.rank} (pid {ended.pid})"
     if ended.status < 0:
@@ -198,9 +228,9 @@ def _describe(layout: Layout, plan_file: str | None) -> str:
 
 
 #: a worker's exit status when the library refused the configuration (the launcher exits 2)
-_REFUSED = 3
+REFUSED = 3
 #: a worker's exit status when the run stopped for a reason rank 0 printed (the launcher exits 1)
-_STOPPED = 4
+STOPPED = 4
 
 
 def quiet_import_notices() -> None:
@@ -215,6 +245,13 @@ def quiet_import_notices() -> None:
 
 
 def _worker(config: TrainConfig, layout: Layout) -> int:
+    return work(config, join_group(config, _resolve_device(config, layout)))
+
+
+def join_group(config: TrainConfig, device_kind: Device) -> torch.device:
+    """Set up this worker's device (``LOCAL_RANK``'s GPU, or the CPU with one thread) and join
+    the job's default process group (NCCL on GPUs, gloo on the CPU) from torchrun's
+    environment; return the device."""
     from datetime import timedelta
 
     import torch
@@ -224,16 +261,24 @@ def _worker(config: TrainConfig, layout: Layout) -> int:
         from pipetrain.runtime.deterministic import use_deterministic_algorithms
 
         use_deterministic_algorithms()
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device_kind = _resolve_device(config, layout)
     if device_kind == "cuda":
-        device = torch.device("cuda", local_rank)
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
         torch.set_num_threads(1)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=config.timeout))
+    return device
+
+
+def work(config: TrainConfig, device: torch.device, *, final: bool = False) -> int:
+    """One worker's run inside the joined process group: train, print the report (rank 0) or
+    the reason it stopped, leave the group; return the worker's exit status: for the own
+    launcher (``REFUSED``, ``STOPPED``), or with ``final`` the command's own (2, 1), for a
+    worker whose status no launcher of ours reads (torchrun's)."""
+    import torch.distributed as dist
+
     try:
         from pipetrain.runtime.comm.barrier import barrier
         from pipetrain.runtime.comm.failures import PipelineRefused
@@ -243,13 +288,15 @@ def _worker(config: TrainConfig, layout: Layout) -> int:
             status, said, stream = 0, run.report, sys.stdout
         except (Refused, PipelineRefused) as e:  # the same on every rank, once they hear of it
             _tell_peers(config, e)  # a refusal of this rank's alone (before its pipeline)
-            status, said, stream = _REFUSED, f"pipetrain train: error: {e}", sys.stderr
+            status, said, stream = REFUSED, f"pipetrain train: error: {e}", sys.stderr
         except NonFinite as e:  # the same on every rank: every rank has the same loss
-            status, said, stream = _STOPPED, f"pipetrain train: error: {e}", sys.stderr
+            status, said, stream = STOPPED, f"pipetrain train: error: {e}", sys.stderr
         except BaseException as e:  # torch.distributed.checkpoint's failures are BaseExceptions
             if isinstance(e, (SystemExit, KeyboardInterrupt)):
                 raise
             _failed(config, e)
+        if final:
+            status = {REFUSED: 2, STOPPED: 1}.get(status, status)
         if status != 0 and device.type == "cuda":
             _leave_without_teardown(status, said, stream)
         if dist.get_rank() == 0:
@@ -270,7 +317,9 @@ def _failed(config: TrainConfig, error: BaseException) -> NoReturn:
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    if not failure_logs.write_log(failure_logs.log_folder(config), rank, error):
+    logged = failure_logs.write_log(failure_logs.log_folder(config), rank, error)
+    # torchrun's agent reads no log (no LAUNCHER_PID: not the own launcher's): show the traceback
+    if not logged or LAUNCHER_PID not in os.environ:
         import traceback
 
         traceback.print_exception(error)
@@ -326,4 +375,16 @@ def _leave_without_teardown(status: int, said: str, stream) -> NoReturn:
 _SAID_WAIT_S = 10
 
 
-__all__ = ["process_grid", "run_train", "worker_environment"]
+__all__ = [
+    "REFUSED",
+    "STOPPED",
+    "announce",
+    "check_offload",
+    "device_for",
+    "join_group",
+    "process_grid",
+    "processes_of",
+    "run_train",
+    "work",
+    "worker_environment",
+]

@@ -321,7 +321,7 @@ def _report(config: TrainConfig, steps: Steps, pipe: Pipeline, cpu_processes: in
 def _pipeline(
     config: TrainConfig, layout: Layout, model: LayerModel | None, device: torch.device
 ) -> tuple[Pipeline, int]:
-    """This worker's pipeline on the layout (on a (dp, pp, tp) mesh when ``--dp`` or ``--tp`` >
+    """This worker's pipeline on the layout (on a (pp, dp, tp) mesh when ``--dp`` or ``--tp`` >
     1, the layers tensor-parallelized by the Llama family's plan), and its data-parallel
     replica; ``Refused`` with the pipeline's message when it refuses. ``model`` None: the
     ``--model-dir`` folder's stages (``app.model_folder``)."""
@@ -400,15 +400,17 @@ def _build_pipeline(
 def _placement(
     config: TrainConfig, layout: Layout, device: torch.device
 ) -> tuple[dict[str, Any], int]:
-    """``Pipeline``'s placement options (a (dp, pp, tp) mesh when ``--dp`` or ``--tp`` > 1,
-    dp-major and tp innermost: the tp ranks of a stage on one node's consecutive GPUs) and this
-    process's data-parallel replica."""
+    """``Pipeline``'s placement options (a (pp, dp, tp) mesh when ``--dp`` or ``--tp`` > 1,
+    pp-major and tp innermost as in torchtitan and Megatron-Core: a stage's tp ranks are
+    consecutive processes, so on one machine's GPUs, and its replicas' FSDP traffic stays near,
+    while pipeline neighbours, which send the least, cross machines) and this process's
+    data-parallel replica, read from the mesh."""
     if config.dp == 1 and config.tp == 1:
         return {}, 0
     from torch.distributed.device_mesh import init_device_mesh
 
-    dims = [(n, size) for n, size in (("dp", config.dp), ("pp", layout.ranks), ("tp", config.tp))]
-    dims = [(n, size) for n, size in dims if size > 1 or n == "pp"]
+    sizes = (("pp", layout.ranks), ("dp", config.dp), ("tp", config.tp))
+    dims = [(n, size) for n, size in sizes if size > 1 or n == "pp"]
     mesh = init_device_mesh(
         device.type, tuple(size for _, size in dims), mesh_dim_names=tuple(n for n, _ in dims)
     )

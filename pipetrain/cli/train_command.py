@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 HELP = (
     "train a model (tiny Llama by default) on a text file, pipeline x data parallel "
-    "(launches the processes itself)"
+    "(launches the processes itself; under torchrun, each process is one of the job's)"
 )
 
 
@@ -110,8 +110,9 @@ def _run_options(choices: dict[str, tuple[str, ...]]) -> tuple[Option, ...]:
             type=positive_int,
             metavar="T",
             help="tensor-parallel size: each stage's layers split over T processes (Llama "
-            "family). Processes are numbered dp-major, then pipeline rank, tp innermost, so on "
-            "NCCL the T processes of a stage are consecutive GPUs of one node",
+            "family). Processes are numbered pp-major, then data-parallel replica, tp "
+            "innermost, so on NCCL the T processes of a stage are consecutive GPUs of one "
+            "machine",
         ),
         Option(
             ("--sequence-parallel",),
@@ -235,7 +236,8 @@ def _process_options(choices: dict[str, tuple[str, ...]]) -> tuple[Option, ...]:
             metavar="SECONDS",
             help="how long a rank waits on a peer before failing",
         ),
-        # set by the launcher on the processes it starts; users never pass it
+        # set by the own launcher on the processes it starts (torchrun's need none); users
+        # never pass it
         Option(("--worker",), switch=True, help=argparse.SUPPRESS),
     )
 
@@ -279,8 +281,10 @@ def reparse(args: argparse.Namespace, argv: Sequence[str]) -> argparse.Namespace
 def run(args: argparse.Namespace) -> int:
     require_torch()
     from pipetrain.app.launch import run_train
+    from pipetrain.app.torchrun import run_under_torchrun, under_torchrun
 
-    return run_train(config_from(args))
+    config = config_from(args)
+    return run_under_torchrun(config) if under_torchrun(config) else run_train(config)
 
 
 COMMAND = Command(name="train", help=HELP, options=options, run=run, reparse=reparse)

@@ -172,7 +172,7 @@ def test_train_with_tensor_parallel_follows_the_same_losses(tmp_path, two_ranks)
     common += ("--corpus-out", str(tmp_path / "c.txt"))
     split = _cli(*common, "--tp", "2", "--sequence-parallel", cwd=tmp_path)
     assert split.returncode == 0, split.stderr
-    assert "2 pipeline × 2 tensor parallel × 1 data parallel" in split.stdout
+    assert "2 pipeline × 1 data parallel × 2 tensor parallel" in split.stdout
     want, got = two_ranks[0][2], _losses(split.stdout)
     assert want == two_ranks[1][2] and len(want) == 3 and len(got) == 3
     assert all(abs(a - b) < 1e-4 for a, b in zip(want, got)), (want, got)
