@@ -53,7 +53,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "microbatch_balance": get_args(MicrobatchBalance),
 }
 #: numeric fields where 0 is legal (the others but the seed must be > 0)
-NON_NEGATIVE = ("warmup", "min_lr", "weight_decay")
+NON_NEGATIVE = ("warmup", "min_lr", "weight_decay", "gc_every")
 #: the fields that give the pipeline's shape (a plan gives them instead)
 SHAPE_FIELDS = ("schedule", "ranks", "microbatches", "stages_per_rank", "recompute")
 
@@ -133,6 +133,8 @@ class TrainConfig:
     attention: Attention = "auto"
     microbatch_balance: MicrobatchBalance = "length"
     deterministic: bool = False
+    #: collect Python's garbage every this many steps, never in between (0: Python's own)
+    gc_every: int = 50
     timeout: float = 300.0
     #: set by the launcher on the processes it starts
     worker: bool = False

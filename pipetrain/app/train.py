@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from pipetrain.app.batch_source import StepBatch
 from pipetrain.app.config import TrainConfig
 from pipetrain.app.evaluation import eval_due
+from pipetrain.app.garbage_collection import GarbageCollection
 from pipetrain.app.lr_schedule import LrSchedule, set_lr
 from pipetrain.app.model_folder import run_shape
 from pipetrain.app.report import Progress, report
@@ -111,10 +112,12 @@ def train(config: TrainConfig, device: torch.device) -> Run:
         steps = Steps(config, pipe, opt, schedule, device, mine, start, local * config.dp)
         every = config.checkpoint_every or config.steps
         try:
-            for step in range(start, config.steps):
-                steps.run(step, next(data))
-                if saver is not None and ((step + 1) % every == 0 or step + 1 == config.steps):
-                    saver.save(step + 1, pipe, opt)
+            with GarbageCollection(config.gc_every) as collector:
+                for step in range(start, config.steps):
+                    steps.run(step, next(data))
+                    collector.step(step + 1)
+                    if saver is not None and ((step + 1) % every == 0 or step + 1 == config.steps):
+                        saver.save(step + 1, pipe, opt)
         finally:
             steps.close()
         if config.export is not None:

@@ -203,7 +203,8 @@ def _process_options(choices: dict[str, tuple[str, ...]]) -> tuple[Option, ...]:
             "--weight-grads",
             choices["weight_grads"],
             "how I/W split the backward: deferred linear weight GEMMs (the zero-bubble paper's "
-            "way), graph replay (any module), or auto (deferred on stages made mostly of linears)",
+            "way), graph replay (any module), or auto (deferred on split-backward stages made "
+            "mostly of linears)",
         ),
         Option(
             ("--receive-lead",),

@@ -175,6 +175,14 @@ def guard_options(choices: dict[str, tuple[str, ...]]) -> tuple[Option, ...]:
             help="deterministic kernels only (torch.use_deterministic_algorithms): repeatable "
             "runs, at some speed",
         ),
+        Option(
+            ("--gc-every",),
+            type=non_negative_int,
+            metavar="N",
+            help="collect Python's garbage every N steps on every rank and never in between, "
+            "so collections do not stall steps at random (default 50; 0: Python's automatic "
+            "collection)",
+        ),
     )
 
 

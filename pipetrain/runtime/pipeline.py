@@ -78,11 +78,10 @@ class Pipeline:
     ``timeout``: how long any wait on a peer may take before it fails naming rank, action, peer.
     ``overlap_pairs``: on CUDA, run an overlapped F&B pair's forward on a side stream while its
     backward runs (DualPipe's overlap; off: one after the other). Ignored on CPU.
-    ``defer_weight_grads``: split I/W the zero-bubble paper's way — plain ``nn.Linear`` weight
-    GEMMs left out of ``I`` and run as ``W``, a ``B`` adding them straight into ``.grad``
-    (``runtime.backward.deferred_wgrad``; modules never changed). ``False``: graph replay, which
-    splits any module. ``None`` (default): per stage, where plain linears hold at least half of
-    its trainable parameters. Either way exact.
+    ``defer_weight_grads``: split I/W the zero-bubble paper's way (``runtime.backward``): linear
+    weight GEMMs run as ``W``, a ``B`` adding them into ``.grad``. ``False``: graph replay, any
+    module. ``None`` (default): on stages the schedule splits, where plain linears hold at least
+    half of the trainable parameters (``interface.choose_split``). Either way exact.
     ``loss_reduction``: what ``loss_fn`` returns for a micro-batch — ``"mean"`` over its rows,
     its ``"sum"``, or its sum over tokens whose target is not ``ignore_index`` (``"token_mean"``:
     divided by the whole batch's count); default ``loss_fn.loss_reduction`` or ``"mean"``
@@ -218,8 +217,9 @@ class Pipeline:
     ) -> dict[int, StageRunner]:
         """A runner per local stage, told its step's last weight-gradient piece (hooks fire)."""
         last, row = self._last_stage, self.program.actions[self.rank]
+        split = resolve.split_backward_stages(row)
         runners = {
-            s: StageRunner(s, m, s == last, loss_fn, defer, captured=captured)
+            s: StageRunner(s, m, s == last, loss_fn, defer, None, captured, s in split)
             for s, m in self.modules.items()
         }
         host_offload.attach(runners, resolve.offload_fractions(offload), row, self.device)

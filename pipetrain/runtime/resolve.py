@@ -92,6 +92,11 @@ def last_weight_pieces(row: Sequence[Action]) -> dict[int, int]:
     return last
 
 
+def split_backward_stages(row: Sequence[Action]) -> set[int]:
+    """The stages whose backward ``row`` splits into ``I`` and ``W`` (the zero-bubble family)."""
+    return {p.stage for a in row for p in a.compute_parts if p.kind in (OpKind.I, OpKind.W)}
+
+
 def last_uses(row: Sequence[Action]) -> dict[Action, tuple[int, ...]]:
     """The stages whose last compute action in ``row`` each action is."""
     last: dict[int, Action] = {}

@@ -90,13 +90,14 @@ class StageRunner:
         defer_weight_grads: bool | None = None,
         split: BackwardSplit | None = None,
         captured: bool = False,
+        splits_backward: bool = True,
     ) -> None:
         self.index = index
         self.module = module
         self.is_last = is_last
         self.loss_fn = loss_fn
         if split is None:
-            split = choose_split(module, defer_weight_grads, index, captured)
+            split = choose_split(module, defer_weight_grads, index, captured, splits_backward)
         self.split = split
         self.defer_weight_grads = self.split.defers_linear_weights
         #: the stage recomputes as a whole (``whole_stage_recompute``): ``F`` without autograd

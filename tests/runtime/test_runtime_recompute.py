@@ -281,6 +281,34 @@ def test_a_recomputing_stage_defaults_to_graph_replay_unless_deferral_is_asked_f
     assert isinstance(choose_split(no_linears, None, 0, captured=True), GraphReplay)
 
 
+
+def test_a_stage_whose_backward_is_never_split_does_not_defer_unless_asked(caplog):
+    """In an eager 1F1B-family step (only B) deferral would only fuse the accumulation, at a
+    Python autograd function per linear: plain autograd by default; asked for, or captured (no
+    host work replayed), it defers."""
+    from pipetrain.runtime.backward.deferred_wgrad import DeferredLinears
+    from pipetrain.runtime.backward.graph_replay import GraphReplay
+    from pipetrain.runtime.backward.interface import choose_split
+
+    (stage,) = split([Counting().double() for _ in range(2)], [2])
+    caplog.set_level("INFO", logger="pipetrain.runtime.backward.interface")
+    chosen = choose_split(stage, None, 0, splits_backward=False)
+    assert isinstance(chosen, GraphReplay) and not chosen.whole
+    assert "never splits the backward" in caplog.text
+    assert isinstance(choose_split(stage, True, 0, splits_backward=False), DeferredLinears)
+    captured = choose_split(stage, None, 0, captured=True, splits_backward=False)
+    assert isinstance(captured, DeferredLinears)
+    assert isinstance(choose_split(stage, None, 0, splits_backward=True), DeferredLinears)
+
+
+def test_the_pipeline_defers_only_on_stages_its_schedule_splits():
+    from pipetrain.runtime import resolve
+    from pipetrain.schedule.registry import build_schedule
+
+    assert resolve.split_backward_stages(build_schedule("1f1b", 2, 4).actions[0]) == set()
+    assert resolve.split_backward_stages(build_schedule("zbv", 2, 4).actions[0]) == {0, 3}
+
+
 DROPPED = r"""
 import gc, sys, weakref, torch, torch.distributed as dist
 from torch import nn

@@ -95,9 +95,11 @@ def choose_split(
     defer_weight_grads: bool | None,
     stage: int | None = None,
     captured: bool = False,
+    splits_backward: bool = True,
 ) -> BackwardSplit:
     """``DeferredLinears`` with ``defer_weight_grads`` (``None``: where ``worth_deferring``,
-    nothing is compiled and, in an eager step, nothing recomputes), else ``GraphReplay``; the
+    nothing is compiled and, in an eager step, nothing recomputes and the schedule splits the
+    stage's backward), else ``GraphReplay``; the
     choice and its reason are logged (INFO) for ``stage``. A compiled stage defaults to graph
     replay: deferral breaks a compiled block's graph around each linear. So does a stage whose
     layers recompute (``Recomputed``) in an eager step: deferral runs each recomputed forward
@@ -107,7 +109,13 @@ def choose_split(
     ``nn.Linear``, however few of its parameters the linears hold: its ``W`` then keeps their
     weight GEMMs for the schedule's bubbles, where graph replay would put the whole backward in
     ``I`` (docs/benchmarks.md, "Activation checkpointing under the pipeline", measures both).
-    ``defer_weight_grads=True`` defers in every case."""
+    A stage whose schedule never splits its backward (``splits_backward=False``: only ``B``, the
+    1F1B family) defers in an eager step only on request: there deferral would only fuse the
+    gradient accumulation into the weight GEMM (Megatron-LM's gradient-accumulation fusion),
+    which saves a gradient-sized add per micro-batch but routes every linear's forward and
+    backward through a Python autograd function, and on shapes whose kernels are short that
+    host work, not the device, sets the step's pace; plain autograd runs the backward in one
+    engine call. ``defer_weight_grads=True`` defers in every case."""
     if defer_weight_grads is None and has_compiled_parts(module):
         defer = False
         why = "it holds compiled regions, whose graphs deferral would break around each linear"
@@ -116,6 +124,12 @@ def choose_split(
         why = (
             "its layers recompute in an eager step, and deferral would run each recomputed "
             "linear through Python again; pass defer_weight_grads=True to defer anyway"
+        )
+    elif defer_weight_grads is None and not splits_backward and not captured:
+        defer = False
+        why = (
+            "its schedule never splits the backward, so deferral would only fuse the gradient "
+            "accumulation, through Python per linear; pass defer_weight_grads=True to fuse anyway"
         )
     elif defer_weight_grads is None and recomputes(module):
         defer = linear_share(module)[0] > 0
