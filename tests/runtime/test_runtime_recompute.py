@@ -281,7 +281,6 @@ def test_a_recomputing_stage_defaults_to_graph_replay_unless_deferral_is_asked_f
     assert isinstance(choose_split(no_linears, None, 0, captured=True), GraphReplay)
 
 
-
 def test_a_stage_whose_backward_is_never_split_does_not_defer_unless_asked(caplog):
     """In an eager 1F1B-family step (only B) deferral would only fuse the accumulation, at a
     Python autograd function per linear: plain autograd by default; asked for, or captured (no
