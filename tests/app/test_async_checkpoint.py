@@ -1,0 +1,173 @@
+"""``--async-checkpoint`` and ``--keep-checkpoints``: a checkpoint written in the background holds
+exactly the state of the step it was taken at (the optimizer's next step waits for the copy),
+completes with its ``SHA256SUMS`` and ``COMPLETE`` marker before ``latest`` names it, fails on
+every process alike, and a process killed in the middle of a background write resumes from the
+last complete checkpoint, bit for bit (``tests/support/async_checkpoint_cases.py``)."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from runtime_harness import free_port, launch
+
+from pipetrain.app.checkpoints import LATEST, prune
+from pipetrain.runtime import checksums
+from pipetrain.runtime.checkpoint import load_checkpoint
+from pipetrain.runtime.checkpoint_async import AsyncCheckpointer
+from pipetrain.runtime.checkpoint_disk import COMPLETE, PARTIAL
+
+SUPPORT = Path(__file__).resolve().parents[1] / "support"
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2)]
+    return torch.nn.Sequential(*layers).double()
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
+    x = torch.randn(6, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    opt.zero_grad()
+    model(x).square().mean().backward()  # a forward updates BatchNorm's running statistics
+    opt.step()
+
+
+def test_a_background_checkpoint_holds_the_state_of_its_step(tmp_path: Path) -> None:
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    _step(model, opt, 0)
+    taken = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = [s["exp_avg"].clone() for s in opt.state.values()]
+    published: list[Path] = []
+    with AsyncCheckpointer() as writer:
+        writer.save(tmp_path / "step", model, opt, files={"note.txt": "hi"}, then=published.append)
+        for seed in (1, 2, 3):  # these change every tensor while the write may go on
+            _step(model, opt, seed)
+        assert writer.pending and writer.wait() == tmp_path / "step"
+        assert writer.wait() is None and not writer.pending
+    assert published == [tmp_path / "step"]
+    assert not any(
+        torch.equal(taken[k], v) for k, v in model.state_dict().items() if v.is_floating_point()
+    )
+    fresh = _model()
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    load_checkpoint(tmp_path / "step", fresh, fresh_opt, verify=True)
+    assert all(torch.equal(taken[k], v) for k, v in fresh.state_dict().items())
+    assert all(torch.equal(a, s["exp_avg"]) for a, s in zip(moments, fresh_opt.state.values()))
+    assert (tmp_path / "step" / COMPLETE).is_file() and (tmp_path / "step" / "note.txt").is_file()
+    assert checksums.damaged(tmp_path / "step") == []
+    assert COMPLETE in checksums.read_sums(tmp_path / "step")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step"]
+
+
+def test_a_failed_background_write_raises_at_the_next_wait_and_leaves_nothing(
+    tmp_path: Path,
+) -> None:
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    (tmp_path / "file").write_text("not a folder")
+    with AsyncCheckpointer() as writer:
+        writer.save(tmp_path / "file" / "step", model, opt)
+        _step(model, opt, 0)  # the optimizer's wait for the copy does not raise
+        with pytest.raises(OSError) as e:
+            writer.save(tmp_path / "step", model, opt)  # waits for the failed one first
+        assert e.value.errno == errno.ENOTDIR and "file/step.partial" in str(e.value.filename)
+        writer.save(tmp_path / "step", model, opt)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "step"]
+
+
+def test_keep_removes_the_oldest_complete_checkpoints_only(tmp_path: Path) -> None:
+    for name in ("step-000002", "step-000004", "step-000006", "step-000010", "step-000008"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / COMPLETE).write_text("")
+    (tmp_path / "step-000001").mkdir()  # no marker: not complete, not counted
+    (tmp_path / f"step-000012{PARTIAL}").mkdir()  # being written: left alone
+    # the one just completed is kept even where an older run left a later step
+    gone = prune(tmp_path, 2, tmp_path / "step-000006")
+    assert [p.name for p in gone] == ["step-000002", "step-000004", "step-000008"]
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == ["step-000001", "step-000006", "step-000010", f"step-000012{PARTIAL}"]
+    assert prune(tmp_path, 1, tmp_path / "step-000010") == [tmp_path / "step-000006"]
+
+
+def test_two_ranks_write_in_the_background_what_they_write_in_the_foreground(
+    tmp_path: Path,
+) -> None:
+    for said in launch(2, _cases().background_against_sync, str(tmp_path), timeout=120):
+        sync, background = said["losses"]
+        assert background == sync and len(sync) == 4 and said["final_equal"]
+        assert said["held"] == {"step-000003": True, "step-000004": True}
+    assert (tmp_path / "async" / LATEST).read_text().strip() == "step-000004"
+
+
+def test_a_run_killed_during_a_background_write_resumes_from_the_last_complete_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt = tmp_path / "ckpt"
+    killed = _run_alone(tmp_path, _args(ckpt, kill_at=4))
+    assert killed.returncode == 9, killed.stderr
+    assert (ckpt / f"step-000004{PARTIAL}").is_dir()
+    assert (ckpt / LATEST).read_text().strip() == "step-000002"
+    cases = _cases()
+    with _alone():  # this process as a world of one, as the killed run was
+        straight = cases.train(0, 1, **_args(tmp_path / "straight", keep=2))
+        capsys.readouterr()
+        resumed = cases.train(0, 1, **_args(ckpt, keep=2, resume=True))
+    said = capsys.readouterr().out
+    assert f"removed {ckpt / 'step-000004'}{PARTIAL}: an incomplete checkpoint" in said
+    assert resumed["start"] == 2 and resumed["losses"] == straight["losses"][2:]
+    assert _equal(resumed["final"], straight["final"])
+    for folder in (ckpt, tmp_path / "straight"):
+        kept = sorted(p.name for p in folder.iterdir() if p.name.startswith("step"))
+        assert kept == ["step-000004", "step-000006"]
+        assert (folder / LATEST).read_text().strip() == "step-000006"
+
+
+def _args(directory: Path, **extra: object) -> dict:
+    return {"directory": str(directory), "steps": 6, "every": 2, "asynchronous": True, **extra}
+
+
+def _run_alone(tmp_path: Path, run: dict) -> subprocess.CompletedProcess:
+    """``run`` (``async_checkpoint_cases.train``'s arguments) in a process of its own."""
+    args = tmp_path / "run.json"
+    args.write_text(json.dumps({"out": str(tmp_path / "run.pt"), "run": run}))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SUPPORT), *sys.path])}
+    script = SUPPORT / "async_checkpoint_cases.py"
+    return subprocess.run(
+        [sys.executable, str(script), str(args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+
+
+@contextlib.contextmanager
+def _alone():
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _cases():
+    import async_checkpoint_cases
+
+    return async_checkpoint_cases
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
