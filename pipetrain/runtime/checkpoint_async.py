@@ -136,6 +136,11 @@ class AsyncCheckpointer:
         """Whether a save was started and not yet waited for."""
         return self._thread is not None
 
+    @property
+    def writing(self) -> bool:
+        """Whether the last save is still being written (``wait`` would block)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def close(self) -> None:
         """Wait for the last save (raising its failure), then let the copies, the optimizer
         hooks and the process groups go."""
