@@ -67,7 +67,8 @@ PRESETS = {
 
 def build(preset: Preset, device: torch.device):
     """The model (its layers in order), its loss, AdamW over it, and one batch of tokens."""
-    from pipetrain.app.catalog import ModelShape, build as build_model
+    from pipetrain.app.catalog import ModelShape
+    from pipetrain.app.catalog import build as build_model
 
     shape = ModelShape(
         model="llama",
@@ -179,8 +180,23 @@ def run(preset_name: str, out: Path, max_steps: int, target: float | None) -> di
     if preset.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("checkpoint_stall.py: error: --preset gpu needs a GPU (CUDA)")
     device = torch.device(preset.device)
+    threads = torch.get_num_threads()
     if device.type == "cpu":
         torch.set_num_threads(1)  # the background write gets the other cores
+    try:
+        return _measure(preset_name, preset, device, out, max_steps, target)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure(
+    preset_name: str,
+    preset: Preset,
+    device: torch.device,
+    out: Path,
+    max_steps: int,
+    target: float | None,
+) -> dict:
     model, loss_fn, opt, tokens = build(preset, device)
     params = sum(p.numel() for p in model.parameters())
     step = stepper(model, loss_fn, opt, tokens, device)
