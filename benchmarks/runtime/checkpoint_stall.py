@@ -1,9 +1,9 @@
 """How long a checkpoint stalls training: a synchronous save against ``--async-checkpoint``'s.
 
-One process trains a Llama-shaped model (``pipetrain.app.catalog``'s ``llama``: Hugging Face's
-``LlamaForCausalLM`` layers, AdamW) and saves its model and optimizer state several times each
-way, writing the same folder ``pipetrain train`` writes (DCP shards, ``SHA256SUMS``, the
-``COMPLETE`` marker):
+One process trains a Llama-shaped model (Hugging Face's ``LlamaForCausalLM`` as its layers, as
+``pipetrain train --model llama`` builds it; AdamW) and saves its model and optimizer state
+several times each way, writing the same folder ``pipetrain train`` writes (DCP shards,
+``SHA256SUMS``, the ``COMPLETE`` marker):
 
 * **synchronous** (``pipetrain.save_checkpoint``): the step waits for the whole write; its stall
   is the save call;
@@ -66,28 +66,30 @@ PRESETS = {
 
 
 def build(preset: Preset, device: torch.device):
-    """The model (its layers in order), its loss, AdamW over it, and one batch of tokens."""
-    from pipetrain.app.catalog import ModelShape
-    from pipetrain.app.catalog import build as build_model
+    """The model (a random ``LlamaForCausalLM`` as its layers in order, as ``pipetrain train
+    --model llama`` builds it: MLP 4 × hidden, untied head), its loss, AdamW over it, and one
+    batch of tokens."""
+    import transformers as tf
 
-    shape = ModelShape(
-        model="llama",
-        blocks=preset.blocks,
-        hidden=preset.hidden,
-        heads=preset.heads,
-        kv_heads=preset.kv_heads,
-        vocab=preset.vocab,
-        seq_len=preset.seq_len,
-        dtype="float32",
-        seed=0,
+    from pipetrain.hf import causal_lm_layers, causal_lm_loss
+
+    config = tf.LlamaConfig(
+        vocab_size=preset.vocab,
+        hidden_size=preset.hidden,
+        intermediate_size=4 * preset.hidden,
+        num_hidden_layers=preset.blocks,
+        num_attention_heads=preset.heads,
+        num_key_value_heads=preset.kv_heads,
+        max_position_embeddings=preset.seq_len,
+        tie_word_embeddings=False,
     )
-    built = build_model(shape)
-    assert isinstance(built.layers, dict) or hasattr(built.layers, "values")
-    model = torch.nn.Sequential(*built.layers.values()).to(device)  # type: ignore[union-attr]
+    torch.manual_seed(0)
+    layers = causal_lm_layers(tf.LlamaForCausalLM(config))
+    model = torch.nn.Sequential(*layers.values()).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     generator = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, preset.vocab, (preset.batch, preset.seq_len), generator=generator)
-    return model, built.loss_fn, opt, tokens.to(device)
+    return model, causal_lm_loss, opt, tokens.to(device)
 
 
 def stepper(model, loss_fn, opt, tokens, device: torch.device):

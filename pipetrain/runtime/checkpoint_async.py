@@ -87,6 +87,10 @@ class AsyncCheckpointer:
         if optimizer is not None and id(optimizer) not in self._hooks:
             self._hooks[id(optimizer)] = optimizer.register_step_pre_hook(self._before_step)
         partial = checkpoint_write.begin_folder(final, own)
+        if _on_cuda(state):
+            # DCP's stager copies on a stream of its own, ordered after nothing: the work
+            # queued on the device (the last optimizer step) must be done before it reads
+            torch.cuda.synchronize()
         upload: Future | None = None
         failure: BaseException | None = None
         try:
@@ -214,9 +218,7 @@ class AsyncCheckpointer:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
         if self._stager is None:
-            cuda = any(
-                isinstance(v, torch.Tensor) and v.device.type == "cuda" for v in state.values()
-            )
+            cuda = _on_cuda(state)
             self._stager = DefaultStager(
                 StagingOptions(
                     use_pinned_memory=cuda,
@@ -226,6 +228,10 @@ class AsyncCheckpointer:
                 )
             )
         return self._stager
+
+
+def _on_cuda(state: dict[str, object]) -> bool:
+    return any(isinstance(v, torch.Tensor) and v.device.type == "cuda" for v in state.values())
 
 
 def _clone_buffers(state: dict[str, object], modules: list) -> None:
