@@ -97,8 +97,10 @@ class AsyncCheckpointer:
             response = dcp.async_save(
                 state, checkpoint_id=partial, async_stager=self._stager_for(state), **own
             )
-            self._staging = response.staging_completion
-            upload = response.upload_completion
+            if isinstance(response, Future):  # staged before it returned
+                upload = response
+            else:
+                self._staging, upload = response.staging_completion, response.upload_completion
         except BaseException as e:  # handed to the completion, which agrees on it
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
