@@ -171,3 +171,17 @@ def _cases():
 
 def _equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize(
+    "given", [{"async_checkpoint": True}, {"keep_checkpoints": 2}, {"overwrite_checkpoints": True}]
+)
+def test_the_checkpoint_flags_need_a_checkpoint_dir(given: dict) -> None:
+    from pipetrain.app.checkpoints import check_directory
+    from pipetrain.app.config import TrainConfig
+
+    flag = "--" + next(iter(given)).replace("_", "-")
+    with pytest.raises(ValueError, match=f"^{flag} needs --checkpoint-dir DIR$"):
+        check_directory(TrainConfig(**given))
+    with pytest.raises(ValueError, match="--keep-checkpoints must be > 0, got 0"):
+        TrainConfig(checkpoint_dir="ckpt", keep_checkpoints=0)
