@@ -103,12 +103,22 @@ def verify(path: str | os.PathLike[str]) -> Any:
                 f"checkpoint {folder} is corrupt: {file} has {size} bytes, its tensors need "
                 f"{end} (a truncated or partly copied shard)"
             )
-    if not (folder / COMPLETE).is_file():
+    if not (folder / COMPLETE).is_file() and not _before_markers(folder):
         raise ValueError(
             f"checkpoint {folder} is incomplete: it has no {COMPLETE} marker (written last, once "
             "its metadata, shards and SHA256SUMS are; a copy or a removal cut short?)"
         )
     return metadata
+
+
+def _before_markers(folder: Path) -> bool:
+    """Whether ``folder`` was written before checkpoints were marked: its ``SHA256SUMS`` (which
+    every writer since lists ``COMPLETE`` in) does not name the marker."""
+    try:
+        text = (folder / "SHA256SUMS").read_text()
+    except (OSError, UnicodeDecodeError):
+        return False
+    return not any(line.endswith(f"  {COMPLETE}") for line in text.splitlines())
 
 
 def read_failure(path: str | os.PathLike[str], error: BaseException) -> ValueError:

@@ -20,7 +20,7 @@ from runtime_harness import free_port, launch
 
 from pipetrain.app.checkpoints import LATEST, prune
 from pipetrain.runtime import checksums
-from pipetrain.runtime.checkpoint import load_checkpoint
+from pipetrain.runtime.checkpoint import load_checkpoint, save_checkpoint
 from pipetrain.runtime.checkpoint_async import AsyncCheckpointer
 from pipetrain.runtime.checkpoint_disk import COMPLETE, PARTIAL
 
@@ -185,3 +185,20 @@ def test_the_checkpoint_flags_need_a_checkpoint_dir(given: dict) -> None:
         check_directory(TrainConfig(**given))
     with pytest.raises(ValueError, match="--keep-checkpoints must be > 0, got 0"):
         TrainConfig(checkpoint_dir="ckpt", keep_checkpoints=0)
+
+
+def test_a_checkpoint_without_its_marker_is_incomplete_unless_written_before_markers(
+    tmp_path: Path,
+) -> None:
+    model = _model()
+    path = tmp_path / "step"
+    save_checkpoint(path, model)
+    (path / COMPLETE).unlink()  # what a copy or a removal cut short leaves
+    with pytest.raises(ValueError, match=f"{path} is incomplete: it has no {COMPLETE} marker"):
+        load_checkpoint(path, _model())
+    sums = checksums.read_sums(path)
+    del sums[COMPLETE]  # as a writer before markers left it
+    checksums.write_sums(path, sums)
+    fresh = _model()
+    load_checkpoint(path, fresh, verify=True)
+    assert _equal(fresh.state_dict(), model.state_dict())
