@@ -8,23 +8,17 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from runtime_harness import free_port, launch
+from runtime_harness import context, free_port, launch
 
 from pipetrain.app.checkpoints import LATEST, prune
 from pipetrain.runtime import checksums
 from pipetrain.runtime.checkpoint import load_checkpoint, save_checkpoint
 from pipetrain.runtime.checkpoint_async import AsyncCheckpointer
 from pipetrain.runtime.checkpoint_disk import COMPLETE, PARTIAL
-
-SUPPORT = Path(__file__).resolve().parents[1] / "support"
 
 
 def _model() -> torch.nn.Module:
@@ -98,22 +92,22 @@ def test_keep_removes_the_oldest_complete_checkpoints_only(tmp_path: Path) -> No
     assert prune(tmp_path, 1, tmp_path / "step-000010") == [tmp_path / "step-000006"]
 
 
-def test_two_ranks_write_in_the_background_what_they_write_in_the_foreground(
+def test_two_ranks_write_in_the_background_what_they_hold_without_changing_the_run(
     tmp_path: Path,
 ) -> None:
-    for said in launch(2, _cases().background_against_sync, str(tmp_path), timeout=120):
-        sync, background = said["losses"]
-        assert background == sync and len(sync) == 4 and said["final_equal"]
-        assert said["held"] == {"step-000003": True, "step-000004": True}
-    assert (tmp_path / "async" / LATEST).read_text().strip() == "step-000004"
+    for said in launch(2, _cases().background_against_none, str(tmp_path), timeout=120):
+        plain, background = said["losses"]
+        assert background == plain and len(plain) == 3 and said["final_equal"]
+        assert said["held"] == {"step-000002": True, "step-000003": True}
+    assert (tmp_path / "async" / LATEST).read_text().strip() == "step-000003"
+    assert not any(p.name.startswith("step-") for p in (tmp_path / "none").iterdir())
 
 
 def test_a_run_killed_during_a_background_write_resumes_from_the_last_complete_one(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     ckpt = tmp_path / "ckpt"
-    killed = _run_alone(tmp_path, _args(ckpt, kill_at=4))
-    assert killed.returncode == 9, killed.stderr
+    assert _run_alone(_args(ckpt, kill_at=4)) == 9  # died in the background write of step 4
     assert (ckpt / f"step-000004{PARTIAL}").is_dir()
     assert (ckpt / LATEST).read_text().strip() == "step-000002"
     cases = _cases()
@@ -135,19 +129,15 @@ def _args(directory: Path, **extra: object) -> dict:
     return {"directory": str(directory), "steps": 6, "every": 2, "asynchronous": True, **extra}
 
 
-def _run_alone(tmp_path: Path, run: dict) -> subprocess.CompletedProcess:
-    """``run`` (``async_checkpoint_cases.train``'s arguments) in a process of its own."""
-    args = tmp_path / "run.json"
-    args.write_text(json.dumps({"out": str(tmp_path / "run.pt"), "run": run}))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SUPPORT), *sys.path])}
-    script = SUPPORT / "async_checkpoint_cases.py"
-    return subprocess.run(
-        [sys.executable, str(script), str(args)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+def _run_alone(run: dict) -> int | None:
+    """``run`` (``async_checkpoint_cases.train``'s arguments) in a process of its own (forked
+    from the harness's server, which imported torch once): its exit status."""
+    process = context().Process(target=_cases().alone, args=(run,), daemon=True)
+    process.start()
+    process.join(timeout=120)
+    if process.is_alive():
+        process.kill()
+    return process.exitcode
 
 
 @contextlib.contextmanager

@@ -1,17 +1,16 @@
 """Per-rank runners for ``tests/app/test_async_checkpoint.py``: a float64 pipeline trained with
 AdamW, checkpointed every few steps by ``app.checkpoints.Checkpoints`` (synchronously or in the
 background), optionally killed in the middle of a background write, and resumed.
-
-Run as a script (``python async_checkpoint_cases.py ARGS.json``) it is one process of a world of
-one, so that a test can kill it for real while a checkpoint is being written."""
+``alone`` runs one in a process of its own, a world of one, so that it can die for real while a
+checkpoint is being written."""
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
 from collections import OrderedDict
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -60,6 +59,8 @@ def train(
     from pipetrain.app.checkpoints import Checkpoints
     from pipetrain.runtime import checkpoint_disk
 
+    Path(directory).mkdir(parents=True, exist_ok=True)
+
     if kill_at is not None:
         publish = checkpoint_disk.publish
 
@@ -100,22 +101,22 @@ def loaded(rank: int, world: int, folder: str) -> dict[str, torch.Tensor]:
         return _params(pipe)
 
 
-def background_against_sync(rank: int, world: int, directory: str) -> dict:
-    """The same run with synchronous and background checkpoints (keeping 2): the losses of
-    both, whether their final parameters are equal, the background checkpoints kept, and
-    whether each holds the parameters of its step (plain values: tensors do not outlive a
-    rank's exit on the way back)."""
-    sync = train(rank, world, f"{directory}/sync", 4, 1, asynchronous=False)
-    background = train(rank, world, f"{directory}/async", 4, 1, asynchronous=True, keep=2)
+def background_against_none(rank: int, world: int, directory: str) -> dict:
+    """The same run without checkpoints and with one in the background after every step
+    (keeping 2): the losses of both, whether their final parameters are equal, the checkpoints
+    kept, and whether each holds the parameters of its step (plain values: tensors do not
+    outlive a rank's exit on the way back)."""
+    plain = train(rank, world, f"{directory}/none", 3, 4, asynchronous=False)
+    background = train(rank, world, f"{directory}/async", 3, 1, asynchronous=True, keep=2)
     dist.barrier()
     kept = sorted(p for p in os.listdir(f"{directory}/async") if p.startswith("step-"))
     held = {
-        p: _equal(loaded(rank, world, f"{directory}/async/{p}"), sync["saved"][int(p[5:])])
+        p: _equal(loaded(rank, world, f"{directory}/async/{p}"), background["saved"][int(p[5:])])
         for p in kept
     }
     return {
-        "losses": (sync["losses"], background["losses"]),
-        "final_equal": _equal(sync["final"], background["final"]),
+        "losses": (plain["losses"], background["losses"]),
+        "final_equal": _equal(plain["final"], background["final"]),
         "kept": kept,
         "held": held,
     }
@@ -125,18 +126,12 @@ def _equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def _main(args_file: str) -> None:
+def alone(run: dict) -> None:
+    """``train(**run)`` as the one process of a world of one (a test kills it on purpose)."""
     from runtime_harness import free_port
 
-    args = json.loads(open(args_file).read())
+    torch.set_num_threads(1)
     address = f"tcp://127.0.0.1:{free_port()}"
     dist.init_process_group("gloo", init_method=address, rank=0, world_size=1)
-    torch.set_num_threads(1)
-    out = args.pop("out")
-    runs = {name: train(0, 1, **run) for name, run in args.items()}
-    torch.save(runs, out)
+    train(0, 1, **run)
     dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    _main(sys.argv[1])
