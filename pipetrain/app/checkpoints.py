@@ -140,7 +140,7 @@ class Checkpoints:
         when nothing else is; while another error leaves the run, it is printed instead."""
         try:
             self.close_writer()
-        except OSError as e:
+        except Exception as e:
             if error is None:
                 raise
             print(f"pipetrain train: the checkpoint being written failed too: {e}", flush=True)
