@@ -5,13 +5,18 @@ the latest.
     DIR/step-000040/train.json   the step and the model's shape
     DIR/step-000040/hf/    copies of --model-dir's config and tokenizer files (pipetrain export)
     DIR/step-000040/SHA256SUMS   every file's SHA-256 (sha256sum -c format; pipetrain verify)
+    DIR/step-000040/COMPLETE     written last: the checkpoint is whole (runtime.checkpoint_disk)
     DIR/latest             "step-000040", written once the whole checkpoint is on disk
     DIR/.lock              held by the run writing here (app.folder_lock)
 
 A step's folder appears only once complete (``runtime.checkpoint_disk``: written as
-``step-000040.partial``, then renamed), so a run stopped while saving (a signal, a dead process)
-leaves a ``.partial`` folder that ``--resume`` ignores and names, never a half-written
-``step-*``. Before any process starts (``check_directory``) the directory must be a writable
+``step-000040.partial``, marked ``COMPLETE``, then renamed), so a run stopped while saving (a
+signal, a dead process, a background write cut short) leaves a ``.partial`` folder that
+``--resume`` ignores, names and removes, never a half-written ``step-*``. With
+``--async-checkpoint`` the write goes on in the background (``runtime.checkpoint_async``) while
+training continues; ``latest`` moves, and ``--keep-checkpoints K`` removes the oldest complete
+checkpoints beyond K, only once it is complete, and the next save (or the end of the run) waits
+for it. Before any process starts (``check_directory``) the directory must be a writable
 folder, and one that already holds checkpoints needs ``--resume`` (continue from them) or
 ``--overwrite-checkpoints`` (replace them: removed when this run writes its first one), so that a
 new run never moves ``latest`` back to an older step among a previous run's checkpoints.
@@ -43,11 +48,12 @@ import os
 import re
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from pipetrain.app.catalog import ModelShape
 from pipetrain.app.folder_lock import FolderLock, check_free, hold_on_rank0, lock_file
 from pipetrain.runtime import checksums
-from pipetrain.runtime.checkpoint_disk import PARTIAL, remove
+from pipetrain.runtime.checkpoint_disk import COMPLETE, PARTIAL, remove
 
 LATEST = "latest"
 INFO = "train.json"
@@ -78,7 +84,12 @@ class Checkpoints:
     """Save and resume under one directory (every process of the run calls both).
 
     ``overwrite``: the first save removes the checkpoints already there (``--overwrite-
-    checkpoints``)."""
+    checkpoints``). ``asynchronous``: saves are written in the background
+    (``runtime.checkpoint_async``; ``--async-checkpoint``), each complete before the next
+    starts and the last waited for on leaving the ``with`` block (or ``wait``). ``keep``: once
+    a save is complete, the oldest complete checkpoints beyond ``keep`` are removed
+    (``--keep-checkpoints``; None keeps all). ``timeout``: how long the background writes wait
+    on a peer."""
 
     def __init__(
         self,
@@ -86,15 +97,25 @@ class Checkpoints:
         shape: ModelShape,
         overwrite: bool = False,
         verify: bool = False,
+        *,
+        asynchronous: bool = False,
+        keep: int | None = None,
+        timeout: float | None = None,
     ) -> None:
+        if keep is not None and keep < 1:
+            raise ValueError(f"--keep-checkpoints must be >= 1, got {keep}")
         self.directory = Path(directory)
         self.shape = shape
         self.overwrite = overwrite
         #: check the resumed checkpoint's files against its SHA256SUMS (``--verify-checkpoint``:
         #: it adds about 40% to loading, docs/results/cpu-2026-12-02-checkpoint-verify)
         self.verify = verify
+        self.asynchronous = asynchronous
+        self.keep = keep
+        self.timeout = timeout
         self._lock = FolderLock(lock_file(self.directory), f"--checkpoint-dir {self.directory}")
         self._holding = False
+        self._writer: Any = None  # runtime.checkpoint_async.AsyncCheckpointer, made at need
 
     def hold(self) -> None:
         """Lock the directory for this run (``app.folder_lock``): the rank-0 process takes the
@@ -114,24 +135,35 @@ class Checkpoints:
     def __enter__(self) -> Checkpoints:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.release()
+    def __exit__(self, kind: object, error: object, trace: object) -> None:
+        """Wait for a save still being written, then let the lock go. Its failure is raised
+        when nothing else is; while another error leaves the run, it is printed instead."""
+        try:
+            self.close_writer()
+        except Exception as e:
+            if error is None:
+                raise
+            print(f"pipetrain train: the checkpoint being written failed too: {e}", flush=True)
+        finally:
+            self.release()
 
     def save(self, step: int, pipe, optimizer) -> Path:
         """Write step ``step``: every process writes its part (with data parallel, each DDP
         replica offers the same tensors and DCP writes them once; each FSDP2 replica its shards).
-        Collective; returns on every process once the checkpoint is complete and ``latest``
-        names it (a process that went on before the pointer moved would find the previous one,
-        or none: a resume right after a save read no checkpoint on one rank and left the others
-        waiting for it).
+        Collective. Synchronous: returns on every process once the checkpoint is complete and
+        ``latest`` names it (a process that went on before the pointer moved would find the
+        previous one, or none: a resume right after a save read no checkpoint on one rank and
+        left the others waiting for it). Asynchronous: waits for the previous save (raising
+        its failure), returns once the state is being copied; ``latest`` moves when it is
+        complete.
         """
         import torch.distributed as dist
 
-        from pipetrain.runtime.checkpoint import save_checkpoint
-
         self.hold()
+        if self._writer is not None:
+            self._writer.wait()  # before the overwrite below: the last save is complete
         lead = dist.get_rank() == 0
-        if self.overwrite and lead:  # save_checkpoint's first barrier orders this before it
+        if self.overwrite and lead:  # the save's first barrier orders this before it
             for path in checkpoint_folders(self.directory):
                 remove(path)
             remove(self.directory / LATEST)
@@ -141,14 +173,43 @@ class Checkpoints:
         files: dict[str, str | bytes] = {INFO: json.dumps(info, indent=1) + "\n"}
         if lead:
             files.update(folder_copies(pipe))
-        save_checkpoint(path, pipe, optimizer, files=files)
-        if lead:  # the checkpoint is complete on disk: the pointer moves
-            tmp = self.directory / f"{LATEST}.tmp"
-            tmp.write_text(path.name + "\n")
-            tmp.replace(self.directory / LATEST)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.barrier()  # every process returns after the pointer moved
+        if self.asynchronous:
+            self._async_writer().save(path, pipe, optimizer, files=files, then=self._published)
+        else:
+            from pipetrain.runtime.checkpoint import save_checkpoint
+
+            save_checkpoint(path, pipe, optimizer, files=files, then=self._published)
         return path
+
+    def wait(self) -> Path | None:
+        """Wait for the checkpoint being written in the background, if any: its folder (None
+        when there is none); its ``OSError`` on every process where it failed."""
+        return None if self._writer is None else self._writer.wait()
+
+    def close_writer(self) -> None:
+        """``wait``, then let the background writer's copies and process group go."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.close()
+
+    def _async_writer(self) -> Any:
+        if self._writer is None:
+            from datetime import timedelta
+
+            from pipetrain.runtime.checkpoint_async import AsyncCheckpointer
+
+            wait = None if self.timeout is None else timedelta(seconds=self.timeout)
+            self._writer = AsyncCheckpointer(timeout=wait)
+        return self._writer
+
+    def _published(self, path: Path) -> None:
+        """On the coordinator, once ``path`` is complete under its name: ``latest`` moves to it,
+        then ``keep`` prunes the oldest."""
+        tmp = self.directory / f"{LATEST}.tmp"
+        tmp.write_text(path.name + "\n")
+        tmp.replace(self.directory / LATEST)
+        if self.keep is not None:
+            prune(self.directory, self.keep, path)
 
     def latest(self) -> tuple[Path, int]:
         """The latest checkpoint's directory and step, its files checked; ``ValueError`` when
@@ -190,6 +251,15 @@ class Checkpoints:
         except (KeyError, ValueError) as e:
             message = str(e.args[0]) if e.args else str(e)
             raise ValueError(f"{message}; {_fallback(self.directory, path)}") from None
+        if _is_lead():  # the lock's holder: no other run writes here
+            for partial in checkpoint_folders(self.directory):
+                if partial.name.endswith(PARTIAL):
+                    remove(partial)
+                    print(
+                        f"removed {partial}: an incomplete checkpoint (a run stopped while "
+                        "writing it)",
+                        flush=True,
+                    )
         return step
 
     def _agreed_latest(self) -> tuple[Path, int]:
@@ -224,6 +294,27 @@ class Checkpoints:
                 "process must see the same --checkpoint-dir"
             )
         return path, step
+
+
+def prune(directory: Path, keep: int, newest: Path) -> list[Path]:
+    """Remove the oldest complete checkpoints in ``directory`` beyond ``keep``, never ``newest``
+    (the one just completed): what was removed. Folders still being written (``.partial``) and
+    folders without their ``COMPLETE`` marker are not counted and left alone."""
+    complete = [
+        p
+        for p in checkpoint_folders(directory)
+        if not p.name.endswith(PARTIAL) and (p / COMPLETE).is_file() and p != newest
+    ]
+    gone = complete[: max(0, len(complete) - (keep - 1))]
+    for path in gone:
+        remove(path)  # its marker first: a removal cut short leaves an incomplete folder
+    return gone
+
+
+def _is_lead() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def checked_step(path: Path, hashes: bool = False) -> int:
@@ -328,8 +419,10 @@ def check_directory(config) -> None:
     and one holding checkpoints is resumed from or overwritten on purpose; ``ValueError``
     naming the flags otherwise."""
     if config.checkpoint_dir is None:
-        if config.overwrite_checkpoints:
-            raise ValueError("--overwrite-checkpoints needs --checkpoint-dir DIR")
+        for name in ("overwrite_checkpoints", "async_checkpoint", "keep_checkpoints"):
+            if getattr(config, name) not in (None, False):
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag} needs --checkpoint-dir DIR")
         return
     flag = f"--checkpoint-dir {config.checkpoint_dir}"
     if config.resume and config.overwrite_checkpoints:
@@ -379,4 +472,5 @@ __all__ = [
     "latest_complete",
     "latest_pointer",
     "make_writable_folder",
+    "prune",
 ]

@@ -117,6 +117,10 @@ class TrainConfig:
     overwrite_checkpoints: bool = False
     #: check every file of the checkpoint resumed against its SHA256SUMS first
     verify_checkpoint: bool = False
+    #: write checkpoints in the background (app.checkpoints, runtime.checkpoint_async)
+    async_checkpoint: bool = False
+    #: keep the newest K complete checkpoints (None: all)
+    keep_checkpoints: int | None = None
     on_nonfinite: OnNonfinite = "stop"
     max_skipped: int = 3
     export: str | None = None

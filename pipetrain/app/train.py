@@ -94,13 +94,17 @@ def train(config: TrainConfig, device: torch.device) -> Run:
             run_shape(config),
             overwrite=config.overwrite_checkpoints,
             verify=config.verify_checkpoint,
+            asynchronous=config.async_checkpoint,
+            keep=config.keep_checkpoints,
+            timeout=config.timeout,
         )
         if config.checkpoint_dir
         else None
     )
     # closed at the end: a captured step (--cuda-graph) holds NCCL's communicators until its
-    # pipeline lets go, and the worker destroys its process group next; the checkpoint folder's
-    # lock is let go too, so the next run of this process may take it
+    # pipeline lets go, and the worker destroys its process group next; a checkpoint still being
+    # written (--async-checkpoint) is waited for, then the checkpoint folder's lock is let go,
+    # so the next run of this process may take it
     with pipe, saver if saver is not None else contextlib.nullcontext():
         groups = parameter_groups(pipe.parameters(), config.weight_decay)
         opt = torch.optim.AdamW(groups, lr=schedule.lr, betas=(0.9, 0.95))

@@ -33,7 +33,13 @@ from pipetrain.cli.flags import (
     stages_per_rank_option,
     with_defaults,
 )
-from pipetrain.cli.train_options import data_options, eval_options, guard_options, optimizer_options
+from pipetrain.cli.train_options import (
+    checkpoint_options,
+    data_options,
+    eval_options,
+    guard_options,
+    optimizer_options,
+)
 from pipetrain.schedule.registry import FAMILIES
 
 if TYPE_CHECKING:
@@ -81,6 +87,7 @@ def options() -> tuple[Option, ...]:
         *data_options(CHOICES),
         *eval_options(),
         *_output_options(CHOICES),
+        *checkpoint_options(),
         *guard_options(CHOICES),
         *_process_options(CHOICES),
     )

@@ -186,7 +186,29 @@ def guard_options(choices: dict[str, tuple[str, ...]]) -> tuple[Option, ...]:
     )
 
 
+def checkpoint_options() -> tuple[Option, ...]:
+    """How checkpoints are written: in the background, and how many are kept."""
+    return (
+        Option(
+            ("--async-checkpoint",),
+            switch=True,
+            help="write checkpoints in the background (DCP's async_save): a save costs the step "
+            "the copy of the state to CPU memory (pinned, on a side stream, on GPUs), not the "
+            "write; a checkpoint counts (latest, --resume) only once complete, and the next "
+            "save and the end of the run wait for it",
+        ),
+        Option(
+            ("--keep-checkpoints",),
+            type=positive_int,
+            metavar="K",
+            help="once a checkpoint is complete, remove the oldest complete ones beyond K",
+            shown_default="keep all",
+        ),
+    )
+
+
 __all__ = [
+    "checkpoint_options",
     "data_options",
     "eval_options",
     "guard_options",

@@ -49,6 +49,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from pipetrain.runtime import checkpoint_disk, checkpoint_write, checksums
 
 MODEL, OPTIM, GROUP = "model.", "optim.", "optim_group."
+
 T = TypeVar("T")
 
 
@@ -150,21 +151,36 @@ def save_checkpoint(
     optimizer=None,
     *,
     files: Mapping[str, str | bytes] | None = None,
+    then: Callable[[Path], None] | None = None,
 ) -> None:
     """Write ``target``'s (a ``Pipeline`` or a module) model and optimizer state with DCP.
 
     Collective: every rank of the pipeline's group calls this, and with data parallel every
     process of its ``(dp, pp)`` mesh (each FSDP2 replica writes its shards). The folder appears
     under ``path`` only once complete (``runtime.checkpoint_disk``: written as
-    ``<path>.partial``, then renamed), replacing one already there, with ``SHA256SUMS`` of
-    every file in it (``runtime.checkpoint_write``: each process hashes the files it wrote).
-    ``files``: small files (name → text or bytes; a name may hold a subfolder) to put in the
-    folder, written before it appears. A failed write (a full disk) removes the unfinished
-    folder and raises the ``OSError`` (its errno and path) on every process."""
+    ``<path>.partial``, marked ``COMPLETE``, then renamed), replacing one already there, with
+    ``SHA256SUMS`` of every file in it (``runtime.checkpoint_write``: each process hashes the
+    files it wrote). ``files``: small files (name → text or bytes; a name may hold a subfolder)
+    to put in the folder, written before it appears. ``then(path)``: called on the coordinating
+    process once the folder is published, before any process returns. A failed write (a full
+    disk) removes the unfinished folder and raises the ``OSError`` (its errno and path) on every
+    process. ``runtime.checkpoint_async`` writes the same folder in the background."""
     import torch.distributed.checkpoint as dcp
 
+    processes = checkpoint_processes(target)
+    state = saved_state(target, optimizer)
+
+    def save(partial: Path) -> None:
+        dcp.save(state, checkpoint_id=partial, **processes)
+
+    checkpoint_write.write_folder(Path(path), processes, save, files, then)
+
+
+def saved_state(target, optimizer=None) -> dict[str, object]:
+    """What a checkpoint of ``target`` and ``optimizer`` holds, by flat global key (tensors share
+    the model's and the optimizer's storage). Collective like ``save_checkpoint``: where one
+    process refuses (two tensors under one name), every one raises."""
     modules = modules_of(target)
-    processes = _dist_args(target)
 
     def gather() -> dict[str, object]:
         state: dict[str, object] = {MODEL + k: v for k, v in model_state(modules).items()}
@@ -172,10 +188,7 @@ def save_checkpoint(
             state.update(optimizer_state(optimizer, modules))
         return state
 
-    def save(partial: Path) -> None:
-        dcp.save(_agreed(processes, gather), checkpoint_id=partial, **processes)
-
-    checkpoint_write.write_folder(Path(path), processes, save, files)
+    return _agreed(checkpoint_processes(target), gather)
 
 
 def load_checkpoint(
@@ -207,7 +220,7 @@ def load_checkpoint(
     from torch.distributed.checkpoint.api import CheckpointException
 
     modules = modules_of(target)
-    processes = _dist_args(target)
+    processes = checkpoint_processes(target)
 
     def prepare() -> tuple[dict, dict[int, str], list[str]]:
         stored = checkpoint_disk.verify(path).state_dict_metadata
@@ -389,7 +402,7 @@ def _torch_optimizer_state(optimizer, chosen: dict[int, str], state: dict) -> di
     return {"state": out_state, "param_groups": groups}
 
 
-def _dist_args(target) -> dict:
+def checkpoint_processes(target) -> dict:
     """DCP's processes: a plain module (or no process group) reads and writes alone; a pipeline,
     its group; one on a mesh (tensor or data parallel), every process of the mesh. DCP needs one
     group that holds them all, so the mesh must be the whole job (the default group): checked on

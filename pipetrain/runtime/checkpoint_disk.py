@@ -6,10 +6,17 @@
   coordinator renames it to ``<path>``. A process killed while writing (SIGKILL, a lost node)
   leaves a ``.partial`` folder, never a ``<path>`` that looks complete and is not; the next save
   to the same path removes it.
+* **Marked complete.** The coordinator writes ``COMPLETE`` last, once DCP's ``.metadata``,
+  every shard and ``SHA256SUMS`` are on disk (Orbax marks a finished checkpoint the same way,
+  with ``commit_success.txt``, where a store cannot rename). The rename already hides a
+  half-written folder on a POSIX disk; the marker also tells a folder copied by hand, or one
+  whose removal (``--keep-checkpoints``) was cut short, from a whole one. Its text is fixed, so
+  ``SHA256SUMS`` lists it and ``sha256sum -c`` fails until it is there.
 * **Checked before read** (``verify``): the folder has DCP's ``.metadata``, it unpickles, and
-  every file it names is there and holds every byte range the metadata points into. A
-  truncated, empty or missing shard is refused naming the file, before any tensor is read (DCP
-  would fail in the middle of reading, with an ``EOFError`` naming no file).
+  every file it names is there and holds every byte range the metadata points into, and it is
+  marked complete. A truncated, empty or missing shard is refused naming the file, before any
+  tensor is read (DCP would fail in the middle of reading, with an ``EOFError`` naming no
+  file).
 * **Read failures in one line** (``read_failure``): what DCP raised on whichever rank, as a
   ``ValueError`` naming the folder, the rank and the first error, without DCP's tracebacks.
 
@@ -28,6 +35,10 @@ from typing import Any
 PARTIAL = ".partial"
 #: DCP's metadata file, written last by the coordinator
 METADATA = ".metadata"
+#: the file written last, once everything else in the folder is on disk
+COMPLETE = "COMPLETE"
+#: what ``COMPLETE`` holds (fixed, so that ``SHA256SUMS`` can list it before it is written)
+COMPLETE_TEXT = "pipetrain checkpoint: .metadata, every shard and SHA256SUMS were written first\n"
 
 
 def partial_path(path: str | os.PathLike[str]) -> Path:
@@ -37,8 +48,10 @@ def partial_path(path: str | os.PathLike[str]) -> Path:
 
 
 def remove(path: Path) -> None:
-    """Remove a folder (or file) if it is there."""
+    """Remove a folder (or file) if it is there; a checkpoint's ``COMPLETE`` marker first, so that
+    a removal cut short leaves a folder that reads as incomplete."""
     if path.is_dir() and not path.is_symlink():
+        (path / COMPLETE).unlink(missing_ok=True)
         shutil.rmtree(path)
     elif path.exists() or path.is_symlink():
         path.unlink()
@@ -90,7 +103,22 @@ def verify(path: str | os.PathLike[str]) -> Any:
                 f"checkpoint {folder} is corrupt: {file} has {size} bytes, its tensors need "
                 f"{end} (a truncated or partly copied shard)"
             )
+    if not (folder / COMPLETE).is_file() and not _before_markers(folder):
+        raise ValueError(
+            f"checkpoint {folder} is incomplete: it has no {COMPLETE} marker (written last, once "
+            "its metadata, shards and SHA256SUMS are; a copy or a removal cut short?)"
+        )
     return metadata
+
+
+def _before_markers(folder: Path) -> bool:
+    """Whether ``folder`` was written before checkpoints were marked: its ``SHA256SUMS`` (which
+    every writer since lists ``COMPLETE`` in) does not name the marker."""
+    try:
+        text = (folder / "SHA256SUMS").read_text()
+    except (OSError, UnicodeDecodeError):
+        return False
+    return not any(line.endswith(f"  {COMPLETE}") for line in text.splitlines())
 
 
 def read_failure(path: str | os.PathLike[str], error: BaseException) -> ValueError:
@@ -113,4 +141,14 @@ def _one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
-__all__ = ["METADATA", "PARTIAL", "partial_path", "publish", "read_failure", "remove", "verify"]
+__all__ = [
+    "COMPLETE",
+    "COMPLETE_TEXT",
+    "METADATA",
+    "PARTIAL",
+    "partial_path",
+    "publish",
+    "read_failure",
+    "remove",
+    "verify",
+]

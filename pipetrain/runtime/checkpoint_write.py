@@ -7,6 +7,11 @@
   parallel with the others, and the coordinator adds its own (``.metadata``, the small files it
   writes) and writes ``SHA256SUMS`` (``runtime.checksums``) before the folder is published. A
   checkpoint therefore never appears without the sums its loaders verify.
+* **Marked complete last** (``runtime.checkpoint_disk``'s ``COMPLETE``): after the sums, before
+  the rename, so neither a reader nor ``--keep-checkpoints`` takes a folder for whole too early.
+* **Written in two halves** (``begin_folder``, ``end_folder``): the synchronous save runs them
+  back to back (``write_folder``); the asynchronous one (``runtime.checkpoint_async``) runs the
+  second on its background thread, on a process group of its own, once DCP's upload is done.
 * **Nothing half-written.** A write that fails — a full disk (``ENOSPC``), a file-size limit
   (``EFBIG``), on any process — removes the ``.partial`` folder on every process and raises an
   ``OSError`` on every one of them, keeping the first failure's ``errno`` and path, so a caller
@@ -16,6 +21,7 @@
 from __future__ import annotations
 
 import errno
+import hashlib
 import re
 import shutil
 from collections.abc import Callable, Mapping
@@ -32,35 +38,66 @@ def write_folder(
     processes: dict,
     save: Callable[[Path], None],
     files: Mapping[str, str | bytes] | None = None,
+    then: Callable[[Path], None] | None = None,
 ) -> None:
     """Write a checkpoint at ``final``: ``save(partial)`` on every process (DCP's collective
-    save), then ``files`` (name → text or bytes, names may hold a subfolder) and ``SHA256SUMS``
-    by the coordinator, then the rename. Collective over ``processes`` (``runtime.checkpoint``'s
-    ``_dist_args``); raises the same ``OSError`` on every process where any write failed."""
-    # imported here, not with the module: torch.distributed.checkpoint's package keeps the
-    # rendezvous store alive past the end of a script that never destroys its process group
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    partial = checkpoint_disk.partial_path(final)
-    group = _Group(processes)
-    if group.lead:  # what a writer killed earlier left
-        checkpoint_disk.remove(partial)
-    group.barrier()
+    save), then ``files`` (name → text or bytes, names may hold a subfolder), ``SHA256SUMS`` and
+    the ``COMPLETE`` marker by the coordinator, then the rename, then ``then(final)`` on the
+    coordinator (the run's ``latest`` pointer). Collective over ``processes``
+    (``runtime.checkpoint.checkpoint_processes``); raises the same ``OSError`` on every process
+    where any write failed."""
+    partial = begin_folder(final, processes)
     failure: OSError | None = None
-    mine: dict[str, str] = {}
     try:
         save(partial)
-        mine = checksums.hash_files(partial, own_files(partial, group.rank))
-    except (Exception, CheckpointException) as e:  # DCP raises any rank's failure on every rank
-        failure = _os_error(e, partial)
+    except BaseException as e:  # DCP raises any rank's failure on every rank
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        failure = os_error(e, partial)
+    end_folder(final, processes, failure, files, then)
+
+
+def begin_folder(final: Path, processes: dict) -> Path:
+    """The folder a checkpoint for ``final`` is written into, emptied of what a writer killed
+    earlier left there before any process writes. Collective."""
+    partial = checkpoint_disk.partial_path(final)
+    group = _Group(processes)
+    if group.lead:
+        checkpoint_disk.remove(partial)
+    group.barrier()
+    return partial
+
+
+def end_folder(
+    final: Path,
+    processes: dict,
+    failure: OSError | None,
+    files: Mapping[str, str | bytes] | None = None,
+    then: Callable[[Path], None] | None = None,
+) -> None:
+    """After every process's part of the write (``failure``: this process's, or None): each
+    hashes its own files, the coordinator completes and publishes the folder and calls
+    ``then(final)``; agreed, so a failure anywhere raises the same ``OSError`` everywhere and
+    the unfinished folder is removed. Collective; returns on every process only after ``then``
+    returned."""
+    partial = checkpoint_disk.partial_path(final)
+    group = _Group(processes)
+    mine: dict[str, str] = {}
+    if failure is None:
+        try:
+            mine = checksums.hash_files(partial, own_files(partial, group.rank))
+        except OSError as e:
+            failure = os_error(e, partial)
     failure = group.first(failure)
     if failure is None:
         sums = {name: digest for part in group.gather(mine) for name, digest in part.items()}
         if group.lead:
             try:
                 _finish(partial, final, sums, files or {})
+                if then is not None:
+                    then(final)
             except OSError as e:
-                failure = _os_error(e, partial)
+                failure = os_error(e, partial)
         failure = group.first(failure, lead_only=True)
     if failure is not None:
         shutil.rmtree(partial, ignore_errors=True)
@@ -87,11 +124,15 @@ def _finish(
             path.write_text(content)
     names = [checkpoint_disk.METADATA, *files]
     sums = {**sums, **checksums.hash_files(partial, names)}
+    # the marker's text is fixed: listed before it is written, so sha256sum -c fails without it
+    marker = checkpoint_disk.COMPLETE_TEXT.encode()
+    sums[checkpoint_disk.COMPLETE] = hashlib.sha256(marker).hexdigest()
     checksums.write_sums(partial, sums)
+    (partial / checkpoint_disk.COMPLETE).write_bytes(marker)
     checkpoint_disk.publish(partial, final)
 
 
-def _os_error(error: BaseException, partial: Path) -> OSError:
+def os_error(error: BaseException, partial: Path) -> OSError:
     """The ``OSError`` behind ``error`` (DCP wraps each rank's failure in a
     ``CheckpointException``), its errno and path kept; another failure as ``EIO`` on the
     folder."""
@@ -123,7 +164,7 @@ def _find_os_error(error: BaseException | None) -> OSError | None:
 
 
 class _Group:
-    """The checkpoint's processes (``runtime.checkpoint``'s ``_dist_args``: alone, a group, or
+    """The checkpoint's processes (``runtime.checkpoint.checkpoint_processes``: alone, a group, or
     the whole job where the group is ``None``)."""
 
     def __init__(self, processes: dict) -> None:
@@ -153,4 +194,4 @@ class _Group:
         return None
 
 
-__all__ = ["own_files", "write_folder"]
+__all__ = ["begin_folder", "end_folder", "os_error", "own_files", "write_folder"]

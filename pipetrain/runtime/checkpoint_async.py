@@ -1,0 +1,251 @@
+"""Checkpoints written in the background: the step stalls only while the state is handed over.
+
+A synchronous save (``runtime.checkpoint.save_checkpoint``) holds every process for the whole
+write: copying the state off the device, writing every byte, hashing it. ``AsyncCheckpointer``
+does what torchtitan's ``checkpoint.async_mode = "async_with_pinned_mem"`` does with
+``torch.distributed.checkpoint``: ``dcp.async_save`` with DCP's ``DefaultStager``, which copies
+the state into CPU memory on a thread of its own (page-locked memory and a side CUDA stream
+where the state is on a GPU, the copies kept between saves), then writes it on DCP's upload
+thread. The training thread returns from ``save`` as soon as the copy is under way:
+
+* **The copy is exact.** The state changes at the optimizer's step, so a hook on the optimizer
+  (``register_step_pre_hook``) waits for the copy to end before its next step; the forward and
+  backward between overlap it. Buffers (which a forward may update) are cloned on the training
+  thread first, and anything else that writes the parameters calls ``wait_staged`` first.
+* **Collectives of its own.** DCP's planning and the checkpoint's completion (each process
+  hashes its files, the coordinator writes ``SHA256SUMS`` and the ``COMPLETE`` marker, then
+  renames the folder: ``runtime.checkpoint_write.end_folder``) run on background threads while
+  the training thread talks to its peers; they use a gloo group made for them
+  (torchtitan's ``async_mode = "async"`` does the same), so the two never interleave on one
+  communicator.
+* **One at a time.** A save waits for the previous one first (DCP's staged copies are reused,
+  and a run's checkpoints complete in step order); ``wait`` waits for the last one and raises
+  its failure (a full disk: the ``OSError`` on every process, the unfinished folder removed),
+  which the next ``save`` or ``close`` does too.
+* **Killed mid-write.** Until the coordinator renames it, the checkpoint is a ``.partial``
+  folder without its marker (``runtime.checkpoint_disk``): never loaded, removed by the next
+  save to the same path.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipetrain.runtime import checkpoint_disk, checkpoint_write
+from pipetrain.runtime.checkpoint import (
+    MODEL,
+    checkpoint_processes,
+    modules_of,
+    saved_state,
+)
+
+
+class AsyncCheckpointer:
+    """Writes checkpoints of the same processes in the background, one at a time (every process
+    of a checkpoint makes one and calls it alike). ``timeout``: how long its process group
+    waits on a peer (None: the default group's)."""
+
+    def __init__(self, timeout: timedelta | None = None) -> None:
+        self.timeout = timeout
+        self._groups: dict[tuple[int, ...], Any] = {}
+        self._stager: Any = None
+        self._hooks: dict[int, Any] = {}
+        self._staging: Future | None = None
+        self._thread: threading.Thread | None = None
+        self._outcome: Path | BaseException | None = None
+
+    def save(
+        self,
+        path: str | os.PathLike,
+        target,
+        optimizer=None,
+        *,
+        files: Mapping[str, str | bytes] | None = None,
+        then: Callable[[Path], None] | None = None,
+    ) -> None:
+        """Start writing ``target``'s (a ``Pipeline`` or a module) and ``optimizer``'s state to
+        ``path``, as ``save_checkpoint`` would (``files`` and ``then`` alike: ``then(path)`` on
+        the coordinator once the folder is published), and return once the copy is under way.
+        Waits for the previous save first, raising its failure. Collective."""
+        import torch.distributed.checkpoint as dcp
+
+        self.wait()
+        final = Path(path)
+        processes = checkpoint_processes(target)
+        state = saved_state(target, optimizer)
+        _clone_buffers(state, modules_of(target))
+        own = self._processes(processes)
+        if optimizer is not None and id(optimizer) not in self._hooks:
+            self._hooks[id(optimizer)] = optimizer.register_step_pre_hook(self._before_step)
+        partial = checkpoint_write.begin_folder(final, own)
+        if _on_cuda(state):
+            # DCP's stager copies on a stream of its own, ordered after nothing: the work
+            # queued on the device (the last optimizer step) must be done before it reads
+            torch.cuda.synchronize()
+        upload: Future | None = None
+        failure: BaseException | None = None
+        try:
+            response = dcp.async_save(
+                state, checkpoint_id=partial, async_stager=self._stager_for(state), **own
+            )
+            if isinstance(response, Future):  # staged before it returned
+                upload = response
+            else:
+                self._staging, upload = response.staging_completion, response.upload_completion
+        except BaseException as e:  # handed to the completion, which agrees on it
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            failure = e
+        self._outcome = None
+        self._thread = threading.Thread(
+            target=self._complete,
+            args=(final, own, upload, failure, files, then),
+            name="pipetrain-checkpoint",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def wait_staged(self) -> None:
+        """Return once the last save's copy of the state is taken (its write may go on)."""
+        staging, self._staging = self._staging, None
+        if staging is not None:
+            try:
+                staging.result()
+            except Exception:  # the write fails with it: ``wait`` raises that
+                pass
+
+    def wait(self) -> Path | None:
+        """Wait for the last save to be complete (marked, published, ``then`` called): its
+        path, or None when none is pending; its ``OSError`` where it failed (on every
+        process alike)."""
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return None
+        thread.join()
+        self._staging = None
+        outcome, self._outcome = self._outcome, None
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    @property
+    def pending(self) -> bool:
+        """Whether a save was started and not yet waited for."""
+        return self._thread is not None
+
+    @property
+    def writing(self) -> bool:
+        """Whether the last save is still being written (``wait`` would block)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def close(self) -> None:
+        """Wait for the last save (raising its failure), then let the copies, the optimizer
+        hooks and the process groups go."""
+        try:
+            self.wait()
+        finally:
+            for handle in self._hooks.values():
+                handle.remove()
+            self._hooks.clear()
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
+            for group in self._groups.values():
+                dist.destroy_process_group(group)
+            self._groups.clear()
+
+    def __enter__(self) -> AsyncCheckpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _before_step(self, *_: object) -> None:
+        self.wait_staged()
+
+    def _complete(
+        self,
+        final: Path,
+        processes: dict,
+        upload: Future | None,
+        failure: BaseException | None,
+        files: Mapping[str, str | bytes] | None,
+        then: Callable[[Path], None] | None,
+    ) -> None:
+        """The background half: DCP's upload waited for, then the folder completed by
+        ``end_folder`` (agreed over the checkpoint's own group)."""
+        partial = checkpoint_disk.partial_path(final)
+        try:
+            if upload is not None:
+                try:
+                    upload.result()
+                except BaseException as e:
+                    failure = e
+            said = None if failure is None else checkpoint_write.os_error(failure, partial)
+            checkpoint_write.end_folder(final, processes, said, files, then)
+            self._outcome = final
+        except BaseException as e:
+            self._outcome = e
+
+    def _processes(self, processes: dict) -> dict:
+        """DCP's arguments for the background writes: alone, or a gloo group of the same
+        processes made for them (once; only its members take part in making it)."""
+        if processes.get("no_dist"):
+            return {"no_dist": True}
+        group = processes["process_group"]
+        ranks = tuple(
+            dist.get_process_group_ranks(group)
+            if group is not None
+            else range(dist.get_world_size())
+        )
+        if ranks not in self._groups:
+            self._groups[ranks] = dist.new_group(
+                list(ranks), timeout=self.timeout, backend="gloo", use_local_synchronization=True
+            )
+        return {"process_group": self._groups[ranks]}
+
+    def _stager_for(self, state: dict[str, object]) -> Any:
+        """DCP's stager: copies on its own thread, into page-locked memory from a side stream
+        where the state is on a GPU (torchtitan's ``async_with_pinned_mem``); kept between
+        saves, as are its copies."""
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        if self._stager is None:
+            cuda = _on_cuda(state)
+            self._stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=cuda,
+                    use_shared_memory=False,
+                    use_async_staging=True,
+                    use_non_blocking_copy=cuda,
+                )
+            )
+        return self._stager
+
+
+def _on_cuda(state: dict[str, object]) -> bool:
+    return any(isinstance(v, torch.Tensor) and v.device.type == "cuda" for v in state.values())
+
+
+def _clone_buffers(state: dict[str, object], modules: list) -> None:
+    """Replace the buffers in ``state`` by copies taken now: a forward may update a buffer
+    (running statistics) before the background copy reads it; parameters change only at the
+    optimizer's step, which waits for the copy."""
+    buffers = {name for module in modules for name, _ in module.named_buffers()}
+    for name in buffers:
+        key = MODEL + name
+        value = state.get(key)
+        if isinstance(value, torch.Tensor):
+            state[key] = value.detach().clone()
+
+
+__all__ = ["AsyncCheckpointer"]
