@@ -24,13 +24,14 @@ The contract, for any module in a stage's layers (or a submodule of one):
   summed over layers and stages, averaged over micro-batches (and replicas), the same number on
   every rank.
 
-Where records go. While a ``StageRunner`` holds a module (from its construction until it is
-released), every submodule carries the runner's ``Sink``: a record made during the stage's own
-forward joins that micro-batch's terms; one made at any other time is dropped — a per-layer
-checkpoint's recompute during the backward (the forward's terms already hold the graph the
-backward runs, recomputed tensors included), ``eval_step``. A stage recomputed as a whole keeps
-its gradient-free forward's terms for the report and backpropagates its recompute's (same values,
-counted once). Outside a pipeline a record is kept on the recording module until
+Where records go. A ``StageRunner`` puts its pipeline's ``Sink`` on every submodule of its stage
+(each step); a record made during the stage's own forward joins that micro-batch's terms. A
+record made inside a backward — a per-layer checkpoint's recompute, in a pipeline or not — is
+dropped: the forward's term already holds the graph the backward runs (recomputed tensors
+included), and keeping the recompute's would hold recomputed activations. A stage recomputed as
+a whole keeps its gradient-free forward's terms for the report and backpropagates its
+recompute's (same values, counted once). Any other record (a plain forward of the unsplit model,
+``pipetrain profile``, ``eval_step``) is kept on the recording module until
 ``take_extra_losses`` on it or an ancestor takes it, or until that module's next forward starts
 (a forward pre-hook the first record installs): an untaken term holds its graph one forward at
 most. So a plain forward of the unsplit model, then ``take_extra_losses(model)``, gives the terms
@@ -84,9 +85,11 @@ def record_extra_loss(module: nn.Module, name: str, value: torch.Tensor) -> None
             f"record_extra_loss({name!r}): value must be floating point, got {value.dtype}"
         )
     sink = module.__dict__.get(SINK)
-    if sink is not None:
-        sink.add(name, value.reshape(()))
+    if sink is not None and sink.active is not None:
+        sink.active.append((name, value.reshape(())))
         return
+    if _in_backward():
+        return  # a checkpoint's recompute: the forward's term already holds the graph
     kept = module.__dict__.get(KEPT)
     if kept is None:
         kept = module.__dict__[KEPT] = _Kept()
@@ -126,6 +129,13 @@ class _Kept(list):
         return (_Kept, ())
 
 
+def _in_backward() -> bool:
+    """Whether this thread runs a backward (``torch._C._current_graph_task_id`` is -1 outside
+    one; a torch without it: never)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
 def _drop_untaken(module: nn.Module, args: object) -> None:
     """A forward pre-hook: terms of an earlier forward nobody took are let go (their graphs)."""
     kept = module.__dict__.get(KEPT)
@@ -134,9 +144,10 @@ def _drop_untaken(module: nn.Module, args: object) -> None:
 
 
 class Sink:
-    """Where the records of a pipeline's stages go: the micro-batch's terms while a stage's forward
-    collects (``collecting``), nowhere otherwise. One per pipeline (a module in two local stages
-    reaches the one collecting); a copy of a module carries none."""
+    """Where the records of a pipeline's stages go while one of its stages' forward collects
+    (``collecting``); at other times a record goes where a plain forward's would. One per
+    pipeline (a module in two local stages reaches the one collecting); a copy of a module
+    carries none."""
 
     def __init__(self) -> None:
         self.active: list[Term] | None = None
@@ -152,10 +163,6 @@ class Sink:
         for m in module.modules():
             if m.__dict__.get(SINK) is self:
                 del m.__dict__[SINK]
-
-    def add(self, name: str, value: torch.Tensor) -> None:
-        if self.active is not None:
-            self.active.append((name, value))
 
     @contextlib.contextmanager
     def collecting(self) -> Iterator[list[Term]]:

@@ -13,6 +13,7 @@ import torch
 from extra_loss_cases import CASES, DP_CASES, run_data_parallel, run_schedules
 from runtime_harness import launch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from pipetrain.runtime.comm.failures import PipelineRefused
 from pipetrain.runtime.extra_losses import (
@@ -86,19 +87,28 @@ def test_records_are_refused_unless_scalar_floating_and_named():
             record_extra_loss(layer, name, value)
 
 
-def test_a_stage_sink_collects_only_during_its_forward():
+def test_a_stage_sink_collects_during_its_forward_and_nothing_else_changes():
     model = Recorder()
     sink = Sink()
     sink.install(model)
     x = torch.randn(2, 3, dtype=torch.float64)
     with sink.collecting() as terms:
         model(x)
-    model(x)  # outside the stage's forward (a recompute, an eval): dropped, not kept
     assert [n for n, _ in terms] == ["aux"] and take_extra_losses(model) == {}
+    model(x)  # outside the stage's forward (eval_step, a closed pipeline): kept as plain
+    assert list(take_extra_losses(model)) == ["aux"]
     assert copy.deepcopy(model).__dict__.get("_pipetrain_extra_loss_sink") is None
     sink.uninstall(model)
-    model(x)
-    assert list(take_extra_losses(model)) == ["aux"]
+    assert "_pipetrain_extra_loss_sink" not in model.__dict__
+
+
+def test_a_checkpoint_recompute_records_nothing():
+    model = Recorder()
+    x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    out = checkpoint(model, x, use_reentrant=False)
+    terms = take_extra_losses(model)
+    (out.sum() + terms["aux"]).backward()  # recomputes the forward, inside the backward
+    assert take_extra_losses(model) == {}  # dropped: the forward's term held the graph
 
 
 def test_term_weight_follows_how_replicas_combine_gradients():

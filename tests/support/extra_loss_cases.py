@@ -162,8 +162,8 @@ def run_schedules(rank: int, world: int) -> dict:
 
 #: (label, data_parallel, loss reduction, schedule, defer_weight_grads)
 DP_CASES = [
-    ("ddp mean zbv", "ddp", "mean", "zbv", True),
-    ("ddp sum 1f1b", "ddp", "sum", "1f1b", None),
+    ("ddp mean zbv", "ddp", "mean", "zbv", True),  # replicas average: each weighs 1/M
+    ("fsdp sum dualpipev", "fsdp", "sum", "dualpipev", None),  # replicas sum: 1/(M·dp)
 ]
 
 
@@ -181,7 +181,7 @@ def run_data_parallel(rank: int, world: int) -> dict:
     x, y = batch(2)
     mine = slice(replica * ROWS, (replica + 1) * ROWS)
     for label, kind, reduction, schedule, defer in DP_CASES:
-        v = 2 if schedule == "zbv" else 1
+        v = 2 if schedule in ("zbv", "dualpipev") else 1
         cut = [2, 2, 2, 2] if v == 2 else [4, 4]
         layers = build_layers()
         with pipetrain.Pipeline(
