@@ -236,6 +236,7 @@ class StepTerms:
         self.data_parallel = data_parallel
         self.agreement = agreement
         self.names: tuple[str, ...] = ()
+        self._report: dict[str, torch.Tensor] = {}  # this step's, until it is agreed
         sink, weight = Sink(), term_weight(num_microbatches, data_parallel)
         for runner in self.runners:
             runner.use_sink(sink)
@@ -248,13 +249,15 @@ class StepTerms:
         for runner in self.runners:
             for name, value in runner.take_extra_report().items():
                 report[name] = value if name not in report else report[name] + value
+        self._report = report
+        if not report and not self.names:  # a model without extra losses: no work for them
+            return torch.zeros(1, dtype=torch.float64, device=device), ()
         mine = tuple(sorted(report))
         vector = torch.zeros(1 + len(self.names), dtype=torch.float64, device=device)
         vector[0] = float(not set(mine) <= set(self.names))
         for i, name in enumerate(self.names):
             if name in report:
                 vector[1 + i] = report[name]
-        self._report = report
         return vector, mine
 
     def agree(self, weights, transport) -> tuple[torch.Tensor, dict[str, float]]:
@@ -277,7 +280,8 @@ class StepTerms:
 
     def relayout(self, mine: tuple[str, ...], device: torch.device) -> torch.Tensor:
         """After some rank recorded a name not agreed yet: every rank's names (a store
-        exchange), their union as the new layout, and this rank's vector in it."""
+        exchange), their union as the new layout, and this rank's vector in it. Names only
+        join: a name once recorded is reported every later step (0 where nothing recorded it)."""
         records = self.agreement.gather("extra loss names", {"names": list(mine)})
         self.names = tuple(sorted({n for r in records for n in r["names"]}))
         vector = torch.zeros(len(self.names), dtype=torch.float64, device=device)
@@ -292,9 +296,8 @@ class StepTerms:
         self._report = {}
         values = totals.to(torch.float64) / self.num_microbatches
         dp = self.data_parallel
-        if (
-            dp is not None and dp.size > 1
-        ):  # every step: a replica cannot know the others recorded nothing
+        # every step, names or none: a replica cannot know that the others recorded nothing
+        if dp is not None and dp.size > 1:
             values = _replica_mean(values, self.names, dp.group, dp.size)
         return dict(zip(self.names, values.tolist(), strict=True))
 

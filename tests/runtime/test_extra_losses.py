@@ -36,7 +36,7 @@ def test_every_schedule_and_recompute_matches_gradient_accumulation(two_ranks):
     assert not problems, "\n".join(problems)
     for label, *_ in CASES:  # every rank reports every name, stage 0's and the last's alike
         assert two_ranks[0]["reports"][label] == two_ranks[1]["reports"][label]
-        assert sorted(two_ranks[0]["reports"][label]) == ["aux", "z"]
+        assert sorted(two_ranks[0]["reports"][label]) == ["aux", "late", "z"]
 
 
 @pytest.mark.slow

@@ -5,8 +5,9 @@ its terms divided by the number of micro-batches (over every replica's, with dat
 
 The model: ``LAYERS`` residual blocks that each record ``"aux" = coef · mean(h²)`` of their output
 (a router's balancing loss stands in: a scalar of the micro-batch with a graph through the
-block's weights and its input); every other block also records ``"z"`` (a second name, absent
-from some stages); the last layer is a head that records nothing.
+block's weights and its input); the first two blocks also record ``"z"`` (a name the first stage
+records alone), and ``LATE`` records ``"late"`` from the second step on (a name that joins after
+the first step); the last layer is a head that records nothing.
 """
 
 from __future__ import annotations
@@ -28,13 +29,20 @@ class Block(nn.Module):
         self.a = nn.Linear(WIDTH, WIDTH)
         self.norm = nn.LayerNorm(WIDTH)  # not a linear: finished in I when linears defer
         self.index = index
+        self.late = False  # set between steps
 
     def forward(self, h):
         out = torch.tanh(self.norm(self.a(h))) + h
         record_extra_loss(self, "aux", COEF * out.pow(2).mean())
-        if self.index % 2 == 0:
+        if self.index < 2:
             record_extra_loss(self, "z", 0.1 * torch.logsumexp(self.a(out), -1).pow(2).mean())
+        if self.late:
+            record_extra_loss(self, "late", 0.05 * out.sum().pow(2) / out.numel())
         return out
+
+
+#: the block that records ``"late"`` from the second step on
+LATE = 5
 
 
 def build_layers() -> list[nn.Module]:
@@ -66,7 +74,8 @@ def reference(x, y, microbatches: int, reduction: str, steps: int):
     the last step (gradients accumulated over ``steps``)."""
     layers = build_layers()
     rows = x.shape[0] // microbatches
-    for _ in range(steps):
+    for step in range(steps):
+        layers[LATE].late = step > 0
         loss = torch.zeros((), dtype=torch.float64)
         report: dict[str, float] = {}
         for j in range(microbatches):
@@ -147,7 +156,8 @@ def run_schedules(rank: int, world: int) -> dict:
             stages_per_rank=v,
             defer_weight_grads=defer,
         ) as pipe:
-            for _ in range(STEPS):
+            for step in range(STEPS):
+                layers[LATE].late = step > 0
                 loss = pipe.step(x, y)
             reports[label] = dict(pipe.extra_losses)
             _compare(label, pipe, layers, cut, loss, pipe.extra_losses, ref, failures)
@@ -155,7 +165,7 @@ def run_schedules(rank: int, world: int) -> dict:
         h = x[:2]
         for layer in layers:
             h = layer(h)
-        if sorted(take_extra_losses(nn.ModuleList(layers))) != ["aux", "z"]:
+        if sorted(take_extra_losses(nn.ModuleList(layers))) != ["aux", "late", "z"]:
             failures.append(f"{label}: a closed pipeline's layers still send terms to it")
     return {"failures": failures, "reports": reports}
 
@@ -195,7 +205,8 @@ def run_data_parallel(rank: int, world: int) -> dict:
             loss_reduction=reduction,
             defer_weight_grads=defer,
         ) as pipe:
-            for _ in range(STEPS):
+            for step in range(STEPS):
+                layers[LATE].late = step > 0
                 loss = pipe.step(x[mine], y[mine])
             ref = reference(x, y, 2 * MICROBATCHES, reduction, STEPS)
             reports[label] = dict(pipe.extra_losses)
