@@ -7,7 +7,8 @@ The model: ``LAYERS`` residual blocks that each record ``"aux" = coef Â· mean(hÂ
 (a router's balancing loss stands in: a scalar of the micro-batch with a graph through the
 block's weights and its input); the first two blocks also record ``"z"`` (a name the first stage
 records alone), and ``LATE`` records ``"late"`` from the second step on (a name that joins after
-the first step); the last layer is a head that records nothing.
+the first step); block 3 adds a term of its weights alone to ``"aux"``; the last layer is a head
+that records nothing.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ class Block(nn.Module):
         record_extra_loss(self, "aux", COEF * out.pow(2).mean())
         if self.index < 2:
             record_extra_loss(self, "z", 0.1 * torch.logsumexp(self.a(out), -1).pow(2).mean())
+        if self.index == 3:  # a term of the weights alone (a root outside the input's path)
+            record_extra_loss(self, "aux", 1e-2 * self.a.weight.pow(2).sum())
         if self.late:
             record_extra_loss(self, "late", 0.05 * out.sum().pow(2) / out.numel())
         return out
