@@ -168,7 +168,7 @@ class StageRunner:
             outputs, terms = self._collecting_call(args, side)
         need = [a for a in args if a.requires_grad]
         if not self.is_last:
-            self.saved[mb] = self._saved_outputs(need, outputs, terms)
+            self.saved[mb] = self._saved_outputs(need, outputs, terms, _device(outputs))
             return outputs
         loss = self._loss(mb, outputs, target)
         self.losses[mb] = loss.detach().reshape(())
@@ -192,17 +192,16 @@ class StageRunner:
         need: list[torch.Tensor],
         outputs: Sequence[torch.Tensor],
         terms: list[extra_losses.Term],
-        grads: list[torch.Tensor] | None = None,
+        device: torch.device,
     ) -> _Saved:
-        """What the backward of a stage that is not the last needs: its outputs that need a
-        gradient (those whose ``grads`` are given: all of them where ``grads`` is ``None``) and
-        its weighted extra loss terms, as the roots."""
+        """What the backward of a stage that is not the last needs: as its roots, its
+        ``outputs`` that need a gradient and its weighted extra loss terms."""
         roots = [o for o in outputs if o.requires_grad]
         extra = extra_losses.weighted_root(terms, self.extra_weight)
         edges = [get_gradient_edge(o) for o in (roots if extra is None else [*roots, extra])]
         self._check_graph_once(edges)
         meta = None if extra is None else TensorMeta.of(extra)
-        return _Saved(need, edges, _metas(roots), _device(tuple(outputs)), meta)
+        return _Saved(need, edges, _metas(roots), device, meta)
 
     def _loss(self, mb: int, outputs: tuple[torch.Tensor, ...], target: object) -> torch.Tensor:
         output = outputs[0] if len(outputs) == 1 else outputs
@@ -287,7 +286,7 @@ class StageRunner:
         assert grads is not None and len(grads) == len(sent), "gradient count mismatch"
         # an output that turned out independent of every input and parameter: nothing to add
         kept = [(o, g) for o, g in zip(sent, grads) if o.requires_grad]
-        found = self._saved_outputs(need, [o for o, _ in kept], terms)
+        found = self._saved_outputs(need, [o for o, _ in kept], terms, _device(outputs))
         return found, [g for _, g in kept]
 
     def _check_graph_once(self, edges: list[GradientEdge]) -> None:
