@@ -40,12 +40,14 @@ def test_every_schedule_and_recompute_matches_gradient_accumulation(two_ranks):
 
 
 @pytest.mark.slow
-def test_data_parallel_averages_terms_over_every_replica():
+def test_data_parallel_averages_terms_over_every_replica_and_refuses_differing_names():
     results = launch(4, run_data_parallel, timeout=300)
     problems = [f for r in results for f in r["failures"]]
     assert not problems, "\n".join(problems)
     for label, *_ in DP_CASES:
         assert all(r["reports"][label] == results[0]["reports"][label] for r in results)
+    for r in results:  # replicas that record different names: refused on every rank alike
+        assert "replicas recorded different extra loss names" in r["refusal"], r["refusal"]
 
 
 class Recorder(nn.Module):

@@ -214,4 +214,21 @@ def run_data_parallel(rank: int, world: int) -> dict:
             ref = reference(x, y, 2 * MICROBATCHES, reduction, STEPS)
             reports[label] = dict(pipe.extra_losses)
             _compare(label, pipe, layers, cut, loss, pipe.extra_losses, ref, failures)
-    return {"failures": failures, "reports": reports}
+    return {"failures": failures, "reports": reports, "refusal": _replicas_differ(mesh, replica)}
+
+
+def _replicas_differ(mesh, replica: int) -> str:
+    """One replica's layers record a name the other's do not: refused on every rank."""
+    import pipetrain
+
+    layers = build_layers()
+    layers[LATE].late = replica == 1
+    x, y = batch(1)
+    with pipetrain.Pipeline(
+        pipetrain.split(layers, [4, 4]), "1f1b", 2, loss_fn, mesh=mesh, data_parallel="ddp"
+    ) as pipe:
+        try:
+            pipe.step(x, y)
+        except ValueError as e:
+            return str(e)
+    return "no error"
