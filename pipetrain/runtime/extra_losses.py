@@ -137,9 +137,10 @@ def _in_backward() -> bool:
 
 
 def _drop_untaken(module: nn.Module, args: object) -> None:
-    """A forward pre-hook: terms of an earlier forward nobody took are let go (their graphs)."""
+    """A forward pre-hook: terms of an earlier forward nobody took are let go (their graphs) —
+    but not by a checkpoint's recompute inside a backward, which records nothing itself."""
     kept = module.__dict__.get(KEPT)
-    if kept:
+    if kept and not _in_backward():
         kept.clear()
 
 

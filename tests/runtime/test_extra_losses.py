@@ -111,6 +111,9 @@ def test_a_checkpoint_recompute_records_nothing():
     terms = take_extra_losses(model)
     (out.sum() + terms["aux"]).backward()  # recomputes the forward, inside the backward
     assert take_extra_losses(model) == {}  # dropped: the forward's term held the graph
+    out = checkpoint(model, x, use_reentrant=False)
+    out.sum().backward()  # taken after the backward: the recompute neither adds nor clears
+    torch.testing.assert_close(take_extra_losses(model)["aux"], terms["aux"], rtol=0, atol=0)
 
 
 def test_term_weight_follows_how_replicas_combine_gradients():
