@@ -2,7 +2,9 @@
 
 A record holds ``step`` (1-based), ``loss``, ``lr``, ``grad_norm`` (the whole model's, before
 any clipping), ``tokens`` (the real tokens of the step's batch, every replica's),
-``padding_tokens``, ``tok_per_s``, ``mfu`` and, after an evaluation, ``eval_loss``. The metrics
+``padding_tokens``, ``tok_per_s``, ``mfu``, after an evaluation ``eval_loss``, and where the
+model's layers record extra loss terms (a router's balancing loss: ``runtime.extra_losses``)
+``aux_loss/<name>`` for each, beside ``loss``, the main loss alone. The metrics
 file is JSON Lines, flushed after every line, so a run stopped at any point leaves whole lines;
 a resumed run first drops the lines past the step it resumes from (the steps it runs again),
 then appends. TensorBoard gets the same scalars (``SummaryWriter``'s ``purge_step`` drops what a

@@ -117,17 +117,39 @@ def weights(
 
 
 def agree(
-    held: dict[int, torch.Tensor] | None, weights, transport, last_rank: int, world_size: int
-) -> torch.Tensor:
+    held: dict[int, torch.Tensor] | None,
+    weights,
+    transport,
+    last_rank: int,
+    world_size: int,
+    extra: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The batch's loss on every rank: ``Σ_j w_j · loss_j`` of the micro-batch losses ``held``
-    by the last stage's rank (``None`` elsewhere), in float64, broadcast with its dtype's code
-    and returned in that dtype. Every rank then holds the same value, so a decision on it (is it
-    finite?) is the same everywhere without another collective."""
-    value = torch.zeros(2, dtype=torch.float64, device=transport.device)
+    by the last stage's rank (``None`` elsewhere), in float64, returned in its dtype (sent with
+    its dtype's code). Every rank then holds the same value, so a decision on it (is it finite?)
+    is the same everywhere without another collective.
+
+    ``extra``: a float64 vector of this rank's to sum over the ranks in the same collective
+    (``runtime.extra_losses``' step report); returned summed (``None`` without it). The loss
+    travels in the same all-reduce, where other ranks add zeros: exactly a broadcast."""
+    size = 2 + (0 if extra is None else extra.numel())
+    value = torch.zeros(size, dtype=torch.float64, device=transport.device)
     if held is not None:
         dtype = held[0].dtype
         value[0] = sum(w * held.pop(j).double() for j, w in enumerate(weights))
         value[1] = DTYPE_CODE.get(dtype, DTYPE_CODE[torch.float64])
-    if world_size > 1:
+    if extra is not None:
+        value[2:] = extra
+    if world_size > 1 and extra is None:
         transport.broadcast(value, last_rank, "the loss broadcast")
-    return value[0].to(DTYPES[int(value[1].item())])
+    elif world_size > 1:
+        sum_over_ranks(value, transport, last_rank, "the loss and extra loss agreement")
+    loss = value[0].to(DTYPES[int(value[1].item())])
+    return loss, None if extra is None else value[2:]
+
+
+def sum_over_ranks(value: torch.Tensor, transport, peer: int, what: str) -> None:
+    """``value`` summed in place over the transfer group's ranks, waited with the transport's
+    timeout (a failed or silent ``peer`` is named)."""
+    work = dist.all_reduce(value, group=transport.group, async_op=True)
+    transport.wait_work(work, what, peer)

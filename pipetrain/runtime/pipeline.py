@@ -33,6 +33,7 @@ from pipetrain.runtime.comm.failures import Failures, OwnedGroup, posts_failures
 from pipetrain.runtime.comm.p2p import Transport
 from pipetrain.runtime.dropout_rng import for_pipeline as keyed_dropout
 from pipetrain.runtime.executor import Executor, MetaCache, StepData, cache_for
+from pipetrain.runtime.extra_losses import StepTerms
 from pipetrain.runtime.parallel import grad_norm
 from pipetrain.runtime.parallel import tied as tied_weights
 from pipetrain.runtime.parallel.data_parallel import DataParallel, check_wrapping
@@ -180,6 +181,8 @@ class Pipeline:
         self._side_keywords_all: list[frozenset[str] | None] | None = None
         self._failure: str | None = None
         self.last_timeline: Timeline | None = None
+        #: the last step's extra loss terms by name, every rank's (``runtime.extra_losses``)
+        self.extra_losses: dict[str, float] = {}
         self.closed = False
         held = self._runners[self._last_stage].losses if self.rank == self._last_rank else None
         self.graph = step_graph.build(
@@ -215,7 +218,7 @@ class Pipeline:
     def _build_runners(
         self, loss_fn: LossFn, defer: bool | None, offload: resolve.Offload, captured: bool
     ) -> dict[int, StageRunner]:
-        """A runner per local stage, told its step's last weight-gradient piece (hooks fire)."""
+        """A runner per local stage, told its last weight piece (hooks fire); ``_extra_terms``."""
         last, row = self._last_stage, self.program.actions[self.rank]
         split = resolve.split_backward_stages(row)
         runners = {
@@ -227,6 +230,8 @@ class Pipeline:
             runners[stage].last_weight_microbatch = mb
         for runner in runners.values():
             runner.syncs_once = self._data_parallel is not None
+        weighing = (self.num_microbatches, self._data_parallel, self._agreement, self._last_rank)
+        self._extra_terms = StepTerms(runners.values(), *weighing)
         return runners
 
     def _build_transport(self, timeout: timedelta) -> Transport:
@@ -390,7 +395,7 @@ class Pipeline:
             self._execute(rows, mbs, self._side, "train", timeline)
         self._tied_grads.end_step(self._transport, self.rank)
         self.dropout_keys.step += 1
-        loss = self._agree_on_loss(mbs.weights)
+        loss, self.extra_losses = self._extra_terms.agree(mbs.weights, self._transport)
         if self._data_parallel is not None:
             loss = self._data_parallel.global_loss(loss)
         return loss
@@ -493,8 +498,3 @@ class Pipeline:
         assert self._data_parallel is not None  # only installed with data parallel
         for stage in self._last_uses.get(action, ()):
             self._data_parallel.finish(stage)
-
-    def _agree_on_loss(self, weights: tuple[float, ...]) -> torch.Tensor:
-        """Σ_j w_j · loss_j from the last stage, broadcast so every rank returns the same value."""
-        held = self._runners[self._last_stage].losses if self.rank == self._last_rank else None
-        return losses.agree(held, weights, self._transport, self._last_rank, self.world_size)

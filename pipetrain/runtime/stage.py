@@ -14,16 +14,17 @@ Communication and ordering belong to the executor; the split itself to the stage
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from pipetrain.runtime import side_inputs
+from pipetrain.runtime import extra_losses, side_inputs
 from pipetrain.runtime.backward import activation_checkpoint
 from pipetrain.runtime.backward import whole_stage_recompute as whole
 from pipetrain.runtime.backward.interface import BackwardSplit, choose_split, fire_hooks
@@ -43,8 +44,11 @@ class _Saved:
 
     inputs: list[torch.Tensor]  # input leaves that need a gradient, in input order
     roots: list[GradientEdge]  # outputs that need a gradient (the weighted loss on the last stage)
-    root_metas: list[TensorMeta]
+    root_metas: list[TensorMeta]  # of the roots whose gradients arrive (all on the last stage)
     device: torch.device
+    #: the weighted extra loss terms, the last root of a stage that is not the last
+    #: (``runtime.extra_losses``); its gradient is one
+    extra: TensorMeta | None = None
 
 
 def arity(module: nn.Module) -> tuple[int, float]:
@@ -125,6 +129,12 @@ class StageRunner:
         self.graph_checked = False
         #: the stage's activation offload (``host_offload``), where the program offloads it
         self.offload: StageOffload | None = None
+        self.captured = captured
+        #: where its layers' extra loss terms go (``runtime.extra_losses``; a pipeline's stages
+        #: share one), what each micro-batch's weigh, and their detached sums this step, by name
+        self.sink = extra_losses.Sink()
+        self.extra_weight = 1.0
+        self.extra_report: dict[str, torch.Tensor] = {}
         self.begin_step()
 
     def begin_step(self) -> None:
@@ -132,6 +142,7 @@ class StageRunner:
         steps, not within one, and walking the module tree for every backward piece showed up in
         host profiles of a small stage's actions (measured: docs/performance.md)."""
         self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self.sink.install(self.module)
         #: some hook needs the step's whole gradient at once (data parallel's reduction, a
         #: user's post-accumulate-grad hook, tied weights' sum): the last piece runs them
         self.hooked = bool(
@@ -154,22 +165,44 @@ class StageRunner:
         """Run the module; keep what backward needs. Returns the outputs (empty on the last stage)."""
         if self.recomputes_whole and torch.is_grad_enabled():
             return self._forward_held(mb, args, target, weight, side)
-        if self.offload is not None:
-            with self.offload.capture(mb):
-                outputs = self.call(args, side)
-        else:
-            outputs = self.call(args, side)
+        with self.offload.capture(mb) if self.offload is not None else contextlib.nullcontext():
+            outputs, terms = self._collecting_call(args, side)
         need = [a for a in args if a.requires_grad]
         if not self.is_last:
-            roots = [o for o in outputs if o.requires_grad]
-            edges = [get_gradient_edge(o) for o in roots]
-            self._check_graph_once(edges)
-            self.saved[mb] = _Saved(need, edges, _metas(roots), _device(outputs))
+            self.saved[mb] = self._saved_outputs(need, outputs, terms, _device(outputs))
             return outputs
         loss = self._loss(mb, outputs, target)
         self.losses[mb] = loss.detach().reshape(())
-        self.saved[mb] = self._saved_loss(need, loss, weight)
+        self.saved[mb] = self._saved_loss(need, loss, weight, terms)
         return ()
+
+    def _collecting_call(
+        self, args: tuple[torch.Tensor, ...], side: dict | None
+    ) -> tuple[tuple[torch.Tensor, ...], list[extra_losses.Term]]:
+        """The module on ``args``, and the extra loss terms its layers recorded meanwhile (added
+        to the step's report)."""
+        with self.sink.collecting() as terms:
+            outputs = self.call(args, side)
+        if self.captured:
+            extra_losses.refuse_captured(terms, self.index)
+        extra_losses.add_to_report(self.extra_report, terms)
+        return outputs, terms
+
+    def _saved_outputs(
+        self,
+        need: list[torch.Tensor],
+        outputs: Sequence[torch.Tensor],
+        terms: list[extra_losses.Term],
+        device: torch.device,
+    ) -> _Saved:
+        """What the backward of a stage that is not the last needs: as its roots, its
+        ``outputs`` that need a gradient and its weighted extra loss terms."""
+        roots = [o for o in outputs if o.requires_grad]
+        extra = extra_losses.weighted_root(terms, self.extra_weight)
+        edges = [get_gradient_edge(o) for o in (roots if extra is None else [*roots, extra])]
+        self._check_graph_once(edges)
+        meta = None if extra is None else TensorMeta.of(extra)
+        return _Saved(need, edges, _metas(roots), device, meta)
 
     def _loss(self, mb: int, outputs: tuple[torch.Tensor, ...], target: object) -> torch.Tensor:
         output = outputs[0] if len(outputs) == 1 else outputs
@@ -191,9 +224,17 @@ class StageRunner:
         return loss
 
     def _saved_loss(
-        self, need: list[torch.Tensor], loss: torch.Tensor, weight: float | torch.Tensor
+        self,
+        need: list[torch.Tensor],
+        loss: torch.Tensor,
+        weight: float | torch.Tensor,
+        terms: list[extra_losses.Term],
     ) -> _Saved:
+        """The last stage's one root: the weighted loss plus the weighted extra loss terms."""
         scaled = (loss * weight).reshape(())
+        extra = extra_losses.weighted_root(terms, self.extra_weight)
+        if extra is not None:
+            scaled = scaled + extra
         roots = [scaled] if scaled.requires_grad else []
         edges = [get_gradient_edge(r) for r in roots]
         self._check_graph_once(edges)
@@ -215,8 +256,8 @@ class StageRunner:
                 "offload it or recompute it, not both"
             )
         random = whole.RandomState.capture(args)
-        with torch.no_grad():
-            outputs = self.call(args, side)
+        with torch.no_grad():  # its extra loss terms are reported; the recompute's backpropagated
+            outputs, _ = self._collecting_call(args, side)
         if self.is_last:
             self.losses[mb] = self._loss(mb, outputs, target).detach().reshape(())
             needs: tuple[bool, ...] = ()
@@ -236,19 +277,18 @@ class StageRunner:
         if not isinstance(saved, whole.Held):
             return saved, grads
         need = [a for a in saved.args if a.requires_grad]
-        with saved.random.restored():
+        with saved.random.restored(), self.sink.collecting() as terms:
             outputs = self.call(saved.args, saved.side)
             if self.is_last:
                 loss = self._loss(mb, outputs, saved.target)
-                return self._saved_loss(need, loss, saved.weight), grads
+        if self.is_last:
+            return self._saved_loss(need, loss, saved.weight, terms), grads
         sent = [o for o, n in zip(outputs, saved.needs_grad) if n]
         assert grads is not None and len(grads) == len(sent), "gradient count mismatch"
         # an output that turned out independent of every input and parameter: nothing to add
         kept = [(o, g) for o, g in zip(sent, grads) if o.requires_grad]
-        edges = [get_gradient_edge(o) for o, _ in kept]
-        self._check_graph_once(edges)
-        metas = _metas([o for o, _ in kept])
-        return _Saved(need, edges, metas, _device(outputs)), [g for _, g in kept]
+        found = self._saved_outputs(need, [o for o, _ in kept], terms, _device(outputs))
+        return found, [g for _, g in kept]
 
     def _check_graph_once(self, edges: list[GradientEdge]) -> None:
         """On the stage's first forward: refuse what its graph holds that pipetrain cannot run
@@ -338,16 +378,32 @@ class StageRunner:
             return [
                 torch.ones(m.shape, dtype=m.dtype, device=saved.device) for m in saved.root_metas
             ]
-        assert grads is not None and len(grads) == len(saved.roots), "gradient count mismatch"
-        return grads
+        assert grads is not None and len(grads) == len(saved.root_metas), "gradient count mismatch"
+        if saved.extra is None:
+            return grads
+        return [*grads, torch.ones((), dtype=saved.extra.dtype, device=saved.device)]
+
+    def use_sink(self, sink: extra_losses.Sink) -> None:
+        """Send the layers' extra loss terms to ``sink`` (one a pipeline's stages share)."""
+        self.sink.uninstall(self.module)
+        self.sink = sink
+        sink.install(self.module)
+
+    def take_extra_report(self) -> dict[str, torch.Tensor]:
+        """This step's extra loss terms by name, summed over micro-batches (detached, float64)."""
+        report, self.extra_report = self.extra_report, {}
+        return report
 
     def release(self) -> None:
-        """Drop every micro-batch's held state (a step that failed part-way, or ``close``)."""
+        """Drop every micro-batch's held state (a step that failed part-way, or ``close``); the
+        layers' extra loss terms go back to their plain-forward keeping."""
         self.saved.clear()
         self.weight_work.clear()
         if self.offload is not None:
             self.offload.release()
         self.losses.clear()
+        self.extra_report.clear()
+        self.sink.uninstall(self.module)
 
     def leftovers(self) -> int:
         return len(self.saved) + len(self.weight_work)
