@@ -42,7 +42,7 @@ from pipetrain.schedule.program import Program
 from pipetrain.schedule.registry import build_schedule
 from pipetrain.schedule.timeline import Timeline
 
-__all__ = ["Synthesis", "synthesize", "synthesize_from_search"]
+__all__ = ["Synthesis", "synthesize", "synthesize_from_search", "synthesize_orders"]
 
 #: cuts tried per placement: the fastest fitting distinct ones of the planner's search
 STARTS_PER_PLACEMENT = 3
@@ -159,6 +159,27 @@ def synthesize_from_search(
         baseline_timeline=base.timeline,
         how=best.how,
     )
+
+
+def synthesize_orders(
+    costs: ModelCosts,
+    placement: Placement,
+    num_microbatches: int,
+    cut: Sequence[int],
+    budget: Budget,
+    recompute: Sequence[str] = (),
+    *,
+    order_budget: int = ORDER_BUDGET,
+) -> Judged | None:
+    """The heuristic alone on one placement and cut: the best greedy variant, improved by the
+    order's local search (``None``: no variant fits). What ``synthesize_exact`` measures."""
+    modes = tuple(recompute) or ("none",) * len(cut)
+    start = Start(placement, num_microbatches, tuple(cut), modes, "the given cut")
+    built = [j for j, _ in _built(costs, start, budget, policies(placement))]
+    if not built:
+        return None
+    best = min(built, key=lambda j: j.makespan)
+    return improve_order(costs, best, budget, order_budget)
 
 
 @dataclass(frozen=True)
