@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from pipetrain.planner.costs_file import ModelCosts
@@ -41,13 +41,16 @@ from pipetrain.schedule.placement import Placement, PlacementKind, one_per_rank,
 from pipetrain.schedule.program import Program
 from pipetrain.schedule.registry import build_schedule
 from pipetrain.schedule.timeline import Timeline
+from pipetrain.sim.costs import per_rank
 
 __all__ = ["Synthesis", "synthesize", "synthesize_from_search", "synthesize_orders"]
 
 #: cuts tried per placement: the fastest fitting distinct ones of the planner's search
 STARTS_PER_PLACEMENT = 3
-#: simulations the order's local search may spend
+#: simulations the order's local search may spend on each finalist
 ORDER_BUDGET = 400
+#: the fastest greedy programs whose cut and order are improved further (besides the planner's)
+FINALISTS = 3
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,8 @@ class Synthesis:
     baseline_timeline: Timeline
     #: how the program was found: the start and the steps that improved it
     how: str
+    #: per rank, its stages' static memory (GiB): what its activations stand on
+    static_gib: tuple[float, ...] = ()
 
     @property
     def step_ms(self) -> float:
@@ -129,25 +134,21 @@ def synthesize_from_search(
             f"synthesis starts from a search at one micro-batch count, got {sorted(counts)}"
         )
     budget = Budget(base.plan.memory_gib, base.plan.headroom)
-    best = baseline = _baseline(costs, base, budget)
-    chosen: tuple[Start, OrderPolicy] | None = None
-    for start in _starts(found):
-        for judged, policy in _built(costs, start, budget, policies(start.placement)):
-            if judged.better_than(best):
-                best, chosen = judged, (start, policy)
-    if chosen is not None:
-        start, policy = chosen
-
-        def rebuild(cut: tuple[int, ...]) -> Judged | None:
-            moved = replace(start, cut=cut)
-            return min(
-                (j for j, _ in _built(costs, moved, budget, [policy])),
-                key=lambda j: j.makespan,
-                default=None,
-            )
-
-        best = improve_cut(best, rebuild)
-    best = improve_order(costs, best, budget, order_budget)
+    baseline = _baseline(costs, base, budget)
+    built = [
+        (judged, start, policy)
+        for start in _starts(found)
+        for judged, policy in _built(costs, start, budget, policies(start.placement))
+    ]
+    built.sort(key=lambda b: b[0].makespan)
+    finalists = [improve_order(costs, baseline, budget, order_budget)]
+    for judged, start, policy in built[:FINALISTS]:
+        judged = improve_cut(judged, _rebuilder(costs, start, policy, budget))
+        finalists.append(improve_order(costs, judged, budget, order_budget))
+    best = finalists[0]
+    for judged in finalists[1:]:
+        if judged.better_than(best):
+            best = judged
     program = best.program
     return Synthesis(
         program=Program(program.placement, program.num_microbatches, program.actions, "synthesized"),
@@ -158,7 +159,27 @@ def synthesize_from_search(
         baseline=base.plan,
         baseline_timeline=base.timeline,
         how=best.how,
+        static_gib=_static(costs, best),
     )
+
+
+def _rebuilder(
+    costs: ModelCosts, start: Start, policy: OrderPolicy, budget: Budget
+) -> Callable[[tuple[int, ...]], Judged | None]:
+    """``start`` cut as given and ordered by ``policy`` again (``improve_cut``'s step)."""
+
+    def rebuild(cut: tuple[int, ...]) -> Judged | None:
+        moved = replace(start, cut=cut)
+        options = [j for j, _ in _built(costs, moved, budget, [policy])]
+        return min(options, key=lambda j: j.makespan, default=None)
+
+    return rebuild
+
+
+def _static(costs: ModelCosts, judged: Judged) -> tuple[float, ...]:
+    program = judged.program
+    sc = stage_costs(costs, program, judged.cut, judged.recompute).per_stage(program.num_stages)
+    return tuple(per_rank(sc.static, program.placement.rank_of_stage, program.num_ranks))
 
 
 def synthesize_orders(

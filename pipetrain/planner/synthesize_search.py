@@ -4,17 +4,19 @@
 step and each rank's peak) after the checker has passed it (``validate(lower(...))``, the
 blocking model torch's executor needs); ``improve_cut`` moves one layer between neighbouring
 stages and builds the order again; ``improve_order`` swaps neighbouring actions of a rank's row
-(first improvement, within a budget of simulations), which is how a family's program, or a greedy
-one, loses the waits its fixed rule or the greedy choice left in it.
+and pushes weight halves later (first improvement, within a budget of simulations), which is how
+a family's program, or a greedy one, loses the waits its fixed rule or the greedy choice left in
+it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from pipetrain.planner.costs_file import ModelCosts
 from pipetrain.planner.judge import Budget, simulate_plan
+from pipetrain.schedule.action import Action, OpKind
 from pipetrain.schedule.lower import lower
 from pipetrain.schedule.program import Program, ScheduleError
 from pipetrain.schedule.timeline import Timeline
@@ -104,42 +106,71 @@ def _neighbour_cuts(cut: tuple[int, ...]) -> list[tuple[int, ...]]:
 
 
 def improve_order(costs: ModelCosts, best: Judged, budget: Budget, simulations: int) -> Judged:
-    """Swap neighbouring actions of other micro-batches on one rank, keeping the first swap that
-    is faster and fits, until no swap helps or ``simulations`` run out; the result is checked
+    """Local search on the ranks' orders (``moves``), keeping the first move that is faster and
+    fits, until no move helps or ``simulations`` run out; the result is checked
     (``validate(lower(...))``), else ``best`` comes back unchanged."""
-    current, spent, improved = best, 0, False
+    current, spent = best, 0
     while spent < simulations:
         found = None
-        rows = [list(r) for r in current.program.actions]
-        for rank, row in enumerate(rows):
-            for i in range(len(row) - 1):
-                if row[i].microbatch == row[i + 1].microbatch or spent >= simulations:
-                    continue
-                swapped = [list(r) for r in rows]
-                swapped[rank][i], swapped[rank][i + 1] = row[i + 1], row[i]
-                spent += 1
-                judged = judge(
-                    costs,
-                    current.program.with_actions(swapped),
-                    current.cut,
-                    current.recompute,
-                    budget,
-                    current.how,
-                    check=False,
-                )
-                if judged is not None and judged.better_than(current):
-                    found = judged
-                    break
-            if found is not None:
+        for rows in moves(current.program.actions):
+            spent += 1
+            judged = judge(
+                costs,
+                current.program.with_actions(rows),
+                current.cut,
+                current.recompute,
+                budget,
+                current.how,
+                check=False,
+            )
+            if judged is not None and judged.better_than(current):
+                found = judged
+                break
+            if spent >= simulations:
                 break
         if found is None:
             break
-        current, improved = found, True
-    if not improved:
+        current = found
+    if current is best:
         return best
-    checked = judge(
-        costs, current.program, current.cut, current.recompute, budget, current.how
-    )
+    checked = judge(costs, current.program, current.cut, current.recompute, budget, current.how)
     if checked is None or not checked.better_than(best):
         return best
-    return replace(checked, how=f"{best.how}, then neighbouring actions swapped")
+    return replace(checked, how=f"{best.how}, then reordered by local search")
+
+
+#: how far a weight half is pushed later in one move (the ZB rule: W fills the bubbles)
+_DEFERRALS = (2, 4, 8)
+
+
+def moves(rows: Sequence[Sequence[Action]]) -> Iterator[list[list[Action]]]:
+    """The neighbours of a program's rows: a ``W`` pushed later by a few actions or to the end of
+    its rank's row (into the cool-down's bubbles), and two neighbouring actions of other
+    micro-batches swapped — never past an action of its own stage and kind, so each stage keeps
+    running its micro-batches in order (the space ``synthesize_exact`` covers)."""
+    for rank, row in enumerate(rows):
+        for i, a in enumerate(row):
+            if a.kind is not OpKind.W:
+                continue
+            targets = {min(i + k, len(row) - 1) for k in _DEFERRALS} | {len(row) - 1}
+            for t in sorted(targets):
+                passed = row[i + 1 : t + 1]
+                if t > i and not any(b.kind is OpKind.W and b.stage == a.stage for b in passed):
+                    moved = list(row)
+                    moved.insert(t, moved.pop(i))
+                    yield _replaced(rows, rank, moved)
+    for rank, row in enumerate(rows):
+        for i in range(len(row) - 1):
+            a, b = row[i], row[i + 1]
+            if a.microbatch != b.microbatch and (a.stage, a.kind) != (b.stage, b.kind):
+                swapped = list(row)
+                swapped[i], swapped[i + 1] = row[i + 1], row[i]
+                yield _replaced(rows, rank, swapped)
+
+
+def _replaced(
+    rows: Sequence[Sequence[Action]], rank: int, row: list[Action]
+) -> list[list[Action]]:
+    out = [list(r) for r in rows]
+    out[rank] = row
+    return out
