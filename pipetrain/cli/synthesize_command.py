@@ -73,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
                 result.timeline,
                 title=f"synthesized, stage_layers {list(result.stage_layers)}",
                 memory=True,
+                static=result.static_gib,
                 limit=result.baseline.usable_gib,
             )
         )

@@ -43,7 +43,13 @@ from pipetrain.schedule.registry import build_schedule
 from pipetrain.schedule.timeline import Timeline
 from pipetrain.sim.costs import per_rank
 
-__all__ = ["Synthesis", "synthesize", "synthesize_from_search", "synthesize_orders"]
+__all__ = [
+    "Synthesis",
+    "synthesize",
+    "synthesize_from_search",
+    "synthesize_orders",
+    "synthesize_plan",
+]
 
 #: cuts tried per placement: the fastest fitting distinct ones of the planner's search
 STARTS_PER_PLACEMENT = 3
@@ -75,9 +81,14 @@ class Synthesis:
         return self.timeline.makespan
 
     @property
+    def ms_per_microbatch(self) -> float:
+        return self.step_ms / self.program.num_microbatches
+
+    @property
     def speedup(self) -> float:
-        """The planner's pick's step over this one's (same micro-batches)."""
-        return self.baseline.step_ms / self.step_ms
+        """The planner's pick's time per micro-batch over this one's (its step over this step
+        where both run as many micro-batches)."""
+        return self.baseline.ms_per_microbatch / self.ms_per_microbatch
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -151,7 +162,9 @@ def synthesize_from_search(
             best = judged
     program = best.program
     return Synthesis(
-        program=Program(program.placement, program.num_microbatches, program.actions, "synthesized"),
+        program=Program(
+            program.placement, program.num_microbatches, program.actions, "synthesized"
+        ),
         stage_layers=best.cut,
         recompute=best.recompute,
         timeline=best.timeline,
@@ -201,6 +214,22 @@ def synthesize_orders(
         return None
     best = min(built, key=lambda j: j.makespan)
     return improve_order(costs, best, budget, order_budget)
+
+
+def synthesize_plan(
+    costs: ModelCosts, found: Search, *, order_budget: int = ORDER_BUDGET
+) -> Synthesis:
+    """The planner's ``synthesized`` option: a synthesis at each micro-batch count ``found``
+    tried (from its candidates at that count), the fastest per micro-batch of them, beside the
+    planner's overall pick (``found.best``) — never slower per micro-batch than it, as the pick's
+    own count is among those synthesized."""
+    pick = found.best
+    results = []
+    for m in sorted({c.plan.microbatches for c in found.fitting}):
+        at_m = Search(candidates=[c for c in found.candidates if c.plan.microbatches == m])
+        results.append(synthesize_from_search(costs, at_m, order_budget=order_budget))
+    best = min(results, key=lambda r: r.ms_per_microbatch)
+    return replace(best, baseline=pick.plan, baseline_timeline=pick.timeline)
 
 
 @dataclass(frozen=True)
@@ -297,14 +326,18 @@ def _built(
         policy = replace(variant, memory=caps, split=costs.split_backward)
         for _ in range(4):
             program = greedy_program(start.placement, start.num_microbatches, times, policy)
-            judged = judge(costs, program, start.cut, start.recompute, budget, _label(start, policy))
+            judged = judge(
+                costs, program, start.cut, start.recompute, budget, _label(start, policy)
+            )
             if judged is None:
                 break
             over = [max(0.0, pk - budget.usable) for pk in judged.peaks]
             if not any(over):
                 out.append((judged, variant))
                 break
-            policy = replace(policy, memory=tuple(c - o * 1.01 for c, o in zip(policy.memory, over)))
+            policy = replace(
+                policy, memory=tuple(c - o * 1.01 for c, o in zip(policy.memory, over))
+            )
     return out
 
 
@@ -329,6 +362,10 @@ def _activation_caps(
 
 def _label(start: Start, policy: OrderPolicy) -> str:
     depth = "memory only" if not policy.in_flight else f"in flight {list(policy.in_flight)}"
-    chunk = ", later chunk first" if policy.deep_first and start.placement.num_stages > start.placement.num_ranks else ""
+    chunk = (
+        ", later chunk first"
+        if policy.deep_first and start.placement.num_stages > start.placement.num_ranks
+        else ""
+    )
     placement = "V placement" if start.placement.kind is PlacementKind.V else "1 stage per rank"
     return f"greedy on {start.how} ({placement}; {depth}; W fill {policy.fill}{chunk})"

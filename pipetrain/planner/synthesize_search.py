@@ -15,12 +15,14 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from pipetrain.planner.costs_file import ModelCosts
-from pipetrain.planner.judge import Budget, simulate_plan
+from pipetrain.planner.judge import Budget, simulate_plan, stage_costs
 from pipetrain.schedule.action import Action, OpKind
 from pipetrain.schedule.lower import lower
 from pipetrain.schedule.program import Program, ScheduleError
 from pipetrain.schedule.timeline import Timeline
 from pipetrain.schedule.validate import validate
+from pipetrain.sim.costs import Costs, StageCosts, rank_peak_memory
+from pipetrain.sim.simulate import simulate
 
 __all__ = ["Judged", "improve_cut", "improve_order", "judge"]
 
@@ -105,28 +107,42 @@ def _neighbour_cuts(cut: tuple[int, ...]) -> list[tuple[int, ...]]:
     return out
 
 
+def _faster(
+    current: Judged,
+    rows: list[list[Action]],
+    sim_costs: Costs,
+    per_stage: StageCosts,
+    budget: Budget,
+) -> Judged | None:
+    """``current`` with ``rows`` for its order, judged as ``judge`` would (no offload: the
+    synthesis plans none) where its step is faster; its peaks are priced only then."""
+    program = current.program.with_actions(rows)
+    try:
+        timeline = simulate(program, sim_costs)
+    except ScheduleError:
+        return None
+    if not timeline.makespan < current.makespan * (1 - _TOLERANCE):
+        return None
+    peaks = rank_peak_memory(timeline, per_stage, program.placement.rank_of_stage)
+    if max(peaks) > budget.usable:
+        return None
+    return replace(current, program=program, timeline=timeline, peaks=peaks)
+
+
 def improve_order(costs: ModelCosts, best: Judged, budget: Budget, simulations: int) -> Judged:
     """Local search on the ranks' orders (``moves``), keeping the first move that is faster and
     fits, until no move helps or ``simulations`` run out; the result is checked
     (``validate(lower(...))``), else ``best`` comes back unchanged."""
     current, spent = best, 0
+    program = best.program
+    sim_costs = stage_costs(costs, program, best.cut, best.recompute)
+    per_stage = sim_costs.per_stage(program.num_stages)
     while spent < simulations:
         found = None
         for rows in moves(current.program.actions):
             spent += 1
-            judged = judge(
-                costs,
-                current.program.with_actions(rows),
-                current.cut,
-                current.recompute,
-                budget,
-                current.how,
-                check=False,
-            )
-            if judged is not None and judged.better_than(current):
-                found = judged
-                break
-            if spent >= simulations:
+            found = _faster(current, rows, sim_costs, per_stage, budget)
+            if found is not None or spent >= simulations:
                 break
         if found is None:
             break
@@ -168,9 +184,7 @@ def moves(rows: Sequence[Sequence[Action]]) -> Iterator[list[list[Action]]]:
                 yield _replaced(rows, rank, swapped)
 
 
-def _replaced(
-    rows: Sequence[Sequence[Action]], rank: int, row: list[Action]
-) -> list[list[Action]]:
+def _replaced(rows: Sequence[Sequence[Action]], rank: int, row: list[Action]) -> list[list[Action]]:
     out = [list(r) for r in rows]
     out[rank] = row
     return out

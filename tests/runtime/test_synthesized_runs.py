@@ -59,7 +59,9 @@ def run_programs(rank: int, world: int) -> list[str]:
         inputs, y = batch(2 * MICROBATCHES + 1, seed=3)
         losses = [pipe.step(inputs, y) for _ in range(2)]
         ref_loss, ref_grads = reference(program.num_stages, inputs, y, steps=2)
-        failures += differences(f"synthesized {name}", pipe, stages, rank, losses, ref_loss, ref_grads)
+        failures += differences(
+            f"synthesized {name}", pipe, stages, rank, losses, ref_loss, ref_grads
+        )
     return failures
 
 
