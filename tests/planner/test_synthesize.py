@@ -92,10 +92,16 @@ def test_synthesized_programs_validate_fit_and_never_lose(
 
 def test_heavy_head_under_a_tight_cap_beats_the_planner() -> None:
     """7 GiB on 4 ranks: ZB-H1 and ZB-H2 do not fit, the planner falls back to 1F1B; the greedy
-    order holds as many micro-batches as each rank's memory allows and fills with W."""
-    result = synthesize(PROFILED, num_ranks=4, num_microbatches=8, memory_gib=7)
+    order holds as many micro-batches as each rank's memory allows and fills with W. The
+    benchmark's bound (the heaviest layer's rank, benchmarks/planner/synthesize_cases.py) holds."""
+    from benchmarks.planner.synthesize_cases import cases, head_bound
+
+    case = cases()[0]
+    assert (case.ranks, case.microbatches, case.memory_gib) == (4, 8, 7.0)
+    result = synthesize(case.costs, num_ranks=4, num_microbatches=8, memory_gib=7)
     assert result.baseline.schedule not in ("zb-h1", "zb-h2")
     assert result.speedup >= 1.05
+    assert head_bound(case.costs, 8) <= result.step_ms
     assert max(result.peak_gib) <= result.baseline.usable_gib
     validate(lower(result.program))
 
