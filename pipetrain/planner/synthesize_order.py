@@ -10,7 +10,8 @@ nothing else waits). Whenever a rank is free it picks among the actions it could
    every rank upstream;
 2. else an ``F``, if the micro-batch's activations fit under the rank's cap (a micro-batch's
    first forward on a rank reserves what all of its stages on that rank will hold, so a V rank
-   never starts micro-batches it then cannot turn at the bottom of the V: that would deadlock);
+   never starts micro-batches it then cannot turn at the bottom of the V: that would deadlock;
+   an ``I`` gives back all but what its ``W`` still needs, the ``W`` the rest);
 3. else a ``W``: deferred weight gradients fill what would be bubble. Under ``fill="fits"`` a
    ``W`` runs only where it ends before the next value the rank is known to receive (or where the
    cap blocks a forward: a ``W`` frees memory); under ``fill="eager"`` whenever the rank would
@@ -69,8 +70,8 @@ class OrderPolicy:
 class _Rank:
     free_at: float = 0.0
     held: float = 0.0
-    #: micro-batch -> GiB reserved on this rank (released stage by stage)
-    reserved: dict[int, float] | None = None
+    #: micro-batch -> [GiB still reserved on this rank, its backward pieces left here]
+    reserved: dict[int, list[float]] | None = None
     row: list[Action] | None = None
 
 
@@ -213,6 +214,28 @@ def _by_mb(a: Action) -> tuple[int, int]:
     return a.microbatch, a.stage
 
 
+def _release(state: _State, r: _Rank, action: Action) -> None:
+    """What a backward piece frees of its micro-batch's reservation: an ``I`` all but what its
+    ``W`` still needs (the I-to-W size), a ``W`` the rest, a ``B`` the whole; the micro-batch
+    leaves the rank with its last piece there."""
+    assert r.reserved is not None
+    s, j, t = action.stage, action.microbatch, state.t
+    match action.kind:
+        case OpKind.I:
+            freed = max(0.0, t.activation[s] - t.activation_for_weight[s])
+        case OpKind.W:
+            freed = min(t.activation[s], t.activation_for_weight[s])
+        case _:
+            freed = t.activation[s]
+    entry = r.reserved[j]
+    entry[0] -= freed
+    r.held -= freed
+    if action.kind is not OpKind.I:
+        entry[1] -= 1
+        if entry[1] == 0:
+            r.held -= r.reserved.pop(j)[0]
+
+
 def _start(state: _State, at: float, rank: int, action: Action) -> None:
     """Run ``action`` on ``rank`` from ``at`` — unless the rank only waits until ``at`` for a
     value, in which case the rank's clock moves there and it chooses again."""
@@ -227,14 +250,11 @@ def _start(state: _State, at: float, rank: int, action: Action) -> None:
     assert r.reserved is not None and r.row is not None
     s, j = action.stage, action.microbatch
     if action.kind is OpKind.F and j not in r.reserved:
-        r.reserved[j] = state.reservation(rank, s)
-        r.held += r.reserved[j]
-    elif action.kind in (OpKind.W, OpKind.B):
-        freed = state.t.activation[s]
-        r.reserved[j] -= freed
-        r.held -= freed
-        if r.reserved[j] <= 1e-12:
-            r.held -= r.reserved.pop(j)
+        stages = [x for x in state.stages[rank] if x >= s]
+        r.reserved[j] = [state.reservation(rank, s), len(stages)]
+        r.held += r.reserved[j][0]
+    elif action.kind is not OpKind.F:
+        _release(state, r, action)
     state.end[OpKind.I if action.kind is OpKind.B else action.kind, s, j] = end
     state.next[OpKind.I if action.kind is OpKind.B else action.kind][s] += 1
     if action.kind is OpKind.B:
