@@ -137,7 +137,9 @@ def synthesize_from_search(
     costs: ModelCosts, found: Search, *, order_budget: int = ORDER_BUDGET
 ) -> Synthesis:
     """``synthesize`` on a search already run (the planner's hook: ``found`` at one micro-batch
-    count); its best fitting candidate is the baseline."""
+    count); its best fitting candidate that offloads nothing is the baseline (the synthesis
+    plans no offload; ``NoPlanFits`` when only offloading candidates fit)."""
+    found = Search(candidates=[c for c in found.candidates if not c.plan.layout.offloads])
     base = found.best
     counts = {c.plan.microbatches for c in found.fitting}
     if len(counts) != 1:
@@ -221,12 +223,14 @@ def synthesize_plan(
 ) -> Synthesis:
     """The planner's ``synthesized`` option: a synthesis at each micro-batch count ``found``
     tried (from its candidates at that count), the fastest per micro-batch of them, beside the
-    planner's overall pick (``found.best``) — never slower per micro-batch than it, as the pick's
-    own count is among those synthesized."""
-    pick = found.best
+    planner's fastest pick that offloads nothing — never slower per micro-batch than it, as the
+    pick's own count is among those synthesized. ``NoPlanFits`` where only offloading plans
+    fit."""
+    plain = Search(candidates=[c for c in found.candidates if not c.plan.layout.offloads])
+    pick = plain.best
     results = []
-    for m in sorted({c.plan.microbatches for c in found.fitting}):
-        at_m = Search(candidates=[c for c in found.candidates if c.plan.microbatches == m])
+    for m in sorted({c.plan.microbatches for c in plain.fitting}):
+        at_m = Search(candidates=[c for c in plain.candidates if c.plan.microbatches == m])
         results.append(synthesize_from_search(costs, at_m, order_budget=order_budget))
     best = min(results, key=lambda r: r.ms_per_microbatch)
     return replace(best, baseline=pick.plan, baseline_timeline=pick.timeline)
