@@ -139,7 +139,7 @@ def synthesize_from_search(
     """``synthesize`` on a search already run (the planner's hook: ``found`` at one micro-batch
     count); its best fitting candidate that offloads nothing is the baseline (the synthesis
     plans no offload; ``NoPlanFits`` when only offloading candidates fit)."""
-    found = Search(candidates=[c for c in found.candidates if not c.plan.layout.offloads])
+    found = replace(found, candidates=[c for c in found.candidates if not c.plan.layout.offloads])
     base = found.best
     counts = {c.plan.microbatches for c in found.fitting}
     if len(counts) != 1:
@@ -226,11 +226,11 @@ def synthesize_plan(
     planner's fastest pick that offloads nothing — never slower per micro-batch than it, as the
     pick's own count is among those synthesized. ``NoPlanFits`` where only offloading plans
     fit."""
-    plain = Search(candidates=[c for c in found.candidates if not c.plan.layout.offloads])
+    plain = replace(found, candidates=[c for c in found.candidates if not c.plan.layout.offloads])
     pick = plain.best
     results = []
     for m in sorted({c.plan.microbatches for c in plain.fitting}):
-        at_m = Search(candidates=[c for c in plain.candidates if c.plan.microbatches == m])
+        at_m = replace(plain, candidates=[c for c in plain.candidates if c.plan.microbatches == m])
         results.append(synthesize_from_search(costs, at_m, order_budget=order_budget))
     best = min(results, key=lambda r: r.ms_per_microbatch)
     return replace(best, baseline=pick.plan, baseline_timeline=pick.timeline)
@@ -296,10 +296,11 @@ def policies(placement: Placement) -> list[OrderPolicy]:
         tuple(max(1, 2 * p - 1 - 2 * r) for r in range(p)),
     ]
     return [
-        OrderPolicy((), in_flight, fill, deep)
+        OrderPolicy((), in_flight, fill, deep, early_release=early)
         for in_flight in depth_rules
         for fill in ("fits", "eager")
         for deep in ((True, False) if v_placed else (True,))
+        for early in (True, False)
     ]
 
 
@@ -372,4 +373,5 @@ def _label(start: Start, policy: OrderPolicy) -> str:
         else ""
     )
     placement = "V placement" if start.placement.kind is PlacementKind.V else "1 stage per rank"
-    return f"greedy on {start.how} ({placement}; {depth}; W fill {policy.fill}{chunk})"
+    held = "" if policy.early_release else "; activations held whole to W"
+    return f"greedy on {start.how} ({placement}; {depth}; W fill {policy.fill}{chunk}{held})"

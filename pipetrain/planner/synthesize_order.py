@@ -64,6 +64,9 @@ class OrderPolicy:
     fill: str = "fits"
     deep_first: bool = True
     split: bool = True
+    #: an ``I`` gives back what its ``W`` no longer needs (else the whole activation is held to
+    #: the ``W``: fewer forwards in flight, more room for deferred ``W``s)
+    early_release: bool = True
 
 
 @dataclass
@@ -193,9 +196,7 @@ def _choose(state: _State, rank: int) -> tuple[float, Action] | None:
         blocked = bool(forwards)  # forwards ready but over the cap: a W frees memory
         soon = min(upcoming, default=math.inf)
         if state.policy.fill == "eager" or blocked or at + state.duration(w) <= soon + 1e-12:
-            return at, w
-        if soon == math.inf:
-            return at, w
+            return at, w  # (with no arrival known, ``soon`` is infinite: the W runs)
         return soon, _first_at(options, soon)
     later = [t for t, _ in options if t > at]
     if not later:
@@ -222,9 +223,11 @@ def _release(state: _State, r: _Rank, action: Action) -> None:
     s, j, t = action.stage, action.microbatch, state.t
     match action.kind:
         case OpKind.I:
-            freed = max(0.0, t.activation[s] - t.activation_for_weight[s])
+            kept = t.activation_for_weight[s] if state.policy.early_release else t.activation[s]
+            freed = max(0.0, t.activation[s] - kept)
         case OpKind.W:
-            freed = min(t.activation[s], t.activation_for_weight[s])
+            kept = t.activation_for_weight[s] if state.policy.early_release else t.activation[s]
+            freed = min(t.activation[s], kept)
         case _:
             freed = t.activation[s]
     entry = r.reserved[j]
