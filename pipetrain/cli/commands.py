@@ -23,6 +23,7 @@ from pipetrain.cli import (
     schedules_command,
     show_command,
     simulate_command,
+    synthesize_command,
     train_command,
     verify_command,
 )
@@ -35,6 +36,7 @@ COMMANDS: tuple[Command, ...] = (
     simulate_command.COMMAND,
     compare_command.COMMAND,
     plan_command.COMMAND,
+    synthesize_command.COMMAND,
     profile_command.COMMAND,
     train_command.COMMAND,
     report_command.COMMAND,

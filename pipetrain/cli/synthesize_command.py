@@ -1,0 +1,121 @@
+"""``pipetrain synthesize``: a program built for a costs file's measured stages under a memory
+cap (``planner.synthesize``), drawn beside the planner's pick it must beat or equal, written as a
+program file (torch's CSV or pipetrain's JSON) that ``Pipeline(schedule=...)`` and ``pipetrain
+show`` read. Bad input, or a budget nothing fits, exits 2 with one line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from pipetrain.cli.flags import (
+    WIDTH,
+    Command,
+    Option,
+    fraction,
+    gib,
+    microbatches_option,
+    ranks_option,
+    width_of,
+)
+from pipetrain.planner.costs_file import load_costs
+from pipetrain.planner.search import DEFAULT_HEADROOM
+from pipetrain.planner.synthesize import Synthesis, synthesize
+from pipetrain.schedule.program_io import save_program
+
+OPTIONS = (
+    Option(("--costs",), required=True, metavar="FILE", help="costs file (JSON, version 1 or 2)"),
+    ranks_option(required=True),
+    microbatches_option(required=True),
+    Option(
+        ("--memory-gib",),
+        type=gib,
+        required=True,
+        metavar="G",
+        help="memory budget per rank (GiB)",
+    ),
+    Option(
+        ("--headroom",),
+        type=fraction,
+        default=DEFAULT_HEADROOM,
+        metavar="F",
+        help="share of --memory-gib kept free, as `pipetrain plan` keeps it",
+    ),
+    Option(
+        ("--out",),
+        metavar="FILE",
+        help="write the program: .json (placement included) or torch-compatible CSV",
+    ),
+    Option(("--svg",), metavar="FILE", help="write the synthesized step as an SVG"),
+    Option(("--json",), switch=True, help="print the result as one JSON object"),
+    WIDTH,
+)
+
+
+def run(args: argparse.Namespace) -> int:
+    costs = load_costs(args.costs)
+    result = synthesize(
+        costs,
+        num_ranks=args.ranks,
+        num_microbatches=args.microbatches,
+        memory_gib=args.memory_gib,
+        headroom=args.headroom,
+    )
+    if args.out:
+        save_program(result.program, args.out)
+    if args.svg:
+        from pipetrain.render.svg import render_svg
+
+        Path(args.svg).write_text(
+            render_svg(
+                result.timeline,
+                title=f"synthesized, stage_layers {list(result.stage_layers)}",
+                memory=True,
+                static=result.static_gib,
+                limit=result.baseline.usable_gib,
+            )
+        )
+    if args.json:
+        out = result.to_json()
+        if args.out:
+            out["program"] = args.out
+        print(json.dumps(out))
+        return 0
+    from pipetrain.render.text import render_text
+
+    print(render_text(result.timeline, width=width_of(args), color=False))
+    print(describe(result))
+    for path in (args.out, args.svg):
+        if path:
+            print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def describe(result: Synthesis) -> str:
+    """The synthesized step beside the planner's pick, in words."""
+    base = result.baseline
+    return "\n".join(
+        [
+            f"synthesized: {result.program.num_ranks} ranks, {result.program.num_stages} stages, "
+            f"{result.program.num_microbatches} micro-batches, stage_layers "
+            f"{list(result.stage_layers)}, recompute {list(result.recompute)}",
+            f"predicted: step {result.step_ms:.3f} ms, bubble "
+            f"{result.timeline.bubble_fraction:.1%}, peak GiB per rank "
+            + " ".join(f"{p:.2f}" for p in result.peak_gib)
+            + f" (budget {base.memory_gib:g}, {base.usable_gib:.3g} after headroom)",
+            f"planner's pick: {base.schedule}, {base.stages_per_rank} stage(s) per rank, "
+            f"stage_layers {list(base.stage_layers)}: step {base.step_ms:.3f} ms "
+            f"({result.speedup:.3f}x)",
+            f"found by: {result.how}",
+        ]
+    )
+
+
+COMMAND = Command(
+    name="synthesize",
+    help="build a schedule for a costs file's stages under a memory cap",
+    options=lambda: OPTIONS,
+    run=run,
+)
