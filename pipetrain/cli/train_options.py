@@ -180,8 +180,7 @@ def guard_options(choices: dict[str, tuple[str, ...]]) -> tuple[Option, ...]:
             type=non_negative_int,
             metavar="N",
             help="collect Python's garbage every N steps on every rank and never in between, "
-            "so collections do not stall steps at random (default 50; 0: Python's automatic "
-            "collection)",
+            "so collections do not stall steps at random (0: Python's automatic collection)",
         ),
     )
 

@@ -13,7 +13,7 @@ class Cycle:
 
 
 def _cycles_alive() -> int:
-    return sum(isinstance(o, Cycle) for o in gc.get_objects())
+    return sum(type(o) is Cycle for o in gc.get_objects())
 
 
 def test_collections_run_only_on_the_steps_due_and_the_collector_comes_back():
