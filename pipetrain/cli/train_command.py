@@ -33,7 +33,13 @@ from pipetrain.cli.flags import (
     stages_per_rank_option,
     with_defaults,
 )
-from pipetrain.cli.train_options import data_options, eval_options, guard_options, optimizer_options
+from pipetrain.cli.train_options import (
+    data_options,
+    eval_options,
+    guard_options,
+    optimizer_options,
+    resilience_options,
+)
 from pipetrain.schedule.registry import FAMILIES
 
 if TYPE_CHECKING:
@@ -82,6 +88,7 @@ def options() -> tuple[Option, ...]:
         *eval_options(),
         *_output_options(CHOICES),
         *guard_options(CHOICES),
+        *resilience_options(),
         *_process_options(CHOICES),
     )
     folder = with_defaults(folder_options(), TrainConfig())
