@@ -128,7 +128,7 @@ def _launch(config: TrainConfig, layout: Layout) -> int:
     failure_logs.clear_logs(failure_logs.log_folder(config))
     if config.max_restarts:
         announce(f"launching (up to {config.max_restarts} restarts)", config, layout, device)
-        return run_elastic(config, processes, worker_argv)
+        return run_elastic(config, processes, worker_argv, worker_environment(processes))
     announce("launching", config, layout, device)
     cmd = [sys.executable, "-m", "pipetrain", "train", *worker_argv, "--worker"]
     ended = start_processes(processes, cmd, worker_environment(processes), config.term_grace)

@@ -132,9 +132,13 @@ def check_restarts(config: TrainConfig, under_torchrun: bool) -> None:
         )
 
 
-def run_elastic(config: TrainConfig, processes: int, worker_argv: list[str]) -> int:
+def run_elastic(
+    config: TrainConfig, processes: int, worker_argv: list[str], environment: Mapping[str, str]
+) -> int:
     """Run ``processes`` workers of ``pipetrain train worker_argv`` under an elastic agent with
-    ``config.max_restarts`` restarts; the launcher's exit status (see the module docstring)."""
+    ``config.max_restarts`` restarts, with ``environment``'s thread count and log level
+    (``app.launch.worker_environment``, whose ``MASTER_PORT`` is taken for the rendezvous);
+    the launcher's exit status (see the module docstring)."""
     import logging
 
     from torch.distributed.elastic.agent.server.api import WorkerSpec, WorkerState
@@ -142,16 +146,13 @@ def run_elastic(config: TrainConfig, processes: int, worker_argv: list[str]) -> 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.rendezvous import RendezvousParameters, registry
 
-    from pipetrain.app.launch import worker_environment
-
     # the agent's own log lines say nothing this module's do not (torch gives each of its
     # modules' loggers a level and handler of its own)
     for name in list(logging.root.manager.loggerDict):
         if name.startswith("torch.distributed.elastic"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
-    base = worker_environment(processes)  # the port is the rendezvous's, the rest the workers'
-    port = base.pop("MASTER_PORT")
-    env = {k: base[k] for k in ("OMP_NUM_THREADS", "TORCH_CPP_LOG_LEVEL")}
+    port = environment["MASTER_PORT"]
+    env = {k: environment[k] for k in ("OMP_NUM_THREADS", "TORCH_CPP_LOG_LEVEL")}
     env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGTERM,SIGINT,SIGHUP"  # the agent's, as ours
     # a store of its own for each attempt, hosted by its rank 0: the agent's shared store keeps
     # the last attempt's keys, which a restarted process group reads (torch issue 135712)
