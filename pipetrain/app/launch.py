@@ -47,7 +47,7 @@ from pipetrain.app.processes import (
     start_processes,
     watch_launcher,
 )
-from pipetrain.app.restart import restart_count, resume_on_restart, run_elastic
+from pipetrain.app.restart import restart_count, restart_note, resume_on_restart, run_elastic
 from pipetrain.app.termination import TERMINATED, Terminated, check_termination
 from pipetrain.app.train import NonFinite, Refused, train
 from pipetrain.app.train_checks import check_arguments
@@ -64,8 +64,9 @@ def run_train(config: TrainConfig) -> int:
     if config.worker:
         watch_launcher()  # first: a launcher gone while this one starts up is noticed
     quiet_import_notices()  # before the checks, which import transformers for --model-dir
-    if not config.worker:  # a requeued job resumes (app.restart); its workers are told so
+    if not config.worker and restart_count(os.environ):  # a requeued job (app.restart)
         config = resume_on_restart(config, restart_count(os.environ))
+        print(f"pipetrain train: {restart_note(config, restart_count(os.environ))}", flush=True)
     try:
         check_termination(config)
         layout = check_arguments(config)

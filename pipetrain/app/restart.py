@@ -92,6 +92,19 @@ def resume_on_restart(config: TrainConfig, restarts: int) -> TrainConfig:
     return dataclasses.replace(config, resume=True, overwrite_checkpoints=False)
 
 
+def restart_note(config: TrainConfig, restarts: int) -> str:
+    """The line a restarted job prints once (``config`` as ``resume_on_restart`` gave it; ""
+    on a first start): where it continues from."""
+    if restarts == 0:
+        return ""
+    if config.resume:
+        return (
+            f"restart {restarts}: continuing from the latest checkpoint in {config.checkpoint_dir}"
+        )
+    where = "no --checkpoint-dir" if config.checkpoint_dir is None else "no checkpoint of this job"
+    return f"restart {restarts}: {where} to resume from; starting over from step 0"
+
+
 def _agent_started() -> float | None:
     """When this process's parent (the agent that restarts it) started, in seconds since the
     epoch (Linux ``/proc``), or None where that cannot be read."""
@@ -306,6 +319,7 @@ __all__ = [
     "agreed_restart_count",
     "check_restarts",
     "restart_count",
+    "restart_note",
     "resume_on_restart",
     "run_elastic",
     "shared_store_warning",

@@ -48,6 +48,7 @@ from pipetrain.app.processes import LAUNCHER_PID, die_with_parent
 from pipetrain.app.restart import (
     agreed_restart_count,
     check_restarts,
+    restart_note,
     resume_on_restart,
     shared_store_warning,
 )
@@ -87,7 +88,11 @@ def run_under_torchrun(config: TrainConfig) -> int:
         print(f"pipetrain train: error: {e}", file=sys.stderr)
         return 2
     device = join_group(config, device_kind)
-    config = resume_on_restart(config, agreed_restart_count())  # a restart resumes
+    restarts = agreed_restart_count()
+    given = config
+    config = resume_on_restart(config, restarts)  # a restart resumes
+    if restarts and not given.resume and int(os.environ.get("RANK", "0")) == 0:
+        print(f"pipetrain train: {restart_note(config, restarts)}", flush=True)
     error = _checked_once(config, device_kind, world, local)
     if error:
         _refuse_together(error, world)
