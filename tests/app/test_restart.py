@@ -153,3 +153,30 @@ def test_sigterm_is_noted_and_agreed_on_at_the_step_end(one_process_group, tmp_p
     assert signal.getsignal(signal.SIGTERM) == before
     off = TermWatch(TrainConfig(), one_process_group)  # without the flag: no handler, no vote
     assert signal.getsignal(signal.SIGTERM) == before and not off.agreed()
+
+
+class _Failure:
+    """What torch's agent records of a worker that ended (``ProcessFailure``'s fields read)."""
+
+    def __init__(self, exitcode: int, pid: int) -> None:
+        self.exitcode, self.pid, self.timestamp = exitcode, pid, 0
+
+
+def test_the_first_failure_found_is_named_with_its_signal(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The agent lists the worker it found dead before the ones it then stopped; once no restart
+    is left the launcher names it and exits 1, or passes on a status its worker explained."""
+    from pipetrain.app.restart import _failed
+
+    _saved(tmp_path, 20)
+    config = TrainConfig(checkpoint_dir=str(tmp_path), max_restarts=2)
+    found = {1: _Failure(-signal.SIGKILL, 4242), 0: _Failure(-signal.SIGTERM, 4241)}
+    assert _failed(config, found) == 1
+    said = capsys.readouterr().err
+    assert "rank 1 (pid 4242) killed by SIGKILL at " in said
+    assert "no restart left (--max-restarts 2); latest checkpoint: " in said
+    assert said.rstrip().endswith("step-000020")
+    for status in (1, 2, TERMINATED):  # the worker said why: no line of the launcher's
+        assert _failed(config, {0: _Failure(status, 1)}) == status
+        assert capsys.readouterr().err == ""
