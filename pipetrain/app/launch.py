@@ -64,9 +64,10 @@ def run_train(config: TrainConfig) -> int:
     if config.worker:
         watch_launcher()  # first: a launcher gone while this one starts up is noticed
     quiet_import_notices()  # before the checks, which import transformers for --model-dir
-    if not config.worker and restart_count(os.environ):  # a requeued job (app.restart)
-        config = resume_on_restart(config, restart_count(os.environ))
-        print(f"pipetrain train: {restart_note(config, restart_count(os.environ))}", flush=True)
+    restarts = 0 if config.worker else restart_count(os.environ)  # a requeued job's count
+    if restarts:  # it resumes (app.restart); its workers are given --resume
+        config = resume_on_restart(config, restarts)
+        print(f"pipetrain train: {restart_note(config, restarts)}", flush=True)
     try:
         check_termination(config)
         layout = check_arguments(config)

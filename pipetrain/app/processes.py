@@ -19,9 +19,10 @@ A worker (``watch_launcher``) dies with its launcher: Linux's parent-death signa
 SIGTERM when the launcher goes, however it goes (SIGKILL included); elsewhere a watchdog thread
 notices that its parent changed (a worker of torchrun's agent, ``die_with_parent``, dies with
 the agent the same way). Workers keep the default action of SIGTERM, SIGINT and SIGHUP, unless
-``--checkpoint-on-term`` catches SIGTERM: the process ends at once, wherever it is (a C++ wait included), prints nothing, and runs no
-Python teardown that could wait on a peer. What a worker was writing then is never half
-visible: checkpoints appear by a rename once complete (``runtime.checkpoint``).
+``--checkpoint-on-term`` catches SIGTERM: the process ends at once, wherever it is (a C++ wait
+included), prints nothing, and runs no Python teardown that could wait on a peer. What a worker
+was writing then is never half visible: checkpoints appear by a rename once complete
+(``runtime.checkpoint``).
 """
 
 from __future__ import annotations

@@ -182,6 +182,9 @@ def run_elastic(
         max_nodes=1,
     )
     handler = registry.get_rendezvous_handler(params)
+    # the agent handles the stop signals while its workers run (a SignalException); they are
+    # given back after, so that a late signal is not an exception with no one to catch it
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     try:
         with tempfile.TemporaryDirectory(prefix="pipetrain-elastic-") as logs:
             spec = WorkerSpec(
@@ -205,6 +208,8 @@ def run_elastic(
                 return _stopped(config, int(e.sigval), agent.last_codes)
     finally:
         handler.shutdown()
+        for number, action in previous.items():
+            signal.signal(number, action)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
