@@ -238,7 +238,7 @@ def _failed(config: TrainConfig, failures: Mapping[int, Any]) -> int:
     """The launcher's status once no restart is left (or none is worth it)."""
     rank, failure = _first(failures)
     code = failure.exitcode
-    if code in (1, 2, TERMINATED):  # the worker said why (refused, stopped, failed)
+    if code in _FINAL:  # the worker said why, and no restart was worth it
         return code
     print(
         f"pipetrain train: error: {_who(rank, failure)}; no restart left (--max-restarts "

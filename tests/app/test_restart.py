@@ -166,7 +166,7 @@ def test_the_first_failure_found_is_named_with_its_signal(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The agent lists the worker it found dead before the ones it then stopped; once no restart
-    is left the launcher names it and exits 1, or passes on a status its worker explained."""
+    is left the launcher names it and exits 1, or passes on a status no restart changes."""
     from pipetrain.app.restart import _failed
 
     _saved(tmp_path, 20)
@@ -177,6 +177,8 @@ def test_the_first_failure_found_is_named_with_its_signal(
     assert "rank 1 (pid 4242) killed by SIGKILL at " in said
     assert "no restart left (--max-restarts 2); latest checkpoint: " in said
     assert said.rstrip().endswith("step-000020")
-    for status in (1, 2, TERMINATED):  # the worker said why: no line of the launcher's
+    assert _failed(config, {0: _Failure(1, 7)}) == 1  # an exception: its traceback is above
+    assert "rank 0 (pid 7) exited with status 1 at " in capsys.readouterr().err
+    for status in (2, TERMINATED):  # refused, or stopped on SIGTERM: the worker said so
         assert _failed(config, {0: _Failure(status, 1)}) == status
         assert capsys.readouterr().err == ""
