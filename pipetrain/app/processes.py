@@ -37,6 +37,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pipetrain.app.termination import TERMINATED
+
 #: the signals a launcher forwards (and a worker dies of by default)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 #: how long a worker may take to end after SIGTERM before it is killed (s)
@@ -77,8 +79,6 @@ def start_processes(
     added to ``env``; wait until all end, or stop them all at the first failure or a stop
     signal to this process (see the module docstring; ``term_grace``: how long they may take
     to stop after a stop signal, ``GRACE_S`` after a failure)."""
-    from pipetrain.app.termination import TERMINATED
-
     base = {**env, LAUNCHER_PID: str(os.getpid())}
     received: list[int] = []
 
