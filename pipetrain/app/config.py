@@ -53,7 +53,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "microbatch_balance": get_args(MicrobatchBalance),
 }
 #: numeric fields where 0 is legal (the others but the seed must be > 0)
-NON_NEGATIVE = ("warmup", "min_lr", "weight_decay", "gc_every")
+NON_NEGATIVE = ("warmup", "min_lr", "weight_decay", "gc_every", "max_restarts")
 #: the fields that give the pipeline's shape (a plan gives them instead)
 SHAPE_FIELDS = ("schedule", "ranks", "microbatches", "stages_per_rank", "recompute")
 
@@ -140,6 +140,12 @@ class TrainConfig:
     #: collect Python's garbage every this many steps, never in between (0: Python's own)
     gc_every: int = 50
     timeout: float = 300.0
+    #: restarts of every worker after one fails (``app.restart``); 0: the run stops instead
+    max_restarts: int = 0
+    #: on SIGTERM, every rank finishes its step and a checkpoint is written (``app.termination``)
+    checkpoint_on_term: bool = False
+    #: how long the workers may take to stop after SIGTERM before they are killed (s)
+    term_grace: float = 30.0
     #: set by the launcher on the processes it starts
     worker: bool = False
 

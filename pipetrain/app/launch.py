@@ -17,7 +17,10 @@ process group, runs the training loop (``app.train``) and, on rank 0, prints the
 traceback to its log and the launcher prints the cause in one line (``app.failure_logs``). Exit
 status: 0; 2 for bad input or a configuration the pipeline refuses (the library's message, no
 traceback); 1 when the run stopped (a loss that is not finite, a worker killed, a worker
-failed).
+failed); 75 (``app.termination.TERMINATED``) when SIGTERM stopped every rank after the same step
+and its checkpoint was written (``--checkpoint-on-term``); 128 + the signal when a stop signal
+ended it otherwise. With ``--max-restarts N`` the workers run under torchrun's elastic agent
+instead, which restarts them all when one dies (``app.restart``), with the same statuses.
 How many processes a run has, and along which dimensions, is ``process_grid``'s alone. Started
 by torchrun (on one machine or several), every process is a worker instead and global rank 0
 checks the job for all (``app.torchrun``), through this module's ``join_group`` and ``work``.
@@ -44,6 +47,8 @@ from pipetrain.app.processes import (
     start_processes,
     watch_launcher,
 )
+from pipetrain.app.restart import restart_count, restart_note, resume_on_restart, run_elastic
+from pipetrain.app.termination import TERMINATED, Terminated, check_termination
 from pipetrain.app.train import NonFinite, Refused, train
 from pipetrain.app.train_checks import check_arguments
 from pipetrain.planner.layout import Layout
@@ -59,7 +64,12 @@ def run_train(config: TrainConfig) -> int:
     if config.worker:
         watch_launcher()  # first: a launcher gone while this one starts up is noticed
     quiet_import_notices()  # before the checks, which import transformers for --model-dir
+    restarts = 0 if config.worker else restart_count(os.environ)  # a requeued job's count
+    if restarts:  # it resumes (app.restart); its workers are given --resume
+        config = resume_on_restart(config, restarts)
+        print(f"pipetrain train: {restart_note(config, restarts)}", flush=True)
     try:
+        check_termination(config)
         layout = check_arguments(config)
     except ValueError as e:
         print(f"pipetrain train: error: {e}", file=sys.stderr)
@@ -116,11 +126,14 @@ def _launch(config: TrainConfig, layout: Layout) -> int:
         return 2
     processes = processes_of(config, layout)
     # every worker parses this back into the same config, the device resolved once here
-    worker_argv = dataclasses.replace(config, device=device).argv()
+    worker_argv = dataclasses.replace(config, device=device, max_restarts=0).argv()
+    failure_logs.clear_logs(failure_logs.log_folder(config))
+    if config.max_restarts:
+        announce(f"launching (up to {config.max_restarts} restarts)", config, layout, device)
+        return run_elastic(config, processes, worker_argv, worker_environment(processes))
     announce("launching", config, layout, device)
     cmd = [sys.executable, "-m", "pipetrain", "train", *worker_argv, "--worker"]
-    failure_logs.clear_logs(failure_logs.log_folder(config))
-    ended = start_processes(processes, cmd, worker_environment(processes))
+    ended = start_processes(processes, cmd, worker_environment(processes), config.term_grace)
     status, message = _outcome(ended, config)
     if message:
         lead = "\n" if sys.stderr.isatty() else ""  # after a progress line still being drawn
@@ -166,6 +179,8 @@ def worker_environment(count: int) -> dict[str, str]:
 
 def _outcome(ended: Ended, config: TrainConfig) -> tuple[int, str]:
     """The launcher's exit status and the line it prints (none where a worker said it)."""
+    if ended.status == TERMINATED or (ended.signalled and TERMINATED in ended.codes):
+        return TERMINATED, ""  # stopped together on SIGTERM, the checkpoint written: rank 0 said
     if ended.signalled:
         name = signal_name(ended.signalled)
         return 128 + ended.signalled, f"stopped by {name}; every worker stopped{_kept(config)}"
@@ -291,6 +306,8 @@ def work(config: TrainConfig, device: torch.device, *, final: bool = False) -> i
             status, said, stream = REFUSED, f"pipetrain train: error: {e}", sys.stderr
         except NonFinite as e:  # the same on every rank: every rank has the same loss
             status, said, stream = STOPPED, f"pipetrain train: error: {e}", sys.stderr
+        except Terminated as e:  # every rank stopped after the same step (app.termination)
+            status, said, stream = TERMINATED, f"pipetrain train: {e}", sys.stderr
         except BaseException as e:  # torch.distributed.checkpoint's failures are BaseExceptions
             if isinstance(e, (SystemExit, KeyboardInterrupt)):
                 raise

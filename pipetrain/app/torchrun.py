@@ -17,6 +17,11 @@ tensor-parallel group lies inside a machine where ``--tp`` divides ``--nproc-per
 warns where it does not), and pipeline neighbours cross machines. A pipeline refusal or a stop
 exits 2 or 1 as under the own launcher; torchrun then stops the other processes and reports.
 
+Under ``torchrun --max-restarts N`` a restarted process (``TORCHELASTIC_RESTART_COUNT`` > 0)
+resumes from the latest checkpoint in ``--checkpoint-dir`` (``app.restart``), and with
+``--checkpoint-on-term`` SIGTERM stops every process after the same step with a checkpoint
+(``app.termination``): the same worker as ``pipetrain train --max-restarts N`` starts.
+
 torch is imported inside functions only, so ``pipetrain --help`` stays fast.
 """
 
@@ -39,7 +44,15 @@ from pipetrain.app.launch import (
     quiet_import_notices,
     work,
 )
-from pipetrain.app.processes import LAUNCHER_PID
+from pipetrain.app.processes import LAUNCHER_PID, die_with_parent
+from pipetrain.app.restart import (
+    agreed_restart_count,
+    check_restarts,
+    restart_note,
+    resume_on_restart,
+    shared_store_warning,
+)
+from pipetrain.app.termination import check_termination
 from pipetrain.app.train_checks import check_arguments
 
 #: the store key under which rank 0 writes the checks' outcome
@@ -66,6 +79,7 @@ def run_under_torchrun(config: TrainConfig) -> int:
     """This process's run as one of torchrun's workers; its exit status (2: refused, 1:
     stopped or failed, 0: trained)."""
     quiet_import_notices()  # before the checks, which import transformers for --model-dir
+    die_with_parent()  # an agent gone (SIGKILL included) leaves no worker training on
     world = int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     try:
@@ -74,6 +88,11 @@ def run_under_torchrun(config: TrainConfig) -> int:
         print(f"pipetrain train: error: {e}", file=sys.stderr)
         return 2
     device = join_group(config, device_kind)
+    restarts = agreed_restart_count()
+    given = config
+    config = resume_on_restart(config, restarts)  # a restart resumes
+    if restarts and not given.resume and int(os.environ.get("RANK", "0")) == 0:
+        print(f"pipetrain train: {restart_note(config, restarts)}", flush=True)
     error = _checked_once(config, device_kind, world, local)
     if error:
         _refuse_together(error, world)
@@ -95,13 +114,16 @@ def _checked_once(config: TrainConfig, device_kind: Device, world: int, local: i
     if dist.get_rank() == 0:
         error = ""
         try:
+            check_restarts(config, under_torchrun=True)
+            check_termination(config)
             layout = check_arguments(config)
             check_offload(device_kind, layout)
             check_world_size(config, processes_of(config, layout), world)
             failure_logs.clear_logs(failure_logs.log_folder(config))
-            warning = tensor_parallel_warning(config.tp, local, world)
-            if warning:
-                print(f"pipetrain train: warning: {warning}", file=sys.stderr, flush=True)
+            spans = tensor_parallel_warning(config.tp, local, world)
+            for warning in (spans, shared_store_warning(os.environ)):
+                if warning:
+                    print(f"pipetrain train: warning: {warning}", file=sys.stderr, flush=True)
             announce("torchrun started", config, layout, device_kind)
         except ValueError as e:
             error = str(e) or type(e).__name__

@@ -38,6 +38,7 @@ from pipetrain.app.garbage_collection import GarbageCollection
 from pipetrain.app.lr_schedule import LrSchedule, set_lr
 from pipetrain.app.model_folder import run_shape
 from pipetrain.app.report import Progress, report
+from pipetrain.app.termination import TermWatch
 from pipetrain.app.train_checks import check_arguments
 from pipetrain.schedule.timeline import Timeline
 
@@ -101,11 +102,12 @@ def train(config: TrainConfig, device: torch.device) -> Run:
         if config.checkpoint_dir
         else None
     )
+    term = TermWatch(config, device)  # --checkpoint-on-term: SIGTERM noted, agreed each step
     # closed at the end: a captured step (--cuda-graph) holds NCCL's communicators until its
     # pipeline lets go, and the worker destroys its process group next; a checkpoint still being
     # written (--async-checkpoint) is waited for, then the checkpoint folder's lock is let go,
     # so the next run of this process may take it
-    with pipe, saver if saver is not None else contextlib.nullcontext():
+    with pipe, saver if saver is not None else contextlib.nullcontext(), term:
         groups = parameter_groups(pipe.parameters(), config.weight_decay)
         opt = torch.optim.AdamW(groups, lr=schedule.lr, betas=(0.9, 0.95))
         start = _resume(config, saver, pipe, opt, rank)
@@ -120,8 +122,12 @@ def train(config: TrainConfig, device: torch.device) -> Run:
                 for step in range(start, config.steps):
                     steps.run(step, next(data))
                     collector.step(step + 1)
-                    if saver is not None and ((step + 1) % every == 0 or step + 1 == config.steps):
-                        saver.save(step + 1, pipe, opt)
+                    due = (step + 1) % every == 0 or step + 1 == config.steps
+                    # collective, every step: every rank stops after the same one
+                    stop = term.agreed() and step + 1 < config.steps
+                    saved = saver.save(step + 1, pipe, opt) if saver and (due or stop) else None
+                    if stop:
+                        raise term.stopped(step + 1, config.steps, saved)
         finally:
             steps.close()
         if config.export is not None:

@@ -39,6 +39,7 @@ from pipetrain.cli.train_options import (
     eval_options,
     guard_options,
     optimizer_options,
+    resilience_options,
 )
 from pipetrain.schedule.registry import FAMILIES
 
@@ -89,6 +90,7 @@ def options() -> tuple[Option, ...]:
         *_output_options(CHOICES),
         *checkpoint_options(),
         *guard_options(CHOICES),
+        *resilience_options(),
         *_process_options(CHOICES),
     )
     folder = with_defaults(folder_options(), TrainConfig())

@@ -206,6 +206,35 @@ def checkpoint_options() -> tuple[Option, ...]:
     )
 
 
+def resilience_options() -> tuple[Option, ...]:
+    """What the run does when a worker dies or the job is told to stop (docs/resilience.md)."""
+    from pipetrain.app.termination import TERMINATED
+
+    return (
+        Option(
+            ("--max-restarts",),
+            type=non_negative_int,
+            metavar="N",
+            help="restart every worker up to N times after one dies or fails (torchrun's elastic "
+            "agent, on this machine); a restart resumes from the latest complete checkpoint in "
+            "--checkpoint-dir",
+        ),
+        Option(
+            ("--checkpoint-on-term",),
+            switch=True,
+            help="on SIGTERM (Slurm, Kubernetes), every rank finishes its step, a checkpoint is "
+            f"written and the run exits {TERMINATED}; without it SIGTERM stops the run at once",
+        ),
+        Option(
+            ("--term-grace",),
+            type=positive_float,
+            metavar="SECONDS",
+            help="after SIGTERM, how long the workers may take to stop before they are killed "
+            "(keep it under the scheduler's own, e.g. Slurm's KillWait)",
+        ),
+    )
+
+
 __all__ = [
     "checkpoint_options",
     "data_options",
@@ -214,4 +243,5 @@ __all__ = [
     "non_negative_float",
     "non_negative_int",
     "optimizer_options",
+    "resilience_options",
 ]
