@@ -210,7 +210,10 @@ def family_of(model_or_config: Any) -> Family:
         return FAMILIES[model_type]
     if model_type in REFUSED:
         raise ValueError(f"{model_type}: not supported yet: {REFUSED[model_type]}")
+    dense = [t for t, f in FAMILIES.items() if not f.is_moe]
+    moe = [t for t, f in FAMILIES.items() if f.is_moe]
     raise ValueError(
-        f"pipetrain.hf supports causal LMs of model types {', '.join(SUPPORTED)}; got "
-        f"{type(model_or_config).__name__} (model_type={model_type!r})"
+        f"pipetrain.hf supports causal LMs of model types {', '.join(dense)}; got "
+        f"{type(model_or_config).__name__} (model_type={model_type!r}); it also supports the "
+        f"mixture-of-experts model types {', '.join(moe)}"
     )

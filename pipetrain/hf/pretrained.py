@@ -179,12 +179,13 @@ def check_tensors(tensors: FolderTensors, skeleton: Any, tied) -> None:
         except KeyError:
             missing.append(name)
             continue
-        stored = tensors.shape(keys)
-        if stored != tuple(tensor.shape) and (stored is not None or len(keys[0]) > 1):
+        stored, whole = tensors.shape(keys), len(keys) == 1 and len(keys[0]) == 1
+        if stored != tuple(tensor.shape) and (stored is not None or not whole):
             key = keys[0][0]
+            what = "" if whole else f" (one of the experts' tensors of {name!r})"
             raise ValueError(
                 f"{files.folder / files.where[key]} holds {key!r} of shape "
-                f"{tuple(files.shapes[key])}, but config.json describes {name!r} of "
+                f"{tuple(files.shapes[key])}{what}, but config.json describes "
                 f"{tuple(tensor.shape)}; is config.json this model's?"
             )
     if missing:

@@ -134,7 +134,7 @@ def parallelize_causal_lm(
 
 def _plan_of(layer: nn.Module) -> Any:
     """The decoder layer's tensor-parallel plan from its family's row, or its refusal."""
-    family = layer.family
+    family: Any = getattr(layer, "family", None)
     if family is None or family.tensor_parallel is None:
         model_type = getattr(layer.config, "model_type", "?")
         reason = family.tensor_parallel_refusal if family is not None else "no family row"
