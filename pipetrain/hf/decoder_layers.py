@@ -86,6 +86,12 @@ class DecoderLayer(_Adopting):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if position_ids is not None and self.family is not None and not self.family.packing:
+            raise ValueError(
+                f"{self.family.model_type}: transformers' model builds its mask without the "
+                "position ids, so packed documents would attend to each other; give padded rows "
+                "(attention_mask, no position_ids; --packing none)"
+            )
         whole = hidden
         if self.sequence_shards > 1:  # a view of the whole sequence's shape, no copy
             rows, tokens, width = hidden.shape

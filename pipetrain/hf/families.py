@@ -63,6 +63,9 @@ class Family:
     tied: tuple[tuple[str, str], ...] = LLAMA_TIE
     #: non-persistent buffers in no checkpoint, recomputed by the model's ``_init_weights``
     buffers: tuple[str, ...] = ROPE_BUFFERS
+    #: whether its ``forward`` keeps packed documents apart (builds its mask from the position
+    #: ids); where not, given position ids are refused rather than masked differently
+    packing: bool = True
 
     @property
     def is_moe(self) -> bool:
@@ -135,7 +138,13 @@ def _dense(model_type: str) -> Family:
     return Family(model_type, _llama_style, DecoderLayer)
 
 
-def _moe(model_type: str, module: str, num_experts: str, stored: StoredExperts) -> Family:
+def _moe(
+    model_type: str,
+    num_experts: str,
+    stored: StoredExperts | None,
+    router: str = "mlp.gate",
+    packing: bool = True,
+) -> Family:
     return Family(
         model_type,
         _llama_style,
@@ -143,10 +152,11 @@ def _moe(model_type: str, module: str, num_experts: str, stored: StoredExperts) 
         tensor_parallel=None,
         tensor_parallel_refusal=MOE_NO_TP,
         experts=("mlp.experts",),
-        router="mlp.gate",
-        balancing=f"transformers.models.{module}.modeling_{module}",
+        router=router,
+        balancing=f"transformers.models.{model_type}.modeling_{model_type}",
         num_experts=num_experts,
         stored=stored,
+        packing=packing,
     )
 
 
@@ -170,14 +180,12 @@ FAMILIES: dict[str, Family] = {
             tied=(("transformer.wte.weight", "lm_head.weight"),),
             buffers=(),
         ),
-        _moe("qwen2_moe", "qwen2_moe", "num_experts", StoredExperts()),
-        _moe("qwen3_moe", "qwen3_moe", "num_experts", StoredExperts()),
-        _moe(
-            "mixtral",
-            "mixtral",
-            "num_local_experts",
-            StoredExperts("block_sparse_moe", "w1", "w3", "w2"),
-        ),
+        _moe("qwen2_moe", "num_experts", StoredExperts()),
+        _moe("qwen3_moe", "num_experts", StoredExperts()),
+        _moe("mixtral", "num_local_experts", StoredExperts("block_sparse_moe", "w1", "w3", "w2")),
+        # bf16 folders store the experts fused, under the model's names; its forward builds
+        # the mask without the position ids, so packed documents would see each other
+        _moe("gpt_oss", "num_local_experts", None, router="mlp.router", packing=False),
     )
 }
 
@@ -187,10 +195,6 @@ REFUSED: dict[str, str] = {
         "its auxiliary-loss-free balancing (the per-expert bias updated after each optimizer "
         "step) is not implemented, and its multi-token prediction has no reference yet "
         "(transformers drops those weights)"
-    ),
-    "gpt_oss": (
-        "its router and attention sinks have no pipetrain reference yet (and MXFP4 folders "
-        "would need dequantizing first)"
     ),
 }
 

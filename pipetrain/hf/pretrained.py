@@ -92,6 +92,7 @@ def from_pretrained(
 
     config = AutoConfig.from_pretrained(require_folder(model_dir))
     family_of(config)  # a refused family's reason before any file is looked at
+    refuse_quantized(config, model_dir)
     files = ModelFiles.open(model_dir)
     return PretrainedStages(
         files,
@@ -157,11 +158,30 @@ def check_folder(model_dir: str | Path) -> None:
 
     config = AutoConfig.from_pretrained(require_folder(model_dir))
     family = family_of(config)  # a refused family's reason before any file is looked at
+    refuse_quantized(config, model_dir)
     files = ModelFiles.open(model_dir)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
     prefix = getattr(skeleton, "base_model_prefix", "")
     check_tensors(family.folder_tensors(files, config, prefix), skeleton, tied_weights(skeleton))
+
+
+def refuse_quantized(config: Any, model_dir: str | Path) -> None:
+    """A ``ValueError`` for a folder of quantized weights (``quantization_config``: GPT-OSS's
+    MXFP4 release, for one): ``pipetrain.hf`` reads tensors under the model's names and trains
+    them as they are, so it takes unquantized folders only."""
+    quantization = getattr(config, "quantization_config", None)
+    if quantization:
+        method = (
+            quantization.get("quant_method", "?")
+            if isinstance(quantization, dict)
+            else getattr(quantization, "quant_method", "?")
+        )
+        raise ValueError(
+            f"{model_dir} holds quantized weights ({method}); pipetrain.hf trains unquantized "
+            "folders: dequantize first (load it with transformers' dequantize=True and "
+            "save_pretrained, or use a bf16 release)"
+        )
 
 
 def check_tensors(tensors: FolderTensors, skeleton: Any, tied) -> None:

@@ -17,12 +17,11 @@ _SLOT = "_pipetrain_extra_losses"
 
 
 def record_extra_loss(module: nn.Module, name: str, value: torch.Tensor) -> None:
-    """Keep ``value`` (a scalar tensor) as ``module``'s term ``name`` for this forward; a
-    second term of the same name in the same forward adds to it."""
+    """Keep ``value`` (a scalar tensor) as ``module``'s term ``name`` of its last forward,
+    replacing an earlier one (a checkpointed layer's recompute records again)."""
     if value.dim() != 0:
         raise ValueError(f"extra loss {name!r} must be a scalar, got shape {tuple(value.shape)}")
-    terms = module.__dict__.setdefault(_SLOT, {})
-    terms[name] = terms[name] + value if name in terms else value
+    module.__dict__.setdefault(_SLOT, {})[name] = value
 
 
 def take_extra_losses(module: nn.Module) -> dict[str, torch.Tensor]:

@@ -34,7 +34,7 @@ from pipetrain.hf import (
 from pipetrain.runtime.extra_losses import take_extra_losses
 
 VOCAB, SEQ, ROWS = 53, 7, 3
-KINDS = ["qwen2_moe", "qwen3_moe", "mixtral"]
+KINDS = ["qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss"]
 COEF = 0.25  # large, so the router term weighs in the gradients
 EAGER = {"experts_implementation": "eager"}  # grouped_mm takes no float64
 
@@ -62,6 +62,8 @@ def config(kind: str, *, layers: int = 3, router_loss: bool = True, tied: bool =
     )
     if kind == "mixtral":
         return tf.MixtralConfig(**common, num_local_experts=4)
+    if kind == "gpt_oss":  # sliding and full layers alternate; attention sinks; eager attention
+        return tf.GptOssConfig(**common, num_local_experts=4, head_dim=4, sliding_window=3)
     moe = dict(num_experts=4, moe_intermediate_size=8, mlp_only_layers=[1])
     if kind == "qwen2_moe":
         return tf.Qwen2MoeConfig(**common, **moe, shared_expert_intermediate_size=12)
@@ -73,9 +75,10 @@ def build(kind: str, **kwargs):
 
     torch.manual_seed(7)
     model = AutoModelForCausalLM.from_config(config(kind, **kwargs)).double()
-    with torch.no_grad():  # Qwen2-MoE's router starts at zero: every expert tied, no top-k
+    router = family_of(model).router
+    with torch.no_grad():  # some routers start at zero: every expert tied, no top-k
         for name, p in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
+            if name.endswith(f"{router}.weight"):
                 p.normal_(0.0, 0.5)
     return model.train()
 
@@ -131,12 +134,13 @@ def test_stages_give_transformers_logits_and_router_losses(kind) -> None:
     moe = [n for n, layer in layers.items() if isinstance(layer, MoeDecoderLayer)]
     assert moe and all(isinstance(layers[n], MoeDecoderLayer) for n in moe)
     routed = [n for n in moe if layers[n].has_router]
-    assert len(routed) == (3 if kind == "mixtral" else 2)  # Qwen's layer 1 is dense
+    dense_middle = kind.startswith("qwen")  # Qwen-MoE's layer 1 is dense (mlp_only_layers)
+    assert len(routed) == (2 if dense_middle else 3)
     stages = pipetrain.split(layers, [2, 1, 3])
     logits = run_stages(stages, ids, mask)
     assert _close(logits, ref_logits, 1e-13)
     terms = [take_extra_losses(stage) for stage in stages]
-    assert [ROUTER_AUX_LOSS in t for t in terms] == [True, kind == "mixtral", True]
+    assert [ROUTER_AUX_LOSS in t for t in terms] == [True, not dense_middle, True]
     aux = sum(t[ROUTER_AUX_LOSS] for t in terms if t)
     assert _close(aux, ref_aux, 1e-13), (aux.item(), ref_aux.item())
     # padding counted would change the term: the mask is what excludes it
@@ -206,7 +210,7 @@ class _FakeMesh:
 
 
 def write_folders(root: Path) -> dict[str, str]:
-    """One folder per family: Mixtral tied in shards, the Qwens untied in one file."""
+    """One folder per family: Mixtral tied in shards, the others untied in one file."""
     folders = {}
     for kind in KINDS:
         folder = root / kind
@@ -237,6 +241,43 @@ def test_folders_pass_the_check_and_load_exactly(tmp_path) -> None:
         assert all(torch.equal(ours[n], t) for n, t in theirs.items()), kind
         logits = run_stages(built, ids, mask)
         assert _close(logits, model(ids, attention_mask=mask).logits, 1e-13), kind
+
+
+def test_recomputed_layers_record_the_same_terms_and_gradients(tmp_path) -> None:
+    """Full and selective recompute of every decoder layer: the same recorded router term and
+    the same gradients as without, and nothing recorded again by the backward's recompute."""
+    ids, mask = padded_batch()
+    build("mixtral").save_pretrained(tmp_path)
+    seen = {}
+    for mode in ("none", "full", "selective"):
+        (stage,) = from_pretrained(tmp_path, [6], recompute=mode)
+        logits = stage(ids, attention_mask=mask)
+        aux = take_extra_losses(stage)[ROUTER_AUX_LOSS]
+        (main_loss(logits, ids, mask) + aux).backward()
+        assert not take_extra_losses(stage), mode
+        seen[mode] = (aux.detach(), {n: p.grad for n, p in stage.named_parameters()})
+    plain_aux, plain = seen.pop("none")
+    for mode, (aux, grads) in seen.items():
+        assert torch.equal(aux, plain_aux), mode
+        assert all(torch.equal(grads[n], g) for n, g in plain.items()), mode
+
+
+def test_quantized_folders_and_packed_rows_where_transformers_ignores_them_are_refused(
+    tmp_path,
+) -> None:
+    from pipetrain.hf.pretrained import check_folder
+
+    model = build("gpt_oss", layers=1)
+    model.config.quantization_config = {"quant_method": "mxfp4"}
+    model.config.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"quantized weights \(mxfp4\).*dequantize first"):
+        check_folder(tmp_path)
+    with pytest.raises(ValueError, match=r"quantized weights \(mxfp4\)"):
+        from_pretrained(tmp_path, [4])
+    (stage,) = pipetrain.split(causal_lm_layers(build("gpt_oss", layers=1)), [4])
+    ids, _ = padded_batch()
+    with pytest.raises(ValueError, match="^gpt_oss: .*packed documents would attend"):
+        stage(ids, position_ids=torch.arange(SEQ).expand(ROWS, SEQ))
 
 
 @pytest.mark.parametrize("model_type", sorted(REFUSED))
