@@ -17,9 +17,9 @@ Padded or packed batches: ``side={"attention_mask": ..., "position_ids": ...}`` 
 
 Supported (model types checked, anything else refused): ``LlamaForCausalLM``, ``Qwen2ForCausalLM``,
 ``Qwen3ForCausalLM``, ``MistralForCausalLM``, ``GPT2LMHeadModel`` and the mixture-of-experts
-``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM`` and ``MixtralForCausalLM`` (each MoE layer adds
-its router's balancing loss per micro-batch: ``router_losses``); DeepSeek-V3 and GPT-OSS are
-refused with the reason (``families.REFUSED``). Training only (no KV cache). ``transformers`` and ``safetensors`` are imported only by this package, when used
+``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM`` and ``GptOssForCausalLM``
+(bf16 folders; each MoE layer adds its router's balancing loss per micro-batch:
+``router_losses``); DeepSeek-V3 is refused with the reason (``families.REFUSED``). Training only (no KV cache). ``transformers`` and ``safetensors`` are imported only by this package, when used
 (``pip install pipetrain[hf]``).
 
 Modules: ``families`` (one row per model family: builder, wrapper, tensor-parallel plan or
