@@ -77,11 +77,6 @@ class StoredExperts:
         return out
 
 
-def num_experts_of(config: Any, field: str) -> int:
-    """The config's routed-expert count (``field`` names it per family)."""
-    return int(getattr(config, field))
-
-
 @dataclass(frozen=True)
 class FolderTensors:
     """A model folder's tensors under the model's names: one stored tensor each, or a fused
