@@ -66,6 +66,7 @@ def from_pretrained(
     attn_implementation: str | None = None,
     recompute: str | Mapping[int, str] = "none",
     experts_implementation: str | None = None,
+    output_router_logits: bool | None = None,
 ) -> PretrainedStages:
     """The model in ``model_dir`` (``config.json`` and safetensors files) cut into stages of
     ``stage_layers`` consecutive layers each (embedding, decoder layers, final norm and head
@@ -84,15 +85,24 @@ def from_pretrained(
     so parameter names and state-dict keys are the model's); the embedding, the final norm and
     the head are never wrapped. ``experts_implementation``: a mixture-of-experts family's expert
     kernels, as in ``transformers`` (``"grouped_mm"``, ``"eager"``: a loop over experts...;
-    default its choice, except ``"eager"`` in float64, which ``grouped_mm`` does not take). An
-    ``ImportError`` where ``transformers`` is older than the wrappers need
+    default its choice, except ``"eager"`` in float64, which ``grouped_mm`` does not take).
+    ``output_router_logits``: overrides the config's, as ``transformers``' ``from_pretrained``
+    takes it; ``True`` makes each MoE layer add its router's balancing loss
+    (``router_losses``; released configs say ``False``). An ``ImportError`` where ``transformers`` is older than the wrappers need
     (``causal_lm.MIN_TRANSFORMERS``)."""
     require_transformers()
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(require_folder(model_dir))
-    family_of(config)  # a refused family's reason before any file is looked at
+    family = family_of(config)  # a refused family's reason before any file is looked at
     refuse_quantized(config, model_dir)
+    if output_router_logits is not None:
+        if not family.is_moe:
+            raise ValueError(
+                f"output_router_logits is for mixture-of-experts models; {model_dir} holds a "
+                f"dense {family.model_type} model: leave it out"
+            )
+        config.output_router_logits = output_router_logits
     files = ModelFiles.open(model_dir)
     return PretrainedStages(
         files,
