@@ -297,8 +297,9 @@ def test_refused_families_give_their_reason(tmp_path, model_type) -> None:
 
 def run_pipeline_round_trip(rank: int, world: int, folders: dict[str, str], out: str) -> list:
     """Each family from its folder on 2 ranks under ZBV: loss and gradients against the loaded
-    model, then an SGD update, ``save_pretrained`` (transformers and ``from_pretrained`` load
-    the trained values) and a DCP checkpoint into a fresh pipeline."""
+    model (graph replay, then deferred weight gradients), then an SGD update,
+    ``save_pretrained`` (transformers and ``from_pretrained`` load the trained values) and a DCP
+    checkpoint into a fresh pipeline."""
     from transformers import AutoModelForCausalLM
 
     from pipetrain.hf import save_pretrained
@@ -313,18 +314,21 @@ def run_pipeline_round_trip(rank: int, world: int, folders: dict[str, str], out:
         ref.backward()
         grads = {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}
 
-        def pipeline(folder=folder):
+        def pipeline(defer: bool, case: str, folder=folder, ref=ref, grads=grads):
             stages = from_pretrained(folder, [2, 1, 1, 2])
-            return pipetrain.Pipeline(stages, "zbv", 2, causal_lm_token_loss)
+            pipe = pipetrain.Pipeline(
+                stages, "zbv", 2, causal_lm_token_loss, defer_weight_grads=defer
+            )
+            loss = pipe.step(ids, targets, side={"attention_mask": mask})
+            if not _close(loss, ref):
+                failures.append(f"{case}: loss {loss.item()} != {ref.item()}")
+            for module in pipe.modules.values():
+                for n, p in module.named_parameters(remove_duplicate=False):
+                    if not _close(p.grad, grads[n]):
+                        failures.append(f"{case}: {n} gradient differs")
+            return pipe
 
-        pipe = pipeline()
-        loss = pipe.step(ids, targets, side={"attention_mask": mask})
-        if not _close(loss, ref):
-            failures.append(f"{kind}: loss {loss.item()} != {ref.item()}")
-        for module in pipe.modules.values():
-            for n, p in module.named_parameters(remove_duplicate=False):
-                if not _close(p.grad, grads[n]):
-                    failures.append(f"{kind}: {n} gradient differs")
+        pipe = pipeline(False, f"{kind} graph replay")
         with torch.no_grad():
             for p in pipe.parameters():
                 p -= 0.1 * p.grad
@@ -339,7 +343,7 @@ def run_pipeline_round_trip(rank: int, world: int, folders: dict[str, str], out:
         if any(not torch.equal(t, again[n]) for n, t in trained.items()):
             failures.append(f"{kind}: from_pretrained loads other values")
         pipetrain.save_checkpoint(f"{out}/{kind}-dcp", pipe)
-        fresh = pipeline()
+        fresh = pipeline(True, f"{kind} deferred weight gradients")
         pipetrain.load_checkpoint(f"{out}/{kind}-dcp", fresh)
         if any(not torch.equal(t, trained[n]) for n, t in fresh.state_dict().items()):
             failures.append(f"{kind}: the DCP checkpoint loads other values")
