@@ -16,11 +16,15 @@ Padded or packed batches: ``side={"attention_mask": ..., "position_ids": ...}`` 
 ``targets=next_token_targets(labels, ...)`` and ``causal_lm_token_loss`` (``masks``).
 
 Supported (model types checked, anything else refused): ``LlamaForCausalLM``, ``Qwen2ForCausalLM``,
-``Qwen3ForCausalLM``, ``MistralForCausalLM`` and ``GPT2LMHeadModel``; training only (no KV
-cache). ``transformers`` and ``safetensors`` are imported only by this package, when used
+``Qwen3ForCausalLM``, ``MistralForCausalLM``, ``GPT2LMHeadModel`` and the mixture-of-experts
+``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM`` and ``GptOssForCausalLM``
+(bf16 folders; each MoE layer adds its router's balancing loss per micro-batch:
+``router_losses``); DeepSeek-V3 is refused with the reason (``families.REFUSED``). Training only (no KV cache). ``transformers`` and ``safetensors`` are imported only by this package, when used
 (``pip install pipetrain[hf]``).
 
-Modules: ``causal_lm`` (layers, wrappers, losses, ties), ``masks`` (side inputs and targets),
+Modules: ``families`` (one row per model family: builder, wrapper, tensor-parallel plan or
+refusal, experts, ties, buffers), ``causal_lm`` (layers, losses, ties), ``decoder_layers`` (the
+wrappers), ``router_losses`` (MoE layers' balancing loss), ``masks`` (side inputs and targets),
 ``pretrained`` (``from_pretrained``), ``checkpoint_files`` (reading and writing the folder's
 safetensors files), ``export`` (``save_pretrained``), ``tensor_parallel`` (the Llama family's tensor-parallel
 plan, ``parallelize_causal_lm``).
@@ -28,34 +32,38 @@ plan, ``parallelize_causal_lm``).
 
 from pipetrain.hf.causal_lm import (
     IGNORE_INDEX,
-    LLAMA_FAMILY,
-    SUPPORTED,
     CausalLMTokenLoss,
-    DecoderLayer,
-    GPT2Embedding,
-    GPT2Layer,
     causal_lm_layers,
     causal_lm_loss,
     causal_lm_token_loss,
     tied_weights,
 )
+from pipetrain.hf.decoder_layers import DecoderLayer, GPT2Embedding, GPT2Layer
 from pipetrain.hf.export import save_pretrained
+from pipetrain.hf.families import FAMILIES, LLAMA_FAMILY, REFUSED, SUPPORTED, Family, family_of
 from pipetrain.hf.masks import next_token_targets, packed_position_ids
 from pipetrain.hf.pretrained import PretrainedStages, from_pretrained
+from pipetrain.hf.router_losses import ROUTER_AUX_LOSS, MoeDecoderLayer
 from pipetrain.hf.tensor_parallel import parallelize_causal_lm
 
 __all__ = [
+    "FAMILIES",
     "IGNORE_INDEX",
     "LLAMA_FAMILY",
+    "REFUSED",
+    "ROUTER_AUX_LOSS",
     "SUPPORTED",
     "CausalLMTokenLoss",
     "DecoderLayer",
+    "Family",
     "GPT2Embedding",
     "GPT2Layer",
+    "MoeDecoderLayer",
     "PretrainedStages",
     "causal_lm_layers",
     "causal_lm_loss",
     "causal_lm_token_loss",
+    "family_of",
     "from_pretrained",
     "next_token_targets",
     "packed_position_ids",

@@ -1,19 +1,21 @@
-"""Hugging Face causal LMs as an ordered list of layers under their model names.
+"""Hugging Face causal LMs as an ordered list of layers under their model names, and their losses.
 
 A ``transformers`` model runs its layers inside one ``forward`` that computes, once, what every
 layer needs: position ids, the rotary table (Llama family), the attention mask. Cut into stages
 those would have to be threaded through every stage's outputs. Here each decoder layer is
-wrapped so it makes its own from the hidden states it receives and the side inputs it is given
-(``attention_mask``, ``position_ids``; ``pipetrain.hf.masks``) — position ids ``0..T-1`` unless
-given, the rotary table from the model's own ``rotary_emb`` module and the mask from
-``transformers``' own mask functions (the sliding-window one where the config gives that layer a
-window) — exactly what the unsplit ``forward`` computes from the same inputs, recomputed per
-layer (a small cost next to attention).
+wrapped (``decoder_layers``) so it makes its own from the hidden states it receives and the side
+inputs it is given (``attention_mask``, ``position_ids``; ``pipetrain.hf.masks``) — position ids
+``0..T-1`` unless given, the rotary table from the model's own ``rotary_emb`` module and the mask
+from ``transformers``' own mask functions (the sliding-window one where the config gives that
+layer a window) — exactly what the unsplit ``forward`` computes from the same inputs. Which
+wrapper and which layout a model gets is its family's row (``families``); a mixture-of-experts
+layer also records its router's balancing loss (``router_losses``).
 
 Every layer keeps its model name, and a wrapper registers the wrapped layer's children as its
 own, so parameter names are the model's (``model.layers.3.self_attn.q_proj.weight``) and a
 ``transformers`` checkpoint loads by name whatever the cut. The modules are the model's own (no
-copies): the model and its layers share parameters, and nothing of the model is changed.
+copies): the model and its layers share parameters, and nothing of the model is changed (an MoE
+router gets a forward hook that does nothing unless its wrapper is running).
 
 A model on the meta device is refused: its non-persistent buffers (RoPE's ``inv_freq``) are in
 no state dict, so ``to_empty`` and ``load_state_dict`` would leave them uninitialised, silently.
@@ -29,13 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipetrain.hf import masks
+from pipetrain.hf.decoder_layers import DecoderLayer, GPT2Embedding, GPT2Layer
+from pipetrain.hf.families import LLAMA_FAMILY, SUPPORTED, family_of
 from pipetrain.hf.masks import IGNORE_INDEX
-
-#: model types whose forward is exactly embedding → decoder layers → norm → head
-LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral")
-SUPPORTED = (*LLAMA_FAMILY, "gpt2")
-
 
 #: the oldest ``transformers`` the wrappers are written against (the ``hf`` extra's floor)
 MIN_TRANSFORMERS = (5, 24)
@@ -88,30 +86,11 @@ def causal_lm_layers(model: Any) -> dict[str, nn.Module]:
 def layers_of(model: Any) -> dict[str, nn.Module]:
     """``causal_lm_layers`` without the meta-device check (``from_pretrained`` materialises
     the layers and recomputes their buffers itself)."""
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type not in SUPPORTED:
-        raise ValueError(
-            f"pipetrain.hf supports causal LMs of model types {', '.join(SUPPORTED)}; got "
-            f"{type(model).__name__} (model_type={model_type!r})"
-        )
-    config = model.config
+    config = getattr(model, "config", None)
+    family = family_of(model)
     if getattr(config, "add_cross_attention", False):
         raise ValueError("cross-attention (add_cross_attention=True) is not supported")
-    shared = masks.BuiltOnce()  # the layers' masks and rotary tables, built once per micro-batch
-    if model_type == "gpt2":
-        body = model.transformer
-        layers: dict[str, nn.Module] = {"transformer": GPT2Embedding(body)}
-        for i, block in enumerate(body.h):
-            layers[f"transformer.h.{i}"] = GPT2Layer(block, config, shared)
-        layers["transformer.ln_f"] = body.ln_f
-    else:
-        body = model.model
-        layers = {"model.embed_tokens": body.embed_tokens}
-        for i, layer in enumerate(body.layers[: config.num_hidden_layers]):
-            layers[f"model.layers.{i}"] = DecoderLayer(layer, body.rotary_emb, config, i, shared)
-        layers["model.norm"] = body.norm
-    layers["lm_head"] = model.lm_head
-    return layers
+    return family.layers(model)
 
 
 def tied_weights(model: Any) -> list[tuple[str, str]]:
@@ -200,123 +179,21 @@ class CausalLMTokenLoss:
 causal_lm_token_loss = CausalLMTokenLoss()
 
 
-class _Adopting(nn.Module):
-    """Registers a ``transformers`` layer's children as its own (same objects, so parameter
-    names drop the wrapper level) and keeps the layer unregistered, to call it."""
-
-    def __init__(self, layer: nn.Module) -> None:
-        super().__init__()
-        if (
-            next(layer.parameters(recurse=False), None) is not None
-            or next(layer.buffers(recurse=False), None) is not None
-        ):
-            raise ValueError(
-                f"{type(layer).__name__} holds parameters or buffers of its own; only layers "
-                "whose state sits in submodules can be wrapped"
-            )
-        for name, child in layer.named_children():
-            self.add_module(name, child)
-        self._wrapped = (layer,)  # a tuple: not registered as a submodule
-        self.train(layer.training)
-
-    @property
-    def wrapped(self) -> nn.Module:
-        return self._wrapped[0]
-
-    def train(self, mode: bool = True):
-        super().train(mode)
-        self.wrapped.training = mode  # the layer reads it (gradient checkpointing)
-        return self
-
-
-class DecoderLayer(_Adopting):
-    """A Llama-family decoder layer that computes its own position ids, rotary table and mask
-    (or takes them from the layer before it in the same micro-batch: ``shared``)."""
-
-    def __init__(
-        self,
-        layer: nn.Module,
-        rotary_emb: nn.Module,
-        config,
-        index: int,
-        shared: masks.BuiltOnce | None = None,
-    ) -> None:
-        super().__init__(layer)
-        self.shared = shared if shared is not None else masks.BuiltOnce()
-        self.rotary_emb = rotary_emb  # buffers only (non-persistent): no state-dict keys
-        self.config = config
-        kinds = getattr(config, "layer_types", None)
-        if kinds is not None:
-            self.sliding = kinds[index] == "sliding_attention"
-        else:  # Mistral: one window for every layer, or none
-            self.sliding = getattr(config, "sliding_window", None) is not None
-        #: how many sequence-parallel shards the hidden states arrive in (``tensor_parallel``):
-        #: positions and the mask are those of the whole sequence
-        self.sequence_shards = 1
-
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        whole = hidden
-        if self.sequence_shards > 1:  # a view of the whole sequence's shape, no copy
-            rows, tokens, width = hidden.shape
-            whole = hidden[:, :1].expand(rows, tokens * self.sequence_shards, width)
-        positions = masks.positions(whole, position_ids)
-        shape = (tuple(whole.shape), hidden.dtype, hidden.device)
-        mask = self.shared.get(
-            ("mask", id(self.config), self.sliding, *shape),
-            (attention_mask, position_ids),
-            lambda: masks.layer_mask(
-                self.config, whole, attention_mask, position_ids, self.sliding
-            ),
-        )
-        rotary = self.shared.get(
-            ("rotary", id(self.rotary_emb), *shape),
-            (position_ids, getattr(self.rotary_emb, "inv_freq", None)),
-            lambda: self.rotary_emb(hidden, position_ids=positions),
-        )
-        return self.wrapped(
-            hidden, attention_mask=mask, position_ids=positions, position_embeddings=rotary
-        )
-
-
-class GPT2Embedding(nn.Module):
-    """GPT-2's token and position embeddings and their dropout (named as in the model:
-    ``transformer.wte``, ``transformer.wpe``)."""
-
-    def __init__(self, body: Any) -> None:
-        super().__init__()
-        self.wte, self.wpe, self.drop = body.wte, body.wpe, body.drop
-
-    def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        positions = masks.positions(input_ids, position_ids)
-        return self.drop(self.wte(input_ids) + self.wpe(positions))
-
-
-class GPT2Layer(_Adopting):
-    """A GPT-2 block that builds its own causal mask (or takes it from the block before it in the
-    same micro-batch: ``shared``)."""
-
-    def __init__(self, block: nn.Module, config, shared: masks.BuiltOnce | None = None) -> None:
-        super().__init__(block)
-        self.config = config
-        self.shared = shared if shared is not None else masks.BuiltOnce()
-
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        positions = masks.positions(hidden, position_ids)
-        mask = self.shared.get(
-            ("mask", id(self.config), tuple(hidden.shape), hidden.dtype, hidden.device),
-            (attention_mask, position_ids),
-            lambda: masks.layer_mask(self.config, hidden, attention_mask, position_ids, False),
-        )
-        return self.wrapped(hidden, None, mask, position_ids=positions)
+__all__ = [
+    "IGNORE_INDEX",
+    "LLAMA_FAMILY",
+    "MIN_TRANSFORMERS",
+    "SUPPORTED",
+    "CausalLMLoss",
+    "CausalLMTokenLoss",
+    "DecoderLayer",
+    "GPT2Embedding",
+    "GPT2Layer",
+    "causal_lm_layers",
+    "causal_lm_loss",
+    "causal_lm_token_loss",
+    "layers_of",
+    "require_transformers",
+    "tied_weights",
+    "transformers_problem",
+]

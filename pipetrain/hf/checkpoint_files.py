@@ -49,12 +49,7 @@ class ModelFiles:
         first (``folder_check``: a ``ValueError`` naming the file at fault)."""
         from pipetrain.hf.folder_check import folder_tensors
 
-        path = Path(folder)
-        if not path.is_dir():
-            raise FileNotFoundError(
-                f"{folder} is not a folder; pipetrain.hf.from_pretrained reads a local model "
-                "folder (config.json and safetensors files; download it first)"
-            )
+        path = require_folder(folder)
         where, entries = folder_tensors(path)
         return cls(path, where, {n: e.shape for n, e in entries.items()})
 
@@ -92,6 +87,18 @@ class ModelFiles:
                     if dtype is not None:
                         return dtype
         return None
+
+
+def require_folder(folder: str | Path) -> Path:
+    """``folder`` as a path, or a ``FileNotFoundError`` where it is not a local folder (before
+    ``transformers`` would take its name for a model to download)."""
+    path = Path(folder)
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"{folder} is not a folder; pipetrain.hf.from_pretrained reads a local model "
+            "folder (config.json and safetensors files; download it first)"
+        )
+    return path
 
 
 def shard_name(number: int, count: int) -> str:

@@ -7,7 +7,9 @@ Collective. Each pipeline rank writes its own stages' tensors, by global name, t
 0 writes ``model.safetensors.index.json`` and ``config.json``; the folder loads with
 ``transformers``' ``from_pretrained`` and ``pipetrain.hf.from_pretrained`` alike. As there, a
 tied head is not written (it is the embedding), non-persistent buffers are not either, and a
-tensor several ranks hold (a tied replica under one name) is written once, by the lowest.
+tensor several ranks hold (a tied replica under one name) is written once, by the lowest. A
+mixture-of-experts family's fused expert parameters are written per expert under the family's
+original names, as ``transformers`` writes them (``stored_layout``).
 
 With data parallel (``Pipeline(mesh=..., data_parallel=...)``) every process calls: under FSDP2
 each replica's shards are gathered into whole tensors (an all-gather per tensor over the
@@ -34,7 +36,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from pipetrain.hf import checkpoint_files
-from pipetrain.hf.causal_lm import tied_weights
+from pipetrain.hf.families import family_of
 from pipetrain.runtime import checksums
 from pipetrain.runtime.checkpoint_disk import partial_path, publish, remove
 from pipetrain.runtime.comm.barrier import barrier
@@ -59,7 +61,7 @@ def save_pretrained(
         list(mesh.groups.values()) if mesh is not None else []
     )
     skipped = {target for _, target in _tied_pairs(config)}
-    tensors = _whole_tensors(pipe, skipped, keep=first_replica)
+    tensors = family_of(config).file_state(_whole_tensors(pipe, skipped, first_replica), config)
     mine = {n: (t.numel() * t.element_size(), t.dtype) for n, t in tensors.items()}
     held: list[dict[str, tuple[int, torch.dtype]]] = [mine]
     if pipe.world_size > 1:
@@ -113,7 +115,8 @@ def write_pretrained(
     final = Path(out_dir)
     partial = partial_path(final)
     skipped = {target for _, target in _tied_pairs(config)}
-    tensors = {n: t.contiguous() for n, t in state.items() if n not in skipped}
+    kept = {n: t.contiguous() for n, t in state.items() if n not in skipped}
+    tensors = family_of(config).file_state(kept, config)
     shard = checkpoint_files.shard_name(1, 1)
     sizes = {n: (t.numel() * t.element_size(), t.dtype) for n, t in tensors.items()}
     remove(partial)
@@ -202,12 +205,8 @@ def _config_of(pipe: Any, config: Any) -> Any:
 
 
 def _tied_pairs(config: Any) -> list[tuple[str, str]]:
-    """The (source, target) names the model of ``config`` ties (a meta-device build)."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
-    return tied_weights(model)
+    """The (source, target) names the model of ``config`` ties (its family's row)."""
+    return family_of(config).tied_pairs(config)
 
 
 @torch.no_grad()

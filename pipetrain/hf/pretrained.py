@@ -49,14 +49,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipetrain.hf.causal_lm import (
-    DecoderLayer,
-    GPT2Layer,
-    layers_of,
-    require_transformers,
-    tied_weights,
-)
-from pipetrain.hf.checkpoint_files import ModelFiles
+from pipetrain.hf.causal_lm import layers_of, require_transformers, tied_weights
+from pipetrain.hf.checkpoint_files import ModelFiles, require_folder
+from pipetrain.hf.families import Family, family_of
+from pipetrain.hf.stored_layout import FolderTensors
 from pipetrain.runtime.backward.activation_checkpoint import RECOMPUTE_MODES, recompute_layers
 from pipetrain.runtime.named_layers import Stage, check_counts, stage_ranges
 
@@ -69,6 +65,8 @@ def from_pretrained(
     device: torch.device | str | None = None,
     attn_implementation: str | None = None,
     recompute: str | Mapping[int, str] = "none",
+    experts_implementation: str | None = None,
+    output_router_logits: bool | None = None,
 ) -> PretrainedStages:
     """The model in ``model_dir`` (``config.json`` and safetensors files) cut into stages of
     ``stage_layers`` consecutive layers each (embedding, decoder layers, final norm and head
@@ -85,13 +83,27 @@ def from_pretrained(
     ``"none"``. Each chosen layer runs inside a non-reentrant checkpoint
     (``runtime.backward.activation_checkpoint.Recomputed``, held in the stage's call list only,
     so parameter names and state-dict keys are the model's); the embedding, the final norm and
-    the head are never wrapped. An ``ImportError`` where ``transformers`` is older than the
-    wrappers need (``causal_lm.MIN_TRANSFORMERS``)."""
+    the head are never wrapped. ``experts_implementation``: a mixture-of-experts family's expert
+    kernels, as in ``transformers`` (``"grouped_mm"``, ``"eager"``: a loop over experts...;
+    default its choice, except ``"eager"`` in float64, which ``grouped_mm`` does not take).
+    ``output_router_logits``: overrides the config's, as ``transformers``' ``from_pretrained``
+    takes it; ``True`` makes each MoE layer add its router's balancing loss
+    (``router_losses``; released configs say ``False``). An ``ImportError`` where ``transformers`` is older than the wrappers need
+    (``causal_lm.MIN_TRANSFORMERS``)."""
     require_transformers()
     from transformers import AutoConfig
 
+    config = AutoConfig.from_pretrained(require_folder(model_dir))
+    family = family_of(config)  # a refused family's reason before any file is looked at
+    refuse_quantized(config, model_dir)
+    if output_router_logits is not None:
+        if not family.is_moe:
+            raise ValueError(
+                f"output_router_logits is for mixture-of-experts models; {model_dir} holds a "
+                f"dense {family.model_type} model: leave it out"
+            )
+        config.output_router_logits = output_router_logits
     files = ModelFiles.open(model_dir)
-    config = AutoConfig.from_pretrained(model_dir)
     return PretrainedStages(
         files,
         config,
@@ -100,6 +112,7 @@ def from_pretrained(
         device,
         attn_implementation,
         recompute=recompute,
+        experts_implementation=experts_implementation,
     )
 
 
@@ -147,43 +160,63 @@ def _dtype(dtype, config, files: ModelFiles) -> torch.dtype:
     return dtype
 
 
-def _is_decoder(layer: nn.Module) -> bool:
-    return isinstance(layer, (DecoderLayer, GPT2Layer))
-
-
 def check_folder(model_dir: str | Path) -> None:
     """``model_dir``'s files are whole and hold every tensor its config describes, in the shape
     it describes (a launcher's check before any process loads anything, from the files' headers
     alone; ``from_pretrained`` makes the same check on every rank)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    config = AutoConfig.from_pretrained(require_folder(model_dir))
+    family = family_of(config)  # a refused family's reason before any file is looked at
+    refuse_quantized(config, model_dir)
     files = ModelFiles.open(model_dir)
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
-    check_tensors(
-        files, skeleton, tied_weights(skeleton), getattr(skeleton, "base_model_prefix", "")
-    )
+        skeleton = AutoModelForCausalLM.from_config(config)
+    prefix = getattr(skeleton, "base_model_prefix", "")
+    check_tensors(family.folder_tensors(files, config, prefix), skeleton, tied_weights(skeleton))
 
 
-def check_tensors(files: ModelFiles, skeleton: Any, tied, prefix: str) -> None:
-    """Every tensor of ``skeleton``'s state dict is in ``files``, of the skeleton's shape (the
-    headers only, no tensor read): a ``ValueError`` naming the missing ones or the first of
-    another shape, on every rank alike, rather than a ``KeyError`` mid-load on the ranks whose
-    stages hold them."""
+def refuse_quantized(config: Any, model_dir: str | Path) -> None:
+    """A ``ValueError`` for a folder of quantized weights (``quantization_config``: GPT-OSS's
+    MXFP4 release, for one): ``pipetrain.hf`` reads tensors under the model's names and trains
+    them as they are, so it takes unquantized folders only."""
+    quantization = getattr(config, "quantization_config", None)
+    if quantization:
+        method = (
+            quantization.get("quant_method", "?")
+            if isinstance(quantization, dict)
+            else getattr(quantization, "quant_method", "?")
+        )
+        raise ValueError(
+            f"{model_dir} holds quantized weights ({method}); pipetrain.hf trains unquantized "
+            "folders: dequantize first (load it with transformers' dequantize=True and "
+            "save_pretrained, or use a bf16 release)"
+        )
+
+
+def check_tensors(tensors: FolderTensors, skeleton: Any, tied) -> None:
+    """Every tensor of ``skeleton``'s state dict is in the folder (whole, or as its experts'
+    stored tensors), of the skeleton's shape (the headers only, no tensor read): a
+    ``ValueError`` naming the missing ones or the first of another shape, on every rank alike,
+    rather than a ``KeyError`` mid-load on the ranks whose stages hold them."""
+    files = tensors.files
     sources = {target: source for source, target in tied}
     state = skeleton.state_dict(keep_vars=True)
     missing = []
     for name, tensor in state.items():
         try:
-            key = files.key_for(name, sources.get(name), prefix)
+            keys = tensors.keys(name, sources.get(name))
         except KeyError:
             missing.append(name)
             continue
-        stored = files.shapes.get(key)
-        if stored is not None and tuple(stored) != tuple(tensor.shape):
+        stored, whole = tensors.shape(keys), len(keys) == 1 and len(keys[0]) == 1
+        if stored != tuple(tensor.shape) and (stored is not None or not whole):
+            key = keys[0][0]
+            what = "" if whole else f" (one of the experts' tensors of {name!r})"
             raise ValueError(
-                f"{files.folder / files.where[key]} holds {key!r} of shape {tuple(stored)}, but "
-                f"config.json describes {tuple(tensor.shape)}; is config.json this model's?"
+                f"{files.folder / files.where[key]} holds {key!r} of shape "
+                f"{tuple(files.shapes[key])}{what}, but config.json describes "
+                f"{tuple(tensor.shape)}; is config.json this model's?"
             )
     if missing:
         shown = ", ".join(repr(n) for n in missing[:4]) + (" ..." if len(missing) > 4 else "")
@@ -208,10 +241,16 @@ class PretrainedStages(Sequence):
         attn_implementation: str | None,
         *,
         recompute: str | Mapping[int, str] = "none",
+        experts_implementation: str | None = None,
     ) -> None:
         self.files, self.dtype = files, dtype
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self._config, self._attn = config, attn_implementation
+        #: the model's row of ``pipetrain.hf.families`` (a refused family stops here)
+        self.family: Family = family_of(config)
+        self._experts = experts_implementation
+        if experts_implementation is None and self.family.is_moe and dtype == torch.float64:
+            self._experts = "eager"
         skeleton = self._skeleton()
         layers = layers_of(skeleton)
         #: the global layer names, in call order
@@ -224,10 +263,14 @@ class PretrainedStages(Sequence):
         #: the model's config as loaded (its dtype and attention implementation set)
         self.config = skeleton.config
         #: the decoder layers' global names, by index (what ``recompute`` may wrap)
-        self.decoder_names = [n for n, layer in layers.items() if _is_decoder(layer)]
+        self.decoder_names = [
+            n for n, layer in layers.items() if isinstance(layer, self.family.decoder)
+        ]
         #: {decoder layer name: mode} for the layers that recompute (``from_pretrained``)
         self.recompute = _recompute_modes(recompute, self.decoder_names)
-        check_tensors(files, skeleton, self.tied, self.prefix)
+        #: the folder's tensors under the model's names (experts fused as they are read)
+        self.tensors = self.family.folder_tensors(files, config, self.prefix)
+        check_tensors(self.tensors, skeleton, self.tied)
 
     def _skeleton(self) -> Any:
         """The whole model on the meta device (parameters and buffers without storage)."""
@@ -236,6 +279,8 @@ class PretrainedStages(Sequence):
         kwargs: dict[str, Any] = {"dtype": self.dtype}
         if self._attn is not None:
             kwargs["attn_implementation"] = self._attn
+        if self._experts is not None:
+            kwargs["experts_implementation"] = self._experts
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(copy.deepcopy(self._config), **kwargs)
 
@@ -255,7 +300,7 @@ class PretrainedStages(Sequence):
         module = Stage(named)
         self._retie(module)
         loaded = self._load(module)
-        recompute_buffers(module, skeleton, loaded)
+        recompute_buffers(module, skeleton, loaded, self.family.buffers)
         module.tied_names = [tuple(sorted(pair)) for pair in self.tied]
         module.hf_config = self.config
         module.hf_folder = (
@@ -289,7 +334,7 @@ class PretrainedStages(Sequence):
         for name, tensor in sorted(state, key=lambda item: -item[1].numel()):
             if id(tensor) in seen:
                 continue
-            value = self.files.read(self.files.key_for(name, sources.get(name), self.prefix))
+            value = self.tensors.read(self.tensors.keys(name, sources.get(name)))
             if value.shape != tensor.shape:
                 raise ValueError(
                     f"{name!r} has shape {tuple(value.shape)} in {self.files.folder} but "
@@ -302,15 +347,27 @@ class PretrainedStages(Sequence):
         return loaded
 
 
-def recompute_buffers(module: nn.Module, skeleton: Any, loaded: list[torch.Tensor]) -> None:
+def recompute_buffers(
+    module: nn.Module, skeleton: Any, loaded: list[torch.Tensor], expected: Sequence[str]
+) -> None:
     """Fill ``module``'s non-persistent buffers the way ``transformers`` does after loading:
     the model's ``_init_weights`` on each module that owns one, with ``loaded`` marked as
-    initialised so that only what was not loaded is written (see the module docstring)."""
+    initialised so that only what was not loaded is written (see the module docstring). A buffer
+    not in ``expected`` (the family row's ``buffers``) is refused: its family does not say the
+    model's init recomputes it."""
     from transformers import initialization
 
     owners: dict[nn.Module, list[str]] = {}
     for sub in module.modules():
         names = [n for n in sub._non_persistent_buffers_set if sub._buffers.get(n) is not None]
+        unknown = [n for n in names if n not in expected]
+        if unknown:
+            raise ValueError(
+                f"{type(sub).__name__}.{unknown[0]} is a non-persistent buffer (in no "
+                "checkpoint) that this model family's row in pipetrain.hf.families does not "
+                "list; add it to the row's buffers once the model's _init_weights is known to "
+                "recompute it"
+            )
         if names:
             owners[sub] = names
     if not owners:

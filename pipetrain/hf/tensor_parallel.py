@@ -15,8 +15,11 @@ between pipeline stages too — hold 1/tp of the tokens.
 before the ``Pipeline`` is built with the same mesh. The attention modules need no change:
 ``transformers`` infers the local head count from the projections' shapes.
 
-Refused: GPT-2 (its ``Conv1D`` projections are not ``nn.Linear``); head counts the mesh does not
-divide. A tied embedding and head stay whole (replicated) so the tied sum adds whole gradients.
+Which layers take the plan is their family's row (``pipetrain.hf.families``). Refused, with
+the row's reason: GPT-2 (its ``Conv1D`` projections are not ``nn.Linear``) and the
+mixture-of-experts families (their experts need expert tensor parallel); head counts the mesh
+does not divide. A tied embedding and head stay whole (replicated) so the tied sum adds whole
+gradients.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import Any
 
 from torch import nn
 
-from pipetrain.hf.causal_lm import LLAMA_FAMILY, DecoderLayer, GPT2Layer
+from pipetrain.hf.decoder_layers import DecoderLayer, GPT2Layer
 
 _log = logging.getLogger(__name__)
 
@@ -93,16 +96,15 @@ def parallelize_causal_lm(
     size = tp_mesh.size()
     named = list(module.items()) if isinstance(module, Mapping) else [("", module)]
     seq = t.shard(1) if sequence_parallel else t.replicate()
+    for _, root in named:  # refused before any layer is changed
+        for layer in root.modules():
+            if isinstance(layer, (DecoderLayer, GPT2Layer)):
+                _plan_of(layer)
+                _check_heads(layer.config, size)
     for prefix, root in named:
         for name, layer in root.named_modules(prefix=prefix):
-            if isinstance(layer, GPT2Layer):
-                raise ValueError(
-                    "tensor parallel supports the Llama family "
-                    f"({', '.join(LLAMA_FAMILY)}); GPT-2's projections are Conv1D, not nn.Linear"
-                )
-            if isinstance(layer, DecoderLayer):
-                _check_heads(layer.config, size)
-                parallelize_module(layer, tp_mesh, decoder_plan(sequence_parallel))
+            if isinstance(layer, (DecoderLayer, GPT2Layer)):
+                parallelize_module(layer, tp_mesh, _plan_of(layer)(sequence_parallel))
                 layer.sequence_shards = size if sequence_parallel else 1
             elif name.endswith("embed_tokens") and isinstance(layer, nn.Embedding):
                 if not vocab_parallel:
@@ -128,6 +130,16 @@ def parallelize_causal_lm(
                 parallelize_module(layer, tp_mesh, style)
             elif sequence_parallel and name.endswith("model.norm"):
                 parallelize_module(layer, tp_mesh, t.sequence(use_local_output=True))
+
+
+def _plan_of(layer: nn.Module) -> Any:
+    """The decoder layer's tensor-parallel plan from its family's row, or its refusal."""
+    family: Any = getattr(layer, "family", None)
+    if family is None or family.tensor_parallel is None:
+        model_type = getattr(layer.config, "model_type", "?")
+        reason = family.tensor_parallel_refusal if family is not None else "no family row"
+        raise ValueError(f"tensor parallel of {model_type}: {reason}")
+    return family.tensor_parallel
 
 
 def _ShardOutput(t: Any) -> Any:

@@ -1,0 +1,125 @@
+"""A mixture-of-experts decoder layer that adds its router's balancing loss, per layer and per
+micro-batch, to the pipeline's loss.
+
+``transformers`` computes the load-balancing loss once per ``forward``: every layer's router
+logits concatenated, over the whole batch (``load_balancing_loss_func``: Switch Transformer's
+``num_experts · Σ_e f_e · P_e``, Fedus et al. 2021, eqs. 4-6, with ``f_e`` the share of top-k
+assignments to expert ``e`` and ``P_e`` its mean router probability). That couples every stage
+and every micro-batch, which a pipeline cannot reproduce. Megatron-Core
+(``switch_load_balancing_loss_func`` per layer) and torchtitan (per MoE layer) use the
+per-layer, per-micro-batch form instead, and so does this layer: it applies the family's own
+``load_balancing_loss_func`` to its one router's logits over the micro-batch it runs on,
+counting the tokens the micro-batch's ``(rows, T)`` attention mask marks (padding excluded,
+exactly: the function weighs each token by the mask), multiplies by the config's
+``router_aux_loss_coef`` and records it with ``runtime.extra_losses.record_extra_loss`` under
+``"router_aux_loss"``. Summed over layers and averaged over micro-batches by the runtime, that is
+the loss of the unsplit model run layer by layer under gradient accumulation.
+
+The term is added where ``transformers`` adds one: when the config asks for router logits
+(``output_router_logits``, which its ``CausalLM.forward`` reads) and its coefficient is not 0.
+The router's logits are taken from the router module's own output (a forward hook, armed only
+while this layer runs), so they are the very tensor the experts were routed by.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipetrain.hf import masks
+from pipetrain.hf.decoder_layers import DecoderLayer
+from pipetrain.runtime.extra_losses import record_extra_loss
+
+#: the name the balancing term is recorded under
+ROUTER_AUX_LOSS = "router_aux_loss"
+
+
+class _RouterLogits:
+    """A forward hook that keeps the router's logits (its output's first element) while armed."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.logits: torch.Tensor | None = None
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.armed:
+            self.logits = output[0] if isinstance(output, tuple) else output
+
+
+def router_loss_wanted(config: Any) -> bool:
+    """Whether ``transformers`` adds the router loss for this config: router logits asked for
+    and a coefficient other than 0."""
+    return bool(getattr(config, "output_router_logits", False)) and bool(
+        getattr(config, "router_aux_loss_coef", 0.0)
+    )
+
+
+class MoeDecoderLayer(DecoderLayer):
+    """A decoder layer of a mixture-of-experts family (``DecoderLayer``'s masks and rotary
+    table), recording its router's balancing loss for the micro-batch it runs on (see the module
+    docstring). A layer without a router (Qwen-MoE's dense ``mlp_only_layers``) records nothing.
+
+    ``router``: the router module's path in the layer (``"mlp.gate"``); ``balancing``: the
+    ``transformers`` module whose ``load_balancing_loss_func`` is the family's; ``num_experts``:
+    the config field that counts the experts."""
+
+    def __init__(
+        self,
+        layer: nn.Module,
+        rotary_emb: nn.Module,
+        config: Any,
+        index: int,
+        shared: masks.BuiltOnce | None = None,
+        *,
+        router: str,
+        balancing: str,
+        num_experts: str,
+    ) -> None:
+        super().__init__(layer, rotary_emb, config, index, shared)
+        try:
+            found: nn.Module | None = layer.get_submodule(router)
+        except AttributeError:
+            found = None
+        self.num_experts = int(getattr(config, num_experts))
+        self.top_k = int(config.num_experts_per_tok)
+        self.coefficient = float(getattr(config, "router_aux_loss_coef", 0.0))
+        self._balancing = importlib.import_module(balancing).load_balancing_loss_func
+        self._capture: _RouterLogits | None = None
+        if found is not None and router_loss_wanted(config):
+            self._capture = _RouterLogits()
+            found.register_forward_hook(self._capture)
+
+    @property
+    def has_router(self) -> bool:
+        """Whether this layer routes tokens to experts and records a router loss."""
+        return self._capture is not None
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        capture = self._capture
+        if capture is None:
+            return super().forward(hidden, attention_mask, position_ids)
+        if attention_mask is not None and attention_mask.dim() != 2:
+            raise ValueError(
+                f"the router loss counts the tokens of a (rows, T) attention_mask; got one of "
+                f"shape {tuple(attention_mask.shape)}, which does not say which tokens are "
+                "padding: pass the 2-D 0/1 mask"
+            )
+        capture.armed, capture.logits = True, None
+        try:
+            out = super().forward(hidden, attention_mask, position_ids)
+            logits = capture.logits
+        finally:
+            capture.armed, capture.logits = False, None
+        if logits is None:
+            raise ValueError(f"{type(self.wrapped).__name__}'s router did not run")
+        balance = self._balancing((logits,), self.num_experts, self.top_k, attention_mask)
+        record_extra_loss(self, ROUTER_AUX_LOSS, self.coefficient * balance)
+        return out
