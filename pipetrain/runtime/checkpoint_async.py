@@ -216,9 +216,13 @@ class AsyncCheckpointer:
     def _stager_for(self, state: dict[str, object]) -> Any:
         """DCP's stager: copies on its own thread, into page-locked memory from a side stream
         where the state is on a GPU (torchtitan's ``async_with_pinned_mem``); kept between
-        saves, as are its copies."""
+        saves, as are its copies, where this torch's stager can stage again
+        (``_stager_reusable``; otherwise a new one per save)."""
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+        if self._stager is not None and not _stager_reusable(self._stager):
+            self._stager.close()
+            self._stager = None
         if self._stager is None:
             cuda = _on_cuda(state)
             self._stager = DefaultStager(
@@ -230,6 +234,16 @@ class AsyncCheckpointer:
                 )
             )
         return self._stager
+
+
+def _stager_reusable(stager: object) -> bool:
+    """Whether DCP's ``DefaultStager`` can stage again after a save. torch 2.11 closes the
+    stager's internal deep-copier at the end of every staging (pytorch/pytorch#183413, fixed by
+    #183424), emptying the dispatch table the next copy needs, which then fails with
+    ``KeyError: <class 'type'>``; a stager whose table is empty is replaced before the next save."""
+    inner = getattr(stager, "_state_dict_stager", None)
+    table = getattr(inner, "_deepcopy_dispatch", None)
+    return table is None or bool(table)
 
 
 def _on_cuda(state: dict[str, object]) -> bool:

@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipetrain.runtime import losses
+from pipetrain.runtime import losses, torch_compat
 from pipetrain.runtime.comm.failures import PipelineRefused
 
 if TYPE_CHECKING:
@@ -88,7 +88,7 @@ def record_extra_loss(module: nn.Module, name: str, value: torch.Tensor) -> None
     if sink is not None and sink.active is not None:
         sink.active.append((name, value.reshape(())))
         return
-    if _in_backward():
+    if torch_compat.in_backward():
         return  # a checkpoint's recompute: the forward's term already holds the graph
     kept = module.__dict__.get(KEPT)
     if kept is None:
@@ -129,18 +129,11 @@ class _Kept(list):
         return (_Kept, ())
 
 
-def _in_backward() -> bool:
-    """Whether this thread runs a backward (``torch._C._current_graph_task_id`` is -1 outside
-    one; a torch without it: never)."""
-    task = getattr(torch._C, "_current_graph_task_id", None)
-    return task is not None and task() != -1
-
-
 def _drop_untaken(module: nn.Module, args: object) -> None:
     """A forward pre-hook: terms of an earlier forward nobody took are let go (their graphs) —
     but not by a checkpoint's recompute inside a backward, which records nothing itself."""
     kept = module.__dict__.get(KEPT)
-    if kept and not _in_backward():
+    if kept and not torch_compat.in_backward():
         kept.clear()
 
 

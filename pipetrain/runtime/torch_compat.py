@@ -390,7 +390,26 @@ def _check_graph_break() -> None:
 
 
 #: (API, what pipetrain uses it for, check). ``check_private_apis`` runs every check.
+def in_backward() -> bool:
+    """Whether this thread runs a backward (a graph task's id; -1 outside, or no such id)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
+def _check_in_backward() -> None:
+    seen: list[bool] = []
+    (y := torch.ones(1, requires_grad=True) * 2).register_hook(lambda g: seen.append(in_backward()))
+    y.backward()
+    if in_backward() or seen != [True]:
+        raise RuntimeError(f"in_backward: {in_backward()} outside, {seen} inside a backward")
+
+
 PRIVATE_APIS: tuple[tuple[str, str, Callable[[], None]], ...] = (
+    (
+        "torch._C._current_graph_task_id",
+        "tell a checkpoint's recompute (inside a backward) from a forward (extra_losses)",
+        _check_in_backward,
+    ),
     (
         "torch.autograd.graph._engine_run_backward",
         "enter the autograd engine without autograd.grad/backward's argument checks",

@@ -49,3 +49,22 @@ def _private_torch_names(path: Path) -> list[str]:
 )
 def test_no_other_runtime_module_touches_private_torch_names(path):
     assert _private_torch_names(path) == []
+
+
+def test_a_stager_that_closed_its_copier_is_not_reused():
+    """torch 2.11's DefaultStager empties its deep-copier's table after each staging."""
+    from types import SimpleNamespace
+
+    import torch
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    from pipetrain.runtime.checkpoint_async import _stager_reusable as stager_reusable
+
+    stager = DefaultStager(StagingOptions(False, False, False, False))
+    try:
+        assert stager_reusable(stager)
+        stager.stage({"w": torch.ones(3)})
+        closed = SimpleNamespace(_state_dict_stager=SimpleNamespace(_deepcopy_dispatch={}))
+        assert not stager_reusable(closed)
+    finally:
+        stager.close()
