@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import repeat
+from operator import attrgetter, mul
 from typing import NamedTuple
 
 from pipetrain.schedule import deps
@@ -40,6 +41,12 @@ from pipetrain.schedule.copy_engine import CopyEngine, CopyPlan, has_copies
 from pipetrain.schedule.placement import Placement
 from pipetrain.schedule.program import Program, ScheduleError
 from pipetrain.schedule.timeline import Span
+
+
+_kind = attrgetter("kind")
+_kind_stage = attrgetter("kind", "stage")
+_microbatch = attrgetter("microbatch")
+_NON_COMPUTE = frozenset(OpKind) - COMPUTE_KINDS
 
 
 class Input(NamedTuple):
@@ -155,7 +162,14 @@ def run(
     stride = rule.stride
     plans = _plans(rule, duration, latency, issue)
     pairs = _PairPlans(plans, stride, duration, issue)
-    rows = [[a for a in row if a.kind in COMPUTE_KINDS] for row in program.actions]
+    rows = _compute_rows(program)
+    # Each row's plans and value shifts, read in C (``map``) before the loop: the loop then pays
+    # two list subscripts per action, not attribute reads and dict lookups. A pair's plan (None
+    # here) is found as the loop meets it; so is an unknown stage's error.
+    flat = {(kind, stage): plan for kind, of_stage in plans.items() for stage, plan in of_stage.items()}
+    row_plans = [list(map(flat.get, map(_kind_stage, row))) for row in rows]
+    row_shifts = [list(map(mul, map(_microbatch, row), repeat(stride))) for row in rows]
+    row_factors = None if scale is None else [list(map(scale, row)) for row in rows]
     copies = CopyEngine(program.actions, duration, copy_plan) if has_copies(program) else None
     produced: dict[int, float] = {}  # value -> when it was produced
     waiting: dict[int, list[int]] = {}  # value -> ranks parked on it
@@ -169,19 +183,21 @@ def run(
     while work:
         rank = work.pop()
         row, step, free, issued = rows[rank], pos[rank], free_at[rank], host_at[rank]
+        plans_of_row, shifts, factors = row_plans[rank], row_shifts[rank], None
+        if row_factors is not None:
+            factors = row_factors[rank]
         rank_starts, rank_ends = starts[rank], ends[rank]
-        first = step
-        while step < len(row):
-            action = row[step]
+        first, size = step, len(row)
+        while step < size:
+            plan = plans_of_row[step]
+            if plan is None:
+                if row[step].parts:
+                    plan = pairs.plan(row[step], produced)
+                if plan is None:  # unvalidated input naming a stage the placement lacks
+                    raise _bad_stage(program, rows, rank, step)
             if copies is not None:
                 copies.issue(rank, step, free)
-            if action.parts:
-                plan = pairs.plan(action, produced)
-            else:
-                plan = plans[action.kind].get(action.stage)
-            shift, factor = action.microbatch * stride, 1.0 if scale is None else scale(action)
-            if plan is None:  # unvalidated input naming a stage the placement lacks
-                raise _bad_stage(program, rows, rank, step)
+            shift = shifts[step]
             needs, awaited, cost, host, device = plan
             start = free if free > issued else issued
             for value, producer_rank, delay in needs:
@@ -194,10 +210,12 @@ def run(
                     start = arrived
             else:  # every input is here: run it
                 if copies is not None:
-                    start = copies.ready(action, start)
-                free = start + device * factor
-                if issued + cost * factor > free:
-                    free = issued + cost * factor
+                    start = copies.ready(row[step], start)
+                if factors is not None:
+                    cost, device = cost * factors[step], device * factors[step]
+                free = start + device
+                if issued + cost > free:
+                    free = issued + cost
                 issued += host
                 rank_starts.append(start)
                 rank_ends.append(free)
@@ -210,7 +228,7 @@ def run(
                 continue
             waiting.setdefault(value + shift, []).append(rank)
             break
-        if copies is not None and step == len(row):
+        if copies is not None and step == size:
             copies.issue(rank, step, free)
         if step > first:
             stretches.append(Stretch(rank, first, step))
@@ -221,6 +239,17 @@ def run(
         )
     spans = tuple(copies.spans) if copies else ()
     return Run(rows, starts, ends, stretches, spans, _host_spans(rows, issue))
+
+
+def _compute_rows(program: Program) -> list[list[Action]]:
+    """Each rank's compute actions, in order (a row with no SEND/RECV is copied whole: its kinds
+    are read in C)."""
+    return [
+        list(row)
+        if _NON_COMPUTE.isdisjoint(map(_kind, row))
+        else [a for a in row if a.kind in COMPUTE_KINDS]
+        for row in program.actions
+    ]
 
 
 def _host_spans(rows: Sequence[Sequence[Action]], issue: Issue | None) -> tuple[Span, ...]:

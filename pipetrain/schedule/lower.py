@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pipetrain.schedule import deps
 from pipetrain.schedule.action import RECV_KINDS, Action
 from pipetrain.schedule.execute import run, unit_duration
+from pipetrain.schedule.gc_pause import without_gc
 from pipetrain.schedule.program import Program, ScheduleError
 
 
@@ -87,6 +88,7 @@ def inject_comms(program: Program) -> Program:
     )
 
 
+@without_gc
 def post_receives_late(program: Program, lead: int) -> Program:
     """Move every RECV to at most ``lead`` compute actions before the compute action that reads it.
 
@@ -141,6 +143,7 @@ def post_receives_late(program: Program, lead: int) -> Program:
 PASSES: tuple[Pass, ...] = (Pass("inject_comms", inject_comms),)
 
 
+@without_gc
 def lower(program: Program, passes: Sequence[Pass] = PASSES) -> Program:
     """Apply the passes in order. A program that already has comms is returned as it is."""
     if program.is_lowered:

@@ -41,6 +41,7 @@ from operator import itemgetter
 from typing import NamedTuple
 
 from pipetrain.schedule.action import Action, OpKind
+from pipetrain.schedule.gc_pause import without_gc
 
 
 class Span(NamedTuple):
@@ -161,6 +162,7 @@ class Timeline:
         return 1.0 - sum(self.busy) / (self.num_ranks * self.makespan)
 
     @cached_property
+    @without_gc
     def memory(self) -> tuple[tuple[tuple[float, float], ...], ...]:
         """Per rank, the activation curve as (time, held) steps, in activation-size units."""
         return tuple(
