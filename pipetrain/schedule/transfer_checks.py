@@ -12,7 +12,8 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import NamedTuple
+from operator import attrgetter
+from typing import NamedTuple, TypeVar
 
 from pipetrain.schedule import deps
 from pipetrain.schedule.action import COPY_KINDS, SEND_KINDS, Action, OpKind
@@ -29,6 +30,11 @@ from pipetrain.schedule.program import Program, ScheduleError
 # row's batches. What ranks wait for — each batch's counterparts — is then played batch by batch,
 # and a rank that reaches its row's first failure raises it there: the same failure, in the same
 # order, as playing every action.
+
+
+_T = TypeVar("_T")
+_kind_stage = attrgetter("kind", "stage")
+_microbatch = attrgetter("microbatch")
 
 
 class _Step(NamedTuple):
@@ -92,7 +98,13 @@ def _scan_row(
     steps: dict[OpKind, dict[int, _Step]],
 ) -> _RowScan | None:
     """Posts, batches and the first failure of one row (``steps`` at micro-batch 0)."""
-    stride, post_stride, posts_of = rule.stride, rule.post_stride, rule.posts
+    stride, post_stride = rule.stride, rule.post_stride
+    # each action's post (a SEND/RECV) or step (compute, a copy) at micro-batch 0, and its
+    # micro-batch, read in C before the loop; an overlapped pair has neither (its parts do)
+    kind_stages = list(map(_kind_stage, row))
+    posts_of_row = list(map(_flat(rule.posts).get, kind_stages))
+    steps_of_row = list(map(_flat(steps).get, kind_stages))
+    microbatches = list(map(_microbatch, row))
     posts: list[int] = []
     batches: list[tuple[tuple[int, int], ...]] = []
     first_steps: list[int] = []
@@ -102,36 +114,34 @@ def _scan_row(
     pair_steps: dict[tuple[object, ...], _Step] = {}  # by ``pair_shape``
     failing_batch: int = -1
     failure: Callable[[], ScheduleError] | None = None
-    for index, action in enumerate(row):
-        step: _Step | None
-        if action.parts:
+    for index, post in enumerate(posts_of_row):
+        if post is not None:  # a SEND or RECV
+            post_id, counterpart, value, is_send = post
+            microbatch = microbatches[index]
+            shift = microbatch * post_stride
+            post_id += shift
+            posts.append(post_id)
+            if failure is not None:
+                continue  # past the row's first failure only the posts count (pairing)
+            if not batch:
+                first_steps.append(index)
+            batch.append((post_id, counterpart + shift))
+            value += microbatch * stride
+            if not is_send:
+                landing.append(value)
+            elif value not in mine:
+                failing_batch = len(first_steps) - 1
+                failure = partial(_unsent_error, program, rank, index)
+            continue
+        step = steps_of_row[index]
+        if step is None:
+            action = row[index]
+            if not action.parts:
+                return None  # a SEND/RECV of a value that cannot exist
             shape = pair_shape(action)
             step = pair_steps.get(shape)
             if step is None:
                 step = pair_steps[shape] = _pair_step(action, steps, stride)
-        else:
-            post = posts_of[action.kind].get(action.stage)
-            if post is not None:  # a SEND or RECV
-                post_id, counterpart, value, is_send = post
-                microbatch = action.microbatch
-                shift = microbatch * post_stride
-                post_id += shift
-                posts.append(post_id)
-                if failure is not None:
-                    continue  # past the row's first failure only the posts count (pairing)
-                if not batch:
-                    first_steps.append(index)
-                batch.append((post_id, counterpart + shift))
-                value += microbatch * stride
-                if not is_send:
-                    landing.append(value)
-                elif value not in mine:
-                    failing_batch = len(first_steps) - 1
-                    failure = partial(_unsent_error, program, rank, index)
-                continue
-            step = steps[action.kind].get(action.stage)
-            if step is None:
-                return None  # a SEND/RECV of a value that cannot exist
         if failure is not None:
             continue
         if batch:  # the batch before this action completes before it
@@ -140,7 +150,7 @@ def _scan_row(
             mine.update(landing)
             landing.clear()
         needs, made = step
-        shift = action.microbatch * stride
+        shift = microbatches[index] * stride
         for value in needs:
             if value + shift not in mine:
                 # nothing later can bring it: local values come from earlier actions
@@ -155,6 +165,11 @@ def _scan_row(
     first_steps.append(len(row))  # the empty last batch
     batches.append(())
     return _RowScan(posts, batches, first_steps, failing_batch, failure)
+
+
+def _flat(table: dict[OpKind, dict[int, _T]]) -> dict[tuple[OpKind, int], _T]:
+    """A ``[kind][stage]`` table keyed by ``(kind, stage)``, for one lookup per action."""
+    return {(kind, stage): entry for kind, of_stage in table.items() for stage, entry in of_stage.items()}
 
 
 def _pair_step(pair: Action, steps: dict[OpKind, dict[int, _Step]], stride: int) -> _Step:
