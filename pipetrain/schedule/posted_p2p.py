@@ -38,7 +38,7 @@ from collections import deque
 from operator import attrgetter
 
 from pipetrain.schedule import deps
-from pipetrain.schedule.action import RECV_KINDS, SEND_KINDS, Action, OpKind
+from pipetrain.schedule.action import RECV_KINDS, Action, OpKind
 from pipetrain.schedule.execute import Wait, deadlock_error, describe_key
 from pipetrain.schedule.program import Program, ScheduleError
 

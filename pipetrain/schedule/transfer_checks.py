@@ -17,7 +17,8 @@ from typing import NamedTuple, TypeVar
 
 from pipetrain.schedule import deps
 from pipetrain.schedule.action import COPY_KINDS, SEND_KINDS, Action, OpKind
-from pipetrain.schedule.execute import Wait, deadlock_error, describe_key, pair_shape
+from pipetrain.schedule.execute import Wait, deadlock_error, describe_key
+from pipetrain.schedule.plans import pair_shape
 from pipetrain.schedule.program import Program, ScheduleError
 
 # Pairing and execution of a lowered program work on *posts* (``deps.Post``): each SEND and RECV
@@ -169,7 +170,11 @@ def _scan_row(
 
 def _flat(table: dict[OpKind, dict[int, _T]]) -> dict[tuple[OpKind, int], _T]:
     """A ``[kind][stage]`` table keyed by ``(kind, stage)``, for one lookup per action."""
-    return {(kind, stage): entry for kind, of_stage in table.items() for stage, entry in of_stage.items()}
+    return {
+        (kind, stage): entry
+        for kind, of_stage in table.items()
+        for stage, entry in of_stage.items()
+    }
 
 
 def _pair_step(pair: Action, steps: dict[OpKind, dict[int, _Step]], stride: int) -> _Step:
