@@ -34,6 +34,7 @@ from pipetrain.planner.offload_search import offload_candidates
 from pipetrain.planner.recompute_modes import describe
 from pipetrain.planner.recompute_search import recompute_candidates
 from pipetrain.schedule.action import OpKind
+from pipetrain.schedule.gc_pause import without_gc
 from pipetrain.schedule.program import Program
 from pipetrain.schedule.registry import FAMILIES, Family, build_schedule, family
 
@@ -177,6 +178,7 @@ def as_costs(costs: object) -> ModelCosts:
     )
 
 
+@without_gc
 def search(
     costs: ModelCosts,
     *,

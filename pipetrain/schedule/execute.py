@@ -140,11 +140,13 @@ def run(
     pairs = PairPlans(plans, rule.stride, duration, issue)
     rows = _compute_rows(program)
     copies = CopyEngine(program.actions, duration, copy_plan) if has_copies(program) else None
-    row_plans = _row_plans(rows, plans)
     row_shifts = [list(map(mul, map(_microbatch, row), repeat(rule.stride))) for row in rows]
     if copies is None and issue is None and scale is None and _at_home(program, rows):
-        played = _play_plain(program, rows, row_plans, row_shifts, pairs)
+        played = _play_plain(
+            program, rows, _folded_rows(program, rows, plans, pairs), row_shifts, pairs
+        )
     else:
+        row_plans = _row_plans(rows, plans)
         row_factors = None if scale is None else [list(map(scale, row)) for row in rows]
         played = _play(program, rows, row_plans, row_shifts, row_factors, pairs, copies)
     starts, ends, stretches, pos, produced = played
@@ -257,10 +259,51 @@ def _play(
     return _Played(starts, ends, stretches, pos, produced)
 
 
+#: a plan as ``_play_plain`` reads it: (needs as (value, latency), awaited values, duration)
+Folded = tuple[tuple[tuple[int, float], ...], tuple[int, ...], float]
+
+
+def _folded_rows(
+    program: Program,
+    rows: Sequence[Sequence[Action]],
+    plans: dict[OpKind, dict[int, Plan]],
+    pairs: PairPlans,
+) -> list[list[Folded | None]]:
+    """Each row's plans for ``_play_plain``, folded (``_fold``) on their stage's rank; an
+    overlapped pair's too where every part names a known stage. Only an unknown stage is left
+    None, for the loop to report (``_pair_plan``)."""
+    home = program.placement.rank_of_stage
+    flat = {
+        (kind, stage): _fold(plan, home[stage])
+        for kind, of_stage in plans.items()
+        for stage, plan in of_stage.items()
+    }
+    # (id of a pair's plan, which ``PairPlans`` keeps alive, rank) -> the plan folded there
+    of_pair: dict[tuple[int, int], Folded] = {}
+    out = []
+    for rank, row in enumerate(rows):
+        folded = list(map(flat.get, map(_kind_stage, row)))
+        if None in folded:
+            for step, action in enumerate(row):
+                if (
+                    folded[step] is None
+                    and action.parts
+                    and all((p.kind, p.stage) in flat for p in action.parts)
+                ):
+                    plan = pairs.plan(action, {})
+                    assert plan is not None  # every part's stage is known
+                    key = (id(plan), rank)
+                    if key not in of_pair:
+                        of_pair[key] = _fold(plan, rank)
+                    folded[step] = of_pair[key]
+        out.append(folded)
+    return out
+
+
 def _play_plain(
     program: Program,
     rows: list[list[Action]],
-    row_plans: list[list[Plan | None]],
+    row_plans: list[list[Folded | None]],
     row_shifts: list[list[int]],
     pairs: PairPlans,
 ) -> _Played:
@@ -268,7 +311,6 @@ def _play_plain(
     stage's rank: the same times, with a latency of 0 folded into each need that stays on its
     rank (``x + 0.0`` is ``x``), so the loop reads fewer fields per action. It runs every
     simulation the planner makes and every lowering and validation."""
-    folded: dict[int, tuple[tuple[tuple[int, float], ...], tuple[int, ...], float]] = {}
     produced: dict[int, float] = {}  # value -> when it was produced
     waiting: dict[int, list[int]] = {}  # value -> ranks parked on it
     pos = [0] * len(rows)
@@ -283,10 +325,9 @@ def _play_plain(
         plans_of_row, rank_starts, rank_ends = row_plans[rank], starts[rank], ends[rank]
         first, size = step, len(plans_of_row)
         while step < size:
-            plan = plans_of_row[step] or _pair_plan(program, rows, rank, step, pairs, produced)
-            fold = folded.get(id(plan))
+            fold = plans_of_row[step]
             if fold is None:
-                fold = folded[id(plan)] = _fold(plan, rank)
+                fold = _fold(_pair_plan(program, rows, rank, step, pairs, produced), rank)
             needs, awaited, cost = fold
             shift = shifts[step]
             start = free

@@ -46,6 +46,7 @@ from pipetrain.schedule.gc_pause import without_gc
 _F, _W = OpKind.F, OpKind.W
 _action = attrgetter("action")
 _time, _delta, _time_order = itemgetter(0), itemgetter(2), itemgetter(0, 1)
+_start, _end = itemgetter(2), itemgetter(3)  # of a ``Span``
 
 
 class Span(NamedTuple):
@@ -119,11 +120,11 @@ class Timeline:
 
     @cached_property
     def start(self) -> float:
-        return min((s.start for s in self.spans), default=0.0)
+        return min(map(_start, self.spans), default=0.0)
 
     @cached_property
     def end(self) -> float:
-        return max((s.end for s in self.spans), default=0.0)
+        return max(map(_end, self.spans), default=0.0)
 
     @property
     def makespan(self) -> float:
@@ -132,8 +133,8 @@ class Timeline:
     @cached_property
     def busy(self) -> tuple[float, ...]:
         busy = [0.0] * self.num_ranks
-        for s in self.spans:
-            busy[s.rank] += s.duration
+        for rank, _, start, end in self.spans:
+            busy[rank] += end - start
         return tuple(busy)
 
     @cached_property
@@ -236,8 +237,9 @@ class Timeline:
 
 def _by_rank(spans: Sequence[Span], num_ranks: int) -> list[list[Span]]:
     rows: list[list[Span]] = [[] for _ in range(num_ranks)]
+    appends = [row.append for row in rows]
     for s in spans:
-        rows[s.rank].append(s)
+        appends[s[0]](s)
     return rows
 
 
