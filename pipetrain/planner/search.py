@@ -191,10 +191,13 @@ def search(
     stages_per_rank: Sequence[int] | None = None,
     headroom: float = DEFAULT_HEADROOM,
     offload: bool = True,
+    prune: bool = True,
 ) -> Search:
     """Simulate every candidate (see the module docstring); ``ValueError`` names bad input.
     ``offload=False`` leaves activation offload out (a run replayed as a CUDA graph cannot
-    offload: ``Pipeline(cuda_graph=True)`` refuses it)."""
+    offload: ``Pipeline(cuda_graph=True)`` refuses it). ``prune=False`` simulates every move
+    of the refinement, even those a lower bound proves slower than the best (``cuts.refine``:
+    the pick is the same either way)."""
     if num_ranks < 1:
         raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
     if not memory_gib > 0:
@@ -252,7 +255,7 @@ def search(
         out.offload_tried = offload and bool(costs.host_bandwidth_gbs)
         if offload:
             out.candidates += offload_candidates(costs, programs, plain, budget)
-    out.candidates += refine(out.candidates, costs, programs, budget)
+    out.candidates += refine(out.candidates, costs, programs, budget, prune)
     return out
 
 
