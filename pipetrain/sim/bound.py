@@ -63,7 +63,7 @@ def step_lower_bound(counts: ActionCounts, costs: Costs) -> float | None:
         return None
     if counts.has_pairs and any(x is not None for x in sc.forward_backward):
         return None
-    head, tail = _head_and_tail(program, sc)
+    head, tail = _head_and_tail(program, sc, counts)
     duration = {
         OpKind.F: sc.forward,
         OpKind.B: sc.backward,
@@ -81,10 +81,14 @@ def step_lower_bound(counts: ActionCounts, costs: Costs) -> float | None:
     return best
 
 
-def _head_and_tail(program: Program, sc: StageCosts) -> tuple[list[float], list[float]]:
+def _head_and_tail(
+    program: Program, sc: StageCosts, counts: ActionCounts
+) -> tuple[list[float], list[float]]:
     """Per stage: the least time before any of its actions can start (the forwards ahead of it
     in its chain, with their transfers), and the least time after a backward of it ends before
-    the step can end (the input-gradient pieces ahead of it, with their transfers)."""
+    the step can end (the input-gradient pieces ahead of it, ``B`` or ``I`` as the program runs
+    them, with their transfers)."""
+    runs = {kind_stage for rank_counts in counts.per_rank for kind_stage in rank_counts}
     placement = program.placement
     per_chain, rank_of = placement.stages_per_chain, placement.rank_of_stage
     head = [0.0] * program.num_stages
@@ -94,6 +98,11 @@ def _head_and_tail(program: Program, sc: StageCosts) -> tuple[list[float], list[
             continue  # a chain's first stage reads the input
         crosses = rank_of[s - 1] != rank_of[s]
         head[s] = head[s - 1] + sc.forward[s - 1] + (sc.comm[s - 1] if crosses else 0.0)
-        backward = min(sc.backward[s - 1], sc.backward_input[s - 1])
+        pieces = [
+            time[s - 1]
+            for kind, time in ((OpKind.B, sc.backward), (OpKind.I, sc.backward_input))
+            if (kind, s - 1) in runs
+        ]
+        backward = min(pieces, default=0.0)
         tail[s] = tail[s - 1] + backward + (sc.comm[s] if crosses else 0.0)
     return head, tail
