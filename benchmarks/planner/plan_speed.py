@@ -3,12 +3,12 @@ heavy embedding and head), every family in the registry (DualPipe too) and the d
 micro-batch counts (64, 128, 256), one core.
 
     python benchmarks/planner/plan_speed.py [--ranks 64] [--layers 128] [--memory-gib G]
-        [--exhaustive]
+        [--prune]
 
 Prints the CPU time of the search (``time.process_time``: what one core spends; the wall time
 too, which is larger on a shared machine) against the target (issue 50: under 10 s of CPU at
-64 ranks × 128 layers), the number of simulated candidates and of refinement moves a lower bound
-ruled out without simulating (``--exhaustive`` simulates them too), and the pick. Results are
+64 ranks × 128 layers), the number of simulated candidates, and the pick; ``--prune`` skips the
+refinement moves a lower bound proves slower (``search(prune=True)``: the same pick). Results are
 quoted in docs/planning.md and docs/results/cpu-2026-12-02-schedule-scale/.
 """
 
@@ -48,9 +48,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=128)
     parser.add_argument("--memory-gib", type=float, default=60.0)
     parser.add_argument(
-        "--exhaustive",
+        "--prune",
         action="store_true",
-        help="simulate every refinement move, also those the lower bound proves slower",
+        help="skip the refinement moves a lower bound proves slower than the best",
     )
     args = parser.parse_args()
     costs = llama_like(args.layers)
@@ -60,13 +60,13 @@ def main() -> None:
         num_ranks=args.ranks,
         memory_gib=args.memory_gib,
         schedules=list(FAMILIES),
-        prune=not args.exhaustive,
+        prune=args.prune,
     )
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     target = " (target: under 10 s of CPU)" if (args.ranks, args.layers) == (64, 128) else ""
     print(
         f"{args.ranks} ranks x {args.layers} layers, {len(FAMILIES)} families"
-        f"{', exhaustive' if args.exhaustive else ''}: "
+        f"{', pruned' if args.prune else ''}: "
         f"{len(found.candidates)} candidates simulated, {len(found.skipped)} shapes skipped, "
         f"{cpu:.1f} s CPU ({elapsed:.1f} s wall){target}"
     )

@@ -191,13 +191,14 @@ def search(
     stages_per_rank: Sequence[int] | None = None,
     headroom: float = DEFAULT_HEADROOM,
     offload: bool = True,
-    prune: bool = True,
+    prune: bool = False,
 ) -> Search:
     """Simulate every candidate (see the module docstring); ``ValueError`` names bad input.
     ``offload=False`` leaves activation offload out (a run replayed as a CUDA graph cannot
-    offload: ``Pipeline(cuda_graph=True)`` refuses it). ``prune=False`` simulates every move
-    of the refinement, even those a lower bound proves slower than the best (``cuts.refine``:
-    the pick is the same either way)."""
+    offload: ``Pipeline(cuda_graph=True)`` refuses it). ``prune=True`` skips the refinement's
+    moves that a lower bound proves slower than the best (``cuts.refine``): the pick and each
+    family's best are the same, but ``Search.candidates`` then lacks those moves, so a caller
+    that reads every candidate (e.g. for the lowest peak any cut reaches) keeps the default."""
     if num_ranks < 1:
         raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
     if not memory_gib > 0:
