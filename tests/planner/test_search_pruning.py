@@ -31,11 +31,16 @@ def _random_model(rng: random.Random) -> ModelCosts:
 def test_pruned_pick_is_the_exhaustive_pick() -> None:
     rng = random.Random(5)
     pruned_somewhere = 0
-    for _ in range(12):
+    for _ in range(40):
         costs, ranks = _random_model(rng), rng.choice([2, 3])
         families = rng.sample(["1f1b", "zb-h1", "interleaved-1f1b", "zbv"], 2)
         memory = rng.choice([100.0, 6.0])
-        kwargs = dict(num_ranks=ranks, memory_gib=memory, schedules=families, microbatches=[4])
+        kwargs = dict(
+            num_ranks=ranks,
+            memory_gib=memory,
+            schedules=families,
+            microbatches=[rng.choice([2, 4, 6])],
+        )
         fast = search(costs, prune=True, **kwargs)  # type: ignore[arg-type]
         full = search(costs, **kwargs)  # type: ignore[arg-type]
         if not full.fitting:
