@@ -82,9 +82,15 @@ def scan_lowered(program: Program) -> list[_RowScan] | None:
     }
     for kind in COPY_KINDS:  # a copy waits for no value here and closes a batch, as compute does
         steps[kind] = {stage: _Step((), ()) for stage in range(program.num_stages)}
+    # flat ``(kind, stage)`` tables of plain tuples: unpacking a ``NamedTuple`` takes CPython's
+    # generic path, twice the cost of a tuple's, once per action
+    flat_posts = {
+        key: (p.id, p.counterpart, p.value, p.is_send) for key, p in _flat(rule.posts).items()
+    }
+    flat_steps = {key: (step.needs, step.made) for key, step in _flat(steps).items()}
     scans = []
     for rank, row in enumerate(program.actions):
-        scan = _scan_row(program, rank, row, rule, steps)
+        scan = _scan_row(program, rank, row, rule, steps, flat_posts, flat_steps)
         if scan is None:
             return None
         scans.append(scan)
@@ -97,14 +103,18 @@ def _scan_row(
     row: Sequence[Action],
     rule: deps.CompiledRule,
     steps: dict[OpKind, dict[int, _Step]],
+    flat_posts: dict[tuple[OpKind, int], tuple[int, int, int, bool]],
+    flat_steps: dict[tuple[OpKind, int], tuple[Sequence[int], Sequence[int]]],
 ) -> _RowScan | None:
-    """Posts, batches and the first failure of one row (``steps`` at micro-batch 0)."""
+    """Posts, batches and the first failure of one row (``steps`` at micro-batch 0, also as
+    ``flat_steps``; ``flat_posts`` the rule's posts)."""
     stride, post_stride = rule.stride, rule.post_stride
     # each action's post (a SEND/RECV) or step (compute, a copy) at micro-batch 0, and its
     # micro-batch, read in C before the loop; an overlapped pair has neither (its parts do)
     kind_stages = list(map(_kind_stage, row))
-    posts_of_row = list(map(_flat(rule.posts).get, kind_stages))
-    steps_of_row = list(map(_flat(steps).get, kind_stages))
+    posts_of_row = list(map(flat_posts.get, kind_stages))
+    steps_of_row: list[tuple[Sequence[int], Sequence[int]] | None]
+    steps_of_row = list(map(flat_steps.get, kind_stages))
     microbatches = list(map(_microbatch, row))
     posts: list[int] = []
     batches: list[tuple[tuple[int, int], ...]] = []
