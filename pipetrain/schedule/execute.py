@@ -39,7 +39,7 @@ from pipetrain.schedule import deps
 from pipetrain.schedule.action import COMPUTE_KINDS, Action, OpKind
 from pipetrain.schedule.copy_engine import CopyEngine, CopyPlan, has_copies
 from pipetrain.schedule.placement import Placement
-from pipetrain.schedule.plans import Issue, PairPlans, Plan, compile_plans
+from pipetrain.schedule.plans import Issue, PairPlans, Plan, compile_plans, pair_shape
 from pipetrain.schedule.program import Program, ScheduleError
 from pipetrain.schedule.timeline import Span
 
@@ -278,24 +278,21 @@ def _folded_rows(
         for kind, of_stage in plans.items()
         for stage, plan in of_stage.items()
     }
-    # (id of a pair's plan, which ``PairPlans`` keeps alive, rank) -> the plan folded there
-    of_pair: dict[tuple[int, int], Folded] = {}
+    # (``pair_shape``, rank) -> the pair's plan folded there; None: a part's stage is unknown
+    of_pair: dict[tuple[tuple[object, ...], int], Folded | None] = {}
     out = []
     for rank, row in enumerate(rows):
         folded = list(map(flat.get, map(_kind_stage, row)))
         if None in folded:
             for step, action in enumerate(row):
-                if (
-                    folded[step] is None
-                    and action.parts
-                    and all((p.kind, p.stage) in flat for p in action.parts)
-                ):
-                    plan = pairs.plan(action, {})
-                    assert plan is not None  # every part's stage is known
-                    key = (id(plan), rank)
-                    if key not in of_pair:
-                        of_pair[key] = _fold(plan, rank)
-                    folded[step] = of_pair[key]
+                if folded[step] is not None or not action.parts:
+                    continue
+                key = (pair_shape(action), rank)
+                if key not in of_pair:
+                    known = all((p.kind, p.stage) in flat for p in action.parts)
+                    plan = pairs.plan(action, {}) if known else None
+                    of_pair[key] = None if plan is None else _fold(plan, rank)
+                folded[step] = of_pair[key]
         out.append(folded)
     return out
 
