@@ -19,7 +19,7 @@ import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 
 from pipetrain.planner.costs_file import ModelCosts
-from pipetrain.planner.judge import Budget, Candidate, evaluate, rank_key
+from pipetrain.planner.judge import Budget, Candidate, evaluate, rank_key, step_bound
 from pipetrain.planner.partition import (
     Limit,
     bounds,
@@ -32,6 +32,7 @@ from pipetrain.planner.recompute import recomputed_costs, uniform
 from pipetrain.planner.recompute_modes import Recompute
 from pipetrain.schedule.program import Program
 from pipetrain.schedule.timeline import Timeline
+from pipetrain.sim.bound import count_actions
 
 #: the fitting shapes (family, stages per rank, micro-batches) whose best cut is refined
 REFINE_SHAPES = 3
@@ -39,6 +40,9 @@ REFINE_SHAPES = 3
 REFINE_ACTIONS = 1_000_000
 #: rounds of tightening the per-stage memory caps towards the budget
 _MEMORY_ROUNDS = 3
+#: relative slack on a lower bound before it prunes: the bound and the simulator add the same
+#: costs in different orders, so two equal steps may differ in their last bits
+_MARGIN = 1e-9
 
 
 def candidates(
@@ -104,6 +108,7 @@ def refine(
     costs: ModelCosts,
     programs: Mapping[tuple[str, int, int], Program],
     budget: Budget,
+    prune: bool = True,
 ) -> list[Candidate]:
     """Hill-climb the cuts of the fastest fitting shapes with the simulation as the judge: from
     each distinct fitting cut of a shape (fastest first), move one boundary by one layer (from
@@ -114,7 +119,13 @@ def refine(
     stages per rank, where a rank's load is a sum over distant stages and one climb can stop in
     a local minimum (interleaved 1F1B on small random models, climbing from the best start alone:
     measured in docs/performance.md). A shape here includes what its stages recompute, which
-    the moves keep, and what they offload. Returns every cut it simulated."""
+    the moves keep, and what they offload. Returns every cut it simulated.
+
+    With ``prune``, a move whose step cannot beat the current best (``judge.step_bound``, a
+    lower bound from the costs alone) is not simulated, but it is counted against the budget and
+    as seen as if it were: such a move is never kept (keeping needs a step no longer than the
+    best's), so the climb takes the same moves, stops at the same cut and returns the same
+    best, only without the candidates it proved slower."""
     out: list[Candidate] = []
     shapes: dict[tuple[str, int, int, tuple[str, ...], tuple[float, ...]], list[Candidate]] = {}
     for c in sorted((c for c in found if c.plan.fits), key=rank_key):
@@ -127,6 +138,7 @@ def refine(
     for (name, v, m, modes, offload), starts in shapes.items():
         program = programs[name, v, m]
         size = sum(len(row) for row in program.actions)
+        counts = count_actions(program) if prune else None
         seen = {c.plan.stage_layers for c in starts}
         for best in starts:
             improved = True
@@ -139,6 +151,10 @@ def refine(
                         return out
                     actions_left -= size
                     seen.add(cut)
+                    if counts is not None:
+                        bound = step_bound(costs, counts, cut, modes)
+                        if bound is not None and bound > best.plan.step_ms * (1 + _MARGIN):
+                            continue  # slower than the best, whatever the simulation says
                     c = evaluate(costs, program, name, v, cut, "refined", budget, modes, offload)
                     out.append(c)
                     if c.plan.fits and rank_key(c) < rank_key(best):

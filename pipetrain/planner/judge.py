@@ -27,6 +27,7 @@ from pipetrain.planner.recompute_modes import Recompute, StageRecompute, stage_r
 from pipetrain.schedule.offload import insert_offload, offloadable_stages, reload_leads
 from pipetrain.schedule.program import Program
 from pipetrain.schedule.timeline import Timeline
+from pipetrain.sim.bound import ActionCounts, step_lower_bound
 from pipetrain.sim.costs import Costs, rank_peak_memory
 from pipetrain.sim.simulate import reload_timing, simulate
 
@@ -330,6 +331,20 @@ def evaluate(
         timeline=timeline,
         cut_by=how,
     )
+
+
+def step_bound(
+    costs: ModelCosts, counts: ActionCounts, cut: tuple[int, ...], recompute: Sequence[str] = ()
+) -> float | None:
+    """A lower bound on the step ``evaluate`` would predict for ``cut`` of ``counts.program``
+    with ``recompute`` (``sim.bound``: None where it does not apply), from the same stage costs:
+    each mode made runnable as ``evaluate`` makes it. Offload is left out: its copies only
+    delay compute, so the bound without them holds with them."""
+    recompute = tuple(
+        _runnable(stage_recompute(mode), costs.layers[a:b])
+        for mode, (a, b) in zip(recompute, bounds(cut))
+    )
+    return step_lower_bound(counts, stage_costs(costs, counts.program, cut, recompute))
 
 
 def usable_offload(

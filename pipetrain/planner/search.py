@@ -34,6 +34,7 @@ from pipetrain.planner.offload_search import offload_candidates
 from pipetrain.planner.recompute_modes import describe
 from pipetrain.planner.recompute_search import recompute_candidates
 from pipetrain.schedule.action import OpKind
+from pipetrain.schedule.gc_pause import without_gc
 from pipetrain.schedule.program import Program
 from pipetrain.schedule.registry import FAMILIES, Family, build_schedule, family
 
@@ -177,6 +178,7 @@ def as_costs(costs: object) -> ModelCosts:
     )
 
 
+@without_gc
 def search(
     costs: ModelCosts,
     *,
@@ -189,10 +191,14 @@ def search(
     stages_per_rank: Sequence[int] | None = None,
     headroom: float = DEFAULT_HEADROOM,
     offload: bool = True,
+    prune: bool = False,
 ) -> Search:
     """Simulate every candidate (see the module docstring); ``ValueError`` names bad input.
     ``offload=False`` leaves activation offload out (a run replayed as a CUDA graph cannot
-    offload: ``Pipeline(cuda_graph=True)`` refuses it)."""
+    offload: ``Pipeline(cuda_graph=True)`` refuses it). ``prune=True`` skips the refinement's
+    moves that a lower bound proves slower than the best (``cuts.refine``): the pick and each
+    family's best are the same, but ``Search.candidates`` then lacks those moves, so a caller
+    that reads every candidate (e.g. for the lowest peak any cut reaches) keeps the default."""
     if num_ranks < 1:
         raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
     if not memory_gib > 0:
@@ -250,7 +256,7 @@ def search(
         out.offload_tried = offload and bool(costs.host_bandwidth_gbs)
         if offload:
             out.candidates += offload_candidates(costs, programs, plain, budget)
-    out.candidates += refine(out.candidates, costs, programs, budget)
+    out.candidates += refine(out.candidates, costs, programs, budget, prune)
     return out
 
 

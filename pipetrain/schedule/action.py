@@ -43,7 +43,7 @@ RECV_KINDS = frozenset({OpKind.RECV_F, OpKind.RECV_B})
 COPY_KINDS = frozenset({OpKind.OFFLOAD, OpKind.RELOAD})
 
 
-@dataclass(slots=True, unsafe_hash=True)
+@dataclass(init=False, slots=True, unsafe_hash=True)
 class Action:
     """One instruction: ``kind`` on ``stage`` for ``microbatch``.
 
@@ -53,8 +53,9 @@ class Action:
 
     An action is a value: it is hashed (programs, plans and the runtime key dicts by it), so never
     assign to a field of one. It is not declared ``frozen`` only for speed: a build and a lowering
-    each make ~10^5 actions, and a frozen dataclass's ``__init__`` (every field through
-    ``object.__setattr__``) costs about twice this one.
+    each make ~10^6 actions, and a frozen dataclass's ``__init__`` (every field through
+    ``object.__setattr__``) costs about twice this one; for the same reason ``__init__`` is
+    written here with its check inline, not as a generated one calling ``__post_init__``.
     """
 
     kind: OpKind
@@ -62,12 +63,18 @@ class Action:
     microbatch: int
     parts: tuple[Action, ...] = ()
 
-    def __post_init__(self) -> None:
-        if (self.kind is _OVERLAP_F_B) != bool(self.parts):
+    def __init__(
+        self, kind: OpKind, stage: int, microbatch: int, parts: tuple[Action, ...] = ()
+    ) -> None:
+        if (kind is _OVERLAP_F_B) != bool(parts):
             raise ValueError(
-                f"{self.kind} with parts {self.parts}: an OVERLAP_F_B action needs its two parts "
+                f"{kind} with parts {parts}: an OVERLAP_F_B action needs its two parts "
                 "(use overlap(forward, backward)) and other kinds have none"
             )
+        self.kind = kind
+        self.stage = stage
+        self.microbatch = microbatch
+        self.parts = parts
 
     @property
     def is_compute(self) -> bool:

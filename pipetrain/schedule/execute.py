@@ -32,40 +32,24 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import repeat
+from operator import attrgetter, mul
 from typing import NamedTuple
 
 from pipetrain.schedule import deps
 from pipetrain.schedule.action import COMPUTE_KINDS, Action, OpKind
 from pipetrain.schedule.copy_engine import CopyEngine, CopyPlan, has_copies
 from pipetrain.schedule.placement import Placement
+from pipetrain.schedule.plans import Issue, PairPlans, Plan, compile_plans, pair_shape
 from pipetrain.schedule.program import Program, ScheduleError
 from pipetrain.schedule.timeline import Span
 
-
-class Input(NamedTuple):
-    """A value an action waits for, and what it costs to reach another rank."""
-
-    value: int
-    producer_rank: int
-    latency: float
-
-
-class Plan(NamedTuple):
-    """How the loop runs one (kind, stage) at micro-batch 0, or one overlapped pair."""
-
-    needs: tuple[Input, ...]
-    #: the values it produces that others await (``deps.CompiledRule.awaited``)
-    awaited: tuple[int, ...]
-    #: from an idle start, host and device together (``duration``)
-    cost: float
-    #: the host's time to issue it (0: the plain model)
-    host: float
-    #: the device's time with its kernels queued ahead (the plain model: ``cost``)
-    device: float
-
-
-#: an action's (host time, device time with its kernels queued ahead); the module docstring
-Issue = Callable[[Action], tuple[float, float]]
+_kind = attrgetter("kind")
+_kind_stage = attrgetter("kind", "stage")
+_stage = attrgetter("stage")
+_microbatch = attrgetter("microbatch")
+_NON_COMPUTE = frozenset(OpKind) - COMPUTE_KINDS
+#: ``Stretch._make`` without its Python-level call: a run makes one per wait, ~10^5
+_new_tuple = tuple.__new__
 
 
 class Stretch(NamedTuple):
@@ -152,11 +136,70 @@ def run(
     """``execute`` with the times left per rank (``Run``); ``copy_plan``: how each stage's copies
     run (``None``: each lasts its ``duration``); ``issue``, ``scale``: the module docstring."""
     rule = deps.compile_rule(program.placement)
-    stride = rule.stride
-    plans = _plans(rule, duration, latency, issue)
-    pairs = _PairPlans(plans, stride, duration, issue)
-    rows = [[a for a in row if a.kind in COMPUTE_KINDS] for row in program.actions]
+    plans = compile_plans(rule, duration, latency, issue)
+    pairs = PairPlans(plans, rule.stride, duration, issue)
+    rows = _compute_rows(program)
     copies = CopyEngine(program.actions, duration, copy_plan) if has_copies(program) else None
+    row_shifts = [list(map(mul, map(_microbatch, row), repeat(rule.stride))) for row in rows]
+    if copies is None and issue is None and scale is None and _at_home(program, rows):
+        played = _play_plain(
+            program, rows, _folded_rows(program, rows, plans, pairs), row_shifts, pairs
+        )
+    else:
+        row_plans = _row_plans(rows, plans)
+        row_factors = None if scale is None else [list(map(scale, row)) for row in rows]
+        played = _play(program, rows, row_plans, row_shifts, row_factors, pairs, copies)
+    starts, ends, stretches, pos, produced = played
+    if any(p < len(r) for p, r in zip(pos, rows)):
+        raise deadlock_error(
+            program.with_actions(rows), _stuck_computes(program, rows, pos, produced)
+        )
+    spans = tuple(copies.spans) if copies else ()
+    return Run(rows, starts, ends, stretches, spans, _host_spans(rows, issue))
+
+
+class _Played(NamedTuple):
+    """What a play of the loop leaves: per rank its starts and ends, the stretches in order, how
+    far each rank got, and when each value was produced."""
+
+    starts: list[list[float]]
+    ends: list[list[float]]
+    stretches: list[Stretch]
+    pos: list[int]
+    produced: dict[int, float]
+
+
+def _row_plans(
+    rows: Sequence[Sequence[Action]], plans: dict[OpKind, dict[int, Plan]]
+) -> list[list[Plan | None]]:
+    """Each row's plans, read in C (``map``) before the loop, so that the loop pays a list
+    subscript per action, not attribute reads and dict lookups. A pair's plan (None here) is
+    found as the loop meets it; so is an unknown stage's error."""
+    flat = {
+        (kind, stage): plan for kind, of_stage in plans.items() for stage, plan in of_stage.items()
+    }
+    return [list(map(flat.get, map(_kind_stage, row))) for row in rows]
+
+
+def _at_home(program: Program, rows: Sequence[Sequence[Action]]) -> bool:
+    """Whether every plain action's stage lives on the rank whose row holds it (validated
+    programs; ``_play_plain`` counts a value's latency by its producer's home rank)."""
+    stages_of_rank: list[set[int]] = [set() for _ in rows]
+    for stage, rank in enumerate(program.placement.rank_of_stage):
+        stages_of_rank[rank].add(stage)
+    return all(mine.issuperset(map(_stage, row)) for mine, row in zip(stages_of_rank, rows))
+
+
+def _play(
+    program: Program,
+    rows: list[list[Action]],
+    row_plans: list[list[Plan | None]],
+    row_shifts: list[list[int]],
+    row_factors: list[list[float]] | None,
+    pairs: PairPlans,
+    copies: CopyEngine | None,
+) -> _Played:
+    """The loop with every feature: hosts, copies, per-micro-batch factors (module docstring)."""
     produced: dict[int, float] = {}  # value -> when it was produced
     waiting: dict[int, list[int]] = {}  # value -> ranks parked on it
     pos = [0] * len(rows)
@@ -169,19 +212,15 @@ def run(
     while work:
         rank = work.pop()
         row, step, free, issued = rows[rank], pos[rank], free_at[rank], host_at[rank]
+        plans_of_row, shifts = row_plans[rank], row_shifts[rank]
+        factors = None if row_factors is None else row_factors[rank]
         rank_starts, rank_ends = starts[rank], ends[rank]
-        first = step
-        while step < len(row):
-            action = row[step]
+        first, size = step, len(row)
+        while step < size:
+            plan = plans_of_row[step] or _pair_plan(program, rows, rank, step, pairs, produced)
             if copies is not None:
                 copies.issue(rank, step, free)
-            if action.parts:
-                plan = pairs.plan(action, produced)
-            else:
-                plan = plans[action.kind].get(action.stage)
-            shift, factor = action.microbatch * stride, 1.0 if scale is None else scale(action)
-            if plan is None:  # unvalidated input naming a stage the placement lacks
-                raise _bad_stage(program, rows, rank, step)
+            shift = shifts[step]
             needs, awaited, cost, host, device = plan
             start = free if free > issued else issued
             for value, producer_rank, delay in needs:
@@ -194,10 +233,12 @@ def run(
                     start = arrived
             else:  # every input is here: run it
                 if copies is not None:
-                    start = copies.ready(action, start)
-                free = start + device * factor
-                if issued + cost * factor > free:
-                    free = issued + cost * factor
+                    start = copies.ready(row[step], start)
+                if factors is not None:
+                    cost, device = cost * factors[step], device * factors[step]
+                free = start + device
+                if issued + cost > free:
+                    free = issued + cost
                 issued += host
                 rank_starts.append(start)
                 rank_ends.append(free)
@@ -210,17 +251,144 @@ def run(
                 continue
             waiting.setdefault(value + shift, []).append(rank)
             break
-        if copies is not None and step == len(row):
+        if copies is not None and step == size:
             copies.issue(rank, step, free)
         if step > first:
-            stretches.append(Stretch(rank, first, step))
+            stretches.append(_new_tuple(Stretch, (rank, first, step)))
         pos[rank], free_at[rank], host_at[rank] = step, free, issued
-    if any(p < len(r) for p, r in zip(pos, rows)):
-        raise deadlock_error(
-            program.with_actions(rows), _stuck_computes(program, rows, pos, produced)
-        )
-    spans = tuple(copies.spans) if copies else ()
-    return Run(rows, starts, ends, stretches, spans, _host_spans(rows, issue))
+    return _Played(starts, ends, stretches, pos, produced)
+
+
+#: a plan as ``_play_plain`` reads it: (needs as (value, latency), awaited values, duration)
+Folded = tuple[tuple[tuple[int, float], ...], tuple[int, ...], float]
+
+
+def _folded_rows(
+    program: Program,
+    rows: Sequence[Sequence[Action]],
+    plans: dict[OpKind, dict[int, Plan]],
+    pairs: PairPlans,
+) -> list[list[Folded | None]]:
+    """Each row's plans for ``_play_plain``, folded (``_fold``) on their stage's rank; an
+    overlapped pair's too where every part names a known stage. Only an unknown stage is left
+    None, for the loop to report (``_pair_plan``)."""
+    home = program.placement.rank_of_stage
+    flat = {
+        (kind, stage): _fold(plan, home[stage])
+        for kind, of_stage in plans.items()
+        for stage, plan in of_stage.items()
+    }
+    # (``pair_shape``, rank) -> the pair's plan folded there; None: a part's stage is unknown
+    of_pair: dict[tuple[tuple[object, ...], int], Folded | None] = {}
+    out = []
+    for rank, row in enumerate(rows):
+        folded = list(map(flat.get, map(_kind_stage, row)))
+        if None in folded:
+            for step, action in enumerate(row):
+                if folded[step] is not None or not action.parts:
+                    continue
+                key = (pair_shape(action), rank)
+                if key not in of_pair:
+                    known = all((p.kind, p.stage) in flat for p in action.parts)
+                    plan = pairs.plan(action, {}) if known else None
+                    of_pair[key] = None if plan is None else _fold(plan, rank)
+                folded[step] = of_pair[key]
+        out.append(folded)
+    return out
+
+
+def _play_plain(
+    program: Program,
+    rows: list[list[Action]],
+    row_plans: list[list[Folded | None]],
+    row_shifts: list[list[int]],
+    pairs: PairPlans,
+) -> _Played:
+    """``_play`` for the plain model (no host, no copies, no factors) with every action on its
+    stage's rank: the same times, with a latency of 0 folded into each need that stays on its
+    rank (``x + 0.0`` is ``x``), so the loop reads fewer fields per action. It runs every
+    simulation the planner makes and every lowering and validation."""
+    produced: dict[int, float] = {}  # value -> when it was produced
+    waiting: dict[int, list[int]] = {}  # value -> ranks parked on it
+    pos = [0] * len(rows)
+    free_at = [0.0] * len(rows)
+    starts: list[list[float]] = [[] for _ in rows]
+    ends: list[list[float]] = [[] for _ in rows]
+    stretches: list[Stretch] = []
+    work = list(range(len(rows) - 1, -1, -1))
+    while work:
+        rank = work.pop()
+        step, free, shifts = pos[rank], free_at[rank], row_shifts[rank]
+        plans_of_row, rank_starts, rank_ends = row_plans[rank], starts[rank], ends[rank]
+        first, size = step, len(plans_of_row)
+        while step < size:
+            fold = plans_of_row[step]
+            if fold is None:
+                fold = _fold(_pair_plan(program, rows, rank, step, pairs, produced), rank)
+            needs, awaited, cost = fold
+            shift = shifts[step]
+            start = free
+            for value, delay in needs:
+                arrived = produced.get(value + shift)
+                if arrived is None:
+                    break  # park on the first missing value (below)
+                arrived += delay
+                if arrived > start:
+                    start = arrived
+            else:  # every input is here: run it
+                free = start + cost
+                rank_starts.append(start)
+                rank_ends.append(free)
+                step += 1
+                for value in awaited:
+                    value += shift
+                    produced[value] = free
+                    if value in waiting:
+                        work.extend(waiting.pop(value))
+                continue
+            waiting.setdefault(value + shift, []).append(rank)
+            break
+        if step > first:
+            stretches.append(_new_tuple(Stretch, (rank, first, step)))
+        pos[rank], free_at[rank] = step, free
+    return _Played(starts, ends, stretches, pos, produced)
+
+
+def _fold(plan: Plan, rank: int) -> tuple[tuple[tuple[int, float], ...], tuple[int, ...], float]:
+    """``plan`` on ``rank`` for ``_play_plain``: each need's latency, 0 where it stays on the rank."""
+    needs = tuple(
+        (value, delay if producer_rank != rank else 0.0)
+        for value, producer_rank, delay in plan.needs
+    )
+    return needs, plan.awaited, plan.device
+
+
+def _pair_plan(
+    program: Program,
+    rows: Sequence[Sequence[Action]],
+    rank: int,
+    step: int,
+    pairs: PairPlans,
+    produced: dict[int, float],
+) -> Plan:
+    """The plan of the action with none in its row's table: an overlapped pair's, or (unvalidated
+    input naming a stage the placement lacks) ``ScheduleError``."""
+    action = rows[rank][step]
+    plan = pairs.plan(action, produced) if action.parts else None
+    if plan is None:
+        raise _bad_stage(program, rows, rank, step)
+    return plan
+
+
+def _compute_rows(program: Program) -> list[list[Action]]:
+    """Each rank's compute actions, in order (a row with no SEND/RECV is copied whole: its kinds
+    are read in C)."""
+    return [
+        list(row)
+        if _NON_COMPUTE.isdisjoint(map(_kind, row))
+        else [a for a in row if a.kind in COMPUTE_KINDS]
+        for row in program.actions
+    ]
 
 
 def _host_spans(rows: Sequence[Sequence[Action]], issue: Issue | None) -> tuple[Span, ...]:
@@ -236,93 +404,6 @@ def _host_spans(rows: Sequence[Sequence[Action]], issue: Issue | None) -> tuple[
             spans.append(Span(rank, action, issued, issued + host))
             issued += host
     return tuple(spans)
-
-
-def _plans(
-    rule: deps.CompiledRule,
-    duration: Callable[[Action], float],
-    latency: Callable[[deps.Key], float],
-    issue: Issue | None,
-) -> dict[OpKind, dict[int, Plan]]:
-    """``[kind][stage]`` -> the plain action's plan at micro-batch 0 (every kind has a dict)."""
-    plans: dict[OpKind, dict[int, Plan]] = {kind: {} for kind in OpKind}
-    for kind, needs_of_stage in rule.needs.items():
-        for stage, needs in needs_of_stage.items():
-            action = Action(kind, stage, 0)
-            plans[kind][stage] = Plan(
-                tuple(
-                    Input(need.value, need.producer_rank, latency((need.token, need.stage, 0)))
-                    for need in needs
-                ),
-                rule.awaited[kind][stage],
-                *_times(action, duration, issue),
-            )
-    return plans
-
-
-def _times(
-    action: Action, duration: Callable[[Action], float], issue: Issue | None
-) -> tuple[float, float, float]:
-    """(cost, host, device) of a plan (``Plan``)."""
-    cost = duration(action)
-    host, device = (0.0, cost) if issue is None else issue(action)
-    return cost, host, device
-
-
-def pair_shape(pair: Action) -> tuple[object, ...]:
-    """What an overlapped pair's plan depends on: its stage, and each part's kind, stage and
-    micro-batch relative to the pair's. Pairs of one shape share a plan, shifted."""
-    base = pair.microbatch
-    return (pair.stage, *[(p.kind, p.stage, p.microbatch - base) for p in pair.parts])
-
-
-class _PairPlans:
-    """Plans of overlapped pairs, made as the loop meets them, one per ``pair_shape`` (a DualPipe
-    program is mostly pairs, of a few shapes): at the pair's micro-batch, each part's values
-    shifted by its micro-batch's offset from the pair's. Every part's inputs must be there before
-    the pair starts."""
-
-    def __init__(
-        self,
-        plans: dict[OpKind, dict[int, Plan]],
-        stride: int,
-        duration: Callable[[Action], float],
-        issue: Issue | None = None,
-    ) -> None:
-        self.plans, self.stride, self.duration, self.issue = plans, stride, duration, issue
-        self.of_shape: dict[tuple[object, ...], Plan] = {}
-
-    def plan(self, pair: Action, produced: dict[int, float]) -> Plan | None:
-        """The pair's plan; for a part naming a stage the placement lacks (unvalidated input),
-        see ``_bad_part``."""
-        shape = pair_shape(pair)
-        plan = self.of_shape.get(shape)
-        if plan is not None:
-            return plan
-        needs: list[Input] = []
-        awaited: list[int] = []
-        for part in pair.parts:
-            part_plan = self.plans[part.kind].get(part.stage)
-            if part_plan is None:
-                return self._bad_part(pair, needs, produced)
-            offset = (part.microbatch - pair.microbatch) * self.stride
-            needs += [Input(need.value + offset, *need[1:]) for need in part_plan.needs]
-            awaited += [value + offset for value in part_plan.awaited]
-        plan = self.of_shape[shape] = Plan(
-            tuple(needs), tuple(awaited), *_times(pair, self.duration, self.issue)
-        )
-        return plan
-
-    def _bad_part(
-        self, pair: Action, needs: list[Input], produced: dict[int, float]
-    ) -> Plan | None:
-        """A pair with a part on a stage the placement lacks. Checked part by part, that fails
-        only once every earlier part's inputs are there: then the answer is None; before, the pair
-        waits on the missing input, so its plan is the earlier parts' needs, and it never runs."""
-        shift = pair.microbatch * self.stride
-        if all(need.value + shift in produced for need in needs):
-            return None
-        return Plan(tuple(needs), (), 0.0, 0.0, 0.0)
 
 
 def _bad_stage(

@@ -28,11 +28,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 
 from pipetrain.schedule import deps
-from pipetrain.schedule.action import RECV_KINDS, Action
+from pipetrain.schedule.action import RECV_KINDS, Action, OpKind
 from pipetrain.schedule.execute import run, unit_duration
+from pipetrain.schedule.gc_pause import without_gc
 from pipetrain.schedule.program import Program, ScheduleError
+
+_kind_stage = attrgetter("kind", "stage")
 
 
 @dataclass(frozen=True)
@@ -60,31 +64,55 @@ def inject_comms(program: Program) -> Program:
     # order). Each rank's row is that order restricted to the row, so each row is sorted on its
     # own, by one number: unit durations make every time an integer, so (time, flag, rank) packs
     # into ``(2·time + flag)·ranks + rank``, and the sort is stable, which keeps execution order.
+    # Two entries of a row share a number only if one action sent both, so a row may be filled
+    # in any order that keeps each action's transfers in order: its compute actions all at once
+    # (their numbers read in C), then the transfers.
     num_ranks = program.num_ranks
     keys: list[list[float]] = [[] for _ in range(num_ranks)]
     rows: list[list[Action]] = [[] for _ in range(num_ranks)]
     unit_run = run(program, unit_duration)
+    flat = {
+        (kind, stage): transfers
+        for kind, of_stage in transfers_of.items()
+        for stage, transfers in of_stage.items()
+    }
     for rank in range(num_ranks):
-        own_keys, own_row = keys[rank], rows[rank]
-        for action, start, end in zip(
-            unit_run.rows[rank], unit_run.starts[rank], unit_run.ends[rank]
+        own_keys, own_row, row = keys[rank], rows[rank], unit_run.rows[rank]
+        own_row += row
+        own_keys += [(2 * start + 1) * num_ranks + rank for start in unit_run.starts[rank]]
+        for action, end, transfers in zip(
+            row, unit_run.ends[rank], map(flat.get, map(_kind_stage, row))
         ):
-            own_keys.append((2 * start + 1) * num_ranks + rank)
-            own_row.append(action)
-            sent = 2 * end * num_ranks + rank
-            for part in action.parts or (action,):
-                mb = part.microbatch
-                for send, send_stage, recv, recv_stage, recv_rank in transfers_of[part.kind][
-                    part.stage
-                ]:
-                    own_keys.append(sent)
-                    own_row.append(Action(send, send_stage, mb))
-                    keys[recv_rank].append(sent)
-                    rows[recv_rank].append(Action(recv, recv_stage, mb))
+            if transfers is None:  # an overlapped pair: its parts' transfers, in order
+                for part in action.parts:
+                    _add_transfers(
+                        keys, rows, rank, end, part.microbatch, flat[part.kind, part.stage]
+                    )
+            elif transfers:
+                _add_transfers(keys, rows, rank, end, action.microbatch, transfers)
     return program.with_actions(
         [row[i] for i in sorted(range(len(row)), key=row_keys.__getitem__)]
         for row, row_keys in zip(rows, keys)
     )
+
+
+def _add_transfers(
+    keys: list[list[float]],
+    rows: list[list[Action]],
+    rank: int,
+    end: float,
+    microbatch: int,
+    transfers: tuple[tuple[OpKind, int, OpKind, int, int], ...],
+) -> None:
+    """Each transfer of a value made on ``rank`` at ``end``: its SEND there, its RECV on the
+    receiver, both numbered by ``end`` (``inject_comms``)."""
+    sent = 2 * end * len(rows) + rank
+    own_keys, own_row = keys[rank], rows[rank]
+    for send, send_stage, recv, recv_stage, recv_rank in transfers:
+        own_keys.append(sent)
+        own_row.append(Action(send, send_stage, microbatch))
+        keys[recv_rank].append(sent)
+        rows[recv_rank].append(Action(recv, recv_stage, microbatch))
 
 
 def post_receives_late(program: Program, lead: int) -> Program:
@@ -141,6 +169,7 @@ def post_receives_late(program: Program, lead: int) -> Program:
 PASSES: tuple[Pass, ...] = (Pass("inject_comms", inject_comms),)
 
 
+@without_gc
 def lower(program: Program, passes: Sequence[Pass] = PASSES) -> Program:
     """Apply the passes in order. A program that already has comms is returned as it is."""
     if program.is_lowered:

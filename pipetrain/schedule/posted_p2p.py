@@ -35,38 +35,62 @@ each one's action and what it waits for.
 from __future__ import annotations
 
 from collections import deque
+from operator import attrgetter
 
 from pipetrain.schedule import deps
-from pipetrain.schedule.action import RECV_KINDS, SEND_KINDS, Action, OpKind
+from pipetrain.schedule.action import RECV_KINDS, Action, OpKind
 from pipetrain.schedule.execute import Wait, deadlock_error, describe_key
 from pipetrain.schedule.program import Program, ScheduleError
 
 Channel = tuple[int, int]  # (sending rank, receiving rank)
+_kind_stage = attrgetter("kind", "stage")
+_microbatch = attrgetter("microbatch")
 
 
 def check_channel_order(program: Program) -> dict[Channel, list[deps.Key]]:
     """Each channel's values in send order; ``ScheduleError`` where the receiver's order differs."""
-    rank_of = program.placement.rank
-    sent: dict[Channel, list[deps.Key]] = {}
-    received: dict[Channel, list[deps.Key]] = {}
-    # per (kind, stage): is it a send, and which channel (the rule at micro-batch 0)
-    kinds: dict[tuple[OpKind, int], tuple[bool, Channel]] = {}
-    for rank, row in enumerate(program.actions):
-        for action in row:
-            if not action.is_comm:
-                continue
-            shape = (action.kind, action.stage)
-            known = kinds.get(shape)
-            if known is None:
-                other = rank_of(deps.peer(action).stage)
-                is_send = action.kind in SEND_KINDS
-                known = kinds[shape] = (is_send, (rank, other) if is_send else (other, rank))
-            is_send, channel = known
-            (sent if is_send else received).setdefault(channel, []).append(deps.comm_key(action))
+    key = deps.compile_rule(program.placement).key
+    return {
+        channel: [key(value) for value in values]
+        for channel, values in check_channels(program).items()
+    }
+
+
+def check_channels(program: Program) -> dict[Channel, list[int]]:
+    """``check_channel_order`` with the values as the rule's integers (``deps.CompiledRule``):
+    what ``validate`` needs, without a key per transfer. Pairing has been checked, so every
+    SEND/RECV moves a value that travels."""
+    rule = deps.compile_rule(program.placement)
+    rank_of, stride = program.placement.rank_of_stage, rule.stride
+    sent: dict[Channel, list[int]] = {}
+    received: dict[Channel, list[int]] = {}
+    # per (kind, stage) of a SEND/RECV: the list its values go to, and its value at micro-batch 0
+    # (its rank is its stage's: placement has been checked)
+    lists: dict[tuple[OpKind, int], tuple[list[int], int]] = {}
+    for kind, of_stage in rule.posts.items():
+        for stage, post in of_stage.items():
+            token, value_stage, _ = rule.key(post.value)
+            other = deps.consumer_stage((token, value_stage, 0), program.placement.stages_per_chain)
+            if other is None or other >= len(rank_of):
+                continue  # a value that never travels: pairing has refused its SEND/RECV
+            channel = (rank_of[value_stage], rank_of[other])
+            to = (sent if post.is_send else received).setdefault(channel, [])
+            lists[kind, stage] = (to, post.value)
+    for row in program.actions:
+        for kind_stage, microbatch in zip(map(_kind_stage, row), map(_microbatch, row)):
+            entry = lists.get(kind_stage)
+            if entry is not None:
+                entry[0].append(entry[1] + microbatch * stride)
     for channel, values in received.items():
-        if values != sent.get(channel):
-            _order_error(program, channel, values, sent.get(channel, []))
-    return sent
+        if values and values != sent.get(channel):
+            key = rule.key
+            _order_error(
+                program,
+                channel,
+                [key(v) for v in values],
+                [key(v) for v in sent.get(channel, [])],
+            )
+    return {channel: values for channel, values in sent.items() if values}
 
 
 def _order_error(

@@ -22,6 +22,7 @@ from pipetrain.schedule.builders.interleaved import (
 from pipetrain.schedule.builders.one_f_one_b import build_1f1b
 from pipetrain.schedule.builders.zbv import build_zbv
 from pipetrain.schedule.builders.zero_bubble import build_zb_h1, build_zb_h2
+from pipetrain.schedule.gc_pause import without_gc
 from pipetrain.schedule.program import Program
 
 
@@ -195,6 +196,7 @@ class ScheduleSpec:
     microbatch_group_size: int | None = None
 
 
+@without_gc
 def build(spec: ScheduleSpec) -> Program:
     """Build the compute-only program for ``spec``; ``ValueError`` names any illegal value."""
     fam = family(spec.name)

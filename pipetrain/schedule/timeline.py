@@ -33,14 +33,20 @@ Metrics, as the ZB paper (Qi et al. 2024, §2) uses them:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import accumulate, pairwise
-from operator import itemgetter
+from operator import attrgetter, itemgetter
 from typing import NamedTuple
 
 from pipetrain.schedule.action import Action, OpKind
+from pipetrain.schedule.gc_pause import without_gc
+
+_F, _W = OpKind.F, OpKind.W
+_action = attrgetter("action")
+_time, _delta, _time_order = itemgetter(0), itemgetter(2), itemgetter(0, 1)
+_start, _end = itemgetter(2), itemgetter(3)  # of a ``Span``
 
 
 class Span(NamedTuple):
@@ -114,11 +120,11 @@ class Timeline:
 
     @cached_property
     def start(self) -> float:
-        return min((s.start for s in self.spans), default=0.0)
+        return min(map(_start, self.spans), default=0.0)
 
     @cached_property
     def end(self) -> float:
-        return max((s.end for s in self.spans), default=0.0)
+        return max(map(_end, self.spans), default=0.0)
 
     @property
     def makespan(self) -> float:
@@ -127,8 +133,8 @@ class Timeline:
     @cached_property
     def busy(self) -> tuple[float, ...]:
         busy = [0.0] * self.num_ranks
-        for s in self.spans:
-            busy[s.rank] += s.duration
+        for rank, _, start, end in self.spans:
+            busy[rank] += end - start
         return tuple(busy)
 
     @cached_property
@@ -161,10 +167,34 @@ class Timeline:
         return 1.0 - sum(self.busy) / (self.num_ranks * self.makespan)
 
     @cached_property
+    @without_gc
     def memory(self) -> tuple[tuple[tuple[float, float], ...], ...]:
         """Per rank, the activation curve as (time, held) steps, in activation-size units."""
+        curves: list[tuple[tuple[float, float], ...]] = []
+        for events in self._events():
+            if not events:
+                curves.append(((0.0, 0.0),))
+                continue
+            held = accumulate(map(_delta, events))
+            curves.append(tuple(zip(map(_time, events), held)))
+        return tuple(curves)
+
+    @cached_property
+    @without_gc
+    def peak_activations(self) -> tuple[float, ...]:
+        if "memory" in self.__dict__:  # the curves are drawn already
+            return tuple(max((held for _, held in curve), default=0.0) for curve in self.memory)
+        # the peak of each curve without building it (the planner reads only this)
         return tuple(
-            _activation_curve(
+            max(accumulate(map(_delta, events))) if events else 0.0 for events in self._events()
+        )
+
+    def _events(self) -> Iterator[list[tuple[float, int, float]]]:
+        """Per rank, its ``_activation_events``."""
+        for rank_spans, rank_copies in zip(
+            _by_rank(self.spans, self.num_ranks), _by_rank(self.copies, self.num_ranks)
+        ):
+            yield _activation_events(
                 rank_spans,
                 self.activation_size,
                 self.weight_activation_size or self.activation_size,
@@ -173,14 +203,6 @@ class Timeline:
                 self.offload_memory,
                 self.weight_workspace_size,
             )
-            for rank_spans, rank_copies in zip(
-                _by_rank(self.spans, self.num_ranks), _by_rank(self.copies, self.num_ranks)
-            )
-        )
-
-    @cached_property
-    def peak_activations(self) -> tuple[float, ...]:
-        return tuple(max((held for _, held in curve), default=0.0) for curve in self.memory)
 
     def rank_stats(self) -> tuple[RankStats, ...]:
         return tuple(
@@ -215,12 +237,13 @@ class Timeline:
 
 def _by_rank(spans: Sequence[Span], num_ranks: int) -> list[list[Span]]:
     rows: list[list[Span]] = [[] for _ in range(num_ranks)]
+    appends = [row.append for row in rows]
     for s in spans:
-        rows[s.rank].append(s)
+        appends[s[0]](s)
     return rows
 
 
-def _activation_curve(
+def _activation_events(
     spans: Sequence[Span],
     activation_size: Sequence[float],
     weight_activation_size: Sequence[float],
@@ -228,10 +251,64 @@ def _activation_curve(
     copies: Sequence[Span] = (),
     moves: Sequence[OffloadMemory] | None = None,
     weight_workspace_size: Sequence[float] | None = None,
-) -> tuple[tuple[float, float], ...]:
-    """Allocate at the start of F; between I and W hold the weight-gradient size; free at the end
-    of the last backward piece of (stage, mb); each action's workspace for its span alone; an
-    offloaded micro-batch's streamed share never held (module docstring)."""
+) -> list[tuple[float, int, float]]:
+    """(time, order, change) of held activations, sorted by time, frees first at equal times
+    (order 0 before 1): allocate at the start of F; between I and W hold the weight-gradient
+    size; free at the end of the last backward piece of (stage, mb); each action's workspace for
+    its span alone; an offloaded micro-batch's streamed share never held (module docstring)."""
+    if moves is None:
+        events = _plain_events(spans, activation_size, weight_activation_size)
+    else:
+        events = _offload_events(spans, activation_size, weight_activation_size, copies, moves)
+    if workspace_size is not None:
+        weight_workspace = weight_workspace_size or workspace_size
+        for s in spans:
+            used = max(
+                (weight_workspace if p.kind is OpKind.W else workspace_size)[p.stage]
+                for p in s.action.compute_parts
+            )
+            if used:
+                events += [(s.start, 1, used), (s.end, 0, -used)]
+    if moves is not None:
+        events += _copy_events(copies, moves)
+    events.sort(key=_time_order)
+    return events
+
+
+def _plain_events(
+    spans: Sequence[Span],
+    activation_size: Sequence[float],
+    weight_activation_size: Sequence[float],
+) -> list[tuple[float, int, float]]:
+    """``_offload_events`` where nothing is offloaded, one branch per action: the same events in
+    the same order (so the same sums), without its per-part bookkeeping."""
+    split = {(a.stage, a.microbatch) for a in map(_action, spans) if a.kind is _W}
+    events: list[tuple[float, int, float]] = []
+    append = events.append
+    for _, action, start, end in spans:
+        for p in action.parts or (action,):
+            kind, stage = p.kind, p.stage
+            if kind is _F:
+                append((start, 1, activation_size[stage]))
+            elif kind is _W:
+                append((end, 0, -weight_activation_size[stage]))
+            elif (stage, p.microbatch) not in split:  # B, or an I whose W never runs here
+                append((end, 0, -activation_size[stage]))
+            else:  # I of a split backward: what W still needs stays
+                change = weight_activation_size[stage] - activation_size[stage]
+                if change:
+                    append((end, 0 if change < 0 else 1, change))
+    return events
+
+
+def _offload_events(
+    spans: Sequence[Span],
+    activation_size: Sequence[float],
+    weight_activation_size: Sequence[float],
+    copies: Sequence[Span],
+    moves: Sequence[OffloadMemory],
+) -> list[tuple[float, int, float]]:
+    """The compute actions' events where stages offload (unsorted)."""
     parts = [(s, p) for s in spans for p in s.action.compute_parts]
     split = {(p.stage, p.microbatch) for _, p in parts if p.kind is OpKind.W}
     offloaded = {
@@ -241,11 +318,11 @@ def _activation_curve(
     for s, p in parts:
         size, key = activation_size[p.stage], (p.stage, p.microbatch)
         streamed_out = streamed_in = 0.0
-        if moves is not None and key in offloaded:
+        if key in offloaded:
             streamed_out = moves[p.stage].moved - moves[p.stage].out
             streamed_in = moves[p.stage].moved - moves[p.stage].back
         if p.kind is OpKind.F:
-            steps = moves[p.stage].layers if moves is not None else 1
+            steps = moves[p.stage].layers
             for i in range(steps):
                 events.append(
                     (s.start + i * (s.end - s.start) / steps, 1, (size - streamed_out) / steps)
@@ -258,28 +335,22 @@ def _activation_curve(
             change = weight_activation_size[p.stage] - (size - streamed_in)
             if change:
                 events.append((s.end, 0 if change < 0 else 1, change))
-    if workspace_size is not None:
-        weight_workspace = weight_workspace_size or workspace_size
-        for s in spans:
-            used = max(
-                (weight_workspace if p.kind is OpKind.W else workspace_size)[p.stage]
-                for p in s.action.compute_parts
-            )
-            if used:
-                events += [(s.start, 1, used), (s.end, 0, -used)]
-    if moves is not None:
-        for s in copies:
-            move = moves[s.action.stage]
-            if s.action.kind is OpKind.RELOAD:
-                events.append((s.start, 1, move.back))
-                continue
-            left, at = move.out, s.end
-            while left > 1e-12:  # the window leaves a layer at a time, the last at the end
-                piece = min(left, move.layer) if move.layer > 0 else left
-                events.append((max(s.start, at), 0, -piece))
-                left, at = left - piece, at - move.gap
-    if not events:
-        return ((0.0, 0.0),)
-    events.sort(key=itemgetter(0, 1))
-    held = accumulate(delta for _, _, delta in events)
-    return tuple(zip((time for time, _, _ in events), held))
+    return events
+
+
+def _copy_events(
+    copies: Sequence[Span], moves: Sequence[OffloadMemory]
+) -> list[tuple[float, int, float]]:
+    """What OFFLOAD copies free and RELOAD copies take back (unsorted)."""
+    events: list[tuple[float, int, float]] = []
+    for s in copies:
+        move = moves[s.action.stage]
+        if s.action.kind is OpKind.RELOAD:
+            events.append((s.start, 1, move.back))
+            continue
+        left, at = move.out, s.end
+        while left > 1e-12:  # the window leaves a layer at a time, the last at the end
+            piece = min(left, move.layer) if move.layer > 0 else left
+            events.append((max(s.start, at), 0, -piece))
+            left, at = left - piece, at - move.gap
+    return events

@@ -12,11 +12,13 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import NamedTuple
+from operator import attrgetter
+from typing import NamedTuple, TypeVar
 
 from pipetrain.schedule import deps
 from pipetrain.schedule.action import COPY_KINDS, SEND_KINDS, Action, OpKind
-from pipetrain.schedule.execute import Wait, deadlock_error, describe_key, pair_shape
+from pipetrain.schedule.execute import Wait, deadlock_error, describe_key
+from pipetrain.schedule.plans import pair_shape
 from pipetrain.schedule.program import Program, ScheduleError
 
 # Pairing and execution of a lowered program work on *posts* (``deps.Post``): each SEND and RECV
@@ -29,6 +31,11 @@ from pipetrain.schedule.program import Program, ScheduleError
 # row's batches. What ranks wait for — each batch's counterparts — is then played batch by batch,
 # and a rank that reaches its row's first failure raises it there: the same failure, in the same
 # order, as playing every action.
+
+
+_T = TypeVar("_T")
+_kind_stage = attrgetter("kind", "stage")
+_microbatch = attrgetter("microbatch")
 
 
 class _Step(NamedTuple):
@@ -75,9 +82,15 @@ def scan_lowered(program: Program) -> list[_RowScan] | None:
     }
     for kind in COPY_KINDS:  # a copy waits for no value here and closes a batch, as compute does
         steps[kind] = {stage: _Step((), ()) for stage in range(program.num_stages)}
+    # flat ``(kind, stage)`` tables of plain tuples: unpacking a ``NamedTuple`` takes CPython's
+    # generic path, twice the cost of a tuple's, once per action
+    flat_posts = {
+        key: (p.id, p.counterpart, p.value, p.is_send) for key, p in _flat(rule.posts).items()
+    }
+    flat_steps = {key: (step.needs, step.made) for key, step in _flat(steps).items()}
     scans = []
     for rank, row in enumerate(program.actions):
-        scan = _scan_row(program, rank, row, rule, steps)
+        scan = _scan_row(program, rank, row, rule, steps, flat_posts, flat_steps)
         if scan is None:
             return None
         scans.append(scan)
@@ -90,9 +103,19 @@ def _scan_row(
     row: Sequence[Action],
     rule: deps.CompiledRule,
     steps: dict[OpKind, dict[int, _Step]],
+    flat_posts: dict[tuple[OpKind, int], tuple[int, int, int, bool]],
+    flat_steps: dict[tuple[OpKind, int], tuple[Sequence[int], Sequence[int]]],
 ) -> _RowScan | None:
-    """Posts, batches and the first failure of one row (``steps`` at micro-batch 0)."""
-    stride, post_stride, posts_of = rule.stride, rule.post_stride, rule.posts
+    """Posts, batches and the first failure of one row (``steps`` at micro-batch 0, also as
+    ``flat_steps``; ``flat_posts`` the rule's posts)."""
+    stride, post_stride = rule.stride, rule.post_stride
+    # each action's post (a SEND/RECV) or step (compute, a copy) at micro-batch 0, and its
+    # micro-batch, read in C before the loop; an overlapped pair has neither (its parts do)
+    kind_stages = list(map(_kind_stage, row))
+    posts_of_row = list(map(flat_posts.get, kind_stages))
+    steps_of_row: list[tuple[Sequence[int], Sequence[int]] | None]
+    steps_of_row = list(map(flat_steps.get, kind_stages))
+    microbatches = list(map(_microbatch, row))
     posts: list[int] = []
     batches: list[tuple[tuple[int, int], ...]] = []
     first_steps: list[int] = []
@@ -102,36 +125,34 @@ def _scan_row(
     pair_steps: dict[tuple[object, ...], _Step] = {}  # by ``pair_shape``
     failing_batch: int = -1
     failure: Callable[[], ScheduleError] | None = None
-    for index, action in enumerate(row):
-        step: _Step | None
-        if action.parts:
+    for index, post in enumerate(posts_of_row):
+        if post is not None:  # a SEND or RECV
+            post_id, counterpart, value, is_send = post
+            microbatch = microbatches[index]
+            shift = microbatch * post_stride
+            post_id += shift
+            posts.append(post_id)
+            if failure is not None:
+                continue  # past the row's first failure only the posts count (pairing)
+            if not batch:
+                first_steps.append(index)
+            batch.append((post_id, counterpart + shift))
+            value += microbatch * stride
+            if not is_send:
+                landing.append(value)
+            elif value not in mine:
+                failing_batch = len(first_steps) - 1
+                failure = partial(_unsent_error, program, rank, index)
+            continue
+        step = steps_of_row[index]
+        if step is None:
+            action = row[index]
+            if not action.parts:
+                return None  # a SEND/RECV of a value that cannot exist
             shape = pair_shape(action)
             step = pair_steps.get(shape)
             if step is None:
                 step = pair_steps[shape] = _pair_step(action, steps, stride)
-        else:
-            post = posts_of[action.kind].get(action.stage)
-            if post is not None:  # a SEND or RECV
-                post_id, counterpart, value, is_send = post
-                microbatch = action.microbatch
-                shift = microbatch * post_stride
-                post_id += shift
-                posts.append(post_id)
-                if failure is not None:
-                    continue  # past the row's first failure only the posts count (pairing)
-                if not batch:
-                    first_steps.append(index)
-                batch.append((post_id, counterpart + shift))
-                value += microbatch * stride
-                if not is_send:
-                    landing.append(value)
-                elif value not in mine:
-                    failing_batch = len(first_steps) - 1
-                    failure = partial(_unsent_error, program, rank, index)
-                continue
-            step = steps[action.kind].get(action.stage)
-            if step is None:
-                return None  # a SEND/RECV of a value that cannot exist
         if failure is not None:
             continue
         if batch:  # the batch before this action completes before it
@@ -140,7 +161,7 @@ def _scan_row(
             mine.update(landing)
             landing.clear()
         needs, made = step
-        shift = action.microbatch * stride
+        shift = microbatches[index] * stride
         for value in needs:
             if value + shift not in mine:
                 # nothing later can bring it: local values come from earlier actions
@@ -155,6 +176,15 @@ def _scan_row(
     first_steps.append(len(row))  # the empty last batch
     batches.append(())
     return _RowScan(posts, batches, first_steps, failing_batch, failure)
+
+
+def _flat(table: dict[OpKind, dict[int, _T]]) -> dict[tuple[OpKind, int], _T]:
+    """A ``[kind][stage]`` table keyed by ``(kind, stage)``, for one lookup per action."""
+    return {
+        (kind, stage): entry
+        for kind, of_stage in table.items()
+        for stage, entry in of_stage.items()
+    }
 
 
 def _pair_step(pair: Action, steps: dict[OpKind, dict[int, _Step]], stride: int) -> _Step:

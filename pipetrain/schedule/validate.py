@@ -27,14 +27,16 @@ from operator import add, attrgetter
 from pipetrain.schedule.action import Action, OpKind
 from pipetrain.schedule.copy_engine import has_copies
 from pipetrain.schedule.execute import run, unit_duration
+from pipetrain.schedule.gc_pause import without_gc
 from pipetrain.schedule.offload import check_copies
-from pipetrain.schedule.posted_p2p import check_channel_order, run_posted
+from pipetrain.schedule.posted_p2p import check_channels, run_posted
 from pipetrain.schedule.program import Program, ScheduleError, microbatch_chains
 from pipetrain.schedule.transfer_checks import check_pairing, execute_lowered, scan_lowered
 
 P2P_MODELS = ("blocking", "posted")
 
 
+@without_gc
 def validate(program: Program, p2p: str = "blocking") -> Program:
     """Raise ``ScheduleError`` if ``program`` is malformed or cannot run; return it otherwise.
 
@@ -53,7 +55,7 @@ def validate(program: Program, p2p: str = "blocking") -> Program:
         scans = scan_lowered(program)
         check_pairing(program, scans, chains)
         assert scans is not None, "check_pairing refuses a program whose scan found no value"
-        check_channel_order(program)
+        check_channels(program)
         if p2p == "blocking":
             execute_lowered(program, scans)
         else:

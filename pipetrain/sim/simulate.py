@@ -36,6 +36,7 @@ from statistics import fmean
 
 from pipetrain.schedule.action import Action, OpKind
 from pipetrain.schedule.execute import run
+from pipetrain.schedule.gc_pause import without_gc
 from pipetrain.schedule.offload import ReloadTiming
 from pipetrain.schedule.program import Program
 from pipetrain.schedule.timeline import Timeline
@@ -110,6 +111,7 @@ def _blend(shares: list[tuple[float, float]]) -> float:
     return sum(cost * w for cost, w in shares) / total
 
 
+@without_gc
 def simulate(program: Program, costs: Costs | None = None) -> Timeline:
     """Predict the timeline of one step of ``program``; raises ``ScheduleError`` on deadlock."""
     sc = (costs or Costs()).per_stage(program.num_stages)
