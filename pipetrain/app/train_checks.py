@@ -199,7 +199,9 @@ def _layout(config: TrainConfig, shape: ModelShape) -> Layout:
             raise ValueError(
                 f"--plan {config.plan} gives the schedule and its shape; drop {', '.join(given)}"
             )
-        return _read_plan(config.plan)
+        layout = _read_plan(config.plan)
+        _check_plan_sizes(config, layout)
+        return layout
     program = build_schedule(
         config.schedule or DEFAULT_SCHEDULE,
         config.ranks or DEFAULT_RANKS,
@@ -239,6 +241,16 @@ def _recompute_modes(flag: str | None, num_stages: int) -> tuple[str, ...]:
             "for every stage or one per stage"
         )
     return modes
+
+
+def _check_plan_sizes(config: TrainConfig, layout: Layout) -> None:
+    """An N-D plan (``pipetrain plan --gpus``) was priced for its tensor- and data-parallel
+    sizes: a run with others would not be the plan's, so ``--tp`` and ``--dp`` must match."""
+    if (config.tp, config.dp) != (layout.tp, layout.dp):
+        raise ValueError(
+            f"--plan {config.plan} is planned for --tp {layout.tp} --dp {layout.dp}, not --tp "
+            f"{config.tp} --dp {config.dp}: give --tp {layout.tp} --dp {layout.dp}, or plan again"
+        )
 
 
 def _read_plan(path: str) -> Layout:

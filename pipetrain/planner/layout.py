@@ -6,7 +6,11 @@ One type for every reader: the planner's ``Plan`` is a layout and its prediction
 plan --json`` writes a layout's fields, ``Pipeline.from_plan`` and ``pipetrain train --plan`` read
 them back through ``Layout.from_json``, which checks them once and names the first missing or bad
 field. Plans written before recompute or offload (no ``recompute`` or ``offload`` key) read as
-recomputing and offloading nothing; plans without ``reload_lead`` reload 1 compute action ahead. Pure data, standard library only.
+recomputing and offloading nothing; plans without ``reload_lead`` reload 1 compute action ahead.
+An N-D plan (``planner.nd_search``) also says the job's tensor- and data-parallel sizes
+(``tp``, ``dp``; absent: 1), which ``pipetrain train --plan`` holds its ``--tp`` and ``--dp`` to;
+``ep`` (expert parallel) is kept for the expert-parallel runtime and is 1 until it exists.
+Pure data, standard library only.
 """
 
 from __future__ import annotations
@@ -41,6 +45,12 @@ class Layout:
     #: its reloads are issued (``schedule.offload.reload_leads``, the just-in-time rule reduced to
     #: one number per stage); empty: 1 for every stage
     reload_lead: tuple[int, ...] = ()
+    #: tensor-parallel ranks per stage (each layer split over them, Megatron-LM's way)
+    tp: int = 1
+    #: data-parallel replicas of the whole pipeline
+    dp: int = 1
+    #: expert-parallel ranks (1: none; expert parallel is not run yet)
+    ep: int = 1
 
     #: the JSON fields every layout gives, in the order ``pipetrain plan --json`` prints them
     FIELDS: ClassVar[tuple[str, ...]] = (
@@ -52,6 +62,12 @@ class Layout:
     )
 
     def __post_init__(self) -> None:
+        for name in ("tp", "dp", "ep"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"the plan's {name!r} must be an integer >= 1, got {value!r}")
+        if self.ep != 1:
+            raise ValueError(f"the plan's 'ep' is {self.ep}: expert parallel is not run yet; use 1")
         modes = self.recompute or (Recompute.NONE.value,) * len(self.stage_layers)
         parsed = parse_modes(modes, len(self.stage_layers), "recompute", self.stage_layers)
         object.__setattr__(self, "recompute", tuple(map(str, parsed)))
@@ -93,6 +109,11 @@ class Layout:
         return any(m != Recompute.NONE for m in self.recompute)
 
     @property
+    def num_gpus(self) -> int:
+        """The job's ranks: pipeline × tensor × data parallel."""
+        return self.ranks * self.tp * self.dp * self.ep
+
+    @property
     def num_stages(self) -> int:
         return len(self.stage_layers)
 
@@ -101,7 +122,8 @@ class Layout:
         return sum(self.stage_layers)
 
     def to_json(self) -> dict[str, object]:
-        """The JSON fields (``reload_lead`` only where the layout offloads and gives them)."""
+        """The JSON fields (``reload_lead`` only where the layout offloads and gives them;
+        ``ep`` only where it is not 1)."""
         out: dict[str, object] = {
             "schedule": self.schedule,
             "ranks": self.ranks,
@@ -110,7 +132,11 @@ class Layout:
             "stage_layers": list(self.stage_layers),
             "recompute": list(self.recompute),
             "offload": list(self.offload),
+            "tp": self.tp,
+            "dp": self.dp,
         }
+        if self.ep != 1:
+            out["ep"] = self.ep
         if self.offloads and self.reload_lead:
             out["reload_lead"] = list(self.reload_lead)
         return out
@@ -167,9 +193,11 @@ class Layout:
                 f"the plan's 'reload_lead' must be one whole number >= 0 per stage "
                 f"({len(stage_layers)}), got {leads!r}"
             )
+        sizes = {name: _positive(raw, name) for name in ("tp", "dp", "ep") if name in raw}
         return cls(
             schedule=schedule,
             **counts,
+            **sizes,
             stage_layers=tuple(stage_layers),
             recompute=tuple(map(str, modes)),
             offload=check_fractions(offload, len(stage_layers)),
