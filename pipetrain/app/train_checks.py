@@ -245,11 +245,15 @@ def _recompute_modes(flag: str | None, num_stages: int) -> tuple[str, ...]:
 
 def _check_plan_sizes(config: TrainConfig, layout: Layout) -> None:
     """An N-D plan (``pipetrain plan --gpus``) was priced for its tensor- and data-parallel
-    sizes: a run with others would not be the plan's, so ``--tp`` and ``--dp`` must match."""
-    if (config.tp, config.dp) != (layout.tp, layout.dp):
+    sizes: a run with others would not be the plan's, so ``--tp`` and ``--dp`` must match; a
+    pipeline-only plan (``--ranks``) gives neither and leaves them to the run."""
+    if layout.tp is None and layout.dp is None:
+        return
+    if (config.tp, config.dp) != (layout.tp or 1, layout.dp or 1):
         raise ValueError(
-            f"--plan {config.plan} is planned for --tp {layout.tp} --dp {layout.dp}, not --tp "
-            f"{config.tp} --dp {config.dp}: give --tp {layout.tp} --dp {layout.dp}, or plan again"
+            f"--plan {config.plan} is planned for --tp {layout.tp or 1} --dp {layout.dp or 1}, not "
+            f"--tp {config.tp} --dp {config.dp}: give --tp {layout.tp or 1} --dp "
+            f"{layout.dp or 1}, or plan again"
         )
 
 

@@ -8,7 +8,8 @@ them back through ``Layout.from_json``, which checks them once and names the fir
 field. Plans written before recompute or offload (no ``recompute`` or ``offload`` key) read as
 recomputing and offloading nothing; plans without ``reload_lead`` reload 1 compute action ahead.
 An N-D plan (``planner.nd_search``) also says the job's tensor- and data-parallel sizes
-(``tp``, ``dp``; absent: 1), which ``pipetrain train --plan`` holds its ``--tp`` and ``--dp`` to;
+(``tp``, ``dp``), which ``pipetrain train --plan`` holds its ``--tp`` and ``--dp`` to; a
+pipeline-only plan leaves them out (``None``: the run chooses them);
 ``ep`` (expert parallel) is kept for the expert-parallel runtime and is 1 until it exists.
 Pure data, standard library only.
 """
@@ -45,10 +46,11 @@ class Layout:
     #: its reloads are issued (``schedule.offload.reload_leads``, the just-in-time rule reduced to
     #: one number per stage); empty: 1 for every stage
     reload_lead: tuple[int, ...] = ()
-    #: tensor-parallel ranks per stage (each layer split over them, Megatron-LM's way)
-    tp: int = 1
-    #: data-parallel replicas of the whole pipeline
-    dp: int = 1
+    #: tensor-parallel ranks per stage (each layer split over them, Megatron-LM's way);
+    #: ``None``: not planned (a pipeline-only plan)
+    tp: int | None = None
+    #: data-parallel replicas of the whole pipeline; ``None``: not planned
+    dp: int | None = None
     #: expert-parallel ranks (1: none; expert parallel is not run yet)
     ep: int = 1
 
@@ -64,6 +66,8 @@ class Layout:
     def __post_init__(self) -> None:
         for name in ("tp", "dp", "ep"):
             value = getattr(self, name)
+            if value is None and name != "ep":
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"the plan's {name!r} must be an integer >= 1, got {value!r}")
         if self.ep != 1:
@@ -110,8 +114,8 @@ class Layout:
 
     @property
     def num_gpus(self) -> int:
-        """The job's ranks: pipeline × tensor × data parallel."""
-        return self.ranks * self.tp * self.dp * self.ep
+        """The job's ranks: pipeline × tensor × data parallel (those not planned: 1)."""
+        return self.ranks * (self.tp or 1) * (self.dp or 1) * self.ep
 
     @property
     def num_stages(self) -> int:
@@ -123,7 +127,7 @@ class Layout:
 
     def to_json(self) -> dict[str, object]:
         """The JSON fields (``reload_lead`` only where the layout offloads and gives them;
-        ``ep`` only where it is not 1)."""
+        ``tp`` and ``dp`` where planned, ``ep`` only where it is not 1)."""
         out: dict[str, object] = {
             "schedule": self.schedule,
             "ranks": self.ranks,
@@ -132,9 +136,11 @@ class Layout:
             "stage_layers": list(self.stage_layers),
             "recompute": list(self.recompute),
             "offload": list(self.offload),
-            "tp": self.tp,
-            "dp": self.dp,
         }
+        if self.tp is not None:
+            out["tp"] = self.tp
+        if self.dp is not None:
+            out["dp"] = self.dp
         if self.ep != 1:
             out["ep"] = self.ep
         if self.offloads and self.reload_lead:

@@ -183,7 +183,8 @@ def test_layout_sizes_are_checked_and_old_plans_read_as_one() -> None:
     old = {"schedule": "1f1b", "ranks": 2, "stages_per_rank": 1, "microbatches": 2,
            "stage_layers": [1, 1]}  # fmt: skip
     layout = Layout.from_json(old)
-    assert (layout.tp, layout.dp, layout.ep) == (1, 1, 1)
+    assert (layout.tp, layout.dp, layout.ep) == (None, None, 1) and layout.num_gpus == 2
+    assert "tp" not in layout.to_json()
     assert Layout.from_json({**old, "tp": 2, "dp": 4}).num_gpus == 16
     with pytest.raises(ValueError, match="'tp' must be an integer >= 1"):
         Layout.from_json({**old, "tp": 0})
