@@ -90,3 +90,36 @@ def test_train_plan_refuses_other_tp_and_dp(tmp_path: Path) -> None:
     del plan["tp"], plan["dp"]  # a pipeline-only plan leaves the sizes to the run
     path.write_text(json.dumps(plan))
     assert check_arguments(config_from_argv(["--plan", str(path), "--tp", "2"])).tp is None
+
+
+TINY_GPT = ["--model", "gpt", "--layers", "1", "--hidden", "8", "--heads", "2", "--vocab", "32"]
+
+
+def test_profile_tp_derives_each_degree_from_the_measured_layer(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    from pipetrain.planner.costs_file import load_costs
+
+    out = tmp_path / "costs.json"
+    argv = ["profile", *TINY_GPT, "--seq-len", "4", "--microbatch-size", "2", "--repeats", "1",
+            "--context", "1", "--device", "cpu", "--tp", "1,2,4", "--link-gbs", "10"]  # fmt: skip
+    assert main([*argv, "--out", str(out)]) == 0
+    costs = load_costs(out)
+    assert json.loads(out.read_text())["version"] == 3
+    assert costs.tp_degrees == (1, 2, 4) and costs.tp_link_gbs == 10
+    embed, block, head = costs.layers
+    assert all(e.source == "derived" for x in costs.layers for e in x.tp)
+    hidden_bytes = 2 * 4 * 8 * 4  # rows x tokens x hidden x float32
+    for e in block.tp:  # attention's and the MLP's regions: two all-reduces each way
+        ring = 2 * (e.degree - 1) / e.degree
+        assert e.forward_collective == pytest.approx(ring * 2 * hidden_bytes / 10e9 * 1e3)
+        assert e.backward_collective == pytest.approx(e.forward_collective)
+        assert e.forward <= block.forward and e.params < block.params
+        assert e.activation < block.activation
+    # the head gathers its logits (vocab 32 wide); the embedding all-reduces its output
+    logits = 2 * 4 * 32 * 4
+    assert head.tp[0].forward_collective == pytest.approx(0.5 * logits / 10e9 * 1e3)
+    assert embed.tp[0].forward_collective == pytest.approx(hidden_bytes / 10e9 * 1e3)
+    assert embed.tp[0].backward_collective == 0
+    # the N-D planner reads it
+    plan = ["plan", "--costs", str(out), "--gpus", "4", "--memory-gib", "1", "--json"]
+    assert main(plan) == 0
