@@ -88,7 +88,7 @@ def measure(
     names = {id(m): n for n, m in layer.named_modules()}
 
     def seen(module: nn.Module, args: tuple, output: object) -> None:
-        if isinstance(output, torch.Tensor):
+        if isinstance(module, nn.Linear) and isinstance(output, torch.Tensor):
             calls.append((names.get(id(module), ""), module, args[0].shape, output.nbytes))
 
     hooks = [m.register_forward_hook(seen) for m in layer.modules() if isinstance(m, nn.Linear)]
@@ -98,9 +98,14 @@ def measure(
     if largest is not None:
         hooks.append(largest.register_forward_hook(lambda m, a, o: gathered.append(o.nbytes)))
     saved: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
     try:
         args = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in inputs)
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = layer(*args)
     finally:
         for h in hooks:
@@ -109,11 +114,11 @@ def measure(
     # the residual stream's width: the input's, or an embedding's output's
     hidden = (inputs[0] if inputs[0].is_floating_point() else outputs[0]).shape[-1]
     reduce_fwd = reduce_bwd = gather = 0.0
-    for name, module, shape, nbytes in calls:
+    for name, module, seen_shape, nbytes in calls:
         last = name.rsplit(".", 1)[-1]
         if module.out_features > HEAD_WIDTH * hidden or last in HEAD_NAMES:  # over the vocabulary
             gather += nbytes
-            reduce_bwd += shape.numel() * module.weight.element_size()
+            reduce_bwd += seen_shape.numel() * module.weight.element_size()
         elif last in ROW_SPLIT:
             reduce_fwd += nbytes
             reduce_bwd += nbytes
@@ -128,7 +133,7 @@ def measure(
     split_saved = sum(
         t.untyped_storage().nbytes() for t in kept.values() if t.dim() and t.shape[-1] != hidden
     )
-    shape = TpShape(
+    measured = TpShape(
         gemm_forward=_gemm_ms([(m, s) for _, m, s, _ in calls], clock, repeats),
         split_params=split_bytes / all_bytes if all_bytes else 0.0,
         split_activation=split_saved / saved_bytes if saved_bytes else 0.0,
@@ -136,7 +141,7 @@ def measure(
         backward_all_reduce=reduce_bwd,
         forward_all_gather=gather,
     )
-    return shape, tuple(o.detach() for o in outputs)
+    return measured, tuple(o.detach() for o in outputs)
 
 
 def _gemm_ms(calls: list[tuple[nn.Linear, torch.Size]], clock: Clock, repeats: int) -> float:
