@@ -74,11 +74,12 @@ def main() -> None:
         exhaustive=args.exhaustive,
     )
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
-    simulated = sum(1 for r in found.shapes if r.best is not None or "not simulated" not in r.why)
-    skipped = sum(1 for r in found.shapes if "not simulated" in r.why)
+    simulated = sum(r.simulated for r in found.shapes)
+    skipped = sum(r.why.startswith("not simulated") for r in found.shapes)
     print(
         f"{args.gpus} GPUs ({args.gpus_per_node} a node), {costs.num_layers} layers: "
-        f"{len(found.shapes)} shapes, {simulated} simulated, {skipped} skipped by the bound; "
+        f"{len(found.shapes)} shapes, {simulated} simulated, {skipped} skipped by the bound, "
+        f"{len(found.shapes) - simulated - skipped} refused; "
         f"{cpu:.1f} s CPU ({elapsed:.1f} s wall)"
     )
     print("\n".join(shape_table(found)))

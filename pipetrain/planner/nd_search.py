@@ -22,8 +22,9 @@ layer count) is priced as:
 
 The pick is the fitting plan with the least time per global micro-batch (step ÷ (micro-batches ×
 dp): the most tokens per second), ties to the smaller ``tp``, then ``pp``. Shapes are searched in
-the order of a lower bound on that time (every rank's compute at its perfect share, no bubble,
-the sync of an equal share of the gradients) and a shape whose bound exceeds the best found is
+the order of a lower bound on that time (the busiest rank's compute, no bubble: its perfect
+share, the heaviest layer, the lightest layers some rank must hold; or the mean rank's compute and
+sync) and a shape whose bound exceeds the best found is
 not simulated: it cannot win, so the pick equals an exhaustive search's (tests/planner). A shape
 whose static memory alone, spread evenly, exceeds the budget is refused before any simulation.
 """
@@ -140,6 +141,8 @@ class ShapeResult:
     why: str = ""
     #: the lower bound on ms per global micro-batch the search ordered the shapes by
     bound: float = 0.0
+    #: whether its pipeline was searched (else refused or skipped by the bound: ``why``)
+    simulated: bool = False
 
 
 @dataclass
@@ -229,6 +232,7 @@ def nd_search(
             if result.bound > best.ms_per_global_microbatch:
                 result.why = f"not simulated: at least {result.bound:.4g} ms per global micro-batch"
                 continue
+        result.simulated = True
         try:
             pipeline = search(
                 at,
@@ -302,10 +306,13 @@ def sync_ms(gradient_gib: float, shape: Shape, cluster: Cluster, data_parallel: 
 def _bound(
     at: ModelCosts, shape: Shape, cluster: Cluster, most_microbatches: int, data_parallel: str
 ) -> float:
-    """A lower bound on a shape's ms per global micro-batch: each rank's perfect share of the
-    compute (the cheapest time any clock gives each piece; recompute only adds) and of the
-    sync, no bubble."""
-    work = 0.0
+    """A lower bound on a shape's ms per global micro-batch, no bubble: the busiest rank's
+    compute per micro-batch is at least its perfect share of the layers', at least the heaviest
+    layer's (a layer is never split between ranks) and at least the lightest ``⌈L / pp⌉`` layers'
+    (some rank holds that many), each piece at the cheapest time any clock gives it (recompute
+    only adds); and, the step being at least any rank's compute plus its sync, at least the mean
+    rank's compute plus the mean sync."""
+    works = []
     for x in at.layers:
         backward = [x.backward]
         if x.split_backward:
@@ -313,10 +320,12 @@ def _bound(
         if x.device_backward is not None:
             backward.append(x.device_backward)
         forward = min(x.forward, x.device_forward if x.device_forward is not None else x.forward)
-        work += forward + min(backward)
+        works.append(forward + min(backward))
+    most_layers = -(-len(works) // shape.pp)
+    busiest = max(sum(works) / shape.pp, max(works), sum(sorted(works)[:most_layers]))
     grads = sum(at.gradient_gib(x) for x in at.layers) / shape.pp
     sync = sync_ms(grads, shape, cluster, data_parallel)
-    return (work / shape.pp + sync / most_microbatches) / shape.dp
+    return max(busiest, sum(works) / shape.pp + sync / most_microbatches) / shape.dp
 
 
 def _with_sync(

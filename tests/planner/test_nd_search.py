@@ -158,6 +158,7 @@ def test_the_search_equals_an_exhaustive_one(seed: int) -> None:
     assert pruned.best.ms_per_global_microbatch == pytest.approx(by_hand[0], rel=1e-12)
     # the pruned search simulated no more shapes than the exhaustive one
     assert len(pruned.ranked) <= len(full.ranked)
+    assert sum(r.simulated for r in pruned.shapes) <= sum(r.simulated for r in full.shapes)
 
 
 def test_the_plan_carries_tp_and_dp_and_explain_sums_its_parts() -> None:
