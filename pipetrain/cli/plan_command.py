@@ -239,6 +239,7 @@ def run_nd(args: argparse.Namespace, costs: ModelCosts) -> int:
         micro_batch_size=args.micro_batch_size,
         schedules=[s.strip() for s in args.schedules.split(",")] if args.schedules else None,
         offload=not args.cuda_graph,
+        keep=2 if args.explain else 1,
     )
     best = found.best  # NoPlanFits when no shape has a plan: exit 2
     at = shape_costs(costs, best.shape, args.data_parallel)

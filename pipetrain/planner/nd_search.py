@@ -164,7 +164,8 @@ class NdSearch:
 
     @property
     def runner_up(self) -> NdPlan | None:
-        """The best plan of another shape (``None``: only one shape has a plan)."""
+        """The best plan of another shape (``None``: only one shape has a plan); the true
+        runner-up where the search kept two (``nd_search(keep=2)``)."""
         ranked = self.ranked
         return ranked[1] if len(ranked) > 1 else None
 
@@ -197,9 +198,12 @@ def nd_search(
     max_pipeline: int = MAX_PIPELINE,
     offload: bool = True,
     exhaustive: bool = False,
+    keep: int = 1,
 ) -> NdSearch:
     """Search every shape (the module docstring); ``exhaustive`` simulates every shape, the
-    default skips those whose lower bound cannot beat the best found (the same pick)."""
+    default skips those whose lower bound cannot beat the ``keep``-th best shape found, so the
+    best ``keep`` shapes are an exhaustive search's (``keep=2``: the pick and its runner-up, for
+    ``--explain``)."""
     if data_parallel not in DATA_PARALLEL:
         raise ValueError(
             f"--data-parallel {data_parallel!r}: legal values {', '.join(DATA_PARALLEL)}"
@@ -226,10 +230,12 @@ def nd_search(
         result.bound = _bound(at, shape, cluster, max(counts), data_parallel)
         pending.append((result, at, counts))
     pending.sort(key=lambda p: (p[0].bound, p[0].shape.tp, p[0].shape.pp))
-    best: NdPlan | None = None
-    for done, (result, at, counts) in enumerate(pending):
-        if best is not None and not exhaustive and done >= 2:
-            if result.bound > best.ms_per_global_microbatch:
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    leaders: list[NdPlan] = []  # the best ``keep`` shapes' plans so far, best first
+    for result, at, counts in pending:
+        if len(leaders) == keep and not exhaustive:
+            if result.bound > leaders[-1].ms_per_global_microbatch:
                 result.why = f"not simulated: at least {result.bound:.4g} ms per global micro-batch"
                 continue
         result.simulated = True
@@ -251,8 +257,7 @@ def nd_search(
             result.why = "nothing fits, recompute and offload included"
             continue
         result.best = min(plans, key=NdPlan.key)
-        if best is None or result.best.key() < best.key():
-            best = result.best
+        leaders = sorted([*leaders, result.best], key=NdPlan.key)[:keep]
     return found
 
 

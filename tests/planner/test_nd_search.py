@@ -154,6 +154,10 @@ def test_the_search_equals_an_exhaustive_one(seed: int) -> None:
         assert not full.ranked and not pruned.ranked
         return
     assert pruned.best.to_json() == full.best.to_json()
+    two = nd_search(costs, cluster, keep=2, **kwargs)  # what --explain searches
+    if full.runner_up is not None:
+        assert two.runner_up is not None
+        assert two.runner_up.to_json() == full.runner_up.to_json()
     assert pruned.best.shape == by_hand[1]
     assert pruned.best.ms_per_global_microbatch == pytest.approx(by_hand[0], rel=1e-12)
     # the pruned search simulated no more shapes than the exhaustive one
