@@ -92,8 +92,9 @@ class NdPlan:
 
     shape: Shape
     candidate: Candidate
-    #: per pipeline rank: ms of its data-parallel sync, and its end of step (ms from the start)
+    #: per pipeline rank: ms of its data-parallel sync after its last action
     sync_ms: tuple[float, ...]
+    #: the job's step: the latest rank's end with its sync, from the step's start
     step_ms: float
     #: tokens in one micro-batch (``None``: the costs file's meta does not say)
     tokens_per_microbatch: int | None = None
