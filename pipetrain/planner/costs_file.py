@@ -251,6 +251,7 @@ class ModelCosts:
         layers = []
         for layer in self.without_issue_times().layers:
             e = next(x for x in layer.tp if x.degree == degree)
+            share = e.params / layer.params if layer.params else 0.0  # what this rank holds
             layers.append(
                 dataclasses.replace(
                     layer,
@@ -264,8 +265,8 @@ class ModelCosts:
                     params=e.params,
                     gradients=e.gradients
                     if e.gradients is not None
-                    else self.gradient_gib(layer)
-                    * (e.params / layer.params if layer.params else 0),
+                    else self.gradient_gib(layer) * share,
+                    optimizer_workspace=(layer.optimizer_workspace or 0.0) * share,
                     tp=(),
                     **cleared,
                 )
