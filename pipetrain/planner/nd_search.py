@@ -40,7 +40,7 @@ from pipetrain.planner.costs_file_tp import all_reduce_ms
 from pipetrain.planner.judge import DEFAULT_HEADROOM, Candidate, Plan, rank_key
 from pipetrain.planner.partition import bounds
 from pipetrain.planner.search import NoPlanFits, microbatch_options, search
-from pipetrain.schedule.registry import build_schedule, family
+from pipetrain.schedule.registry import family
 
 #: the deepest pipeline searched
 MAX_PIPELINE = 64
@@ -339,18 +339,17 @@ def _with_sync(
 ) -> NdPlan:
     """``c`` with each rank's sync after its last action, and the shape's sizes in its layout."""
     layout = c.plan.layout
-    program = build_schedule(
-        layout.schedule, layout.ranks, layout.microbatches, layout.stages_per_rank
-    )
+    ends = [c.timeline.start] * shape.pp
+    rank_of: dict[int, int] = {}  # stage -> rank, read off the spans (no program to rebuild)
+    for span in c.timeline.spans:
+        ends[span.rank] = max(ends[span.rank], span.end)
+        rank_of[span.action.stage] = span.rank
     blocks = bounds(layout.stage_layers)
     grads = [0.0] * shape.pp
-    for s, rank in enumerate(program.placement.rank_of_stage):
+    for s, rank in rank_of.items():
         a, b = blocks[s % len(blocks)]
         grads[rank] += sum(at.gradient_gib(x) for x in at.layers[a:b])
     syncs = tuple(sync_ms(g, shape, cluster, data_parallel) for g in grads)
-    ends = [c.timeline.start] * shape.pp
-    for span in c.timeline.spans:
-        ends[span.rank] = max(ends[span.rank], span.end)
     step = max(e + s for e, s in zip(ends, syncs)) - c.timeline.start
     plan = dataclasses.replace(c.plan, layout=dataclasses.replace(layout, tp=shape.tp, dp=shape.dp))
     tokens = _tokens(at)
