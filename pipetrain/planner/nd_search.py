@@ -253,11 +253,10 @@ def nd_search(
         except ValueError as e:
             result.why = str(e)
             continue
-        plans = [_with_sync(c, at, result.shape, cluster, data_parallel) for c in pipeline.fitting]
-        if not plans:
+        result.best = _best_with_sync(pipeline.fitting, at, result.shape, cluster, data_parallel)
+        if result.best is None:
             result.why = "nothing fits, recompute and offload included"
             continue
-        result.best = min(plans, key=NdPlan.key)
         leaders = sorted([*leaders, result.best], key=NdPlan.key)[:keep]
     return found
 
@@ -332,6 +331,22 @@ def _bound(
     grads = sum(at.gradient_gib(x) for x in at.layers) / shape.pp
     sync = sync_ms(grads, shape, cluster, data_parallel)
     return max(busiest, sum(works) / shape.pp + sync / most_microbatches) / shape.dp
+
+
+def _best_with_sync(
+    fitting: Sequence[Candidate], at: ModelCosts, shape: Shape, cluster: Cluster, dp_kind: str
+) -> NdPlan | None:
+    """The fitting candidate whose step with its sync is the fastest per global micro-batch
+    (``None``: none fits). Its pipeline alone is a lower bound on its step, so candidates are
+    priced in that order until the bound passes the best priced."""
+    best: NdPlan | None = None
+    for c in sorted(fitting, key=lambda c: c.plan.ms_per_microbatch):
+        if best is not None and c.plan.ms_per_microbatch / shape.dp > best.ms_per_global_microbatch:
+            break
+        nd = _with_sync(c, at, shape, cluster, dp_kind)
+        if best is None or nd.key() < best.key():
+            best = nd
+    return best
 
 
 def _with_sync(
