@@ -40,7 +40,7 @@ MAY_IMPORT: dict[str, set[str]] = {
 #: the planner's formats: what a plan and a costs file say, apart from the search that makes them
 #: (docs/design.md, "Import rules"). The runtime and ``hf`` read these and no other planner
 #: module, and a format reads only other formats of the planner.
-PLANNER_FORMATS = {"layout", "costs_file", "recompute_modes"}
+PLANNER_FORMATS = {"layout", "costs_file", "costs_file_tp", "recompute_modes"}
 #: the parts held to the planner's formats
 FORMAT_READERS = {"runtime", "hf"}
 #: the runtime's sub-packages and what else of the runtime each may import (docs/design.md,

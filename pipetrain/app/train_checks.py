@@ -199,7 +199,9 @@ def _layout(config: TrainConfig, shape: ModelShape) -> Layout:
             raise ValueError(
                 f"--plan {config.plan} gives the schedule and its shape; drop {', '.join(given)}"
             )
-        return _read_plan(config.plan)
+        layout = _read_plan(config.plan)
+        _check_plan_sizes(config, layout)
+        return layout
     program = build_schedule(
         config.schedule or DEFAULT_SCHEDULE,
         config.ranks or DEFAULT_RANKS,
@@ -239,6 +241,20 @@ def _recompute_modes(flag: str | None, num_stages: int) -> tuple[str, ...]:
             "for every stage or one per stage"
         )
     return modes
+
+
+def _check_plan_sizes(config: TrainConfig, layout: Layout) -> None:
+    """An N-D plan (``pipetrain plan --gpus``) was priced for its tensor- and data-parallel
+    sizes: a run with others would not be the plan's, so ``--tp`` and ``--dp`` must match; a
+    pipeline-only plan (``--ranks``) gives neither and leaves them to the run."""
+    if layout.tp is None and layout.dp is None:
+        return
+    if (config.tp, config.dp) != (layout.tp or 1, layout.dp or 1):
+        raise ValueError(
+            f"--plan {config.plan} is planned for --tp {layout.tp or 1} --dp {layout.dp or 1}, not "
+            f"--tp {config.tp} --dp {config.dp}: give --tp {layout.tp or 1} --dp "
+            f"{layout.dp or 1}, or plan again"
+        )
 
 
 def _read_plan(path: str) -> Layout:

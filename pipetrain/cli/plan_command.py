@@ -1,7 +1,10 @@
 """``pipetrain plan``: read a costs file, search, print the pick (JSON, or its timeline, its
 memory per rank over the step against the budget, and a table of each family's best; an SVG on
-request). Bad input raises ``ValueError`` (the command line exits 2 with it); so does a budget
-nothing fits, not even with full recompute (``NoPlanFits``)."""
+request). ``--ranks P`` plans the pipeline alone on P ranks; ``--gpus N`` plans pp × tp × dp on N
+GPUs (``planner.nd_search``) and prints each shape's best beside the pick. ``--explain`` says why
+the pick beat the runner-up (``planner.nd_explain``). Bad input raises ``ValueError`` (the
+command line exits 2 with it); so does a budget nothing fits, not even with full recompute
+(``NoPlanFits``)."""
 
 from __future__ import annotations
 
@@ -18,9 +21,20 @@ from pipetrain.cli.flags import (
     gib,
     int_list,
     one_positive_int,
+    positive_float,
 )
 from pipetrain.planner.costs_file import ModelCosts, load_costs
 from pipetrain.planner.judge import Candidate, stage_costs
+from pipetrain.planner.nd_explain import explain, shape_table, title
+from pipetrain.planner.nd_search import (
+    DATA_PARALLEL,
+    Cluster,
+    NdPlan,
+    NdSearch,
+    Shape,
+    nd_search,
+    shape_costs,
+)
 from pipetrain.planner.recompute_modes import describe, stage_recompute
 from pipetrain.planner.search import DEFAULT_HEADROOM, Search, search
 from pipetrain.schedule.registry import build_schedule
@@ -39,9 +53,47 @@ def milliseconds(text: str) -> float:
 
 
 OPTIONS = (
-    Option(("--costs",), required=True, metavar="FILE", help="costs file (JSON, version 1 or 2)"),
+    Option(("--costs",), required=True, metavar="FILE", help="costs file (JSON, version 1 to 3)"),
     Option(
-        ("--ranks", "-p"), type=one_positive_int, required=True, metavar="P", help="pipeline ranks"
+        ("--ranks", "-p"),
+        type=one_positive_int,
+        metavar="P",
+        help="plan the pipeline alone on P ranks (give --ranks or --gpus)",
+    ),
+    Option(
+        ("--gpus",),
+        type=one_positive_int,
+        metavar="N",
+        help="plan pipeline x tensor x data parallel on N GPUs (give --ranks or --gpus)",
+    ),
+    Option(
+        ("--gpus-per-node",),
+        type=one_positive_int,
+        default=8,
+        metavar="G",
+        help="with --gpus: GPUs per node (a tensor-parallel group stays in one)",
+    ),
+    Option(
+        ("--link-gbs",),
+        type=positive_float,
+        metavar="GB/s",
+        help="with --gpus: GB/s one GPU sends at within a node (data-parallel sync inside a node; "
+        "default: the costs file's tp_link_gbs, else 100)",
+        shown_default="",
+    ),
+    Option(
+        ("--node-link-gbs",),
+        type=positive_float,
+        default=25.0,
+        metavar="GB/s",
+        help="with --gpus: GB/s one GPU sends at to other nodes (data-parallel sync across nodes)",
+    ),
+    Option(
+        ("--data-parallel",),
+        default="fsdp",
+        choices=DATA_PARALLEL,
+        help="with --gpus: how replicas sync, as train --data-parallel (fsdp shards the "
+        "optimizer state over dp)",
     ),
     Option(
         ("--memory-gib",),
@@ -93,6 +145,12 @@ OPTIONS = (
     ),
     Option(("--json",), switch=True, help="print the pick as one JSON object"),
     Option(
+        ("--explain",),
+        switch=True,
+        help="say why the pick beat the runner-up: compute, collectives, recompute, bubble, "
+        "data-parallel sync and memory, in ms per global micro-batch",
+    ),
+    Option(
         ("--svg",),
         metavar="FILE",
         help="write the pick's simulated step as an SVG, with memory per rank against the budget",
@@ -109,12 +167,21 @@ OPTIONS = (
 
 
 def run(args: argparse.Namespace) -> int:
+    if (args.ranks is None) == (args.gpus is None):
+        raise ValueError(
+            "give exactly one of --ranks P (the pipeline alone on P ranks) and --gpus N "
+            "(pipeline x tensor x data parallel on N GPUs)"
+        )
     costs = load_costs(args.costs)
     if args.host_action_ms is not None:
         costs = dataclasses.replace(costs, host_action_ms=args.host_action_ms)
     note = timing_note(costs.meta.get("timing", "wall"), args.cuda_graph, costs)
     if args.cuda_graph:  # a replay issues nothing per action; recomputing stages split
         costs = costs.for_captured_step()
+    if args.gpus is not None:
+        if note:
+            print(f"note: {note}", file=sys.stderr)
+        return run_nd(args, costs)
     found = search(
         costs,
         num_ranks=args.ranks,
@@ -129,21 +196,109 @@ def run(args: argparse.Namespace) -> int:
     if note:
         print(f"note: {note}", file=sys.stderr)
     best = found.best  # NoPlanFits (a ValueError) when nothing fits: exit 2
-    if args.svg:
-        from pipetrain.render.svg import render_svg
-
-        Path(args.svg).write_text(
-            render_svg(
-                best.timeline,
-                title=f"plan: {best.plan.schedule}, stage_layers {list(best.plan.stage_layers)}",
-                memory=True,
-                static=static_per_rank(costs, best),
-                limit=best.plan.usable_gib,
-            )
-        )
+    _write_svg(args, costs, best)
     if args.json:
         print(json.dumps(best.plan.to_json()))
         return 0
+    _draw(args, costs, best)
+    print()
+    print(format_plan(found))
+    if args.explain:
+        others = [c for c in found.best_per_family() if c.plan.fits and c is not best]
+        pair = [_alone(c) for c in (best, *others[:1])]
+        print("\n".join(["", *explain(pair[0], pair[1] if others else None, costs)]))
+    if args.svg:
+        print(f"wrote {args.svg}")
+    return 0
+
+
+def _alone(c: Candidate) -> NdPlan:
+    """A pipeline-only candidate as an N-D plan of tp 1 and dp 1 (no sync)."""
+    ranks = c.plan.ranks
+    return NdPlan(
+        shape=Shape(ranks, 1, 1), candidate=c, sync_ms=(0.0,) * ranks, step_ms=c.plan.step_ms
+    )
+
+
+def run_nd(args: argparse.Namespace, costs: ModelCosts) -> int:
+    """``--gpus``: the pp × tp × dp search, the pick drawn as for ``--ranks``, each shape's best."""
+    cluster = Cluster(
+        gpus=args.gpus,
+        gpus_per_node=args.gpus_per_node,
+        link_gbs=args.link_gbs or costs.tp_link_gbs or 100.0,
+        node_link_gbs=args.node_link_gbs,
+    )
+    found = nd_search(
+        costs,
+        cluster,
+        memory_gib=args.memory_gib,
+        headroom=args.headroom,
+        data_parallel=args.data_parallel,
+        microbatches=args.microbatches,
+        global_batch=args.global_batch,
+        micro_batch_size=args.micro_batch_size,
+        schedules=[s.strip() for s in args.schedules.split(",")] if args.schedules else None,
+        offload=not args.cuda_graph,
+        keep=2 if args.explain else 1,
+    )
+    best = found.best  # NoPlanFits when no shape has a plan: exit 2
+    at = shape_costs(costs, best.shape, args.data_parallel)
+    _write_svg(args, at, best.candidate)
+    if args.json:
+        print(json.dumps(best.to_json()))
+        return 0
+    _draw(args, at, best.candidate)
+    print()
+    print(format_nd(found, costs))
+    if args.explain:
+        print("\n".join(["", *explain(best, found.runner_up, costs)]))
+    if args.svg:
+        print(f"wrote {args.svg}")
+    return 0
+
+
+def format_nd(found: NdSearch, costs: ModelCosts) -> str:
+    """The pick with its predicted step, tokens per second and per-rank peak, then each shape's
+    best."""
+    best = found.best
+    p = best.plan
+    tokens = best.tokens_per_s
+    degrees = ",".join(map(str, costs.tp_degrees))
+    lines = [
+        f"plan: {title(best)}, stage_layers {list(p.stage_layers)}",
+        f"predicted: step {best.step_ms:.3f} ms (pipeline {p.step_ms:.3f} + data-parallel sync "
+        f"{best.step_ms - p.step_ms:.3f}), {best.ms_per_global_microbatch:.4f} ms per global "
+        "micro-batch"
+        + ("" if tokens is None else f", {tokens:,.0f} tokens/s")
+        + f", bubble {p.bubble_fraction:.1%}, peak GiB per rank "
+        + " ".join(f"{x:.2f}" for x in p.peak_gib)
+        + f" (budget {p.memory_gib:g}, {p.usable_gib:.3g} after {p.headroom:.0%} headroom)",
+        f"data parallel: {found.data_parallel}; tensor-parallel degrees in the costs file: {degrees}",
+        "",
+        "best plan of each pp x tp x dp shape:",
+        *shape_table(found),
+    ]
+    return "\n".join(lines)
+
+
+def _write_svg(args: argparse.Namespace, costs: ModelCosts, best: Candidate) -> None:
+    if not args.svg:
+        return
+    from pipetrain.render.svg import render_svg
+
+    Path(args.svg).write_text(
+        render_svg(
+            best.timeline,
+            title=f"plan: {best.plan.schedule}, stage_layers {list(best.plan.stage_layers)}",
+            memory=True,
+            static=static_per_rank(costs, best),
+            limit=best.plan.usable_gib,
+        )
+    )
+
+
+def _draw(args: argparse.Namespace, costs: ModelCosts, best: Candidate) -> None:
+    """The pick's timeline and its memory per rank against the budget."""
     from pipetrain.render.memory_chart import render_memory_text
     from pipetrain.render.text import render_text
 
@@ -157,11 +312,6 @@ def run(args: argparse.Namespace) -> int:
             unit="GiB",
         )
     )
-    print()
-    print(format_plan(found))
-    if args.svg:
-        print(f"wrote {args.svg}")
-    return 0
 
 
 def timing_note(timing: object, cuda_graph: bool, costs: ModelCosts | None = None) -> str:

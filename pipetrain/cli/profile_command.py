@@ -22,7 +22,10 @@ layers' device time alone, without the host time an eager step waits for.
 profiles the model at each sequence length (and at ``--seq-len``, whose times the file keeps)
 and fits each layer's ``per_token`` and ``per_token_sq`` (``planner.varlen.with_length_costs``):
 what a packed document of ``n`` tokens costs, attention's ``n²`` included, for balancing packed
-micro-batches.
+micro-batches. ``--tp 1,2,4,8`` adds each layer at each tensor-parallel degree above 1 (costs file
+version 3): one process runs no tensor-parallel group, so those entries are derived from the
+layer's degree-1 measurements, its matrix products timed alone and its collectives' bytes priced
+at ``--link-gbs`` (``runtime.profile.profile_tp``), and marked ``derived``.
 torch is imported when the command runs, not when its parser is built.
 """
 
@@ -40,6 +43,7 @@ from pipetrain.cli.flags import (
     int_list,
     model_options,
     model_shape,
+    positive_float,
     require_torch,
 )
 from pipetrain.planner.costs_file import ModelCosts, save_costs
@@ -72,6 +76,24 @@ def options() -> tuple[Option, ...]:
             help="also profile at these sequence lengths and fit each layer's per_token and "
             "per_token_sq (time ~ n and n², attention's cost) into the costs file; the times "
             "stay --seq-len's",
+        ),
+        Option(
+            ("--tp",),
+            type=int_list,
+            default=[1],
+            metavar="T1,T2,...",
+            help="tensor-parallel degrees to write per layer (1,2,4,8: each layer's compute, "
+            "collectives and memory per rank at each; degrees above 1 derived, marked so)",
+            shown_default="1",
+        ),
+        Option(
+            ("--link-gbs",),
+            type=positive_float,
+            metavar="GB/s",
+            help="GB/s one GPU sends at inside a tensor-parallel group, to price the derived "
+            "degrees' collectives (needed on a GPU with --tp above 1; on a CPU default the "
+            "profiler's gloo model)",
+            shown_default="",
         ),
         Option(
             ("--optimizer",),
@@ -129,6 +151,11 @@ def run(args: argparse.Namespace) -> int:
             f"--seq-lens {','.join(map(str, args.seq_lens))}: fitting needs two or more "
             f"distinct lengths besides --seq-len {args.seq_len}"
         )
+    if max(args.tp) > 1 and args.link_gbs is None and device.type == "cuda":
+        raise ValueError(
+            "--tp above 1 on a GPU prices the derived collectives at --link-gbs: give the GB/s "
+            "one GPU sends at within a node (e.g. NVLink's)"
+        )
     model = _FolderModel(args, max(lengths)) if args.model_dir else _BuiltModel(args)
     by_length = {n: _profile_at(args, model, n, device) for n in lengths}
     costs = by_length[args.seq_len]
@@ -152,7 +179,7 @@ def _profile_at(args: argparse.Namespace, model: Any, seq_len: int, device: Any)
     size = (args.microbatch_size, seq_len)
     tokens = torch.randint(0, vocab, size, generator=gen).to(device)
     inputs, targets = batch(tokens, torch.randint(0, vocab, size, generator=gen))
-    return profile(
+    costs = profile(
         layers,
         inputs,
         loss_fn=loss_fn,
@@ -164,6 +191,14 @@ def _profile_at(args: argparse.Namespace, model: Any, seq_len: int, device: Any)
         timing=args.timing,
         meta={**meta, "micro_batch_size": args.microbatch_size, "seq_len": seq_len},
     )
+    if seq_len != args.seq_len or max(args.tp) == 1:
+        return costs
+    from pipetrain.runtime.profile.profile_layers import CPU_BANDWIDTH
+    from pipetrain.runtime.profile.profile_tp import with_tp
+
+    link = args.link_gbs or CPU_BANDWIDTH / 1e9
+    sample = inputs if isinstance(inputs, tuple) else (inputs,)
+    return with_tp(costs, layers, sample, args.tp, link, repeats=args.repeats)
 
 
 class _BuiltModel:
@@ -242,6 +277,13 @@ def _report(args: argparse.Namespace, costs: ModelCosts, label: str) -> None:
         print(
             f"length cost per row: {per_token:.3g} ms per token + {per_token_sq:.3g} ms per "
             f"token² (fitted over sequence lengths {fitted})",
+            file=where,
+        )
+    if costs.tp_link_gbs is not None:
+        print(
+            f"tensor parallel: degrees {', '.join(map(str, costs.tp_degrees))} per layer; "
+            f"{', '.join(map(str, costs.meta['tp']['derived']))} derived (products split, "
+            f"collectives at {costs.tp_link_gbs:g} GB/s)",
             file=where,
         )
     if "replay_gap_us" in costs.meta:  # what the device clock adds per kernel, and measured on

@@ -2,7 +2,7 @@
 
 One JSON object, versioned (docs/planning.md is the reference)::
 
-    {"version": 2,
+    {"version": 3,
      "layers": [{"name": "embed", "forward": 0.41, "backward_input": 0.10,
                  "backward_weight": 0.52, "activation": 0.25, "params": 3.91}, ...],
      "comm": 0.09}
@@ -41,9 +41,16 @@ on CUDA; what the planner times activation offload's copies at); per layer ``per
 ``per_token_sq`` (ms per token and per token squared, given together: one row's forward +
 backward for a document of ``n`` tokens is ``per_token·n + per_token_sq·n²``, fitted by
 ``pipetrain profile --seq-lens`` over several lengths; the attention term is what makes packed
-micro-batches unequal, ``planner.varlen``). Version 1 files still load
-(those fields absent: their defaults); a version 1 file that gives them is refused, naming
-version 2. Files are written as version 2.
+micro-batches unequal, ``planner.varlen``).
+
+Version 3 adds, optional: per layer ``gradients`` (GiB of the layer's gradients: what data
+parallel reduces each step; default ``params`` over 2 plus the meta's optimizer's states per
+parameter, ``gradient_gib``) and ``tp``, the layer at each tensor-parallel degree above 1
+(``planner.costs_file_tp``: compute and collectives per rank, memory per rank, measured or
+derived); per file ``tp_link_gbs`` (GB/s each rank of a tensor-parallel group sends at, what the
+derived collectives were priced at). Older files still load (newer fields absent: their
+defaults); a file that gives a field of a later version is refused, naming that version. Files
+are written as version 3.
 
 Anything else is refused with the field's path, so a typo never silently becomes a default.
 """
@@ -58,9 +65,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipetrain.planner.costs_file_tp import TpCost, parse_tp
+
 #: the version this module writes; it reads every version in ``VERSIONS``
-VERSION = 2
-VERSIONS = (1, 2)
+VERSION = 3
+VERSIONS = (1, 2, 3)
 
 _LAYER_NUMBERS = ("forward", "backward_input", "backward_weight", "backward", "activation")
 _LAYER_OPTIONAL = ("comm", "workspace", "activation_for_weight")
@@ -84,8 +93,14 @@ _LAYER_V2 = (
     "per_token_sq",
 )
 _TOP_V2 = ("host_bandwidth_gbs", "host_action_ms")
-_LAYER_KEYS = ("name", *_LAYER_NUMBERS, "params", *_LAYER_OPTIONAL, *_LAYER_V2)
-_TOP_KEYS = ("version", "layers", "comm", "meta", *_TOP_V2)
+_LAYER_V3 = ("gradients", "tp")
+_TOP_V3 = ("tp_link_gbs",)
+#: the version that introduced each field a version 1 file may not give
+_SINCE = {k: 2 for k in (*_LAYER_V2, *_TOP_V2)} | {k: 3 for k in (*_LAYER_V3, *_TOP_V3)}
+_LAYER_KEYS = ("name", *_LAYER_NUMBERS, "params", *_LAYER_OPTIONAL, *_LAYER_V2, *_LAYER_V3)
+_TOP_KEYS = ("version", "layers", "comm", "meta", *_TOP_V2, *_TOP_V3)
+#: optimizer states per parameter, to estimate a layer's gradients from its static memory
+_STATES = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0, "none": 0}
 
 
 class CostsFileError(ValueError):
@@ -139,6 +154,10 @@ class LayerCost:
     #: ms per token and per token squared of one row's forward + backward (``None``: not fitted)
     per_token: float | None = None
     per_token_sq: float | None = None
+    #: GiB of the layer's gradients (``None``: not given; ``ModelCosts.gradient_gib``)
+    gradients: float | None = None
+    #: the layer at each tensor-parallel degree above 1, by degree (``planner.costs_file_tp``)
+    tp: tuple[TpCost, ...] = ()
 
     @property
     def split_backward(self) -> bool:
@@ -172,6 +191,8 @@ class ModelCosts:
     host_bandwidth_gbs: float | None = None
     #: ms the runtime's host spends per action beyond the action's own issue (``None``: 0)
     host_action_ms: float | None = None
+    #: GB/s a tensor-parallel group's derived collectives were priced at (``None``: none derived)
+    tp_link_gbs: float | None = None
     #: the step runs as a CUDA graph, where a recomputing stage splits its backward as any other
     #: (``planner.recompute``); how the step runs, not part of the file
     captured: bool = False
@@ -208,6 +229,57 @@ class ModelCosts:
         stages split (``captured``)."""
         return dataclasses.replace(self.without_issue_times(), captured=True)
 
+    @property
+    def tp_degrees(self) -> tuple[int, ...]:
+        """The tensor-parallel degrees every layer has an entry for, 1 (the layers' own) first."""
+        common = set.intersection(*({e.degree for e in x.tp} for x in self.layers))
+        return (1, *sorted(common))
+
+    def at_tp(self, degree: int) -> ModelCosts:
+        """The costs one rank of a tensor-parallel group of ``degree`` sees: each layer's
+        entry of that degree, its collectives added to the forward and to the backward's input
+        half (where a Megatron-style backward all-reduces the input gradient); the host model,
+        measured at degree 1, dropped. ``ValueError`` names a degree some layer lacks."""
+        if degree == 1:
+            return self
+        if degree not in self.tp_degrees:
+            raise ValueError(
+                f"tensor-parallel degree {degree}: the costs file gives degrees "
+                f"{', '.join(map(str, self.tp_degrees))} for every layer; profile with --tp"
+            )
+        cleared: dict[str, Any] = dict.fromkeys(_ISSUE)
+        layers = []
+        for layer in self.without_issue_times().layers:
+            e = next(x for x in layer.tp if x.degree == degree)
+            share = e.params / layer.params if layer.params else 0.0  # what this rank holds
+            layers.append(
+                dataclasses.replace(
+                    layer,
+                    forward=e.forward + e.forward_collective,
+                    backward_input=e.backward_input + e.backward_collective
+                    if layer.split_backward
+                    else None,
+                    backward_weight=e.backward_weight if layer.split_backward else None,
+                    backward=e.backward + e.backward_collective,
+                    activation=e.activation,
+                    params=e.params,
+                    gradients=e.gradients
+                    if e.gradients is not None
+                    else self.gradient_gib(layer) * share,
+                    optimizer_workspace=(layer.optimizer_workspace or 0.0) * share,
+                    tp=(),
+                    **cleared,
+                )
+            )
+        return dataclasses.replace(self, layers=tuple(layers), host_action_ms=None)
+
+    def gradient_gib(self, layer: LayerCost) -> float:
+        """GiB of ``layer``'s gradients: given, or its static memory over parameters,
+        gradients and the meta's optimizer's states per parameter (AdamW when not named)."""
+        if layer.gradients is not None:
+            return layer.gradients
+        return layer.params / (2 + _STATES.get(str(self.meta.get("optimizer", "adamw")), 2))
+
     def layer_comm(self, index: int) -> float:
         own = self.layers[index].comm
         return self.comm if own is None else own
@@ -231,12 +303,18 @@ class ModelCosts:
             for key in _LAYER_V2:
                 if getattr(layer, key) is not None:
                     entry[key] = getattr(layer, key)
+            if layer.gradients is not None:
+                entry["gradients"] = layer.gradients
+            if layer.tp:
+                entry["tp"] = [e.to_json() for e in layer.tp]
             layers.append(entry)
         out: dict[str, Any] = {"version": VERSION, "layers": layers, "comm": self.comm}
         if self.host_bandwidth_gbs is not None:
             out["host_bandwidth_gbs"] = self.host_bandwidth_gbs
         if self.host_action_ms is not None:
             out["host_action_ms"] = self.host_action_ms
+        if self.tp_link_gbs is not None:
+            out["tp_link_gbs"] = self.tp_link_gbs
         if self.meta:
             out["meta"] = dict(self.meta)
         return out
@@ -259,16 +337,18 @@ def parse_costs(data: object, source: str = "costs") -> ModelCosts:
     version = data["version"]
     if version not in VERSIONS or isinstance(version, bool):
         raise fail("version", f"expected {known}, got {version!r}")
-    if version == 1:
-        newer = [k for k in _TOP_V2 if k in data] + [
-            f"layers[{i}].{k}"
-            for i, raw in enumerate(data.get("layers") or [])
-            if isinstance(raw, dict)
-            for k in _LAYER_V2
-            if k in raw
-        ]
-        if newer:
-            raise fail(newer[0], "a version 2 field in a version 1 file; write version 2")
+    newer = [(k, _SINCE[k]) for k in _TOP_KEYS if _SINCE.get(k, 1) > version and k in data] + [
+        (f"layers[{i}].{k}", _SINCE[k])
+        for i, raw in enumerate(data.get("layers") or [])
+        if isinstance(raw, dict)
+        for k in _LAYER_KEYS
+        if _SINCE.get(k, 1) > version and k in raw
+    ]
+    if newer:
+        (where, since) = newer[0]
+        raise fail(
+            where, f"a version {since} field in a version {version} file; write version {since}"
+        )
     comm = _number(data.get("comm", 0.0), "comm", fail)
     bandwidth = data.get("host_bandwidth_gbs")
     if bandwidth is not None:
@@ -276,6 +356,9 @@ def parse_costs(data: object, source: str = "costs") -> ModelCosts:
     per_action = data.get("host_action_ms")
     if per_action is not None:
         per_action = _number(per_action, "host_action_ms", fail)
+    link = data.get("tp_link_gbs")
+    if link is not None:
+        link = _number(link, "tp_link_gbs", fail)
     meta = data.get("meta", {})
     if not isinstance(meta, dict):
         raise fail("meta", f"expected a JSON object, got {type(meta).__name__}")
@@ -288,6 +371,7 @@ def parse_costs(data: object, source: str = "costs") -> ModelCosts:
         meta=meta,
         host_bandwidth_gbs=bandwidth,
         host_action_ms=per_action,
+        tp_link_gbs=link,
     )
 
 
@@ -342,6 +426,8 @@ def _layer(raw: object, where: str, fail: Fail) -> LayerCost:
         **{k: maybe(k) for k in _ISSUE},
         per_token=maybe("per_token"),
         per_token_sq=maybe("per_token_sq"),
+        gradients=maybe("gradients"),
+        tp=parse_tp(raw["tp"], f"{where}.tp", fail) if "tp" in raw else (),
     )
     if (layer.per_token is None) != (layer.per_token_sq is None):
         missing = "per_token" if layer.per_token is None else "per_token_sq"

@@ -6,7 +6,12 @@ One type for every reader: the planner's ``Plan`` is a layout and its prediction
 plan --json`` writes a layout's fields, ``Pipeline.from_plan`` and ``pipetrain train --plan`` read
 them back through ``Layout.from_json``, which checks them once and names the first missing or bad
 field. Plans written before recompute or offload (no ``recompute`` or ``offload`` key) read as
-recomputing and offloading nothing; plans without ``reload_lead`` reload 1 compute action ahead. Pure data, standard library only.
+recomputing and offloading nothing; plans without ``reload_lead`` reload 1 compute action ahead.
+An N-D plan (``planner.nd_search``) also says the job's tensor- and data-parallel sizes
+(``tp``, ``dp``), which ``pipetrain train --plan`` holds its ``--tp`` and ``--dp`` to; a
+pipeline-only plan leaves them out (``None``: the run chooses them);
+``ep`` (expert parallel) is kept for the expert-parallel runtime and is 1 until it exists.
+Pure data, standard library only.
 """
 
 from __future__ import annotations
@@ -41,6 +46,13 @@ class Layout:
     #: its reloads are issued (``schedule.offload.reload_leads``, the just-in-time rule reduced to
     #: one number per stage); empty: 1 for every stage
     reload_lead: tuple[int, ...] = ()
+    #: tensor-parallel ranks per stage (each layer split over them, Megatron-LM's way);
+    #: ``None``: not planned (a pipeline-only plan)
+    tp: int | None = None
+    #: data-parallel replicas of the whole pipeline; ``None``: not planned
+    dp: int | None = None
+    #: expert-parallel ranks (1: none; expert parallel is not run yet)
+    ep: int = 1
 
     #: the JSON fields every layout gives, in the order ``pipetrain plan --json`` prints them
     FIELDS: ClassVar[tuple[str, ...]] = (
@@ -52,6 +64,14 @@ class Layout:
     )
 
     def __post_init__(self) -> None:
+        for name in ("tp", "dp", "ep"):
+            value = getattr(self, name)
+            if value is None and name != "ep":
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"the plan's {name!r} must be an integer >= 1, got {value!r}")
+        if self.ep != 1:
+            raise ValueError(f"the plan's 'ep' is {self.ep}: expert parallel is not run yet; use 1")
         modes = self.recompute or (Recompute.NONE.value,) * len(self.stage_layers)
         parsed = parse_modes(modes, len(self.stage_layers), "recompute", self.stage_layers)
         object.__setattr__(self, "recompute", tuple(map(str, parsed)))
@@ -93,6 +113,11 @@ class Layout:
         return any(m != Recompute.NONE for m in self.recompute)
 
     @property
+    def num_gpus(self) -> int:
+        """The job's ranks: pipeline × tensor × data parallel (those not planned: 1)."""
+        return self.ranks * (self.tp or 1) * (self.dp or 1) * self.ep
+
+    @property
     def num_stages(self) -> int:
         return len(self.stage_layers)
 
@@ -101,7 +126,8 @@ class Layout:
         return sum(self.stage_layers)
 
     def to_json(self) -> dict[str, object]:
-        """The JSON fields (``reload_lead`` only where the layout offloads and gives them)."""
+        """The JSON fields (``reload_lead`` only where the layout offloads and gives them;
+        ``tp`` and ``dp`` where planned, ``ep`` only where it is not 1)."""
         out: dict[str, object] = {
             "schedule": self.schedule,
             "ranks": self.ranks,
@@ -111,6 +137,12 @@ class Layout:
             "recompute": list(self.recompute),
             "offload": list(self.offload),
         }
+        if self.tp is not None:
+            out["tp"] = self.tp
+        if self.dp is not None:
+            out["dp"] = self.dp
+        if self.ep != 1:
+            out["ep"] = self.ep
         if self.offloads and self.reload_lead:
             out["reload_lead"] = list(self.reload_lead)
         return out
@@ -167,9 +199,11 @@ class Layout:
                 f"the plan's 'reload_lead' must be one whole number >= 0 per stage "
                 f"({len(stage_layers)}), got {leads!r}"
             )
+        sizes = {name: _positive(raw, name) for name in ("tp", "dp", "ep") if name in raw}
         return cls(
             schedule=schedule,
             **counts,
+            **sizes,
             stage_layers=tuple(stage_layers),
             recompute=tuple(map(str, modes)),
             offload=check_fractions(offload, len(stage_layers)),

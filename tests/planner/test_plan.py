@@ -86,7 +86,7 @@ def test_plan_takes_a_costs_file_its_json_or_model_costs(tmp_path) -> None:
     "change, field",
     [
         (lambda d: d.pop("version"), "version"),
-        (lambda d: d.update(version=3), "version"),
+        (lambda d: d.update(version=4), "version"),
         (lambda d: d["layers"][0].update(recompute=0.1), "layers[0].recompute"),
         (lambda d: d.update(host_bandwidth_gbs=20), "host_bandwidth_gbs"),
         (lambda d: d.update(layers=[]), "layers"),

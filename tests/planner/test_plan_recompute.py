@@ -45,7 +45,7 @@ def test_version_2_round_trips_and_version_1_loads_with_defaults(tmp_path) -> No
     path = tmp_path / "costs.json"
     save_costs(costs, path)
     data = json.loads(path.read_text())
-    assert data["version"] == VERSION == 2 and data["host_bandwidth_gbs"] == 25.0
+    assert data["version"] == VERSION == 3 and data["host_bandwidth_gbs"] == 25.0
     assert data["layers"][0]["recompute"] == 0.8
     assert data["layers"][0]["recompute_activation"] == 0.05
     assert data["layers"][0]["selective_activation"] == 0.5
