@@ -151,6 +151,12 @@ OPTIONS = (
         "data-parallel sync and memory, in ms per global micro-batch",
     ),
     Option(
+        ("--synthesized",),
+        switch=True,
+        help="with --ranks: also synthesize a schedule for these costs under the same budget "
+        "and show it beside the pick (docs/synthesis.md; `pipetrain synthesize` writes it)",
+    ),
+    Option(
         ("--svg",),
         metavar="FILE",
         help="write the pick's simulated step as an SVG, with memory per rank against the budget",
@@ -179,6 +185,8 @@ def run(args: argparse.Namespace) -> int:
     if args.cuda_graph:  # a replay issues nothing per action; recomputing stages split
         costs = costs.for_captured_step()
     if args.gpus is not None:
+        if args.synthesized:
+            raise ValueError("--synthesized plans the pipeline alone: give --ranks, not --gpus")
         if note:
             print(f"note: {note}", file=sys.stderr)
         return run_nd(args, costs)
@@ -207,6 +215,11 @@ def run(args: argparse.Namespace) -> int:
         others = [c for c in found.best_per_family() if c.plan.fits and c is not best]
         pair = [_alone(c) for c in (best, *others[:1])]
         print("\n".join(["", *explain(pair[0], pair[1] if others else None, costs)]))
+    if args.synthesized:
+        from pipetrain.cli.synthesize_command import describe
+        from pipetrain.planner.synthesize import synthesize_plan
+
+        print("\n" + describe(synthesize_plan(costs, found)))
     if args.svg:
         print(f"wrote {args.svg}")
     return 0

@@ -137,3 +137,30 @@ def test_profile_tp_derives_each_degree_from_the_measured_layer(
     # the N-D planner reads it
     plan = ["plan", "--costs", str(out), "--gpus", "4", "--memory-gib", "100", "--json"]
     assert main(plan) == 0
+
+
+def test_plan_shows_a_synthesized_schedule_beside_the_pick(tmp_path, capsys):
+    """``--synthesized`` adds the synthesis under the same budget; with ``--gpus`` it is refused."""
+    costs = (
+        Path(__file__).parents[2]
+        / "docs/results/h200x2-2026-11-28-plan-cuda-graph-sustained3/costs.json"
+    )
+    assert (
+        main(["plan", "--costs", str(costs), "--ranks", "4", "--memory-gib", "7", "--synthesized"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "synthesized: 4 ranks" in out and "planner's pick:" in out
+    argv = [
+        "plan",
+        "--costs",
+        str(costs),
+        "--gpus",
+        "8",
+        "--gpus-per-node",
+        "8",
+        "--memory-gib",
+        "7",
+    ]
+    assert main([*argv, "--synthesized"]) == 2
+    assert "--synthesized plans the pipeline alone" in capsys.readouterr().err
