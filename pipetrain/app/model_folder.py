@@ -144,7 +144,8 @@ def check_family_flags(config: TrainConfig, model_type: str) -> None:
     """The ``train`` flags the folder's family (``model_type``, checked by ``folder_config``)
     cannot run, refused with the family's reason (its row in ``pipetrain.hf.families``): ``--tp``
     without a tensor-parallel plan, packed documents where its ``forward`` cannot keep them apart,
-    ``--router-aux-loss`` where it has no router."""
+    ``--router-aux-loss`` where it has no router, an ``--attention`` kernel its ``transformers``
+    class does not have."""
     from pipetrain.hf.families import FAMILIES
 
     family = FAMILIES[model_type]
@@ -157,6 +158,14 @@ def check_family_flags(config: TrainConfig, model_type: str) -> None:
             "position ids, so packed documents would attend to each other: give --packing none "
             "(one document a row, padded)"
         )
+    if config.attention != "auto":
+        cls = causal_lm_class(model_type)
+        kernel, flag = ATTENTION[config.attention]
+        if not getattr(cls, flag, False):
+            raise ValueError(
+                f"--attention {config.attention}: {held}; transformers' {cls.__name__} has no "
+                f"{kernel} attention: give --attention auto (it picks one the model has)"
+            )
     if not family.is_moe and flags_given(config, ("router_aux_loss",)):
         raise ValueError(
             f"--router-aux-loss {config.router_aux_loss}: {held}, which has no router; drop it"
@@ -220,15 +229,38 @@ def folder_shape(config: TrainConfig, hf_config: Any) -> ModelShape:
     )
 
 
-def attention_implementation(config: TrainConfig, device: torch.device) -> str:
+#: ``--attention``'s kernels as ``transformers`` names them, and the class flag that says a model
+#: class has the kernel
+ATTENTION = {"flex": ("flex_attention", "_supports_flex_attn"), "sdpa": ("sdpa", "_supports_sdpa")}
+
+
+def causal_lm_class(model_type: str) -> Any:
+    """The ``transformers`` causal-LM class of ``model_type`` (what ``AutoModelForCausalLM``
+    builds), read from its mapping without building anything."""
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING[CONFIG_MAPPING[model_type]]
+
+
+def attention_implementation(
+    config: TrainConfig, device: torch.device, model_class: Any = None
+) -> str:
     """``transformers``' attention implementation for ``--attention``, by a fixed rule rather
     than by timing, so two identical runs compute the same thing: FlexAttention (a block mask
     that skips the blocks across packed documents) on CUDA, SDPA with the block-diagonal mask
-    elsewhere."""
+    elsewhere. Under ``auto``, a ``model_class`` without that kernel takes the next of flex,
+    SDPA, eager that it has (GPT-OSS's attention sinks have no SDPA kernel: eager on the CPU;
+    GPT-2 has no FlexAttention: SDPA on CUDA); a kernel named by the flag is checked at launch
+    (``check_family_flags``)."""
     choice = config.attention
-    if choice == "auto":
-        choice = "flex" if device.type == "cuda" else "sdpa"
-    return {"flex": "flex_attention", "sdpa": "sdpa"}[choice]
+    if choice != "auto":
+        return ATTENTION[choice][0]
+    for name in ("flex", "sdpa") if device.type == "cuda" else ("sdpa",):
+        kernel, flag = ATTENTION[name]
+        if model_class is None or getattr(model_class, flag, False):
+            return kernel
+    return "eager"
 
 
 def check_export(config: TrainConfig) -> None:
@@ -288,7 +320,9 @@ def folder_stages(
         str(config.model_dir),
         layout.stage_layers,
         dtype=getattr(torch, config.dtype),
-        attn_implementation=attention_implementation(config, device),
+        attn_implementation=attention_implementation(
+            config, device, causal_lm_class(hf_config.model_type)
+        ),
         # None for a dense family, which takes no router setting
         output_router_logits=router_aux_loss_coef(config, hf_config) is not None
         if routed

@@ -376,6 +376,7 @@ def _build_pipeline(
         seed=config.seed,  # dropout keyed by (seed, step, micro-batch, layer): any layout draws alike
         **placement,
     )
+    tied = False  # until the model says (a refusal while loading the folder names no tie)
     try:
         if model is None:
             from pipetrain.app.model_folder import folder_stages

@@ -199,6 +199,7 @@ def test_what_a_family_cannot_run_is_refused_before_launching(tmp_path, capsys) 
         (str(deepseek),): "holds a 'deepseek_v3' model; not supported yet: its auxiliary-loss-free",
         (mixtral, "--tp", "2"): "--tp 2: --model-dir .* holds a 'mixtral' model: --tp with MoE",
         (gpt_oss,): "--packing documents: .*'gpt_oss' model.*give --packing none",
+        (gpt_oss, "--packing", "none", "--attention", "sdpa"): "GptOssForCausalLM has no sdpa",
     }
     capsys.readouterr()
     for args, message in cases.items():
@@ -211,12 +212,29 @@ def test_what_a_family_cannot_run_is_refused_before_launching(tmp_path, capsys) 
 
 
 def test_every_family_is_a_folder_model_and_the_report_shows_the_terms() -> None:
-    """``app.catalog.FOLDER_MODELS`` (torch-free) lists ``pipetrain.hf``'s families; the report's
-    line of the last step's extra terms."""
+    """``app.catalog.FOLDER_MODELS`` (torch-free) lists ``pipetrain.hf``'s families; ``auto``
+    attention picks a kernel each family's class has; the report's line of the last step's
+    extra terms."""
     from pipetrain.app.catalog import FOLDER_MODELS
+    from pipetrain.app.model_folder import attention_implementation, causal_lm_class
     from pipetrain.app.report import _extra_line
     from pipetrain.hf.families import SUPPORTED
 
     assert sorted(FOLDER_MODELS) == sorted(SUPPORTED)
+    auto = train_args()
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    picked = {
+        (t, d.type): attention_implementation(auto, d, causal_lm_class(t))
+        for t in ("mixtral", "gpt_oss", "gpt2")
+        for d in (cpu, cuda)
+    }
+    assert picked == {
+        ("mixtral", "cpu"): "sdpa",
+        ("mixtral", "cuda"): "flex_attention",
+        ("gpt_oss", "cpu"): "eager",  # its attention sinks have no SDPA kernel
+        ("gpt_oss", "cuda"): "flex_attention",
+        ("gpt2", "cpu"): "sdpa",
+        ("gpt2", "cuda"): "sdpa",  # no FlexAttention
+    }
     line = _extra_line(2.5, {"router_aux_loss": 0.0123456789})
     assert "loss 2.5000  router_aux_loss 0.0123457" in line
