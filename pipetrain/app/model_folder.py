@@ -5,6 +5,14 @@ run. Each worker builds only its own stages with ``pipetrain.hf.from_pretrained`
 sequence: only this rank's tensors are read), tensor-parallelized by the Llama family's plan with
 ``--tp`` and recomputing as a plan's ``recompute`` says.
 
+Mixture-of-experts folders (Qwen2-MoE, Qwen3-MoE, Mixtral, GPT-OSS) train with their router's
+load-balancing loss by default, ``router_aux_loss_coef`` × each MoE layer's balancing loss per
+micro-batch (``pipetrain.hf.router_losses``), as Megatron-Core's and torchtitan's MoE training
+always balances; ``--router-aux-loss off`` trains without it. What a family cannot run (``--tp``
+without its plan, packed documents its ``forward`` would let attend to each other, a kernel its
+class lacks) and the families ``pipetrain.hf`` refuses (DeepSeek-V3) are refused before any
+process starts, each with the family's reason (``pipetrain.hf.families``).
+
 Data: ``--data`` (default the generated corpus) is read as documents — a text file's lines or
 paragraphs, JSONL records of ``text`` or chat ``messages`` (the loss on the assistant's tokens
 only), a local ``datasets`` folder — tokenized once by the folder's own tokenizer into the data
@@ -208,7 +216,7 @@ def router_line(config: TrainConfig) -> str | None:
             "(--router-aux-loss off trains without it)"
         )
     if config.router_aux_loss == "off":
-        return "router loss off (--router-aux-loss off): the experts' load is not balanced"
+        return "router loss off (--router-aux-loss off): no loss balances the experts' load"
     return "router loss off: the folder's config.json has no router_aux_loss_coef other than 0"
 
 
