@@ -26,9 +26,20 @@ if TYPE_CHECKING:
 
 MODELS = ("gpt", "llama", "qwen3", "mistral")
 HF_MODELS = MODELS[1:]
-#: the model types ``--model-dir`` loads (``pipetrain.hf.SUPPORTED``, named here so that the
-#: launcher checks a folder without importing torch)
-FOLDER_MODELS = ("llama", "qwen2", "qwen3", "mistral", "gpt2")
+#: the model types ``--model-dir`` loads: every row of ``pipetrain.hf.families.FAMILIES``, dense
+#: and mixture-of-experts (named here, where torch is not imported, for the layer counts below;
+#: tests/app/test_moe_train.py checks the two agree)
+FOLDER_MODELS = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "gpt2",
+    "qwen2_moe",
+    "qwen3_moe",
+    "mixtral",
+    "gpt_oss",
+)
 BYTE_VOCAB = 256
 #: layers besides the blocks: GPT's embedding and head; HF's embedding, final norm and head
 EXTRA_LAYERS = {"gpt": (1, 1), **dict.fromkeys((*HF_MODELS, *FOLDER_MODELS), (1, 2))}

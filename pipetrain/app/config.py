@@ -37,6 +37,7 @@ Packing = Literal["documents", "none"]
 LongDocuments = Literal["split", "refuse"]
 Attention = Literal["auto", "flex", "sdpa"]
 MicrobatchBalance = Literal["length", "fixed"]
+RouterAuxLoss = Literal["auto", "off"]
 #: field → its legal values
 CHOICES: dict[str, tuple[str, ...]] = {
     "model": MODELS,
@@ -51,6 +52,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "long_documents": get_args(LongDocuments),
     "attention": get_args(Attention),
     "microbatch_balance": get_args(MicrobatchBalance),
+    "router_aux_loss": get_args(RouterAuxLoss),
 }
 #: numeric fields where 0 is legal (the others but the seed must be > 0)
 NON_NEGATIVE = ("warmup", "min_lr", "weight_decay", "gc_every", "max_restarts")
@@ -98,6 +100,9 @@ class TrainConfig:
     min_lr: float | None = None
     weight_decay: float = 0.0
     clip_grad_norm: float | None = None
+    #: a mixture-of-experts folder's router load-balancing loss: ``auto`` trains with its
+    #: config's ``router_aux_loss_coef`` where that is not 0 (``app.model_folder``)
+    router_aux_loss: RouterAuxLoss = "auto"
     #: the training text (``--data``, alias ``--text``)
     data: str | None = None
     text_unit: TextUnit = "line"

@@ -5,6 +5,14 @@ run. Each worker builds only its own stages with ``pipetrain.hf.from_pretrained`
 sequence: only this rank's tensors are read), tensor-parallelized by the Llama family's plan with
 ``--tp`` and recomputing as a plan's ``recompute`` says.
 
+Mixture-of-experts folders (Qwen2-MoE, Qwen3-MoE, Mixtral, GPT-OSS) train with their router's
+load-balancing loss by default, ``router_aux_loss_coef`` × each MoE layer's balancing loss per
+micro-batch (``pipetrain.hf.router_losses``), as Megatron-Core's and torchtitan's MoE training
+always balances; ``--router-aux-loss off`` trains without it. What a family cannot run (``--tp``
+without its plan, packed documents its ``forward`` would let attend to each other, a kernel its
+class lacks) and the families ``pipetrain.hf`` refuses (DeepSeek-V3) are refused before any
+process starts, each with the family's reason (``pipetrain.hf.families``).
+
 Data: ``--data`` (default the generated corpus) is read as documents — a text file's lines or
 paragraphs, JSONL records of ``text`` or chat ``messages`` (the loss on the assistant's tokens
 only), a local ``datasets`` folder — tokenized once by the folder's own tokenizer into the data
@@ -73,6 +81,11 @@ def run_shape(config: TrainConfig) -> ModelShape:
             raise ValueError(
                 f"--model {config.model}: {problem} (or train the built-in model: --model gpt)"
             )
+    if flags_given(config, ("router_aux_loss",)):
+        raise ValueError(
+            f"--router-aux-loss {config.router_aux_loss}: the built-in --model {config.model} "
+            "has no router; it is for a mixture-of-experts --model-dir folder: drop it"
+        )
     if config.vocab < BYTE_VOCAB:
         raise ValueError(f"--vocab {config.vocab}: the tokens are bytes, so it must be >= 256")
     return shape
@@ -108,6 +121,13 @@ def folder_config(config: TrainConfig) -> Any:
         hf_config = AutoConfig.from_pretrained(folder)
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"{flag}: config.json cannot be read ({e})") from None
+    from pipetrain.hf.families import REFUSED
+
+    if hf_config.model_type in REFUSED:
+        raise ValueError(
+            f"{flag} holds a {hf_config.model_type!r} model; not supported yet: "
+            f"{REFUSED[hf_config.model_type]}"
+        )
     if hf_config.model_type not in FOLDER_MODELS:
         raise ValueError(
             f"{flag} holds a {hf_config.model_type!r} model; supported model types: "
@@ -128,6 +148,78 @@ def folder_config(config: TrainConfig) -> Any:
     return hf_config
 
 
+def check_family_flags(config: TrainConfig, model_type: str) -> None:
+    """The ``train`` flags the folder's family (``model_type``, checked by ``folder_config``)
+    cannot run, refused with the family's reason (its row in ``pipetrain.hf.families``): ``--tp``
+    without a tensor-parallel plan, packed documents where its ``forward`` cannot keep them apart,
+    ``--router-aux-loss`` where it has no router, an ``--attention`` kernel its ``transformers``
+    class does not have."""
+    from pipetrain.hf.families import FAMILIES
+
+    family = FAMILIES[model_type]
+    held = f"--model-dir {config.model_dir} holds a {family.model_type!r} model"
+    if config.tp > 1 and family.tensor_parallel is None:
+        raise ValueError(f"--tp {config.tp}: {held}: {family.tensor_parallel_refusal}")
+    if config.packing == "documents" and not family.packing:
+        raise ValueError(
+            f"--packing documents: {held}, whose forward builds its attention mask without the "
+            "position ids, so packed documents would attend to each other: give --packing none "
+            "(one document a row, padded)"
+        )
+    if config.attention != "auto":
+        cls = causal_lm_class(model_type)
+        kernel, flag = ATTENTION[config.attention]
+        if not getattr(cls, flag, False):
+            raise ValueError(
+                f"--attention {config.attention}: {held}; transformers' {cls.__name__} has no "
+                f"{kernel} attention: give --attention auto (it picks one the model has)"
+            )
+    if not family.is_moe and flags_given(config, ("router_aux_loss",)):
+        raise ValueError(
+            f"--router-aux-loss {config.router_aux_loss}: {held}, which has no router; drop it"
+        )
+
+
+def router_aux_loss_coef(config: TrainConfig, hf_config: Any) -> float | None:
+    """The coefficient of the router's load-balancing loss the run trains with, ``None`` where
+    it trains without one: a mixture-of-experts folder trains with its config's
+    ``router_aux_loss_coef`` (``--router-aux-loss auto``, as Megatron-Core and torchtitan always
+    balance their MoE training) unless that is 0 or ``--router-aux-loss off``. Released configs
+    say ``output_router_logits: false`` (a setting for inference); it is not read here."""
+    from pipetrain.hf.families import FAMILIES
+
+    family = FAMILIES.get(hf_config.model_type)
+    coefficient = float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0)
+    if family is None or not family.is_moe or config.router_aux_loss == "off" or not coefficient:
+        return None
+    return coefficient
+
+
+def router_line(config: TrainConfig) -> str | None:
+    """What the launcher says of the router loss of a mixture-of-experts folder (``None`` for
+    a dense one)."""
+    if config.model_dir is None:
+        return None
+    from transformers import AutoConfig
+
+    from pipetrain.hf.families import FAMILIES
+
+    hf_config = AutoConfig.from_pretrained(Path(config.model_dir))
+    family = FAMILIES.get(hf_config.model_type)
+    if family is None or not family.is_moe:
+        return None
+    coefficient = router_aux_loss_coef(config, hf_config)
+    if coefficient is not None:
+        return (
+            f"router loss on: router_aux_loss_coef {coefficient:g} × each MoE layer's "
+            "load-balancing loss per micro-batch, reported as aux_loss/router_aux_loss "
+            "(--router-aux-loss off trains without it)"
+        )
+    if config.router_aux_loss == "off":
+        return "router loss off (--router-aux-loss off): no loss balances the experts' load"
+    return "router loss off: the folder's config.json has no router_aux_loss_coef other than 0"
+
+
 def folder_shape(config: TrainConfig, hf_config: Any) -> ModelShape:
     """The model of the folder as the checkpoints record it (resumed only by the same shape)."""
     heads = hf_config.num_attention_heads
@@ -145,15 +237,38 @@ def folder_shape(config: TrainConfig, hf_config: Any) -> ModelShape:
     )
 
 
-def attention_implementation(config: TrainConfig, device: torch.device) -> str:
+#: ``--attention``'s kernels as ``transformers`` names them, and the class flag that says a model
+#: class has the kernel
+ATTENTION = {"flex": ("flex_attention", "_supports_flex_attn"), "sdpa": ("sdpa", "_supports_sdpa")}
+
+
+def causal_lm_class(model_type: str) -> Any:
+    """The ``transformers`` causal-LM class of ``model_type`` (what ``AutoModelForCausalLM``
+    builds), read from its mapping without building anything."""
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING[CONFIG_MAPPING[model_type]]
+
+
+def attention_implementation(
+    config: TrainConfig, device: torch.device, model_class: Any = None
+) -> str:
     """``transformers``' attention implementation for ``--attention``, by a fixed rule rather
     than by timing, so two identical runs compute the same thing: FlexAttention (a block mask
     that skips the blocks across packed documents) on CUDA, SDPA with the block-diagonal mask
-    elsewhere."""
+    elsewhere. Under ``auto``, a ``model_class`` without that kernel takes the next of flex,
+    SDPA, eager that it has (GPT-OSS's attention sinks have no SDPA kernel: eager on the CPU;
+    GPT-2 has no FlexAttention: SDPA on CUDA); a kernel named by the flag is checked at launch
+    (``check_family_flags``)."""
     choice = config.attention
-    if choice == "auto":
-        choice = "flex" if device.type == "cuda" else "sdpa"
-    return {"flex": "flex_attention", "sdpa": "sdpa"}[choice]
+    if choice != "auto":
+        return ATTENTION[choice][0]
+    for name in ("flex", "sdpa") if device.type == "cuda" else ("sdpa",):
+        kernel, flag = ATTENTION[name]
+        if model_class is None or getattr(model_class, flag, False):
+            return kernel
+    return "eager"
 
 
 def check_export(config: TrainConfig) -> None:
@@ -200,16 +315,26 @@ def folder_stages(
     """This worker's stages, a callable ``stage -> module`` that builds only the stage asked for
     (each carries the model's ties by global name), and whether the model ties any weights."""
     import torch
+    from transformers import AutoConfig
 
     from pipetrain.app import kernels
     from pipetrain.hf import from_pretrained, parallelize_causal_lm
+    from pipetrain.hf.families import FAMILIES
     from pipetrain.runtime.backward.activation_checkpoint import recompute_stage
 
+    hf_config = AutoConfig.from_pretrained(Path(str(config.model_dir)))
+    routed = FAMILIES[hf_config.model_type].is_moe
     stages = from_pretrained(
         str(config.model_dir),
         layout.stage_layers,
         dtype=getattr(torch, config.dtype),
-        attn_implementation=attention_implementation(config, device),
+        attn_implementation=attention_implementation(
+            config, device, causal_lm_class(hf_config.model_type)
+        ),
+        # None for a dense family, which takes no router setting
+        output_router_logits=router_aux_loss_coef(config, hf_config) is not None
+        if routed
+        else None,
     )
     recompute = layout.recompute if layout.recomputes else ("none",) * len(layout.stage_layers)
 

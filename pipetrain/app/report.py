@@ -85,6 +85,7 @@ def report(
     planned: Mapping[str, Any] | None = None,
     unmeasured: str = "the runtime returned none",
     trace: str | os.PathLike | None = None,
+    extra_losses: Mapping[str, float] | None = None,
 ) -> str:
     """The end-of-run text: loss trend, measured vs simulated bubble, pictures (writes the
     measured step as SVG to ``svg``, and as a Chrome/Perfetto trace to ``trace`` if given).
@@ -93,6 +94,8 @@ def report(
     ran on GPUs); with more processes than cores the measured times include waiting for a core.
     ``planned``: the ``predicted`` record of the plan the run followed (``pipetrain plan
     --json``), shown next to the measured step. ``unmeasured``: why ``measured`` is empty.
+    ``extra_losses``: the last step's extra loss terms (``Pipeline.extra_losses``: a router's
+    balancing loss), shown beside its loss.
     """
     k = max(1, min(LOSS_WINDOW, len(losses) // 4))
     first, last = fmean(losses[:k]), fmean(losses[-k:])
@@ -108,6 +111,8 @@ def report(
         program.num_microbatches,
     )
     lines = [f"loss {first:.4f} → {last:.4f} (mean of the first vs last {k} steps): {verdict}"]
+    if extra_losses:
+        lines.append(_extra_line(losses[-1], extra_losses))
     if not measured:
         return "\n".join([*lines, f"(no measured timeline: {unmeasured})"])
     from pipetrain.sim.simulate import simulate
@@ -136,6 +141,16 @@ def report(
         write_trace(step, trace)
         lines.append(f"wrote {trace}")
     return "\n".join(lines)
+
+
+def _extra_line(loss: float, extra_losses: Mapping[str, float]) -> str:
+    """The last step's loss beside the extra terms it trained with: the loss the report follows
+    is the model's own, and the terms are what the optimizer minimised besides."""
+    terms = "  ".join(f"{name} {value:.6g}" for name, value in extra_losses.items())
+    return (
+        f"last step:       loss {loss:.4f}  {terms}  (the terms, averaged over micro-batches, "
+        "were trained beside the loss)"
+    )
 
 
 def _host_line(step: Timeline) -> str:

@@ -310,10 +310,12 @@ def _report(config: TrainConfig, steps: Steps, pipe: Pipeline, cpu_processes: in
     """The end-of-run text (``app.report``) and what the run skipped, wrote and exported."""
     losses, measured, skipped = steps.losses, steps.measured, steps.skips.steps
     args = (config.svg, losses, measured, pipe.program, cpu_processes, _planned(config.plan))
+    extra = pipe.extra_losses  # the last step's extra loss terms (a router's), beside its loss
     if config.cuda_graph:
-        text = report(*args, unmeasured="each step replayed as one CUDA graph", trace=config.trace)
+        why = "each step replayed as one CUDA graph"
+        text = report(*args, unmeasured=why, trace=config.trace, extra_losses=extra)
     else:
-        text = report(*args, trace=config.trace)
+        text = report(*args, trace=config.trace, extra_losses=extra)
     if skipped:
         shown = ", ".join(map(str, skipped[:10])) + (" ..." if len(skipped) > 10 else "")
         text += f"\nskipped the update of {len(skipped)} step(s) whose loss or gradient norm "
@@ -374,6 +376,7 @@ def _build_pipeline(
         seed=config.seed,  # dropout keyed by (seed, step, micro-batch, layer): any layout draws alike
         **placement,
     )
+    tied = False  # until the model says (a refusal while loading the folder names no tie)
     try:
         if model is None:
             from pipetrain.app.model_folder import folder_stages

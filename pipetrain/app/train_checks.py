@@ -33,7 +33,7 @@ from pipetrain.app.config import (
 from pipetrain.app.evaluation import check_eval
 from pipetrain.app.lr_schedule import resolve_schedule
 from pipetrain.app.metrics import check_metrics
-from pipetrain.app.model_folder import check_export, run_shape
+from pipetrain.app.model_folder import check_export, check_family_flags, router_line, run_shape
 from pipetrain.planner.layout import Layout
 from pipetrain.schedule.registry import FAMILIES, build_schedule, family
 
@@ -44,6 +44,8 @@ def check_arguments(config: TrainConfig) -> Layout:
     Raises ``ValueError`` naming the bad value and the legal ones.
     """
     shape = run_shape(config)
+    if config.model_dir is not None:  # what the folder's family cannot run (tp, packing, router)
+        check_family_flags(config, shape.model)
     _check_data_flags(config)
     if config.resume and config.checkpoint_dir is None:
         raise ValueError("--resume needs --checkpoint-dir DIR (where the checkpoints are)")
@@ -64,6 +66,9 @@ def check_arguments(config: TrainConfig) -> Layout:
         _check_text(config, layout)
     elif not config.worker:  # tokenized once, by the launcher
         check_data(config, shape.vocab)
+        routed = router_line(config)
+        if routed is not None:
+            print(routed, flush=True)
     if not config.worker:
         check_eval(config, config.microbatch_size * layout.microbatches * config.dp)
     if shape.num_layers < len(layout.stage_layers):
@@ -148,7 +153,7 @@ def _check_tensor_parallel(config: TrainConfig, shape: ModelShape) -> None:
         raise ValueError("--sequence-parallel needs --tp N with N > 1")
     if config.tp == 1:
         return
-    if shape.model in ("gpt", "gpt2"):
+    if config.model_dir is None and shape.model == "gpt":
         raise ValueError(
             "--tp needs a Hugging Face Llama-family model (--model llama, qwen3 or mistral, or a "
             f"--model-dir of one); {shape.model} has no tensor-parallel plan"

@@ -466,7 +466,8 @@ def folder_options() -> tuple[Option, ...]:
             ("--model-dir",),
             metavar="DIR",
             help="fine-tune the Hugging Face model in DIR (config.json, safetensors files, "
-            "tokenizer; Llama family or GPT-2): its config gives the model, so the model flags "
+            "tokenizer; Llama family, GPT-2, or the mixture-of-experts Qwen2-MoE, Qwen3-MoE, "
+            "Mixtral, GPT-OSS): its config gives the model, so the model flags "
             "below do not apply; the text is tokenized by its tokenizer, rows right-padded",
             group="a Hugging Face model folder",
         ),

@@ -66,7 +66,8 @@ def options() -> tuple[Option, ...]:
             ("--model-dir",),
             metavar="DIR",
             help="profile the Hugging Face model in DIR (config.json, safetensors files; Llama "
-            "family or GPT-2) with its own weights instead of building one: the model flags "
+            "family, GPT-2, or the mixture-of-experts Qwen2-MoE, Qwen3-MoE, Mixtral, GPT-OSS) "
+            "with its own weights instead of building one: the model flags "
             "other than --seq-len, --dtype and --microbatch-size do not apply",
         ),
         Option(

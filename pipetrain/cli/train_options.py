@@ -36,7 +36,7 @@ def non_negative_float(text: str) -> float:
 
 
 def optimizer_options(choices: dict[str, tuple[str, ...]]) -> tuple[Option, ...]:
-    """AdamW's rate, its schedule and weight decay."""
+    """AdamW's rate, its schedule and weight decay, and the router loss it minimises too."""
     from pipetrain.app.lr_schedule import (
         FINE_TUNE_LR,
         FINE_TUNE_SCHEDULE,
@@ -82,6 +82,14 @@ def optimizer_options(choices: dict[str, tuple[str, ...]]) -> tuple[Option, ...]
             metavar="WD",
             help="AdamW's decoupled weight decay, on parameters of 2 or more dimensions only "
             "(not norms, not biases)",
+        ),
+        one_of(
+            "--router-aux-loss",
+            choices["router_aux_loss"],
+            "a mixture-of-experts --model-dir folder's router load-balancing loss: auto adds "
+            "its config's router_aux_loss_coef × each MoE layer's balancing loss per "
+            "micro-batch (Megatron-Core's and torchtitan's form) where that coefficient is not "
+            "0; off trains without it",
         ),
     )
 
@@ -143,7 +151,7 @@ def eval_options() -> tuple[Option, ...]:
             ("--metrics",),
             metavar="FILE",
             help="write one JSON line per step (loss, lr, grad_norm, tokens, padding_tokens, "
-            "tok_per_s, mfu, eval_loss), and at the end FILE's loss and lr drawn as SVG beside it; "
+            "tok_per_s, mfu, eval_loss, aux_loss/NAME of a router's loss), and at the end FILE's loss and lr drawn as SVG beside it; "
             "--resume keeps the lines up to its step",
         ),
         Option(
