@@ -250,9 +250,13 @@ def _failed(config: TrainConfig, failures: Mapping[int, Any]) -> int:
 
 
 def _first(failures: Mapping[int, Any]) -> tuple[int, Any]:
-    """The failure that started it: the agent records the workers in the order it found them
-    ended, the first before the ones it then stopped."""
-    return next(iter(failures.items()))
+    """The failure that started it. When the agent finds several workers ended at once, a worker
+    killed by a signal comes first: its peers fail after it (a connection reset, the pipeline's
+    failure notice) and exit with a status; among equals, the earliest, then the first the agent
+    recorded (it records the workers it found ended before the ones it then stopped)."""
+    ranked = enumerate(failures.items())
+    _, first = min(ranked, key=lambda f: (f[1][1].exitcode >= 0, f[1][1].timestamp, f[0]))
+    return first
 
 
 def _who(rank: int, failure: Any) -> str:

@@ -179,6 +179,11 @@ def test_the_first_failure_found_is_named_with_its_signal(
     assert said.rstrip().endswith("step-000020")
     assert _failed(config, {0: _Failure(1, 7)}) == 1  # an exception: its traceback is above
     assert "rank 0 (pid 7) exited with status 1 at " in capsys.readouterr().err
+    # found together: the peer that exited on the connection reset, and the one killed first
+    assert _failed(config, {0: _Failure(1, 7), 1: _Failure(-signal.SIGKILL, 8)}) == 1
+    assert "rank 1 (pid 8) killed by SIGKILL at " in capsys.readouterr().err
+    assert _failed(config, {0: _Failure(1, 7)}) == 1
+    assert "rank 0 (pid 7) exited with status 1 at " in capsys.readouterr().err
     for status in (2, TERMINATED):  # refused, or stopped on SIGTERM: the worker said so
         assert _failed(config, {0: _Failure(status, 1)}) == status
         assert capsys.readouterr().err == ""
