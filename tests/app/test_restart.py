@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 from datetime import timedelta
 from pathlib import Path
 
@@ -127,10 +126,7 @@ def one_process_group():
     torch = pytest.importorskip("torch")
     import torch.distributed as dist
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    store = dist.TCPStore("127.0.0.1", port, 1, is_master=True)
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)  # port 0: the store picks one
     dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(60))
     try:
         yield torch.device("cpu")

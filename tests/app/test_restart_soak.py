@@ -15,7 +15,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+from runtime_harness import free_port  # noqa: E402
 
 from pipetrain.cli.verify_command import problems_of  # noqa: E402
 
@@ -247,15 +248,9 @@ def test_a_terminated_then_killed_run_finishes_as_the_uninterrupted_one(tmp_path
     _check_folder(tmp_path / "run", tmp_path / "ref", 30)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _agents(flags: list[str], env: dict[str, str]) -> list[Job]:
     """Two torchrun agents on the loopback address, 2 processes each, up to 5 restarts."""
-    port = str(_free_port())
+    port = str(free_port())
     jobs = []
     for _ in range(2):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2"]
