@@ -35,6 +35,8 @@ import math
 import os
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, NoReturn
 
 from pipetrain.app import failure_logs
@@ -133,7 +135,9 @@ def _launch(config: TrainConfig, layout: Layout) -> int:
         return run_elastic(config, processes, worker_argv, worker_environment(processes))
     announce("launching", config, layout, device)
     cmd = [sys.executable, "-m", "pipetrain", "train", *worker_argv, "--worker"]
-    ended = start_processes(processes, cmd, worker_environment(processes), config.term_grace)
+    with hosted_store(processes) as port:
+        env = worker_environment(processes, port) | {"TORCHELASTIC_USE_AGENT_STORE": "True"}
+        ended = start_processes(processes, cmd, env, config.term_grace)
     status, message = _outcome(ended, config)
     if message:
         lead = "\n" if sys.stderr.isatty() else ""  # after a progress line still being drawn
@@ -157,14 +161,31 @@ def announce(verb: str, config: TrainConfig, layout: Layout, device: Device) -> 
     sys.stdout.flush()
 
 
-def worker_environment(count: int) -> dict[str, str]:
+@contextmanager
+def hosted_store(count: int) -> Iterator[int]:
+    """The workers' rendezvous store, hosted by the launcher (as torchrun's agent hosts it) on
+    a port the operating system gives it and held until the workers end; its port. Choosing a
+    free port for rank 0 to bind later would race: between the choice and the bind, another
+    process (or an outgoing connection) can be given the same port."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, count, is_master=True, wait_for_workers=False)
+    try:
+        yield store.port
+    finally:
+        del store
+
+
+def worker_environment(count: int, port: int | None = None) -> dict[str, str]:
     """The environment torchrun sets, less the per-rank variables (``start_processes`` adds
-    them): one local process group of ``count`` processes on a free port."""
+    them): one local process group of ``count`` processes rendezvousing at ``port`` (default: a
+    free one, which whoever binds it first takes)."""
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    if port is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
     # one thread per process: they share the cores; torch's C++ warnings stay out of the
     # output (a peer's closed store connection, once one worker has failed, is a warning per
     # rank that says nothing the launcher's one line does not)
@@ -398,6 +419,7 @@ __all__ = [
     "announce",
     "check_offload",
     "device_for",
+    "hosted_store",
     "join_group",
     "process_grid",
     "processes_of",

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from runtime_harness import free_port
 
 torch = pytest.importorskip("torch")
 
@@ -29,12 +29,6 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--model", "gpt", "--layers", "4", "--hidden", "16", "--heads", "2", "--seq-len", "16"]
 TINY += ["--steps", "2", "--microbatches", "2", "--microbatch-size", "1", "--timeout", "60"]
 LAYOUTS = {"pp4": ["--ranks", "4"], "pp2xdp2": ["--ranks", "2", "--dp", "2"]}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _env() -> dict[str, str]:
@@ -55,7 +49,7 @@ def _flags(tmp_path: Path, name: str, layout: list[str]) -> list[str]:
 def _agents(flags: list[str], nproc: int = 2, nodes: int = 2) -> list[subprocess.Popen[str]]:
     """``nodes`` torchrun agents on the loopback address (as on ``nodes`` machines), each
     starting ``nproc`` processes of ``pipetrain train flags``."""
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     for node in range(nodes):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes)]

@@ -6,13 +6,13 @@ Plain gloo processes stand in for the NCCL workers (the exit path is host-side o
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from runtime_harness import free_port
 
 pytest.importorskip("torch")
 
@@ -30,14 +30,8 @@ launch._leave_without_teardown(3, "pipetrain train: error: refused for a reason"
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(case: str) -> list[subprocess.Popen[str]]:
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     env["WORLD_SIZE"], env["PYTHONPATH"] = "2", str(ROOT)
     return [
         subprocess.Popen(

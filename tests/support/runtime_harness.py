@@ -15,7 +15,9 @@ own teardown is ``tests/runtime/test_runtime_exit.py``'s, with real processes.)
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing as mp
+import os
 import socket
 import traceback
 from datetime import timedelta
@@ -44,10 +46,29 @@ PRELOAD = [
 ]
 
 
+#: ports each pytest-xdist worker hands out: below Linux's ephemeral range (32768 and up, where
+#: the kernel picks the ports of outgoing connections and of ``bind(0)``), a block per worker
+PORT_BASE, PORT_BLOCK = 20000, 1500
+_next_port = itertools.count()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port no other test of this run is using: the next free one of this pytest-xdist
+    worker's own block. Binding port 0 and closing it would race: under parallel workers the
+    kernel can hand the same port to another process, or to an outgoing connection, before the
+    test's store binds it again."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    base = PORT_BASE + PORT_BLOCK * (int(worker) if worker.isdigit() else 0)
+    start = (os.getpid() * 7) % PORT_BLOCK  # another pytest run beside this one starts elsewhere
+    for _ in range(PORT_BLOCK):
+        port = base + (start + next(_next_port)) % PORT_BLOCK
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in {base}..{base + PORT_BLOCK - 1}")
 
 
 def _worker(rank, world_size, port, fn, args, queue) -> None:
