@@ -27,12 +27,14 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(PY) -m mypy
 
+# two workers, each test file on one of them (its module fixtures run once): the multi-process
+# cases of one file overlap the single-process cases of another instead of waiting for them
 test: lint typecheck
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadfile
 
 # everything, the stress tier too (the benchmarks' long CPU dry runs)
 test-all: lint typecheck
-	$(PY) -m pytest -m "stress or not stress"
+	$(PY) -m pytest -n 2 --dist loadfile -m "stress or not stress"
 
 bench: $(STAMP)
 	$(PY) benchmarks/schedules/schedule_build.py
