@@ -129,14 +129,14 @@ def measure_sync(step, model, opt, folder: Path, saves: int, baseline: float) ->
 
 
 def measure_async(
-    step, model, opt, folder: Path, saves: int, baseline: float, max_steps: int
+    step, model, opt, folder: Path, saves: int, baseline: float, max_steps: int, kind: str
 ) -> list[dict]:
     from pipetrain.runtime.checkpoint_async import AsyncCheckpointer
 
     rows = []
-    with AsyncCheckpointer() as writer:
+    with AsyncCheckpointer(writer=kind) as writer:
         for i in range(saves):
-            path = folder / f"async-{i}"
+            path = folder / f"async-{kind}-{i}"
             t0 = time.perf_counter()
             writer.save(path, model, opt)
             call = time.perf_counter() - t0
@@ -147,6 +147,7 @@ def measure_async(
             writer.wait()
             left = time.perf_counter() - t1
             rows.append(_row(i, call, times, baseline, left, _checked(path, i == 0)))
+            rows[-1]["writer"] = kind
             shutil.rmtree(path)
     return rows
 
@@ -179,7 +180,9 @@ def _checked(path: Path, check: bool) -> bool:
     return True
 
 
-def run(preset_name: str, out: Path, max_steps: int, target: float | None) -> dict:
+def run(
+    preset_name: str, out: Path, max_steps: int, target: float | None, writers: list[str]
+) -> dict:
     preset = PRESETS[preset_name]
     if preset.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("checkpoint_stall.py: error: --preset gpu needs a GPU (CUDA)")
@@ -187,10 +190,17 @@ def run(preset_name: str, out: Path, max_steps: int, target: float | None) -> di
     threads = torch.get_num_threads()
     if device.type == "cpu":
         torch.set_num_threads(1)  # the background write gets the other cores
+    import torch.distributed as dist
+
+    # a process group of one, as ``pipetrain train``'s workers have (DCP's checkpoint process
+    # starts its own from it); its store binds the port it is given by the system
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
-        return _measure(preset_name, preset, device, out, max_steps, target)
+        return _measure(preset_name, preset, device, out, max_steps, target, writers)
     finally:
         torch.set_num_threads(threads)
+        dist.destroy_process_group()
 
 
 def _measure(
@@ -200,6 +210,7 @@ def _measure(
     out: Path,
     max_steps: int,
     target: float | None,
+    writers: list[str],
 ) -> dict:
     model, loss_fn, opt, tokens = build(preset, device)
     params = sum(p.numel() for p in model.parameters())
@@ -215,7 +226,11 @@ def _measure(
         + [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     )
     sync = measure_sync(step, model, opt, folder, preset.saves, baseline)
-    background = measure_async(step, model, opt, folder, preset.saves, baseline, max_steps)
+    by_writer = {
+        kind: measure_async(step, model, opt, folder, preset.saves, baseline, max_steps, kind)
+        for kind in writers
+    }
+    background = by_writer[writers[0]]
     shutil.rmtree(folder, ignore_errors=True)
     sync_stall = statistics.median(r["stall_s"] for r in sync)
     later = [r["stall_s"] for r in background[1:]] or [background[0]["stall_s"]]
@@ -233,6 +248,8 @@ def _measure(
         "baseline_step_s": baseline,
         "sync": sync,
         "async": background,
+        "async_by_writer": by_writer,
+        "writer": writers[0],
         "sync_stall_s": sync_stall,
         "async_stall_s": async_stall,
         "async_first_stall_s": background[0]["stall_s"],
@@ -256,17 +273,20 @@ def report(result: dict) -> str:
         "| save | mode | call s | steps during | extra step s | wait left s | stall s |",
         "|---|---|---:|---:|---:|---:|---:|",
     ]
-    for mode in ("sync", "async"):
-        for r in result[mode]:
-            lines.append(
-                f"| {r['save']} | {mode} | {r['call_s']:.3f} | {r['steps_during']} | "
-                f"{r['step_extra_s']:.3f} | {r['wait_left_s']:.3f} | {r['stall_s']:.3f} |"
-            )
+    rows = [("sync", r) for r in result["sync"]] + [
+        (f"async ({r['writer']})", r) for rows in result["async_by_writer"].values() for r in rows
+    ]
+    for mode, r in rows:
+        lines.append(
+            f"| {r['save']} | {mode} | {r['call_s']:.3f} | {r['steps_during']} | "
+            f"{r['step_extra_s']:.3f} | {r['wait_left_s']:.3f} | {r['stall_s']:.3f} |"
+        )
     verdict = ""
     if result["target"] is not None:
         verdict = f" (target <= {result['target']:.0%}: {'met' if result['met'] else 'MISSED'})"
     lines.append(
         f"median stall: synchronous {result['sync_stall_s']:.3f} s, in the background "
+        f"({result['writer']} writer) "
         f"{result['async_stall_s']:.3f} s after the first (first "
         f"{result['async_first_stall_s']:.3f} s): {result['ratio']:.1%} of the synchronous"
         + verdict
@@ -287,10 +307,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--target", type=float, default=None, help="the ratio to hold (default: the preset's)"
     )
+    parser.add_argument(
+        "--writers",
+        default="auto",
+        help="comma-separated background writers to measure, the first held to the target: "
+        "auto (DCP's checkpoint process on a GPU, a thread on CPU), process, thread",
+    )
     args = parser.parse_args(argv)
+    writers = args.writers.split(",")
+    if not writers or any(w not in ("auto", "process", "thread") for w in writers):
+        parser.error(f"--writers takes auto, process, thread; got {args.writers!r}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result = run(args.preset, out, args.max_steps_per_save, args.target)
+    result = run(args.preset, out, args.max_steps_per_save, args.target, writers)
     (out / "checkpoint_stall.json").write_text(json.dumps(result, indent=1) + "\n")
     print(report(result))
     print(f"wrote {out / 'checkpoint_stall.json'}")

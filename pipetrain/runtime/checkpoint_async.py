@@ -5,8 +5,10 @@ write: copying the state off the device, writing every byte, hashing it. ``Async
 does what torchtitan's ``checkpoint.async_mode = "async_with_pinned_mem"`` does with
 ``torch.distributed.checkpoint``: ``dcp.async_save`` with DCP's ``DefaultStager``, which copies
 the state into CPU memory on a thread of its own (page-locked memory and a side CUDA stream
-where the state is on a GPU, the copies kept between saves), then writes it on DCP's upload
-thread. The training thread returns from ``save`` as soon as the copy is under way:
+where the state is on a GPU, the copies kept between saves), then writes it from DCP's
+checkpoint process (the copies in shared memory, handed over rather than pickled) where the
+state is on a GPU, else on DCP's upload thread (``writer`` chooses). The training thread returns
+from ``save`` as soon as the copy is under way:
 
 * **The copy is exact.** The state changes at the optimizer's step, so a hook on the optimizer
   (``register_step_pre_hook``) waits for the copy to end before its next step; the forward and
@@ -48,16 +50,23 @@ from pipetrain.runtime.checkpoint import (
     saved_state,
 )
 
+#: who writes a save: DCP's checkpoint process, a thread of this process, or ``auto``
+WRITERS = ("auto", "process", "thread")
+
 
 class AsyncCheckpointer:
     """Writes checkpoints of the same processes in the background, one at a time (every process
     of a checkpoint makes one and calls it alike). ``timeout``: how long its process group
     waits on a peer (None: the default group's)."""
 
-    def __init__(self, timeout: timedelta | None = None) -> None:
+    def __init__(self, timeout: timedelta | None = None, writer: str = "auto") -> None:
+        if writer not in WRITERS:
+            raise ValueError(f"writer must be one of {', '.join(WRITERS)}, got {writer!r}")
         self.timeout = timeout
+        self.writer = writer
         self._groups: dict[tuple[int, ...], Any] = {}
         self._stager: Any = None
+        self._stager_shared = False
         self._hooks: dict[int, Any] = {}
         self._staging: Future | None = None
         self._thread: threading.Thread | None = None
@@ -94,8 +103,13 @@ class AsyncCheckpointer:
         upload: Future | None = None
         failure: BaseException | None = None
         try:
+            process = self._in_process(state, own)
             response = dcp.async_save(
-                state, checkpoint_id=partial, async_stager=self._stager_for(state), **own
+                state,
+                checkpoint_id=partial,
+                async_stager=self._stager_for(state, process),
+                async_checkpointer_type=_checkpointer_type(process),
+                **own,
             )
             if isinstance(response, Future):  # staged before it returned
                 upload = response
@@ -157,7 +171,7 @@ class AsyncCheckpointer:
                 handle.remove()
             self._hooks.clear()
             if self._stager is not None:
-                self._stager.close()
+                _close_stager(self._stager)
                 self._stager = None
             for group in self._groups.values():
                 dist.destroy_process_group(group)
@@ -213,24 +227,40 @@ class AsyncCheckpointer:
             )
         return {"process_group": self._groups[ranks]}
 
-    def _stager_for(self, state: dict[str, object]) -> Any:
+    def _in_process(self, state: dict[str, object], own: dict) -> bool:
+        """Whether DCP writes this save from its checkpoint process rather than a thread of
+        this one: ``writer``, where ``auto`` means on a GPU in a process group (torchtitan's
+        ``async_with_pinned_mem``). A writer thread takes the interpreter's lock from the
+        training thread for its Python work (planning, serializing each item) and so slows
+        every step while it writes; the process needs a process group to start its own."""
+        if self.writer == "thread" or own.get("no_dist"):
+            return False
+        return self.writer == "process" or _on_cuda(state)
+
+    def _stager_for(self, state: dict[str, object], shared: bool) -> Any:
         """DCP's stager: copies on its own thread, into page-locked memory from a side stream
-        where the state is on a GPU (torchtitan's ``async_with_pinned_mem``); kept between
-        saves, as are its copies, where this torch's stager can stage again
-        (``_stager_reusable``; otherwise a new one per save)."""
+        where the state is on a GPU (torchtitan's ``async_with_pinned_mem``), into shared
+        memory where DCP's checkpoint process writes it (``shared``: the copies are handed to
+        it, not pickled); kept between saves, as are its copies, where this torch's stager can
+        stage again (``_stager_reusable``; otherwise a new one per save)."""
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-        if self._stager is not None and not _stager_reusable(self._stager):
-            self._stager.close()
+        if self._stager is not None and (
+            not _stager_reusable(self._stager) or self._stager_shared != shared
+        ):
+            _close_stager(self._stager)
             self._stager = None
         if self._stager is None:
             cuda = _on_cuda(state)
-            self._stager = DefaultStager(
-                StagingOptions(
-                    use_pinned_memory=cuda,
-                    use_shared_memory=False,
-                    use_async_staging=True,
-                    use_non_blocking_copy=cuda,
+            self._stager_shared = shared
+            self._stager = _keeping_copies(
+                DefaultStager(
+                    StagingOptions(
+                        use_pinned_memory=cuda,
+                        use_shared_memory=shared,
+                        use_async_staging=True,
+                        use_non_blocking_copy=cuda,
+                    )
                 )
             )
         return self._stager
@@ -244,6 +274,34 @@ def _stager_reusable(stager: object) -> bool:
     inner = getattr(stager, "_state_dict_stager", None)
     table = getattr(inner, "_deepcopy_dispatch", None)
     return table is None or bool(table)
+
+
+def _keeping_copies(stager: Any) -> Any:
+    """``stager``, its copies kept from one save to the next. torch 2.11's ``DefaultStager``
+    closes its inner copier after every staging (pytorch/pytorch#183413), which drops the
+    page-locked copies, so each save would allocate and pin the whole state again while training
+    goes on. The inner copier's ``close`` is a no-op until ``_close_stager`` (where this torch
+    does not call it, nothing changes)."""
+    inner = getattr(stager, "_state_dict_stager", None)
+    if inner is not None and callable(getattr(inner, "close", None)):
+        inner.close = lambda: None
+    return stager
+
+
+def _close_stager(stager: Any) -> None:
+    """Close a stager made by ``_keeping_copies``, its copies let go."""
+    inner = getattr(stager, "_state_dict_stager", None)
+    if inner is not None:
+        vars(inner).pop("close", None)
+    stager.close()
+    if inner is not None:
+        inner.close()
+
+
+def _checkpointer_type(process: bool) -> Any:
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    return AsyncCheckpointerType.PROCESS if process else AsyncCheckpointerType.THREAD
 
 
 def _on_cuda(state: dict[str, object]) -> bool:
@@ -262,4 +320,4 @@ def _clone_buffers(state: dict[str, object], modules: list) -> None:
             state[key] = value.detach().clone()
 
 
-__all__ = ["AsyncCheckpointer"]
+__all__ = ["WRITERS", "AsyncCheckpointer"]

@@ -68,3 +68,27 @@ def test_a_stager_that_closed_its_copier_is_not_reused():
         assert not stager_reusable(closed)
     finally:
         stager.close()
+
+
+def test_the_stager_keeps_its_copies_from_one_save_to_the_next():
+    """Where torch closes the stager's copier after each staging (2.11), the copies are still
+    reused by the next save; closing the stager lets them go."""
+    import torch
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    from pipetrain.runtime.checkpoint_async import _close_stager, _keeping_copies, _stager_reusable
+
+    stager = _keeping_copies(DefaultStager(StagingOptions(False, False, False, False)))
+    inner = stager._state_dict_stager
+    w = torch.ones(3)
+    try:
+        first = stager.stage({"w": w})["w"]
+        inner.close()  # what torch 2.11's stager does after every staging
+        assert _stager_reusable(stager)
+        w.add_(1)
+        second = stager.stage({"w": w})["w"]
+        assert torch.equal(second, w) and not torch.equal(first, torch.ones(3))
+        assert second.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+    finally:
+        _close_stager(stager)
+    assert len(inner._cached_storage_mapping) == 0 and not inner._deepcopy_dispatch
