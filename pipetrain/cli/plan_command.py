@@ -24,6 +24,7 @@ from pipetrain.cli.flags import (
     positive_float,
 )
 from pipetrain.planner.costs_file import ModelCosts, load_costs
+from pipetrain.planner.costs_file_moe import unpriced_note, with_ep_link
 from pipetrain.planner.judge import Candidate, stage_costs
 from pipetrain.planner.nd_explain import explain, shape_table, title
 from pipetrain.planner.nd_search import (
@@ -136,6 +137,16 @@ OPTIONS = (
         "as a captured step runs them; profile its costs with --timing device",
     ),
     Option(
+        ("--ep-link-gbs",),
+        type=positive_float,
+        metavar="GB/s",
+        help="GB/s each rank sends at over the expert-parallel link: prices each MoE layer's "
+        "dispatch and combine all-to-all from the costs file's dispatched_bytes, forward and "
+        "backward, as a resource an overlapped F&B pair hides (DualPipeV); overrides the costs "
+        "file's ep_link_gbs",
+        shown_default="the costs file's, else not priced",
+    ),
+    Option(
         ("--host-action-ms",),
         type=milliseconds,
         metavar="MS",
@@ -178,7 +189,9 @@ def run(args: argparse.Namespace) -> int:
             "give exactly one of --ranks P (the pipeline alone on P ranks) and --gpus N "
             "(pipeline x tensor x data parallel on N GPUs)"
         )
-    costs = load_costs(args.costs)
+    costs = with_ep_link(load_costs(args.costs), args.ep_link_gbs)
+    if unpriced_note(costs):
+        print(f"note: {unpriced_note(costs)}", file=sys.stderr)
     if args.host_action_ms is not None:
         costs = dataclasses.replace(costs, host_action_ms=args.host_action_ms)
     note = timing_note(costs.meta.get("timing", "wall"), args.cuda_graph, costs)
@@ -211,6 +224,8 @@ def run(args: argparse.Namespace) -> int:
     _draw(args, costs, best)
     print()
     print(format_plan(found))
+    if costs.ep_link_gbs:
+        print(all_to_all_line(costs, best))
     if args.explain:
         others = [c for c in found.best_per_family() if c.plan.fits and c is not best]
         pair = [_alone(c) for c in (best, *others[:1])]
@@ -263,11 +278,28 @@ def run_nd(args: argparse.Namespace, costs: ModelCosts) -> int:
     _draw(args, at, best.candidate)
     print()
     print(format_nd(found, costs))
+    if costs.ep_link_gbs:
+        print(all_to_all_line(at, best.candidate))
     if args.explain:
         print("\n".join(["", *explain(best, found.runner_up, costs)]))
     if args.svg:
         print(f"wrote {args.svg}")
     return 0
+
+
+def all_to_all_line(costs: ModelCosts, c: Candidate) -> str:
+    """The pick's expert all-to-all per step and the share its schedule hides
+    (``sim.all_to_all``), where the costs price one."""
+    from pipetrain.sim.all_to_all import all_to_all_share
+
+    plan = c.plan
+    program = build_schedule(plan.schedule, plan.ranks, plan.microbatches, plan.stages_per_rank)
+    share = all_to_all_share(program, stage_costs(costs, program, plan.stage_layers))
+    per_rank = " ".join(f"{t:.2f}" for t in share.total)
+    return (
+        f"all-to-all at {costs.ep_link_gbs:g} GB/s: ms per rank {per_rank}, "
+        f"{share.hidden_share:.1%} hidden under compute by overlapped F&B pairs"
+    )
 
 
 def format_nd(found: NdSearch, costs: ModelCosts) -> str:

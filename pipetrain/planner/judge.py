@@ -216,6 +216,7 @@ def stage_costs(
         else 0.0,
         offload=[offload[s % len(blocks)] for s in range(program.num_stages)] if offload else 0.0,
         layers=[b - a for a, b in per_stage],
+        all_to_all=[costs.all_to_all_ms(stage) for stage in layers_of],
         host=_worker_times("host", total, costs) if costs.has_issue_times else None,
         device=_worker_times("device", total, costs) if costs.has_issue_times else None,
     )
