@@ -39,6 +39,7 @@ from pipetrain.planner.nd_search import (
 from pipetrain.planner.recompute_modes import describe, stage_recompute
 from pipetrain.planner.search import DEFAULT_HEADROOM, Search, search
 from pipetrain.schedule.registry import build_schedule
+from pipetrain.sim.all_to_all import all_to_all_share
 from pipetrain.sim.costs import per_rank
 
 
@@ -189,7 +190,8 @@ def run(args: argparse.Namespace) -> int:
             "give exactly one of --ranks P (the pipeline alone on P ranks) and --gpus N "
             "(pipeline x tensor x data parallel on N GPUs)"
         )
-    costs = with_ep_link(load_costs(args.costs), args.ep_link_gbs)
+    costs = load_costs(args.costs)
+    costs = with_ep_link(costs, args.ep_link_gbs)
     if unpriced_note(costs):
         print(f"note: {unpriced_note(costs)}", file=sys.stderr)
     if args.host_action_ms is not None:
@@ -224,8 +226,7 @@ def run(args: argparse.Namespace) -> int:
     _draw(args, costs, best)
     print()
     print(format_plan(found))
-    if costs.ep_link_gbs:
-        print(all_to_all_line(costs, best))
+    print_all_to_all(costs, best)
     if args.explain:
         others = [c for c in found.best_per_family() if c.plan.fits and c is not best]
         pair = [_alone(c) for c in (best, *others[:1])]
@@ -278,8 +279,7 @@ def run_nd(args: argparse.Namespace, costs: ModelCosts) -> int:
     _draw(args, at, best.candidate)
     print()
     print(format_nd(found, costs))
-    if costs.ep_link_gbs:
-        print(all_to_all_line(at, best.candidate))
+    print_all_to_all(at, best.candidate)
     if args.explain:
         print("\n".join(["", *explain(best, found.runner_up, costs)]))
     if args.svg:
@@ -287,19 +287,16 @@ def run_nd(args: argparse.Namespace, costs: ModelCosts) -> int:
     return 0
 
 
-def all_to_all_line(costs: ModelCosts, c: Candidate) -> str:
-    """The pick's expert all-to-all per step and the share its schedule hides
-    (``sim.all_to_all``), where the costs price one."""
-    from pipetrain.sim.all_to_all import all_to_all_share
-
+def print_all_to_all(costs: ModelCosts, c: Candidate) -> None:
+    """The pick's expert all-to-all per rank and the share its pairs hide, where it is priced."""
+    if not costs.ep_link_gbs:
+        return
     plan = c.plan
     program = build_schedule(plan.schedule, plan.ranks, plan.microbatches, plan.stages_per_rank)
     share = all_to_all_share(program, stage_costs(costs, program, plan.stage_layers))
     per_rank = " ".join(f"{t:.2f}" for t in share.total)
-    return (
-        f"all-to-all at {costs.ep_link_gbs:g} GB/s: ms per rank {per_rank}, "
-        f"{share.hidden_share:.1%} hidden under compute by overlapped F&B pairs"
-    )
+    at = f"all-to-all at {costs.ep_link_gbs:g} GB/s: ms per rank {per_rank}, "
+    print(at + f"{share.hidden_share:.1%} hidden under compute by overlapped F&B pairs")
 
 
 def format_nd(found: NdSearch, costs: ModelCosts) -> str:

@@ -69,7 +69,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipetrain.planner.costs_file_moe import all_to_all_ms
 from pipetrain.planner.costs_file_tp import TpCost, parse_tp
 
 #: the version this module writes; it reads every version in ``VERSIONS``
@@ -291,12 +290,6 @@ class ModelCosts:
             return layer.gradients
         return layer.params / (2 + _STATES.get(str(self.meta.get("optimizer", "adamw")), 2))
 
-    def all_to_all_ms(self, layers: Sequence[LayerCost]) -> float:
-        """The expert all-to-all of ``layers`` per micro-batch in the forward (ms; the backward
-        moves the same again): 0 without ``ep_link_gbs`` (``planner.costs_file_moe``)."""
-        link = self.ep_link_gbs
-        return sum(all_to_all_ms(x.dispatched_bytes or 0.0, link) for x in layers) if link else 0.0
-
     def layer_comm(self, index: int) -> float:
         own = self.layers[index].comm
         return self.comm if own is None else own
@@ -366,7 +359,7 @@ def parse_costs(data: object, source: str = "costs") -> ModelCosts:
             where, f"a version {since} field in a version {version} file; write version {since}"
         )
     comm = _number(data.get("comm", 0.0), "comm", fail)
-    optional = {k: _number(data[k], k, fail) for k in _TOP_OPTIONAL if k in data}
+    optional: dict[str, Any] = {k: _number(data[k], k, fail) for k in _TOP_OPTIONAL if k in data}
     if optional.get("ep_link_gbs") == 0:
         raise fail("ep_link_gbs", "expected GB/s > 0, got 0")
     meta = data.get("meta", {})

@@ -24,7 +24,9 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pipetrain.planner.costs_file import ModelCosts
+    from collections.abc import Sequence
+
+    from pipetrain.planner.costs_file import LayerCost, ModelCosts
 
 #: dispatch and combine: each moves the layer's dispatched bytes
 TRANSFERS_PER_PASS = 2
@@ -34,6 +36,13 @@ def all_to_all_ms(dispatched_bytes: float, link_gbs: float) -> float:
     """A layer's all-to-all time per micro-batch in one pass (ms): its dispatch and its combine,
     each ``dispatched_bytes`` at ``link_gbs`` GB/s (10⁹ bytes per second)."""
     return TRANSFERS_PER_PASS * dispatched_bytes / (link_gbs * 1e6)
+
+
+def stage_all_to_all_ms(costs: ModelCosts, layers: Sequence[LayerCost]) -> float:
+    """The expert all-to-all of a stage of ``layers`` per micro-batch in the forward (ms; the
+    backward moves the same again): 0 without ``costs.ep_link_gbs``."""
+    link = costs.ep_link_gbs
+    return sum(all_to_all_ms(x.dispatched_bytes or 0.0, link) for x in layers) if link else 0.0
 
 
 def has_experts(costs: ModelCosts) -> bool:
