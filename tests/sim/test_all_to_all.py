@@ -150,3 +150,23 @@ def test_scaling_splits_the_all_to_all_with_the_stage_and_bad_values_are_refused
         Costs(all_to_all=-1.0).per_stage(1)
     with pytest.raises(ValueError, match="cost all_to_all_backward has 3 values"):
         Costs(all_to_all_backward=[1.0, 1.0, 1.0]).per_stage(2)
+
+
+stage_times = st.lists(st.floats(min_value=0.0, max_value=10.0), min_size=4, max_size=4)
+
+
+@settings(max_examples=25, deadline=None)
+@given(stage_times, stage_times, stage_times, stage_times)
+def test_every_simulated_pair_lies_between_its_longer_half_and_its_halves_in_turn(
+    f: list[float], i: list[float], w: list[float], a2a: list[float]
+) -> None:
+    program = validate(lower(build_schedule("dualpipev", 2, 4)))
+    costs = Costs(forward=f, backward_input=i, backward_weight=w, all_to_all=a2a)
+    sc = costs.per_stage(4)
+    pairs = [s for s in simulate(program, costs).spans if s.action.parts]
+    assert pairs
+    for span in pairs:
+        halves = [duration(p, sc) for p in span.action.parts]  # each half alone, with its own
+        assert max(halves) - 1e-9 <= span.duration <= sum(halves) + 1e-9
+    share = all_to_all_share(program, costs)
+    assert all(0 <= h <= t + 1e-9 for h, t in zip(share.hidden, share.total))
