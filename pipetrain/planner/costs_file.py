@@ -48,10 +48,10 @@ parallel reduces each step; default ``params`` over 2 plus the meta's optimizer'
 parameter, ``gradient_gib``) and ``tp``, the layer at each tensor-parallel degree above 1
 (``planner.costs_file_tp``: compute and collectives per rank, memory per rank, measured or
 derived); per file ``tp_link_gbs`` (GB/s each rank of a tensor-parallel group sends at, what the
-derived collectives were priced at). Version 3 also holds, optional (added to it rather than
-bumping the version, as issue 46 and 50 agreed: whichever bumps first, the others extend it), the
-mixture-of-experts fields of ``planner.costs_file_moe``: per layer ``dispatched_bytes`` (bytes
-each MoE layer's dispatch moves per micro-batch; 0 or absent: a dense layer) and per file
+derived collectives were priced at). Version 3 also holds, optional, the mixture-of-experts
+fields (``planner.costs_file_moe``; added to version 3 rather than bumping it: a version 3
+reader without them refuses them as unknown fields by name, never misreads them): per layer ``dispatched_bytes`` (bytes each MoE
+layer's dispatch moves per micro-batch; 0 or absent: a dense layer) and per file
 ``ep_link_gbs`` (the expert-parallel link the all-to-all is priced at). Older files still load
 (newer fields absent: their defaults); a file that gives a field of a later version is refused,
 naming that version. Files are written as version 3.
