@@ -111,6 +111,19 @@ def test_a_large_all_to_all_is_partly_hidden_and_favours_dualpipev() -> None:
     assert steps["dualpipev"] / base["dualpipev"] < steps["zbv"] / base["zbv"]
 
 
+def test_a_measured_pair_hides_what_it_does_not_last_beyond_its_compute() -> None:
+    program = validate(lower(build_schedule("dualpipev", 1, 2)))
+    pairs = sum(1 for a in program.actions[0] if a.parts)
+    lone = sum(1 for a in program.actions[0] if a.kind in (OpKind.F, OpKind.B, OpKind.I))
+    assert pairs and lone
+    costs = Costs(forward=4.0, backward=8.0, all_to_all=3.0, forward_backward=13.0)
+    share = all_to_all_share(program, costs)
+    assert share.total == ((2 * pairs + lone) * 3.0,)
+    assert share.hidden == (pairs * 5.0,)  # 13 - (4 + 8) = 1 of the pair's 6 exposed
+    slower = all_to_all_share(program, dataclasses.replace(costs, forward_backward=30.0))
+    assert slower.hidden == (0.0,)  # beyond compute by more than it carries: none hidden
+
+
 def test_micro_batch_weights_scale_compute_not_the_all_to_all() -> None:
     program = validate(lower(build_schedule("1f1b", 1, 2)))
     costs = Costs(forward=2.0, backward=4.0, all_to_all=1.0, microbatch_weights=[3.0, 1.0])
