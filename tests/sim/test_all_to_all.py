@@ -138,13 +138,12 @@ def test_a_weighted_pair_is_the_pair_of_its_weighted_halves() -> None:
     program = validate(lower(build_schedule("dualpipev", 1, 2)))
     weights = [2.0, 0.5]
     costs = Costs(forward=2.0, backward=4.0, all_to_all=3.0, microbatch_weights=weights)
-    for span in simulate(program, costs).spans:
-        if span.action.parts:
-            f, b = span.action.parts
-            expect = overlapped_pair(
-                2.0 * weights[f.microbatch], 3.0, 4.0 * weights[b.microbatch], 3.0
-            )
-            assert span.duration == pytest.approx(expect)
+    pairs = [span for span in simulate(program, costs).spans if span.action.parts]
+    assert pairs
+    for span in pairs:
+        f, b = span.action.parts
+        expect = overlapped_pair(2.0 * weights[f.microbatch], 3.0, 4.0 * weights[b.microbatch], 3.0)
+        assert span.duration == pytest.approx(expect)
 
 
 def test_the_device_carries_the_all_to_all_and_the_host_does_not() -> None:
