@@ -124,15 +124,10 @@ def weight(action: Action, costs: StageCosts) -> float:
         forward, backward = action.parts
         moved = all_to_all_of(forward, costs) + all_to_all_of(backward, costs)
         if moved and costs.forward_backward[action.stage] is None:
-            halves = [(compute_of(p, costs), all_to_all_of(p, costs)) for p in action.parts]
-            whole = overlapped_pair(*halves[0], *halves[1])
-            (f, fa), (b, ba) = halves
-            return (
-                overlapped_pair(
-                    f * compute_weight(forward, costs), fa, b * compute_weight(backward, costs), ba
-                )
-                / whole
-            )
+            f, fa = compute_of(forward, costs), all_to_all_of(forward, costs)
+            b, ba = compute_of(backward, costs), all_to_all_of(backward, costs)
+            wf, wb = compute_weight(forward, costs), compute_weight(backward, costs)
+            return overlapped_pair(f * wf, fa, b * wb, ba) / overlapped_pair(f, fa, b, ba)
         return _blend([(duration(p, costs), weight(p, costs)) for p in action.parts])
     moved = all_to_all_of(action, costs)
     if not moved:
