@@ -24,6 +24,7 @@ from pipetrain.cli.flags import (
     positive_float,
 )
 from pipetrain.planner.costs_file import ModelCosts, load_costs
+from pipetrain.planner.costs_file_moe import unpriced_note, with_ep_link
 from pipetrain.planner.judge import Candidate, stage_costs
 from pipetrain.planner.nd_explain import explain, shape_table, title
 from pipetrain.planner.nd_search import (
@@ -38,6 +39,7 @@ from pipetrain.planner.nd_search import (
 from pipetrain.planner.recompute_modes import describe, stage_recompute
 from pipetrain.planner.search import DEFAULT_HEADROOM, Search, search
 from pipetrain.schedule.registry import build_schedule
+from pipetrain.sim.all_to_all import all_to_all_share
 from pipetrain.sim.costs import per_rank
 
 
@@ -136,6 +138,16 @@ OPTIONS = (
         "as a captured step runs them; profile its costs with --timing device",
     ),
     Option(
+        ("--ep-link-gbs",),
+        type=positive_float,
+        metavar="GB/s",
+        help="GB/s each rank sends at over the expert-parallel link: prices each MoE layer's "
+        "dispatch and combine all-to-all from the costs file's dispatched_bytes, forward and "
+        "backward, as a resource an overlapped F&B pair hides (DualPipeV); overrides the costs "
+        "file's ep_link_gbs",
+        shown_default="the costs file's, else not priced",
+    ),
+    Option(
         ("--host-action-ms",),
         type=milliseconds,
         metavar="MS",
@@ -179,6 +191,9 @@ def run(args: argparse.Namespace) -> int:
             "(pipeline x tensor x data parallel on N GPUs)"
         )
     costs = load_costs(args.costs)
+    costs = with_ep_link(costs, args.ep_link_gbs)
+    if unpriced_note(costs):
+        print(f"note: {unpriced_note(costs)}", file=sys.stderr)
     if args.host_action_ms is not None:
         costs = dataclasses.replace(costs, host_action_ms=args.host_action_ms)
     note = timing_note(costs.meta.get("timing", "wall"), args.cuda_graph, costs)
@@ -211,6 +226,7 @@ def run(args: argparse.Namespace) -> int:
     _draw(args, costs, best)
     print()
     print(format_plan(found))
+    print_all_to_all(costs, best)
     if args.explain:
         others = [c for c in found.best_per_family() if c.plan.fits and c is not best]
         pair = [_alone(c) for c in (best, *others[:1])]
@@ -263,11 +279,24 @@ def run_nd(args: argparse.Namespace, costs: ModelCosts) -> int:
     _draw(args, at, best.candidate)
     print()
     print(format_nd(found, costs))
+    print_all_to_all(at, best.candidate)
     if args.explain:
         print("\n".join(["", *explain(best, found.runner_up, costs)]))
     if args.svg:
         print(f"wrote {args.svg}")
     return 0
+
+
+def print_all_to_all(costs: ModelCosts, c: Candidate) -> None:
+    """The pick's expert all-to-all per rank and the share its pairs hide, where it is priced."""
+    if not costs.ep_link_gbs:
+        return
+    plan = c.plan
+    program = build_schedule(plan.schedule, plan.ranks, plan.microbatches, plan.stages_per_rank)
+    share = all_to_all_share(program, stage_costs(costs, program, plan.stage_layers))
+    per_rank = " ".join(f"{t:.2f}" for t in share.total)
+    at = f"all-to-all at {costs.ep_link_gbs:g} GB/s: ms per rank {per_rank}, "
+    print(at + f"{share.hidden_share:.1%} hidden under compute by overlapped F&B pairs")
 
 
 def format_nd(found: NdSearch, costs: ModelCosts) -> str:

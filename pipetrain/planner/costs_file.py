@@ -48,9 +48,13 @@ parallel reduces each step; default ``params`` over 2 plus the meta's optimizer'
 parameter, ``gradient_gib``) and ``tp``, the layer at each tensor-parallel degree above 1
 (``planner.costs_file_tp``: compute and collectives per rank, memory per rank, measured or
 derived); per file ``tp_link_gbs`` (GB/s each rank of a tensor-parallel group sends at, what the
-derived collectives were priced at). Older files still load (newer fields absent: their
-defaults); a file that gives a field of a later version is refused, naming that version. Files
-are written as version 3.
+derived collectives were priced at). Version 3 also holds, optional, the mixture-of-experts
+fields (``planner.costs_file_moe``; added to version 3 rather than bumping it: a version 3
+reader without them refuses them as unknown fields by name, never misreads them): per layer ``dispatched_bytes`` (bytes each MoE
+layer's dispatch moves per micro-batch; 0 or absent: a dense layer) and per file
+``ep_link_gbs`` (the expert-parallel link the all-to-all is priced at). Older files still load
+(newer fields absent: their defaults); a file that gives a field of a later version is refused,
+naming that version. Files are written as version 3.
 
 Anything else is refused with the field's path, so a typo never silently becomes a default.
 """
@@ -93,12 +97,14 @@ _LAYER_V2 = (
     "per_token_sq",
 )
 _TOP_V2 = ("host_bandwidth_gbs", "host_action_ms")
-_LAYER_V3 = ("gradients", "tp")
-_TOP_V3 = ("tp_link_gbs",)
+_LAYER_V3 = ("gradients", "tp", "dispatched_bytes")
+_TOP_V3 = ("tp_link_gbs", "ep_link_gbs")
 #: the version that introduced each field a version 1 file may not give
 _SINCE = {k: 2 for k in (*_LAYER_V2, *_TOP_V2)} | {k: 3 for k in (*_LAYER_V3, *_TOP_V3)}
 _LAYER_KEYS = ("name", *_LAYER_NUMBERS, "params", *_LAYER_OPTIONAL, *_LAYER_V2, *_LAYER_V3)
 _TOP_KEYS = ("version", "layers", "comm", "meta", *_TOP_V2, *_TOP_V3)
+#: the top-level numbers a file may leave out (``ModelCosts`` fields of the same names)
+_TOP_OPTIONAL = (*_TOP_V2, *_TOP_V3)
 #: optimizer states per parameter, to estimate a layer's gradients from its static memory
 _STATES = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0, "none": 0}
 
@@ -158,6 +164,8 @@ class LayerCost:
     gradients: float | None = None
     #: the layer at each tensor-parallel degree above 1, by degree (``planner.costs_file_tp``)
     tp: tuple[TpCost, ...] = ()
+    #: bytes this layer's expert dispatch moves per micro-batch (``None``: a dense layer)
+    dispatched_bytes: float | None = None
 
     @property
     def split_backward(self) -> bool:
@@ -193,6 +201,8 @@ class ModelCosts:
     host_action_ms: float | None = None
     #: GB/s a tensor-parallel group's derived collectives were priced at (``None``: none derived)
     tp_link_gbs: float | None = None
+    #: GB/s the expert all-to-all moves at (``None``: not priced; ``planner.costs_file_moe``)
+    ep_link_gbs: float | None = None
     #: the step runs as a CUDA graph, where a recomputing stage splits its backward as any other
     #: (``planner.recompute``); how the step runs, not part of the file
     captured: bool = False
@@ -307,14 +317,13 @@ class ModelCosts:
                 entry["gradients"] = layer.gradients
             if layer.tp:
                 entry["tp"] = [e.to_json() for e in layer.tp]
+            if layer.dispatched_bytes is not None:
+                entry["dispatched_bytes"] = layer.dispatched_bytes
             layers.append(entry)
         out: dict[str, Any] = {"version": VERSION, "layers": layers, "comm": self.comm}
-        if self.host_bandwidth_gbs is not None:
-            out["host_bandwidth_gbs"] = self.host_bandwidth_gbs
-        if self.host_action_ms is not None:
-            out["host_action_ms"] = self.host_action_ms
-        if self.tp_link_gbs is not None:
-            out["tp_link_gbs"] = self.tp_link_gbs
+        for key in _TOP_OPTIONAL:
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
         if self.meta:
             out["meta"] = dict(self.meta)
         return out
@@ -350,15 +359,9 @@ def parse_costs(data: object, source: str = "costs") -> ModelCosts:
             where, f"a version {since} field in a version {version} file; write version {since}"
         )
     comm = _number(data.get("comm", 0.0), "comm", fail)
-    bandwidth = data.get("host_bandwidth_gbs")
-    if bandwidth is not None:
-        bandwidth = _number(bandwidth, "host_bandwidth_gbs", fail)
-    per_action = data.get("host_action_ms")
-    if per_action is not None:
-        per_action = _number(per_action, "host_action_ms", fail)
-    link = data.get("tp_link_gbs")
-    if link is not None:
-        link = _number(link, "tp_link_gbs", fail)
+    optional: dict[str, Any] = {k: _number(data[k], k, fail) for k in _TOP_OPTIONAL if k in data}
+    if optional.get("ep_link_gbs") == 0:
+        raise fail("ep_link_gbs", "expected GB/s > 0, got 0")
     meta = data.get("meta", {})
     if not isinstance(meta, dict):
         raise fail("meta", f"expected a JSON object, got {type(meta).__name__}")
@@ -369,9 +372,7 @@ def parse_costs(data: object, source: str = "costs") -> ModelCosts:
         layers=tuple(_layer(raw, f"layers[{i}]", fail) for i, raw in enumerate(raw_layers)),
         comm=comm,
         meta=meta,
-        host_bandwidth_gbs=bandwidth,
-        host_action_ms=per_action,
-        tp_link_gbs=link,
+        **optional,
     )
 
 
@@ -428,6 +429,7 @@ def _layer(raw: object, where: str, fail: Fail) -> LayerCost:
         per_token_sq=maybe("per_token_sq"),
         gradients=maybe("gradients"),
         tp=parse_tp(raw["tp"], f"{where}.tp", fail) if "tp" in raw else (),
+        dispatched_bytes=maybe("dispatched_bytes"),
     )
     if (layer.per_token is None) != (layer.per_token_sq is None):
         missing = "per_token" if layer.per_token is None else "per_token_sq"

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pipetrain.planner.costs_file import LayerCost, ModelCosts
+from pipetrain.planner.costs_file_moe import stage_all_to_all_ms
 from pipetrain.planner.layout import Layout
 from pipetrain.planner.partition import bounds
 from pipetrain.planner.recompute import beside_later_layers, layers_under, raised
@@ -216,6 +217,7 @@ def stage_costs(
         else 0.0,
         offload=[offload[s % len(blocks)] for s in range(program.num_stages)] if offload else 0.0,
         layers=[b - a for a, b in per_stage],
+        all_to_all=[stage_all_to_all_ms(costs, stage) for stage in layers_of],
         host=_worker_times("host", total, costs) if costs.has_issue_times else None,
         device=_worker_times("device", total, costs) if costs.has_issue_times else None,
     )

@@ -12,10 +12,20 @@ An eager GPU step is also paced by its host: ``host`` (each action's time to iss
 and ``device`` (its time with its kernels queued ahead of the device), given together, make the
 simulator run each rank as a host and a device (``schedule.execute``), the times above being an
 action's from an idle start, host and device together. Without them the host costs nothing.
+
+A mixture-of-experts stage also waits for its experts' all-to-all (dispatch, then combine):
+``all_to_all`` per micro-batch in the forward, ``all_to_all_backward`` in the backward's
+input-gradient half (default: the same bytes again; ``W`` sends nothing). It is a resource of its
+own, the expert-parallel link beside the compute: a lone ``F`` lasts its compute plus its
+all-to-all, a lone ``B`` or ``I`` likewise, and an overlapped F&B pair hides each half's
+all-to-all under the other half's compute (``overlapped_pair``), which is what DualPipe pairs
+for. It is device time: with ``host`` and ``device``, the device's times carry it (from the costs
+above) and the host's do not.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -56,6 +66,45 @@ class StageCosts:
     microbatch_weights: tuple[float, ...] = ()
     microbatch_weights_i: tuple[float, ...] = ()
     microbatch_weights_w: tuple[float, ...] = ()
+    #: the expert all-to-all per micro-batch, forward and backward (``Costs.all_to_all``); ():
+    #: none
+    all_to_all: tuple[float, ...] = ()
+    all_to_all_backward: tuple[float, ...] = ()
+
+    def forward_all_to_all(self, stage: int) -> float:
+        return self.all_to_all[stage] if self.all_to_all else 0.0
+
+    def backward_all_to_all(self, stage: int) -> float:
+        return self.all_to_all_backward[stage] if self.all_to_all_backward else 0.0
+
+
+def overlapped_pair(
+    forward: float, forward_all_to_all: float, backward: float, backward_all_to_all: float
+) -> float:
+    """How long an overlapped F&B pair lasts when each half (compute, then its all-to-all, in
+    many small pieces: every MoE layer's attention, dispatch, experts, combine) runs its
+    all-to-all on the link while the other half computes::
+
+        max(forward + backward,                        # the compute stream's work
+            forward_all_to_all + backward_all_to_all,  # the link's work
+            forward + forward_all_to_all,              # the forward half's own chain
+            backward + backward_all_to_all)            # the backward half's own chain
+
+    Each half is a chain that alternates compute and communication; two resources serve the two
+    chains. With the pieces small (DeepSeek-V3 §3.2.1, arXiv 2412.19437, splits each chunk into
+    attention, dispatch, MLP and combine, and the backward further into input and weight
+    halves, to interleave them), that is the preemptive open shop of two jobs on two machines,
+    whose least makespan is the largest machine load or job length (Gonzalez and Sahni, 1976):
+    the best a perfect interleaving reaches, and what DeepSeek reports ("fully hidden") when
+    the compute covers the communication. Never less than the larger half, never more than both
+    halves run one after the other; with no all-to-all it is the forward plus the backward, as
+    before. A measured ``forward_backward`` replaces it (it includes everything)."""
+    return max(
+        forward + backward,
+        forward_all_to_all + backward_all_to_all,
+        forward + forward_all_to_all,
+        backward + backward_all_to_all,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,10 +161,25 @@ class Costs:
     #: ``microbatch_weights``): attention has no weights, so packed documents of one fixed shape
     #: give W the same work whatever their lengths (all 1)
     microbatch_weights_w: Sequence[float] | None = None
+    #: a stage's expert-parallel all-to-all per micro-batch in the forward (its MoE layers'
+    #: dispatch plus combine, e.g. their bytes over the link), same unit as ``forward``; a lone
+    #: F waits for it, an overlapped pair hides it under the other half's compute (the module
+    #: docstring, ``overlapped_pair``); not weighted by ``microbatch_weights`` (the same tokens)
+    all_to_all: Cost = 0.0
+    #: the same in the backward (``B`` or ``I``; ``None``: ``all_to_all``, the same bytes again)
+    all_to_all_backward: Cost | None = None
 
     def __post_init__(self) -> None:
         if (self.host is None) != (self.device is None):
             raise ValueError("costs host and device: give both (an eager host model) or neither")
+        for worker in (self.host, self.device):
+            if worker is not None and (
+                worker.all_to_all != 0.0 or worker.all_to_all_backward is not None
+            ):
+                raise ValueError(
+                    "costs host and device: give all_to_all on the costs themselves (the "
+                    "device's times carry it, the host's do not)"
+                )
         for name in ("microbatch_weights", "microbatch_weights_i", "microbatch_weights_w"):
             given = getattr(self, name)
             if given is None:
@@ -154,6 +218,8 @@ class Costs:
             "static",
             "optimizer_workspace",
             "host_copy",
+            "all_to_all",
+            "all_to_all_backward",
         ):
             value = getattr(self, name)
             if value is not None and not isinstance(value, int | float):
@@ -192,6 +258,15 @@ class Costs:
             else _resolve("forward_backward", self.forward_backward, num_stages)
         )
         activation = _resolve("activation", self.activation, num_stages)
+        a2a = _resolve("all_to_all", self.all_to_all, num_stages)
+        a2a_back = (
+            a2a
+            if self.all_to_all_backward is None
+            else _resolve("all_to_all_backward", self.all_to_all_backward, num_stages)
+        )
+        device = None if self.device is None else self.device.per_stage(num_stages)
+        if device is not None:
+            device = dataclasses.replace(device, all_to_all=a2a, all_to_all_backward=a2a_back)
         return StageCosts(
             forward=f,
             backward_input=i,
@@ -215,10 +290,12 @@ class Costs:
             offload=_resolve_fraction(self.offload, num_stages),
             layers=_resolve_layers(self.layers, num_stages),
             host=None if self.host is None else self.host.per_stage(num_stages),
-            device=None if self.device is None else self.device.per_stage(num_stages),
+            device=device,
             microbatch_weights=_weights(self.microbatch_weights, None),
             microbatch_weights_i=_weights(self.microbatch_weights_i, self.microbatch_weights),
             microbatch_weights_w=_weights(self.microbatch_weights_w, self.microbatch_weights),
+            all_to_all=a2a,
+            all_to_all_backward=a2a_back,
         )
 
 

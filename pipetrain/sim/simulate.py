@@ -23,7 +23,10 @@ The model (the one the ZB paper, Qi et al. 2024 §2 and Table 2, uses to state i
   its stage's cost times that kind's weight of ``m``, a B its I and W shares so weighted, an
   overlapped pair its parts so weighted (a measured pair's time scaled alike): a step of
   unequal micro-batches (packed documents of unequal attention work, ``planner.varlen``) is
-  priced as such; memory and copies are not weighted (``sim.costs``).
+  priced as such; memory and copies are not weighted (``sim.costs``);
+* with ``all_to_all`` (a mixture-of-experts stage's expert all-to-all), a lone F, B or I also
+  waits for its stage's, and an overlapped pair hides each half's under the other half's compute
+  (``sim.costs.overlapped_pair``); how much each rank hides is ``sim.all_to_all``'s.
 
 Activations are accounted by the ``Timeline`` (held from the start of F to the end of the last
 backward piece, times the stage's activation size). The event loop is ``schedule.execute``, the
@@ -40,12 +43,38 @@ from pipetrain.schedule.gc_pause import without_gc
 from pipetrain.schedule.offload import ReloadTiming
 from pipetrain.schedule.program import Program
 from pipetrain.schedule.timeline import Timeline
-from pipetrain.sim.costs import Costs, StageCosts
+from pipetrain.sim.costs import Costs, StageCosts, overlapped_pair
 from pipetrain.sim.offload_model import offload_stages, stage_offload
 
 
 def duration(action: Action, costs: StageCosts) -> float:
-    """How long a compute action takes under ``costs``."""
+    """How long a compute action takes under ``costs``: its compute plus the all-to-all it waits
+    for (``all_to_all_of``); an overlapped pair's measured time, else ``overlapped_pair`` of its
+    halves."""
+    match action.kind:
+        case OpKind.F | OpKind.B | OpKind.I | OpKind.W:
+            return compute_of(action, costs) + all_to_all_of(action, costs)
+        case OpKind.OFFLOAD:
+            return stage_offload(costs, action.stage).plan.offload
+        case OpKind.RELOAD:
+            return stage_offload(costs, action.stage).plan.reload
+        case OpKind.OVERLAP_F_B:
+            pair = costs.forward_backward[action.stage]
+            if pair is not None:
+                return pair
+            forward, backward = action.parts
+            return overlapped_pair(
+                compute_of(forward, costs),
+                all_to_all_of(forward, costs),
+                compute_of(backward, costs),
+                all_to_all_of(backward, costs),
+            )
+        case _:
+            raise TypeError(f"communication has no duration of its own: {action}")
+
+
+def compute_of(action: Action, costs: StageCosts) -> float:
+    """A plain F, B, I or W's compute time, without the all-to-all it waits for."""
     match action.kind:
         case OpKind.F:
             return costs.forward[action.stage]
@@ -55,17 +84,21 @@ def duration(action: Action, costs: StageCosts) -> float:
             return costs.backward_input[action.stage]
         case OpKind.W:
             return costs.backward_weight[action.stage]
-        case OpKind.OFFLOAD:
-            return stage_offload(costs, action.stage).plan.offload
-        case OpKind.RELOAD:
-            return stage_offload(costs, action.stage).plan.reload
-        case OpKind.OVERLAP_F_B:
-            pair = costs.forward_backward[action.stage]
-            if pair is not None:
-                return pair
-            return sum(duration(p, costs) for p in action.parts)
         case _:
-            raise TypeError(f"communication has no duration of its own: {action}")
+            raise TypeError(f"not a plain compute action: {action}")
+
+
+def all_to_all_of(action: Action, costs: StageCosts) -> float:
+    """The expert all-to-all a plain action waits for: its stage's forward one for F, the
+    backward one for B and I (the input gradient goes back through combine and dispatch), none
+    for W (weight gradients are local)."""
+    match action.kind:
+        case OpKind.F:
+            return costs.forward_all_to_all(action.stage)
+        case OpKind.B | OpKind.I:
+            return costs.backward_all_to_all(action.stage)
+        case _:
+            return 0.0
 
 
 def reload_timing(costs: StageCosts, num_stages: int) -> ReloadTiming:
@@ -84,9 +117,27 @@ def reload_timing(costs: StageCosts, num_stages: int) -> ReloadTiming:
 def weight(action: Action, costs: StageCosts) -> float:
     """The factor on a compute action's time from its micro-batch's weights: a B's is its I's and
     W's weights averaged by their costs, an overlapped pair's its parts' averaged by theirs (the
-    plain mean where the shares cost nothing)."""
+    plain mean where the shares cost nothing). The all-to-all is not weighted (the same tokens
+    move): an action's factor applies to its compute alone, a pair's to ``overlapped_pair`` of
+    its halves' weighted computes."""
     if action.parts:
+        forward, backward = action.parts
+        moved = all_to_all_of(forward, costs) + all_to_all_of(backward, costs)
+        if moved and costs.forward_backward[action.stage] is None:
+            f, fa = compute_of(forward, costs), all_to_all_of(forward, costs)
+            b, ba = compute_of(backward, costs), all_to_all_of(backward, costs)
+            wf, wb = compute_weight(forward, costs), compute_weight(backward, costs)
+            return overlapped_pair(f * wf, fa, b * wb, ba) / overlapped_pair(f, fa, b, ba)
         return _blend([(duration(p, costs), weight(p, costs)) for p in action.parts])
+    moved = all_to_all_of(action, costs)
+    if not moved:
+        return compute_weight(action, costs)
+    compute = compute_of(action, costs)
+    return (compute * compute_weight(action, costs) + moved) / (compute + moved)
+
+
+def compute_weight(action: Action, costs: StageCosts) -> float:
+    """The factor on a plain action's compute from its micro-batch's weights (``weight``)."""
     mb, stage = action.microbatch, action.stage
     match action.kind:
         case OpKind.W:

@@ -1,0 +1,73 @@
+"""The costs file's mixture-of-experts fields (version 3, optional) and how they price a stage's
+expert all-to-all.
+
+Per layer, ``dispatched_bytes``: the bytes the layer's token dispatch moves over the
+expert-parallel link per micro-batch on each rank (its tokens' hidden states sent to the experts
+their router picked on other ranks: tokens × top-k × hidden × bytes per element, less what stays
+local); 0 or absent for a dense layer. Per file, ``ep_link_gbs``: the GB/s each rank sends at
+over that link (what ``pipetrain profile --ep E`` would measure; ``--ep-link-gbs`` on ``plan``
+and ``simulate`` gives or overrides it). Without a link speed nothing is priced: one rank holds
+every expert and there is no all-to-all.
+
+A layer's forward waits for a dispatch and a combine (the experts' outputs sent back: the same
+tokens and width, so the same bytes), and its backward for their gradients (the same bytes
+again, in the other direction): ``all_to_all_ms`` each way. The simulator sums them per stage
+(``sim.costs``: ``all_to_all``), a lone action waiting for its own and an overlapped F&B pair
+hiding each half's under the other's compute (``sim.costs.overlapped_pair``). The numbers are
+bandwidth terms only: the all-to-all's latency and its imbalance between ranks (a hot expert) are
+not modelled, so a measured ``forward_backward`` or a measured step is the check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from pipetrain.planner.costs_file import LayerCost, ModelCosts
+
+#: dispatch and combine: each moves the layer's dispatched bytes
+TRANSFERS_PER_PASS = 2
+
+
+def all_to_all_ms(dispatched_bytes: float, link_gbs: float) -> float:
+    """A layer's all-to-all time per micro-batch in one pass (ms): its dispatch and its combine,
+    each ``dispatched_bytes`` at ``link_gbs`` GB/s (10⁹ bytes per second)."""
+    return TRANSFERS_PER_PASS * dispatched_bytes / (link_gbs * 1e6)
+
+
+def stage_all_to_all_ms(costs: ModelCosts, layers: Sequence[LayerCost]) -> float:
+    """The expert all-to-all of a stage of ``layers`` per micro-batch in the forward (ms; the
+    backward moves the same again): 0 without ``costs.ep_link_gbs``."""
+    link = costs.ep_link_gbs
+    return sum(all_to_all_ms(x.dispatched_bytes or 0.0, link) for x in layers) if link else 0.0
+
+
+def has_experts(costs: ModelCosts) -> bool:
+    """Whether some layer of ``costs`` dispatches tokens (``dispatched_bytes`` > 0)."""
+    return any(layer.dispatched_bytes for layer in costs.layers)
+
+
+def with_ep_link(costs: ModelCosts, link_gbs: float | None) -> ModelCosts:
+    """``costs`` with ``link_gbs`` (``--ep-link-gbs``; None: the file's) as its expert link;
+    ``ValueError`` where a link is given for a model without experts (it would price nothing)."""
+    if link_gbs is None:
+        return costs
+    if not has_experts(costs):
+        raise ValueError(
+            "--ep-link-gbs: no layer of the costs file has dispatched_bytes (a dense model has no "
+            "expert all-to-all); drop the flag, or profile the mixture-of-experts model"
+        )
+    return dataclasses.replace(costs, ep_link_gbs=link_gbs)
+
+
+def unpriced_note(costs: ModelCosts) -> str:
+    """What to say where the costs give dispatched bytes but no link to price them at."""
+    if costs.ep_link_gbs is None and has_experts(costs):
+        return (
+            "the costs file gives dispatched_bytes but no ep_link_gbs: the expert all-to-all is "
+            "not priced (give --ep-link-gbs GB/s to plan expert parallel)"
+        )
+    return ""
