@@ -183,28 +183,6 @@ def one_positive_int(text: str) -> int:
     return value
 
 
-def gib(text: str) -> float:
-    """A finite number of GiB > 0 (a memory budget)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of GiB > 0, got {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number of GiB > 0, got {text!r}")
-    return value
-
-
-def fraction(text: str) -> float:
-    """A number in [0, 1) (a share kept free)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {text!r}")
-    return value
-
-
 def receive_lead(text: str) -> int | None:
     """``none`` or an integer >= 0 (``--receive-lead``)."""
     if text == "none":
