@@ -121,7 +121,7 @@ class Layout:
         return cls(
             schedule=program.name,
             ranks=ranks,
-            stages_per_rank=stages // ranks if stages % ranks == 0 else 0,
+            stages_per_rank=stages // ranks,
             microbatches=program.num_microbatches,
             stage_layers=tuple(stage_layers),
             recompute=tuple(recompute),
@@ -253,8 +253,8 @@ class Layout:
 
 
 def _read_program(raw: object) -> Program:
-    """A plan's ``program``, read and checked deadlock-free (its first line names the fault;
-    ``pipetrain show --program`` draws the whole grid)."""
+    """A plan's ``program``, read and checked deadlock-free: a ``ValueError`` of one line, the
+    checker's first (``validate(lower(program))`` raises it with the whole grid drawn)."""
     try:
         program = program_from_dict(raw)
         validate(lower(program))
@@ -283,6 +283,12 @@ def _check_program(layout: Layout) -> None:
             "program (Layout.of_program)".format(
                 told[0], told[1], len(layout.stage_layers), told[2], *found
             )
+        )
+    held = [len(program.placement.stages_of_rank(r)) for r in range(program.num_ranks)]
+    if set(held) != {layout.stages_per_rank}:
+        raise ValueError(
+            f"the plan's program places {held} stages on its ranks; a plan runs "
+            f"stages_per_rank ({layout.stages_per_rank}) on every rank"
         )
     if program.placement.num_chains > 1:
         raise ValueError(

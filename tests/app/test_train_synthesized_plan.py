@@ -19,7 +19,7 @@ from pipetrain.planner.costs_file import LayerCost, ModelCosts, save_costs
 from pipetrain.planner.layout import Layout
 from pipetrain.schedule.action import parse_action
 from pipetrain.schedule.program import Program
-from pipetrain.schedule.program_io import program_from_dict, program_to_dict
+from pipetrain.schedule.program_io import from_csv, program_from_dict, program_to_dict
 from pipetrain.schedule.registry import build_schedule
 
 #: the built-in GPT at its smallest: embed, 2 blocks, head (4 layers), in float64
@@ -97,6 +97,9 @@ def test_a_plans_program_must_be_the_plan_it_sits_in(tmp_path, capsys) -> None:
     ]
     with pytest.raises(ValueError, match="'program' cannot run"):
         Layout.from_json(plan | {"program": {**plan["program"], "actions": rows}})
+    uneven = from_csv("0F0,1F0,2F0,2B0,1B0,0B0\n3F0,3B0\n", name="synthesized")
+    with pytest.raises(ValueError, match=r"places \[3, 1\] stages on its ranks"):
+        Layout.of_program(uneven, (1, 1, 1, 1))
     two_copies = build_schedule("dualpipe", 2, 4)
     with pytest.raises(ValueError, match="2 copies of the model"):
         Layout.of_program(two_copies, (1,) * two_copies.num_stages)
