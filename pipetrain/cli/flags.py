@@ -6,7 +6,8 @@ default, unit, help), and ``add_options`` builds its parser from it, so a flag's
 check cannot drift apart. A pipeline's shape is named the same way in every command — schedule,
 ranks, micro-batches, stages per rank, micro-batch group size — so those flags are made here once
 (``schedule_options``, ``ranks_option``, …) and each command takes the ones it needs; so are the
-cost flags of ``simulate`` and ``compare`` and the model flags of ``profile`` and ``train``.
+cost flags of ``simulate`` and ``compare`` and the model flags of ``profile`` and ``train``. The
+costs file and memory budget of ``plan`` and ``synthesize`` are ``budget_flags``'.
 
 Validators raise ``argparse.ArgumentTypeError``, which argparse reports as a one-line usage error
 (exit 2, no traceback); a command's own input errors are ``UsageError``s, reported the same way.
