@@ -30,8 +30,8 @@ from pipetrain.planner.nd_search import (
     shape_costs,
 )
 from pipetrain.planner.recompute_modes import describe, stage_recompute
-from pipetrain.planner.search import Search, search
-from pipetrain.planner.synthesize import Synthesis
+from pipetrain.planner.search import NoPlanFits, Search, search
+from pipetrain.planner.synthesize import Synthesis, synthesize_plan
 from pipetrain.schedule.registry import build_schedule
 from pipetrain.sim.costs import per_rank
 
@@ -210,11 +210,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _synthesized(costs: ModelCosts, found: Search) -> Synthesis:
-    """``--synthesized``: a schedule synthesized for these costs at the counts searched."""
-    from pipetrain.planner.synthesize import synthesize_plan
-
-    return synthesize_plan(costs, found)
+def _synthesized(costs: ModelCosts, found: Search) -> Synthesis | None:
+    """``--synthesized``: a schedule synthesized for these costs at the counts searched; None,
+    said on standard error, where only offloading plans fit (the synthesis plans no offload)."""
+    try:
+        return synthesize_plan(costs, found)
+    except NoPlanFits as e:
+        print(f"note: --synthesized: nothing synthesized ({e})", file=sys.stderr)
+        return None
 
 
 def _faster(synthesized: Synthesis, pick: Candidate) -> bool:

@@ -121,6 +121,20 @@ def test_plan_synthesized_json_writes_the_faster_synthesized_plan(tmp_path, caps
     assert "program" not in json.loads(capsys.readouterr().out)
 
 
+def test_plan_synthesized_keeps_an_offloading_pick_it_cannot_synthesize(tmp_path, capsys) -> None:
+    """Where only offloading plans fit, the synthesis (which plans no offload) has nothing to
+    start from: the pick is printed, and standard error says why nothing was synthesized."""
+    block = dict(forward=1.0, backward_input=1.0, backward_weight=1.0, backward=2.0)
+    layers = tuple(LayerCost(name=f"l{i}", **block, activation=1.0, params=0.0) for i in range(4))
+    costs = tmp_path / "costs.json"
+    save_costs(ModelCosts(layers=layers, host_bandwidth_gbs=1e5), costs)
+    argv = ["plan", "--costs", str(costs), "-p", "2", "-m", "4", "--memory-gib", "2"]
+    assert main([*argv, "--headroom", "0", "--synthesized", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert Layout.from_json(json.loads(out)).offloads
+    assert "--synthesized: nothing synthesized (no plan fits" in err
+
+
 def test_plan_and_synthesize_declare_the_budget_once() -> None:
     for options in (plan_command.OPTIONS, synthesize_command.OPTIONS):
         for shared in (budget_flags.COSTS, *budget_flags.BUDGET):
