@@ -385,7 +385,7 @@ def _build_pipeline(
             stages, tied = folder_stages(config, layout, tp_mesh, device)
             pipe = Pipeline(
                 stages,
-                layout.schedule,
+                layout.pipeline_schedule,
                 layout.microbatches,
                 causal_lm_token_loss,
                 stages_per_rank=layout.stages_per_rank,

@@ -275,6 +275,8 @@ def _read_plan(path: str) -> Layout:
         layout = Layout.from_json(raw)
     except ValueError as e:
         raise ValueError(f"--plan {path}: {e}") from None
+    if layout.program is not None:  # a synthesized program: checked by Layout.from_json
+        return layout
     program = build_schedule(
         layout.schedule, layout.ranks, layout.microbatches, layout.stages_per_rank
     )

@@ -6,7 +6,8 @@ default, unit, help), and ``add_options`` builds its parser from it, so a flag's
 check cannot drift apart. A pipeline's shape is named the same way in every command — schedule,
 ranks, micro-batches, stages per rank, micro-batch group size — so those flags are made here once
 (``schedule_options``, ``ranks_option``, …) and each command takes the ones it needs; so are the
-cost flags of ``simulate`` and ``compare`` and the model flags of ``profile`` and ``train``.
+cost flags of ``simulate`` and ``compare`` and the model flags of ``profile`` and ``train``. The
+costs file and memory budget of ``plan`` and ``synthesize`` are ``budget_flags``'.
 
 Validators raise ``argparse.ArgumentTypeError``, which argparse reports as a one-line usage error
 (exit 2, no traceback); a command's own input errors are ``UsageError``s, reported the same way.
@@ -180,28 +181,6 @@ def int_list(text: str) -> list[int]:
 def one_positive_int(text: str) -> int:
     """One integer >= 1, checked as ``int_list`` checks each (``pipetrain plan``'s counts)."""
     (value,) = int_list(text)
-    return value
-
-
-def gib(text: str) -> float:
-    """A finite number of GiB > 0 (a memory budget)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of GiB > 0, got {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number of GiB > 0, got {text!r}")
-    return value
-
-
-def fraction(text: str) -> float:
-    """A number in [0, 1) (a share kept free)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {text!r}")
     return value
 
 

@@ -14,15 +14,9 @@ import json
 import sys
 from pathlib import Path
 
-from pipetrain.cli.flags import (
-    Command,
-    Option,
-    fraction,
-    gib,
-    int_list,
-    one_positive_int,
-    positive_float,
-)
+from pipetrain.cli import synthesize_command
+from pipetrain.cli.budget_flags import BUDGET, COSTS
+from pipetrain.cli.flags import Command, Option, int_list, one_positive_int, positive_float
 from pipetrain.planner.costs_file import ModelCosts, load_costs
 from pipetrain.planner.costs_file_moe import unpriced_note, with_ep_link
 from pipetrain.planner.judge import Candidate, stage_costs
@@ -37,7 +31,8 @@ from pipetrain.planner.nd_search import (
     shape_costs,
 )
 from pipetrain.planner.recompute_modes import describe, stage_recompute
-from pipetrain.planner.search import DEFAULT_HEADROOM, Search, search
+from pipetrain.planner.search import NoPlanFits, Search, search
+from pipetrain.planner.synthesize import Synthesis, synthesize_plan
 from pipetrain.schedule.registry import build_schedule
 from pipetrain.sim.all_to_all import all_to_all_share
 from pipetrain.sim.costs import per_rank
@@ -55,7 +50,7 @@ def milliseconds(text: str) -> float:
 
 
 OPTIONS = (
-    Option(("--costs",), required=True, metavar="FILE", help="costs file (JSON, version 1 to 3)"),
+    COSTS,
     Option(
         ("--ranks", "-p"),
         type=one_positive_int,
@@ -97,21 +92,7 @@ OPTIONS = (
         help="with --gpus: how replicas sync, as train --data-parallel (fsdp shards the "
         "optimizer state over dp)",
     ),
-    Option(
-        ("--memory-gib",),
-        type=gib,
-        required=True,
-        metavar="G",
-        help="memory budget per rank (GiB)",
-    ),
-    Option(
-        ("--headroom",),
-        type=fraction,
-        default=DEFAULT_HEADROOM,
-        metavar="F",
-        help="share of --memory-gib kept free for what the costs file cannot see: allocator "
-        "fragmentation, NCCL buffers, optimizer temporaries",
-    ),
+    *BUDGET,
     Option(
         ("--microbatches", "-m"),
         type=int_list,
@@ -166,7 +147,8 @@ OPTIONS = (
         ("--synthesized",),
         switch=True,
         help="with --ranks: also synthesize a schedule for these costs under the same budget "
-        "and show it beside the pick (docs/synthesis.md; `pipetrain synthesize` writes it)",
+        "and show it beside the pick; with --json, print it instead where it is faster "
+        "(docs/synthesis.md; `pipetrain synthesize` writes it)",
     ),
     Option(
         ("--svg",),
@@ -220,8 +202,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"note: {note}", file=sys.stderr)
     best = found.best  # NoPlanFits (a ValueError) when nothing fits: exit 2
     _write_svg(args, costs, best)
+    synthesized = _synthesized(costs, found) if args.synthesized else None
     if args.json:
-        print(json.dumps(best.plan.to_json()))
+        plan = best.plan.to_json()
+        if synthesized is not None and _faster(synthesized, best):
+            plan = synthesize_command.plan_json(synthesized)
+        print(json.dumps(plan))
         return 0
     _draw(args, costs, best)
     print()
@@ -231,14 +217,28 @@ def run(args: argparse.Namespace) -> int:
         others = [c for c in found.best_per_family() if c.plan.fits and c is not best]
         pair = [_alone(c) for c in (best, *others[:1])]
         print("\n".join(["", *explain(pair[0], pair[1] if others else None, costs)]))
-    if args.synthesized:
-        from pipetrain.cli.synthesize_command import describe
-        from pipetrain.planner.synthesize import synthesize_plan
-
-        print("\n" + describe(synthesize_plan(costs, found)))
+    if synthesized is not None:
+        written = "the synthesized plan" if _faster(synthesized, best) else "the pick (no faster)"
+        print("\n" + synthesize_command.describe(synthesized))
+        print(f"--json writes {written}: `pipetrain train --plan` runs it")
     if args.svg:
         print(f"wrote {args.svg}")
     return 0
+
+
+def _synthesized(costs: ModelCosts, found: Search) -> Synthesis | None:
+    """``--synthesized``: a schedule synthesized for these costs at the counts searched; None,
+    said on standard error, where only offloading plans fit (the synthesis plans no offload)."""
+    try:
+        return synthesize_plan(costs, found)
+    except NoPlanFits as e:
+        print(f"note: --synthesized: nothing synthesized ({e})", file=sys.stderr)
+        return None
+
+
+def _faster(synthesized: Synthesis, pick: Candidate) -> bool:
+    """Whether the synthesized plan beats the pick per micro-batch (a tie keeps the family's)."""
+    return synthesized.ms_per_microbatch < pick.plan.ms_per_microbatch * (1 - 1e-9)
 
 
 def _alone(c: Candidate) -> NdPlan:

@@ -1,7 +1,9 @@
 """``pipetrain synthesize``: a program built for a costs file's measured stages under a memory
 cap (``planner.synthesize``), drawn beside the planner's pick it must beat or equal, written as a
 program file (torch's CSV or pipetrain's JSON) that ``Pipeline(schedule=...)`` and ``pipetrain
-show`` read. Bad input, or a budget nothing fits, exits 2 with one line."""
+show`` read; ``--json`` prints it as a plan, its program inside (``planner.layout``), which
+``pipetrain train --plan`` and ``Pipeline.from_plan`` run. Bad input, or a budget nothing fits,
+exits 2 with one line."""
 
 from __future__ import annotations
 
@@ -10,46 +12,37 @@ import json
 import sys
 from pathlib import Path
 
+from pipetrain.cli.budget_flags import BUDGET, COSTS
 from pipetrain.cli.flags import (
     WIDTH,
     Command,
     Option,
-    fraction,
-    gib,
     microbatches_option,
     ranks_option,
     width_of,
 )
 from pipetrain.planner.costs_file import load_costs
-from pipetrain.planner.search import DEFAULT_HEADROOM
+from pipetrain.planner.layout import Layout
 from pipetrain.planner.synthesize import Synthesis, synthesize
 from pipetrain.schedule.program_io import save_program
 
 OPTIONS = (
-    Option(("--costs",), required=True, metavar="FILE", help="costs file (JSON, version 1 or 2)"),
+    COSTS,
     ranks_option(required=True),
     microbatches_option(required=True),
-    Option(
-        ("--memory-gib",),
-        type=gib,
-        required=True,
-        metavar="G",
-        help="memory budget per rank (GiB)",
-    ),
-    Option(
-        ("--headroom",),
-        type=fraction,
-        default=DEFAULT_HEADROOM,
-        metavar="F",
-        help="share of --memory-gib kept free, as `pipetrain plan` keeps it",
-    ),
+    *BUDGET,
     Option(
         ("--out",),
         metavar="FILE",
         help="write the program: .json (placement included) or torch-compatible CSV",
     ),
     Option(("--svg",), metavar="FILE", help="write the synthesized step as an SVG"),
-    Option(("--json",), switch=True, help="print the result as one JSON object"),
+    Option(
+        ("--json",),
+        switch=True,
+        help="print the result as one JSON object: the plan `pipetrain train --plan` runs (the "
+        "program inside), its prediction and the planner's pick",
+    ),
     WIDTH,
 )
 
@@ -78,9 +71,9 @@ def run(args: argparse.Namespace) -> int:
             )
         )
     if args.json:
-        out = result.to_json()
+        out = plan_json(result)
         if args.out:
-            out["program"] = args.out
+            out["program_file"] = args.out
         print(json.dumps(out))
         return 0
     from pipetrain.render.text import render_text
@@ -91,6 +84,14 @@ def run(args: argparse.Namespace) -> int:
         if path:
             print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+def plan_json(result: Synthesis) -> dict[str, object]:
+    """The synthesized plan as ``pipetrain train --plan`` reads it (``Layout.of_program``: the
+    program inside, the schedule its name), with its prediction, how it was found and the
+    planner's pick beside it."""
+    plan = Layout.of_program(result.program, result.stage_layers, result.recompute).to_json()
+    return plan | {k: v for k, v in result.to_json().items() if k not in plan}
 
 
 def describe(result: Synthesis) -> str:

@@ -11,17 +11,25 @@ An N-D plan (``planner.nd_search``) also says the job's tensor- and data-paralle
 (``tp``, ``dp``), which ``pipetrain train --plan`` holds its ``--tp`` and ``--dp`` to; a
 pipeline-only plan leaves them out (``None``: the run chooses them);
 ``ep`` (expert parallel) is kept for the expert-parallel runtime and is 1 until it exists.
-Pure data, standard library only.
+A synthesized schedule (``planner.synthesize``: no family's program) travels inside its plan as
+``program``, spelled as a program file's JSON (``schedule.program_io``), and its ``schedule`` is
+the program's name: what ``Pipeline.from_plan`` and ``pipetrain train --plan`` run is then that
+program, checked here (deadlock-free, one copy of the model, its ranks, stages and micro-batches
+the plan's). Pure data, standard library only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 from pipetrain.planner.recompute_modes import Recompute, parse_modes
+from pipetrain.schedule.lower import lower
 from pipetrain.schedule.offload import OffloadSpec, check_fractions, check_leads
+from pipetrain.schedule.program import Program
+from pipetrain.schedule.program_io import program_from_dict, program_to_dict
+from pipetrain.schedule.validate import validate
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,6 +61,9 @@ class Layout:
     dp: int | None = None
     #: expert-parallel ranks (1: none; expert parallel is not run yet)
     ep: int = 1
+    #: the compute-only program to run where no family builds it (a synthesized schedule),
+    #: named by ``schedule``; ``None``: the family ``schedule`` names builds it
+    program: Program | None = None
 
     #: the JSON fields every layout gives, in the order ``pipetrain plan --json`` prints them
     FIELDS: ClassVar[tuple[str, ...]] = (
@@ -72,6 +83,8 @@ class Layout:
                 raise ValueError(f"the plan's {name!r} must be an integer >= 1, got {value!r}")
         if self.ep != 1:
             raise ValueError(f"the plan's 'ep' is {self.ep}: expert parallel is not run yet; use 1")
+        if self.program is not None:
+            _check_program(self)
         modes = self.recompute or (Recompute.NONE.value,) * len(self.stage_layers)
         parsed = parse_modes(modes, len(self.stage_layers), "recompute", self.stage_layers)
         object.__setattr__(self, "recompute", tuple(map(str, parsed)))
@@ -96,6 +109,30 @@ class Layout:
                     f"stage(s) {', '.join(map(str, both))} recompute '{mode.value}' and offload: "
                     + reason
                 )
+
+    @classmethod
+    def of_program(
+        cls, program: Program, stage_layers: Sequence[int], recompute: Sequence[str] = ()
+    ) -> Layout:
+        """The layout that runs ``program`` (a synthesized one: ``planner.synthesize``'s
+        ``Synthesis.program``, ``stage_layers`` and ``recompute``) on its own ranks, stages
+        and micro-batches."""
+        ranks, stages = program.num_ranks, program.num_stages
+        return cls(
+            schedule=program.name,
+            ranks=ranks,
+            stages_per_rank=stages // ranks,
+            microbatches=program.num_microbatches,
+            stage_layers=tuple(stage_layers),
+            recompute=tuple(recompute),
+            program=program,
+        )
+
+    @property
+    def pipeline_schedule(self) -> str | Program:
+        """What ``Pipeline(schedule=...)`` takes to run this layout: its program where it
+        carries one, else its family's name."""
+        return self.program if self.program is not None else self.schedule
 
     @property
     def offloads(self) -> bool:
@@ -145,6 +182,8 @@ class Layout:
             out["ep"] = self.ep
         if self.offloads and self.reload_lead:
             out["reload_lead"] = list(self.reload_lead)
+        if self.program is not None:
+            out["program"] = program_to_dict(self.program)
         return out
 
     @classmethod
@@ -152,7 +191,8 @@ class Layout:
         """The layout in ``raw`` (what ``pipetrain plan --json`` prints; other keys, such as
         ``predicted``, are ignored), checked: a ``ValueError`` names the first missing or bad
         field and the legal values. ``recompute`` and ``offload`` are optional (a plan from
-        before them: none)."""
+        before them: none); so is ``program`` (a plan of a family: none), which is checked
+        deadlock-free here, before any process starts."""
         if not isinstance(raw, Mapping):
             raise ValueError(
                 f"a plan is a pipetrain Plan or the dict `pipetrain plan --json` prints, got "
@@ -208,6 +248,52 @@ class Layout:
             recompute=tuple(map(str, modes)),
             offload=check_fractions(offload, len(stage_layers)),
             reload_lead=check_leads(leads, len(stage_layers)) if leads else (),
+            program=_read_program(raw["program"]) if "program" in raw else None,
+        )
+
+
+def _read_program(raw: object) -> Program:
+    """A plan's ``program``, read and checked deadlock-free: a ``ValueError`` of one line, the
+    checker's first (``validate(lower(program))`` raises it with the whole grid drawn)."""
+    try:
+        program = program_from_dict(raw)
+        validate(lower(program))
+    except ValueError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"the plan's 'program' cannot run: {first}") from None
+    return program
+
+
+def _check_program(layout: Layout) -> None:
+    """A carried program must be the one the plan's other fields describe: named by its
+    ``schedule``, on its ranks, stages and micro-batches, one copy of the model."""
+    program = layout.program
+    assert program is not None
+    if layout.schedule != program.name:
+        raise ValueError(
+            f"the plan's 'schedule' is {layout.schedule!r} but its program is named "
+            f"{program.name!r}; a plan that carries a program names it"
+        )
+    told = (layout.ranks, layout.ranks * layout.stages_per_rank, layout.microbatches)
+    found = (program.num_ranks, program.num_stages, program.num_microbatches)
+    if told != found or len(layout.stage_layers) != program.num_stages:
+        raise ValueError(
+            "the plan says {} ranks, {} stages ({} stage_layers), {} micro-batches but its "
+            "program runs {} ranks, {} stages, {} micro-batches; write the plan from the "
+            "program (Layout.of_program)".format(
+                told[0], told[1], len(layout.stage_layers), told[2], *found
+            )
+        )
+    held = [len(program.placement.stages_of_rank(r)) for r in range(program.num_ranks)]
+    if set(held) != {layout.stages_per_rank}:
+        raise ValueError(
+            f"the plan's program places {held} stages on its ranks; a plan runs "
+            f"stages_per_rank ({layout.stages_per_rank}) on every rank"
+        )
+    if program.placement.num_chains > 1:
+        raise ValueError(
+            f"the plan's program runs {program.placement.num_chains} copies of the model; the "
+            "runtime runs programs with one copy"
         )
 
 

@@ -38,6 +38,7 @@ from pipetrain.runtime.parallel import grad_norm
 from pipetrain.runtime.parallel import tied as tied_weights
 from pipetrain.runtime.parallel.data_parallel import DataParallel, check_wrapping
 from pipetrain.runtime.parallel.mesh import MeshGroups, refuse_dtensors_without_mesh
+from pipetrain.runtime.plan_checks import check_plan_fits_run
 from pipetrain.runtime.precompile import Precompile
 from pipetrain.runtime.resolve import DataParallelKind, Groups, Stages
 from pipetrain.runtime.stage import StageRunner, arity
@@ -278,22 +279,20 @@ class Pipeline:
         loss_fn: LossFn | None = None,
         **kwargs: Any,
     ) -> Pipeline:
-        """Run a plan: ``layers`` (the model as an ordered list of layers, a mapping name →
-        layer, or a factory ``index -> layer``) cut by the plan's ``stage_layers`` with
-        ``pipetrain.split``, under the plan's schedule, stages per rank and micro-batches.
-
-        ``plan``: a ``Layout``, anything that has one (``planner.layout.HasLayout``: a
-        ``pipetrain.planner.Plan``), or the dict ``pipetrain plan --json`` prints.
-        ``kwargs``: any other ``Pipeline`` option (``device``, ``mesh``, ``tied``...). A plan made
-        for another number of pipeline ranks than this process group's (the mesh's ``pp``
-        dimension with ``mesh=``) is refused: its cut and its schedule were chosen for that
-        size (``runtime.resolve``)."""
+        """Run a plan: ``layers`` (a list of layers, a mapping name → layer, or a factory
+        ``index -> layer``) cut by the plan's ``stage_layers`` (``pipetrain.split``), under its
+        schedule (or the program it carries), stages per rank and micro-batches. ``plan``: a
+        ``Layout``, anything with one (a ``pipetrain.planner.Plan``) or ``pipetrain plan
+        --json``'s dict; ``kwargs``: other ``Pipeline`` options (``device``, ``mesh``...).
+        Refused: a plan for another pipeline size than the group's (the mesh's ``pp``), whose cut
+        and schedule were chosen for that size (``runtime.resolve``); an N-D plan on a mesh of
+        other tp or dp sizes (``runtime.plan_checks``)."""
         layout = resolve.plan_layout(plan)  # checked: a ValueError names a bad field
+        check_plan_fits_run(layout, kwargs)
         stages = resolve.plan_stages(layers, layout, kwargs)
-        per_rank, total = layout.stages_per_rank, len(layout.stage_layers)
-        args = (stages, layout.schedule, layout.microbatches, loss_fn)
-        kwargs = {**kwargs, "offload": layout.offload_spec}
-        return cls(*args, stages_per_rank=per_rank, num_stages=total, **kwargs)
+        args = (stages, layout.pipeline_schedule, layout.microbatches, loss_fn)
+        kwargs |= {"stages_per_rank": layout.stages_per_rank, "num_stages": layout.num_stages}
+        return cls(*args, **kwargs, offload=layout.offload_spec)
 
     def close(self) -> None:
         """Finish what is in flight and let go of what this pipeline made (posted transfers, its

@@ -101,29 +101,42 @@ def _infer_chain_length(stages_of_mb: dict[int, set[int]], num_stages: int) -> i
 
 
 def to_json(program: Program) -> str:
-    return json.dumps(
-        {
-            "name": program.name,
-            "num_microbatches": program.num_microbatches,
-            "rank_of_stage": list(program.placement.rank_of_stage),
-            "chain_length": program.placement.chain_length,
-            "actions": [[format_action(a) for a in row] for row in program.actions],
-        },
-        indent=1,
-    )
+    return json.dumps(program_to_dict(program), indent=1)
+
+
+def program_to_dict(program: Program) -> dict[str, object]:
+    """``to_json``'s object before it is written: what a plan file embeds as its ``program``
+    (``planner.layout``), so a plan and a program file spell a program alike."""
+    return {
+        "name": program.name,
+        "num_microbatches": program.num_microbatches,
+        "rank_of_stage": list(program.placement.rank_of_stage),
+        "chain_length": program.placement.chain_length,
+        "actions": [[format_action(a) for a in row] for row in program.actions],
+    }
+
+
+#: what a program's JSON object holds (named when one does not)
+_EXPECTED = (
+    "expected an object with name (text), num_microbatches (integer >= 1), rank_of_stage "
+    "(list of ranks), chain_length (optional integer) and actions (one list of action "
+    "strings per rank)"
+)
 
 
 def from_json(text: str) -> Program:
     """Read ``to_json``'s format; ``ValueError`` names the field that is missing or wrong."""
-    expected = (
-        "expected an object with name (text), num_microbatches (integer >= 1), rank_of_stage "
-        "(list of ranks), chain_length (optional integer) and actions (one list of action "
-        "strings per rank)"
-    )
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"program JSON does not parse ({e}); {expected}") from None
+        raise ValueError(f"program JSON does not parse ({e}); {_EXPECTED}") from None
+    return program_from_dict(data)
+
+
+def program_from_dict(data: object) -> Program:
+    """``program_to_dict``'s object read back (a plan file's ``program``); ``ValueError`` names
+    the field that is missing or wrong."""
+    expected = _EXPECTED
     if not isinstance(data, dict):
         raise ValueError(f"program JSON is a {type(data).__name__}; {expected}")
 
