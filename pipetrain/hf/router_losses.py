@@ -31,6 +31,12 @@ from torch import nn
 
 from pipetrain.hf import masks
 from pipetrain.hf.decoder_layers import DecoderLayer
+from pipetrain.hf.experts_kernel import (
+    ExpertsSetting,
+    check_choice,
+    experts_implementation,
+    experts_modules,
+)
 from pipetrain.runtime.extra_losses import record_extra_loss
 
 #: the name the balancing term is recorded under
@@ -64,7 +70,9 @@ class MoeDecoderLayer(DecoderLayer):
 
     ``router``: the router module's path in the layer (``"mlp.gate"``); ``balancing``: the
     ``transformers`` module whose ``load_balancing_loss_func`` is the family's; ``num_experts``:
-    the config field that counts the experts."""
+    the config field that counts the experts; ``experts``: which kernel its experts run on,
+    ``"auto"`` (a fixed rule on the hidden states' device and dtype), ``"grouped"`` or
+    ``"loop"`` (``experts_kernel``), settable afterwards as ``experts_choice``."""
 
     def __init__(
         self,
@@ -77,8 +85,17 @@ class MoeDecoderLayer(DecoderLayer):
         router: str,
         balancing: str,
         num_experts: str,
+        experts: str = "auto",
     ) -> None:
         super().__init__(layer, rotary_emb, config, index, shared)
+        #: ``"auto"``, ``"grouped"`` or ``"loop"``: the experts' kernel (``experts_kernel``)
+        self.experts_choice = check_choice(experts)
+        #: this layer's own experts setting (the model's config stays as it was)
+        self._settings: list[ExpertsSetting] = []
+        for module in experts_modules(layer):
+            current = getattr(module.config, "_experts_implementation", None)
+            module.config = ExpertsSetting(module.config, current)
+            self._settings.append(module.config)
         try:
             found: nn.Module | None = layer.get_submodule(router)
         except AttributeError:
@@ -103,6 +120,10 @@ class MoeDecoderLayer(DecoderLayer):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if self._settings:
+            chosen = experts_implementation(self.experts_choice, hidden.device, hidden.dtype)
+            for setting in self._settings:
+                setting._experts_implementation = chosen
         capture = self._capture
         if capture is None:
             return super().forward(hidden, attention_mask, position_ids)
