@@ -124,3 +124,14 @@ def experts_modules(layer: nn.Module) -> list[nn.Module]:
         for m in layer.modules()
         if hasattr(m, "has_gate") and hasattr(m, "is_transposed") and hasattr(m, "config")
     ]
+
+
+def use_experts(module: nn.Module, choice: str) -> int:
+    """Run the experts of every mixture-of-experts layer in ``module`` (a stage, a layer list's
+    container, a model's wrapped layers) under ``choice``; how many layers that set. Layers are
+    found by their ``experts_choice`` (``router_losses.MoeDecoderLayer``)."""
+    check_choice(choice)
+    layers = [m for m in module.modules() if hasattr(m, "experts_choice")]
+    for layer in layers:
+        layer.experts_choice = choice
+    return len(layers)
