@@ -106,7 +106,7 @@ class ExpertsSetting:
     ``_experts_implementation``, every other attribute the model config's. One per MoE layer, so
     choosing a layer's kernel changes no config another layer or model reads."""
 
-    def __init__(self, config: Any, implementation: str = LOOP) -> None:
+    def __init__(self, config: Any, implementation: str | None = LOOP) -> None:
         self._config = config
         self._experts_implementation = implementation
 
@@ -114,6 +114,15 @@ class ExpertsSetting:
         if name.startswith("__") or name == "_config":  # copy/pickle probe before __init__
             raise AttributeError(name)
         return getattr(self._config, name)
+
+
+def own_setting(experts: nn.Module) -> ExpertsSetting:
+    """Give ``experts`` (a ``use_experts_implementation`` module) an :class:`ExpertsSetting` of
+    its own in place of its config, starting at the config's implementation; return it."""
+    config: Any = experts.config
+    setting = ExpertsSetting(config, getattr(config, "_experts_implementation", None))
+    object.__setattr__(experts, "config", setting)  # a plain attribute, not a submodule
+    return setting
 
 
 def experts_modules(layer: nn.Module) -> list[nn.Module]:
@@ -133,5 +142,5 @@ def use_experts(module: nn.Module, choice: str) -> int:
     check_choice(choice)
     layers = [m for m in module.modules() if hasattr(m, "experts_choice")]
     for layer in layers:
-        layer.experts_choice = choice
+        setattr(layer, "experts_choice", choice)  # noqa: B010 (found by the attribute)
     return len(layers)

@@ -36,6 +36,7 @@ from pipetrain.hf.experts_kernel import (
     check_choice,
     experts_implementation,
     experts_modules,
+    own_setting,
 )
 from pipetrain.runtime.extra_losses import record_extra_loss
 
@@ -91,11 +92,7 @@ class MoeDecoderLayer(DecoderLayer):
         #: ``"auto"``, ``"grouped"`` or ``"loop"``: the experts' kernel (``experts_kernel``)
         self.experts_choice = check_choice(experts)
         #: this layer's own experts setting (the model's config stays as it was)
-        self._settings: list[ExpertsSetting] = []
-        for module in experts_modules(layer):
-            current = getattr(module.config, "_experts_implementation", None)
-            module.config = ExpertsSetting(module.config, current)
-            self._settings.append(module.config)
+        self._settings: list[ExpertsSetting] = [own_setting(m) for m in experts_modules(layer)]
         try:
             found: nn.Module | None = layer.get_submodule(router)
         except AttributeError:
@@ -119,6 +116,7 @@ class MoeDecoderLayer(DecoderLayer):
         hidden: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        token_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if self._settings:
             chosen = experts_implementation(self.experts_choice, hidden.device, hidden.dtype)
@@ -127,12 +125,7 @@ class MoeDecoderLayer(DecoderLayer):
         capture = self._capture
         if capture is None:
             return super().forward(hidden, attention_mask, position_ids)
-        if attention_mask is not None and attention_mask.dim() != 2:
-            raise ValueError(
-                f"the router loss counts the tokens of a (rows, T) attention_mask; got one of "
-                f"shape {tuple(attention_mask.shape)}, which does not say which tokens are "
-                "padding: pass the 2-D 0/1 mask"
-            )
+        counted = counted_tokens(hidden, attention_mask, token_mask)
         capture.armed, capture.logits = True, None
         try:
             out = super().forward(hidden, attention_mask, position_ids)
@@ -141,6 +134,34 @@ class MoeDecoderLayer(DecoderLayer):
             capture.armed, capture.logits = False, None
         if logits is None:
             raise ValueError(f"{type(self.wrapped).__name__}'s router did not run")
-        balance = self._balancing((logits,), self.num_experts, self.top_k, attention_mask)
+        balance = self._balancing((logits,), self.num_experts, self.top_k, counted)
         record_extra_loss(self, ROUTER_AUX_LOSS, self.coefficient * balance)
         return out
+
+
+def counted_tokens(
+    hidden: torch.Tensor, attention_mask: torch.Tensor | None, token_mask: torch.Tensor | None
+) -> torch.Tensor | None:
+    """The ``(rows, T)`` 0/1 weights of the tokens the router loss counts (``None``: all):
+    those both masks mark, where given. Packed rows say which tokens are padding only through
+    ``token_mask`` (their ``attention_mask`` is absent: the documents come from the position
+    ids); padded rows through their 2-D ``attention_mask``. A prepared 4-D mask says nothing
+    about padding, so it needs a ``token_mask`` beside it."""
+    rows_tokens = tuple(hidden.shape[:2])
+    if token_mask is not None and tuple(token_mask.shape) != rows_tokens:
+        raise ValueError(
+            f"token_mask has shape {tuple(token_mask.shape)} but the rows and tokens are "
+            f"{rows_tokens}; give one 0/1 entry per token (1: counted, 0: padding)"
+        )
+    if attention_mask is None or attention_mask.dim() != 2:
+        if attention_mask is not None and token_mask is None:
+            raise ValueError(
+                f"the router loss counts the tokens of a (rows, T) attention_mask or a "
+                f"token_mask; got an attention_mask of shape {tuple(attention_mask.shape)}, "
+                "which does not say which tokens are padding: pass the 2-D 0/1 mask, or a "
+                "token_mask beside it"
+            )
+        return token_mask
+    if token_mask is None:
+        return attention_mask
+    return attention_mask * token_mask

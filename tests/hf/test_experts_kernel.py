@@ -190,3 +190,36 @@ def test_the_cpu_grouped_kernel_through_the_layers_agrees_with_the_loop(kind, mo
     torch.testing.assert_close(results["grouped"][0], results["loop"][0], rtol=1e-5, atol=1e-6)
     for name, grad in results["loop"][1].items():
         torch.testing.assert_close(results["grouped"][1][name], grad, rtol=1e-4, atol=1e-6)
+
+
+def test_train_takes_experts_for_moe_folders_only(tmp_path, capsys) -> None:
+    """``--experts`` is refused (one line, exit 2) on the built-in model, a dense folder, and as
+    ``grouped`` in float64; a Mixtral folder's stages run the kernel it names, and rank 0 says
+    which once."""
+    from pipetrain.app.config import TrainConfig
+    from pipetrain.app.model_folder import folder_stages
+    from pipetrain.app.train_checks import _check_experts
+    from pipetrain.cli import main
+    from pipetrain.planner.layout import Layout
+
+    assert main(["train", "--experts", "loop"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.endswith(
+        "--experts loop: the built-in --model llama has no experts; it is for "
+        "a mixture-of-experts --model-dir folder: drop it"
+    )
+    with pytest.raises(ValueError, match="dense 'qwen3' model, which has no experts"):
+        _check_experts(TrainConfig(model_dir="x", experts="grouped"), "qwen3")
+    with pytest.raises(ValueError, match="no grouped GEMM takes float64; use --experts loop"):
+        _check_experts(TrainConfig(model_dir="x", experts="grouped", dtype="float64"), "mixtral")
+    _check_experts(TrainConfig(model_dir="x", experts="grouped", dtype="float32"), "mixtral")
+
+    tiny_model("mixtral", torch.float32).save_pretrained(tmp_path)
+    layout = Layout(schedule="1f1b", ranks=1, stages_per_rank=1, microbatches=1, stage_layers=(5,))
+    for choice in EXPERTS_CHOICES:
+        config = TrainConfig(model_dir=str(tmp_path), experts=choice, dtype="float32")
+        stage, _ = folder_stages(config, layout, None, torch.device("cpu"))
+        assert f"(--experts {choice}" in capsys.readouterr().out
+        module = stage(0)
+        chosen = [m.experts_choice for m in module.modules() if hasattr(m, "experts_choice")]
+        assert chosen == [choice, choice]
