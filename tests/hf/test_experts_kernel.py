@@ -223,3 +223,24 @@ def test_train_takes_experts_for_moe_folders_only(tmp_path, capsys) -> None:
         module = stage(0)
         chosen = [m.experts_choice for m in module.modules() if hasattr(m, "experts_choice")]
         assert chosen == [choice, choice]
+
+
+def test_from_pretrained_takes_the_choice_or_transformers_name_for_it(tmp_path) -> None:
+    from pipetrain.hf import from_pretrained
+
+    tiny_model("qwen3_moe", torch.float32).save_pretrained(tmp_path)
+
+    def chosen(**kwargs) -> list[str]:
+        stage = from_pretrained(tmp_path, [5], **kwargs)[0]
+        return [m.experts_choice for m in stage.modules() if hasattr(m, "experts_choice")]
+
+    assert chosen() == ["auto", "auto"]
+    assert chosen(experts="grouped") == ["grouped", "grouped"]
+    assert chosen(experts_implementation="eager") == ["loop", "loop"]
+    assert chosen(experts_implementation="grouped_mm") == ["grouped", "grouped"]
+    with pytest.raises(ValueError, match="'batched_mm'; pipetrain runs 'grouped_mm' or 'eager'"):
+        from_pretrained(tmp_path, [5], experts_implementation="batched_mm")
+    with pytest.raises(ValueError, match="not both"):
+        from_pretrained(tmp_path, [5], experts="loop", experts_implementation="eager")
+    with pytest.raises(ValueError, match="legal: auto, grouped, loop"):
+        from_pretrained(tmp_path, [5], experts="fast")
