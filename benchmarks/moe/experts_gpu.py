@@ -15,7 +15,8 @@ Each variant runs on the same weights and the same input (which requires its gra
 layer's input does inside a model); every iteration is timed with CUDA events around the
 forward and around forward + backward (``time.perf_counter`` on the CPU), and the median over
 ``--iters`` iterations after ``--warmup`` is reported, with the peak memory of the variant.
-``batched_mm`` is not run: it gathers every token's expert weights and asked for 192 GiB.
+``batched_mm`` is not run: it gathers every token's expert weights, a
+``(tokens·top_k, 2·I, H)`` tensor, 192 GiB in bf16 at the first shape.
 
 The check: grouped and loop outputs and every gradient (input, router, experts) compared in
 the run's dtype, as the largest absolute difference and that over the loop's largest magnitude

@@ -9,8 +9,9 @@ and every micro-batch, which a pipeline cannot reproduce. Megatron-Core
 (``switch_load_balancing_loss_func`` per layer) and torchtitan (per MoE layer) use the
 per-layer, per-micro-batch form instead, and so does this layer: it applies the family's own
 ``load_balancing_loss_func`` to its one router's logits over the micro-batch it runs on,
-counting the tokens the micro-batch's ``(rows, T)`` attention mask marks (padding excluded,
-exactly: the function weighs each token by the mask), multiplies by the config's
+counting the tokens the micro-batch's ``(rows, T)`` attention mask and its ``token_mask`` mark
+(padding excluded, exactly: the function weighs each token by the mask; packed rows have no
+attention mask, so their ``token_mask`` marks the pad tail), multiplies by the config's
 ``router_aux_loss_coef`` and records it with ``runtime.extra_losses.record_extra_loss`` under
 ``"router_aux_loss"``. Summed over layers and averaged over micro-batches by the runtime, that is
 the loss of the unsplit model run layer by layer under gradient accumulation.
@@ -19,6 +20,10 @@ The term is added where ``transformers`` adds one: when the config asks for rout
 (``output_router_logits``, which its ``CausalLM.forward`` reads) and its coefficient is not 0.
 The router's logits are taken from the router module's own output (a forward hook, armed only
 while this layer runs), so they are the very tensor the experts were routed by.
+
+Each call also picks the kernel its experts run on, by ``experts_kernel``'s fixed rule for the
+hidden states' device and dtype (or the layer's ``experts_choice``), in a setting of the
+layer's own.
 """
 
 from __future__ import annotations
