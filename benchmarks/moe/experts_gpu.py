@@ -11,10 +11,12 @@ Shapes (``--preset gpu``, 4,096 tokens each):
   hidden 2048, moe_intermediate 768 — the shape the mixture-of-experts issue measured;
 * ``mixtral-8e-top2``: Mixtral's block, 8 experts, top-2, hidden 4096, intermediate 14336.
 
-Each variant runs on the same weights and the same input (which requires its gradient, as a
-layer's input does inside a model); every iteration is timed with CUDA events around the
-forward and around forward + backward (``time.perf_counter`` on the CPU), and the median over
-``--iters`` iterations after ``--warmup`` is reported, with the peak memory of the variant.
+The MoE variants include the router (one ``hidden × experts`` GEMM, its softmax and top-k);
+the dense MLP has none. Each variant runs on the same weights and the same input (which
+requires its gradient, as a layer's input does inside a model); every iteration is timed with
+CUDA events around the forward and around forward + backward (``time.perf_counter`` on the
+CPU), and the median over ``--iters`` iterations after ``--warmup`` is reported, with the
+memory the variant takes above the resident weights at its peak.
 ``batched_mm`` is not run: it gathers every token's expert weights, a
 ``(tokens·top_k, 2·I, H)`` tensor, 192 GiB in bf16 at the first shape.
 
