@@ -38,6 +38,7 @@ LongDocuments = Literal["split", "refuse"]
 Attention = Literal["auto", "flex", "sdpa"]
 MicrobatchBalance = Literal["length", "fixed"]
 RouterAuxLoss = Literal["auto", "off"]
+Experts = Literal["auto", "grouped", "loop"]
 #: field → its legal values
 CHOICES: dict[str, tuple[str, ...]] = {
     "model": MODELS,
@@ -53,6 +54,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "attention": get_args(Attention),
     "microbatch_balance": get_args(MicrobatchBalance),
     "router_aux_loss": get_args(RouterAuxLoss),
+    "experts": get_args(Experts),
 }
 #: numeric fields where 0 is legal (the others but the seed must be > 0)
 NON_NEGATIVE = ("warmup", "min_lr", "weight_decay", "gc_every", "max_restarts")
@@ -103,6 +105,9 @@ class TrainConfig:
     #: a mixture-of-experts folder's router load-balancing loss: ``auto`` trains with its
     #: config's ``router_aux_loss_coef`` where that is not 0 (``app.model_folder``)
     router_aux_loss: RouterAuxLoss = "auto"
+    #: a mixture-of-experts folder's experts kernel: ``auto`` a grouped GEMM on CUDA bf16 with
+    #: compute capability >= 9.0, the loop over experts elsewhere (``hf.experts_kernel``)
+    experts: Experts = "auto"
     #: the training text (``--data``, alias ``--text``)
     data: str | None = None
     text_unit: TextUnit = "line"

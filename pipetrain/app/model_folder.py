@@ -335,8 +335,15 @@ def folder_stages(
         output_router_logits=router_aux_loss_coef(config, hf_config) is not None
         if routed
         else None,
+        experts=config.experts,
     )
     recompute = layout.recompute if layout.recomputes else ("none",) * len(layout.stage_layers)
+
+    if routed:  # the experts' kernel, said once per run (rank 0)
+        from pipetrain.hf.experts_kernel import describe
+
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            print(describe(config.experts, device, getattr(torch, config.dtype)), flush=True)
 
     def stage(index: int) -> nn.Module:
         module = stages[index]

@@ -47,6 +47,7 @@ def check_arguments(config: TrainConfig) -> Layout:
     if config.model_dir is not None:  # what the folder's family cannot run (tp, packing, router)
         check_family_flags(config, shape.model)
     _check_data_flags(config)
+    _check_experts(config, shape.model)
     if config.resume and config.checkpoint_dir is None:
         raise ValueError("--resume needs --checkpoint-dir DIR (where the checkpoints are)")
     if config.checkpoint_every is not None and config.checkpoint_dir is None:
@@ -122,6 +123,28 @@ def _check_data_flags(config: TrainConfig) -> None:
                 f"{', '.join(given)}: for a --model-dir folder's tokenized data (the built-in "
                 "models read the text's bytes); drop it or give --model-dir DIR"
             )
+
+
+def _check_experts(config: TrainConfig, model: str) -> None:
+    """``--experts`` only for a mixture-of-experts folder, and ``grouped`` not in float64 (no
+    grouped GEMM takes it)."""
+    if config.experts == "auto":
+        return
+    flag = f"--experts {config.experts}"
+    if config.model_dir is None:
+        raise ValueError(
+            f"{flag}: the built-in --model {config.model} has no experts; it is for a "
+            "mixture-of-experts --model-dir folder: drop it"
+        )
+    from pipetrain.hf.families import FAMILIES as MODEL_FAMILIES
+
+    if model in MODEL_FAMILIES and not MODEL_FAMILIES[model].is_moe:
+        raise ValueError(
+            f"{flag}: --model-dir {config.model_dir} holds a dense {model!r} model, which has "
+            "no experts; drop it"
+        )
+    if config.experts == "grouped" and config.dtype == "float64":
+        raise ValueError(f"{flag}: no grouped GEMM takes float64; use --experts loop or auto")
 
 
 def _check_cuda_graph(config: TrainConfig) -> None:

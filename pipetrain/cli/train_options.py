@@ -91,6 +91,13 @@ def optimizer_options(choices: dict[str, tuple[str, ...]]) -> tuple[Option, ...]
             "micro-batch (Megatron-Core's and torchtitan's form) where that coefficient is not "
             "0; off trains without it",
         ),
+        one_of(
+            "--experts",
+            choices["experts"],
+            "a mixture-of-experts --model-dir folder's experts kernel: auto runs a grouped GEMM "
+            "on CUDA bf16 with compute capability >= 9.0 and the loop over experts elsewhere; "
+            "grouped and loop force one",
+        ),
     )
 
 

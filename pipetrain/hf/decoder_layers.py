@@ -85,7 +85,11 @@ class DecoderLayer(_Adopting):
         hidden: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        token_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``token_mask``: which tokens per-token statistics count (padding 0), read by the
+        router losses of mixture-of-experts layers (``router_losses``); a dense layer has none
+        and takes it only so that every family's layers accept packed rows' side inputs."""
         if position_ids is not None and self.family is not None and not self.family.packing:
             raise ValueError(
                 f"{self.family.model_type}: transformers' model builds its mask without the "
@@ -147,7 +151,9 @@ class GPT2Layer(_Adopting):
         hidden: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        token_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``token_mask``: taken and unused, as by ``DecoderLayer`` (no router here)."""
         positions = masks.positions(hidden, position_ids)
         mask = self.shared.get(
             ("mask", id(self.config), tuple(hidden.shape), hidden.dtype, hidden.device),

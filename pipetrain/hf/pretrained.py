@@ -51,6 +51,7 @@ from torch import nn
 
 from pipetrain.hf.causal_lm import layers_of, require_transformers, tied_weights
 from pipetrain.hf.checkpoint_files import ModelFiles, require_folder
+from pipetrain.hf.experts_kernel import GROUPED_MM, LOOP, check_choice, use_experts
 from pipetrain.hf.families import Family, family_of
 from pipetrain.hf.stored_layout import FolderTensors
 from pipetrain.runtime.backward.activation_checkpoint import RECOMPUTE_MODES, recompute_layers
@@ -67,6 +68,7 @@ def from_pretrained(
     recompute: str | Mapping[int, str] = "none",
     experts_implementation: str | None = None,
     output_router_logits: bool | None = None,
+    experts: str = "auto",
 ) -> PretrainedStages:
     """The model in ``model_dir`` (``config.json`` and safetensors files) cut into stages of
     ``stage_layers`` consecutive layers each (embedding, decoder layers, final norm and head
@@ -83,9 +85,11 @@ def from_pretrained(
     ``"none"``. Each chosen layer runs inside a non-reentrant checkpoint
     (``runtime.backward.activation_checkpoint.Recomputed``, held in the stage's call list only,
     so parameter names and state-dict keys are the model's); the embedding, the final norm and
-    the head are never wrapped. ``experts_implementation``: a mixture-of-experts family's expert
-    kernels, as in ``transformers`` (``"grouped_mm"``, ``"eager"``: a loop over experts...;
-    default its choice, except ``"eager"`` in float64, which ``grouped_mm`` does not take).
+    the head are never wrapped. ``experts``: which kernel a mixture-of-experts family's experts
+    run on, ``"auto"`` (a grouped GEMM on CUDA bf16 with compute capability >= 9.0, the loop
+    over experts elsewhere: ``experts_kernel``), ``"grouped"`` or ``"loop"``;
+    ``experts_implementation``, ``transformers``' name for the same (``"grouped_mm"``,
+    ``"eager"``), is taken too.
     ``output_router_logits``: overrides the config's, as ``transformers``' ``from_pretrained``
     takes it; ``True`` makes each MoE layer add its router's balancing loss
     (``router_losses``; released configs say ``False``). An ``ImportError`` where ``transformers`` is older than the wrappers need
@@ -112,8 +116,25 @@ def from_pretrained(
         device,
         attn_implementation,
         recompute=recompute,
-        experts_implementation=experts_implementation,
+        experts=_experts_choice(experts, experts_implementation),
     )
+
+
+def _experts_choice(experts: str, experts_implementation: str | None) -> str:
+    """``from_pretrained``'s experts kernel as ``experts_kernel``'s choice: ``experts``, or
+    ``transformers``' name for it; a ``ValueError`` for any other kernel, or both given."""
+    check_choice(experts)
+    if experts_implementation is None:
+        return experts
+    named = {GROUPED_MM: "grouped", LOOP: "loop"}
+    if experts_implementation not in named:
+        raise ValueError(
+            f"experts_implementation={experts_implementation!r}; pipetrain runs 'grouped_mm' "
+            "or 'eager' (or give experts='auto', 'grouped' or 'loop')"
+        )
+    if experts != "auto":
+        raise ValueError("give experts= or experts_implementation=, not both")
+    return named[experts_implementation]
 
 
 def _recompute_modes(recompute: object, decoder_names: Sequence[str]) -> dict[str, str]:
@@ -241,16 +262,15 @@ class PretrainedStages(Sequence):
         attn_implementation: str | None,
         *,
         recompute: str | Mapping[int, str] = "none",
-        experts_implementation: str | None = None,
+        experts: str = "auto",
     ) -> None:
         self.files, self.dtype = files, dtype
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self._config, self._attn = config, attn_implementation
         #: the model's row of ``pipetrain.hf.families`` (a refused family stops here)
         self.family: Family = family_of(config)
-        self._experts = experts_implementation
-        if experts_implementation is None and self.family.is_moe and dtype == torch.float64:
-            self._experts = "eager"
+        #: the experts' kernel of every MoE layer built (``experts_kernel``), applied per call
+        self.experts = check_choice(experts)
         skeleton = self._skeleton()
         layers = layers_of(skeleton)
         #: the global layer names, in call order
@@ -279,8 +299,8 @@ class PretrainedStages(Sequence):
         kwargs: dict[str, Any] = {"dtype": self.dtype}
         if self._attn is not None:
             kwargs["attn_implementation"] = self._attn
-        if self._experts is not None:
-            kwargs["experts_implementation"] = self._experts
+        if self.family.is_moe:  # the layers pick per call; the config starts at the loop
+            kwargs["experts_implementation"] = LOOP
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(copy.deepcopy(self._config), **kwargs)
 
@@ -298,6 +318,7 @@ class PretrainedStages(Sequence):
         for _, layer in named:
             layer.to_empty(device=self.device)
         module = Stage(named)
+        use_experts(module, self.experts)
         self._retie(module)
         loaded = self._load(module)
         recompute_buffers(module, skeleton, loaded, self.family.buffers)
