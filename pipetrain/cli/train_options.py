@@ -91,6 +91,16 @@ def optimizer_options(choices: dict[str, tuple[str, ...]]) -> tuple[Option, ...]
             "micro-batch (Megatron-Core's and torchtitan's form) where that coefficient is not "
             "0; off trains without it",
         ),
+        Option(
+            ("--expert-bias-rate",),
+            type=non_negative_float,
+            metavar="RATE",
+            help="a --model-dir folder balanced without a loss (DeepSeek-V3): after each "
+            "optimizer step every router's per-expert bias moves by RATE towards the experts "
+            "that received fewer tokens than the mean, loads summed over micro-batches and "
+            "data-parallel replicas (the DeepSeek-V3 report's bias update speed); 0 keeps the "
+            "biases as loaded",
+        ),
     )
 
 
