@@ -6,7 +6,7 @@ Stages cut by hand give ``transformers``' logits and gradients, and count the sa
 as its router chose (padding excluded), once per micro-batch under recompute and never without
 autograd; the bias update's rule; folders load exactly (bias and YaRN tables included) and a
 folder holding multi-token-prediction weights is refused with its opt-out; on 2 gloo ranks, a
-pipeline (1F1B, and ZBV with recompute) trained 3 steps with the bias update equals the unsplit
+pipeline (1F1B recomputing whole stages, ZBV recomputing each layer) trained 3 steps with the bias update equals the unsplit
 model under gradient accumulation (loss, every gradient, biases), exports and checkpoints keep
 the trained bias, and data-parallel replicas sum their loads."""
 
@@ -302,13 +302,14 @@ def test_a_folder_with_multi_token_prediction_weights_is_refused_with_its_opt_ou
 
 def run_training(rank: int, world: int, folder: str, out: str) -> list[str]:
     """Data parallel first (each rank the whole model on half the rows: summed loads move the
-    bias as the whole batch's), then 2 pipeline ranks: 1F1B, and ZBV with every decoder layer
-    recomputed, each 3 SGD steps with the bias update against the unsplit model under gradient
+    bias as the whole batch's), then 2 pipeline ranks: 1F1B with each stage recomputed as a
+    whole, and ZBV with every decoder layer recomputed, each 3 SGD steps with the bias update against the unsplit model under gradient
     accumulation; then export and a DCP checkpoint of the ZBV run."""
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
     from pipetrain.hf import save_pretrained
+    from pipetrain.runtime.backward.activation_checkpoint import recompute_stages
 
     ids, mask = padded_batch(8)
     targets = next_token_targets(ids, attention_mask=mask)
@@ -359,8 +360,11 @@ def run_training(rank: int, world: int, folder: str, out: str) -> list[str]:
         failures.append("dp: biases differ from the whole batch's update")
 
     ref_losses, ref_grads, ref_loads, ref_biases = reference(4)
-    for schedule, cut, recompute in (("1f1b", [3, 3], "none"), ("zbv", [2, 1, 1, 2], "full")):
-        stages = from_pretrained(folder, cut, recompute=recompute)
+    for schedule, cut, recompute in (("1f1b", [3, 3], "whole"), ("zbv", [2, 1, 1, 2], "full")):
+        if recompute == "whole":  # a gradient-free forward, then the recompute at the backward
+            stages = recompute_stages(list(from_pretrained(folder, cut)), ["whole"] * len(cut))
+        else:  # each decoder layer in a checkpoint, recomputed inside the backward
+            stages = from_pretrained(folder, cut, recompute=recompute)
         pipe = pipetrain.Pipeline(stages, schedule, 4, causal_lm_token_loss)
         for step in range(3):
             for p in pipe.parameters():
