@@ -68,10 +68,10 @@ def check_arguments(config: TrainConfig) -> Layout:
     elif not config.worker:  # tokenized once, by the launcher
         check_data(config, shape.vocab)
         routed = router_line(config)
+        if _expert_bias_balanced(config, shape.model):  # balanced by the bias, not a loss
+            routed = _expert_bias_line(config)
         if routed is not None:
             print(routed, flush=True)
-        if _expert_bias_balanced(config, shape.model):
-            print(_expert_bias_line(config), flush=True)
     if not config.worker:
         check_eval(config, config.microbatch_size * layout.microbatches * config.dp)
     if shape.num_layers < len(layout.stage_layers):

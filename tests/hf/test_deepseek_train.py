@@ -39,9 +39,9 @@ def test_the_bias_rate_is_checked_and_announced_before_launching(tmp_path, capsy
     folder = write_deepseek_folder(tmp_path / "deepseek")
     capsys.readouterr()
     check_arguments(train_args("--model-dir", folder, "--seq-len", "16"))
-    assert "expert bias balancing on: each router's per-expert bias moves by 0.001" in (
-        capsys.readouterr().out
-    )
+    said = capsys.readouterr().out
+    assert "expert bias balancing on: each router's per-expert bias moves by 0.001" in said
+    assert "router loss" not in said  # it has none: the bias balances it
     check_arguments(train_args("--model-dir", folder, "--seq-len", "16", "--expert-bias-rate", "0"))
     assert "expert bias balancing off (--expert-bias-rate 0)" in capsys.readouterr().out
     dense = write_folder(tmp_path / "llama")
