@@ -33,6 +33,7 @@ from pipetrain.hf import (
     family_of,
     from_pretrained,
     next_token_targets,
+    packed_position_ids,
     tied_weights,
 )
 from pipetrain.hf.deepseek import DeepseekV3Layer
@@ -116,9 +117,10 @@ def main_loss(logits, ids, mask):
     return causal_lm_token_loss(logits, targets) / (targets != -100).sum()
 
 
-def reference_loads(model, ids, mask) -> dict[str, torch.Tensor]:
+def reference_loads(model, ids, mask, **kwargs) -> dict[str, torch.Tensor]:
     """``transformers``' own forward, each router's chosen experts counted over the tokens the
-    mask marks (by the layer's name), and its logits under ``"logits"``."""
+    mask marks (every token without one), by the layer's name, and its logits under
+    ``"logits"``."""
     chosen: dict[str, torch.Tensor] = {}
     hooks = []
     for i, layer in enumerate(model.model.layers):
@@ -130,11 +132,11 @@ def reference_loads(model, ids, mask) -> dict[str, torch.Tensor]:
 
             hooks.append(gate.register_forward_hook(keep))
     try:
-        logits = model(ids, attention_mask=mask).logits
+        logits = model(ids, attention_mask=mask, use_cache=False, **kwargs).logits
     finally:
         for hook in hooks:
             hook.remove()
-    counted = mask.reshape(-1).bool()
+    counted = (torch.ones_like(ids) if mask is None else mask).reshape(-1).bool()
     loads = {
         name: torch.bincount(picked[counted].reshape(-1), minlength=EXPERTS)
         for name, picked in chosen.items()
@@ -177,6 +179,20 @@ def test_stages_give_transformers_logits_gradients_and_loads() -> None:
     theirs = dict(reference.named_parameters())
     for name, p in model.named_parameters():
         assert _close(p.grad, theirs[name].grad), name
+    # packed documents (position ids, no mask): transformers' logits, every token counted
+    reset_expert_loads(stages)
+    positions = packed_position_ids([[3, 4], [7], [2, 2, 3], [5]], SEQ)
+    with torch.no_grad():
+        packed = reference_loads(reference, ids, None, position_ids=positions)
+        out = ids
+        for stage in stages:
+            out = stage(out, position_ids=positions)
+    assert all(c is None for c in counts(stages).values())
+    out = ids
+    for stage in stages:
+        out = stage(out, position_ids=positions)
+    assert _close(out, packed["logits"], 1e-13)
+    assert all(torch.equal(c, packed[n]) for n, c in counts(stages).items())
     family = family_of(model)
     assert family is FAMILIES["deepseek_v3"] and family.expert_bias and family.is_moe
     assert family.tensor_parallel is None and "expert tensor parallel" in (
