@@ -248,7 +248,7 @@ def write_folder(folder: Path, tied: bool = False) -> str:
 def test_folders_load_exactly_and_recompute_counts_once(tmp_path) -> None:
     """The folder check passes; ``from_pretrained`` at a 3-3 cut reads every tensor (the bias
     included) and recomputes the YaRN tables as transformers does; logits equal the loaded
-    model's. Full and selective recompute: same loads and gradients as without, the backward's
+    model's; in bfloat16 the routers' weight and bias stay float32, as transformers keeps them. Full and selective recompute: same loads and gradients as without, the backward's
     recompute counting nothing."""
     from transformers import AutoModelForCausalLM
 
@@ -273,6 +273,9 @@ def test_folders_load_exactly_and_recompute_counts_once(tmp_path) -> None:
     for stage in built:
         logits = stage(logits, attention_mask=mask)
     assert _close(logits, model(ids, attention_mask=mask).logits, 1e-13)
+    (half,) = from_pretrained(folder, [6], dtype=torch.bfloat16)  # router kept in float32
+    kept = {n: t.dtype for n, t in half.state_dict().items() if ".mlp.gate." in n}
+    assert len(kept) == 4 and set(kept.values()) == {torch.float32}
 
     seen = {}
     for mode in ("none", "full", "selective"):
