@@ -39,6 +39,7 @@ FOLDER_MODELS = (
     "qwen3_moe",
     "mixtral",
     "gpt_oss",
+    "deepseek_v3",
 )
 BYTE_VOCAB = 256
 #: layers besides the blocks: GPT's embedding and head; HF's embedding, final norm and head

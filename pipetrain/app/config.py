@@ -57,7 +57,14 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "experts": get_args(Experts),
 }
 #: numeric fields where 0 is legal (the others but the seed must be > 0)
-NON_NEGATIVE = ("warmup", "min_lr", "weight_decay", "gc_every", "max_restarts")
+NON_NEGATIVE = (
+    "warmup",
+    "min_lr",
+    "weight_decay",
+    "gc_every",
+    "max_restarts",
+    "expert_bias_rate",
+)
 #: the fields that give the pipeline's shape (a plan gives them instead)
 SHAPE_FIELDS = ("schedule", "ranks", "microbatches", "stages_per_rank", "recompute")
 
@@ -108,6 +115,9 @@ class TrainConfig:
     #: a mixture-of-experts folder's experts kernel: ``auto`` a grouped GEMM on CUDA bf16 with
     #: compute capability >= 9.0, the loop over experts elsewhere (``hf.experts_kernel``)
     experts: Experts = "auto"
+    #: the per-expert routing bias's update speed after each optimizer step, for families
+    #: balanced without a loss (DeepSeek-V3: ``pipetrain.hf.expert_bias``); 0 keeps the biases
+    expert_bias_rate: float = 0.001
     #: the training text (``--data``, alias ``--text``)
     data: str | None = None
     text_unit: TextUnit = "line"

@@ -10,8 +10,10 @@ load-balancing loss by default, ``router_aux_loss_coef`` × each MoE layer's bal
 micro-batch (``pipetrain.hf.router_losses``), as Megatron-Core's and torchtitan's MoE training
 always balances; ``--router-aux-loss off`` trains without it. What a family cannot run (``--tp``
 without its plan, packed documents its ``forward`` would let attend to each other, a kernel its
-class lacks) and the families ``pipetrain.hf`` refuses (DeepSeek-V3) are refused before any
-process starts, each with the family's reason (``pipetrain.hf.families``).
+class lacks) and the folders ``pipetrain.hf`` refuses (a DeepSeek-V3 folder holding
+multi-token-prediction weights) are refused before any process starts, each with the family's
+reason (``pipetrain.hf.families``). DeepSeek-V3 balances its experts by a per-expert bias moved
+after each optimizer step (``--expert-bias-rate``, ``pipetrain.hf.expert_bias``), not by a loss.
 
 Data: ``--data`` (default the generated corpus) is read as documents — a text file's lines or
 paragraphs, JSONL records of ``text`` or chat ``messages`` (the loss on the assistant's tokens

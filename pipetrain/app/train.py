@@ -246,6 +246,8 @@ class Steps:
         ``--clip-grad-norm`` (its norm returned; measured unclipped when metrics are written),
         unless the loss or the norm is not finite: then ``Skips`` skips it or stops the run.
         Every rank holds the same loss and norm, so every rank decides alike."""
+        from pipetrain.hf.expert_bias import reset_expert_loads, update_expert_biases
+
         config, pipe = self.config, self.pipe
         what = None if pipe.loss_is_finite(loss) else f"the loss is {float(loss)}"
         norm = None
@@ -255,9 +257,14 @@ class Steps:
         if what is not None:
             self.skips.skip(what, step, lr)
             self.opt.zero_grad(set_to_none=True)
+            reset_expert_loads(pipe.modules.values())  # the skipped step's loads move nothing
             return None
         self.skips.passed()
         self.opt.step()
+        # DeepSeek-V3's auxiliary-loss-free balancing: loads summed over micro-batches and dp
+        dp = pipe.data_parallel
+        group = None if dp is None else dp.group
+        update_expert_biases(pipe.modules.values(), config.expert_bias_rate, group)
         return norm
 
     def _evaluate(self) -> float:

@@ -46,6 +46,7 @@ def check_arguments(config: TrainConfig) -> Layout:
     shape = run_shape(config)
     if config.model_dir is not None:  # what the folder's family cannot run (tp, packing, router)
         check_family_flags(config, shape.model)
+    _check_expert_bias(config, shape.model)
     _check_data_flags(config)
     _check_experts(config, shape.model)
     if config.resume and config.checkpoint_dir is None:
@@ -68,6 +69,8 @@ def check_arguments(config: TrainConfig) -> Layout:
     elif not config.worker:  # tokenized once, by the launcher
         check_data(config, shape.vocab)
         routed = router_line(config)
+        if _expert_bias_balanced(config, shape.model):  # balanced by the bias, not a loss
+            routed = _expert_bias_line(config)
         if routed is not None:
             print(routed, flush=True)
     if not config.worker:
@@ -95,6 +98,41 @@ def check_arguments(config: TrainConfig) -> Layout:
             )
         )
     return layout
+
+
+def _expert_bias_balanced(config: TrainConfig, model_type: str) -> bool:
+    """Whether the folder's family balances its experts with a per-expert routing bias."""
+    if config.model_dir is None:
+        return False
+    from pipetrain.hf import families
+
+    return families.FAMILIES[model_type].expert_bias
+
+
+def _check_expert_bias(config: TrainConfig, model_type: str) -> None:
+    """``--expert-bias-rate`` only where the model's routers have the bias it moves."""
+    if flags_given(config, ("expert_bias_rate",)) and not _expert_bias_balanced(config, model_type):
+        held = (
+            f"--model-dir {config.model_dir} holds a {model_type!r} model"
+            if config.model_dir is not None
+            else f"the built-in --model {config.model}"
+        )
+        raise ValueError(
+            f"--expert-bias-rate {config.expert_bias_rate:g}: {held}, whose routers have no "
+            "per-expert bias (auxiliary-loss-free balancing: DeepSeek-V3); drop it"
+        )
+
+
+def _expert_bias_line(config: TrainConfig) -> str:
+    rate = config.expert_bias_rate
+    if rate == 0:
+        return (
+            "expert bias balancing off (--expert-bias-rate 0): the routers' biases stay as loaded"
+        )
+    return (
+        f"expert bias balancing on: each router's per-expert bias moves by {rate:g} after every "
+        "optimizer step, towards the experts below the mean load (--expert-bias-rate 0 keeps it)"
+    )
 
 
 #: the flags that say how a ``--model-dir`` folder's tokenizer reads the data (the built-in

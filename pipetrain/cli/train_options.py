@@ -98,6 +98,16 @@ def optimizer_options(choices: dict[str, tuple[str, ...]]) -> tuple[Option, ...]
             "on CUDA bf16 with compute capability >= 9.0 and the loop over experts elsewhere; "
             "grouped and loop force one",
         ),
+        Option(
+            ("--expert-bias-rate",),
+            type=non_negative_float,
+            metavar="RATE",
+            help="a --model-dir folder balanced without a loss (DeepSeek-V3): after each "
+            "optimizer step every router's per-expert bias moves by RATE towards the experts "
+            "that received fewer tokens than the mean, loads summed over micro-batches and "
+            "data-parallel replicas (the DeepSeek-V3 report's bias update speed); 0 keeps the "
+            "biases as loaded",
+        ),
     )
 
 

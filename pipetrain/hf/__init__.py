@@ -19,12 +19,15 @@ Supported (model types checked, anything else refused): ``LlamaForCausalLM``, ``
 ``Qwen3ForCausalLM``, ``MistralForCausalLM``, ``GPT2LMHeadModel`` and the mixture-of-experts
 ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM`` and ``GptOssForCausalLM``
 (bf16 folders; each MoE layer adds its router's balancing loss per micro-batch:
-``router_losses``); DeepSeek-V3 is refused with the reason (``families.REFUSED``). Training only (no KV cache). ``transformers`` and ``safetensors`` are imported only by this package, when used
-(``pip install pipetrain[hf]``).
+``router_losses``), and ``DeepseekV3ForCausalLM`` (balanced by its per-expert bias, moved after
+each optimizer step: ``expert_bias``; folders holding its multi-token-prediction weights are
+refused: ``deepseek``). Training only (no KV cache). ``transformers`` and ``safetensors`` are
+imported only by this package, when used (``pip install pipetrain[hf]``).
 
 Modules: ``families`` (one row per model family: builder, wrapper, tensor-parallel plan or
 refusal, experts, ties, buffers), ``causal_lm`` (layers, losses, ties), ``decoder_layers`` (the
-wrappers), ``router_losses`` (MoE layers' balancing loss), ``masks`` (side inputs and targets),
+wrappers), ``router_losses`` (MoE layers' balancing loss), ``deepseek`` (DeepSeek-V3's layers),
+``expert_bias`` (auxiliary-loss-free balancing: ``update_expert_biases``), ``masks`` (side inputs and targets),
 ``pretrained`` (``from_pretrained``), ``checkpoint_files`` (reading and writing the folder's
 safetensors files), ``export`` (``save_pretrained``), ``tensor_parallel`` (the Llama family's tensor-parallel
 plan, ``parallelize_causal_lm``).
@@ -39,6 +42,7 @@ from pipetrain.hf.causal_lm import (
     tied_weights,
 )
 from pipetrain.hf.decoder_layers import DecoderLayer, GPT2Embedding, GPT2Layer
+from pipetrain.hf.expert_bias import update_expert_biases
 from pipetrain.hf.export import save_pretrained
 from pipetrain.hf.families import FAMILIES, LLAMA_FAMILY, REFUSED, SUPPORTED, Family, family_of
 from pipetrain.hf.masks import next_token_targets, packed_position_ids
@@ -70,4 +74,5 @@ __all__ = [
     "parallelize_causal_lm",
     "save_pretrained",
     "tied_weights",
+    "update_expert_biases",
 ]

@@ -20,6 +20,11 @@ from torch import nn
 
 from pipetrain.hf import masks
 from pipetrain.hf.decoder_layers import DecoderLayer, GPT2Embedding, GPT2Layer
+from pipetrain.hf.deepseek import (
+    DeepseekV3Layer,
+    deepseek_v3_layers,
+    refuse_multi_token_prediction,
+)
 from pipetrain.hf.router_losses import MoeDecoderLayer
 from pipetrain.hf.stored_layout import FolderTensors, StoredExperts
 from pipetrain.hf.tensor_parallel import decoder_plan
@@ -66,6 +71,12 @@ class Family:
     #: whether its ``forward`` keeps packed documents apart (builds its mask from the position
     #: ids); where not, given position ids are refused rather than masked differently
     packing: bool = True
+    #: ``(files, config) -> None``: refuses a folder whose tensors the family cannot train
+    #: (``checkpoint_files.ModelFiles``; DeepSeek-V3's multi-token-prediction weights)
+    folder_check: Callable[[Any, Any], None] | None = None
+    #: whether its routers carry a per-expert bias that ``expert_bias`` moves after each
+    #: optimizer step (auxiliary-loss-free balancing)
+    expert_bias: bool = False
 
     @property
     def is_moe(self) -> bool:
@@ -81,7 +92,10 @@ class Family:
 
     def folder_tensors(self, files: Any, config: Any, prefix: str) -> FolderTensors:
         """A folder's tensors (``checkpoint_files.ModelFiles``) as a model of ``config`` names
-        them, experts fused from the family's stored layout."""
+        them, experts fused from the family's stored layout (a ``ValueError`` where the
+        family's ``folder_check`` refuses the folder)."""
+        if self.folder_check is not None:
+            self.folder_check(files, config)
         experts = int(getattr(config, self.num_experts)) if self.stored is not None else 0
         return FolderTensors(files, self.stored, experts, prefix)
 
@@ -186,17 +200,27 @@ FAMILIES: dict[str, Family] = {
         # bf16 folders store the experts fused, under the model's names; its forward builds
         # the mask without the position ids, so packed documents would see each other
         _moe("gpt_oss", "num_local_experts", None, router="mlp.router", packing=False),
+        # dense first layers, shared experts, multi-latent attention; balanced by a per-expert
+        # bias moved after each optimizer step (expert_bias), not by a loss: no balancing
+        # function (transformers has none for it)
+        Family(
+            "deepseek_v3",
+            deepseek_v3_layers,
+            DeepseekV3Layer,
+            tensor_parallel=None,
+            tensor_parallel_refusal=MOE_NO_TP,
+            experts=("mlp.experts",),
+            router="mlp.gate",
+            num_experts="n_routed_experts",
+            stored=StoredExperts(),
+            folder_check=refuse_multi_token_prediction,
+            expert_bias=True,
+        ),
     )
 }
 
 #: families ``transformers`` has that pipetrain refuses, with the reason
-REFUSED: dict[str, str] = {
-    "deepseek_v3": (
-        "its auxiliary-loss-free balancing (the per-expert bias updated after each optimizer "
-        "step) is not implemented, and its multi-token prediction has no reference yet "
-        "(transformers drops those weights)"
-    ),
-}
+REFUSED: dict[str, str] = {}
 
 #: the model types whose forward is embedding → decoder layers → norm → head and which have the
 #: Llama family's tensor-parallel plan

@@ -4,7 +4,8 @@ equal, in float64, the unsplit ``transformers`` model trained with the same Adam
 accumulation over the same micro-batches, each MoE layer adding ``router_aux_loss_coef`` × its
 family's ``load_balancing_loss_func`` over its micro-batch (the per-layer form of
 ``pipetrain.hf.router_losses``); what a family cannot run is one line with exit 2 before any
-process starts (DeepSeek-V3, ``--tp`` on Mixtral, GPT-OSS with packed documents)."""
+process starts (DeepSeek-V3's multi-token-prediction weights, ``--tp`` on Mixtral, GPT-OSS with
+packed documents)."""
 
 from __future__ import annotations
 
@@ -185,18 +186,20 @@ def test_the_router_loss_follows_the_flag_and_the_config(tmp_path) -> None:
 
 
 def test_what_a_family_cannot_run_is_refused_before_launching(tmp_path, capsys) -> None:
-    """One line, exit 2, nothing launched: DeepSeek-V3 with its reason, ``--tp 2`` on Mixtral
+    """One line, exit 2, nothing launched: DeepSeek-V3 multi-token-prediction weights with the
+    reason and the opt-out, ``--tp 2`` on Mixtral
     with the family's, GPT-OSS with packed documents naming ``--packing none``."""
     from safetensors.torch import save_file
     from transformers import DeepseekV3Config
 
     deepseek = tmp_path / "deepseek"
     DeepseekV3Config(num_hidden_layers=1).save_pretrained(deepseek)
-    save_file({"x": torch.zeros(1)}, str(deepseek / "model.safetensors"))
+    mtp = {"model.layers.1.eh_proj.weight": torch.zeros(1)}  # a multi-token-prediction module
+    save_file(mtp, str(deepseek / "model.safetensors"))
     mixtral = write_moe_folder(tmp_path / "mixtral")
     gpt_oss = write_moe_folder(tmp_path / "gpt-oss", "gpt_oss")
     cases = {
-        (str(deepseek),): "holds a 'deepseek_v3' model; not supported yet: its auxiliary-loss-free",
+        (str(deepseek),): "holds DeepSeek-V3 multi-token-prediction weights .* config.json",
         (mixtral, "--tp", "2"): "--tp 2: --model-dir .* holds a 'mixtral' model: --tp with MoE",
         (gpt_oss,): "--packing documents: .*'gpt_oss' model.*give --packing none",
         (gpt_oss, "--packing", "none", "--attention", "sdpa"): "GptOssForCausalLM has no sdpa",

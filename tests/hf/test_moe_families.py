@@ -21,7 +21,6 @@ from runtime_harness import launch
 import pipetrain
 from pipetrain.hf import (
     FAMILIES,
-    REFUSED,
     ROUTER_AUX_LOSS,
     MoeDecoderLayer,
     causal_lm_layers,
@@ -281,12 +280,16 @@ def test_quantized_folders_and_packed_rows_where_transformers_ignores_them_are_r
         stage(ids, position_ids=torch.arange(SEQ).expand(ROWS, SEQ))
 
 
-@pytest.mark.parametrize("model_type", sorted(REFUSED))
-def test_refused_families_give_their_reason(tmp_path, model_type) -> None:
+def test_refused_families_give_their_reason(tmp_path, monkeypatch) -> None:
+    """A row of ``REFUSED`` (none today: every MoE family ``transformers`` has that pipetrain
+    knows runs) is refused with its reason, by the folder check and by the table."""
     import transformers as tf
 
+    from pipetrain.hf import families
     from pipetrain.hf.pretrained import check_folder
 
+    model_type = "olmoe"
+    monkeypatch.setitem(families.REFUSED, model_type, "its router is not known to pipetrain")
     config = tf.AutoConfig.for_model(model_type)
     config.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=f"^{model_type}: not supported yet: .+"):
