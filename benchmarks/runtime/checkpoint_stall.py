@@ -309,14 +309,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--writers",
-        default="auto",
+        default="thread",
         help="comma-separated background writers to measure, the first held to the target: "
-        "auto (DCP's checkpoint process on a GPU, a thread on CPU), process, thread",
+        "thread (DCP's upload thread, the default) or process (DCP's checkpoint process)",
     )
     args = parser.parse_args(argv)
     writers = args.writers.split(",")
-    if not writers or any(w not in ("auto", "process", "thread") for w in writers):
-        parser.error(f"--writers takes auto, process, thread; got {args.writers!r}")
+    if not writers or any(w not in ("thread", "process") for w in writers):
+        parser.error(f"--writers takes thread, process; got {args.writers!r}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = run(args.preset, out, args.max_steps_per_save, args.target, writers)

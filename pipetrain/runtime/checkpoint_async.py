@@ -2,13 +2,15 @@
 
 A synchronous save (``runtime.checkpoint.save_checkpoint``) holds every process for the whole
 write: copying the state off the device, writing every byte, hashing it. ``AsyncCheckpointer``
-does what torchtitan's ``checkpoint.async_mode = "async_with_pinned_mem"`` does with
+stages the state as torchtitan's ``checkpoint.async_mode = "async_with_pinned_mem"`` does with
 ``torch.distributed.checkpoint``: ``dcp.async_save`` with DCP's ``DefaultStager``, which copies
 the state into CPU memory on a thread of its own (page-locked memory and a side CUDA stream
-where the state is on a GPU, the copies kept between saves), then writes it from DCP's
-checkpoint process (the copies in shared memory, handed over rather than pickled) where the
-state is on a GPU, else on DCP's upload thread (``writer`` chooses). The training thread returns
-from ``save`` as soon as the copy is under way:
+where the state is on a GPU, the copies kept between saves), then writes it on DCP's upload
+thread, or from DCP's checkpoint process with ``writer="process"`` (torchtitan's choice; the
+copies then in shared memory, handed over rather than pickled). Measured on a GPU, the two stall
+training alike (docs/resilience.md links the results), so the thread, with no second process
+to start and watch, is the default. The training thread returns from ``save`` as soon as the
+copy is under way:
 
 * **The copy is exact.** The state changes at the optimizer's step, so a hook on the optimizer
   (``register_step_pre_hook``) waits for the copy to end before its next step; the forward and
@@ -50,8 +52,8 @@ from pipetrain.runtime.checkpoint import (
     saved_state,
 )
 
-#: who writes a save: DCP's checkpoint process, a thread of this process, or ``auto``
-WRITERS = ("auto", "process", "thread")
+#: who writes a save: a thread of this process, or DCP's checkpoint process
+WRITERS = ("thread", "process")
 
 
 class AsyncCheckpointer:
@@ -59,7 +61,7 @@ class AsyncCheckpointer:
     of a checkpoint makes one and calls it alike). ``timeout``: how long its process group
     waits on a peer (None: the default group's)."""
 
-    def __init__(self, timeout: timedelta | None = None, writer: str = "auto") -> None:
+    def __init__(self, timeout: timedelta | None = None, writer: str = "thread") -> None:
         if writer not in WRITERS:
             raise ValueError(f"writer must be one of {', '.join(WRITERS)}, got {writer!r}")
         self.timeout = timeout
@@ -103,7 +105,7 @@ class AsyncCheckpointer:
         upload: Future | None = None
         failure: BaseException | None = None
         try:
-            process = self._in_process(state, own)
+            process = self._in_process(own)
             response = dcp.async_save(
                 state,
                 checkpoint_id=partial,
@@ -227,15 +229,10 @@ class AsyncCheckpointer:
             )
         return {"process_group": self._groups[ranks]}
 
-    def _in_process(self, state: dict[str, object], own: dict) -> bool:
-        """Whether DCP writes this save from its checkpoint process rather than a thread of
-        this one: ``writer``, where ``auto`` means on a GPU in a process group (torchtitan's
-        ``async_with_pinned_mem``). A writer thread takes the interpreter's lock from the
-        training thread for its Python work (planning, serializing each item) and so slows
-        every step while it writes; the process needs a process group to start its own."""
-        if self.writer == "thread" or own.get("no_dist"):
-            return False
-        return self.writer == "process" or _on_cuda(state)
+    def _in_process(self, own: dict) -> bool:
+        """Whether DCP writes this save from its checkpoint process: as ``writer`` says, where
+        there is a process group (the checkpoint process starts its own from it)."""
+        return self.writer == "process" and not own.get("no_dist")
 
     def _stager_for(self, state: dict[str, object], shared: bool) -> Any:
         """DCP's stager: copies on its own thread, into page-locked memory from a side stream

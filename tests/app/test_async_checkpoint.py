@@ -192,3 +192,28 @@ def test_a_checkpoint_without_its_marker_is_incomplete_unless_written_before_mar
     fresh = _model()
     load_checkpoint(path, fresh, verify=True)
     assert _equal(fresh.state_dict(), model.state_dict())
+
+
+def test_a_writer_other_than_thread_or_process_is_refused() -> None:
+    with pytest.raises(ValueError, match="writer must be one of thread, process, got 'disk'"):
+        AsyncCheckpointer(writer="disk")
+
+
+def _process_writer_case(rank: int, world: int, folder: str) -> bool:
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    _step(model, opt, 0)
+    taken = {k: v.clone() for k, v in model.state_dict().items()}
+    with AsyncCheckpointer(writer="process") as writer:
+        writer.save(Path(folder) / "step", model, opt)
+        _step(model, opt, 1)
+    fresh = _model()
+    load_checkpoint(Path(folder) / "step", fresh, verify=True)
+    return all(torch.equal(taken[k], v) for k, v in fresh.state_dict().items())
+
+
+@pytest.mark.stress
+def test_dcps_checkpoint_process_writes_the_same_checkpoint(tmp_path: Path) -> None:
+    """``writer="process"``: DCP's checkpoint process writes the folder (in a process of its own
+    here, so that DCP's process ends with it)."""
+    assert launch(1, _process_writer_case, str(tmp_path), timeout=180) == [True]
