@@ -128,6 +128,23 @@ def data_options(choices: dict[str, tuple[str, ...]]) -> tuple[Option, ...]:
             choices["microbatch_balance"],
             "how rows are dealt to micro-batches: balanced by real tokens, or in order",
         ),
+        Option(
+            ("--global-batch-tokens",),
+            type=positive_int,
+            metavar="N",
+            help="a step is N real tokens over every replica, not a fixed count of "
+            "micro-batches: each step runs as many micro-batches as its documents fill, "
+            "rounded to the nearest count the schedule runs, the rest carried to the next "
+            "step (with --packing documents; instead of -m)",
+            shown_default="off: -m micro-batches a step",
+        ),
+        Option(
+            ("--costs",),
+            metavar="FILE",
+            help="balance micro-batches by the per-token and per-token² costs that `pipetrain "
+            "profile --seq-lens` fitted into this costs file",
+            shown_default="a transformer's FLOPs at the model's width",
+        ),
     )
 
 

@@ -58,7 +58,7 @@ LossFn = Callable[..., torch.Tensor]
 #: a batch as ``step`` takes it: one tensor, or several (stage 0's positional arguments)
 Tensors = torch.Tensor | Sequence[torch.Tensor]
 LossReduction = Literal["mean", "sum", "token_mean"]
-Mode = Literal["train", "eval"]
+Side = Mapping[str, object] | None  # side inputs by name (``runtime.side_inputs``)
 
 
 #: construction's phases, each named by what it makes: a failure names the first phase whose
@@ -167,8 +167,8 @@ class Pipeline:
         self.dropout_keys = keyed_dropout(seed, self.modules, *where)
         wide = self._data_parallel is not None or mesh is not None
         self._precompile = Precompile.build(precompile, self._agreement, self._runners, wide)
-        held = (self._agreement, self._extra_terms, self.dropout_keys)
-        self._counts = counts.for_pipeline(self.program, spec, schedule, cuda_graph, moved, *held)
+        kept = (self._agreement, self._extra_terms, self.dropout_keys)
+        self._counts = counts.for_pipeline(self.program, spec, schedule, cuda_graph, moved, *kept)
         dp = self._data_parallel  # tied gradients averaged over the replicas where they are
         average_over = dp.size if dp is not None and dp.reduction == "mean" else 1
         self._tied_grads = tied_weights.TiedGrads(self._tied_sets, self._runners, average_over)
@@ -414,7 +414,7 @@ class Pipeline:
 
     @stops_on_failure
     def eval_step(
-        self, inputs: Tensors, *, side: Mapping[str, object] | None = None, num_microbatches=None
+        self, inputs: Tensors, *, side: Side = None, num_microbatches: int | None = None
     ) -> microbatch.Batch | None:
         """Forward only (as ``step``); the last stage's outputs (merged) on its rank, else None."""
         mbs = self._split(inputs, None, side, num_microbatches)
@@ -427,7 +427,7 @@ class Pipeline:
         return microbatch.merge(outs, single=len(outs[0]) == 1)
 
     def _split(
-        self, inputs: Tensors, targets: Tensors | None, side: Mapping[str, object] | None, count
+        self, inputs: Tensors, targets: Tensors | None, side: Side, count: int | None
     ) -> microbatch.MicroBatches:
         """The batch on this device in ``count``'s micro-batches (side inputs: ``_side``)."""
         resolve.require_process_group()
@@ -456,7 +456,7 @@ class Pipeline:
         rows: tuple[Action, ...],
         mbs: microbatch.MicroBatches,
         side: tuple[dict[str, object], ...],
-        mode: Mode,
+        mode: Literal["train", "eval"],
         timeline: bool,
     ) -> dict[int, tuple[torch.Tensor, ...]]:
         """Run ``rows`` on ``mbs`` and ``side``: this rank's share of the step (or of a
