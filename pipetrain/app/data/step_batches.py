@@ -13,7 +13,9 @@ batches of the uninterrupted one.
 
 A step's batch is ``dp x microbatches`` micro-batches of ``microbatch_size`` rows, in that
 order: replica ``r`` takes rows ``r*M*mbs .. (r+1)*M*mbs - 1`` (its micro-batches ``r*M ..
-r*M+M-1``). With ``packing="none"`` each row holds the next document of the stream, nothing is
+r*M+M-1``). Under a ``TokenBudget`` a step is offered its budget's tokens instead of its
+shape's slots, and ``M`` is the step's own: the count its documents fill, one the schedule
+accepts (``app.data.token_budget``). With ``packing="none"`` each row holds the next document of the stream, nothing is
 left over, and ``balanced`` changes nothing (a padded row costs its full length whatever it
 holds).
 
