@@ -16,7 +16,7 @@ STEPS = 4
 
 def budget_runs(rank: int, world: int, directory: str, folder: str, schedules) -> dict:
     """Per schedule: the straight run's losses, the reference's (rank 0), each step's count;
-    for the first schedule, a run to step 2 resumed to ``STEPS``."""
+    for the first schedule, a run to step 2 resumed to ``STEPS``, and ``--dp 2`` on one rank."""
     from pipetrain.app.batch_source import train_batches
     from pipetrain.app.train import train
 
@@ -67,6 +67,11 @@ def budget_runs(rank: int, world: int, directory: str, folder: str, schedules) -
                 train_args(*common, *ckpt, "--steps", str(STEPS), "--resume"), torch.device("cpu")
             )
             result["resumed"] = (resumed.first_step, resumed.losses)
+            # 2 replicas of one rank: each its share of every step's own count of micro-batches
+            dp = train_args(*common, "-p", "1", "--dp", "2", "--steps", str(STEPS))
+            result["dp"] = train(dp, torch.device("cpu")).losses
+            if rank == 0:
+                result["dp_reference"] = reference_run(dp, STEPS)[0]
         if rank == 0:
             result["reference"] = reference_run(config, STEPS)[0]
         results[schedule] = result
