@@ -247,6 +247,7 @@ class Steps:
                 "tok_per_s": rate,
                 "mfu": None if self.peak is None else self.flops * rate / self.peak,
                 **{f"aux_loss/{name}": value for name, value in pipe.extra_losses.items()},
+                **({} if count is None else {"microbatches": count}),  # --global-batch-tokens
             }
             self.log.write(record | ({} if eval_loss is None else {"eval_loss": eval_loss}))
 

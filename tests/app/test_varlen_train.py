@@ -24,6 +24,7 @@ def test_token_budget_steps_equal_the_unsplit_model_and_resume(tmp_path):
     for schedule in SCHEDULES:
         lead = results[0][schedule]
         assert len(set(lead["counts"])) > 1, lead["counts"]  # the count does change
+        assert lead["recorded"] == lead["counts"]  # --metrics records each step's count
         assert lead["straight"] == pytest.approx(lead["reference"], rel=1e-12, abs=0), schedule
         if "dp" in lead:
             assert lead["dp"] == pytest.approx(lead["dp_reference"], rel=1e-12, abs=0)

@@ -5,6 +5,7 @@ unsplit ``transformers`` model on the same packed batches; and a resume mid-run.
 from __future__ import annotations
 
 import itertools
+import json
 from pathlib import Path
 
 import torch
@@ -56,8 +57,12 @@ def budget_runs(rank: int, world: int, directory: str, folder: str, schedules) -
             "--data-cache",
             f"{directory}/cache",
         ]
-        config = train_args(*common, "--steps", str(STEPS))
+        metrics = Path(directory) / f"{schedule}.jsonl"
+        config = train_args(*common, "--steps", str(STEPS), "--metrics", str(metrics))
         result: dict = {"straight": train(config, torch.device("cpu")).losses}
+        if rank == 0:
+            lines = metrics.read_text().splitlines()
+            result["recorded"] = [json.loads(line)["microbatches"] for line in lines]
         batches = itertools.islice(train_batches(config, None, 4), STEPS)
         result["counts"] = [b.microbatches for b in batches]
         if schedule == schedules[0]:
