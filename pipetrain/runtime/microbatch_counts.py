@@ -7,8 +7,9 @@ step) alike (``app.data.step_batches``) and passes it to ``Pipeline.step(...,
 num_microbatches=n)``. ``n``'s program is built, lowered and validated the first time ``n`` is
 asked for and kept; the ranks agree on it then, once (one store exchange of its fingerprint,
 ``comm.agreement``), and never per transfer: per-transfer shape handshakes are where Megatron-LM's
-variable-length pipelines deadlocked. Transfer shapes are learnt once per count too (each count
-keeps its own caches), so steps that alternate between counts rediscover nothing.
+variable-length pipelines deadlocked. Transfer shapes are learnt, and a step's shapes agreed on,
+once per count too (each count keeps its own caches and agreed shapes), so steps that alternate
+between counts rediscover and re-agree nothing.
 
 What depends on the count is switched with the program: each stage's last weight-gradient piece
 (where gradient hooks fire), each stage's last use (where data-parallel syncs start), the extra
@@ -45,6 +46,8 @@ class CountProgram:
     weight_pieces: dict[int, int]
     #: per mode, the transfer shapes learnt for this count (``executor.cache_for``)
     caches: dict[str, MetaCache] = field(default_factory=dict)
+    #: per mode, the step shapes the ranks agreed on at this count (``Agreement.step_records``)
+    agreed: dict[str, dict] = field(default_factory=dict)
     #: the forward-only program, built at the first ``eval_step`` of this count
     eval_program: Program | None = None
 
@@ -81,6 +84,7 @@ class ProgramsByCount:
         self.rank, self.terms, self.keys = agreement.rank, terms, keys
         self.replica = keys.microbatch_offset // self.default  # the keys start at replica × M
         self.programs = {self.default: CountProgram.of(first, self.rank)}
+        self.programs[self.default].agreed = agreement.step_records
         self.split = resolve.split_backward_stages(first.actions[self.rank])
         self.active = self.programs[self.default]
 
@@ -125,6 +129,7 @@ class ProgramsByCount:
             runner.extra_weight = weight
         self.terms.num_microbatches = n
         self.keys.microbatch_offset = self.replica * n
+        self.agreement.step_records = chosen.agreed
         self.active = chosen
 
 

@@ -113,6 +113,11 @@ def run_counts(rank: int, world_size: int, cases) -> list[str]:
                         want = grads[step][f"{s}.{name}"]
                         if not torch.allclose(p.grad, want, rtol=1e-10, atol=1e-12):
                             failures.append(f"{schedule} step {step}: grad {s}.{name} differs")
+            rounds = pipe._agreement.rounds  # every count seen: none is agreed on again
+            for step, count in enumerate(COUNTS[schedule]):
+                pipe.step(*_batch(step, count), num_microbatches=count)
+            if pipe._agreement.rounds != rounds:
+                failures.append(f"{schedule}: known counts agreed again")
             x, _ = _batch(99, 4)
             out = pipe.eval_step(x)
             if pipe.num_microbatches != 4:
