@@ -1,7 +1,7 @@
 """``pipetrain train --global-batch-tokens``: each step runs the micro-batch count its documents
 fill, on 2 gloo ranks in float64, and equals the unsplit ``transformers`` model trained on the
-same packed batches (1F1B, and ``--dp 2``); a run resumed mid-way sees the same batches, bit for
-bit."""
+same packed batches (1F1B, ZBV, and ``--dp 2``); a run resumed mid-way sees the same batches,
+bit for bit."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from finetune_cases import write_folder
 from runtime_harness import launch
 from varlen_train_cases import budget_runs
 
-SCHEDULES = ("1f1b",)  # ZBV, DualPipeV: tests/runtime/test_microbatch_count.py
+SCHEDULES = ("1f1b", "zbv")  # DualPipeV: tests/runtime/test_microbatch_count.py
 
 
 @pytest.mark.slow
