@@ -125,10 +125,8 @@ def folder_batches(config: TrainConfig, microbatches: int, start: int) -> Iterat
     shape = BatchShape(config.dp, microbatches, config.microbatch_size)
     cost, budget = length_cost(config)[0], step_budget(config)
     corpus = folder_corpus(config, training_data(config))
-    seed = config.seed
-    for b in packed(
-        corpus, data_options(config), shape, seed=seed, start=start, cost=cost, budget=budget
-    ):
+    options, seed = data_options(config), config.seed
+    for b in packed(corpus, options, shape, seed=seed, start=start, cost=cost, budget=budget):
         count = b.microbatches if budget is not None else None
         yield StepBatch(b.inputs, b.targets, b.side, b.real_tokens, b.padding_tokens, count)
 
