@@ -2,9 +2,10 @@
 
 Building a step's batch is host work: planning which documents it packs, copying their tokens
 out of the memory-mapped cache into rows, the targets and the position ids. Done between steps,
-that time adds to every step while the accelerator waits; PyTorch's ``DataLoader`` and
-torchtitan's dataloader prepare batches ahead for the same reason. ``Prefetch`` runs the batch
-iterator on one background thread, ``ahead`` items in front of the loop: the loop gets the very
+that time adds to every step while the accelerator waits; PyTorch's ``DataLoader`` prepares
+batches ahead (``prefetch_factor``) for the same reason. ``Prefetch`` runs the batch
+iterator on one background thread that keeps up to ``ahead`` built items queued for the loop
+(and builds the next while they wait: ``ahead + 1`` batches held at most): the loop gets the very
 items the iterator yields, in its order (one thread calls it, as the loop would have), so a
 prefetched run trains on the batches an unprefetched one does. The thread shares the GIL with
 the loop: the batch is built while the loop waits on the accelerator, on transfers or in
@@ -37,8 +38,8 @@ class _End:
 
 
 class Prefetch(Generic[T]):
-    """Iterate ``source`` on a background thread, ``ahead`` items in front of the caller (see
-    the module docstring)."""
+    """Iterate ``source`` on a background thread, up to ``ahead`` items queued in front of the
+    caller (see the module docstring)."""
 
     def __init__(self, source: Iterator[T], ahead: int = 1) -> None:
         if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 1:
