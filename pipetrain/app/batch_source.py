@@ -37,7 +37,8 @@ if TYPE_CHECKING:
 
     from pipetrain.app.catalog import LayerModel
     from pipetrain.app.config import TrainConfig
-    from pipetrain.app.data import DataOptions, TokenCorpus
+    from pipetrain.app.data import DataOptions, TokenBudget, TokenCorpus
+    from pipetrain.planner.varlen import LengthCost
 
 #: a target that predicts nothing (``transformers``' and ``F.cross_entropy``'s ignore index)
 IGNORE_INDEX = -100
@@ -53,6 +54,13 @@ class StepBatch:
     #: tokens predicted (training: the real tokens; evaluation: targets that are not -100)
     real_tokens: int = 0
     padding_tokens: int = 0
+    #: micro-batches per replica, where the step has its own count (``--global-batch-tokens``)
+    microbatches: int | None = None
+
+    def share(self, replica: int, dp: int) -> slice:
+        """Replica ``replica``'s rows of the step's ``dp`` equal shares."""
+        per = len(self.inputs) // dp
+        return slice(replica * per, (replica + 1) * per)
 
     def rows(self, mine: slice, device: torch.device) -> StepBatch:
         """The rows ``mine`` (one replica's share) on ``device``; counts are the whole batch's."""
@@ -108,16 +116,65 @@ def train_batches(
 
 def folder_batches(config: TrainConfig, microbatches: int, start: int) -> Iterator[StepBatch]:
     """``--model-dir``'s batches: ``--data`` tokenized by the folder's tokenizer (from the data
-    cache) and packed per step by ``app.data``; micro-batches balanced by their cost as a
-    transformer of the folder's width pays it (``--microbatch-balance length``)."""
-    from pipetrain.app.data import BatchShape, transformer_cost
+    cache) and packed per step by ``app.data``; micro-batches balanced by their cost
+    (``length_cost``) with ``--microbatch-balance length``; with ``--global-batch-tokens``, each
+    step of its own count of micro-batches (``step_budget``)."""
+    from pipetrain.app.data import BatchShape
     from pipetrain.app.data import train_batches as packed
 
     shape = BatchShape(config.dp, microbatches, config.microbatch_size)
-    cost = transformer_cost(run_shape(config).hidden)
+    cost, budget = length_cost(config)[0], step_budget(config)
     corpus = folder_corpus(config, training_data(config))
-    for b in packed(corpus, data_options(config), shape, seed=config.seed, start=start, cost=cost):
-        yield StepBatch(b.inputs, b.targets, b.side, b.real_tokens, b.padding_tokens)
+    options, seed = data_options(config), config.seed
+    for b in packed(corpus, options, shape, seed=seed, start=start, cost=cost, budget=budget):
+        count = b.microbatches if budget is not None else None
+        yield StepBatch(b.inputs, b.targets, b.side, b.real_tokens, b.padding_tokens, count)
+
+
+def length_cost(config: TrainConfig) -> tuple[LengthCost, str]:
+    """What a document of ``n`` tokens costs when micro-batches are balanced, and a line
+    saying which: the per-token and per-token² coefficients ``pipetrain profile --seq-lens``
+    fitted into ``--costs FILE`` (every layer's summed, ms), else a transformer of the folder's
+    width (``transformer_cost``: Megatron-LM's FLOP count)."""
+    from pipetrain.app.data import transformer_cost
+
+    if config.costs is None:
+        hidden = run_shape(config).hidden
+        return transformer_cost(hidden), f"micro-batches balanced by FLOPs (hidden {hidden})"
+    from pipetrain.planner.costs_file import load_costs
+    from pipetrain.planner.varlen import model_length_cost
+
+    try:
+        cost = model_length_cost(load_costs(config.costs))
+    except ValueError as e:
+        raise ValueError(f"--costs {config.costs}: {e}") from None
+    line = (
+        f"micro-batches balanced by the length costs in {config.costs}: "
+        f"{cost.per_token:.3g} ms per token + {cost.per_token_sq:.3g} ms per token²"
+    )
+    return cost, line
+
+
+def step_budget(config: TrainConfig) -> TokenBudget | None:
+    """``--global-batch-tokens`` as a ``TokenBudget`` over the schedule's accepted counts
+    (None without it)."""
+    if config.global_batch_tokens is None:
+        return None
+    from pipetrain.app.config import DEFAULT_RANKS, DEFAULT_SCHEDULE
+    from pipetrain.app.data import StepCounts, TokenBudget
+
+    ranks = config.ranks or DEFAULT_RANKS
+    counts = StepCounts(config.schedule or DEFAULT_SCHEDULE, ranks, config.stages_per_rank)
+    try:
+        return TokenBudget(
+            config.global_batch_tokens,
+            counts,
+            dp=config.dp,
+            microbatch_size=config.microbatch_size,
+            seq_len=config.seq_len,
+        )
+    except ValueError as e:
+        raise ValueError(f"--global-batch-tokens: {e}") from None
 
 
 def training_data(config: TrainConfig) -> str:

@@ -156,6 +156,11 @@ class TrainConfig:
     float8: bool = False
     attention: Attention = "auto"
     microbatch_balance: MicrobatchBalance = "length"
+    #: a step's real tokens over every replica (None: ``microbatches`` micro-batches a step);
+    #: each step runs as many micro-batches as its documents fill (``app.data.token_budget``)
+    global_batch_tokens: int | None = None
+    #: a costs file whose length coefficients balance micro-batches (``profile --seq-lens``)
+    costs: str | None = None
     deterministic: bool = False
     #: collect Python's garbage every this many steps, never in between (0: Python's own)
     gc_every: int = 50

@@ -82,6 +82,7 @@ def train(config: TrainConfig, device: torch.device) -> Run:
     from pipetrain.app import checkpoints
     from pipetrain.app.batch_source import train_batches
     from pipetrain.app.catalog import build
+    from pipetrain.app.data.prefetch import Prefetch
     from pipetrain.app.lr_schedule import parameter_groups, resolve_schedule
 
     layout = check_arguments(config)
@@ -113,10 +114,12 @@ def train(config: TrainConfig, device: torch.device) -> Run:
         start = _resume(config, saver, pipe, opt, rank)
         pipe.dropout_keys.step = start  # a resumed run draws the straight run's masks
         local = config.microbatch_size * layout.microbatches
-        data = train_batches(config, model, layout.microbatches, start)
         mine = slice(replica * local, (replica + 1) * local)
         steps = Steps(config, pipe, opt, schedule, device, mine, start, local * config.dp)
+        steps.replica = replica  # its share of a step of its own count (--global-batch-tokens)
         every = config.checkpoint_every or config.steps
+        # the next step's batch is built while this one runs (``app.data.prefetch``)
+        data = Prefetch(train_batches(config, model, layout.microbatches, start))
         try:
             with GarbageCollection(config.gc_every) as collector:
                 for step in range(start, config.steps):
@@ -130,6 +133,7 @@ def train(config: TrainConfig, device: torch.device) -> Run:
                         raise term.stopped(step + 1, config.steps, saved)
         finally:
             steps.close()
+            data.close()
         if config.export is not None:
             from pipetrain.app.model_folder import export
 
@@ -204,18 +208,23 @@ class Steps:
         self.measured: list[Timeline] = []
         self.skips = Skips(config)
         self.evals: list[tuple[int, float]] = []
+        self.replica = 0
 
     def run(self, step: int, batch: StepBatch) -> None:
         """Step ``step`` (0-based) on ``batch`` (every replica's rows)."""
         config, pipe = self.config, self.pipe
-        local = batch.rows(self.mine, self.device)
+        count = batch.microbatches  # None: the pipeline's own
+        mine = self.mine if count is None else batch.share(self.replica, config.dp)
+        local = batch.rows(mine, self.device)
         # a captured step replays as one: no per-action timeline to measure
         timed = not config.cuda_graph and step >= config.steps - MEASURED_STEPS
         t0 = time.perf_counter()
         lr = self.schedule.at(step)
         set_lr(self.opt, lr)
         self.opt.zero_grad(set_to_none=True)
-        loss = pipe.step(local.inputs, local.targets, timeline=timed, side=local.side)
+        loss = pipe.step(
+            local.inputs, local.targets, timeline=timed, side=local.side, num_microbatches=count
+        )
         norm = self._update(loss, lr, step + 1)
         self.losses.append(float(loss))
         rate = batch.real_tokens / (time.perf_counter() - t0)
@@ -238,6 +247,7 @@ class Steps:
                 "tok_per_s": rate,
                 "mfu": None if self.peak is None else self.flops * rate / self.peak,
                 **{f"aux_loss/{name}": value for name, value in pipe.extra_losses.items()},
+                **({} if count is None else {"microbatches": count}),  # --global-batch-tokens
             }
             self.log.write(record | ({} if eval_loss is None else {"eval_loss": eval_loss}))
 

@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 
 from pipetrain.app import kernels
-from pipetrain.app.batch_source import check_folder_data
+from pipetrain.app.batch_source import check_folder_data, length_cost, step_budget
 from pipetrain.app.catalog import ModelShape, default_stage_layers
 from pipetrain.app.checkpoints import Checkpoints, check_directory
 from pipetrain.app.config import (
@@ -49,6 +49,7 @@ def check_arguments(config: TrainConfig) -> Layout:
     _check_expert_bias(config, shape.model)
     _check_data_flags(config)
     _check_experts(config, shape.model)
+    _check_token_budget(config)
     if config.resume and config.checkpoint_dir is None:
         raise ValueError("--resume needs --checkpoint-dir DIR (where the checkpoints are)")
     if config.checkpoint_every is not None and config.checkpoint_dir is None:
@@ -137,7 +138,10 @@ def _expert_bias_line(config: TrainConfig) -> str:
 
 #: the flags that say how a ``--model-dir`` folder's tokenizer reads the data (the built-in
 #: models read a text file's bytes as they are)
-FOLDER_DATA_FIELDS = ("text_unit", "packing", "long_documents", "data_cache", "microbatch_balance")
+FOLDER_DATA_FIELDS = (
+    *("text_unit", "packing", "long_documents", "data_cache", "microbatch_balance"),
+    *("global_batch_tokens", "costs"),
+)
 
 
 def _check_data_flags(config: TrainConfig) -> None:
@@ -183,6 +187,39 @@ def _check_experts(config: TrainConfig, model: str) -> None:
         )
     if config.experts == "grouped" and config.dtype == "float64":
         raise ValueError(f"{flag}: no grouped GEMM takes float64; use --experts loop or auto")
+
+
+def _check_token_budget(config: TrainConfig) -> None:
+    """``--global-batch-tokens`` packs documents and sets each step's micro-batch count, so it
+    takes no ``-m``, plan or captured step; ``--costs`` weighs documents for length-balanced
+    packing. Both read as the run reads them (the budget holds the fewest micro-batches the
+    schedule runs, the costs file has length coefficients)."""
+    budget = config.global_batch_tokens
+    if budget is not None:
+        if config.packing == "none":
+            raise ValueError(
+                "--global-batch-tokens packs documents up to a token budget; drop --packing none "
+                "or give -m N micro-batches of padded rows instead"
+            )
+        for given, flag in ((config.microbatches, "-m/--microbatches"), (config.plan, "--plan")):
+            if given is not None:
+                raise ValueError(
+                    f"--global-batch-tokens sets each step's micro-batch count; drop {flag} or "
+                    "--global-batch-tokens"
+                )
+        if config.cuda_graph:
+            raise ValueError(
+                "--global-batch-tokens changes the micro-batch count between steps, which a "
+                "captured step cannot; drop --cuda-graph or --global-batch-tokens"
+            )
+        step_budget(config)
+    if config.costs is not None:
+        if config.packing == "none" or config.microbatch_balance == "fixed":
+            raise ValueError(
+                "--costs balances packed micro-batches by length; it needs --packing documents "
+                "and --microbatch-balance length"
+            )
+        length_cost(config)
 
 
 def _check_cuda_graph(config: TrainConfig) -> None:
@@ -268,10 +305,11 @@ def _layout(config: TrainConfig, shape: ModelShape) -> Layout:
         layout = _read_plan(config.plan)
         _check_plan_sizes(config, layout)
         return layout
+    budget = step_budget(config)  # a token budget: the count of a step its tokens fill
     program = build_schedule(
         config.schedule or DEFAULT_SCHEDULE,
         config.ranks or DEFAULT_RANKS,
-        config.microbatches or DEFAULT_MICROBATCHES,
+        config.microbatches or (DEFAULT_MICROBATCHES if budget is None else budget.nominal),
         config.stages_per_rank,
     )
     if program.num_stages > shape.num_layers:
@@ -352,6 +390,8 @@ def check_data(config: TrainConfig, vocab: int) -> None:
     it found is printed (``app.batch_source.check_folder_data``)."""
     for line in check_folder_data(config, vocab):
         print(line, flush=True)
+    if config.packing == "documents" and config.microbatch_balance == "length":
+        print(length_cost(config)[1], flush=True)
 
 
 __all__ = ["check_arguments", "check_data"]

@@ -145,6 +145,23 @@ def data_options(choices: dict[str, tuple[str, ...]]) -> tuple[Option, ...]:
             choices["microbatch_balance"],
             "how rows are dealt to micro-batches: balanced by real tokens, or in order",
         ),
+        Option(
+            ("--global-batch-tokens",),
+            type=positive_int,
+            metavar="N",
+            help="a step is N real tokens over every replica, not a fixed count of "
+            "micro-batches: each step runs as many micro-batches as its documents fill, "
+            "rounded to the nearest count the schedule runs, the rest carried to the next "
+            "step (with --packing documents; instead of -m)",
+            shown_default="off: -m micro-batches a step",
+        ),
+        Option(
+            ("--costs",),
+            metavar="FILE",
+            help="balance micro-batches by the per-token and per-token² costs that `pipetrain "
+            "profile --seq-lens` fitted into this costs file",
+            shown_default="a transformer's FLOPs at the model's width",
+        ),
     )
 
 
@@ -168,7 +185,8 @@ def eval_options() -> tuple[Option, ...]:
             ("--metrics",),
             metavar="FILE",
             help="write one JSON line per step (loss, lr, grad_norm, tokens, padding_tokens, "
-            "tok_per_s, mfu, eval_loss, aux_loss/NAME of a router's loss), and at the end FILE's loss and lr drawn as SVG beside it; "
+            "tok_per_s, mfu, eval_loss, aux_loss/NAME of a router's loss, microbatches under "
+            "--global-batch-tokens), and at the end FILE's loss and lr drawn as SVG beside it; "
             "--resume keeps the lines up to its step",
         ),
         Option(

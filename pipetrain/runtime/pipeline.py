@@ -27,12 +27,13 @@ from torch import nn
 from pipetrain.planner.layout import Layout, PlanLike
 from pipetrain.runtime import checkpoint, host_offload, losses, microbatch, resolve, side_inputs
 from pipetrain.runtime import cuda_graph as step_graph
+from pipetrain.runtime import microbatch_counts as counts
 from pipetrain.runtime.comm import failures, teardown
 from pipetrain.runtime.comm.agreement import Agreement, pipeline_prefix
 from pipetrain.runtime.comm.failures import Failures, OwnedGroup, posts_failures, stops_on_failure
 from pipetrain.runtime.comm.p2p import Transport
 from pipetrain.runtime.dropout_rng import for_pipeline as keyed_dropout
-from pipetrain.runtime.executor import Executor, MetaCache, StepData, cache_for
+from pipetrain.runtime.executor import Executor, StepData, cache_for
 from pipetrain.runtime.extra_losses import StepTerms
 from pipetrain.runtime.parallel import grad_norm
 from pipetrain.runtime.parallel import tied as tied_weights
@@ -58,7 +59,7 @@ LossFn = Callable[..., torch.Tensor]
 #: a batch as ``step`` takes it: one tensor, or several (stage 0's positional arguments)
 Tensors = torch.Tensor | Sequence[torch.Tensor]
 LossReduction = Literal["mean", "sum", "token_mean"]
-Mode = Literal["train", "eval"]
+Side = Mapping[str, object] | None  # side inputs by name (``runtime.side_inputs``)
 
 
 #: construction's phases, each named by what it makes: a failure names the first phase whose
@@ -167,7 +168,8 @@ class Pipeline:
         self.dropout_keys = keyed_dropout(seed, self.modules, *where)
         wide = self._data_parallel is not None or mesh is not None
         self._precompile = Precompile.build(precompile, self._agreement, self._runners, wide)
-        self._last_uses = resolve.last_uses(self.program.actions[self.rank])
+        kept = (self._agreement, self._extra_terms, self.dropout_keys)
+        self._counts = counts.for_pipeline(self.program, spec, schedule, cuda_graph, moved, *kept)
         dp = self._data_parallel  # tied gradients averaged over the replicas where they are
         average_over = dp.size if dp is not None and dp.reduction == "mean" else 1
         self._tied_grads = tied_weights.TiedGrads(self._tied_sets, self._runners, average_over)
@@ -176,8 +178,6 @@ class Pipeline:
         )
         self._transport = self._build_transport(timeout)
         self._side_stream = resolve.side_stream(overlap_pairs, self.device)
-        self._caches: dict[Mode, MetaCache] = {}
-        self._eval_program: Program | None = None
         self._side: tuple[dict[str, object], ...] = ()
         self._side_keywords_all: list[frozenset[str] | None] | None = None
         self._failure: str | None = None
@@ -311,7 +311,7 @@ class Pipeline:
             self._reverse_group = None
             self._let_go()
             self._side_stream = None
-            self._caches.clear()
+            self._counts.clear()
 
     def _stop_after(self, error: BaseException) -> None:
         """A step failed here: tell the peers (notice, then close this pipeline's group, so their
@@ -362,18 +362,19 @@ class Pipeline:
         timeline: bool = False,
         *,
         side: Mapping[str, object] | None = None,
+        num_microbatches: int | None = None,
     ) -> torch.Tensor:
         """One training step; returns the batch's loss (per ``loss_reduction``) on every rank.
 
         ``inputs``: stage 0's positional arguments, each split along dim 0 into micro-batches;
         ``targets`` likewise, given to ``loss_fn``. ``timeline``: measure the step; every rank's
-        spans are gathered into ``last_timeline``.
-        Gradients accumulate into ``.grad`` (zero them as with any torch training loop).
-        ``side``: side inputs by name (an attention mask...), given to the stages whose forward
-        takes them, split per micro-batch where batched (``runtime.side_inputs``).
+        spans are gathered into ``last_timeline``. Gradients accumulate into ``.grad`` (zero them
+        as with any torch training loop). ``side``: side inputs by name (an attention mask...) for
+        the stages that take them, split per micro-batch where batched (``runtime.side_inputs``).
+        ``num_microbatches``: this step's (None: the pipeline's; ``runtime.microbatch_counts``).
         """
         step_graph.check_step(self.graph, timeline)
-        mbs = self._split(inputs, targets, side)
+        mbs = self._split(inputs, targets, side, num_microbatches)
         if self._data_parallel is not None:
             self._data_parallel.check_batch(mbs.batch_size)
         weights = losses.weights(
@@ -412,13 +413,11 @@ class Pipeline:
 
     @stops_on_failure
     def eval_step(
-        self, inputs: Tensors, *, side: Mapping[str, object] | None = None
+        self, inputs: Tensors, *, side: Side = None, num_microbatches: int | None = None
     ) -> microbatch.Batch | None:
-        """Forward only; the last stage's outputs (merged) on the rank that holds it, else None."""
-        if self._eval_program is None:
-            self._eval_program = resolve.forward_only(self.program, self._receive_lead)
-        mbs = self._split(inputs, None, side)
-        rows = self._eval_program.actions[self.rank]
+        """Forward only (as ``step``); the last stage's outputs (merged) on its rank, else None."""
+        mbs = self._split(inputs, None, side, num_microbatches)
+        rows = self._counts.active.forward_only(self.rank, self._receive_lead)
         with torch.no_grad():
             results = self._execute(rows, mbs, self._side, "eval", False)
         if self.rank != self._last_rank:
@@ -427,13 +426,14 @@ class Pipeline:
         return microbatch.merge(outs, single=len(outs[0]) == 1)
 
     def _split(
-        self, inputs: Tensors, targets: Tensors | None, side: Mapping[str, object] | None = None
+        self, inputs: Tensors, targets: Tensors | None, side: Side, count: int | None
     ) -> microbatch.MicroBatches:
-        """The batch on this device in micro-batches (and the side inputs, in ``_side``)."""
+        """The batch on this device in ``count``'s micro-batches (side inputs: ``_side``)."""
         resolve.require_process_group()
         if self.closed:
             why = f" after a failure ({self._failure})" if self._failure else ""
             raise RuntimeError(f"this Pipeline was closed{why}; build a new one to keep training")
+        self.program = self._counts.select(count).program
         self._check_targets(targets)
         xs, ys = microbatch.to_device(inputs, targets, self.device)
         mbs = microbatch.split(xs, ys, self.num_microbatches)
@@ -455,13 +455,13 @@ class Pipeline:
         rows: tuple[Action, ...],
         mbs: microbatch.MicroBatches,
         side: tuple[dict[str, object], ...],
-        mode: Mode,
+        mode: Literal["train", "eval"],
         timeline: bool,
     ) -> dict[int, tuple[torch.Tensor, ...]]:
         """Run ``rows`` on ``mbs`` and ``side``: this rank's share of the step (or of a
         forward-only pass); returns the last stage's outputs by micro-batch (eval on its rank)."""
         signature = (mbs.batch_size, *((tuple(x.shape), x.dtype) for x in mbs.inputs[0]))
-        cache, discover = cache_for(self._caches, mode, signature)  # type: ignore[arg-type]
+        cache, discover = cache_for(self._counts.active.caches, mode, signature)
         # a replayed step is announced before its replay (``StepGraph.step``)
         self._agreement.step(mode, mbs.inputs, mbs.targets, mbs.batch_size)
         if self._precompile is not None and mode == "train":
@@ -495,5 +495,5 @@ class Pipeline:
     def _sync_after(self, action: Action) -> None:
         """After a stage's last compute action: its data-parallel sync, overlapping the rest."""
         assert self._data_parallel is not None  # only installed with data parallel
-        for stage in self._last_uses.get(action, ()):
+        for stage in self._counts.active.last_uses.get(action, ()):
             self._data_parallel.finish(stage)

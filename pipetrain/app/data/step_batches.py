@@ -13,7 +13,9 @@ batches of the uninterrupted one.
 
 A step's batch is ``dp x microbatches`` micro-batches of ``microbatch_size`` rows, in that
 order: replica ``r`` takes rows ``r*M*mbs .. (r+1)*M*mbs - 1`` (its micro-batches ``r*M ..
-r*M+M-1``). With ``packing="none"`` each row holds the next document of the stream, nothing is
+r*M+M-1``). Under a ``TokenBudget`` a step is offered its budget's tokens instead of its
+shape's slots, and ``M`` is the step's own: the count its documents fill, one the schedule
+accepts (``app.data.token_budget``). With ``packing="none"`` each row holds the next document of the stream, nothing is
 left over, and ``balanced`` changes nothing (a padded row costs its full length whatever it
 holds).
 
@@ -23,6 +25,7 @@ document is packed once: the same batches, of the training shape, at every eval.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -31,6 +34,7 @@ import torch
 
 from pipetrain.app.data.data_options import DataOptions
 from pipetrain.app.data.packing import packed_rows, padded_rows
+from pipetrain.app.data.token_budget import TokenBudget
 from pipetrain.app.data.token_cache import TokenCorpus
 from pipetrain.planner.varlen import LengthCost, arrange_microbatches, pack_step
 
@@ -77,6 +81,8 @@ class StepBatch:
     pays it (``LengthCost`` of its documents, padding at the linear rate)."""
 
     step: int
+    #: micro-batches per replica (the shape's, or the step's own under a token budget)
+    microbatches: int
     inputs: torch.Tensor
     targets: torch.Tensor
     side: dict[str, torch.Tensor]
@@ -106,11 +112,13 @@ def epoch_order(documents: int, seed: int, epoch: int) -> np.ndarray:
 @dataclass(frozen=True)
 class StepPlan:
     """One step's plan: its ``rows`` (document indices), the documents ``left_over`` for the
-    next step, and how many documents of the stream had been read by then (``consumed``)."""
+    next step, how many documents of the stream had been read by then (``consumed``), and the
+    micro-batches per replica its rows fill."""
 
     rows: RowPlan
     left_over: tuple[int, ...]
     consumed: int
+    microbatches: int
 
 
 def step_plans(
@@ -120,20 +128,25 @@ def step_plans(
     *,
     seed: int,
     cost: LengthCost = LINEAR,
+    budget: TokenBudget | None = None,
 ) -> Iterator[StepPlan]:
-    """Every step's plan, from step 0 on, drawn from the shuffled stream (lengths only)."""
+    """Every step's plan, from step 0 on, drawn from the shuffled stream (lengths only); with
+    a ``budget``, each step holds its tokens in as many micro-batches as they fill
+    (``app.data.token_budget``), else ``shape.microbatches``."""
     lengths = _checked_lengths(lengths, options.seq_len)
     if seed < 0:
         raise ValueError(f"seed must be >= 0, got {seed}")
     stream = _Stream(len(lengths), seed)
     if options.packing == "none":
+        if budget is not None:
+            raise ValueError("a token budget packs documents: use packing='documents'")
         while True:
             rows: RowPlan = tuple((next(stream),) for _ in range(shape.rows))
-            yield StepPlan(rows, (), stream.consumed)
+            yield StepPlan(rows, (), stream.consumed, shape.microbatches)
     left: list[int] = []
     while True:
-        rows, left = _plan(lengths, left, stream, options, shape, cost)
-        yield StepPlan(rows, tuple(left), stream.consumed)
+        rows, left, count = _plan(lengths, left, stream, options, shape, cost, budget)
+        yield StepPlan(rows, tuple(left), stream.consumed, count)
 
 
 def train_batches(
@@ -144,13 +157,16 @@ def train_batches(
     seed: int,
     start: int = 0,
     cost: LengthCost = LINEAR,
+    budget: TokenBudget | None = None,
 ) -> Iterator[StepBatch]:
     """Endless training batches from step ``start`` on (steps before it are planned, not
-    built): step ``s``'s batch is the same whatever ``start`` is."""
-    plans = step_plans(corpus.lengths, options, shape, seed=seed, cost=cost)
+    built): step ``s``'s batch is the same whatever ``start`` is. ``budget``: as
+    ``step_plans``."""
+    plans = step_plans(corpus.lengths, options, shape, seed=seed, cost=cost, budget=budget)
     for step, plan in enumerate(plans):
         if step >= start:
-            yield build_batch(corpus, options, shape, plan.rows, step, cost)
+            own = dataclasses.replace(shape, microbatches=plan.microbatches)
+            yield build_batch(corpus, options, own, plan.rows, step, cost)
 
 
 def eval_batches(
@@ -171,7 +187,7 @@ def eval_batches(
         stream = iter(range(len(lengths)))
         left: list[int] = []
         while True:
-            rows, left = _plan(lengths, left, stream, options, shape, cost)
+            rows, left, _ = _plan(lengths, left, stream, options, shape, cost, None)
             if not any(rows):
                 break
             plans.append(rows)
@@ -200,6 +216,7 @@ def build_batch(
     costs = tuple(sum(per_row[m * size : (m + 1) * size]) for m in range(shape.groups))
     return StepBatch(
         step=step,
+        microbatches=shape.microbatches,
         inputs=built.inputs,
         targets=built.targets,
         side=built.side,
@@ -218,11 +235,14 @@ def _plan(
     options: DataOptions,
     shape: BatchShape,
     cost: LengthCost,
-) -> tuple[RowPlan, list[int]]:
+    budget: TokenBudget | None,
+) -> tuple[RowPlan, list[int], int]:
     """One step's rows from the left-over documents and as many more of ``stream`` as hold a
-    step's tokens; and what is left over after it."""
+    step's tokens (the shape's slots, or the ``budget``'s tokens); what is left over after it;
+    and the micro-batches per replica the rows fill."""
     offered = list(left)
-    room = shape.rows * options.seq_len - sum(int(lengths[i]) for i in offered)
+    step_tokens = shape.rows * options.seq_len if budget is None else budget.tokens
+    room = step_tokens - sum(int(lengths[i]) for i in offered)
     while room > 0:
         index = next(stream, None)
         if index is None:
@@ -230,6 +250,9 @@ def _plan(
         offered.append(index)
         room -= int(lengths[index])
     offered_lengths = [int(lengths[i]) for i in offered]
+    if budget is not None:
+        count = budget.count_for(offered_lengths)
+        shape = dataclasses.replace(shape, microbatches=count)
     pack = pack_step(
         offered_lengths,
         microbatches=shape.groups,
@@ -243,7 +266,7 @@ def _plan(
             pack, offered_lengths, cost, seq_len=options.seq_len, replicas=shape.dp
         )
     rows = tuple(tuple(offered[k] for k in row) for mb in pack.microbatches for row in mb)
-    return rows, [offered[k] for k in pack.left_over]
+    return rows, [offered[k] for k in pack.left_over], shape.microbatches
 
 
 class _Stream:
