@@ -5,7 +5,9 @@ Packed (``packing="documents"``, as in Krell et al. 2021, "Efficient Sequence Pa
 Cross-contamination"): the documents of a row sit end to end, the rest of the row is padding.
 ``position_ids`` restart at 0 at each document (and at the padding), and no ``attention_mask``
 is given, so ``transformers``' mask functions build a block-diagonal causal mask: no token sees
-another document (``pipetrain/hf/masks.py``). The target at position ``i`` is token ``i + 1``
+another document (``pipetrain/hf/masks.py``). A ``token_mask`` side input marks the
+documents' tokens 1 and the padding 0, for what counts per token (a router's balancing loss, an
+expert's load), not for attention. The target at position ``i`` is token ``i + 1``
 only when that token is in the same document and its loss mask is 1; every other target
 (a document's last token, the padding) is ``IGNORE_INDEX``.
 
@@ -47,6 +49,7 @@ def packed_rows(corpus: TokenCorpus, rows: Sequence[Sequence[int]], seq_len: int
     inputs = np.full((len(rows), seq_len), corpus.pad_token_id, dtype=np.int64)
     targets = np.full((len(rows), seq_len), IGNORE_INDEX, dtype=np.int64)
     positions = np.zeros((len(rows), seq_len), dtype=np.int64)
+    counted = np.zeros((len(rows), seq_len), dtype=np.int64)
     real = 0
     for r, row in enumerate(rows):
         at = 0
@@ -63,8 +66,11 @@ def packed_rows(corpus: TokenCorpus, rows: Sequence[Sequence[int]], seq_len: int
             targets[r, at : at + n - 1] = follow
             at += n
         positions[r, at:] = np.arange(seq_len - at)  # the padding: one more "document"
+        counted[r, :at] = 1
         real += at
-    side = {"position_ids": torch.from_numpy(positions)}
+    # which tokens per-token statistics count (a router's balancing loss, an expert's load):
+    # the pad tail is a "document" to attention but no token
+    side = {"position_ids": torch.from_numpy(positions), "token_mask": torch.from_numpy(counted)}
     return _rows(inputs, targets, side, real)
 
 

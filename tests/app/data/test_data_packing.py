@@ -45,13 +45,14 @@ def check_packed(batch, documents, masks) -> None:
     where = {t: (d, k) for d, doc in enumerate(documents) for k, t in enumerate(doc)}
     inputs, targets = batch.inputs.numpy(), batch.targets.numpy()
     positions = batch.side["position_ids"].numpy()
-    assert set(batch.side) == {"position_ids"}
+    assert set(batch.side) == {"position_ids", "token_mask"}
     for r, row in enumerate(batch.rows):
         expected = [t for d in row for t in documents[d]]
         n = len(expected)
         assert inputs[r, :n].tolist() == expected
         assert positions[r, :n].tolist() == [k for d in row for k in range(len(documents[d]))]
         assert positions[r, n:].tolist() == list(range(SEQ - n))  # the padding restarts too
+        assert batch.side["token_mask"][r].tolist() == [1] * n + [0] * (SEQ - n)
         assert (targets[r, n:] == IGNORE_INDEX).all()
         for i in range(n):
             d, k = where[int(inputs[r, i])]
