@@ -1,0 +1,26 @@
+"""Expert parallel on the mesh (``runtime.parallel.expert_parallel``): a tiny Qwen3-MoE on
+gloo in float64, experts sharded over ``ep``, tokens dispatched and combined with all-to-all,
+against the unsplit ``transformers`` model under gradient accumulation over the same
+micro-batches: loss, router loss, gradient norm and every gradient (clipped) to 1e-10."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from expert_parallel_cases import run_exact
+from runtime_harness import launch
+
+
+@pytest.mark.slow
+def test_pp2_dp2_ep2_zbv_and_dualpipev_are_exact() -> None:
+    """pp 2 × dp 2 with ep 2 (4 processes): one ep group per stage, no edp replicas."""
+    assert launch(4, run_exact, 1, 2, ["zbv", "dualpipev"], timeout=300) == [[]] * 4
+
+
+@pytest.mark.stress
+@pytest.mark.slow
+def test_pp2_dp4_ep2_zbv_and_dualpipev_are_exact() -> None:
+    """pp 2 × dp 4 with ep 2 (8 processes): experts reduced over edp 2, dense over all 4."""
+    assert launch(8, run_exact, 2, 2, ["zbv", "dualpipev"], timeout=600) == [[]] * 8
