@@ -65,9 +65,17 @@ def batch(replicas: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-def reference(replicas: int) -> tuple[torch.Tensor, float, torch.Tensor, dict]:
+def mean_loss(logits, targets):
+    """The token mean of one micro-batch (``loss_reduction="mean"``: replicas averaged)."""
+    from pipetrain.hf import causal_lm_token_loss
+
+    return causal_lm_token_loss(logits, targets) / (targets != -100).sum()
+
+
+def reference(replicas: int, reduction: str) -> tuple[torch.Tensor, float, torch.Tensor, dict]:
     """(loss, router loss as reported, clipped norm, clipped gradients) of the unsplit model,
-    one step of gradient accumulation over every replica's micro-batches in order."""
+    one step of gradient accumulation over every replica's micro-batches in order: the global
+    token mean (``"token_mean"``) or the mean of the micro-batches' token means (``"mean"``)."""
     from pipetrain.hf import causal_lm_token_loss, next_token_targets
     from pipetrain.hf.families import family_of
 
@@ -84,7 +92,10 @@ def reference(replicas: int) -> tuple[torch.Tensor, float, torch.Tensor, dict]:
         out = model(ids[part], attention_mask=mask[part], output_router_logits=True)
         terms = [balance((r,), EXPERTS, TOP_K, mask[part]) for r in out.router_logits]
         aux = COEF * torch.stack(terms).sum()
-        main = causal_lm_token_loss(out.logits, targets[part]) / count
+        if reduction == "mean":
+            main = mean_loss(out.logits, targets[part]) / micro
+        else:
+            main = causal_lm_token_loss(out.logits, targets[part]) / count
         (main + aux / micro).backward()
         loss += main.detach()
         router += aux.item() / micro
@@ -98,7 +109,7 @@ def _close(a, b, rtol: float = 1e-10) -> bool:
     return bool((a - b).norm() <= rtol * b.norm() + 1e-14)
 
 
-def ep_pipeline(mesh, schedule: str):
+def ep_pipeline(mesh, schedule: str, reduction: str):
     """The model on ``mesh`` (``("pp", "edp", "ep")``), experts sharded over ``ep``."""
     import pipetrain
     from pipetrain.hf import causal_lm_layers, causal_lm_token_loss
@@ -112,7 +123,8 @@ def ep_pipeline(mesh, schedule: str):
         stages,
         schedule,
         M,
-        causal_lm_token_loss,
+        mean_loss if reduction == "mean" else causal_lm_token_loss,
+        loss_reduction=reduction,
         stages_per_rank=2,
         mesh=mesh,
         data_parallel="ddp",
@@ -162,14 +174,17 @@ def _grad_differs(schedule: str, name: str, p, ref) -> list[str]:
     return []
 
 
-def run_exact(rank: int, world: int, edp: int, ep: int, schedules: list[str]) -> list[str]:
-    """Each schedule on a pp 2 × (edp × ep) mesh against the unsplit reference."""
+def run_exact(
+    rank: int, world: int, edp: int, ep: int, cases: list[tuple[str, str]]
+) -> list[str]:
+    """Each (schedule, loss reduction) on a pp 2 × (edp × ep) mesh against the unsplit
+    reference."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, edp, ep), mesh_dim_names=("pp", "edp", "ep"))
-    ref = reference(edp * ep)
     failures: list[str] = []
-    for schedule in schedules:
-        with ep_pipeline(mesh, schedule) as pipe:
-            step_and_compare(pipe, mesh, schedule, ref, failures)
+    for schedule, reduction in cases:
+        ref = reference(edp * ep, reduction)
+        with ep_pipeline(mesh, schedule, reduction) as pipe:
+            step_and_compare(pipe, mesh, f"{schedule} {reduction}", ref, failures)
     return failures
