@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from expert_parallel_cases import run_exact
+from expert_parallel_cases import run_exact, run_reshard
 from runtime_harness import launch
 
 #: (schedule, loss reduction): the global token mean sums the replicas' gradients, a mean of
@@ -28,3 +28,8 @@ def test_pp2_dp2_ep2_zbv_and_dualpipev_are_exact() -> None:
 def test_pp2_dp4_ep2_zbv_and_dualpipev_are_exact() -> None:
     """pp 2 × dp 4 with ep 2 (8 processes): experts reduced over edp 2, dense over all 4."""
     assert launch(8, run_exact, 2, 2, CASES, timeout=600) == [[]] * 8
+
+
+@pytest.mark.slow
+def test_a_checkpoint_at_ep2_loads_at_ep1_and_exports_to_transformers(tmp_path) -> None:
+    assert launch(4, run_reshard, str(tmp_path), timeout=300) == [[]] * 4

@@ -188,3 +188,54 @@ def run_exact(
         with ep_pipeline(mesh, schedule, reduction) as pipe:
             step_and_compare(pipe, mesh, f"{schedule} {reduction}", ref, failures)
     return failures
+
+
+def _whole(state: dict) -> dict:
+    """A state dict's tensors whole (a DTensor gathered: collective, in the dict's order)."""
+    from torch.distributed.tensor import DTensor
+
+    return {n: t.full_tensor() if isinstance(t, DTensor) else t for n, t in state.items()}
+
+
+def run_reshard(rank: int, world: int, out: str) -> list[str]:
+    """A step and an SGD update at ep 2 (pp 2 × ep 2), then a DCP checkpoint loaded by the same
+    model at ep 1 (pp 2 × dp 2, experts whole) and a Hugging Face export ``transformers`` loads:
+    both hold the trained values exactly."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoModelForCausalLM
+
+    import pipetrain
+    from pipetrain.hf import causal_lm_layers, causal_lm_token_loss, save_pretrained
+
+    mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "edp", "ep"))
+    failures: list[str] = []
+    with ep_pipeline(mesh, "zbv", "token_mean") as pipe:
+        step_and_compare(pipe, mesh, "zbv before the checkpoint", reference(2, "token_mean"), [])
+        with torch.no_grad():
+            for p in pipe.parameters():
+                p -= 0.1 * p.grad
+        trained = _whole(pipe.state_dict())
+        pipetrain.save_checkpoint(f"{out}/dcp", pipe)
+        save_pretrained(pipe, f"{out}/hf", config=build().config)
+    plain = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    stages = pipetrain.split(causal_lm_layers(build()), CUT)
+    with pipetrain.Pipeline(
+        stages,
+        "zbv",
+        M,
+        causal_lm_token_loss,
+        stages_per_rank=2,
+        mesh=plain,
+        data_parallel="ddp",
+    ) as fresh:
+        pipetrain.load_checkpoint(f"{out}/dcp", fresh)
+        for name, value in fresh.state_dict().items():
+            if not torch.equal(value, trained[name]):
+                failures.append(f"ep 1 loads another {name}")
+    loaded = AutoModelForCausalLM.from_pretrained(
+        f"{out}/hf", dtype=torch.float64, experts_implementation="eager"
+    ).state_dict()
+    for name, value in trained.items():
+        if not torch.equal(value, loaded[name]):
+            failures.append(f"transformers loads another {name}")
+    return failures
