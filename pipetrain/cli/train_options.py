@@ -36,7 +36,8 @@ def non_negative_float(text: str) -> float:
 
 
 def optimizer_options(choices: dict[str, tuple[str, ...]]) -> tuple[Option, ...]:
-    """AdamW's rate, its schedule and weight decay, and the router loss it minimises too."""
+    """AdamW's rate, its schedule and weight decay, the router loss it minimises too, and how
+    the experts of a mixture-of-experts model are spread (``--ep``)."""
     from pipetrain.app.lr_schedule import (
         FINE_TUNE_LR,
         FINE_TUNE_SCHEDULE,
@@ -90,6 +91,14 @@ def optimizer_options(choices: dict[str, tuple[str, ...]]) -> tuple[Option, ...]
             "its config's router_aux_loss_coef × each MoE layer's balancing loss per "
             "micro-batch (Megatron-Core's and torchtitan's form) where that coefficient is not "
             "0; off trains without it",
+        ),
+        Option(
+            ("--ep",),
+            type=positive_int,
+            metavar="E",
+            help="expert parallel for a mixture-of-experts --model-dir folder: each MoE layer's "
+            "experts sharded over E of the --dp replicas (E divides --dp and the number of "
+            "experts; tokens travel by all-to-all); needs --data-parallel ddp and --tp 1",
         ),
     )
 

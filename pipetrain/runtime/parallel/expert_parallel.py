@@ -195,7 +195,8 @@ def apply_expert_parallel(modules: nn.Module | Iterable[nn.Module], mesh: Any) -
     """Shard every MoE layer's experts in ``modules`` (stages, or a layer list's values) over
     ``mesh``'s ``ep`` dimension, by each layer's family plan: the layers ``pipetrain.hf`` builds
     carry their family (``family.expert_parallel`` and ``family.experts``). Returns how many
-    experts modules it sharded; one that shards none (a dense model) is refused."""
+    experts modules it sharded (none for a stage without MoE layers; ``--ep`` on a dense
+    family is refused before launching, ``app.train_checks``)."""
     roots = [modules] if isinstance(modules, nn.Module) else list(modules)
     done = 0
     for root in roots:
