@@ -164,8 +164,7 @@ def _check_expert_parallel(config: TrainConfig) -> None:
         )
     if config.data_parallel != "ddp":
         raise ValueError(
-            f"--ep {ep} needs --data-parallel ddp (FSDP2 with expert parallel is not "
-            "supported yet)"
+            f"--ep {ep} needs --data-parallel ddp (FSDP2 with expert parallel is not supported yet)"
         )
 
 

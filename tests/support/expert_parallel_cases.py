@@ -174,9 +174,7 @@ def _grad_differs(schedule: str, name: str, p, ref) -> list[str]:
     return []
 
 
-def run_exact(
-    rank: int, world: int, edp: int, ep: int, cases: list[tuple[str, str]]
-) -> list[str]:
+def run_exact(rank: int, world: int, edp: int, ep: int, cases: list[tuple[str, str]]) -> list[str]:
     """Each (schedule, loss reduction) on a pp 2 × (edp × ep) mesh against the unsplit
     reference."""
     from torch.distributed.device_mesh import init_device_mesh

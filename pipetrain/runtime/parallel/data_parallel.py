@@ -170,9 +170,9 @@ class DataParallel:
             ids = [device.index] if device.type == "cuda" else None
             for s, module in modules.items():
                 if any(True for _ in self._trainable(module)):
-                    ignored = tied | {id(p) for p in self.experts[s]}
+                    alone = tied | {id(p) for p in self.experts[s]}
                     self.wrappers[s] = _ddp_without(
-                        module, ignored, device_ids=ids, process_group=dp_group
+                        module, alone, device_ids=ids, process_group=dp_group
                     )
                     _broadcast_experts(self.experts[s])
                     if reduction == "sum":
@@ -278,8 +278,9 @@ class DataParallel:
                 continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            local = p.grad.to_local()
-            group = p.device_mesh.get_group(EXPERT_DATA)
+            shard: Any = p.grad  # a DTensor, placed like the parameter
+            local = shard.to_local()
+            group = shard.device_mesh.get_group(EXPERT_DATA)
             if dist.get_world_size(group) > 1:
                 dist.all_reduce(local, group=group)
             if self.reduction == "mean":
@@ -322,10 +323,11 @@ def _broadcast_experts(params: list[nn.Parameter]) -> None:
     DDP's construction does for the parameters it owns)."""
     with torch.no_grad():
         for p in params:
-            group = p.device_mesh.get_group(EXPERT_DATA)
+            shard: Any = p  # a DTensor
+            group = shard.device_mesh.get_group(EXPERT_DATA)
             if dist.get_world_size(group) > 1:
                 source = dist.get_global_rank(group, 0)
-                dist.broadcast(p.to_local(), src=source, group=group)
+                dist.broadcast(shard.to_local(), src=source, group=group)
 
 
 def _all_reduce_sum(group, bucket):  # no annotations: DDP compares them as objects, not strings

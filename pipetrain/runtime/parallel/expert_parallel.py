@@ -201,7 +201,7 @@ def apply_expert_parallel(modules: nn.Module | Iterable[nn.Module], mesh: Any) -
     done = 0
     for root in roots:
         for layer in list(root.modules()):
-            family = getattr(layer, "family", None)
+            family: Any = getattr(layer, "family", None)
             plan = getattr(family, "expert_parallel", None)
             if plan is not None:
                 done += plan(layer, mesh, family.experts)
