@@ -33,3 +33,44 @@ def test_pp2_dp4_ep2_zbv_and_dualpipev_are_exact() -> None:
 @pytest.mark.slow
 def test_a_checkpoint_at_ep2_loads_at_ep1_and_exports_to_transformers(tmp_path) -> None:
     assert launch(4, run_reshard, str(tmp_path), timeout=300) == [[]] * 4
+
+
+class _Names:
+    """Just enough of a DeviceMesh for what is refused before any group is made."""
+
+    def __init__(self, *names: str, size: int = 2) -> None:
+        self.mesh_dim_names = names
+        self._size = size
+
+    def size(self, dim: int = 0) -> int:
+        return self._size
+
+
+@pytest.mark.parametrize(
+    ("names", "kind", "message"),
+    [
+        (("pp", "ep"), "ddp", "needs both 'edp' and 'ep'"),
+        (("pp", "dp", "edp", "ep"), "ddp", r"'dp', \('dp_replicate', 'dp_shard'\) or"),
+        (("pp", "edp", "ep", "tp"), "ddp", "needs expert tensor parallel"),
+        (("pp", "edp", "ep"), "fsdp", "use data_parallel='ddp'"),
+        (("pp", "edp", "ep"), None, "mesh= and data_parallel= go together"),
+    ],
+)
+def test_meshes_expert_parallel_cannot_run_are_refused(names, kind, message) -> None:
+    from pipetrain.runtime.parallel.mesh import resolve_mesh
+
+    with pytest.raises(ValueError, match=message):
+        resolve_mesh(_Names(*names), kind)
+
+
+def test_experts_an_ep_does_not_divide_are_refused() -> None:
+    import transformers as tf
+
+    from pipetrain.runtime.parallel.expert_parallel import ExpertParallelExperts
+
+    config = tf.Qwen3MoeConfig(hidden_size=8, moe_intermediate_size=4, num_experts=4)
+    experts = tf.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeExperts(config)
+    with pytest.raises(ValueError, match=r"--ep 3 must divide the number of experts \(4\)"):
+        ExpertParallelExperts(experts, _Names("edp", "ep", size=3))
+    with pytest.raises(ValueError, match=r"a \('edp', 'ep'\) mesh"):
+        ExpertParallelExperts(experts, _Names("ep"))
