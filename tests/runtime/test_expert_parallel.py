@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from expert_parallel_cases import run_exact, run_reshard
+from expert_parallel_cases import run_exact, run_families, run_reshard
 from runtime_harness import launch
 
 #: (schedule, loss reduction): the global token mean sums the replicas' gradients, a mean of
@@ -74,3 +74,10 @@ def test_experts_an_ep_does_not_divide_are_refused() -> None:
         ExpertParallelExperts(experts, _Names("edp", "ep", size=3))
     with pytest.raises(ValueError, match=r"a \('edp', 'ep'\) mesh"):
         ExpertParallelExperts(experts, _Names("ep"))
+
+
+@pytest.mark.slow
+def test_every_family_shards_its_experts_exactly() -> None:
+    """Qwen2-MoE (shared expert), Mixtral and GPT-OSS (biases, clamped interleaved gate) on
+    ep 2 without a pipeline: logits and gradients against the unsplit model."""
+    assert launch(2, run_families, ["qwen2_moe", "mixtral", "gpt_oss"]) == [[], []]

@@ -237,3 +237,89 @@ def run_reshard(rank: int, world: int, out: str) -> list[str]:
         if not torch.equal(value, loaded[name]):
             failures.append(f"transformers loads another {name}")
     return failures
+
+
+def family_model(kind: str):
+    """A tiny float64 model of ``kind`` with 4 experts, top-2 (Qwen2-MoE with its shared expert,
+    GPT-OSS with its biases and clamped, interleaved gate)."""
+    import transformers as tf
+
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=8,
+        intermediate_size=12,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=16,
+        num_experts_per_tok=TOP_K,
+        output_router_logits=False,
+        experts_implementation="eager",
+    )
+    if kind == "mixtral":
+        config = tf.MixtralConfig(**common, num_local_experts=EXPERTS)
+    elif kind == "gpt_oss":
+        config = tf.GptOssConfig(**common, num_local_experts=EXPERTS, head_dim=4, sliding_window=3)
+    else:
+        config = tf.Qwen2MoeConfig(
+            **common,
+            num_experts=EXPERTS,
+            moe_intermediate_size=6,
+            shared_expert_intermediate_size=6,
+        )
+    torch.manual_seed(7)
+    model = tf.AutoModelForCausalLM.from_config(config).double()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "router" in name or name.endswith(
+                ("mlp.gate.weight", "block_sparse_moe.gate.weight")
+            ):
+                p.normal_(0.0, 0.5)
+            elif "experts" in name:
+                p.normal_(0.0, 0.3)  # GPT-OSS's start empty
+    return model.train()
+
+
+def run_families(rank: int, world: int, kinds: list[str]) -> list[str]:
+    """Each family's model on 2 ranks with its experts sharded over ep 2, each rank on its own
+    rows: its logits equal the unsplit model's on those rows; an expert shard's gradient (every
+    rank's tokens reach it) equals the unsplit model's over both ranks' rows, and so does each
+    dense gradient summed over the ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    import pipetrain
+    from pipetrain.hf import causal_lm_layers
+    from pipetrain.runtime.parallel.expert_parallel import apply_expert_parallel
+
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("edp", "ep"))
+    ids, mask = batch(world)
+    ids, mask = ids.repeat(1, 2)[:, :SEQ], mask  # a few more routed tokens per rank
+    rows = ids.shape[0] // world
+    mine = slice(rank * rows, (rank + 1) * rows)
+    failures: list[str] = []
+    for kind in kinds:
+        reference = family_model(kind)
+        logits = reference(ids, attention_mask=mask).logits
+        (logits**2).sum().backward()
+        theirs = dict(reference.named_parameters())
+        layers = causal_lm_layers(family_model(kind))
+        if apply_expert_parallel(layers.values(), mesh) != 1:
+            failures.append(f"{kind}: its experts were not sharded")
+            continue
+        (stage,) = pipetrain.split(layers, [len(layers)])
+        out = stage(ids[mine], attention_mask=mask[mine])
+        (out**2).sum().backward()
+        if not _close(out, logits[mine].detach()):
+            failures.append(f"{kind}: logits differ")
+        for name, p in stage.named_parameters():
+            ref = theirs[name].grad
+            if isinstance(p.grad, DTensor):
+                local = p.grad.to_local()
+                ref = ref[rank * local.shape[0] : (rank + 1) * local.shape[0]]
+            else:
+                local = p.grad.clone()
+                torch.distributed.all_reduce(local)
+            if not _close(local, ref):
+                failures.append(f"{kind}: {name} gradient differs")
+    return failures
