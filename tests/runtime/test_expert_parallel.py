@@ -12,9 +12,10 @@ pytest.importorskip("transformers")
 from expert_parallel_cases import run_exact, run_families, run_reshard
 from runtime_harness import launch
 
-#: (schedule, loss reduction): the global token mean sums the replicas' gradients, a mean of
-#: micro-batch means averages them (the experts divided by edp × ep)
-CASES = [("zbv", "token_mean"), ("dualpipev", "mean")]
+#: (schedule, loss reduction, data parallel): the global token mean sums the replicas'
+#: gradients, a mean of micro-batch means averages them (the experts divided by edp × ep);
+#: FSDP2 shards the dense parameters over edp × ep, the experts stay expert parallel's
+CASES = [("zbv", "token_mean", "ddp"), ("dualpipev", "mean", "fsdp")]
 
 
 @pytest.mark.slow
@@ -52,7 +53,6 @@ class _Names:
         (("pp", "ep"), "ddp", "needs both 'edp' and 'ep'"),
         (("pp", "dp", "edp", "ep"), "ddp", r"'dp', \('dp_replicate', 'dp_shard'\) or"),
         (("pp", "edp", "ep", "tp"), "ddp", "needs expert tensor parallel"),
-        (("pp", "edp", "ep"), "fsdp", "use data_parallel='ddp'"),
         (("pp", "edp", "ep"), None, "mesh= and data_parallel= go together"),
     ],
 )

@@ -109,7 +109,7 @@ def _close(a, b, rtol: float = 1e-10) -> bool:
     return bool((a - b).norm() <= rtol * b.norm() + 1e-14)
 
 
-def ep_pipeline(mesh, schedule: str, reduction: str):
+def ep_pipeline(mesh, schedule: str, reduction: str, data_parallel: str = "ddp"):
     """The model on ``mesh`` (``("pp", "edp", "ep")``), experts sharded over ``ep``."""
     import pipetrain
     from pipetrain.hf import causal_lm_layers, causal_lm_token_loss
@@ -127,7 +127,7 @@ def ep_pipeline(mesh, schedule: str, reduction: str):
         loss_reduction=reduction,
         stages_per_rank=2,
         mesh=mesh,
-        data_parallel="ddp",
+        data_parallel=data_parallel,
     )
 
 
@@ -164,6 +164,8 @@ def _grad_differs(schedule: str, name: str, p, ref) -> list[str]:
     from torch.distributed.tensor import DTensor
 
     grad = p.grad
+    if isinstance(grad, DTensor) and "ep" not in (grad.device_mesh.mesh_dim_names or ()):
+        grad = grad.full_tensor()  # FSDP2's shard of a dense parameter (collective)
     if isinstance(grad, DTensor):
         local = grad.to_local()
         ep_rank = grad.device_mesh.get_local_rank("ep")
@@ -174,17 +176,19 @@ def _grad_differs(schedule: str, name: str, p, ref) -> list[str]:
     return []
 
 
-def run_exact(rank: int, world: int, edp: int, ep: int, cases: list[tuple[str, str]]) -> list[str]:
-    """Each (schedule, loss reduction) on a pp 2 × (edp × ep) mesh against the unsplit
-    reference."""
+def run_exact(
+    rank: int, world: int, edp: int, ep: int, cases: list[tuple[str, str, str]]
+) -> list[str]:
+    """Each (schedule, loss reduction, data parallel) on a pp 2 × (edp × ep) mesh against the
+    unsplit reference."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, edp, ep), mesh_dim_names=("pp", "edp", "ep"))
     failures: list[str] = []
-    for schedule, reduction in cases:
+    for schedule, reduction, kind in cases:
         ref = reference(edp * ep, reduction)
-        with ep_pipeline(mesh, schedule, reduction) as pipe:
-            step_and_compare(pipe, mesh, f"{schedule} {reduction}", ref, failures)
+        with ep_pipeline(mesh, schedule, reduction, kind) as pipe:
+            step_and_compare(pipe, mesh, f"{schedule} {reduction} {kind}", ref, failures)
     return failures
 
 
@@ -196,18 +200,27 @@ def _whole(state: dict) -> dict:
 
 
 def run_reshard(rank: int, world: int, out: str) -> list[str]:
-    """A step and an SGD update at ep 2 (pp 2 × ep 2), then a DCP checkpoint loaded by the same
-    model at ep 1 (pp 2 × dp 2, experts whole) and a Hugging Face export ``transformers`` loads:
-    both hold the trained values exactly."""
+    """Under DDP and under FSDP2: a step and an SGD update at ep 2 (pp 2 × ep 2), then a DCP
+    checkpoint loaded by the same model at ep 1 (pp 2 × dp 2 under DDP, experts whole) and a
+    Hugging Face export ``transformers`` loads: both hold the trained values exactly."""
     from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "edp", "ep"))
+    plain = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    failures: list[str] = []
+    for kind in ("ddp", "fsdp"):
+        failures += _reshard(mesh, plain, kind, f"{out}/{kind}")
+    return failures
+
+
+def _reshard(mesh, plain, kind: str, out: str) -> list[str]:
     from transformers import AutoModelForCausalLM
 
     import pipetrain
     from pipetrain.hf import causal_lm_layers, causal_lm_token_loss, save_pretrained
 
-    mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "edp", "ep"))
     failures: list[str] = []
-    with ep_pipeline(mesh, "zbv", "token_mean") as pipe:
+    with ep_pipeline(mesh, "zbv", "token_mean", kind) as pipe:
         step_and_compare(pipe, mesh, "zbv before the checkpoint", reference(2, "token_mean"), [])
         with torch.no_grad():
             for p in pipe.parameters():
@@ -215,7 +228,6 @@ def run_reshard(rank: int, world: int, out: str) -> list[str]:
         trained = _whole(pipe.state_dict())
         pipetrain.save_checkpoint(f"{out}/dcp", pipe)
         save_pretrained(pipe, f"{out}/hf", config=build().config)
-    plain = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     stages = pipetrain.split(causal_lm_layers(build()), CUT)
     with pipetrain.Pipeline(
         stages,
@@ -229,13 +241,13 @@ def run_reshard(rank: int, world: int, out: str) -> list[str]:
         pipetrain.load_checkpoint(f"{out}/dcp", fresh)
         for name, value in fresh.state_dict().items():
             if not torch.equal(value, trained[name]):
-                failures.append(f"ep 1 loads another {name}")
+                failures.append(f"{kind}: ep 1 loads another {name}")
     loaded = AutoModelForCausalLM.from_pretrained(
         f"{out}/hf", dtype=torch.float64, experts_implementation="eager"
     ).state_dict()
     for name, value in trained.items():
         if not torch.equal(value, loaded[name]):
-            failures.append(f"transformers loads another {name}")
+            failures.append(f"{kind}: transformers loads another {name}")
     return failures
 
 

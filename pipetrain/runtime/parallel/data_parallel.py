@@ -39,7 +39,9 @@ Expert-parallel parameters (``runtime.parallel.expert_parallel``: ``DTensor`` sh
 sums each shard's gradient over ``edp`` — the ``ep`` peers' tokens already reached it through
 the all-to-all's backward — and divides by the whole ``edp × ep`` size where DDP averages, so
 an expert's gradient is the unsplit model's (torchtitan divides its expert gradients by the
-same factor). FSDP2 with expert parallel is refused (``runtime.parallel.mesh``).
+same factor). Under FSDP2 the dense parameters are sharded over the ``edp × ep`` ranks as one
+flattened dimension (``mesh.FLAT``) and the expert shards are left out of ``fully_shard``
+(``ignored_params``), reduced here alike.
 
 Tied parameters (``runtime.parallel.tied``) are not the wrappers': DDP is told to ignore them
 (``_ddp_params_and_buffers_to_ignore``) and the tied sum reduces them over the owners of every
@@ -161,11 +163,6 @@ class DataParallel:
         self._held: dict[int, list] = {}  # DDP: gradients from earlier steps, per stage
         #: per stage, its expert-parallel shards (reduced over ``edp`` by ``finish``)
         self.experts = {s: expert_parameters(m) for s, m in modules.items()}
-        if kind == "fsdp" and any(self.experts.values()):
-            raise ValueError(
-                "expert parallel with data_parallel='fsdp' is not supported yet; use "
-                "data_parallel='ddp'"
-            )
         if kind == "ddp":
             ids = [device.index] if device.type == "cuda" else None
             for s, module in modules.items():
@@ -184,8 +181,10 @@ class DataParallel:
                 if not any(True for _ in self._trainable(module)):
                     continue
                 if not isinstance(module, FSDPModule):
-                    ignored = {p for p in module.parameters() if id(p) in tied}
+                    alone = tied | {id(p) for p in self.experts[s]}
+                    ignored = {p for p in module.parameters() if id(p) in alone}
                     fully_shard(module, mesh=dp_mesh, ignored_params=ignored or None)
+                _broadcast_experts(self.experts[s])
                 self.wrappers[s] = module
                 # gloo has no AVG or PREMUL_SUM, which FSDP2 picks in float32 and bfloat16: sum,
                 # then divide (what it does in float64 anyway)
@@ -218,12 +217,14 @@ class DataParallel:
         """Before the step's first forward: FSDP gathers its parameters, sync and reshard off
         (for a forward-only pass, only the gathering)."""
         self._finished.clear()
-        if self.kind == "ddp" and train:
+        if train:
             # Gradients accumulated by earlier steps are synced already: set them aside, so the
             # reduction sees this step's alone (a summed reduction would count them again).
+            # FSDP2 does so for what it shards; the expert shards are reduced here.
             self._held = {}
             for s in self.wrappers:
-                held = [(p, p.grad) for p in self._trainable(self.modules[s]) if p.grad is not None]
+                mine = self._trainable(self.modules[s]) if self.kind == "ddp" else self.experts[s]
+                held = [(p, p.grad) for p in mine if p.grad is not None]
                 for p, _ in held:
                     p.grad = None
                 self._held[s] = held
@@ -267,6 +268,9 @@ class DataParallel:
                 p.grad.add_(earlier)
         else:
             _fsdp_post_backward(self.wrappers[stage])
+            self._reduce_experts(stage)
+            for p, earlier in self._held.pop(stage, ()):
+                p.grad.add_(earlier)
 
     @torch.no_grad()
     def _reduce_experts(self, stage: int) -> None:

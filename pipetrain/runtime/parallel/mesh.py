@@ -42,6 +42,10 @@ HSDP = ("dp_replicate", "dp_shard")
 #: data parallel factored for expert parallel (``runtime.parallel.expert_parallel``)
 EXPERT_DP = ("edp", "ep")
 SUPPORTED = (PIPELINE, TENSOR, DATA, *HSDP, *EXPERT_DP)
+#: the one dimension FSDP2 shards over under expert parallel: ``("edp", "ep")`` flattened
+FLAT = "edp_ep"
+#: flattened dimensions by the mesh dimensions they stand for
+FLATTENED = {FLAT: EXPERT_DP}
 
 
 @dataclass(frozen=True)
@@ -121,7 +125,9 @@ def resolve_mesh(mesh: Any, data_parallel: str | None) -> MeshGroups:
     data_mesh = mesh[HSDP] if hsdp else mesh[DATA] if DATA in names else None
     data = None
     if expert:
-        data_mesh = mesh[EXPERT_DP]
+        # DDP reduces over the flat group; FSDP2 shards the dense parameters over the same
+        # ranks as one dimension (``FLAT``), the experts being left to expert parallel
+        data_mesh = mesh[EXPERT_DP] if data_parallel == "ddp" else mesh[EXPERT_DP]._flatten(FLAT)
         data = _flat_group(mesh, EXPERT_DP)
     elif hsdp:
         data = _flat_group(mesh, HSDP)
@@ -141,7 +147,7 @@ def resolve_mesh(mesh: Any, data_parallel: str | None) -> MeshGroups:
 def _check_expert_dims(names: tuple[str, ...], data_parallel: str | None) -> bool:
     """Whether the mesh factors data parallel for expert parallel, after refusing what it
     cannot run: one of the pair alone, the pair beside another data-parallel dimension, tensor
-    parallel (experts would need expert tensor parallel) or FSDP2 (not wired for experts)."""
+    parallel (experts would need expert tensor parallel)."""
     pair = [n for n in EXPERT_DP if n in names]
     if not pair:
         return False
@@ -155,11 +161,6 @@ def _check_expert_dims(names: tuple[str, ...], data_parallel: str | None) -> boo
         raise ValueError(
             "expert parallel with tensor parallel needs expert tensor parallel, which pipetrain "
             "does not have yet; drop the 'tp' dimension (--tp 1)"
-        )
-    if data_parallel == "fsdp":
-        raise ValueError(
-            "expert parallel with data_parallel='fsdp' is not supported yet (FSDP2 would shard "
-            "the experts' shards again); use data_parallel='ddp'"
         )
     return True
 
@@ -190,7 +191,8 @@ def norm_share(grad: torch.Tensor, coordinates: dict[str, int]) -> torch.Tensor 
     sharded: set[str] = set()
     if isinstance(grad, DTensor):
         mesh_names = grad.device_mesh.mesh_dim_names or ()
-        outside = [n for n in mesh_names if n not in coordinates]
+        parts = {n: FLATTENED.get(n, (n,)) for n in mesh_names}
+        outside = [n for n in mesh_names if any(d not in coordinates for d in parts[n])]
         if not mesh_names or outside:
             raise ValueError(
                 f"a gradient is a DTensor on mesh dimensions {mesh_names or None} that the "
@@ -205,7 +207,9 @@ def norm_share(grad: torch.Tensor, coordinates: dict[str, int]) -> torch.Tensor 
             )
         # every placement left but Replicate splits the values (Shard, and FSDP2's strided
         # shard of a tensor-parallel shard, which is not a Shard subclass)
-        sharded = {n for n, p in zip(mesh_names, grad.placements) if not p.is_replicate()}
+        sharded = {
+            d for n, p in zip(mesh_names, grad.placements) if not p.is_replicate() for d in parts[n]
+        }
         grad = grad.to_local()
     if any(c != 0 and n not in sharded for n, c in coordinates.items()):
         return None
