@@ -127,7 +127,7 @@ def _check_data_flags(config: TrainConfig) -> None:
 
 def _check_expert_parallel(config: TrainConfig) -> None:
     """``--ep``: a mixture-of-experts folder whose experts ``E`` divides, ``E`` dividing
-    ``--dp`` (expert parallel borrows from data parallel), DDP, no tensor parallel."""
+    ``--dp`` (expert parallel borrows from data parallel), no tensor parallel."""
     ep = config.ep
     if ep == 1:
         return
@@ -161,10 +161,6 @@ def _check_expert_parallel(config: TrainConfig) -> None:
         raise ValueError(
             f"--ep {ep} must divide the number of experts ({experts} in --model-dir "
             f"{config.model_dir}): give an --ep that does"
-        )
-    if config.data_parallel != "ddp":
-        raise ValueError(
-            f"--ep {ep} needs --data-parallel ddp (FSDP2 with expert parallel is not supported yet)"
         )
 
 

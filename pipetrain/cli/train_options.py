@@ -98,7 +98,8 @@ def optimizer_options(choices: dict[str, tuple[str, ...]]) -> tuple[Option, ...]
             metavar="E",
             help="expert parallel for a mixture-of-experts --model-dir folder: each MoE layer's "
             "experts sharded over E of the --dp replicas (E divides --dp and the number of "
-            "experts; tokens travel by all-to-all); needs --data-parallel ddp and --tp 1",
+            "experts; tokens travel by all-to-all), with DDP or FSDP2 (--data-parallel); "
+            "needs --tp 1",
         ),
     )
 

@@ -108,7 +108,7 @@ def test_a_mixtral_folder_trains_with_ep_2_as_the_unsplit_model(tmp_path, capfd)
     argv = [
         *("--model-dir", folder, "--data", str(text), "--dtype", "float64"),
         *("--seq-len", "16", "-p", "2", "-s", "zbv", "-m", str(M), "--microbatch-size", "1"),
-        *("--dp", str(DP), "--ep", "2", "--data-parallel", "ddp"),
+        *("--dp", str(DP), "--ep", "2"),  # FSDP2, the default, for the dense parameters
         *("--lr", "0.01", "--lr-schedule", "constant", "--warmup", "0"),
         *("--microbatch-balance", "fixed", "--timeout", "60"),
     ]
@@ -125,14 +125,14 @@ def test_a_mixtral_folder_trains_with_ep_2_as_the_unsplit_model(tmp_path, capfd)
 
 def test_what_expert_parallel_cannot_run_is_refused_before_launching(tmp_path, capsys) -> None:
     """One line, exit 2, nothing launched: an ep that does not divide --dp or the experts, a
-    dense folder or built-in model, --tp > 1, FSDP2."""
+    dense folder or built-in model, --tp > 1."""
     from finetune_cases import write_folder
 
     from pipetrain.app.train_checks import check_arguments
 
     mixtral = write_mixtral(tmp_path / "mixtral")
     dense = write_folder(tmp_path / "llama")
-    common = ("--seq-len", "16", "--data-parallel", "ddp")
+    common = ("--seq-len", "16")
     cases = {
         ("--model-dir", mixtral, "--dp", "3", "--ep", "2"): r"--ep 2 must divide --dp 3",
         ("--model-dir", mixtral, "--dp", "3", "--ep", "3"): r"divide the number of experts \(4",
@@ -143,10 +143,7 @@ def test_what_expert_parallel_cannot_run_is_refused_before_launching(tmp_path, c
     for flags, message in cases.items():
         with pytest.raises(ValueError, match=message):
             check_arguments(train_args(*flags, *common))
-    fsdp = ("--model-dir", mixtral, "--dp", "2", "--ep", "2", "--seq-len", "16")
-    with pytest.raises(ValueError, match="--ep 2 needs --data-parallel ddp"):
-        check_arguments(train_args(*fsdp, "--data-parallel", "fsdp"))
     capsys.readouterr()
-    assert main(["train", *fsdp, "--data-parallel", "fsdp"]) == 2
+    assert main(["train", "--model-dir", mixtral, "--dp", "3", "--ep", "2", *common]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "--ep 2 needs --data-parallel ddp" in err, err
+    assert err.count("\n") == 0 and "--ep 2 must divide --dp 3" in err, err
