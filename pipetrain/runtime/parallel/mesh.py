@@ -181,7 +181,8 @@ def norm_share(grad: torch.Tensor, coordinates: dict[str, int]) -> torch.Tensor 
     """The part of ``grad`` this rank counts in a model-wide sum, or None where another rank
     counts the same values.
 
-    A ``DTensor`` gradient counts its local shard along the dimensions it is sharded over; a
+    A ``DTensor`` gradient counts its local shard along the dimensions it is sharded over (a
+    flattened dimension, ``FLAT``, standing for the dimensions it was made of); a
     pending sum (``Partial``, e.g. a sequence-parallel norm's weight) is reduced first. Along
     every other dimension of the mesh the values are the same on every coordinate, and only
     coordinate 0 counts them. A ``DTensor`` on a mesh whose dimensions the pipeline's mesh does
