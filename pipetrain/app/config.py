@@ -99,6 +99,8 @@ class TrainConfig:
     dp: int = 1
     data_parallel: DataParallel = "fsdp"
     tp: int = 1
+    #: expert parallel: each MoE layer's experts sharded over ``ep`` of the ``dp`` replicas
+    ep: int = 1
     sequence_parallel: bool = False
     steps: int = 60
     #: the optimizer; None: resolved by ``app.lr_schedule.resolve_schedule`` (a fine-tune's

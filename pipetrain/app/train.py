@@ -400,6 +400,8 @@ def _build_pipeline(
             from pipetrain.hf import causal_lm_token_loss
 
             stages, tied = folder_stages(config, layout, tp_mesh, device)
+            if config.ep > 1:
+                stages = _sharding_experts(stages, placement["mesh"])
             pipe = Pipeline(
                 stages,
                 layout.pipeline_schedule,
@@ -444,7 +446,9 @@ def _placement(
     from torch.distributed.device_mesh import init_device_mesh
 
     sizes = (("pp", layout.ranks), ("dp", config.dp), ("tp", config.tp))
-    dims = [(n, size) for n, size in sizes if size > 1 or n == "pp"]
+    if config.ep > 1:  # expert parallel borrows from data parallel (runtime.parallel.mesh)
+        sizes = (("pp", layout.ranks), ("edp", config.dp // config.ep), ("ep", config.ep))
+    dims = [(n, size) for n, size in sizes if size > 1 or n in ("pp", "edp")]
     mesh = init_device_mesh(
         device.type, tuple(size for _, size in dims), mesh_dim_names=tuple(n for n, _ in dims)
     )
@@ -452,7 +456,22 @@ def _placement(
     if config.dp == 1:
         return placement, 0
     placement["data_parallel"] = config.data_parallel
+    if config.ep > 1:
+        return placement, mesh.get_local_rank("edp") * config.ep + mesh.get_local_rank("ep")
     return placement, mesh.get_local_rank("dp")
+
+
+def _sharding_experts(stages: Any, mesh: Any) -> Any:
+    """``stages`` (``stage -> module``) with each built stage's experts sharded over ``mesh``'s
+    ``ep`` dimension (``runtime.parallel.expert_parallel``)."""
+    from pipetrain.runtime.parallel.expert_parallel import apply_expert_parallel
+
+    def stage(index: int) -> Any:
+        module = stages(index)
+        apply_expert_parallel(module, mesh["edp", "ep"])
+        return module
+
+    return stage
 
 
 def _planned(plan_file: str | None) -> dict[str, Any] | None:

@@ -44,6 +44,7 @@ def check_arguments(config: TrainConfig) -> Layout:
     Raises ``ValueError`` naming the bad value and the legal ones.
     """
     shape = run_shape(config)
+    _check_expert_parallel(config)
     if config.model_dir is not None:  # what the folder's family cannot run (tp, packing, router)
         check_family_flags(config, shape.model)
     _check_expert_bias(config, shape.model)
@@ -220,6 +221,50 @@ def _check_token_budget(config: TrainConfig) -> None:
                 "and --microbatch-balance length"
             )
         length_cost(config)
+
+
+def _check_expert_parallel(config: TrainConfig) -> None:
+    """``--ep``: a mixture-of-experts folder whose experts ``E`` divides, ``E`` dividing
+    ``--dp`` (expert parallel borrows from data parallel), no tensor parallel."""
+    ep = config.ep
+    if ep == 1:
+        return
+    if config.tp > 1:
+        raise ValueError(
+            f"--ep {ep} with --tp {config.tp} needs expert tensor parallel, which pipetrain "
+            "does not have yet; use --tp 1"
+        )
+    if config.dp % ep:
+        raise ValueError(
+            f"--ep {ep} must divide --dp {config.dp} (expert parallel shards the experts over "
+            f"ep of the data-parallel replicas): give --dp a multiple of {ep}"
+        )
+    if config.model_dir is None:
+        raise ValueError(
+            f"--ep {ep} needs a mixture-of-experts --model-dir folder; the built-in "
+            f"--model {config.model} is dense: drop --ep"
+        )
+    from pipetrain.app.model_folder import folder_config
+    from pipetrain.hf.families import family_of
+
+    hf_config = folder_config(config)
+    family = family_of(hf_config)
+    if not family.is_moe:
+        raise ValueError(
+            f"--ep {ep}: --model-dir {config.model_dir} holds a dense {family.model_type!r} "
+            "model, which has no experts to shard: drop --ep"
+        )
+    if family.expert_parallel is None:
+        raise ValueError(
+            f"--ep {ep}: expert parallel is not built for {family.model_type!r} models yet; "
+            "drop --ep"
+        )
+    experts = int(getattr(hf_config, family.num_experts))
+    if experts % ep:
+        raise ValueError(
+            f"--ep {ep} must divide the number of experts ({experts} in --model-dir "
+            f"{config.model_dir}): give an --ep that does"
+        )
 
 
 def _check_cuda_graph(config: TrainConfig) -> None:

@@ -36,7 +36,8 @@ def non_negative_float(text: str) -> float:
 
 
 def optimizer_options(choices: dict[str, tuple[str, ...]]) -> tuple[Option, ...]:
-    """AdamW's rate, its schedule and weight decay, and the router loss it minimises too."""
+    """AdamW's rate, its schedule and weight decay, the router loss it minimises too, and how
+    the experts of a mixture-of-experts model are spread (``--ep``)."""
     from pipetrain.app.lr_schedule import (
         FINE_TUNE_LR,
         FINE_TUNE_SCHEDULE,
@@ -107,6 +108,15 @@ def optimizer_options(choices: dict[str, tuple[str, ...]]) -> tuple[Option, ...]
             "that received fewer tokens than the mean, loads summed over micro-batches and "
             "data-parallel replicas (the DeepSeek-V3 report's bias update speed); 0 keeps the "
             "biases as loaded",
+        ),
+        Option(
+            ("--ep",),
+            type=positive_int,
+            metavar="E",
+            help="expert parallel for a mixture-of-experts --model-dir folder: each MoE layer's "
+            "experts sharded over E of the --dp replicas (E divides --dp and the number of "
+            "experts; tokens travel by all-to-all), with DDP or FSDP2 (--data-parallel); "
+            "needs --tp 1",
         ),
     )
 

@@ -2,7 +2,8 @@
 
 A row says everything the package does differently per family: how the model becomes a layer
 list (the builder and the decoder wrapper), its tensor-parallel plan or why there is none, its
-expert-parallel plan (none yet; the experts' module names are kept for it), the parameters the
+expert-parallel plan (``runtime.parallel.expert_parallel.shard_experts`` on the modules named
+by ``experts``), the parameters the
 family ties and the non-persistent buffers its ``_init_weights`` recomputes (in no checkpoint).
 ``causal_lm`` (layers), ``pretrained`` (loading), ``export`` (ties) and ``tensor_parallel`` look
 their family up here rather than testing model types, so a new family is one row (and, where
@@ -28,6 +29,7 @@ from pipetrain.hf.deepseek import (
 from pipetrain.hf.router_losses import MoeDecoderLayer
 from pipetrain.hf.stored_layout import FolderTensors, StoredExperts
 from pipetrain.hf.tensor_parallel import decoder_plan
+from pipetrain.runtime.parallel.expert_parallel import shard_experts
 
 #: the tie ``transformers`` makes for ``tie_word_embeddings`` in the Llama-style families
 LLAMA_TIE = (("model.embed_tokens.weight", "lm_head.weight"),)
@@ -52,8 +54,9 @@ class Family:
     #: ``(sequence_parallel) -> plan`` of one decoder layer, or ``None`` (see the refusal)
     tensor_parallel: Callable[[bool], dict[str, Any]] | None = decoder_plan
     tensor_parallel_refusal: str = ""
-    #: the expert-parallel plan: none yet for any family (``experts`` names what it will shard)
-    expert_parallel: Callable[..., Any] | None = None
+    #: ``(layer, ep_mesh, experts) -> sharded count``: shards a decoder layer's ``experts``
+    #: modules over the ``("edp", "ep")`` mesh (``apply_expert_parallel``); None: no experts
+    expert_parallel: Callable[[nn.Module, Any, tuple[str, ...]], int] | None = None
     #: the expert modules in a decoder layer (MoE families)
     experts: tuple[str, ...] = ()
     #: the router module in a decoder layer, whose first output is its logits (MoE families)
@@ -165,6 +168,7 @@ def _moe(
         MoeDecoderLayer,
         tensor_parallel=None,
         tensor_parallel_refusal=MOE_NO_TP,
+        expert_parallel=shard_experts,
         experts=("mlp.experts",),
         router=router,
         balancing=f"transformers.models.{model_type}.modeling_{model_type}",

@@ -33,6 +33,16 @@ factor of 1. Every trainable parameter must get a gradient in every step (a repl
 missing one would leave the others' reduction waiting): one that gets none is an error naming
 it (freeze it with ``requires_grad_(False)``).
 
+Expert-parallel parameters (``runtime.parallel.expert_parallel``: ``DTensor`` shards on the
+``("edp", "ep")`` sub-mesh) are not DDP's either: DDP ignores them, ``__init__`` makes every
+``edp`` replica of a shard start equal (a broadcast, as DDP does for the rest), and ``finish``
+sums each shard's gradient over ``edp`` — the ``ep`` peers' tokens already reached it through
+the all-to-all's backward — and divides by the whole ``edp × ep`` size where DDP averages, so
+an expert's gradient is the unsplit model's (torchtitan divides its expert gradients by the
+same factor). Under FSDP2 the dense parameters are sharded over the ``edp × ep`` ranks as one
+flattened dimension (``mesh.FLAT``) and the expert shards are left out of ``fully_shard``
+(``ignored_params``), reduced here alike.
+
 Tied parameters (``runtime.parallel.tied``) are not the wrappers': DDP is told to ignore them
 (``_ddp_params_and_buffers_to_ignore``) and the tied sum reduces them over the owners of every
 replica at the end of the step. FSDP2 is told the same (``fully_shard``'s ``ignored_params``): tied parameters stay whole on
@@ -49,6 +59,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipetrain.runtime.parallel.expert_parallel import EXPERT_DATA, expert_parameters
 from pipetrain.runtime.torch_compat import fsdp_post_backward
 
 if TYPE_CHECKING:
@@ -150,13 +161,17 @@ class DataParallel:
         self.wrappers: dict[int, Any] = {}
         self._finished: set[int] = set()
         self._held: dict[int, list] = {}  # DDP: gradients from earlier steps, per stage
+        #: per stage, its expert-parallel shards (reduced over ``edp`` by ``finish``)
+        self.experts = {s: expert_parameters(m) for s, m in modules.items()}
         if kind == "ddp":
             ids = [device.index] if device.type == "cuda" else None
             for s, module in modules.items():
                 if any(True for _ in self._trainable(module)):
+                    alone = tied | {id(p) for p in self.experts[s]}
                     self.wrappers[s] = _ddp_without(
-                        module, tied, device_ids=ids, process_group=dp_group
+                        module, alone, device_ids=ids, process_group=dp_group
                     )
+                    _broadcast_experts(self.experts[s])
                     if reduction == "sum":
                         self.wrappers[s].register_comm_hook(dp_group, _all_reduce_sum)
         else:
@@ -166,8 +181,10 @@ class DataParallel:
                 if not any(True for _ in self._trainable(module)):
                     continue
                 if not isinstance(module, FSDPModule):
-                    ignored = {p for p in module.parameters() if id(p) in tied}
+                    alone = tied | {id(p) for p in self.experts[s]}
+                    ignored = {p for p in module.parameters() if id(p) in alone}
                     fully_shard(module, mesh=dp_mesh, ignored_params=ignored or None)
+                _broadcast_experts(self.experts[s])
                 self.wrappers[s] = module
                 # gloo has no AVG or PREMUL_SUM, which FSDP2 picks in float32 and bfloat16: sum,
                 # then divide (what it does in float64 anyway)
@@ -200,12 +217,14 @@ class DataParallel:
         """Before the step's first forward: FSDP gathers its parameters, sync and reshard off
         (for a forward-only pass, only the gathering)."""
         self._finished.clear()
-        if self.kind == "ddp" and train:
+        if train:
             # Gradients accumulated by earlier steps are synced already: set them aside, so the
             # reduction sees this step's alone (a summed reduction would count them again).
+            # FSDP2 does so for what it shards; the expert shards are reduced here.
             self._held = {}
             for s in self.wrappers:
-                held = [(p, p.grad) for p in self._trainable(self.modules[s]) if p.grad is not None]
+                mine = self._trainable(self.modules[s]) if self.kind == "ddp" else self.experts[s]
+                held = [(p, p.grad) for p in mine if p.grad is not None]
                 for p, _ in held:
                     p.grad = None
                 self._held[s] = held
@@ -225,10 +244,11 @@ class DataParallel:
         self._finished.add(stage)
         module = self.modules[stage]
         params = list(self._trainable(module))
+        sharded = {id(p) for p in self.experts[stage]}
         missing = [
             n
             for n, p in module.named_parameters()
-            if p.requires_grad and p.grad is None and id(p) not in self.tied
+            if p.requires_grad and p.grad is None and id(p) not in self.tied | sharded
         ]
         if missing:
             raise ValueError(
@@ -239,12 +259,36 @@ class DataParallel:
         if self.kind == "ddp":
             ddp = self.wrappers[stage]
             ddp.reducer.prepare_for_backward([])
-            zeros = [p.new_zeros(()).expand_as(p) for p in params]
-            torch.autograd.backward(params, zeros)
+            experts = {id(p) for p in self.experts[stage]}
+            dense = [p for p in params if id(p) not in experts]
+            zeros = [p.new_zeros(()).expand_as(p) for p in dense]
+            torch.autograd.backward(dense, zeros)
+            self._reduce_experts(stage)
             for p, earlier in self._held.pop(stage, ()):
                 p.grad.add_(earlier)
         else:
             _fsdp_post_backward(self.wrappers[stage])
+            self._reduce_experts(stage)
+            for p, earlier in self._held.pop(stage, ()):
+                p.grad.add_(earlier)
+
+    @torch.no_grad()
+    def _reduce_experts(self, stage: int) -> None:
+        """``stage``'s expert shards' gradients summed over ``edp`` (zero where no token reached
+        this rank's experts this step), divided by the whole data-parallel size where the
+        replicas are averaged (see the module docstring)."""
+        for p in self.experts[stage]:
+            if not p.requires_grad:
+                continue
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            shard: Any = p.grad  # a DTensor, placed like the parameter
+            local = shard.to_local()
+            group = shard.device_mesh.get_group(EXPERT_DATA)
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(local, group=group)
+            if self.reduction == "mean":
+                local.div_(self.size)
 
     def finish_all(self) -> None:
         """Sync every stage not synced yet (in stage order: the same order on every replica)."""
@@ -276,6 +320,18 @@ class DataParallel:
             if p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
                 yield p
+
+
+def _broadcast_experts(params: list[nn.Parameter]) -> None:
+    """Every ``edp`` replica of an expert shard starts from ``edp`` coordinate 0's values (what
+    DDP's construction does for the parameters it owns)."""
+    with torch.no_grad():
+        for p in params:
+            shard: Any = p  # a DTensor
+            group = shard.device_mesh.get_group(EXPERT_DATA)
+            if dist.get_world_size(group) > 1:
+                source = dist.get_global_rank(group, 0)
+                dist.broadcast(shard.to_local(), src=source, group=group)
 
 
 def _all_reduce_sum(group, bucket):  # no annotations: DDP compares them as objects, not strings

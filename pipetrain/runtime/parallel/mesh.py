@@ -14,6 +14,11 @@ dimension names say what each one is:
   has to count each shard once where it reduces over the model (the gradient norm).
 * ``"dp"``, or ``("dp_replicate", "dp_shard")`` for HSDP: data-parallel replicas of every
   stage (``runtime.parallel.data_parallel``), each stepping on its own part of the batch.
+* ``("edp", "ep")`` instead of ``"dp"``: data parallel of ``edp × ep`` replicas whose routed
+  experts are sharded over ``ep`` (``runtime.parallel.expert_parallel``, applied by the caller on
+  ``mesh["edp", "ep"]`` before the ``Pipeline`` is built): expert parallel borrows from data
+  parallel, as in torchtitan and Megatron-Core. Dense parameters reduce over both dimensions,
+  experts over ``edp`` only.
 
 Every reduction that spans the model counts each element once: ``norm_share`` keeps a gradient's
 local part on this rank only where no other rank holds the same values (it is sharded along
@@ -34,7 +39,13 @@ PIPELINE = "pp"
 TENSOR = "tp"
 DATA = "dp"
 HSDP = ("dp_replicate", "dp_shard")
-SUPPORTED = (PIPELINE, TENSOR, DATA, *HSDP)
+#: data parallel factored for expert parallel (``runtime.parallel.expert_parallel``)
+EXPERT_DP = ("edp", "ep")
+SUPPORTED = (PIPELINE, TENSOR, DATA, *HSDP, *EXPERT_DP)
+#: the one dimension FSDP2 shards over under expert parallel: ``("edp", "ep")`` flattened
+FLAT = "edp_ep"
+#: flattened dimensions by the mesh dimensions they stand for
+FLATTENED = {FLAT: EXPERT_DP}
 
 
 @dataclass(frozen=True)
@@ -48,7 +59,8 @@ class MeshGroups:
     #: every data-parallel replica of this rank's stages (token counts, the loss), or None
     data: Any
     #: what the data-parallel wrapper shards or replicates over: ``mesh["dp"]``, or the 2-D
-    #: ``mesh["dp_replicate", "dp_shard"]`` for HSDP; None without data parallel
+    #: ``mesh["dp_replicate", "dp_shard"]`` for HSDP, or ``mesh["edp", "ep"]`` for expert
+    #: parallel; None without data parallel
     data_mesh: Any
     #: this rank's coordinate along every dimension but ``pp``
     coordinates: dict[str, int]
@@ -71,24 +83,26 @@ def resolve_mesh(mesh: Any, data_parallel: str | None) -> MeshGroups:
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
     if PIPELINE not in names:
         raise ValueError(
-            f"mesh must be a DeviceMesh with a 'pp' dimension and any of 'tp', 'dp' or "
-            f"('dp_replicate', 'dp_shard'), got mesh_dim_names {names or None}; e.g. "
+            f"mesh must be a DeviceMesh with a 'pp' dimension and any of 'tp', 'dp', "
+            f"('dp_replicate', 'dp_shard') or ('edp', 'ep'), got mesh_dim_names "
+            f"{names or None}; e.g. "
             "init_device_mesh(device_type, (dp, pp, tp), mesh_dim_names=('dp', 'pp', 'tp'))"
         )
     unknown = [n for n in names if n not in SUPPORTED]
     if unknown:
         raise ValueError(
             f"mesh dimension {unknown[0]!r} is not supported; a pipeline's mesh has 'pp' and "
-            f"any of 'tp', 'dp' or ('dp_replicate', 'dp_shard'), got {names}"
+            f"any of 'tp', 'dp', ('dp_replicate', 'dp_shard') or ('edp', 'ep'), got {names}"
         )
     hsdp = [n for n in HSDP if n in names]
     if hsdp and len(hsdp) != 2:
         raise ValueError(f"HSDP needs both 'dp_replicate' and 'dp_shard' dimensions, got {names}")
+    expert = _check_expert_dims(names, data_parallel)
     if hsdp and DATA in names:
         raise ValueError(f"a mesh has 'dp' or ('dp_replicate', 'dp_shard'), not both: {names}")
     if data_parallel not in (None, "ddp", "fsdp"):
         raise ValueError(f"data_parallel={data_parallel!r}; legal values: ddp, fsdp")
-    has_data = DATA in names or bool(hsdp)
+    has_data = DATA in names or bool(hsdp) or expert
     if has_data and data_parallel is None:
         raise ValueError(
             f"mesh= and data_parallel= go together when the mesh has a data-parallel dimension "
@@ -110,7 +124,12 @@ def resolve_mesh(mesh: Any, data_parallel: str | None) -> MeshGroups:
     coordinates = {n: mesh.get_local_rank(n) for n in others}
     data_mesh = mesh[HSDP] if hsdp else mesh[DATA] if DATA in names else None
     data = None
-    if hsdp:
+    if expert:
+        # DDP reduces over the flat group; FSDP2 shards the dense parameters over the same
+        # ranks as one dimension (``FLAT``), the experts being left to expert parallel
+        data_mesh = mesh[EXPERT_DP] if data_parallel == "ddp" else mesh[EXPERT_DP]._flatten(FLAT)
+        data = _flat_group(mesh, EXPERT_DP)
+    elif hsdp:
         data = _flat_group(mesh, HSDP)
     elif DATA in names:
         data = groups[DATA]
@@ -123,6 +142,27 @@ def resolve_mesh(mesh: Any, data_parallel: str | None) -> MeshGroups:
         groups=groups,
         size=mesh.mesh.numel(),
     )
+
+
+def _check_expert_dims(names: tuple[str, ...], data_parallel: str | None) -> bool:
+    """Whether the mesh factors data parallel for expert parallel, after refusing what it
+    cannot run: one of the pair alone, the pair beside another data-parallel dimension, tensor
+    parallel (experts would need expert tensor parallel)."""
+    pair = [n for n in EXPERT_DP if n in names]
+    if not pair:
+        return False
+    if len(pair) != 2:
+        raise ValueError(f"expert parallel needs both 'edp' and 'ep' dimensions, got {names}")
+    if DATA in names or any(n in names for n in HSDP):
+        raise ValueError(
+            f"a mesh has 'dp', ('dp_replicate', 'dp_shard') or ('edp', 'ep'), not two: {names}"
+        )
+    if TENSOR in names:
+        raise ValueError(
+            "expert parallel with tensor parallel needs expert tensor parallel, which pipetrain "
+            "does not have yet; drop the 'tp' dimension (--tp 1)"
+        )
+    return True
 
 
 def _flat_group(mesh: Any, dims: tuple[str, ...]) -> Any:
@@ -141,7 +181,8 @@ def norm_share(grad: torch.Tensor, coordinates: dict[str, int]) -> torch.Tensor 
     """The part of ``grad`` this rank counts in a model-wide sum, or None where another rank
     counts the same values.
 
-    A ``DTensor`` gradient counts its local shard along the dimensions it is sharded over; a
+    A ``DTensor`` gradient counts its local shard along the dimensions it is sharded over (a
+    flattened dimension, ``FLAT``, standing for the dimensions it was made of); a
     pending sum (``Partial``, e.g. a sequence-parallel norm's weight) is reduced first. Along
     every other dimension of the mesh the values are the same on every coordinate, and only
     coordinate 0 counts them. A ``DTensor`` on a mesh whose dimensions the pipeline's mesh does
@@ -151,7 +192,8 @@ def norm_share(grad: torch.Tensor, coordinates: dict[str, int]) -> torch.Tensor 
     sharded: set[str] = set()
     if isinstance(grad, DTensor):
         mesh_names = grad.device_mesh.mesh_dim_names or ()
-        outside = [n for n in mesh_names if n not in coordinates]
+        parts = {n: FLATTENED.get(n, (n,)) for n in mesh_names}
+        outside = [n for n in mesh_names if any(d not in coordinates for d in parts[n])]
         if not mesh_names or outside:
             raise ValueError(
                 f"a gradient is a DTensor on mesh dimensions {mesh_names or None} that the "
@@ -166,7 +208,9 @@ def norm_share(grad: torch.Tensor, coordinates: dict[str, int]) -> torch.Tensor 
             )
         # every placement left but Replicate splits the values (Shard, and FSDP2's strided
         # shard of a tensor-parallel shard, which is not a Shard subclass)
-        sharded = {n for n, p in zip(mesh_names, grad.placements) if not p.is_replicate()}
+        sharded = {
+            d for n, p in zip(mesh_names, grad.placements) if not p.is_replicate() for d in parts[n]
+        }
         grad = grad.to_local()
     if any(c != 0 and n not in sharded for n, c in coordinates.items()):
         return None
