@@ -38,6 +38,7 @@ from pipetrain.cli.train_options import (
     data_options,
     eval_options,
     guard_options,
+    moe_options,
     optimizer_options,
     resilience_options,
 )
@@ -85,6 +86,7 @@ def options() -> tuple[Option, ...]:
     run = (
         *_run_options(CHOICES),
         *optimizer_options(CHOICES),
+        *moe_options(CHOICES),
         *data_options(CHOICES),
         *eval_options(),
         *_output_options(CHOICES),

@@ -84,6 +84,13 @@ def optimizer_options(choices: dict[str, tuple[str, ...]]) -> tuple[Option, ...]
             help="AdamW's decoupled weight decay, on parameters of 2 or more dimensions only "
             "(not norms, not biases)",
         ),
+    )
+
+
+def moe_options(choices: dict[str, tuple[str, ...]]) -> tuple[Option, ...]:
+    """What a mixture-of-experts folder's layers add: router losses, the experts' kernel, the
+    routing bias's update, expert parallel."""
+    return (
         one_of(
             "--router-aux-loss",
             choices["router_aux_loss"],
@@ -293,6 +300,7 @@ __all__ = [
     "data_options",
     "eval_options",
     "guard_options",
+    "moe_options",
     "non_negative_float",
     "non_negative_int",
     "optimizer_options",
