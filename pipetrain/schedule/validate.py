@@ -31,7 +31,8 @@ from pipetrain.schedule.gc_pause import without_gc
 from pipetrain.schedule.offload import check_copies
 from pipetrain.schedule.posted_p2p import check_channels, run_posted
 from pipetrain.schedule.program import Program, ScheduleError, microbatch_chains
-from pipetrain.schedule.transfer_checks import check_pairing, execute_lowered, scan_lowered
+from pipetrain.schedule.transfer_checks import check_pairing, execute_lowered
+from pipetrain.schedule.transfer_scan import scan_lowered
 
 P2P_MODELS = ("blocking", "posted")
 
@@ -53,13 +54,16 @@ def validate(program: Program, p2p: str = "blocking") -> Program:
         check_copies(program)
     if program.is_lowered:
         scans = scan_lowered(program)
-        check_pairing(program, scans, chains)
+        check_pairing(program, None if scans is None else scans.rows, chains)
         assert scans is not None, "check_pairing refuses a program whose scan found no value"
-        check_channels(program)
-        if p2p == "blocking":
-            execute_lowered(program, scans)
+        if scans.channels_filled:
+            scans.channels.check()
         else:
-            for scan in scans:
+            check_channels(program)
+        if p2p == "blocking":
+            execute_lowered(program, scans.rows)
+        else:
+            for scan in scans.rows:
                 if scan.failure is not None:
                     raise scan.failure()
             run_posted(program)
