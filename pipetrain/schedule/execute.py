@@ -31,15 +31,24 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import chain, repeat
-from operator import attrgetter, mul
+from itertools import compress, repeat
+from operator import attrgetter, is_, mul
 from typing import Any, NamedTuple
 
 from pipetrain.schedule import deps
 from pipetrain.schedule.action import COMPUTE_KINDS, Action, OpKind
 from pipetrain.schedule.copy_engine import CopyEngine, CopyPlan, has_copies
 from pipetrain.schedule.placement import Placement
-from pipetrain.schedule.plans import Issue, PairPlans, Plan, compile_plans, pair_shape
+from pipetrain.schedule.plans import (
+    Issue,
+    PairPlans,
+    Plan,
+    SparseValues,
+    compile_plans,
+    known_values,
+    pair_shape,
+    value_table,
+)
 from pipetrain.schedule.program import Program, ScheduleError
 from pipetrain.schedule.timeline import Span
 
@@ -47,7 +56,6 @@ _kind = attrgetter("kind")
 _kind_stage = attrgetter("kind", "stage")
 _stage = attrgetter("stage")
 _microbatch = attrgetter("microbatch")
-_parts = attrgetter("parts")
 _NON_COMPUTE = frozenset(OpKind) - COMPUTE_KINDS
 #: ``Stretch._make`` without its Python-level call: a run makes one per wait, ~10^5
 _new_tuple = tuple.__new__
@@ -143,7 +151,7 @@ def run(
     copies = CopyEngine(program.actions, duration, copy_plan) if has_copies(program) else None
     row_shifts = [list(map(mul, map(_microbatch, row), repeat(rule.stride))) for row in rows]
     if copies is None and issue is None and scale is None and _at_home(program, rows):
-        base, produced = _value_table(rows, rule.stride)
+        base, produced = value_table(rows, rule.stride)
         shifted = (
             [[shift - base for shift in shifts] for shifts in row_shifts] if base else row_shifts
         )
@@ -156,7 +164,7 @@ def run(
         played = _play(program, rows, row_plans, row_shifts, row_factors, pairs, copies)
     starts, ends, stretches, pos, produced = played
     if any(p < len(r) for p, r in zip(pos, rows)):
-        stuck = _stuck_computes(program, rows, pos, _known(produced, base))
+        stuck = _stuck_computes(program, rows, pos, known_values(produced, base))
         raise deadlock_error(program.with_actions(rows), stuck)
     spans = tuple(copies.spans) if copies else ()
     return Run(rows, starts, ends, stretches, spans, _host_spans(rows, issue))
@@ -170,7 +178,7 @@ class _Played(NamedTuple):
     ends: list[list[float]]
     stretches: list[Stretch]
     pos: list[int]
-    #: a dict, or ``_play_plain``'s table (``_value_table``)
+    #: a dict, or ``_play_plain``'s table (``plans.value_table``)
     produced: Any
 
 
@@ -289,8 +297,9 @@ def _folded_rows(
     for rank, row in enumerate(rows):
         folded = list(map(flat.get, map(_kind_stage, row)))
         if None in folded:
-            for step, action in enumerate(row):
-                if folded[step] is not None or not action.parts:
+            for step in compress(range(len(row)), map(is_, folded, repeat(None))):
+                action = row[step]
+                if not action.parts:
                     continue
                 key = (pair_shape(action), rank)
                 if key not in of_pair:
@@ -308,14 +317,14 @@ def _play_plain(
     row_plans: list[list[Folded | None]],
     row_shifts: list[list[int]],
     pairs: PairPlans,
-    produced: list[float | None] | _Sparse,
+    produced: list[float | None] | SparseValues,
     base: int,
 ) -> _Played:
     """``_play`` for the plain model (no host, no copies, no factors) with every action on its
     stage's rank: the same times, with a latency of 0 folded into each need that stays on its
     rank (``x + 0.0`` is ``x``), so the loop reads fewer fields per action. It runs every
     simulation the planner makes and every lowering and validation. ``produced`` holds each
-    value's time at the value less ``base`` (``_value_table``; ``row_shifts`` are less it too)."""
+    value's time at the value less ``base`` (``plans.value_table``; ``row_shifts`` are less it too)."""
     waiting: dict[int, list[int]] = {}  # value -> ranks parked on it
     pos = [0] * len(rows)
     free_at = [0.0] * len(rows)
@@ -331,7 +340,7 @@ def _play_plain(
         while step < size:
             fold = plans_of_row[step]
             if fold is None:
-                known = _known(produced, base)
+                known = known_values(produced, base)
                 fold = _fold(_pair_plan(program, rows, rank, step, pairs, known), rank)
             needs, awaited, cost = fold
             shift = shifts[step]
@@ -360,36 +369,6 @@ def _play_plain(
             stretches.append(_new_tuple(Stretch, (rank, first, step)))
         pos[rank], free_at[rank] = step, free
     return _Played(starts, ends, stretches, pos, produced)
-
-
-class _Sparse(dict[int, float]):
-    """A value table for micro-batches too far apart for a list: a missing value reads None."""
-
-    def __missing__(self, _: int) -> None:
-        return None
-
-
-def _value_table(rows: Sequence[Sequence[Action]], stride: int) -> tuple[int, Any]:
-    """(base, table) for ``_play_plain``: a list indexed by value less ``base`` where the
-    micro-batches (overlapped pairs' parts included) span at most a few times the rows' length, a
-    subscript being cheaper than ``dict.get`` once per action; a ``_Sparse`` dict otherwise
-    (unvalidated input naming far-off micro-batches)."""
-    low = high = 0
-    for row in rows:
-        if row:
-            cells = [*row, *chain.from_iterable(map(_parts, row))] if any(map(_parts, row)) else row
-            low = min(low, min(map(_microbatch, cells)))
-            high = max(high, max(map(_microbatch, cells)))
-    if high - low > 4 * sum(map(len, rows)) + 16:
-        return 0, _Sparse()
-    return low * stride, [None] * ((high - low + 1) * stride)
-
-
-def _known(produced: list[float | None] | _Sparse, base: int) -> dict[int, float]:
-    """``produced`` as a dict by value: what deadlock reports and ``PairPlans`` read."""
-    if isinstance(produced, dict):
-        return produced
-    return {i + base: t for i, t in enumerate(produced) if t is not None}
 
 
 def _fold(plan: Plan, rank: int) -> tuple[tuple[tuple[int, float], ...], tuple[int, ...], float]:
