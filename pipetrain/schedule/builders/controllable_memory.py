@@ -161,14 +161,24 @@ class _Rank:
         self.chunk0, self.chunk1 = stages
         self.at: dict[int, Action] = {}
         self.slot: dict[Action, int] = {}
+        # ``fits_after``'s last walk: its arguments, the (held, waiting) before each slot it
+        # passed from ``after + 1`` on, its answer, and the first and last slot changed since
+        self.walk: tuple[int, int, int, int, int] | None = None
+        self.states: list[tuple[int, int]] = []
+        self.answer = True
+        self.changed = (0, -1)
 
     def put(self, action: Action, slot: int) -> None:
         self.at[slot] = action
         self.slot[action] = slot
+        if self.walk is not None:
+            self.changed = (min(self.changed[0], slot), max(self.changed[1], slot))
 
     def take(self, action: Action) -> int:
         slot = self.slot.pop(action)
         del self.at[slot]
+        if self.walk is not None:
+            self.changed = (min(self.changed[0], slot), max(self.changed[1], slot))
         return slot
 
     def place_block(self, offsets: Offsets, num_microbatches: int) -> None:
@@ -244,8 +254,25 @@ class _Rank:
     def fits_after(self, after: int, end: int, held: int, waiting: int, cap: int) -> bool:
         """Whether the activations held from slot ``after`` to ``end`` (at least the last pass)
         stay within ``cap`` with the W placed as ``fill_weight_grads`` would, from ``held`` held
-        and ``waiting`` W unplaced after ``after``."""
-        for action in map(self.at.get, range(after + 1, end + 1)):  # slot by slot, read in C
+        and ``waiting`` W unplaced after ``after``.
+
+        The cool-down asks this for every slot it tries, each try changing a slot or two, so a
+        walk starts from the last state before the first slot changed since the previous walk,
+        and once past the last changed slot, where its state equals the previous walk's, the
+        rest is the previous walk's: the same answer, without walking the unchanged slots."""
+        args = (after, end, held, waiting, cap)
+        if self.walk != args:
+            self.walk, self.states, self.changed = args, [(held, waiting)], (after + 1, end + 1)
+        low, high = self.changed
+        if low > high:
+            return self.answer  # nothing changed since the last walk
+        self.changed = (end + 1, after)
+        states, answer = self.states, self.answer
+        index = min(max(low - after - 1, 0), len(states) - 1)  # the state before a changed slot
+        held, waiting = states[index]
+        for slot, action in enumerate(
+            map(self.at.get, range(after + 1 + index, end + 1)), start=after + 1 + index
+        ):
             if action is None:
                 if waiting:  # a W: freed before the next slot's F
                     waiting -= 1
@@ -253,9 +280,19 @@ class _Rank:
             elif action.kind is _F:
                 held += 1
                 if held > cap:
+                    del states[slot - after :]  # the states up to before this slot hold
+                    self.answer = False
                     return False
             elif action.kind is _I:
                 waiting += 1
+            index = slot - after  # the state before the next slot
+            if index < len(states):
+                if slot >= high and states[index] == (held, waiting):
+                    return answer  # the previous walk from here on, over the same slots
+                states[index] = (held, waiting)
+            else:
+                states.append((held, waiting))
+        self.answer = True
         return True
 
 
