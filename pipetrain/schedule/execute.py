@@ -398,12 +398,12 @@ def _pair_plan(
 
 
 def _compute_rows(program: Program) -> list[list[Action]]:
-    """Each rank's compute actions, in order (a row with no SEND/RECV is copied whole: its kinds
-    are read in C)."""
+    """Each rank's compute actions, in order, their kinds read in C (a row with no SEND/RECV is
+    copied whole)."""
     return [
         list(row)
         if _NON_COMPUTE.isdisjoint(map(_kind, row))
-        else [a for a in row if a.kind in COMPUTE_KINDS]
+        else list(compress(row, map(COMPUTE_KINDS.__contains__, map(_kind, row))))
         for row in program.actions
     ]
 
