@@ -193,9 +193,8 @@ def _scan_row_exactly(
     flat_posts: dict[tuple[OpKind, int], tuple[int, int, int, bool]],
     flat_steps: dict[tuple[OpKind, int], tuple[Sequence[int], Sequence[int]]],
 ) -> RowScan | None:
-    """Posts, batches and the first failure of one row, action by action (``steps`` at
-    micro-batch 0, also as ``flat_steps``; ``flat_posts`` the rule's posts): the row that
-    ``_scan_row`` cannot read to its end."""
+    """The scan of a row ``_scan_row`` refuses, action by action, with its first failure
+    (``steps`` at micro-batch 0, also as ``flat_steps``; ``flat_posts`` the rule's posts)."""
     stride, post_stride = rule.stride, rule.post_stride
     # each action's post (a SEND/RECV) or step (compute, a copy) at micro-batch 0, and its
     # micro-batch, read in C before the loop; an overlapped pair has neither (its parts do)
@@ -263,8 +262,19 @@ def _scan_row_exactly(
         batches.append(tuple(batch))
     first_steps.append(len(row))  # the empty last batch
     batches.append(())
-    batched = [post for batch in batches for post, _ in batch]
+    return _flattened(posts, batches, first_steps, failing_batch, failure)
+
+
+def _flattened(
+    posts: list[int],
+    batches: list[tuple[tuple[int, int], ...]],
+    first_steps: list[int],
+    failing_batch: int,
+    failure: Callable[[], ScheduleError] | None,
+) -> RowScan:
+    """A ``RowScan`` from batches of (post, counterpart) pairs."""
     offsets = [0, *accumulate(map(len, batches))]
+    batched = [post for batch in batches for post, _ in batch]
     return RowScan(posts, batched, offsets, first_steps, failing_batch, failure)
 
 
@@ -275,19 +285,6 @@ def _flat(table: dict[OpKind, dict[int, _T]]) -> dict[tuple[OpKind, int], _T]:
         for kind, of_stage in table.items()
         for stage, entry in of_stage.items()
     }
-
-
-def _pair_step(pair: Action, steps: dict[OpKind, dict[int, _Step]], stride: int) -> _Step:
-    """An overlapped pair's (values needed, values made) at the pair's micro-batch, each part's
-    shifted by its micro-batch's offset: every part's inputs must be here before the pair starts."""
-    needs: list[int] = []
-    made: list[int] = []
-    for part in pair.parts:
-        part_needs, part_made = steps[part.kind][part.stage]
-        shift = (part.microbatch - pair.microbatch) * stride
-        needs += [value + shift for value in part_needs]
-        made += [value + shift for value in part_made]
-    return _Step(needs, made)
 
 
 def _pair_step(pair: Action, steps: dict[OpKind, dict[int, _Step]], stride: int) -> _Step:
