@@ -36,8 +36,8 @@ from operator import attrgetter, is_, mul
 from typing import Any, NamedTuple
 
 from pipetrain.schedule import deps
-from pipetrain.schedule.action import COMPUTE_KINDS, Action, OpKind
-from pipetrain.schedule.copy_engine import CopyEngine, CopyPlan, has_copies
+from pipetrain.schedule.action import COMPUTE_KINDS, COPY_KINDS, Action, OpKind
+from pipetrain.schedule.copy_engine import CopyEngine, CopyPlan
 from pipetrain.schedule.placement import Placement
 from pipetrain.schedule.plans import (
     Issue,
@@ -147,15 +147,17 @@ def run(
     rule = deps.compile_rule(program.placement)
     plans = compile_plans(rule, duration, latency, issue)
     pairs = PairPlans(plans, rule.stride, duration, issue)
-    rows = _compute_rows(program)
-    copies = CopyEngine(program.actions, duration, copy_plan) if has_copies(program) else None
+    kinds = [set(map(_kind, row)) for row in program.actions]  # each row's kinds, read in C
+    rows = _compute_rows(program, kinds)
+    has_copies = any(not COPY_KINDS.isdisjoint(of_row) for of_row in kinds)
+    copies = CopyEngine(program.actions, duration, copy_plan) if has_copies else None
     row_shifts = [list(map(mul, map(_microbatch, row), repeat(rule.stride))) for row in rows]
     if copies is None and issue is None and scale is None and _at_home(program, rows):
-        base, produced = value_table(rows, rule.stride)
+        folded = _folded_rows(program, rows, plans, pairs)
+        base, produced = value_table(rows, folded, row_shifts, rule.stride)
         shifted = (
             [[shift - base for shift in shifts] for shifts in row_shifts] if base else row_shifts
         )
-        folded = _folded_rows(program, rows, plans, pairs)
         played = _play_plain(program, rows, folded, shifted, pairs, produced, base)
     else:
         base = 0
@@ -397,14 +399,14 @@ def _pair_plan(
     return plan
 
 
-def _compute_rows(program: Program) -> list[list[Action]]:
-    """Each rank's compute actions, in order, their kinds read in C (a row with no SEND/RECV is
-    copied whole)."""
+def _compute_rows(program: Program, kinds: Sequence[set[OpKind]]) -> list[list[Action]]:
+    """Each rank's compute actions, in order, picked in C (a row whose ``kinds`` are all
+    compute is copied whole)."""
     return [
         list(row)
-        if _NON_COMPUTE.isdisjoint(map(_kind, row))
+        if _NON_COMPUTE.isdisjoint(of_row)
         else list(compress(row, map(COMPUTE_KINDS.__contains__, map(_kind, row))))
-        for row in program.actions
+        for row, of_row in zip(program.actions, kinds)
     ]
 
 

@@ -12,14 +12,10 @@ when each value was produced in a list indexed by value (``value_table``): a sub
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from itertools import chain
-from operator import attrgetter
 from typing import Any, NamedTuple
 
 from pipetrain.schedule import deps
 from pipetrain.schedule.action import Action, OpKind
-
-_microbatch, _parts = attrgetter("microbatch"), attrgetter("parts")
 
 
 class Input(NamedTuple):
@@ -153,20 +149,26 @@ class SparseValues(dict[int, float]):
         return None
 
 
-def value_table(rows: Sequence[Sequence[Action]], stride: int) -> tuple[int, Any]:
+def value_table(
+    rows: Sequence[Sequence[Action]],
+    folded: Sequence[Sequence[object]],
+    row_shifts: Sequence[Sequence[int]],
+    stride: int,
+) -> tuple[int, Any]:
     """(base, table) for ``execute``'s plain loop: a list indexed by value less ``base`` where the
-    micro-batches (overlapped pairs' parts included) span at most a few times the rows' length, a
-    subscript being cheaper than ``dict.get`` once per action; a ``SparseValues`` dict otherwise
-    (unvalidated input naming far-off micro-batches)."""
+    micro-batches span at most a few times the rows' length, a subscript being cheaper than
+    ``dict.get`` once per action; a ``SparseValues`` dict otherwise (unvalidated input naming
+    far-off micro-batches). The span is read off each action's shift (micro-batch · ``stride``)
+    and, in a row with an action without a plan (``folded``: an overlapped pair), its parts'."""
     low = high = 0
-    for row in rows:
-        if row:
-            cells = [*row, *chain.from_iterable(map(_parts, row))] if any(map(_parts, row)) else row
-            low = min(low, min(map(_microbatch, cells)))
-            high = max(high, max(map(_microbatch, cells)))
-    if high - low > 4 * sum(map(len, rows)) + 16:
+    for row, plans_of_row, shifts in zip(rows, folded, row_shifts):
+        if None in plans_of_row:
+            shifts = [*shifts, *(p.microbatch * stride for a in row for p in a.parts)]
+        if shifts:
+            low, high = min(low, min(shifts)), max(high, max(shifts))
+    if high - low > (4 * sum(map(len, rows)) + 16) * stride:
         return 0, SparseValues()
-    return low * stride, [None] * ((high - low + 1) * stride)
+    return low, [None] * (high - low + stride)
 
 
 def known_values(produced: list[float | None] | SparseValues, base: int) -> dict[int, float]:
