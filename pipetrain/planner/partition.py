@@ -213,11 +213,11 @@ def _finishable(n: int, num_stages: int, ok: Limit) -> tuple[list[list[bool]], l
     can[num_stages][n] = True
     for stage in range(num_stages - 1, -1, -1):
         later = can[stage + 1]
-        count = [0]
-        for flag in later:
-            count.append(count[-1] + flag)
+        count = list(accumulate(later, initial=0))  # count[j]: how many of later[:j] hold
         end = 0
-        for first in range(n):
+        # a first layer the stage can hold from: every stage before and after it takes at
+        # least one layer (``can`` is False elsewhere, and ``_fill_exactly`` reads no other)
+        for first in range(stage, n - num_stages + stage + 1):
             end = max(end, first)
             while end < n and ok(stage, first, end + 1):
                 end += 1

@@ -31,15 +31,24 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import repeat
-from operator import attrgetter, mul
-from typing import NamedTuple
+from itertools import compress, repeat
+from operator import attrgetter, is_, mul
+from typing import Any, NamedTuple
 
 from pipetrain.schedule import deps
-from pipetrain.schedule.action import COMPUTE_KINDS, Action, OpKind
-from pipetrain.schedule.copy_engine import CopyEngine, CopyPlan, has_copies
+from pipetrain.schedule.action import COMPUTE_KINDS, COPY_KINDS, Action, OpKind
+from pipetrain.schedule.copy_engine import CopyEngine, CopyPlan
 from pipetrain.schedule.placement import Placement
-from pipetrain.schedule.plans import Issue, PairPlans, Plan, compile_plans, pair_shape
+from pipetrain.schedule.plans import (
+    Issue,
+    PairPlans,
+    Plan,
+    SparseValues,
+    compile_plans,
+    known_values,
+    pair_shape,
+    value_table,
+)
 from pipetrain.schedule.program import Program, ScheduleError
 from pipetrain.schedule.timeline import Span
 
@@ -138,22 +147,27 @@ def run(
     rule = deps.compile_rule(program.placement)
     plans = compile_plans(rule, duration, latency, issue)
     pairs = PairPlans(plans, rule.stride, duration, issue)
-    rows = _compute_rows(program)
-    copies = CopyEngine(program.actions, duration, copy_plan) if has_copies(program) else None
+    kinds = [set(map(_kind, row)) for row in program.actions]  # each row's kinds, read in C
+    rows = _compute_rows(program, kinds)
+    has_copies = any(not COPY_KINDS.isdisjoint(of_row) for of_row in kinds)
+    copies = CopyEngine(program.actions, duration, copy_plan) if has_copies else None
     row_shifts = [list(map(mul, map(_microbatch, row), repeat(rule.stride))) for row in rows]
     if copies is None and issue is None and scale is None and _at_home(program, rows):
-        played = _play_plain(
-            program, rows, _folded_rows(program, rows, plans, pairs), row_shifts, pairs
+        folded = _folded_rows(program, rows, plans, pairs)
+        base, produced = value_table(rows, folded, row_shifts, rule.stride)
+        shifted = (
+            [[shift - base for shift in shifts] for shifts in row_shifts] if base else row_shifts
         )
+        played = _play_plain(program, rows, folded, shifted, pairs, produced, base)
     else:
+        base = 0
         row_plans = _row_plans(rows, plans)
         row_factors = None if scale is None else [list(map(scale, row)) for row in rows]
         played = _play(program, rows, row_plans, row_shifts, row_factors, pairs, copies)
     starts, ends, stretches, pos, produced = played
     if any(p < len(r) for p, r in zip(pos, rows)):
-        raise deadlock_error(
-            program.with_actions(rows), _stuck_computes(program, rows, pos, produced)
-        )
+        stuck = _stuck_computes(program, rows, pos, known_values(produced, base))
+        raise deadlock_error(program.with_actions(rows), stuck)
     spans = tuple(copies.spans) if copies else ()
     return Run(rows, starts, ends, stretches, spans, _host_spans(rows, issue))
 
@@ -166,7 +180,8 @@ class _Played(NamedTuple):
     ends: list[list[float]]
     stretches: list[Stretch]
     pos: list[int]
-    produced: dict[int, float]
+    #: a dict, or ``_play_plain``'s table (``plans.value_table``)
+    produced: Any
 
 
 def _row_plans(
@@ -284,8 +299,9 @@ def _folded_rows(
     for rank, row in enumerate(rows):
         folded = list(map(flat.get, map(_kind_stage, row)))
         if None in folded:
-            for step, action in enumerate(row):
-                if folded[step] is not None or not action.parts:
+            for step in compress(range(len(row)), map(is_, folded, repeat(None))):
+                action = row[step]
+                if not action.parts:
                     continue
                 key = (pair_shape(action), rank)
                 if key not in of_pair:
@@ -303,12 +319,14 @@ def _play_plain(
     row_plans: list[list[Folded | None]],
     row_shifts: list[list[int]],
     pairs: PairPlans,
+    produced: list[float | None] | SparseValues,
+    base: int,
 ) -> _Played:
     """``_play`` for the plain model (no host, no copies, no factors) with every action on its
     stage's rank: the same times, with a latency of 0 folded into each need that stays on its
     rank (``x + 0.0`` is ``x``), so the loop reads fewer fields per action. It runs every
-    simulation the planner makes and every lowering and validation."""
-    produced: dict[int, float] = {}  # value -> when it was produced
+    simulation the planner makes and every lowering and validation. ``produced`` holds each
+    value's time at the value less ``base`` (``plans.value_table``; ``row_shifts`` are less it too)."""
     waiting: dict[int, list[int]] = {}  # value -> ranks parked on it
     pos = [0] * len(rows)
     free_at = [0.0] * len(rows)
@@ -324,12 +342,13 @@ def _play_plain(
         while step < size:
             fold = plans_of_row[step]
             if fold is None:
-                fold = _fold(_pair_plan(program, rows, rank, step, pairs, produced), rank)
+                known = known_values(produced, base)
+                fold = _fold(_pair_plan(program, rows, rank, step, pairs, known), rank)
             needs, awaited, cost = fold
             shift = shifts[step]
             start = free
             for value, delay in needs:
-                arrived = produced.get(value + shift)
+                arrived = produced[value + shift]
                 if arrived is None:
                     break  # park on the first missing value (below)
                 arrived += delay
@@ -380,14 +399,14 @@ def _pair_plan(
     return plan
 
 
-def _compute_rows(program: Program) -> list[list[Action]]:
-    """Each rank's compute actions, in order (a row with no SEND/RECV is copied whole: its kinds
-    are read in C)."""
+def _compute_rows(program: Program, kinds: Sequence[set[OpKind]]) -> list[list[Action]]:
+    """Each rank's compute actions, in order, picked in C (a row whose ``kinds`` are all
+    compute is copied whole)."""
     return [
         list(row)
-        if _NON_COMPUTE.isdisjoint(map(_kind, row))
-        else [a for a in row if a.kind in COMPUTE_KINDS]
-        for row in program.actions
+        if _NON_COMPUTE.isdisjoint(of_row)
+        else list(compress(row, map(COMPUTE_KINDS.__contains__, map(_kind, row))))
+        for row, of_row in zip(program.actions, kinds)
     ]
 
 

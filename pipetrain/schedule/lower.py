@@ -28,7 +28,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from operator import attrgetter
+from itertools import repeat
+from operator import add, attrgetter, mul
 
 from pipetrain.schedule import deps
 from pipetrain.schedule.action import RECV_KINDS, Action, OpKind
@@ -76,22 +77,34 @@ def inject_comms(program: Program) -> Program:
         for kind, of_stage in transfers_of.items()
         for stage, transfers in of_stage.items()
     }
+    key_appends, row_appends = [k.append for k in keys], [r.append for r in rows]
     for rank in range(num_ranks):
         own_keys, own_row, row = keys[rank], rows[rank], unit_run.rows[rank]
         own_row += row
-        own_keys += [(2 * start + 1) * num_ranks + rank for start in unit_run.starts[rank]]
+        # (2·start + 1)·ranks + rank, in C
+        own_keys += map(
+            add, map(mul, unit_run.starts[rank], repeat(2 * num_ranks)), repeat(num_ranks + rank)
+        )
+        key_append, row_append = own_keys.append, own_row.append
         for action, end, transfers in zip(
             row, unit_run.ends[rank], map(flat.get, map(_kind_stage, row))
         ):
-            if transfers is None:  # an overlapped pair: its parts' transfers, in order
-                for part in action.parts:
-                    _add_transfers(
-                        keys, rows, rank, end, part.microbatch, flat[part.kind, part.stage]
-                    )
-            elif transfers:
-                _add_transfers(keys, rows, rank, end, action.microbatch, transfers)
+            if not transfers:
+                if transfers is None:  # an overlapped pair: its parts' transfers, in order
+                    for part in action.parts:
+                        _add_transfers(
+                            keys, rows, rank, end, part.microbatch, flat[part.kind, part.stage]
+                        )
+                continue
+            # each transfer's SEND here and RECV on the receiver, both numbered by ``end``
+            sent, microbatch = 2 * end * num_ranks + rank, action.microbatch
+            for send, send_stage, recv, recv_stage, recv_rank in transfers:
+                key_append(sent)
+                row_append(Action(send, send_stage, microbatch))
+                key_appends[recv_rank](sent)
+                row_appends[recv_rank](Action(recv, recv_stage, microbatch))
     return program.with_actions(
-        [row[i] for i in sorted(range(len(row)), key=row_keys.__getitem__)]
+        map(row.__getitem__, sorted(range(len(row)), key=row_keys.__getitem__))
         for row, row_keys in zip(rows, keys)
     )
 

@@ -5,13 +5,14 @@ caller's ``duration`` and ``latency``, and one per shape of overlapped pair as t
 The loop runs once per action of every lowering, validation and simulation, so it asks
 ``duration`` and ``latency`` up front, once per (kind, stage), not once per action and
 dependency: a plan holds the values an action needs (as integers, with each one's producer rank
-and latency), the values it produces that others await, and its times.
+and latency), the values it produces that others await, and its times. The plain loop keeps
+when each value was produced in a list indexed by value (``value_table``): a subscript per need.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 from pipetrain.schedule import deps
 from pipetrain.schedule.action import Action, OpKind
@@ -77,8 +78,19 @@ def _times(
 def pair_shape(pair: Action) -> tuple[object, ...]:
     """What an overlapped pair's plan depends on: its stage, and each part's kind, stage and
     micro-batch relative to the pair's. Pairs of one shape share a plan, shifted."""
-    base = pair.microbatch
-    return (pair.stage, *[(p.kind, p.stage, p.microbatch - base) for p in pair.parts])
+    base, parts = pair.microbatch, pair.parts
+    if len(parts) == 2:  # every pair ``overlap`` makes: one flat tuple, no list between
+        f, b = parts
+        return (
+            pair.stage,
+            f.kind,
+            f.stage,
+            f.microbatch - base,
+            b.kind,
+            b.stage,
+            b.microbatch - base,
+        )
+    return (pair.stage, *[(p.kind, p.stage, p.microbatch - base) for p in parts])
 
 
 class PairPlans:
@@ -128,3 +140,39 @@ class PairPlans:
         if all(need.value + shift in produced for need in needs):
             return None
         return Plan(tuple(needs), (), 0.0, 0.0, 0.0)
+
+
+class SparseValues(dict[int, float]):
+    """A value table for micro-batches too far apart for a list: a missing value reads None."""
+
+    def __missing__(self, _: int) -> None:
+        return None
+
+
+def value_table(
+    rows: Sequence[Sequence[Action]],
+    folded: Sequence[Sequence[object]],
+    row_shifts: Sequence[Sequence[int]],
+    stride: int,
+) -> tuple[int, Any]:
+    """(base, table) for ``execute``'s plain loop: a list indexed by value less ``base`` where the
+    micro-batches span at most a few times the rows' length, a subscript being cheaper than
+    ``dict.get`` once per action; a ``SparseValues`` dict otherwise (unvalidated input naming
+    far-off micro-batches). The span is read off each action's shift (micro-batch · ``stride``)
+    and, in a row with an action without a plan (``folded``: an overlapped pair), its parts'."""
+    low = high = 0
+    for row, plans_of_row, shifts in zip(rows, folded, row_shifts):
+        if None in plans_of_row:
+            shifts = [*shifts, *(p.microbatch * stride for a in row for p in a.parts)]
+        if shifts:
+            low, high = min(low, min(shifts)), max(high, max(shifts))
+    if high - low > (4 * sum(map(len, rows)) + 16) * stride:
+        return 0, SparseValues()
+    return low, [None] * (high - low + stride)
+
+
+def known_values(produced: list[float | None] | SparseValues, base: int) -> dict[int, float]:
+    """``produced`` as a dict by value: what deadlock reports and ``PairPlans`` read."""
+    if isinstance(produced, dict):
+        return produced
+    return {i + base: t for i, t in enumerate(produced) if t is not None}

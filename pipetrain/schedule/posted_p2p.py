@@ -60,37 +60,53 @@ def check_channels(program: Program) -> dict[Channel, list[int]]:
     """``check_channel_order`` with the values as the rule's integers (``deps.CompiledRule``):
     what ``validate`` needs, without a key per transfer. Pairing has been checked, so every
     SEND/RECV moves a value that travels."""
-    rule = deps.compile_rule(program.placement)
-    rank_of, stride = program.placement.rank_of_stage, rule.stride
-    sent: dict[Channel, list[int]] = {}
-    received: dict[Channel, list[int]] = {}
-    # per (kind, stage) of a SEND/RECV: the list its values go to, and its value at micro-batch 0
-    # (its rank is its stage's: placement has been checked)
-    lists: dict[tuple[OpKind, int], tuple[list[int], int]] = {}
-    for kind, of_stage in rule.posts.items():
-        for stage, post in of_stage.items():
-            token, value_stage, _ = rule.key(post.value)
-            other = deps.consumer_stage((token, value_stage, 0), program.placement.stages_per_chain)
-            if other is None or other >= len(rank_of):
-                continue  # a value that never travels: pairing has refused its SEND/RECV
-            channel = (rank_of[value_stage], rank_of[other])
-            to = (sent if post.is_send else received).setdefault(channel, [])
-            lists[kind, stage] = (to, post.value)
+    stride = deps.compile_rule(program.placement).stride
+    lists = ChannelLists(program)
     for row in program.actions:
         for kind_stage, microbatch in zip(map(_kind_stage, row), map(_microbatch, row)):
-            entry = lists.get(kind_stage)
+            entry = lists.of_post.get(kind_stage)
             if entry is not None:
                 entry[0].append(entry[1] + microbatch * stride)
-    for channel, values in received.items():
-        if values and values != sent.get(channel):
-            key = rule.key
-            _order_error(
-                program,
-                channel,
-                [key(v) for v in values],
-                [key(v) for v in sent.get(channel, [])],
-            )
-    return {channel: values for channel, values in sent.items() if values}
+    return lists.check()
+
+
+class ChannelLists:
+    """Each channel's values as sent and as received, filled by a reader of the rows
+    (``check_channels``, or validation's scan of each row, ``transfer_scan``) and then
+    compared (``check``)."""
+
+    def __init__(self, program: Program) -> None:
+        self.program = program
+        rule = deps.compile_rule(program.placement)
+        rank_of = program.placement.rank_of_stage
+        self.sent: dict[Channel, list[int]] = {}
+        self.received: dict[Channel, list[int]] = {}
+        #: per (kind, stage) of a SEND/RECV: the list its values go to, and its value at
+        #: micro-batch 0 (its rank is its stage's: placement has been checked)
+        self.of_post: dict[tuple[OpKind, int], tuple[list[int], int]] = {}
+        for kind, of_stage in rule.posts.items():
+            for stage, post in of_stage.items():
+                token, value_stage, _ = rule.key(post.value)
+                per_chain = program.placement.stages_per_chain
+                other = deps.consumer_stage((token, value_stage, 0), per_chain)
+                if other is None or other >= len(rank_of):
+                    continue  # a value that never travels: pairing refuses its SEND/RECV
+                channel = (rank_of[value_stage], rank_of[other])
+                to = (self.sent if post.is_send else self.received).setdefault(channel, [])
+                self.of_post[kind, stage] = (to, post.value)
+
+    def check(self) -> dict[Channel, list[int]]:
+        """Each channel's values in send order; ``ScheduleError`` where the receiver's differ."""
+        for channel, values in self.received.items():
+            if values and values != self.sent.get(channel):
+                key = deps.compile_rule(self.program.placement).key
+                _order_error(
+                    self.program,
+                    channel,
+                    [key(v) for v in values],
+                    [key(v) for v in self.sent.get(channel, [])],
+                )
+        return {channel: values for channel, values in self.sent.items() if values}
 
 
 def _order_error(

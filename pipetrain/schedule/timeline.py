@@ -33,18 +33,20 @@ Metrics, as the ZB paper (Qi et al. 2024, §2) uses them:
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from itertools import accumulate, pairwise
-from operator import attrgetter, itemgetter
+from itertools import accumulate, compress, pairwise, repeat
+from operator import attrgetter, is_, itemgetter, sub
 from typing import NamedTuple
 
 from pipetrain.schedule.action import Action, OpKind
 from pipetrain.schedule.gc_pause import without_gc
 
-_F, _W = OpKind.F, OpKind.W
-_action = attrgetter("action")
+_F, _W, _OVERLAP = OpKind.F, OpKind.W, OpKind.OVERLAP_F_B
+_action, _kind = attrgetter("action"), attrgetter("kind")
+_stage, _microbatch = attrgetter("stage"), attrgetter("microbatch")
 _time, _delta, _time_order = itemgetter(0), itemgetter(2), itemgetter(0, 1)
 _start, _end = itemgetter(2), itemgetter(3)  # of a ``Span``
 
@@ -132,10 +134,15 @@ class Timeline:
 
     @cached_property
     def busy(self) -> tuple[float, ...]:
-        busy = [0.0] * self.num_ranks
-        for rank, _, start, end in self.spans:
-            busy[rank] += end - start
-        return tuple(busy)
+        # each rank's durations added in span order (``accumulate``: the sum a loop makes), in C
+        return tuple(
+            deque(accumulate(map(sub, map(_end, row), map(_start, row)), initial=0.0), 1)[0]
+            for row in self._spans_by_rank
+        )
+
+    @cached_property
+    def _spans_by_rank(self) -> list[list[Span]]:
+        return _by_rank(self.spans, self.num_ranks)
 
     @cached_property
     def host_gaps(self) -> tuple[tuple[float, ...], ...]:
@@ -192,7 +199,7 @@ class Timeline:
     def _events(self) -> Iterator[list[tuple[float, int, float]]]:
         """Per rank, its ``_activation_events``."""
         for rank_spans, rank_copies in zip(
-            _by_rank(self.spans, self.num_ranks), _by_rank(self.copies, self.num_ranks)
+            self._spans_by_rank, _by_rank(self.copies, self.num_ranks)
         ):
             yield _activation_events(
                 rank_spans,
@@ -282,9 +289,27 @@ def _plain_events(
 ) -> list[tuple[float, int, float]]:
     """``_offload_events`` where nothing is offloaded, one branch per action: the same events in
     the same order (so the same sums), without its per-part bookkeeping."""
-    split = {(a.stage, a.microbatch) for a in map(_action, spans) if a.kind is _W}
+    actions = list(map(_action, spans))
+    kinds = set(map(_kind, actions))
+    # the split backwards' cells, read in C: what an I looks up
+    weights = list(compress(actions, map(is_, map(_kind, actions), repeat(_W))))
+    split = set(zip(map(_stage, weights), map(_microbatch, weights)))
     events: list[tuple[float, int, float]] = []
     append = events.append
+    if _OVERLAP not in kinds:  # one part per action: no parts to walk
+        for _, action, start, end in spans:
+            kind, stage = action.kind, action.stage
+            if kind is _F:
+                append((start, 1, activation_size[stage]))
+            elif kind is _W:
+                append((end, 0, -weight_activation_size[stage]))
+            elif (stage, action.microbatch) not in split:  # B, or an I whose W never runs here
+                append((end, 0, -activation_size[stage]))
+            else:  # I of a split backward: what W still needs stays
+                change = weight_activation_size[stage] - activation_size[stage]
+                if change:
+                    append((end, 0 if change < 0 else 1, change))
+        return events
     for _, action, start, end in spans:
         for p in action.parts or (action,):
             kind, stage = p.kind, p.stage

@@ -24,14 +24,14 @@ from __future__ import annotations
 from itertools import chain
 from operator import add, attrgetter
 
-from pipetrain.schedule.action import Action, OpKind
-from pipetrain.schedule.copy_engine import has_copies
+from pipetrain.schedule.action import COPY_KINDS, Action, OpKind
 from pipetrain.schedule.execute import run, unit_duration
 from pipetrain.schedule.gc_pause import without_gc
 from pipetrain.schedule.offload import check_copies
 from pipetrain.schedule.posted_p2p import check_channels, run_posted
 from pipetrain.schedule.program import Program, ScheduleError, microbatch_chains
-from pipetrain.schedule.transfer_checks import check_pairing, execute_lowered, scan_lowered
+from pipetrain.schedule.transfer_checks import check_pairing, execute_lowered
+from pipetrain.schedule.transfer_scan import scan_lowered
 
 P2P_MODELS = ("blocking", "posted")
 
@@ -48,18 +48,21 @@ def validate(program: Program, p2p: str = "blocking") -> Program:
     if p2p not in P2P_MODELS:
         raise ValueError(f"p2p must be one of {', '.join(P2P_MODELS)}, got {p2p!r}")
     _check_placement(program)
-    chains = _check_counts(program)
-    if has_copies(program):
+    chains, copies = _check_counts(program)
+    if copies:
         check_copies(program)
     if program.is_lowered:
         scans = scan_lowered(program)
-        check_pairing(program, scans, chains)
+        check_pairing(program, None if scans is None else scans.rows, chains)
         assert scans is not None, "check_pairing refuses a program whose scan found no value"
-        check_channels(program)
-        if p2p == "blocking":
-            execute_lowered(program, scans)
+        if scans.channels_filled:
+            scans.channels.check()
         else:
-            for scan in scans:
+            check_channels(program)
+        if p2p == "blocking":
+            execute_lowered(program, scans.rows)
+        else:
+            for scan in scans.rows:
                 if scan.failure is not None:
                     raise scan.failure()
             run_posted(program)
@@ -124,22 +127,26 @@ def _placement_error(program: Program, rank: int, step: int, action: Action) -> 
     raise RuntimeError(f"internal: rank {rank} step {step}: {action} passed every placement check")
 
 
-def _check_counts(program: Program) -> tuple[int, ...]:
+def _check_counts(program: Program) -> tuple[tuple[int, ...], bool]:
     """Raise unless every (stage, micro-batch) that must run runs completely (``_complete``) and
-    no other does; return each micro-batch's chain (``microbatch_chains``), for pairing."""
+    no other does; return each micro-batch's chain (``microbatch_chains``), for pairing, and
+    whether the program has OFFLOAD/RELOAD copies (seen on the way)."""
     # Tally per kind in flat lists (stage and micro-batch are in range: placement came first);
     # only a failure pays for _counts_error's per-cell bookkeeping.
     m = program.num_microbatches
     tally = {k: [0] * (program.num_stages * m) for k in (OpKind.F, OpKind.B, OpKind.I, OpKind.W)}
+    copies = False
     for row in program.actions:
         for action in row:
             if action.parts:
                 for p in action.parts:
                     tally[p.kind][p.stage * m + p.microbatch] += 1
             else:
-                cells = tally.get(action.kind)  # None: a SEND or RECV
+                cells = tally.get(action.kind)  # None: a SEND or RECV, or a copy
                 if cells is not None:
                     cells[action.stage * m + action.microbatch] += 1
+                elif not copies and action.kind in COPY_KINDS:
+                    copies = True
     chains = microbatch_chains(program)
     expected = _expected_cells(program, chains)
     # Cell by cell, ``_complete`` where expected and nothing elsewhere, as whole-list comparisons
@@ -149,7 +156,7 @@ def _check_counts(program: Program) -> tuple[int, ...]:
     f, b, i, w = (tally[k] for k in (OpKind.F, OpKind.B, OpKind.I, OpKind.W))
     if not (f == wanted and i == w and list(map(add, b, i)) == wanted):
         _counts_error(program, expected)
-    return chains
+    return chains, copies
 
 
 def _complete(f: int, b: int, i: int, w: int) -> bool:

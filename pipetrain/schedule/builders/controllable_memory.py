@@ -61,6 +61,9 @@ from pipetrain.schedule.builders.common import F, I, W, make_program, require_po
 from pipetrain.schedule.placement import Placement, v_shape
 from pipetrain.schedule.program import Program
 
+# module constants: reading a member off the enum class is slow, and these loops run ~10^6 times
+_F, _I, _W = OpKind.F, OpKind.I, OpKind.W
+
 #: slots between two repeats of the block: one micro-batch's work on one rank (2 × F, I, W)
 INTERVAL = 6
 
@@ -140,12 +143,12 @@ def _reorder_cool_down(slots: _Slots, cap: int, steady_end: int) -> None:
 def _fits(held: list[int], action: Action, to: int, now: int, cap: int) -> bool:
     """Whether moving ``action`` from slot ``now`` up to ``to`` keeps ``held`` (activations held
     per slot) within ``cap``; if so, ``held`` is updated. Only an F moved up holds more."""
-    if action.kind is OpKind.F:
+    if action.kind is _F:
         if max(held[to:now]) + 1 > cap:
             return False
         for t in range(to, now):
             held[t] += 1
-    elif action.kind is OpKind.W:  # freed sooner
+    elif action.kind is _W:  # freed sooner
         for t in range(to + 1, now + 1):
             held[t] -= 1
     return True
@@ -158,14 +161,24 @@ class _Rank:
         self.chunk0, self.chunk1 = stages
         self.at: dict[int, Action] = {}
         self.slot: dict[Action, int] = {}
+        # ``fits_after``'s last walk: its arguments, the (held, waiting) before each slot it
+        # passed from ``after + 1`` on, its answer, and the first and last slot changed since
+        self.walk: tuple[int, int, int, int, int] | None = None
+        self.states: list[tuple[int, int]] = []
+        self.answer = True
+        self.changed = (0, -1)
 
     def put(self, action: Action, slot: int) -> None:
         self.at[slot] = action
         self.slot[action] = slot
+        if self.walk is not None:
+            self.changed = (min(self.changed[0], slot), max(self.changed[1], slot))
 
     def take(self, action: Action) -> int:
         slot = self.slot.pop(action)
         del self.at[slot]
+        if self.walk is not None:
+            self.changed = (min(self.changed[0], slot), max(self.changed[1], slot))
         return slot
 
     def place_block(self, offsets: Offsets, num_microbatches: int) -> None:
@@ -183,14 +196,14 @@ class _Rank:
         the end of its W's slot. The list runs one slot past the last pass."""
         held = [0] * (max(self.at) + 2)
         for slot, action in self.at.items():
-            if action.kind is OpKind.F:
+            if action.kind is _F:
                 held[slot] += 1
-            elif action.kind is OpKind.W:
+            elif action.kind is _W:
                 held[slot + 1] -= 1
         return list(accumulate(held))
 
     def drop_weight_grads(self, after: int) -> None:
-        for action in [a for a, t in self.slot.items() if t > after and a.kind is OpKind.W]:
+        for action in [a for a, t in self.slot.items() if t > after and a.kind is _W]:
             self.take(action)
 
     def state_after(self, slot: int) -> tuple[int, list[Action]]:
@@ -202,9 +215,9 @@ class _Rank:
             action = self.at.get(t)
             if action is None:
                 continue
-            if action.kind is OpKind.F:
+            if action.kind is _F:
                 held += 1
-            elif action.kind is OpKind.I:
+            elif action.kind is _I:
                 waiting.append(action)
             else:
                 held -= 1
@@ -226,7 +239,7 @@ class _Rank:
                 if queue:
                     yield slot, queue.popleft()
                 continue
-            if action.kind is OpKind.I:
+            if action.kind is _I:
                 queue.append(W(action.stage, action.microbatch))
             yield slot, action
         yield from enumerate(queue, start=last + 1)
@@ -235,26 +248,51 @@ class _Rank:
         """Put the W of every I after slot ``after`` (and of those waiting at it) into free slots."""
         _, waiting = self.state_after(after)
         for slot, action in list(self.with_weight_grads(after, waiting)):
-            if action.kind is OpKind.W:
+            if action.kind is _W:
                 self.put(action, slot)
 
     def fits_after(self, after: int, end: int, held: int, waiting: int, cap: int) -> bool:
         """Whether the activations held from slot ``after`` to ``end`` (at least the last pass)
         stay within ``cap`` with the W placed as ``fill_weight_grads`` would, from ``held`` held
-        and ``waiting`` W unplaced after ``after``."""
-        at = self.at
-        for slot in range(after + 1, end + 1):
-            action = at.get(slot)
+        and ``waiting`` W unplaced after ``after``.
+
+        The cool-down asks this for every slot it tries, each try changing a slot or two, so a
+        walk starts from the last state before the first slot changed since the previous walk,
+        and once past the last changed slot, where its state equals the previous walk's, the
+        rest is the previous walk's: the same answer, without walking the unchanged slots."""
+        args = (after, end, held, waiting, cap)
+        if self.walk != args:
+            self.walk, self.states, self.changed = args, [(held, waiting)], (after + 1, end + 1)
+        low, high = self.changed
+        if low > high:
+            return self.answer  # nothing changed since the last walk
+        self.changed = (end + 1, after)
+        states, answer = self.states, self.answer
+        index = min(max(low - after - 1, 0), len(states) - 1)  # the state before a changed slot
+        held, waiting = states[index]
+        for slot, action in enumerate(
+            map(self.at.get, range(after + 1 + index, end + 1)), start=after + 1 + index
+        ):
             if action is None:
                 if waiting:  # a W: freed before the next slot's F
                     waiting -= 1
                     held -= 1
-            elif action.kind is OpKind.F:
+            elif action.kind is _F:
                 held += 1
                 if held > cap:
+                    del states[slot - after :]  # the states up to before this slot hold
+                    self.answer = False
                     return False
-            elif action.kind is OpKind.I:
+            elif action.kind is _I:
                 waiting += 1
+            index = slot - after  # the state before the next slot
+            if index < len(states):
+                if slot >= high and states[index] == (held, waiting):
+                    return answer  # the previous walk from here on, over the same slots
+                states[index] = (held, waiting)
+            else:
+                states.append((held, waiting))
+        self.answer = True
         return True
 
 
@@ -277,18 +315,19 @@ class _Slots:
 
     def ready(self, action: Action) -> int:
         """The first slot after every pass ``action`` needs (same-kind passes keep their order)."""
-        last_stage = self.placement.num_stages - 1
-        stage, j = action.stage, action.microbatch
-        needs = []
-        if action.kind is OpKind.W:
-            needs.append(I(stage, j))
-        elif action.kind is OpKind.F and stage > 0:
-            needs.append(F(stage - 1, j))
-        elif action.kind is OpKind.I:
-            needs.append(I(stage + 1, j) if stage < last_stage else F(stage, j))
+        kind, stage, j = action.kind, action.stage, action.microbatch
+        rank_of, ranks = self.placement.rank_of_stage, self.ranks
+        first = -1
+        if kind is _W:
+            first = ranks[rank_of[stage]].slot[I(stage, j)]
+        elif kind is _F and stage > 0:
+            first = ranks[rank_of[stage - 1]].slot[F(stage - 1, j)]
+        elif kind is _I:
+            need = I(stage + 1, j) if stage < len(rank_of) - 1 else F(stage, j)
+            first = ranks[rank_of[need.stage]].slot[need]
         if j > 0:
-            needs.append(Action(action.kind, stage, j - 1))
-        return max((self[n] + 1 for n in needs), default=0)
+            first = max(first, ranks[rank_of[stage]].slot[Action(kind, stage, j - 1)])
+        return first + 1
 
     def move_up(
         self,
