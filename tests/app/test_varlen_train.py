@@ -1,6 +1,6 @@
 """``pipetrain train --global-batch-tokens``: each step runs the micro-batch count its documents
 fill, on 2 gloo ranks in float64, and equals the unsplit ``transformers`` model trained on the
-same packed batches (1F1B, ZBV, and ``--dp 2``); a run resumed mid-way sees the same batches,
+same packed batches (1F1B, ZBV, ``--dp 2`` and ``--tp 2``); a run resumed mid-way sees the same batches,
 bit for bit."""
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ def test_token_budget_steps_equal_the_unsplit_model_and_resume(tmp_path):
         assert lead["straight"] == pytest.approx(lead["reference"], rel=1e-12, abs=0), schedule
         if "dp" in lead:
             assert lead["dp"] == pytest.approx(lead["dp_reference"], rel=1e-12, abs=0)
+        if "tp" in lead:
+            assert lead["tp"] == pytest.approx(lead["tp_reference"], rel=1e-12, abs=0)
         for result in (r[schedule] for r in results):
             assert result["counts"] == lead["counts"]
             if "resumed" in result:

@@ -17,7 +17,8 @@ STEPS = 4
 
 def budget_runs(rank: int, world: int, directory: str, folder: str, schedules) -> dict:
     """Per schedule: the straight run's losses, the reference's (rank 0), each step's count;
-    for the first schedule, a run to step 2 resumed to ``STEPS``, and ``--dp 2`` on one rank."""
+    for the first schedule, a run to step 2 resumed to ``STEPS``, and ``--dp 2`` and ``--tp 2`` on
+    one rank."""
     from pipetrain.app.batch_source import train_batches
     from pipetrain.app.train import train
 
@@ -77,6 +78,11 @@ def budget_runs(rank: int, world: int, directory: str, folder: str, schedules) -
             result["dp"] = train(dp, torch.device("cpu")).losses
             if rank == 0:
                 result["dp_reference"] = reference_run(dp, STEPS)[0]
+            # tensor parallel 2 on one rank: the same counts, every micro-batch split by features
+            tp = train_args(*common, "-p", "1", "--tp", "2", "--steps", str(STEPS))
+            result["tp"] = train(tp, torch.device("cpu")).losses
+            if rank == 0:
+                result["tp_reference"] = reference_run(tp, STEPS)[0]
         if rank == 0:
             result["reference"] = reference_run(config, STEPS)[0]
         results[schedule] = result
