@@ -213,6 +213,7 @@ FAMILIES: dict[str, Family] = {
             DeepseekV3Layer,
             tensor_parallel=None,
             tensor_parallel_refusal=MOE_NO_TP,
+            expert_parallel=shard_experts,
             experts=("mlp.experts",),
             router="mlp.gate",
             num_experts="n_routed_experts",

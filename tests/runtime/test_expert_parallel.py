@@ -78,6 +78,8 @@ def test_experts_an_ep_does_not_divide_are_refused() -> None:
 
 @pytest.mark.slow
 def test_every_family_shards_its_experts_exactly() -> None:
-    """Qwen2-MoE (shared expert), Mixtral and GPT-OSS (biases, clamped interleaved gate) on
-    ep 2 without a pipeline: logits and gradients against the unsplit model."""
-    assert launch(2, run_families, ["qwen2_moe", "mixtral", "gpt_oss"]) == [[], []]
+    """Qwen2-MoE (shared expert), Mixtral, GPT-OSS (biases, clamped interleaved gate) and
+    DeepSeek-V3 (grouped routing with its bias) on ep 2 without a pipeline: logits and gradients
+    against the unsplit model."""
+    kinds = ["qwen2_moe", "mixtral", "gpt_oss", "deepseek_v3"]
+    assert launch(2, run_families, kinds) == [[], []]

@@ -253,7 +253,8 @@ def _reshard(mesh, plain, kind: str, out: str) -> list[str]:
 
 def family_model(kind: str):
     """A tiny float64 model of ``kind`` with 4 experts, top-2 (Qwen2-MoE with its shared expert,
-    GPT-OSS with its biases and clamped, interleaved gate)."""
+    GPT-OSS with its biases and clamped, interleaved gate, DeepSeek-V3 with its dense first
+    layer, grouped routing and routing bias)."""
     import transformers as tf
 
     common = dict(
@@ -268,7 +269,23 @@ def family_model(kind: str):
         output_router_logits=False,
         experts_implementation="eager",
     )
-    if kind == "mixtral":
+    if kind == "deepseek_v3":  # a dense first layer, then one with grouped routing, a bias
+        config = tf.DeepseekV3Config(
+            **(common | {"num_hidden_layers": 2, "num_key_value_heads": 2}),
+            n_routed_experts=EXPERTS,
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=1,
+            n_shared_experts=1,
+            moe_intermediate_size=6,
+            kv_lora_rank=4,
+            q_lora_rank=4,
+            qk_rope_head_dim=2,
+            qk_nope_head_dim=2,
+            v_head_dim=2,
+            num_nextn_predict_layers=0,
+        )
+    elif kind == "mixtral":
         config = tf.MixtralConfig(**common, num_local_experts=EXPERTS)
     elif kind == "gpt_oss":
         config = tf.GptOssConfig(**common, num_local_experts=EXPERTS, head_dim=4, sliding_window=3)
@@ -287,6 +304,8 @@ def family_model(kind: str):
                 ("mlp.gate.weight", "block_sparse_moe.gate.weight")
             ):
                 p.normal_(0.0, 0.5)
+            elif name.endswith("e_score_correction_bias"):
+                p.normal_(0.0, 0.05)
             elif "experts" in name:
                 p.normal_(0.0, 0.3)  # GPT-OSS's start empty
     return model.train()
@@ -312,7 +331,10 @@ def run_families(rank: int, world: int, kinds: list[str]) -> list[str]:
     failures: list[str] = []
     for kind in kinds:
         reference = family_model(kind)
-        logits = reference(ids, attention_mask=mask).logits
+        # each rank's rows on their own (DeepSeek-V3's router runs in float32, whose products
+        # depend on how many rows they are taken over), gradients accumulated over both
+        parts = [slice(r * rows, (r + 1) * rows) for r in range(world)]
+        logits = torch.cat([reference(ids[p], attention_mask=mask[p]).logits for p in parts])
         (logits**2).sum().backward()
         theirs = dict(reference.named_parameters())
         layers = causal_lm_layers(family_model(kind))
