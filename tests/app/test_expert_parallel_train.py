@@ -80,9 +80,10 @@ def reference_run(argv: list[str], steps: int) -> tuple[list[float], list[float]
         loss = aux = torch.zeros((), dtype=torch.float64)
         for j, (inputs, targets) in enumerate(zip(*pieces, strict=True)):
             side = {k: v[j] for k, v in sides.items()}
+            counted = side.pop("token_mask", None)  # packed rows: their pad tail is not counted
             out = model(inputs, use_cache=False, output_router_logits=True, **side)
             loss = loss + causal_lm_token_loss(out.logits, targets) / count
-            mask = side.get("attention_mask")
+            mask = side.get("attention_mask", counted)
             for logits in out.router_logits:
                 term = load_balancing_loss_func((logits,), EXPERTS, TOP_K, mask)
                 aux = aux + COEF * term / (DP * M)
