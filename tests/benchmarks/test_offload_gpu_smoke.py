@@ -35,5 +35,7 @@ def test_cpu_dry_run_exercises_every_variant(tmp_path: Path) -> None:
         moved, saved = rows[label]["offloaded_gib_per_step"], rows[label]["saved_by_offloaded_gib_per_step"]  # fmt: skip
         assert moved[1] == 0 and moved[0] > 0  # 1F1B's last stage keeps everything
         shares.append(moved[0] / saved[0])
-    assert shares == sorted(shares) and shares[-1] > 0.9
+    # offloading everything moves most of what is saved: tensors under host_offload.MIN_BYTES
+    # (norms' statistics, biases) stay, about a tenth of this small dry run's saved bytes
+    assert shares == sorted(shares) and shares[-1] > 0.85
     assert "wrote" in done.stdout
