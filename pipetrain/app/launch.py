@@ -154,7 +154,7 @@ def announce(verb: str, config: TrainConfig, layout: Layout, device: Device) -> 
     shape = " × ".join(f"{n} {name}" for name, n in grid.items())
     print(
         f"{verb} {math.prod(grid.values())} processes: {shape} ({backend} on {device}); "
-        f"{model}, {_describe(layout, config.plan)}"
+        f"{model}, {_describe(layout, config.plan, config.global_batch_tokens)}"
     )
     for path in incomplete_checkpoints(config):
         print(f"note: ignoring {path}: an incomplete checkpoint (a run stopped while writing it)")
@@ -250,8 +250,10 @@ def _good(config: TrainConfig) -> str:
     return f"; latest good checkpoint: {good}" if good is not None else "; no checkpoint written"
 
 
-def _describe(layout: Layout, plan_file: str | None) -> str:
+def _describe(layout: Layout, plan_file: str | None, budget: int | None = None) -> str:
     cut = f"stage_layers {list(layout.stage_layers)}"
+    if budget is not None:  # each step's count comes from its documents; this one is nominal
+        cut = f"a budget of {budget} tokens per step (the count above nominal), {cut}"
     if layout.recomputes:
         cut += f", recompute {list(layout.recompute)}"
     if layout.offloads:
