@@ -44,6 +44,7 @@ from pipetrain.cli.flags import (
     model_options,
     model_shape,
     positive_float,
+    positive_int,
     require_torch,
 )
 from pipetrain.planner.costs_file import ModelCosts, save_costs
@@ -96,6 +97,7 @@ def options() -> tuple[Option, ...]:
             "profiler's gloo model)",
             shown_default="",
         ),
+        *_expert_options(),
         Option(
             ("--optimizer",),
             default="adamw",
@@ -130,6 +132,30 @@ def options() -> tuple[Option, ...]:
     )
 
 
+def _expert_options() -> tuple[Option, ...]:
+    """What a mixture-of-experts folder's costs add under expert parallel."""
+    return (
+        Option(
+            ("--ep",),
+            type=positive_int,
+            default=1,
+            metavar="E",
+            help="a mixture-of-experts --model-dir folder under expert parallel E: write each MoE "
+            "layer's dispatched_bytes (tokens × top-k × hidden × bytes, the (E-1)/E share "
+            "crossing ranks: derived, not measured) for the planner's all-to-all",
+            shown_default="1",
+        ),
+        Option(
+            ("--ep-link-gbs",),
+            type=positive_float,
+            metavar="GB/s",
+            help="with --ep: the GB/s each rank sends at over the expert-parallel link, written "
+            "as the costs file's ep_link_gbs (what plan and simulate price the all-to-all at)",
+            shown_default="",
+        ),
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     require_torch()
     from pipetrain.app.launch import quiet_import_notices
@@ -158,14 +184,50 @@ def run(args: argparse.Namespace) -> int:
             "one GPU sends at within a node (e.g. NVLink's)"
         )
     model = _FolderModel(args, max(lengths)) if args.model_dir else _BuiltModel(args)
+    moe = _dispatching_layers(args, model)  # refused before anything is timed
     by_length = {n: _profile_at(args, model, n, device) for n in lengths}
     costs = by_length[args.seq_len]
     if args.seq_lens is not None:
         costs = with_length_costs(by_length, at=args.seq_len, rows=args.microbatch_size)
+    if moe:
+        costs = _with_expert_dispatch(args, model, costs, moe)
     if args.out is not None:
         save_costs(costs, args.out)
     _report(args, costs, model.label)
     return 0
+
+
+def _dispatching_layers(args: argparse.Namespace, model: Any) -> list[int]:
+    """The MoE layers whose dispatch ``--ep`` prices (none without it); refused for a model
+    without experts, or a link without ``--ep``."""
+    if args.ep == 1 and args.ep_link_gbs is None:
+        return []
+    if args.ep == 1:
+        raise ValueError("--ep-link-gbs prices expert parallel: give --ep E above 1 with it")
+    moe = model.moe_layers() if isinstance(model, _FolderModel) else []
+    if not moe:
+        raise ValueError(
+            f"--ep {args.ep}: {model.label} has no mixture-of-experts layers (no expert "
+            "all-to-all to price); drop --ep, or give a mixture-of-experts --model-dir folder"
+        )
+    return moe
+
+
+def _with_expert_dispatch(
+    args: argparse.Namespace, model: Any, costs: ModelCosts, moe: list[int]
+) -> ModelCosts:
+    """``costs`` with the MoE layers' dispatched bytes at ``--ep`` and the ``--ep-link-gbs``
+    link (``planner.costs_file_moe``)."""
+    import torch
+
+    from pipetrain.planner.costs_file_moe import dispatched_bytes, with_dispatch
+
+    config = model.hf_config
+    size = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
+    tokens = args.microbatch_size * args.seq_len
+    top_k, hidden = int(config.num_experts_per_tok), int(config.hidden_size)
+    per_layer = dispatched_bytes(tokens, top_k, hidden, size, args.ep)
+    return with_dispatch(costs, moe, per_layer, args.ep, args.ep_link_gbs)
 
 
 def _profile_at(args: argparse.Namespace, model: Any, seq_len: int, device: Any) -> ModelCosts:
@@ -247,6 +309,14 @@ class _FolderModel:
         self.names: list[str] | None = list(stages.names)
         self.label = f"--model-dir {self.folder}"
 
+    def moe_layers(self) -> list[int]:
+        """The indices of the layers holding routed experts."""
+        return [
+            i
+            for i, layer in enumerate(self.layers)
+            if any(name.endswith("mlp.experts") for name, _ in layer.named_modules())
+        ]
+
     def at(self, seq_len: int) -> tuple[list[Any], Any, Any, int, dict[str, Any]]:
         from pipetrain.hf import causal_lm_loss
 
@@ -278,6 +348,14 @@ def _report(args: argparse.Namespace, costs: ModelCosts, label: str) -> None:
         print(
             f"length cost per row: {per_token:.3g} ms per token + {per_token_sq:.3g} ms per "
             f"token² (fitted over sequence lengths {fitted})",
+            file=where,
+        )
+    if "ep" in costs.meta:
+        moe = [x.dispatched_bytes for x in costs.layers if x.dispatched_bytes]
+        link = f" at {costs.ep_link_gbs:g} GB/s" if costs.ep_link_gbs else " (no link: not priced)"
+        print(
+            f"expert parallel {costs.meta['ep']['degree']}: {len(moe)} MoE layers dispatch "
+            f"{max(moe) / 1e6:.3g} MB each per micro-batch (derived){link}",
             file=where,
         )
     if costs.tp_link_gbs is not None:

@@ -71,3 +71,28 @@ def unpriced_note(costs: ModelCosts) -> str:
             "not priced (give --ep-link-gbs GB/s to plan expert parallel)"
         )
     return ""
+
+
+def dispatched_bytes(tokens: int, top_k: int, hidden: int, element_size: int, ep: int) -> float:
+    """A layer's ``dispatched_bytes`` at expert-parallel degree ``ep``: each of ``tokens`` sent to
+    its ``top_k`` experts as ``hidden`` values of ``element_size`` bytes, the share
+    ``(ep - 1) / ep`` of those copies crossing to another rank (the experts spread evenly over
+    the ranks and the routing balanced: what a balancing loss or bias aims at)."""
+    if ep < 1:
+        raise ValueError(f"--ep must be >= 1, got {ep}")
+    return tokens * top_k * hidden * element_size * (ep - 1) / ep
+
+
+def with_dispatch(
+    costs: ModelCosts, moe_layers: Sequence[int], per_layer: float, ep: int, link_gbs: float | None
+) -> ModelCosts:
+    """``costs`` with ``per_layer`` dispatched bytes on the layers at ``moe_layers`` (indices),
+    ``link_gbs`` as the expert link where given, and how they were derived in ``meta``."""
+    chosen = set(moe_layers)
+    layers = tuple(
+        dataclasses.replace(x, dispatched_bytes=per_layer) if i in chosen else x
+        for i, x in enumerate(costs.layers)
+    )
+    meta = {**costs.meta, "ep": {"degree": ep, "dispatched_bytes": "derived"}}
+    link = costs.ep_link_gbs if link_gbs is None else link_gbs
+    return dataclasses.replace(costs, layers=layers, ep_link_gbs=link, meta=meta)
