@@ -11,7 +11,8 @@ GB/s (1.2 ms) whatever the expert link. Every schedule cuts the layers evenly (4
 (``planner.judge.stage_costs``) price each stage. Prints a markdown table per link speed and the
 raw numbers as JSON (``--json``).
 
-Run from the repository root: ``python docs/results/sim-2026-12-02-all-to-all/all_to_all_table.py``
+Run from the repository root: ``python benchmarks/schedules/all_to_all_table.py`` (results:
+docs/results/sim-2026-12-02-all-to-all/README.md)
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout
 from pipetrain.planner.costs_file import LayerCost, ModelCosts
 from pipetrain.planner.judge import stage_costs
 from pipetrain.schedule.lower import lower
