@@ -296,33 +296,22 @@ def _plain_events(
     split = set(zip(map(_stage, weights), map(_microbatch, weights)))
     events: list[tuple[float, int, float]] = []
     append = events.append
-    if _OVERLAP not in kinds:  # one part per action: no parts to walk
-        for _, action, start, end in spans:
-            kind, stage = action.kind, action.stage
-            if kind is _F:
-                append((start, 1, activation_size[stage]))
-            elif kind is _W:
-                append((end, 0, -weight_activation_size[stage]))
-            elif (stage, action.microbatch) not in split:  # B, or an I whose W never runs here
-                append((end, 0, -activation_size[stage]))
-            else:  # I of a split backward: what W still needs stays
-                change = weight_activation_size[stage] - activation_size[stage]
-                if change:
-                    append((end, 0 if change < 0 else 1, change))
-        return events
-    for _, action, start, end in spans:
-        for p in action.parts or (action,):
-            kind, stage = p.kind, p.stage
-            if kind is _F:
-                append((start, 1, activation_size[stage]))
-            elif kind is _W:
-                append((end, 0, -weight_activation_size[stage]))
-            elif (stage, p.microbatch) not in split:  # B, or an I whose W never runs here
-                append((end, 0, -activation_size[stage]))
-            else:  # I of a split backward: what W still needs stays
-                change = weight_activation_size[stage] - activation_size[stage]
-                if change:
-                    append((end, 0 if change < 0 else 1, change))
+    if _OVERLAP in kinds:  # an overlapped pair's parts each hold or free their own
+        pieces = [(p, start, end) for _, a, start, end in spans for p in a.parts or (a,)]
+    else:
+        pieces = [(a, start, end) for _, a, start, end in spans]
+    for p, start, end in pieces:
+        kind, stage = p.kind, p.stage
+        if kind is _F:
+            append((start, 1, activation_size[stage]))
+        elif kind is _W:
+            append((end, 0, -weight_activation_size[stage]))
+        elif (stage, p.microbatch) not in split:  # B, or an I whose W never runs here
+            append((end, 0, -activation_size[stage]))
+        else:  # I of a split backward: what W still needs stays
+            change = weight_activation_size[stage] - activation_size[stage]
+            if change:
+                append((end, 0 if change < 0 else 1, change))
     return events
 
 
