@@ -1,0 +1,154 @@
+"""How ``plan_nd_gpu.py`` runs things: the model's flags shared by ``pipetrain profile`` and
+``pipetrain train``, one profile, one training launch of a plan (``pipetrain train --plan``) read
+back into its timed steps, and the float64 check of a program (``plan_program_equivalence``).
+Standard library only: every command is a process of its own under a timeout
+(``benchmarks.common.call_steps.run_logged``), its output in a log beside the results.
+
+A launch's step times come from its ``--metrics`` file: each record's ``tokens / tok_per_s`` is
+the wall time ``pipetrain train`` measured around that step on rank 0 (the learning rate set, the
+gradients zeroed, ``Pipeline.step`` with its data-parallel sync, the gradient norm, AdamW's
+update), so what a user's job pays per step. The pipeline's step alone is read from the run's
+report (its "measured step" line: the median makespan of the last steps, each recorded with a
+timeline), which is what the planner's pipeline prediction prices.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout
+
+from benchmarks.common.call_steps import run_logged, tail, torchrun
+
+#: the run report's line with the measured pipeline step (``app.report``)
+MEASURED_LINE = re.compile(r"^measured step:\s+makespan\s+([0-9.]+) ms", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class Model:
+    """A model ``pipetrain profile`` and ``pipetrain train`` build alike from flags."""
+
+    model: str
+    blocks: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    seq_len: int
+    micro_batch_size: int
+    dtype: str
+    tie_embeddings: bool = False
+
+    def flags(self) -> list[str]:
+        out = [
+            "--model", self.model, "--layers", str(self.blocks), "--hidden", str(self.hidden),
+            "--heads", str(self.heads), "--kv-heads", str(self.kv_heads),
+            "--vocab", str(self.vocab), "--seq-len", str(self.seq_len),
+            "--microbatch-size", str(self.micro_batch_size), "--dtype", self.dtype,
+        ]  # fmt: skip
+        return out + (["--tie-embeddings"] if self.tie_embeddings else [])
+
+
+def pipetrain(python: str) -> list[str]:
+    return [python, "-m", "pipetrain"]
+
+
+def profile(
+    python: str,
+    model: Model,
+    out: Path,
+    *,
+    device: str,
+    tp: tuple[int, ...] = (1,),
+    link_gbs: float | None = None,
+    repeats: int = 5,
+    limit_s: int = 600,
+) -> dict:
+    """``pipetrain profile`` of ``model`` at the tensor-parallel degrees ``tp`` into ``out``;
+    the costs file's JSON. ``RuntimeError`` with the log's tail where it failed."""
+    argv = [*pipetrain(python), "profile", *model.flags(), "--device", device,
+            "--repeats", str(repeats), "--out", str(out),
+            "--tp", ",".join(map(str, tp))]  # fmt: skip
+    if link_gbs is not None and max(tp) > 1:
+        argv += ["--link-gbs", f"{link_gbs:g}"]
+    log = out.with_suffix(".log")
+    code = run_logged(argv, limit_s, log)
+    if code != 0:
+        raise RuntimeError(f"profile exited {code}: " + " | ".join(tail(log, 5)))
+    return json.loads(out.read_text())
+
+
+def train_launch(
+    python: str,
+    model: Model,
+    plan_file: Path,
+    folder: Path,
+    *,
+    device: str,
+    warmup: int,
+    steps: int,
+    limit_s: int,
+) -> dict:
+    """One launch of ``pipetrain train --plan plan_file``: ``warmup`` untimed steps, then
+    ``steps`` timed ones (``steps_ms``), the measured pipeline step (``pipeline_ms``) and the
+    global micro-batches a step carries; ``{"error": ...}`` where the launch failed."""
+    plan = json.loads(plan_file.read_text())
+    folder.mkdir(parents=True, exist_ok=True)
+    metrics = folder / "metrics.jsonl"
+    metrics.unlink(missing_ok=True)
+    argv = [
+        *pipetrain(python), "train", "--plan", str(plan_file), *model.flags(),
+        "--tp", str(plan.get("tp", 1)), "--dp", str(plan.get("dp", 1)),
+        "--steps", str(warmup + steps), "--metrics", str(metrics), "--device", device,
+        "--svg", str(folder / "step.svg"), "--corpus-out", str(folder / "corpus.txt"),
+    ]  # fmt: skip
+    log = folder / "train.log"
+    code = run_logged(argv, limit_s, log)
+    if code != 0:
+        return {"error": f"exit {code}: " + " | ".join(tail(log, 4))}
+    return read_launch(metrics, log, warmup) | {
+        "global_microbatches": plan["microbatches"] * plan.get("dp", 1)
+    }
+
+
+def read_launch(metrics: Path, log: Path, warmup: int) -> dict:
+    """A finished launch's timed steps (ms, after ``warmup``) and measured pipeline step."""
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    timed = [r for r in records if r["step"] > warmup]
+    if not timed:
+        return {"error": f"no step after the {warmup} warm-up steps in {metrics}"}
+    found = MEASURED_LINE.search(log.read_text(errors="replace"))
+    return {
+        "steps_ms": [r["tokens"] / r["tok_per_s"] * 1e3 for r in timed],
+        "pipeline_ms": float(found.group(1)) if found else None,
+    }
+
+
+def equivalence(
+    python: str,
+    plan_file: Path,
+    model: Model,
+    out: Path,
+    *,
+    ranks: int,
+    device: str,
+    limit_s: int = 300,
+) -> dict:
+    """The float64 check of ``plan_file``'s program (``plan_program_equivalence``) on ``ranks``
+    processes; its result, or ``{"error": ...}``."""
+    script = Path(__file__).resolve().parent / "plan_program_equivalence.py"
+    argv = [*torchrun(python, ranks), str(script), "--plan", str(plan_file),
+            "--blocks", str(model.blocks), "--out", str(out),
+            "--device", "cpu" if device == "cpu" else "auto"]  # fmt: skip
+    if model.tie_embeddings:
+        argv.append("--tie-embeddings")
+    out.unlink(missing_ok=True)
+    log = out.with_suffix(".log")
+    code = run_logged(argv, limit_s, log)
+    if not out.exists():
+        return {"error": f"exit {code}: " + " | ".join(tail(log, 4)), "ok": False}
+    return json.loads(out.read_text())
