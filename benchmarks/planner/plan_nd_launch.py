@@ -1,6 +1,6 @@
 """How ``plan_nd_gpu.py`` runs things: the model's flags shared by ``pipetrain profile`` and
 ``pipetrain train``, one profile, one training launch of a plan (``pipetrain train --plan``) read
-back into its timed steps, and the float64 check of a program (``plan_program_equivalence``).
+back into its timed steps, every run's launches in rotated order (``measure``), and the float64 check of a program (``plan_program_equivalence``).
 Standard library only: every command is a process of its own under a timeout
 (``benchmarks.common.call_steps.run_logged``), its output in a log beside the results.
 
@@ -17,12 +17,14 @@ from __future__ import annotations
 import json
 import re
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout
 
 from benchmarks.common.call_steps import run_logged, tail, torchrun
+from benchmarks.planner.plan_nd_report import format_report, summarize
 
 #: the run report's line with the measured pipeline step (``app.report``)
 MEASURED_LINE = re.compile(r"^measured step:\s+makespan\s+([0-9.]+) ms", re.MULTILINE)
@@ -45,11 +47,25 @@ class Model:
 
     def flags(self) -> list[str]:
         out = [
-            "--model", self.model, "--layers", str(self.blocks), "--hidden", str(self.hidden),
-            "--heads", str(self.heads), "--kv-heads", str(self.kv_heads),
-            "--vocab", str(self.vocab), "--seq-len", str(self.seq_len),
-            "--microbatch-size", str(self.micro_batch_size), "--dtype", self.dtype,
-        ]  # fmt: skip
+            "--model",
+            self.model,
+            "--layers",
+            str(self.blocks),
+            "--hidden",
+            str(self.hidden),
+            "--heads",
+            str(self.heads),
+            "--kv-heads",
+            str(self.kv_heads),
+            "--vocab",
+            str(self.vocab),
+            "--seq-len",
+            str(self.seq_len),
+            "--microbatch-size",
+            str(self.micro_batch_size),
+            "--dtype",
+            self.dtype,
+        ]
         return out + (["--tie-embeddings"] if self.tie_embeddings else [])
 
 
@@ -70,9 +86,19 @@ def profile(
 ) -> dict:
     """``pipetrain profile`` of ``model`` at the tensor-parallel degrees ``tp`` into ``out``;
     the costs file's JSON. ``RuntimeError`` with the log's tail where it failed."""
-    argv = [*pipetrain(python), "profile", *model.flags(), "--device", device,
-            "--repeats", str(repeats), "--out", str(out),
-            "--tp", ",".join(map(str, tp))]  # fmt: skip
+    argv = [
+        *pipetrain(python),
+        "profile",
+        *model.flags(),
+        "--device",
+        device,
+        "--repeats",
+        str(repeats),
+        "--out",
+        str(out),
+        "--tp",
+        ",".join(map(str, tp)),
+    ]
     if link_gbs is not None and max(tp) > 1:
         argv += ["--link-gbs", f"{link_gbs:g}"]
     log = out.with_suffix(".log")
@@ -101,11 +127,26 @@ def train_launch(
     metrics = folder / "metrics.jsonl"
     metrics.unlink(missing_ok=True)
     argv = [
-        *pipetrain(python), "train", "--plan", str(plan_file), *model.flags(),
-        "--tp", str(plan.get("tp", 1)), "--dp", str(plan.get("dp", 1)),
-        "--steps", str(warmup + steps), "--metrics", str(metrics), "--device", device,
-        "--svg", str(folder / "step.svg"), "--corpus-out", str(folder / "corpus.txt"),
-    ]  # fmt: skip
+        *pipetrain(python),
+        "train",
+        "--plan",
+        str(plan_file),
+        *model.flags(),
+        "--tp",
+        str(plan.get("tp", 1)),
+        "--dp",
+        str(plan.get("dp", 1)),
+        "--steps",
+        str(warmup + steps),
+        "--metrics",
+        str(metrics),
+        "--device",
+        device,
+        "--svg",
+        str(folder / "step.svg"),
+        "--corpus-out",
+        str(folder / "corpus.txt"),
+    ]
     log = folder / "train.log"
     code = run_logged(argv, limit_s, log)
     if code != 0:
@@ -141,9 +182,18 @@ def equivalence(
     """The float64 check of ``plan_file``'s program (``plan_program_equivalence``) on ``ranks``
     processes; its result, or ``{"error": ...}``."""
     script = Path(__file__).resolve().parent / "plan_program_equivalence.py"
-    argv = [*torchrun(python, ranks), str(script), "--plan", str(plan_file),
-            "--blocks", str(model.blocks), "--out", str(out),
-            "--device", "cpu" if device == "cpu" else "auto"]  # fmt: skip
+    argv = [
+        *torchrun(python, ranks),
+        str(script),
+        "--plan",
+        str(plan_file),
+        "--blocks",
+        str(model.blocks),
+        "--out",
+        str(out),
+        "--device",
+        "cpu" if device == "cpu" else "auto",
+    ]
     if model.tie_embeddings:
         argv.append("--tie-embeddings")
     out.unlink(missing_ok=True)
@@ -152,3 +202,66 @@ def equivalence(
     if not out.exists():
         return {"error": f"exit {code}: " + " | ".join(tail(log, 4)), "ok": False}
     return json.loads(out.read_text())
+
+
+def measure(
+    args,
+    out: Path,
+    model: Model,
+    runs: list[dict],
+    launches: dict,
+    meta: dict,
+    started: float,
+    mode: str,
+    extra: dict | None = None,
+) -> dict:
+    """The launches each run lacks (``args.launches`` of each, ``args.device``,
+    ``args.launch_s`` seconds at most each), the runs' order rotated by one each launch; the
+    report rewritten after each."""
+    report: dict = {}
+    for k in range(args.launches):
+        order = runs[k % len(runs) :] + runs[: k % len(runs)]
+        for run in order:
+            if len(launches[run["name"]]) > k:
+                continue  # measured before a --resume
+            if time.monotonic() - started > args.budget_s:
+                meta["stopped"] = f"--budget-s {args.budget_s:g} reached in launch {k}"
+                break
+            folder = out / "launches" / str(k) / slug(run["name"])
+            got = train_launch(
+                sys.executable,
+                model,
+                Path(run["plan_file"]),
+                folder,
+                device=args.device,
+                warmup=args.warmup,
+                steps=args.steps,
+                limit_s=args.launch_s,
+            )
+            got["order"] = order.index(run)
+            launches[run["name"]].append(got)
+            print(f"launch {k} {run['name']}: " + launch_line(got), flush=True)
+            report = write(out, mode, runs, launches, meta, extra)
+    report = write(out, mode, runs, launches, meta, extra)
+    print(format_report(report), flush=True)
+    return report
+
+
+def launch_line(got: dict) -> str:
+    if "error" in got:
+        return got["error"][:200]
+    steps = sorted(got["steps_ms"])
+    return f"median step {steps[len(steps) // 2]:.2f} ms over {len(steps)} steps"
+
+
+def slug(name: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in name).strip("-")
+
+
+def write(out: Path, mode, runs, launches, meta, extra=None) -> dict:
+    """``report.json`` (with what ``--resume`` needs) and ``summary.txt``."""
+    report = summarize(mode, runs, launches, meta) | (extra or {})
+    saved = report | {"plan_runs": runs, "launches_by_run": launches, "meta": meta}
+    (out / "report.json").write_text(json.dumps(saved, indent=1) + "\n")
+    (out / "summary.txt").write_text(format_report(report) + "\n")
+    return report

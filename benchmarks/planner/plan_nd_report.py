@@ -83,8 +83,13 @@ def run_row(run: dict, launches: list[dict]) -> dict:
 
 
 def interval_json(iv: Interval) -> dict:
-    return {"estimate": iv.estimate, "low": iv.low, "high": iv.high, "launches": iv.launches,
-            "steps": iv.steps}  # fmt: skip
+    return {
+        "estimate": iv.estimate,
+        "low": iv.low,
+        "high": iv.high,
+        "launches": iv.launches,
+        "steps": iv.steps,
+    }
 
 
 def summarize(mode: str, runs: list[dict], launches: dict[str, list[dict]], meta: dict) -> dict:
@@ -133,8 +138,27 @@ def format_report(report: dict) -> str:
     """The printed table: one line per run, then the mode's verdicts."""
     lines = [f"{report['mode']}: {report.get('device', '?')}, {report.get('date', '')}"]
     lines.append(f"command: {report.get('command', '')}")
-    header = (f"{'run':<34} {'pred ms':>9} {'measured ms [95%]':>28} {'error':>7} "
-              f"{'pipe ms':>9} {'pipe err':>8} {'ms/global mb':>12}")  # fmt: skip
+    if report.get("case"):
+        lines.append(
+            f"case: {report['case']}, {report.get('ranks')} ranks, budget "
+            f"{report.get('memory_gib', 0):.4g} GiB"
+        )
+    tp = report.get("tp")
+    if tp:
+        derived = tp.get("derived") or []
+        lines.append(
+            f"tensor-parallel degrees profiled: {tp.get('degrees')}, derived (not "
+            f"measured): {derived or 'none'}"
+        )
+    if "cli_pick_agrees" in report:
+        lines.append(
+            "`pipetrain plan --gpus --json` picks the same layout: "
+            + ("yes" if report["cli_pick_agrees"] else "NO")
+        )
+    header = (
+        f"{'run':<34} {'pred ms':>9} {'measured ms [95%]':>28} {'error':>7} "
+        f"{'pipe ms':>9} {'pipe err':>8} {'ms/global mb':>12}"
+    )
     lines.append(header)
     for r in report["runs"]:
         head = f"{r['name']:<34} {r['predicted_step_ms']:9.2f}"

@@ -9,7 +9,7 @@ worker, started by torchrun (NCCL with a GPU per rank, gloo on a CPU):
 Why a narrow model of the plan's depth: a program's exactness is a property of its order of
 actions, transfers and gradient accumulation over the layers it cuts, not of the layers' widths;
 the float64 check therefore runs the plan's layer count (embedding, blocks, final norm, head of
-a Llama built by ``pipetrain.app.catalog``, tied where the case ties them) at a width where the
+a Llama built as ``pipetrain train --model llama`` builds it, tied where the case ties them) at a width where the
 unsplit reference fits on rank 0 next to its stages. Passing: the loss and every gradient
 within ``TOLERANCE`` (relative, ‖g − g_ref‖ / ‖g_ref‖) of the unsplit model's, and no parameter
 missing on either side.
@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout
 
-from pipetrain.app.catalog import EXTRA_LAYERS, ModelShape, build
+from pipetrain.hf import causal_lm_layers, causal_lm_loss, tied_weights
 from pipetrain.planner.layout import Layout
 from pipetrain.runtime.pipeline import Pipeline
 
@@ -71,31 +71,49 @@ def main() -> int:
     return 0 if result.get("ok") else 1
 
 
-def shape(args: argparse.Namespace) -> ModelShape:
-    return ModelShape(
-        model="llama", blocks=args.blocks, hidden=32, heads=2, kv_heads=2, vocab=VOCAB,
-        seq_len=SEQ, dtype="float64", seed=7, tie_embeddings=args.tie_embeddings,
-    )  # fmt: skip
+def build(args: argparse.Namespace) -> tuple[dict, list[tuple[str, ...]]]:
+    """The narrow float64 Llama of ``args.blocks`` blocks as layers (name → layer), and its ties
+    (``pipetrain train --model llama``'s configuration: MLP 4 × hidden); the same weights on
+    every call (seeded)."""
+    import transformers as tf
+
+    config = tf.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=128,
+        num_hidden_layers=args.blocks,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        bos_token_id=0,
+        eos_token_id=1,
+        tie_word_embeddings=args.tie_embeddings,
+    )
+    torch.manual_seed(7)
+    model = tf.LlamaForCausalLM(config).to(torch.float64)
+    return dict(causal_lm_layers(model)), [tuple(pair) for pair in tied_weights(model)]
 
 
 def check(args: argparse.Namespace, device: torch.device) -> dict:
     """One step of the plan on every rank; on rank 0 the errors against the unsplit model."""
     layout = Layout.from_json(json.loads(Path(args.plan).read_text()))
-    first, last = EXTRA_LAYERS["llama"]
-    if layout.num_layers != first + args.blocks + last:
+    built, tied = build(args)
+    if layout.num_layers != len(built):
         raise ValueError(
-            f"the plan cuts {layout.num_layers} layers; --blocks {args.blocks} builds "
-            f"{first + args.blocks + last}"
+            f"the plan cuts {layout.num_layers} layers; --blocks {args.blocks} builds {len(built)}"
         )
-    model = build(shape(args))
     gen = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, VOCAB, (ROWS * layout.microbatches, SEQ), generator=gen).to(device)
-    x, y = model.batch(tokens, tokens)
-    layers = {k: v.to(device) for k, v in model.layers.items()}  # type: ignore[union-attr]
+    x = y = tokens  # the Hugging Face loss takes the inputs as labels and shifts them itself
+    layers = {k: v.to(device) for k, v in built.items()}
     pipe = Pipeline.from_plan(
-        layers, layout, loss_fn=model.loss_fn, tied=model.tied, device=device,
+        layers,
+        layout,
+        loss_fn=causal_lm_loss,
+        tied=tied,
+        device=device,
         timeout=timedelta(minutes=3),
-    )  # fmt: skip
+    )
     loss = float(pipe.step(x, y))
     mine = {
         f"{k}": p.grad.detach().cpu()
@@ -117,12 +135,11 @@ def compare(args, device, x, y, loss: float, everyone: list[dict]) -> dict:
     for part in everyone:
         for k, g in part.items():  # a tied weight: each end holds the summed gradient
             grads.setdefault(k, g)
-    ref = build(shape(args))
-    layers = {k: v.to(device) for k, v in ref.layers.items()}  # type: ignore[union-attr]
+    layers = {k: v.to(device) for k, v in build(args)[0].items()}
     h = x
     for layer in layers.values():
         h = layer(h)
-    ref_loss = ref.loss_fn(h, y)
+    ref_loss = causal_lm_loss(h, y)
     ref_loss.backward()
     want = {
         f"{name}.{k}": p.grad.detach().cpu()
