@@ -5,6 +5,9 @@
     python benchmarks/planner/plan_nd_gpu.py --mode synthesized --gpus 4 --out $OUT/syn
     python benchmarks/planner/plan_nd_gpu.py --mode synthesized --preset cpu-smoke --out /tmp/s
 
+A device call stops at 10 minutes: give ``--budget-s`` below it (say 480) and continue with the
+same command and ``--resume`` until every run has its launches.
+
 ``--mode nd`` (4 or 8 GPUs): ``pipetrain profile --tp 1,2,4[,8]`` (degrees the machine does not
 measure are derived: the costs file's ``meta.tp`` says which, and the report repeats it), then
 the pp × tp × dp search (``planner.nd_search``, the same as ``pipetrain plan --gpus N

@@ -219,6 +219,7 @@ def measure(
     ``args.launch_s`` seconds at most each), the runs' order rotated by one each launch; the
     report rewritten after each."""
     report: dict = {}
+    meta.pop("stopped", None)  # a --resume's own stop, if any, is said anew
     for k in range(args.launches):
         order = runs[k % len(runs) :] + runs[: k % len(runs)]
         for run in order:

@@ -143,6 +143,8 @@ def format_report(report: dict) -> str:
             f"case: {report['case']}, {report.get('ranks')} ranks, budget "
             f"{report.get('memory_gib', 0):.4g} GiB"
         )
+    if report.get("stopped"):
+        lines.append(f"stopped early: {report['stopped']} (--resume continues)")
     tp = report.get("tp")
     if tp:
         derived = tp.get("derived") or []

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout
@@ -39,6 +40,9 @@ def run_synthesized(args: argparse.Namespace, out: Path, meta: dict, started: fl
         cases = [c for c in cases if c[0] in wanted]
     failed = 0
     for n, (title, model) in cases:
+        if time.monotonic() - started > args.budget_s:  # a new case profiles and checks first
+            print(f"--budget-s {args.budget_s:g} reached before case {n}: --resume", flush=True)
+            return 1
         folder = out / f"case{n}"
         folder.mkdir(parents=True, exist_ok=True)
         state_file = folder / "report.json"
@@ -68,7 +72,7 @@ def run_synthesized(args: argparse.Namespace, out: Path, meta: dict, started: fl
             launches = {r["name"]: [] for r in runs}
         print(f"case {n}: {title}", flush=True)
         measure(args, folder, model, runs, launches, case_meta, started, "synthesized", extra)
-        failed += not extra["equivalence"].get("ok")
+        failed += not (extra.get("equivalence") or {}).get("ok")
     return 1 if failed else 0
 
 

@@ -207,6 +207,20 @@ def test_cpu_smoke_runs_every_step_of_the_mode(tmp_path: Path, mode: str) -> Non
         "--out",
         str(tmp_path),
     ]
+    if mode == "nd":  # a call cut short by --budget-s (profiled, planned, nothing run), resumed
+        done = subprocess.run(
+            [*cmd, "--budget-s", "0"],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=ENV,
+            cwd=ROOT,
+        )
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        cut = json.loads((tmp_path / "report.json").read_text())
+        assert "--budget-s 0 reached" in cut["meta"]["stopped"]
+        assert all("measured_step_ms" not in r for r in cut["runs"])
+        cmd.append("--resume")
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ENV, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     folder = tmp_path / "case1" if mode == "synthesized" else tmp_path
