@@ -15,7 +15,8 @@ the pp × tp × dp search (``planner.nd_search``, the same as ``pipetrain plan -
 ``exhaustive``, because the command's bound skips shapes that cannot win but may still lie within
 ``--near`` of the pick), at a fixed global batch so every shape trains the same tokens a step.
 The runs: the pick and every other shape's best plan within ``--near`` (10%) of the pick's
-predicted time per global micro-batch.
+predicted time per global micro-batch; where none is, the runner-up shape all the same (a regret
+needs something to be measured against; its run says ``within_near: false``).
 
 ``--mode synthesized`` (2 or 4 GPUs): per case of ``synthesize_cases.py`` (a heavy head at a 128k
 vocabulary, a 256k vocabulary with a tied embedding, 13 blocks on 4 ranks), the model built that
@@ -213,14 +214,20 @@ def same_layout(a: dict, b: dict) -> bool:
     }
 
 
+#: shapes run at least (the pick and its runner-up where none other is within ``--near``): a
+#: regret against nothing measured says nothing
+MIN_SHAPES = 2
+
+
 def nd_runs(ranked: list[NdPlan], near: float, out: Path) -> list[dict]:
     """The pick and every other shape's best plan within ``near`` of it (per global
-    micro-batch), each written as a plan file."""
+    micro-batch), at least ``MIN_SHAPES`` of them, each written as a plan file."""
     pick = ranked[0]
     limit = pick.ms_per_global_microbatch * (1 + near)
     runs = []
-    for nd in ranked:
-        if nd.ms_per_global_microbatch > limit:
+    for i, nd in enumerate(ranked):
+        within = nd.ms_per_global_microbatch <= limit
+        if not within and i >= MIN_SHAPES:
             continue
         s = nd.shape
         name = ("pick: " if nd is pick else "") + f"pp {s.pp} x tp {s.tp} x dp {s.dp}"
@@ -242,6 +249,7 @@ def nd_runs(ranked: list[NdPlan], near: float, out: Path) -> list[dict]:
                 "predicted_behind_pick": nd.ms_per_global_microbatch / pick.ms_per_global_microbatch
                 - 1,
                 "global_microbatches": nd.plan.microbatches * s.dp,
+                "within_near": within,
             }
         )
     return runs

@@ -163,7 +163,8 @@ def format_report(report: dict) -> str:
     )
     lines.append(header)
     for r in report["runs"]:
-        head = f"{r['name']:<34} {r['predicted_step_ms']:9.2f}"
+        name = r["name"] + (" (beyond --near)" if r.get("within_near") is False else "")
+        head = f"{name:<34} {r['predicted_step_ms']:9.2f}"
         if "measured_step_ms" not in r:
             why = r["errors"][0] if r["errors"] else "not measured"
             lines.append(f"{head}  {why[:120]}")

@@ -141,6 +141,11 @@ def test_nd_runs_are_the_pick_and_every_shape_within_near(tmp_path: Path) -> Non
         assert run["global_microbatches"] * 2 == 32  # the same tokens a step, every shape
         assert run["predicted_step_ms"] == nd.step_ms >= run["predicted_pipeline_ms"]
         assert same_layout(plan, nd.to_json())
+        assert run["within_near"]
+    # nothing within 0%: the runner-up shape is run all the same, said to be beyond
+    alone = nd_runs(ranked, 0.0, tmp_path)
+    assert [r["within_near"] for r in alone] == [True, False]
+    assert alone[1]["shape"] == [ranked[1].shape.pp, ranked[1].shape.tp, ranked[1].shape.dp]
 
 
 def test_a_launch_is_read_from_its_metrics_and_its_report(tmp_path: Path) -> None:
