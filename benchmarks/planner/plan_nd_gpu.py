@@ -5,7 +5,8 @@
     python benchmarks/planner/plan_nd_gpu.py --mode synthesized --gpus 4 --out $OUT/syn
     python benchmarks/planner/plan_nd_gpu.py --mode synthesized --preset cpu-smoke --out /tmp/s
 
-A device call stops at 10 minutes: give ``--budget-s`` below it (say 480) and continue with the
+``--plan-only`` profiles and plans and runs nothing (one GPU's share of the work: the costs and
+the predicted table, the float64 check left out). A device call stops at 10 minutes: give ``--budget-s`` below it (say 480) and continue with the
 same command and ``--resume`` until every run has its launches.
 
 ``--mode nd`` (4 or 8 GPUs): ``pipetrain profile --tp 1,2,4[,8]`` (degrees the machine does not
@@ -84,6 +85,12 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cases", default=None, help="synthesized: case numbers, e.g. 1,3")
     p.add_argument("--budget-s", type=float, default=3000.0, help="no launch starts after")
     p.add_argument("--resume", action="store_true", help="continue the call in --out")
+    p.add_argument(
+        "--plan-only",
+        action="store_true",
+        help="profile and plan (or synthesize), write the plan files and the predictions, run "
+        "nothing: on one GPU, the table a call of several GPUs would measure",
+    )
     args = p.parse_args(argv)
     preset = PRESETS[args.preset]
     args.device, args.launch_s = preset["device"], preset["launch_s"]
@@ -94,6 +101,8 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
         args.gpus = 2 if args.preset == "cpu-smoke" else {"nd": 8, "synthesized": 4}[args.mode]
     if args.launches < 1 or args.steps < 1 or args.warmup < 0 or args.gpus < 1:
         p.error("--launches, --steps and --gpus must be >= 1, --warmup >= 0")
+    if args.plan_only:
+        args.launches = 0
     return args
 
 

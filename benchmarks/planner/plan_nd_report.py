@@ -66,6 +66,9 @@ def run_row(run: dict, launches: list[dict]) -> dict:
     row = {k: v for k, v in run.items() if k != "plan"}
     row["launches"] = launches
     row["errors"] = [x["error"] for x in launches if "error" in x]
+    row["predicted_ms_per_global_microbatch"] = (
+        run["predicted_step_ms"] / run["global_microbatches"]
+    )
     step = location_interval([x.get("steps_ms", []) for x in launches])
     if step is None:
         return row
@@ -74,7 +77,6 @@ def run_row(run: dict, launches: list[dict]) -> dict:
     row["step_error"] = predicted / step.estimate - 1
     count = run["global_microbatches"]
     row["measured_ms_per_global_microbatch"] = step.estimate / count
-    row["predicted_ms_per_global_microbatch"] = predicted / count
     pipelines = [x["pipeline_ms"] for x in launches if x.get("pipeline_ms")]
     if pipelines:
         row["measured_pipeline_ms"] = statistics.fmean(pipelines)
@@ -99,17 +101,16 @@ def summarize(mode: str, runs: list[dict], launches: dict[str, list[dict]], meta
     done = [r for r in rows if "measured_step_ms" in r]
     if mode == "nd" and done and "measured_step_ms" in rows[0]:
         report |= regret(rows[0], done, launches)
-    if mode == "synthesized" and len(done) == 2:
+    if mode == "synthesized" and len(rows) == 2:
         synth, base = rows
-        a = per_global(launches[base["name"]], base["global_microbatches"])
-        b = per_global(launches[synth["name"]], synth["global_microbatches"])
+        report["predicted_speedup"] = (
+            base["predicted_ms_per_global_microbatch"] / synth["predicted_ms_per_global_microbatch"]
+        )
+        a = per_global(launches.get(base["name"], []), base["global_microbatches"])
+        b = per_global(launches.get(synth["name"], []), synth["global_microbatches"])
         iv = ratio_interval(a, b, resamples=RESAMPLES)
         if iv is not None:
             report["speedup"] = interval_json(iv)
-            report["predicted_speedup"] = (
-                base["predicted_ms_per_global_microbatch"]
-                / synth["predicted_ms_per_global_microbatch"]
-            )
     return report
 
 
@@ -167,7 +168,8 @@ def format_report(report: dict) -> str:
         head = f"{name:<34} {r['predicted_step_ms']:9.2f}"
         if "measured_step_ms" not in r:
             why = r["errors"][0] if r["errors"] else "not measured"
-            lines.append(f"{head}  {why[:120]}")
+            per = r["predicted_ms_per_global_microbatch"]
+            lines.append(f"{head}  {why[:110]} (predicted {per:.3f} ms per global micro-batch)")
             continue
         m = r["measured_step_ms"]
         cell = f"{m['estimate']:.2f} [{m['low']:.2f}, {m['high']:.2f}]"
@@ -186,6 +188,8 @@ def format_report(report: dict) -> str:
             f"regret: {report['regret']:+.1%}{at} against {report['best_measured']} "
             f"(target <= {REGRET_WITHIN:.0%}: {report['regret_verdict']})"
         )
+    if "predicted_speedup" in report and "speedup" not in report:
+        lines.append(f"speed-up predicted: {report['predicted_speedup']:.3f}x (not measured)")
     if "speedup" in report:
         s = report["speedup"]
         lines.append(
@@ -195,7 +199,9 @@ def format_report(report: dict) -> str:
         )
     if "equivalence" in report:
         eq = report["equivalence"]
-        if "error" in eq:
+        if eq.get("ok") is None:
+            lines.append(f"float64 equivalence: {eq.get('error', 'not run')}")
+        elif "error" in eq:
             lines.append(f"float64 equivalence: FAILED to run: {eq['error'][:150]}")
         else:
             lines.append(
