@@ -50,7 +50,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout
 
-from benchmarks.planner.plan_nd_launch import Model, measure, profile
+from benchmarks.planner.plan_nd_launch import Model, checkout_env, measure, profile
 from benchmarks.planner.plan_nd_presets import PRESETS
 from benchmarks.planner.plan_nd_synthesized import run_synthesized
 from pipetrain.planner.costs_file import parse_costs
@@ -210,7 +210,7 @@ def cli_pick(costs: Path, gpus: int, cluster: Cluster, memory: float, spec: dict
         str(model.micro_batch_size),
         "--json",
     ]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=checkout_env())
     if done.returncode != 0:
         return {"error": done.stderr.strip()[-300:]}
     return json.loads(done.stdout)

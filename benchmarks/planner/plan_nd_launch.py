@@ -15,6 +15,7 @@ timeline), which is what the planner's pipeline prediction prices.
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import time
@@ -69,6 +70,16 @@ class Model:
         return out + (["--tie-embeddings"] if self.tie_embeddings else [])
 
 
+CHECKOUT = Path(__file__).resolve().parents[2]
+
+
+def checkout_env() -> dict[str, str]:
+    """The environment with this checkout first on ``PYTHONPATH``: ``python -m pipetrain`` and
+    the workers import this tree's pipetrain from whatever folder the benchmark was started in."""
+    paths = [str(CHECKOUT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return os.environ | {"PYTHONPATH": os.pathsep.join(paths)}
+
+
 def pipetrain(python: str) -> list[str]:
     return [python, "-m", "pipetrain"]
 
@@ -102,7 +113,7 @@ def profile(
     if link_gbs is not None and max(tp) > 1:
         argv += ["--link-gbs", f"{link_gbs:g}"]
     log = out.with_suffix(".log")
-    code = run_logged(argv, limit_s, log)
+    code = run_logged(argv, limit_s, log, env=checkout_env())
     if code != 0:
         raise RuntimeError(f"profile exited {code}: " + " | ".join(tail(log, 5)))
     return json.loads(out.read_text())
@@ -148,7 +159,7 @@ def train_launch(
         str(folder / "corpus.txt"),
     ]
     log = folder / "train.log"
-    code = run_logged(argv, limit_s, log)
+    code = run_logged(argv, limit_s, log, env=checkout_env())
     if code != 0:
         return {"error": f"exit {code}: " + " | ".join(tail(log, 4))}
     return read_launch(metrics, log, warmup) | {
@@ -198,7 +209,7 @@ def equivalence(
         argv.append("--tie-embeddings")
     out.unlink(missing_ok=True)
     log = out.with_suffix(".log")
-    code = run_logged(argv, limit_s, log)
+    code = run_logged(argv, limit_s, log, env=checkout_env())
     if not out.exists():
         return {"error": f"exit {code}: " + " | ".join(tail(log, 4)), "ok": False}
     return json.loads(out.read_text())
@@ -263,6 +274,9 @@ def write(out: Path, mode, runs, launches, meta, extra=None) -> dict:
     """``report.json`` (with what ``--resume`` needs) and ``summary.txt``."""
     report = summarize(mode, runs, launches, meta) | (extra or {})
     saved = report | {"plan_runs": runs, "launches_by_run": launches, "meta": meta}
-    (out / "report.json").write_text(json.dumps(saved, indent=1) + "\n")
+    # whole or not at all: a call killed at its wall limit mid-write leaves the last report
+    part = out / "report.json.part"
+    part.write_text(json.dumps(saved, indent=1) + "\n")
+    part.replace(out / "report.json")
     (out / "summary.txt").write_text(format_report(report) + "\n")
     return report
