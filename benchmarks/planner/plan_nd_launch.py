@@ -7,9 +7,10 @@ Standard library only: every command is a process of its own under a timeout
 A launch's step times come from its ``--metrics`` file: each record's ``tokens / tok_per_s`` is
 the wall time ``pipetrain train`` measured around that step on rank 0 (the learning rate set, the
 gradients zeroed, ``Pipeline.step`` with its data-parallel sync, the gradient norm, AdamW's
-update), so what a user's job pays per step. The pipeline's step alone is read from the run's
-report (its "measured step" line: the median makespan of the last steps, each recorded with a
-timeline), which is what the planner's pipeline prediction prices.
+update), so what a user's job pays per step. The run's last steps record a timeline of every
+action (``TIMELINE_STEPS``, run on top of the timed ones and left out of them); its report's
+"measured step" line, the median makespan of those, is the pipeline's step alone, which is what
+the planner's pipeline prediction prices.
 """
 
 from __future__ import annotations
@@ -28,7 +29,13 @@ from benchmarks.common.call_steps import run_logged, tail, torchrun
 from benchmarks.planner.plan_nd_report import format_report, summarize
 
 #: the run report's line with the measured pipeline step (``app.report``)
-MEASURED_LINE = re.compile(r"^measured step:\s+makespan\s+([0-9.]+) ms", re.MULTILINE)
+MEASURED_LINE = re.compile(
+    r"^measured step:\s+makespan\s+([0-9.]+) ms.*?the median of the last (\d+) steps", re.MULTILINE
+)
+#: the steps ``pipetrain train`` runs last with ``timeline=True`` (recording every action, for
+#: its report's measured step): run on top of the timed steps and left out of them, since the
+#: recording is not what a step pays (the report line says how many it recorded)
+TIMELINE_STEPS = 5
 
 
 @dataclass(frozen=True)
@@ -130,8 +137,8 @@ def train_launch(
     steps: int,
     limit_s: int,
 ) -> dict:
-    """One launch of ``pipetrain train --plan plan_file``: ``warmup`` untimed steps, then
-    ``steps`` timed ones (``steps_ms``), the measured pipeline step (``pipeline_ms``) and the
+    """One launch of ``pipetrain train --plan plan_file``: ``warmup`` untimed steps, ``steps``
+    timed ones (``steps_ms``), ``TIMELINE_STEPS`` recorded ones (``pipeline_ms``) and the
     global micro-batches a step carries; ``{"error": ...}`` where the launch failed."""
     plan = json.loads(plan_file.read_text())
     folder.mkdir(parents=True, exist_ok=True)
@@ -148,7 +155,7 @@ def train_launch(
         "--dp",
         str(plan.get("dp", 1)),
         "--steps",
-        str(warmup + steps),
+        str(warmup + steps + TIMELINE_STEPS),
         "--metrics",
         str(metrics),
         "--device",
@@ -168,12 +175,18 @@ def train_launch(
 
 
 def read_launch(metrics: Path, log: Path, warmup: int) -> dict:
-    """A finished launch's timed steps (ms, after ``warmup``) and measured pipeline step."""
+    """A finished launch's timed steps (ms: after ``warmup``, before the steps its report
+    recorded with a timeline) and its measured pipeline step."""
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    timed = [r for r in records if r["step"] > warmup]
-    if not timed:
-        return {"error": f"no step after the {warmup} warm-up steps in {metrics}"}
     found = MEASURED_LINE.search(log.read_text(errors="replace"))
+    recorded = int(found.group(2)) if found else 0
+    last = max((r["step"] for r in records), default=0) - recorded
+    timed = [r for r in records if warmup < r["step"] <= last]
+    if not timed:
+        return {
+            "error": f"no step between the {warmup} warm-up and the {recorded} recorded "
+            f"steps in {metrics}"
+        }
     return {
         "steps_ms": [r["tokens"] / r["tok_per_s"] * 1e3 for r in timed],
         "pipeline_ms": float(found.group(1)) if found else None,

@@ -150,10 +150,14 @@ def test_nd_runs_are_the_pick_and_every_shape_within_near(tmp_path: Path) -> Non
 
 def test_a_launch_is_read_from_its_metrics_and_its_report(tmp_path: Path) -> None:
     metrics, log = tmp_path / "metrics.jsonl", tmp_path / "train.log"
-    records = [{"step": s, "tokens": 256, "tok_per_s": 256 / (0.01 * s)} for s in (1, 2, 3, 4)]
+    records = [{"step": s, "tokens": 256, "tok_per_s": 256 / (0.01 * s)} for s in range(1, 7)]
     metrics.write_text("".join(json.dumps(r) + "\n" for r in records))
-    log.write_text("loss ...\nmeasured step:   makespan    17.16 ms   bubble  45.0%   (...)\n")
+    log.write_text(
+        "loss ...\nmeasured step:   makespan    17.16 ms   bubble  45.0%   (the median of the "
+        "last 2 steps)\n"
+    )
     got = read_launch(metrics, log, warmup=1)
+    # step 1 warms up; steps 5 and 6 recorded a timeline: the timed ones are 2 to 4
     assert got["steps_ms"] == pytest.approx([20.0, 30.0, 40.0])
     assert got["pipeline_ms"] == 17.16
     assert "error" in read_launch(metrics, log, warmup=4)
