@@ -1,10 +1,10 @@
 """benchmarks/planner/plan_nd_gpu.py, the N-D plans and synthesized schedules measured on GPUs:
 what it reports from launches (intervals, errors, regret, speed-up), which shapes it runs, how
-it reads a launch back, and the float64 check of a synthesized program on 2 gloo processes (about
-5 s on the 2-core box: the default tier). The end-to-end dry runs of both modes (cpu-smoke:
+it reads a launch back, and the float64 check of a synthesized program on 2 gloo processes (the
+default tier: one short run of 2 processes). The end-to-end dry runs of both modes (cpu-smoke:
 profile, plan or synthesize, float64 check, every run through ``pipetrain train --plan``) start
-about ten processes that each import torch and transformers, over a minute on 2 loaded cores: the
-stress tier (make test-all)."""
+about ten processes that each import torch and transformers, too long for the default tier on 2
+cores: the stress tier (make test-all)."""
 
 from __future__ import annotations
 
