@@ -171,6 +171,10 @@ def _synthesized_plan(tmp_path: Path, blocks: int) -> Path:
     return path
 
 
+#: the benchmark's own float64 worker (a torchrun of 2 processes, ~10 s on 2 cores); the runtime's
+#: exactness on synthesized programs is tested in the default tier (tests/runtime/test_synthesized_runs.py)
+@pytest.mark.stress
+@pytest.mark.slow
 def test_a_synthesized_program_runs_exactly_in_float64_on_two_gloo_processes(
     tmp_path: Path,
 ) -> None:
