@@ -46,7 +46,7 @@ from pipetrain.cli.flags import (
     require_torch,
 )
 from pipetrain.cli.profile_models import BuiltModel, FolderModel, sample_batch
-from pipetrain.cli.profile_tp_choice import TP_MEASURE, TpChoice, tp_choice, tp_line
+from pipetrain.cli.profile_tp_choice import TpChoice, tp_choice, tp_line, tp_options
 from pipetrain.planner.costs_file import ModelCosts, save_costs
 from pipetrain.planner.varlen import with_length_costs
 
@@ -79,34 +79,7 @@ def options() -> tuple[Option, ...]:
             "per_token_sq (time ~ n and n², attention's cost) into the costs file; the times "
             "stay --seq-len's",
         ),
-        Option(
-            ("--tp",),
-            type=int_list,
-            default=[1],
-            metavar="T1,T2,...",
-            help="tensor-parallel degrees to write per layer (1,2,4,8: each layer's compute, "
-            "collectives and memory per rank at each; each entry above 1 measured or derived, "
-            "as --tp-measure says, and marked so)",
-            shown_default="1",
-        ),
-        Option(
-            ("--tp-measure",),
-            default="auto",
-            choices=TP_MEASURE,
-            help="how the --tp degrees above 1 are had: auto measures each on that many GPUs "
-            "where they are visible and derives the rest (and all on a CPU); derive: all "
-            "derived from one process; processes: all measured on that many worker processes "
-            "(gloo on a CPU: it times the CPU, for tests)",
-        ),
-        Option(
-            ("--link-gbs",),
-            type=positive_float,
-            metavar="GB/s",
-            help="GB/s one GPU sends at inside a tensor-parallel group, to price the derived "
-            "degrees' collectives (needed on a GPU with --tp above 1; on a CPU default the "
-            "profiler's gloo model)",
-            shown_default="",
-        ),
+        *tp_options(),
         *_expert_options(),
         Option(
             ("--optimizer",),

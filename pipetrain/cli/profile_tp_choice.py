@@ -20,6 +20,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipetrain.cli.flags import Option, int_list, positive_float
 from pipetrain.planner.costs_file import ModelCosts
 from pipetrain.planner.costs_file_tp import TpCost
 
@@ -76,6 +77,40 @@ class TpChoice:
         if self.peak_gib:
             tp["peak_gib"] = {str(t): peaks for t, peaks in sorted(self.peak_gib.items())}
         return dataclasses.replace(costs, meta={**costs.meta, "tp": tp})
+
+
+def tp_options() -> tuple[Option, ...]:
+    """``profile``'s tensor-parallel flags."""
+    return (
+        Option(
+            ("--tp",),
+            type=int_list,
+            default=[1],
+            metavar="T1,T2,...",
+            help="tensor-parallel degrees to write per layer (1,2,4,8: each layer's compute, "
+            "collectives and memory per rank at each; each entry above 1 measured or derived, "
+            "as --tp-measure says, and marked so)",
+            shown_default="1",
+        ),
+        Option(
+            ("--tp-measure",),
+            default="auto",
+            choices=TP_MEASURE,
+            help="how the --tp degrees above 1 are had: auto measures each on that many GPUs "
+            "where they are visible and derives the rest (and all on a CPU); derive: all "
+            "derived from one process; processes: all measured on that many worker processes "
+            "(gloo on a CPU: it times the CPU, for tests)",
+        ),
+        Option(
+            ("--link-gbs",),
+            type=positive_float,
+            metavar="GB/s",
+            help="GB/s one GPU sends at inside a tensor-parallel group, to price the derived "
+            "degrees' collectives (needed on a GPU with --tp above 1; on a CPU default the "
+            "profiler's gloo model)",
+            shown_default="",
+        ),
+    )
 
 
 def tp_choice(args: argparse.Namespace, model: Any, device: Any) -> TpChoice:

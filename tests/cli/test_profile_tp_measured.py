@@ -45,8 +45,8 @@ def _local_bytes(split: dict[str, bool]) -> dict[str, int]:
     profile builds it, a split matrix halved (Megatron-LM's split: every product, the
     embedding and the head by vocabulary), norms whole."""
     from pipetrain.app.catalog import build
-    from pipetrain.cli.flags import model_options, model_shape
     from pipetrain.cli.commands import build_parser
+    from pipetrain.cli.flags import model_options, model_shape
 
     args = build_parser().parse_args(["profile", *TINY_LLAMA])
     assert {o.dest for o in model_options()} <= set(vars(args))
@@ -82,10 +82,16 @@ def test_degree_two_is_measured_on_two_processes_of_the_split_layers(
     # the collectives the split layers really issue, timed on the group: the block reduces its
     # two regions' outputs and its column-split products' input gradients, the head gathers
     # its logits, the embedding reduces its vocabulary-split output; the norm is not split
-    block, head, embed = by_name["model.layers.0"], by_name["lm_head"], by_name["model.embed_tokens"]
+    block, head, embed = (
+        by_name["model.layers.0"],
+        by_name["lm_head"],
+        by_name["model.embed_tokens"],
+    )
     assert block.forward_collective > 0 and block.backward_collective > 0
     assert head.forward_collective > 0 and embed.forward_collective > 0
-    assert by_name["model.norm"].forward_collective == 0 == by_name["model.norm"].backward_collective
+    assert (
+        by_name["model.norm"].forward_collective == 0 == by_name["model.norm"].backward_collective
+    )
     # each rank holds half of every split matrix: parameters, gradients, AdamW's two states
     local = _local_bytes({name: name != "model.norm" for name in by_name})
     for name, e in by_name.items():

@@ -32,6 +32,7 @@ outlives ``timeout_s`` ends the measurement with one ``ValueError`` line.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -285,10 +286,10 @@ class _LayerTimer:
             forward.append(clock.time(self.forward)[0])
             _, _, roots = self.forward()
             dist.barrier(group=group)
-            backward.append(clock.time(lambda r=roots: self._backward(r))[0])
+            backward.append(clock.time(functools.partial(self._backward, roots))[0])
             leaves, _, roots = self.forward()
             dist.barrier(group=group)
-            backward_input.append(clock.time(lambda r=roots, x=leaves: self._grad(r, x))[0])
+            backward_input.append(clock.time(functools.partial(self._grad, roots, leaves))[0])
         medians = [statistics.median(x[1:]) for x in (forward, backward, backward_input)]
         return medians
 
@@ -335,17 +336,17 @@ def _replay_ms(
         return 0.0
     size = dist.get_world_size(group)
     device = torch.device("cuda", torch.cuda.current_device()) if clock.cuda else None
-    work = []
+    work: list[Callable[[], object]] = []
     for name, shape, dtype in calls:
         x = torch.ones(shape, dtype=dtype, device=device)
         if name == "all_gather_into_tensor":
             out = torch.empty((shape[0] * size, *shape[1:]), dtype=dtype, device=device)
-            work.append(lambda o=out, x=x: dist.all_gather_single(o, x, group=group))
+            work.append(functools.partial(dist.all_gather_single, out, x, group=group))
         elif name == "reduce_scatter_tensor":
             out = torch.empty((shape[0] // size, *shape[1:]), dtype=dtype, device=device)
-            work.append(lambda o=out, x=x: dist.reduce_scatter_single(o, x, group=group))
+            work.append(functools.partial(dist.reduce_scatter_single, out, x, group=group))
         else:
-            work.append(lambda x=x: dist.all_reduce(x, group=group))
+            work.append(functools.partial(dist.all_reduce, x, group=group))
 
     def run() -> None:
         for call in work:
