@@ -138,7 +138,9 @@ def tp_choice(args: argparse.Namespace, model: Any, device: Any) -> TpChoice:
         elif not cuda and mode == "auto":
             why[t] = "on a CPU (--tp-measure processes to measure on gloo processes anyway)"
         if mode == "processes" and t in why:
-            raise ValueError(f"--tp-measure processes: degree {t}: {why[t]}; use --tp-measure auto")
+            raise ValueError(
+                f"--tp-measure processes: degree {t}: {why[t]}; --tp-measure auto derives it"
+            )
     measured = [t for t in extra if t not in why]
     link = args.link_gbs
     if why and link is None:

@@ -143,3 +143,74 @@ def test_a_failing_worker_is_one_line() -> None:
                        r"TypeError: unsupported operand") as e:  # fmt: skip
         measure_degree(broken, 1, "cpu", repeats=1)
     assert "\n" not in str(e.value)
+
+
+def _write_folder(folder: Path, kind: str) -> Path:
+    """A tiny Llama with a tied embedding and head, or a tiny Mixtral (no tensor-parallel
+    plan), written as ``save_pretrained`` writes it."""
+    import transformers as tf
+
+    common = dict(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=8)  # fmt: skip
+    torch.manual_seed(0)
+    if kind == "llama":
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**common, tie_word_embeddings=True))
+    else:
+        model = tf.MixtralForCausalLM(
+            tf.MixtralConfig(**common, num_local_experts=2, num_experts_per_tok=1)
+        )
+    model.save_pretrained(folder)
+    return folder
+
+
+def test_a_folders_layers_are_measured_as_train_splits_them(tmp_path: Path) -> None:
+    """The measuring path on a Llama folder, one rank in this process: its decoder layer split
+    by the plan ``train --tp`` applies (DTensor weights), the tied embedding and head left
+    whole as ``train --tp`` leaves them, and every layer measured, the tied weight counted once
+    (as the degree-1 profile counts it)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from pipetrain.cli.commands import build_parser
+    from pipetrain.cli.profile_models import parallelized
+    from pipetrain.runtime.profile.profile_tp_measured import measure_on_group
+
+    folder = _write_folder(tmp_path / "llama", "llama")
+    args = build_parser().parse_args(
+        ["profile", "--model-dir", str(folder), "--seq-len", "4", "--microbatch-size", "2"]
+    )
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+        model = parallelized(args, 4, mesh["tp"], torch.device("cpu"))
+        weights = {n: p for layer in model.layers for n, p in layer.named_parameters()}
+        assert all(isinstance(p, DTensor) for n, p in weights.items() if "proj" in n), weights
+        assert not any(isinstance(p, DTensor) for n, p in weights.items() if "embed" in n)
+        entries, peaks = measure_on_group(
+            model, mesh["tp"].get_group(), torch.device("cpu"), repeats=1, optimizer="adamw"
+        )
+    finally:
+        dist.destroy_process_group()
+    assert len(entries) == len(model.layers) == 4 and peaks is None
+    unique = {id(p): p for layer in model.layers for p in layer.parameters()}
+    total = sum(p.numel() * p.element_size() for p in unique.values())
+    assert sum(e["params"] for e in entries) == pytest.approx(4 * total / GIB)
+    assert all(e["forward"] >= 0 and e["activation"] > 0 for e in entries)
+
+
+def test_a_folder_without_a_tensor_parallel_plan_is_refused_or_derived(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], degree_one: None
+) -> None:
+    folder = str(_write_folder(tmp_path / "mixtral", "mixtral"))
+    capsys.readouterr()  # the writer's progress bars
+    argv = ["profile", "--model-dir", folder, "--seq-len", "4", "--microbatch-size", "2",
+            "--device", "cpu", "--tp", "1,2"]  # fmt: skip
+    assert main([*argv, "--tp-measure", "processes"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "--tp-measure processes: degree 2: mixtral has no tensor-parallel plan" in err
+    out = tmp_path / "costs.json"
+    assert main([*argv, "--out", str(out)]) == 0  # auto: derived, and the file says why
+    why = load_costs(out).meta["tp"]["why_derived"]["2"]
+    assert why.startswith("mixtral has no tensor-parallel plan")

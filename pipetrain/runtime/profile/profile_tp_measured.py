@@ -110,6 +110,8 @@ def measure_degree(
             f"tensor-parallel degree {degree} needs {degree} GPUs, "
             f"{torch.cuda.device_count()} visible"
         )
+    if device_type == "cuda":  # the parent's cached blocks on GPU 0 are rank 0's to use
+        torch.cuda.empty_cache()
     with tempfile.TemporaryDirectory(prefix="pipetrain-tp-") as scratch:
         out = Path(scratch) / "entries.json"
         job = _Job(
@@ -175,16 +177,27 @@ def _worker(rank: int, job: _Job) -> None:
         mesh = init_device_mesh(device.type, (job.degree,), mesh_dim_names=("tp",))
         model = job.build(mesh["tp"], device)
         group = mesh["tp"].get_group()
-        rows, static, peaks = _measure_layers(model, group, device, job)
-        numbers = torch.tensor(rows, dtype=torch.float64, device=device)
-        dist.all_reduce(numbers, op=dist.ReduceOp.MAX, group=group)
+        entries, peaks = measure_on_group(
+            model, group, device, repeats=job.repeats, optimizer=job.optimizer
+        )
         if rank == 0:
-            entries = [_entry(row, own) for row, own in zip(numbers.tolist(), static, strict=True)]
-            text = json.dumps({"entries": entries, "peak_gib": peaks})
-            Path(job.out).write_text(text)
+            Path(job.out).write_text(json.dumps({"entries": entries, "peak_gib": peaks}))
         dist.barrier(group=group)
     finally:
         dist.destroy_process_group()
+
+
+def measure_on_group(
+    model: Parallelized, group: Any, device: torch.device, *, repeats: int, optimizer: str
+) -> tuple[list[dict[str, float]], list[float] | None]:
+    """Every rank of ``group`` calls: each layer's ``TpCost`` fields (the times the slowest
+    rank's, the memory this rank's: the ranks hold equal shares) and, on a GPU, each layer's
+    allocator peak on this rank."""
+    rows, static, peaks = _measure_layers(model, group, device, repeats, optimizer)
+    numbers = torch.tensor(rows, dtype=torch.float64, device=device)
+    dist.all_reduce(numbers, op=dist.ReduceOp.MAX, group=group)
+    entries = [_entry(row, own) for row, own in zip(numbers.tolist(), static, strict=True)]
+    return entries, peaks
 
 
 def _entry(row: list[float], static: tuple[float, float]) -> dict[str, float]:
@@ -206,12 +219,12 @@ def _entry(row: list[float], static: tuple[float, float]) -> dict[str, float]:
 
 
 def _measure_layers(
-    model: Parallelized, group: Any, device: torch.device, job: _Job
+    model: Parallelized, group: Any, device: torch.device, repeats: int, optimizer: str
 ) -> tuple[list[list[float]], list[tuple[float, float]], list[float] | None]:
     """Per layer: ``_NUMBERS`` on this rank, its static GiB (parameters with gradients and
     optimizer states; gradients alone) and, on a GPU, the allocator's peak GiB."""
     clock = Clock(device)
-    states = OPTIMIZER_STATES[job.optimizer]
+    states = OPTIMIZER_STATES[optimizer]
     seen: set[int] = set()
     inputs = model.inputs
     rows, static, peaks = [], [], []
@@ -225,9 +238,9 @@ def _measure_layers(
         saved, recorded, outputs = timer.record()
         if device.type == "cuda":
             peaks.append((torch.cuda.max_memory_allocated(device) - before) / GIB)
-        times = timer.times(clock, group, job.repeats)
-        forward_coll = _replay_ms(recorded["forward"], clock, group, job.repeats)
-        backward_coll = _replay_ms(recorded["backward"], clock, group, job.repeats)
+        times = timer.times(clock, group, repeats)
+        forward_coll = _replay_ms(recorded["forward"], clock, group, repeats)
+        backward_coll = _replay_ms(recorded["backward"], clock, group, repeats)
         rows.append([*times, forward_coll, backward_coll, saved / GIB])
         static.append(_local_static_gib(layer, seen, states))
         for p in layer.parameters():
