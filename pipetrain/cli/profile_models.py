@@ -137,10 +137,11 @@ def parallelized(args: argparse.Namespace, seq_len: int, tp_mesh: Any, device: A
     """One worker's layers at ``seq_len``, on ``device``, split over ``tp_mesh`` as ``train
     --tp`` splits them (a tied embedding and head stay whole), with the profile's batch."""
     from pipetrain.app.launch import quiet_import_notices
+
+    quiet_import_notices()  # before ``transformers`` is imported
     from pipetrain.hf import parallelize_causal_lm
     from pipetrain.runtime.profile.profile_tp_measured import Parallelized
 
-    quiet_import_notices()
     model = FolderModel(args, seq_len) if args.model_dir else BuiltModel(args)
     layers, loss_fn, batch, vocab, _ = model.at(seq_len)
     layers = [layer.to(device) for layer in layers]
