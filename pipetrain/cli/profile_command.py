@@ -23,9 +23,11 @@ profiles the model at each sequence length (and at ``--seq-len``, whose times th
 and fits each layer's ``per_token`` and ``per_token_sq`` (``planner.varlen.with_length_costs``):
 what a packed document of ``n`` tokens costs, attention's ``n²`` included, for balancing packed
 micro-batches. ``--tp 1,2,4,8`` adds each layer at each tensor-parallel degree above 1 (costs file
-version 3): one process runs no tensor-parallel group, so those entries are derived from the
-layer's degree-1 measurements, its matrix products timed alone and its collectives' bytes priced
-at ``--link-gbs`` (``runtime.profile.profile_tp``), and marked ``derived``.
+version 3): measured on a group of that many worker processes where the machine runs one
+(``runtime.profile.profile_tp_measured``: on a GPU node with the GPUs, or on a CPU with
+``--tp-measure processes``), else derived from the layer's degree-1 measurements, its matrix
+products timed alone and its collectives' bytes priced at ``--link-gbs``
+(``runtime.profile.profile_tp``); each entry marked so (``cli.profile_tp_choice`` decides).
 torch is imported when the command runs, not when its parser is built.
 """
 

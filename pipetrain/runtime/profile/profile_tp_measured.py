@@ -110,7 +110,7 @@ def measure_degree(
             f"tensor-parallel degree {degree} needs {degree} GPUs, "
             f"{torch.cuda.device_count()} visible"
         )
-    if device_type == "cuda":  # the parent's cached blocks on GPU 0 are rank 0's to use
+    if device_type == "cuda":  # the parent's cached blocks on GPU 0, which rank 0 shares
         torch.cuda.empty_cache()
     with tempfile.TemporaryDirectory(prefix="pipetrain-tp-") as scratch:
         out = Path(scratch) / "entries.json"
