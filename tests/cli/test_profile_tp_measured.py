@@ -114,6 +114,9 @@ def test_auto_on_a_cpu_derives_and_says_why(
     assert all(e.source == "derived" for x in costs.layers for e in x.tp)
     tp = costs.meta["tp"]
     assert tp["measured"] == [] and tp["derived"] == [2] and "on a CPU" in tp["why_derived"]["2"]
+    # Llama's head is a layer of its own, named by the model: it gathers its logits
+    head = costs.layers[-1]
+    assert head.name == "lm_head" and head.tp[0].forward_collective > 0
 
 
 @pytest.mark.parametrize(

@@ -80,7 +80,7 @@ def with_tp(
         gradients = costs.gradient_gib(cost)
         tp = {t: entries[n] for t, entries in measured.items()}
         if derived:
-            shape, inputs = measure(layer, inputs, clock, repeats)
+            shape, inputs = measure(layer, inputs, clock, repeats, name=cost.name)
             base = {
                 "forward": cost.forward,
                 "backward_input": cost.backward_input if cost.split_backward else cost.backward / 2,
@@ -107,11 +107,17 @@ def with_tp(
 
 
 def measure(
-    layer: nn.Module, inputs: tuple[torch.Tensor, ...], clock: Clock, repeats: int
+    layer: nn.Module,
+    inputs: tuple[torch.Tensor, ...],
+    clock: Clock,
+    repeats: int,
+    name: str = "",
 ) -> tuple[TpShape, tuple[torch.Tensor, ...]]:
-    """One layer's ``TpShape`` (the module docstring) and its outputs (the next layer's input)."""
+    """One layer's ``TpShape`` (the module docstring) and its outputs (the next layer's input).
+    ``name``: the layer's own name in the model (a layer that is itself a product, such as
+    Llama's ``lm_head``, is named by it)."""
     calls: list[tuple[str, nn.Linear, torch.Size, int]] = []
-    names = {id(m): n for n, m in layer.named_modules()}
+    names = {id(m): n for n, m in layer.named_modules(prefix=name)}
 
     def seen(module: nn.Module, args: tuple, output: object) -> None:
         if isinstance(module, nn.Linear) and isinstance(output, torch.Tensor):
