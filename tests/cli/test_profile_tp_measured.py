@@ -217,3 +217,19 @@ def test_a_folder_without_a_tensor_parallel_plan_is_refused_or_derived(
     assert main([*argv, "--out", str(out)]) == 0  # auto: derived, and the file says why
     why = load_costs(out).meta["tp"]["why_derived"]["2"]
     assert why.startswith("mixtral has no tensor-parallel plan")
+
+
+def test_a_group_that_does_not_finish_is_stopped_with_one_line() -> None:
+    """The parent's wait gives up at the timeout (its caller then kills the workers)."""
+    import time
+
+    from pipetrain.runtime.profile.profile_tp_measured import _wait
+
+    class Stuck:  # a spawn context whose workers never end
+        def join(self, timeout: float) -> bool:
+            time.sleep(timeout)
+            return False
+
+    with pytest.raises(ValueError, match=r"^measuring tensor-parallel degree 2: the group did "
+                       r"not finish within 0.3 s$"):  # fmt: skip
+        _wait(Stuck(), 2, 0.3)
