@@ -97,7 +97,7 @@ def tp_options() -> tuple[Option, ...]:
             default="auto",
             choices=TP_MEASURE,
             help="how the --tp degrees above 1 are had: auto measures each on that many GPUs "
-            "where they are visible and derives the rest (and all on a CPU); derive: all "
+            "where they are visible and derives the rest (all of them on a CPU); derive: all "
             "derived from one process; processes: all measured on that many worker processes "
             "(gloo on a CPU: it times the CPU, for tests)",
         ),
@@ -106,8 +106,8 @@ def tp_options() -> tuple[Option, ...]:
             type=positive_float,
             metavar="GB/s",
             help="GB/s one GPU sends at inside a tensor-parallel group, to price the derived "
-            "degrees' collectives (needed on a GPU with --tp above 1; on a CPU default the "
-            "profiler's gloo model)",
+            "degrees' collectives (needed on a GPU where some degree is derived; on a CPU "
+            "default the profiler's gloo model)",
             shown_default="",
         ),
     )
