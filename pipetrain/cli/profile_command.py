@@ -23,16 +23,17 @@ profiles the model at each sequence length (and at ``--seq-len``, whose times th
 and fits each layer's ``per_token`` and ``per_token_sq`` (``planner.varlen.with_length_costs``):
 what a packed document of ``n`` tokens costs, attention's ``n²`` included, for balancing packed
 micro-batches. ``--tp 1,2,4,8`` adds each layer at each tensor-parallel degree above 1 (costs file
-version 3): one process runs no tensor-parallel group, so those entries are derived from the
-layer's degree-1 measurements, its matrix products timed alone and its collectives' bytes priced
-at ``--link-gbs`` (``runtime.profile.profile_tp``), and marked ``derived``.
+version 3): measured on a group of that many worker processes where the machine runs one
+(``runtime.profile.profile_tp_measured``: on a GPU node with the GPUs, or on a CPU with
+``--tp-measure processes``), else derived from the layer's degree-1 measurements, its matrix
+products timed alone and its collectives' bytes priced at ``--link-gbs``
+(``runtime.profile.profile_tp``); each entry marked so (``cli.profile_tp_choice`` decides).
 torch is imported when the command runs, not when its parser is built.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from typing import Any
@@ -42,11 +43,12 @@ from pipetrain.cli.flags import (
     Option,
     int_list,
     model_options,
-    model_shape,
     positive_float,
     positive_int,
     require_torch,
 )
+from pipetrain.cli.profile_models import BuiltModel, FolderModel, sample_batch
+from pipetrain.cli.profile_tp_choice import TpChoice, tp_choice, tp_line, tp_options
 from pipetrain.planner.costs_file import ModelCosts, save_costs
 from pipetrain.planner.varlen import with_length_costs
 
@@ -79,24 +81,7 @@ def options() -> tuple[Option, ...]:
             "per_token_sq (time ~ n and n², attention's cost) into the costs file; the times "
             "stay --seq-len's",
         ),
-        Option(
-            ("--tp",),
-            type=int_list,
-            default=[1],
-            metavar="T1,T2,...",
-            help="tensor-parallel degrees to write per layer (1,2,4,8: each layer's compute, "
-            "collectives and memory per rank at each; degrees above 1 derived, marked so)",
-            shown_default="1",
-        ),
-        Option(
-            ("--link-gbs",),
-            type=positive_float,
-            metavar="GB/s",
-            help="GB/s one GPU sends at inside a tensor-parallel group, to price the derived "
-            "degrees' collectives (needed on a GPU with --tp above 1; on a CPU default the "
-            "profiler's gloo model)",
-            shown_default="",
-        ),
+        *tp_options(),
         *_expert_options(),
         Option(
             ("--optimizer",),
@@ -178,14 +163,10 @@ def run(args: argparse.Namespace) -> int:
             f"--seq-lens {','.join(map(str, args.seq_lens))}: fitting needs two or more "
             f"distinct lengths besides --seq-len {args.seq_len}"
         )
-    if max(args.tp) > 1 and args.link_gbs is None and device.type == "cuda":
-        raise ValueError(
-            "--tp above 1 on a GPU prices the derived collectives at --link-gbs: give the GB/s "
-            "one GPU sends at within a node (e.g. NVLink's)"
-        )
-    model = _FolderModel(args, max(lengths)) if args.model_dir else _BuiltModel(args)
-    moe = _dispatching_layers(args, model)  # refused before anything is timed
-    by_length = {n: _profile_at(args, model, n, device) for n in lengths}
+    model = FolderModel(args, max(lengths)) if args.model_dir else BuiltModel(args)
+    tp = tp_choice(args, model, device)  # refused before anything is timed
+    moe = _dispatching_layers(args, model)
+    by_length = {n: _profile_at(args, model, n, device, tp) for n in lengths}
     costs = by_length[args.seq_len]
     if args.seq_lens is not None:
         costs = with_length_costs(by_length, at=args.seq_len, rows=args.microbatch_size)
@@ -204,7 +185,7 @@ def _dispatching_layers(args: argparse.Namespace, model: Any) -> list[int]:
         return []
     if args.ep == 1:
         raise ValueError("--ep-link-gbs prices expert parallel: give --ep E above 1 with it")
-    moe = model.moe_layers() if isinstance(model, _FolderModel) else []
+    moe = model.moe_layers() if isinstance(model, FolderModel) else []
     if not moe:
         raise ValueError(
             f"--ep {args.ep}: {model.label} has no mixture-of-experts layers (no expert "
@@ -230,23 +211,21 @@ def _with_expert_dispatch(
     return with_dispatch(costs, moe, per_layer, args.ep, args.ep_link_gbs)
 
 
-def _profile_at(args: argparse.Namespace, model: Any, seq_len: int, device: Any) -> ModelCosts:
-    """The model's layers profiled on micro-batches of ``seq_len`` random tokens."""
-    import torch
-
+def _profile_at(
+    args: argparse.Namespace, model: Any, seq_len: int, device: Any, tp: TpChoice
+) -> ModelCosts:
+    """The model's layers profiled on micro-batches of ``seq_len`` random tokens; at
+    ``--seq-len`` with each ``--tp`` degree above 1, measured or derived as ``tp`` says."""
     from pipetrain.runtime.profile.profile_layers import profile
 
     layers, loss_fn, batch, vocab, meta = model.at(seq_len)
     layers = [m.to(device) for m in layers]
-    gen = torch.Generator().manual_seed(0)
-    size = (args.microbatch_size, seq_len)
-    tokens = torch.randint(0, vocab, size, generator=gen).to(device)
-    inputs, targets = batch(tokens, torch.randint(0, vocab, size, generator=gen))
+    inputs, targets = sample_batch(args, batch, vocab, seq_len, device)
     costs = profile(
         layers,
         inputs,
         loss_fn=loss_fn,
-        target=targets.to(device),
+        target=targets,
         optimizer=args.optimizer,
         repeats=args.repeats,
         context=args.context,
@@ -256,77 +235,14 @@ def _profile_at(args: argparse.Namespace, model: Any, seq_len: int, device: Any)
     )
     if seq_len != args.seq_len or max(args.tp) == 1:
         return costs
-    from pipetrain.runtime.profile.profile_layers import CPU_BANDWIDTH
     from pipetrain.runtime.profile.profile_tp import with_tp
 
-    link = args.link_gbs or CPU_BANDWIDTH / 1e9
+    measured = tp.measure(args, seq_len, device, len(layers))
     sample = inputs if isinstance(inputs, tuple) else (inputs,)
-    return with_tp(costs, layers, sample, args.tp, link, repeats=args.repeats)
-
-
-class _BuiltModel:
-    """The model the model flags describe (``app.catalog``), built at each length asked."""
-
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.shape = model_shape(args)
-        self.label = args.model
-        self.names: list[str] | None = None
-
-    def at(self, seq_len: int) -> tuple[list[Any], Any, Any, int, dict[str, Any]]:
-        from pipetrain.app.catalog import build
-
-        shape = dataclasses.replace(self.shape, seq_len=seq_len)
-        model = build(shape)
-        self.names = model.names
-        meta = {"model": shape.model, "shape": dataclasses.asdict(shape)}
-        return model.layer_list(), model.loss_fn, model.batch, shape.vocab, meta
-
-
-class _FolderModel:
-    """A Hugging Face folder's own layers, loaded once, one layer to a stage."""
-
-    def __init__(self, args: argparse.Namespace, longest: int) -> None:
-        import torch
-
-        from pipetrain.app.config import TrainConfig
-        from pipetrain.app.model_folder import folder_config
-        from pipetrain.hf import from_pretrained
-
-        given = {opt.dest: getattr(args, opt.dest) for opt in model_options()}
-        config = TrainConfig(**given, model_dir=args.model_dir)
-        self.hf_config = folder_config(config)  # the checks ``train --model-dir`` makes
-        limit = getattr(self.hf_config, "max_position_embeddings", None)
-        if limit is not None and longest > limit:
-            raise ValueError(
-                f"--seq-lens reaches {longest}, longer than the model's max_position_embeddings "
-                f"{limit} (--model-dir {args.model_dir}/config.json): give lengths <= {limit}"
-            )
-        self.folder = str(args.model_dir)
-        # the embedding, the decoder layers, the final norm and the head: one stage each
-        count = self.hf_config.num_hidden_layers + 3
-        stages = from_pretrained(self.folder, (1,) * count, dtype=getattr(torch, args.dtype))
-        self.layers = [stages[i] for i in range(len(stages))]
-        self.names: list[str] | None = list(stages.names)
-        self.label = f"--model-dir {self.folder}"
-
-    def moe_layers(self) -> list[int]:
-        """The indices of the layers holding routed experts."""
-        return [
-            i
-            for i, layer in enumerate(self.layers)
-            if any(name.endswith("mlp.experts") for name, _ in layer.named_modules())
-        ]
-
-    def at(self, seq_len: int) -> tuple[list[Any], Any, Any, int, dict[str, Any]]:
-        from pipetrain.hf import causal_lm_loss
-
-        meta = {"model_dir": self.folder, "model": self.hf_config.model_type}
-        return self.layers, causal_lm_loss, _labels_are_inputs, self.hf_config.vocab_size, meta
-
-
-def _labels_are_inputs(inputs: Any, _: Any) -> tuple[Any, Any]:
-    """Hugging Face's loss takes the inputs as labels and shifts them itself."""
-    return inputs, inputs
+    costs = with_tp(
+        costs, layers, sample, args.tp, tp.link_gbs, repeats=args.repeats, measured=measured
+    )
+    return tp.annotate(costs)
 
 
 def _report(args: argparse.Namespace, costs: ModelCosts, label: str) -> None:
@@ -358,13 +274,9 @@ def _report(args: argparse.Namespace, costs: ModelCosts, label: str) -> None:
             f"{max(moe) / 1e6:.3g} MB each per micro-batch (derived){link}",
             file=where,
         )
-    if costs.tp_link_gbs is not None:
-        print(
-            f"tensor parallel: degrees {', '.join(map(str, costs.tp_degrees))} per layer; "
-            f"{', '.join(map(str, costs.meta['tp']['derived']))} derived (products split, "
-            f"collectives at {costs.tp_link_gbs:g} GB/s)",
-            file=where,
-        )
+    line = tp_line(costs)
+    if line is not None:
+        print(line, file=where)
     if "replay_gap_us" in costs.meta:  # what the device clock adds per kernel, and measured on
         slower = costs.meta.get("sustained_slowdown", 1.0)
         print(

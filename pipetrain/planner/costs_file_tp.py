@@ -12,9 +12,12 @@ Times are ms per micro-batch on each rank of the group: the compute pieces witho
 collectives, which ``forward_collective`` (the all-reduces and all-gathers the forward waits
 for) and ``backward_collective`` (the backward's, paid in its input half) give apart, so a
 reader sees what tensor parallel costs in communication. Memory is GiB per rank. ``source``
-says whether the entry was ``measured`` on a group of that size or ``derived`` from the layer's
-degree-1 numbers (``derive``). Degree 1 is the layer's own fields; an entry of degree 1 is
-refused (one place for one number).
+says whether the entry was ``measured`` on a group of that size (``pipetrain profile --tp``
+where the machine runs the degree: the split layer timed on every rank, the collectives it
+issues replayed alone and taken out of its compute; ``runtime.profile.profile_tp_measured``) or
+``derived`` from the layer's degree-1 numbers (``derive``); both read alike, and the file's
+``meta["tp"]`` lists the degrees of each. Degree 1 is the layer's own fields; an entry of
+degree 1 is refused (one place for one number).
 
 The derivation follows Megatron-LM's split of a transformer layer (Shoeybi et al., 2019;
 Korthikanti et al., 2022, for the activations), measured once at degree 1 (``TpShape``): the

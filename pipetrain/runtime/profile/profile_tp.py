@@ -1,6 +1,7 @@
 """The profiler's tensor-parallel entries: each layer at each degree of ``pipetrain profile --tp``,
-derived from what one process measures of it (``planner.costs_file_tp.derive`` states the
-model; a group of several ranks is not run here, so every entry above degree 1 is ``derived``).
+measured on a group of that many processes where the machine can run one
+(``profile_tp_measured``, handed in as ``measured``), else derived from what one process
+measures of the layer (``planner.costs_file_tp.derive`` states the model).
 
 Per layer this measures, on one forward at degree 1 (``TpShape``):
 
@@ -25,14 +26,14 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pipetrain.planner.costs_file import ModelCosts
-from pipetrain.planner.costs_file_tp import TpShape, derive
+from pipetrain.planner.costs_file_tp import TpCost, TpShape, derive
 from pipetrain.runtime.profile.profile_clock import Clock
 
 #: the last name of a product that closes a parallel region (Llama's, GPT-2's, the built-in
@@ -51,41 +52,72 @@ def with_tp(
     layers: Sequence[nn.Module],
     sample_input: tuple[torch.Tensor, ...],
     degrees: Sequence[int],
-    link_gbs: float,
+    link_gbs: float | None,
     repeats: int = 5,
+    measured: Mapping[int, Sequence[TpCost]] | None = None,
 ) -> ModelCosts:
-    """``costs`` (the layers' degree-1 profile) with every degree of ``degrees`` above 1 derived
-    for each layer, and the link they were priced at."""
+    """``costs`` (the layers' degree-1 profile) with an entry per layer at every degree of
+    ``degrees`` above 1: ``measured``'s where it gives the degree (one entry per layer,
+    ``profile_tp_measured``), the others derived here, priced at ``link_gbs`` (needed only
+    when some degree is derived); ``meta["tp"]`` lists which are which."""
+    measured = measured or {}
     extra = sorted({t for t in degrees if t > 1})
+    derived = [t for t in extra if t not in measured]
     if not extra:
         return costs
+    if derived and link_gbs is None:
+        raise ValueError(
+            f"tensor-parallel degrees {', '.join(map(str, derived))} are derived: give "
+            "--link-gbs to price their collectives"
+        )
+    for t, entries in measured.items():
+        if len(entries) != len(costs.layers) or any(e.degree != t for e in entries):
+            raise ValueError(f"measured tensor-parallel degree {t}: one entry per layer needed")
     clock = Clock(sample_input[0].device)
     inputs = sample_input
     out = []
-    for layer, cost in zip(layers, costs.layers, strict=True):
-        shape, outputs = measure(layer, inputs, clock, repeats)
+    for n, (layer, cost) in enumerate(zip(layers, costs.layers, strict=True)):
         gradients = costs.gradient_gib(cost)
-        base = {
-            "forward": cost.forward,
-            "backward_input": cost.backward_input if cost.split_backward else cost.backward / 2,
-            "backward_weight": cost.backward_weight if cost.split_backward else cost.backward / 2,
-            "activation": cost.activation,
-            "params": cost.params,
-            "gradients": gradients,
-        }
-        tp = tuple(derive(t, **base, shape=shape, link_gbs=link_gbs) for t in extra)  # type: ignore[arg-type]
-        out.append(dataclasses.replace(cost, gradients=gradients, tp=tp))
-        inputs = outputs
-    meta = {**costs.meta, "tp": {"degrees": [1, *extra], "derived": extra, "method": __name__}}
+        tp = {t: entries[n] for t, entries in measured.items()}
+        if derived:
+            shape, inputs = measure(layer, inputs, clock, repeats, name=cost.name)
+            base = {
+                "forward": cost.forward,
+                "backward_input": cost.backward_input if cost.split_backward else cost.backward / 2,
+                "backward_weight": cost.backward_weight
+                if cost.split_backward
+                else cost.backward / 2,
+                "activation": cost.activation,
+                "params": cost.params,
+                "gradients": gradients,
+            }
+            assert link_gbs is not None
+            tp |= {t: derive(t, **base, shape=shape, link_gbs=link_gbs) for t in derived}  # type: ignore[arg-type]
+        out.append(dataclasses.replace(cost, gradients=gradients, tp=tuple(tp[t] for t in extra)))
+    meta = {
+        **costs.meta,
+        "tp": {
+            "degrees": [1, *extra],
+            "measured": sorted(measured),
+            "derived": derived,
+            "method": __name__,
+        },
+    }
     return dataclasses.replace(costs, layers=tuple(out), tp_link_gbs=link_gbs, meta=meta)
 
 
 def measure(
-    layer: nn.Module, inputs: tuple[torch.Tensor, ...], clock: Clock, repeats: int
+    layer: nn.Module,
+    inputs: tuple[torch.Tensor, ...],
+    clock: Clock,
+    repeats: int,
+    name: str = "",
 ) -> tuple[TpShape, tuple[torch.Tensor, ...]]:
-    """One layer's ``TpShape`` (the module docstring) and its outputs (the next layer's input)."""
+    """One layer's ``TpShape`` (the module docstring) and its outputs (the next layer's input).
+    ``name``: the layer's own name in the model (a layer that is itself a product, such as
+    Llama's ``lm_head``, is named by it)."""
     calls: list[tuple[str, nn.Linear, torch.Size, int]] = []
-    names = {id(m): n for n, m in layer.named_modules()}
+    names = {id(m): n for n, m in layer.named_modules(prefix=name)}
 
     def seen(module: nn.Module, args: tuple, output: object) -> None:
         if isinstance(module, nn.Linear) and isinstance(output, torch.Tensor):
