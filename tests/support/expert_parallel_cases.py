@@ -357,3 +357,53 @@ def run_families(rank: int, world: int, kinds: list[str]) -> list[str]:
             if not _close(local, ref):
                 failures.append(f"{kind}: {name} gradient differs")
     return failures
+
+
+#: per stage of ``CUT``: both decoder layers recomputed (the first with the embedding)
+RECOMPUTE = ["full", "selective", "none", "none"]
+
+
+def lanes_pipeline(mesh, case: dict):
+    """``ep_pipeline``'s model under ``case``: ``schedule``, ``reduction``, ``kind`` (data
+    parallel), ``overlap`` (``overlap_pairs``), ``recompute`` (``RECOMPUTE``, per layer) and
+    ``defer`` (``defer_weight_grads``: True, the zero-bubble paper's I/W; False, graph replay)."""
+    import pipetrain
+    from pipetrain.hf import causal_lm_layers, causal_lm_token_loss
+    from pipetrain.runtime.parallel.expert_parallel import apply_expert_parallel
+
+    layers = causal_lm_layers(build())
+    assert apply_expert_parallel(layers.values(), mesh["edp", "ep"]) == 2
+    stages = pipetrain.split(layers, CUT, recompute=RECOMPUTE if case["recompute"] else None)
+    reduction = case["reduction"]
+    return pipetrain.Pipeline(
+        stages,
+        case["schedule"],
+        M,
+        mean_loss if reduction == "mean" else causal_lm_token_loss,
+        loss_reduction=reduction,
+        stages_per_rank=2,
+        mesh=mesh,
+        data_parallel=case["kind"],
+        overlap_pairs=case["overlap"],
+        defer_weight_grads=case["defer"],
+    )
+
+
+def run_lanes(rank: int, world: int, cases: list[dict]) -> dict:
+    """Each case on pp 2 × ep 2 (dp 2 = ep 2) against the unsplit reference; per case the
+    failures and, with ``overlap``, the spans of this rank's stage pieces (``pair_lanes_cases``)
+    and the pairs of its program row."""
+    from pair_lanes_cases import pairs_of, recording_spans
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "edp", "ep"))
+    out: dict = {}
+    for case in cases:
+        label = " ".join(f"{k}={v}" for k, v in case.items())
+        failures: list[str] = []
+        ref = reference(2, case["reduction"])
+        with lanes_pipeline(mesh, case) as pipe, recording_spans() as spans:
+            step_and_compare(pipe, mesh, label, ref, failures)
+            pairs = pairs_of(pipe)
+        out[label] = {"failures": failures, "spans": spans, "pairs": pairs}
+    return out

@@ -1,0 +1,127 @@
+"""Per-rank runners for the pair-lane tests (``runtime.pair_lanes``): the spans of every stage
+piece a rank runs (which thread, when), and a dense DualPipeV pipeline with ``overlap_pairs``
+checked against unsplit training and failing inside a pair's forward lane."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+
+import torch
+
+#: a stage piece's span: (kind, stage, micro-batch, ran on the main thread, start, end)
+Span = tuple[str, int, int, bool, float, float]
+
+
+@contextlib.contextmanager
+def recording_spans() -> Iterator[list[Span]]:
+    """While inside, every ``StageRunner`` forward and backward piece (``B``, ``I``) of this
+    process appends its span to the list yielded."""
+    from pipetrain.runtime.stage import StageRunner
+
+    spans: list[Span] = []
+    originals = {n: getattr(StageRunner, n) for n in ("forward", "backward", "backward_input")}
+
+    def timed(name: str, method):
+        kind = {"forward": "F", "backward": "B", "backward_input": "I"}[name]
+
+        def run(self, mb, *args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(self, mb, *args, **kwargs)
+            finally:
+                main = threading.current_thread() is threading.main_thread()
+                spans.append((kind, self.index, mb, main, start, time.perf_counter()))
+
+        return run
+
+    for name, method in originals.items():
+        setattr(StageRunner, name, timed(name, method))
+    try:
+        yield spans
+    finally:
+        for name, method in originals.items():
+            setattr(StageRunner, name, method)
+
+
+def pairs_of(pipe) -> list[tuple[tuple[str, int, int], tuple[str, int, int]]]:
+    """This rank's F&B pairs: ((F, stage, mb), (B or I, stage, mb)) each."""
+    row = pipe.program.actions[pipe.rank]
+    return [
+        tuple((p.kind.name, p.stage, p.microbatch) for p in a.parts)  # type: ignore[misc]
+        for a in row
+        if a.parts
+    ]
+
+
+def overlapping(spans: list[Span], pairs) -> tuple[set, list]:
+    """(the (stage, mb) of forwards run off the main thread, the pairs whose forward ran off
+    the main thread while their backward ran on it, spans intersecting)."""
+    off_main = {(s, j) for kind, s, j, main, _, _ in spans if kind == "F" and not main}
+    found = []
+    for (_, fs, fj), (bk, bs, bj) in pairs:
+        f = [sp for sp in spans if sp[:3] == ("F", fs, fj) and not sp[3]]
+        b = [sp for sp in spans if sp[:3] == (bk, bs, bj) and sp[3]]
+        if f and b and f[0][4] < b[0][5] and b[0][4] < f[0][5]:
+            found.append(((fs, fj), (bs, bj)))
+    return off_main, found
+
+
+class FailsInLane(torch.nn.Module):
+    """``inner``, raising in a forward run off the main thread (a pair's lane) on rank 0."""
+
+    def __init__(self, inner: torch.nn.Module, rank: int) -> None:
+        super().__init__()
+        self.inner, self.rank = inner, rank
+
+    def forward(self, *args):
+        if self.rank == 0 and threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("boom in the forward lane")
+        return self.inner(*args)
+
+
+def run_dense(rank: int, world: int) -> dict:
+    """A dense 4-stage DualPipeV pipeline with ``overlap_pairs`` (both weight-gradient splits):
+    loss and every gradient against unsplit training, the pieces' spans; then the same with
+    stage 0 raising in its forward lane on rank 0: the error every rank raises."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from runtime_cases import batch, build_stages, close, loss_fn, reference
+
+    import pipetrain
+
+    inputs, y = batch(8)
+    ref_loss, ref_grads = reference(4, inputs, y, 1)
+    out: dict = {"failures": [], "spans": {}, "pairs": {}}
+    for defer in (True, False):
+        stages = build_stages(4)
+        pipe = pipetrain.Pipeline(
+            stages, "dualpipev", 4, loss_fn, overlap_pairs=True, defer_weight_grads=defer
+        )
+        with pipe, recording_spans() as spans:
+            loss = pipe.step(inputs, y)
+            out["pairs"][defer] = pairs_of(pipe)
+        out["spans"][defer] = spans
+        if not close(loss, ref_loss):
+            out["failures"].append(f"defer={defer}: loss {loss.item()} != {ref_loss.item()}")
+        for s in pipe.modules:
+            for n, p in stages[s].named_parameters():
+                if not close(p.grad, ref_grads[(s, n)]):
+                    out["failures"].append(f"defer={defer}: stage {s} {n} gradient differs")
+    stages = build_stages(4)
+    stages[0] = FailsInLane(stages[0], rank)
+    bad = pipetrain.Pipeline(
+        stages, "dualpipev", 4, loss_fn, overlap_pairs=True, timeout=timedelta(seconds=30)
+    )
+    started = time.perf_counter()
+    try:
+        bad.step(inputs, y)
+        out["error"] = "no error"
+    except Exception as e:  # the test checks the type name and message
+        out["error"] = f"{type(e).__name__}: {e}"
+    out["seconds"] = time.perf_counter() - started
+    dist.barrier()  # rank 0 (the store's host) stays until rank 1 has read the notice
+    return out
