@@ -123,5 +123,76 @@ def run_dense(rank: int, world: int) -> dict:
     except Exception as e:  # the test checks the type name and message
         out["error"] = f"{type(e).__name__}: {e}"
     out["seconds"] = time.perf_counter() - started
+    out["directions"] = run_directions(rank, world)
     dist.barrier()  # rank 0 (the store's host) stays until rank 1 has read the notice
     return out
+
+
+def _experts_inputs(rank: int, seed: int):
+    """One micro-batch of a rank: hidden rows, their top-2 experts of 4, routing weights."""
+    g = torch.Generator().manual_seed(100 * seed + rank)
+    hidden = torch.randn(6, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    index = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(6)])
+    weights = torch.rand(6, 2, generator=g, dtype=torch.float64)
+    return hidden, index, weights
+
+
+def run_directions(rank: int, world: int) -> list[str]:
+    """Expert parallel over ep 2 with a pair's two parts in flight on ``PairLanes``: micro-batch
+    b's forward on the lane while micro-batch a's backward runs here, the two ranks issuing them
+    in opposite orders (rank 0 the forward's all-to-alls first, rank 1 the backward's). Each
+    direction on its own group keeps them apart; b's output and a's gradients equal a
+    sequential run's."""
+    from datetime import timedelta
+
+    import transformers as tf
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pipetrain.runtime.pair_lanes import PairLanes
+    from pipetrain.runtime.parallel.expert_parallel import ExpertParallelExperts
+
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("edp", "ep"))
+    config = tf.Qwen3MoeConfig(hidden_size=8, moe_intermediate_size=4, num_experts=4)
+    torch.manual_seed(3)
+    experts = tf.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeExperts(config).double()
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, 0.0, 0.3)
+    layer = ExpertParallelExperts(experts, mesh)
+
+    def run(lanes: PairLanes | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        layer.zero_grad()
+        a, b = _experts_inputs(rank, 1), _experts_inputs(rank, 2)
+        out_a = layer(*a)
+        found: list[torch.Tensor] = []
+
+        def forward() -> None:
+            if lanes is not None and rank == 1:
+                time.sleep(0.3)
+            found.append(layer(*b))
+
+        def backward() -> None:
+            if lanes is not None and rank == 0:
+                time.sleep(0.3)
+            out_a.pow(2).sum().backward()
+
+        if lanes is None:
+            forward()
+            backward()
+        else:
+            lanes.run(forward, backward)
+        grads = [a[0].grad, *(p.grad.to_local() for p in layer.parameters())]
+        return found[0].detach(), [g.clone() for g in grads]
+
+    ref_out, ref_grads = run(None)
+    lanes = PairLanes(torch.device("cpu"), timedelta(seconds=30))
+    try:
+        out, grads = run(lanes)
+    finally:
+        lanes.close()
+    failures = [] if torch.equal(out, ref_out) else ["b's output differs"]
+    failures += [
+        f"gradient {i} differs"
+        for i, (g, r) in enumerate(zip(grads, ref_grads))
+        if not torch.equal(g, r)
+    ]
+    return failures
