@@ -252,7 +252,7 @@ class Executor:
             self.dispatch(forward)
             self.dispatch(backward)
             return
-        why = lanes.sequential_reason(action.parts, self.runners, self.keys)
+        why = lanes.sequential_reason(action.parts, self.runners)
         if why is None:
             inputs = self.acts.get((forward.stage, forward.microbatch))
             # each part's error names that part and what it was given (``compute``)

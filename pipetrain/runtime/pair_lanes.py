@@ -46,19 +46,19 @@ import contextlib
 import logging
 import queue
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import torch
 
 from pipetrain.runtime.comm.p2p import PipelineTimeoutError
+from pipetrain.runtime.dropout_rng import Site, find_sites
 from pipetrain.runtime.extra_losses import Sink, Term
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from pipetrain.runtime.dropout_rng import DropoutKeys
     from pipetrain.runtime.stage import StageRunner
     from pipetrain.schedule.action import Action
 
@@ -117,9 +117,15 @@ class PairLanes:
     """A pipeline's lanes for its F&B pairs (module docstring); ``close`` ends the lane."""
 
     def __init__(
-        self, device: torch.device, timeout: timedelta, threaded: str | None = None
+        self,
+        device: torch.device,
+        timeout: timedelta,
+        threaded: str | None = None,
+        dropouts: Sequence[Site] = (),
     ) -> None:
         self.device = device
+        #: the dropouts of this rank's stages (``dropout_rng.find_sites``), keyed or not
+        self.dropouts = tuple(dropouts)
         self.timeout = timeout
         #: why pairs run on one thread for this pipeline's whole life (None: they use the lane)
         self.always_sequential = threaded
@@ -155,13 +161,11 @@ class PairLanes:
             reason = "a captured CUDA graph is recorded from one thread"
         elif any(r.offload is not None for r in runners.values()):
             reason = "host offload orders its copies from one thread"
-        return cls(device, timeout, reason)
+        dropouts = [site for r in runners.values() for site in find_sites(r.module)]
+        return cls(device, timeout, reason, dropouts)
 
     def sequential_reason(
-        self,
-        parts: tuple[Action, ...],
-        runners: Mapping[int, StageRunner],
-        keys: DropoutKeys | None,
+        self, parts: tuple[Action, ...], runners: Mapping[int, StageRunner]
     ) -> str | None:
         """Why this pair must run on one thread (None: it takes the lanes)."""
         forward, backward = parts
@@ -171,7 +175,7 @@ class PairLanes:
             return "both parts are on one stage"
         if runners[backward.stage].recomputes_whole or runners[forward.stage].recomputes_whole:
             return "a stage recomputed as a whole restores the global random state"
-        if keys is not None and any(site.active() for site in keys.sites):
+        if any(site.active() for site in self.dropouts):
             return "dropout draws from torch's global generators, which two lanes would interleave"
         return None
 

@@ -29,7 +29,8 @@ def _check_overlap(spans, pairs) -> list:
 def test_dense_dualpipev_pairs_on_two_lanes_are_exact_and_a_lane_failure_stops_every_rank():
     """2 ranks, 4 stages: both weight-gradient splits exact to 1e-10, the pairs' forwards on the
     lane; then stage 0 raising in its forward lane on rank 0: rank 0 raises the stage error,
-    rank 1 hears of it, neither waits out the timeout. Then expert parallel's two directions in
+    rank 1 hears of it, neither waits out the timeout. With a dropout that draws (unkeyed, and
+    keyed by ``seed``) on stage 2, rank 1 runs every piece on its calling thread. Then expert parallel's two directions in
     flight at once, issued in opposite orders on the two ranks (``run_directions``)."""
     results = launch(2, run_dense, timeout=120)
     found = []
@@ -44,6 +45,9 @@ def test_dense_dualpipev_pairs_on_two_lanes_are_exact_and_a_lane_failure_stops_e
     assert "rank 0" in second and "boom" in second, second
     assert all(out["seconds"] < 25 for out in results), [out["seconds"] for out in results]
     assert [out["directions"] for out in results] == [[], []]
+    for seed in (None, 3):  # rank 1 (stage 2's) on its main thread only, rank 0 on both
+        threads = [out[f"dropout seed {seed}: threads"] for out in results]
+        assert threads == [[False, True], [True]], (seed, threads)
 
 
 #: pp 2 × dp 2 with ep 2: DualPipeV's pairs on two lanes under FSDP2 (dense parameters sharded)

@@ -82,6 +82,18 @@ class FailsInLane(torch.nn.Module):
         return self.inner(*args)
 
 
+class Dropping(torch.nn.Module):
+    """``inner``'s hidden output through a dropout that draws (training, ``p > 0``)."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner, self.drop = inner, torch.nn.Dropout(0.25)
+
+    def forward(self, h, mask):
+        h, mask = self.inner(h, mask)
+        return self.drop(h), mask
+
+
 def run_dense(rank: int, world: int) -> dict:
     """A dense 4-stage DualPipeV pipeline with ``overlap_pairs`` (both weight-gradient splits):
     loss and every gradient against unsplit training, the pieces' spans; then the same with
@@ -111,6 +123,15 @@ def run_dense(rank: int, world: int) -> dict:
             for n, p in stages[s].named_parameters():
                 if not close(p.grad, ref_grads[(s, n)]):
                     out["failures"].append(f"defer={defer}: stage {s} {n} gradient differs")
+    for seed in (None, 3):  # a dropout that draws keeps the pairs on one thread, keyed or not
+        stages = build_stages(4)
+        stages[2] = Dropping(stages[2])
+        with pipetrain.Pipeline(
+            stages, "dualpipev", 4, loss_fn, overlap_pairs=True, seed=seed
+        ) as pipe:
+            with recording_spans() as spans:
+                pipe.step(inputs, y)
+        out[f"dropout seed {seed}: threads"] = sorted({main for *_, main, _, _ in spans})
     stages = build_stages(4)
     stages[0] = FailsInLane(stages[0], rank)
     bad = pipetrain.Pipeline(
