@@ -23,9 +23,10 @@ outlasts the pipeline's timeout is a ``PipelineTimeoutError`` rather than a hang
 
 When a pair runs on one thread instead (``sequential_reason``; logged once per reason):
 
-* a dropout that draws (training, ``p > 0``): keyed dropout (``runtime.dropout_rng``) forks and
-  reseeds torch's global generators around each piece and unkeyed dropout draws from them, so two
-  lanes would interleave one generator — masks would depend on thread timing;
+* a dropout of this rank's stages that draws (training, ``p > 0``; checked per pair, so
+  ``eval()`` between steps counts): keyed dropout (``runtime.dropout_rng``) forks and reseeds
+  torch's global generators around each piece and unkeyed dropout draws from them, so two lanes
+  would interleave one generator — masks would depend on thread timing;
 * a stage recomputed as a whole (``whole_stage_recompute``): its recompute restores the global
   random state and runs its forward outside autograd's engine, where expert parallel would take
   the forward group the lane holds;
@@ -37,6 +38,10 @@ When a pair runs on one thread instead (``sequential_reason``; logged once per r
 
 The lanes are used for every pair when ``overlap_pairs=True``, dense models too: there the
 forward overlaps the backward's compute and, on a GPU, the other direction's pipeline transfers.
+Within a step nothing else a stage runs issues collectives (data parallel's wrappers sync after a
+stage's last backward piece, after the join; transfers are posted by the caller between
+actions). A model whose layers issue collectives of their own must give each direction its own
+group, as expert parallel does, or keep ``overlap_pairs`` off.
 """
 
 from __future__ import annotations
