@@ -98,6 +98,9 @@ class DirectionGroups:
         """The group for a collective issued here: ``backward`` inside autograd's engine."""
         return self.backward if torch_compat.in_backward() else self.forward
 
+    def __deepcopy__(self, memo: dict) -> DirectionGroups:
+        return self  # process groups are handles to the processes' connections: shared, not copied
+
 
 class _AllToAll(torch.autograd.Function):
     """``all_to_all_single`` with uneven splits; its backward sends the gradients back along the
