@@ -82,6 +82,35 @@ class FailsInLane(torch.nn.Module):
         return self.inner(*args)
 
 
+#: how long each piece of the dense stages takes at least (a sleep releases the GIL): longer than
+#: a loaded host takes to wake the lane, so a pair's two spans intersect when the lanes run
+PIECE_SECONDS = 0.01
+
+
+class _SleepInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h):
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(PIECE_SECONDS)
+        return grad
+
+
+class Slow(torch.nn.Module):
+    """``inner`` with its forward and its backward each lasting at least ``PIECE_SECONDS``
+    (the numbers unchanged)."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, h, mask):
+        time.sleep(PIECE_SECONDS)
+        return self.inner(_SleepInBackward.apply(h), mask)
+
+
 class Dropping(torch.nn.Module):
     """``inner``'s hidden output through a dropout that draws (training, ``p > 0``)."""
 
@@ -110,8 +139,9 @@ def run_dense(rank: int, world: int) -> dict:
     out: dict = {"failures": [], "spans": {}, "pairs": {}}
     for defer in (True, False):
         stages = build_stages(4)
+        slow = [Slow(stage) for stage in stages]  # the same parameters, under the same names
         pipe = pipetrain.Pipeline(
-            stages, "dualpipev", 4, loss_fn, overlap_pairs=True, defer_weight_grads=defer
+            slow, "dualpipev", 4, loss_fn, overlap_pairs=True, defer_weight_grads=defer
         )
         with pipe, recording_spans() as spans:
             loss = pipe.step(inputs, y)
