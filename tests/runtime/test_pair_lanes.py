@@ -30,8 +30,9 @@ def test_dense_dualpipev_pairs_on_two_lanes_are_exact_and_a_lane_failure_stops_e
     """2 ranks, 4 stages: both weight-gradient splits exact to 1e-10, the pairs' forwards on the
     lane; then stage 0 raising in its forward lane on rank 0: rank 0 raises the stage error,
     rank 1 hears of it, neither waits out the timeout. With a dropout that draws (unkeyed, and
-    keyed by ``seed``) on stage 2, rank 1 runs every piece on its calling thread. Then expert parallel's two directions in
-    flight at once, issued in opposite orders on the two ranks (``run_directions``)."""
+    keyed by ``seed``) on stage 2, rank 1 runs every piece on its calling thread. Then expert
+    parallel's two directions in flight at once, issued in opposite orders on the two ranks
+    (``run_directions``)."""
     results = launch(2, run_dense, timeout=120)
     found = []
     for out in results:
