@@ -39,6 +39,7 @@ Attention = Literal["auto", "flex", "sdpa"]
 MicrobatchBalance = Literal["length", "fixed"]
 RouterAuxLoss = Literal["auto", "off"]
 Experts = Literal["auto", "grouped", "loop"]
+PairOverlap = Literal["auto", "on", "off"]
 #: field → its legal values
 CHOICES: dict[str, tuple[str, ...]] = {
     "model": MODELS,
@@ -55,6 +56,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "microbatch_balance": get_args(MicrobatchBalance),
     "router_aux_loss": get_args(RouterAuxLoss),
     "experts": get_args(Experts),
+    "pair_overlap": get_args(PairOverlap),
 }
 #: numeric fields where 0 is legal (the others but the seed must be > 0)
 NON_NEGATIVE = (
@@ -120,6 +122,9 @@ class TrainConfig:
     #: the per-expert routing bias's update speed after each optimizer step, for families
     #: balanced without a loss (DeepSeek-V3: ``pipetrain.hf.expert_bias``); 0 keeps the biases
     expert_bias_rate: float = 0.001
+    #: an F&B pair's forward on a lane of its own while its backward runs (``Pipeline``'s
+    #: ``overlap_pairs``; ``runtime.pair_lanes``): ``auto`` on with expert parallel
+    pair_overlap: PairOverlap = "auto"
     #: the training text (``--data``, alias ``--text``)
     data: str | None = None
     text_unit: TextUnit = "line"

@@ -391,6 +391,7 @@ def _build_pipeline(
         # every rank compiles at once where the runtime finds it exact (runtime.precompile)
         precompile=None if config.compile else False,
         seed=config.seed,  # dropout keyed by (seed, step, micro-batch, layer): any layout draws alike
+        overlap_pairs={"on": True, "off": False}.get(config.pair_overlap, config.ep > 1),
         **placement,
     )
     tied = False  # until the model says (a refusal while loading the folder names no tie)

@@ -89,7 +89,7 @@ def optimizer_options(choices: dict[str, tuple[str, ...]]) -> tuple[Option, ...]
 
 def moe_options(choices: dict[str, tuple[str, ...]]) -> tuple[Option, ...]:
     """What a mixture-of-experts folder's layers add: router losses, the experts' kernel, the
-    routing bias's update, expert parallel."""
+    routing bias's update, expert parallel and the F&B pairs' overlap that hides its all-to-all."""
     return (
         one_of(
             "--router-aux-loss",
@@ -124,6 +124,16 @@ def moe_options(choices: dict[str, tuple[str, ...]]) -> tuple[Option, ...]:
             "experts sharded over E of the --dp replicas (E divides --dp and the number of "
             "experts; tokens travel by all-to-all), with DDP or FSDP2 (--data-parallel); "
             "needs --tp 1",
+        ),
+        Option(
+            ("--pair-overlap",),
+            metavar="{" + ",".join(choices["pair_overlap"]) + "}",
+            choices=choices["pair_overlap"],
+            help="DualPipe's overlap in a schedule's F&B pairs (dualpipe, dualpipev): one "
+            "micro-batch's forward runs on a second thread (and CUDA stream) while another's "
+            "backward runs, so one's expert all-to-all hides under the other's compute; off "
+            "runs each pair's parts one after the other (same numbers either way)",
+            shown_default="auto: on with --ep > 1, else off",
         ),
     )
 

@@ -17,8 +17,10 @@ its posting.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
+import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -37,6 +39,7 @@ from pipetrain.runtime.comm.p2p import (
     wire,
 )
 from pipetrain.runtime.dropout_rng import DropoutKeys
+from pipetrain.runtime.pair_lanes import PairLanes
 from pipetrain.runtime.stage import StageRunner, leaves
 from pipetrain.runtime.timing import Recorder
 from pipetrain.runtime.torch_compat import profiler_enabled
@@ -89,7 +92,7 @@ class Executor:
         runners: dict[int, StageRunner],
         transport: Transport,
         arities: list[tuple[int, float]],
-        side_stream: torch.cuda.Stream | None = None,
+        lanes: PairLanes | None = None,
         after_compute: Callable[[Action], None] | None = None,
         keys: DropoutKeys | None = None,
     ) -> None:
@@ -100,7 +103,9 @@ class Executor:
         #: called after each compute action, once the transfers posted after it are out (the
         #: pipeline's data-parallel sync hangs on it)
         self.after_compute = after_compute
-        self.side_stream = side_stream
+        #: where an F&B pair's parts run (``runtime.pair_lanes``; None: one after the other)
+        self.lanes = lanes
+        self._local = threading.local()  # what the running thread's compute was given
         self.placement = placement
         self.runners = runners
         self.transport = transport
@@ -165,7 +170,7 @@ class Executor:
     def compute(self, action: Action) -> None:
         """A compute action; an error inside a stage is re-raised naming stage, micro-batch,
         action and the tensors it was given."""
-        self._given: tuple[str, tuple[TensorMeta, ...]] | None = None
+        self._given = None
         try:
             self.dispatch(action)
         except (PeerFailedError, PipelineRefused, PipelineTimeoutError, StageError):
@@ -220,26 +225,62 @@ class Executor:
     def _keyed(self, microbatch: int) -> AbstractContextManager[object]:
         return contextlib.nullcontext() if self.keys is None else self.keys.running(microbatch)
 
-    def overlapped(self, action: Action) -> None:
-        """An F&B pair: one after the other, or with a side stream (CUDA) the forward on it while
-        the backward runs on the current stream (DualPipe's overlap).
+    @property
+    def _given(self) -> tuple[str, tuple[TensorMeta, ...]] | None:
+        """What the running thread's compute piece was given (an error names it): per thread,
+        since a pair's two lanes compute at once."""
+        return getattr(self._local, "given", None)
 
-        The side stream first waits for the current one (received inputs are ordered there), and
-        the current one waits for it at the end, so whatever follows — sends, the next stage —
-        sees the forward's outputs. Autograd runs the forward's backward later on the stream it
-        was recorded on and synchronises with the caller's, as torch documents.
+    @_given.setter
+    def _given(self, value: tuple[str, tuple[TensorMeta, ...]] | None) -> None:
+        self._local.given = value
+
+    def overlapped(self, action: Action) -> None:
+        """An F&B pair: without lanes one part after the other; with them (``overlap_pairs``) the
+        forward on the pipeline's lane while the backward runs here (``runtime.pair_lanes``),
+        or, where a pair must stay on one thread, as before lanes existed.
+
+        One thread on CUDA: the forward is launched on the side stream, the backward on the
+        current one; the side stream first waits for the current one (received inputs are ordered
+        there), and the current one waits for it at the end, so whatever follows — sends, the
+        next stage — sees the forward's outputs. Autograd runs the forward's backward later on
+        the stream it was recorded on and synchronises with the caller's, as torch documents.
         """
         forward, backward = action.parts
-        if self.side_stream is None:
+        lanes = self.lanes
+        if lanes is None:
+            self.dispatch(forward)
+            self.dispatch(backward)
+            return
+        why = lanes.sequential_reason(action.parts, self.runners)
+        if why is None:
+            inputs = self.acts.get((forward.stage, forward.microbatch))
+            # each part's error names that part and what it was given (``compute``)
+            first, second = (functools.partial(self.compute, part) for part in action.parts)
+            made = functools.partial(self._made_by, forward)
+            lanes.run(first, second, keep=inputs, outputs=made)
+            return
+        lanes.note_sequential(why)
+        side = lanes.side_stream
+        if side is None:
             self.dispatch(forward)
             self.dispatch(backward)
             return
         main = torch.cuda.current_stream()
-        self.side_stream.wait_stream(main)
-        with torch.cuda.stream(self.side_stream):
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
             self.dispatch(forward)
         self.dispatch(backward)
-        main.wait_stream(self.side_stream)
+        main.wait_stream(side)
+
+    def _made_by(self, forward: Action) -> list[torch.Tensor]:
+        """The tensors ``forward`` left for later actions (to send, or for the next local
+        stage or the results)."""
+        s, j = forward.stage, forward.microbatch
+        nxt = self._next_stage(s)
+        handed = self.acts.get((nxt, j)) if nxt is not None else None
+        found = [self.outbox_f.get((s, j)), self.results.get(j), handed]
+        return [t for held in found if isinstance(held, tuple) for t in held]
 
     # Where values go is the dependency rule's to say (``schedule.deps``), not this module's.
     def _peer_rank(self, action: Action) -> int:

@@ -35,6 +35,7 @@ from pipetrain.runtime.comm.p2p import Transport
 from pipetrain.runtime.dropout_rng import for_pipeline as keyed_dropout
 from pipetrain.runtime.executor import Executor, StepData, cache_for
 from pipetrain.runtime.extra_losses import StepTerms
+from pipetrain.runtime.pair_lanes import PairLanes, close_lanes
 from pipetrain.runtime.parallel import grad_norm
 from pipetrain.runtime.parallel import tied as tied_weights
 from pipetrain.runtime.parallel.data_parallel import DataParallel, check_wrapping
@@ -79,8 +80,8 @@ class Pipeline:
     ``stage_index -> nn.Module`` with ``num_stages=`` (each rank builds only its own).
     ``schedule``: a registry name (with ``stages_per_rank=`` where it applies) or a ``Program``.
     ``timeout``: how long any wait on a peer may take before it fails naming rank, action, peer.
-    ``overlap_pairs``: on CUDA, run an overlapped F&B pair's forward on a side stream while its
-    backward runs (DualPipe's overlap; off: one after the other). Ignored on CPU.
+    ``overlap_pairs``: an F&B pair's forward on a lane of its own (a thread; on CUDA, a stream)
+    while its backward runs (DualPipe's overlap, ``runtime.pair_lanes``); off: one, then the other.
     ``defer_weight_grads``: split I/W the zero-bubble paper's way (``runtime.backward``): linear
     weight GEMMs run as ``W``, a ``B`` adding them into ``.grad``. ``False``: graph replay, any
     module. ``None`` (default): on stages the schedule splits, where plain linears hold at least
@@ -177,7 +178,7 @@ class Pipeline:
             self.program, {s: arity(m) for s, m in self.modules.items()}
         )
         self._transport = self._build_transport(timeout)
-        self._side_stream = resolve.side_stream(overlap_pairs, self.device)
+        self._lanes = PairLanes.build(overlap_pairs, self.device, self._runners, timeout, mesh)
         self._side: tuple[dict[str, object], ...] = ()
         self._side_keywords_all: list[frozenset[str] | None] | None = None
         self._failure: str | None = None
@@ -310,7 +311,6 @@ class Pipeline:
                 dist.destroy_process_group(self._reverse_group)
             self._reverse_group = None
             self._let_go()
-            self._side_stream = None
             self._counts.clear()
 
     def _stop_after(self, error: BaseException) -> None:
@@ -330,6 +330,7 @@ class Pipeline:
         last references: destroying the owned group closes its connections)."""
         for runner in self._runners.values():
             runner.release()
+        close_lanes(self._lanes)
         if self.graph is not None:
             self.graph.release()
         self._release_at_exit()
@@ -475,7 +476,7 @@ class Pipeline:
         recorder.begin(self._transport.group)  # the pipeline's own group: its timeout holds
         after = self._sync_after if self._data_parallel is not None and mode == "train" else None
         runners, transport = self._runners, self._transport
-        where = (self.placement, runners, transport, self._arities, self._side_stream, after)
+        where = (self.placement, runners, transport, self._arities, self._lanes, after)
         executor = Executor(self.rank, *where, keys=self.dropout_keys)
         data = StepData(mbs.inputs, mbs.targets, mbs.weights, side)
         executor.run(rows, data, cache, recorder, train=mode == "train", discover=discover)

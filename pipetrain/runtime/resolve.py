@@ -128,16 +128,6 @@ def reverse_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     return dist.new_group(ranks, backend="nccl", use_local_synchronization=True)
 
 
-def side_stream(overlap_pairs: bool, device: torch.device) -> torch.cuda.Stream | None:
-    """The stream an overlapped pair's forward runs on while its backward runs (CUDA only)."""
-    if not overlap_pairs:
-        return None
-    if device.type != "cuda":
-        _log.info("overlap_pairs has no effect on %s: a pair runs one part, then the other", device)
-        return None
-    return torch.cuda.Stream(device)
-
-
 def default_device() -> torch.device:
     if torch.cuda.is_available():
         import os

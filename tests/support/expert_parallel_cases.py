@@ -22,7 +22,8 @@ CUT = [2, 1, 1, 1]  # embedding + layer 0 | layer 1 | norm | head: routed layers
 MAX_NORM = 0.05  # small enough to clip
 
 
-def build():
+def build(layers: int = 2):
+    """The model (``layers`` decoder layers, every one routed)."""
     import transformers as tf
 
     config = tf.Qwen3MoeConfig(
@@ -30,7 +31,7 @@ def build():
         hidden_size=8,
         intermediate_size=12,
         moe_intermediate_size=6,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=4,
@@ -72,14 +73,16 @@ def mean_loss(logits, targets):
     return causal_lm_token_loss(logits, targets) / (targets != -100).sum()
 
 
-def reference(replicas: int, reduction: str) -> tuple[torch.Tensor, float, torch.Tensor, dict]:
+def reference(
+    replicas: int, reduction: str, layers: int = 2
+) -> tuple[torch.Tensor, float, torch.Tensor, dict]:
     """(loss, router loss as reported, clipped norm, clipped gradients) of the unsplit model,
     one step of gradient accumulation over every replica's micro-batches in order: the global
     token mean (``"token_mean"``) or the mean of the micro-batches' token means (``"mean"``)."""
     from pipetrain.hf import causal_lm_token_loss, next_token_targets
     from pipetrain.hf.families import family_of
 
-    model = build()
+    model = build(layers)
     balance = importlib.import_module(family_of(model).balancing).load_balancing_loss_func
     ids, mask = batch(replicas)
     targets = next_token_targets(ids, attention_mask=mask)
@@ -357,3 +360,57 @@ def run_families(rank: int, world: int, kinds: list[str]) -> list[str]:
             if not _close(local, ref):
                 failures.append(f"{kind}: {name} gradient differs")
     return failures
+
+
+#: the lane tests' model: 4 decoder layers, one per stage (the first with the embedding, the
+#: last with the norm and head), so that both parts of every DualPipeV pair exchange tokens
+LANE_LAYERS, LANE_CUT = 4, [2, 1, 1, 3]
+#: per stage of ``LANE_CUT``: its decoder layer recomputed, fully or selectively
+RECOMPUTE = ["full", "selective", "full:1", "selective:1"]
+
+
+def lanes_pipeline(mesh, case: dict):
+    """``ep_pipeline``'s model under ``case``: ``schedule``, ``reduction``, ``kind`` (data
+    parallel), ``overlap`` (``overlap_pairs``), ``recompute`` (``RECOMPUTE``, per layer) and
+    ``defer`` (``defer_weight_grads``: True, the zero-bubble paper's I/W; False, graph replay)."""
+    import pipetrain
+    from pipetrain.hf import causal_lm_layers, causal_lm_token_loss
+    from pipetrain.runtime.parallel.expert_parallel import apply_expert_parallel
+
+    layers = causal_lm_layers(build(LANE_LAYERS))
+    assert apply_expert_parallel(layers.values(), mesh["edp", "ep"]) == LANE_LAYERS
+    recompute = RECOMPUTE if case["recompute"] else None
+    stages = pipetrain.split(layers, LANE_CUT, recompute=recompute)
+    reduction = case["reduction"]
+    return pipetrain.Pipeline(
+        stages,
+        case["schedule"],
+        M,
+        mean_loss if reduction == "mean" else causal_lm_token_loss,
+        loss_reduction=reduction,
+        stages_per_rank=2,
+        mesh=mesh,
+        data_parallel=case["kind"],
+        overlap_pairs=case["overlap"],
+        defer_weight_grads=case["defer"],
+    )
+
+
+def run_lanes(rank: int, world: int, cases: list[dict]) -> dict:
+    """Each case on pp 2 × ep 2 (dp 2 = ep 2) against the unsplit reference; per case the
+    failures and, with ``overlap``, the spans of this rank's stage pieces (``pair_lanes_cases``)
+    and the pairs of its program row."""
+    from pair_lanes_cases import pairs_of, recording_spans
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "edp", "ep"))
+    out: dict = {}
+    for case in cases:
+        label = " ".join(f"{k}={v}" for k, v in case.items())
+        failures: list[str] = []
+        ref = reference(2, case["reduction"], LANE_LAYERS)
+        with lanes_pipeline(mesh, case) as pipe, recording_spans() as spans:
+            step_and_compare(pipe, mesh, label, ref, failures)
+            pairs = pairs_of(pipe)
+        out[label] = {"failures": failures, "spans": spans, "pairs": pairs}
+    return out

@@ -34,6 +34,22 @@ One MoE layer, one micro-batch (the dropless AllToAll dispatcher of Megatron-Cor
 Token choice is dropless, as every family here defines it: no capacity, no padding. A rank whose
 experts receive no row in a step gets a zero gradient for them (``data_parallel`` fills it), so
 the reduction over ``edp`` never waits.
+
+**One group per direction** (``DirectionGroups``). Every exchange above issued in a forward goes
+to the ``ep`` group; every one issued inside a backward — ``_AllToAll``'s reverse exchange, and a
+per-layer recompute's forward run again inside a backward — to a second group over the same
+ranks. Which one is decided by whether autograd's engine runs the current code
+(``torch_compat.in_backward``, what ``torch.utils.checkpoint`` asks), not by thread: on CUDA the
+engine runs a backward on its own device threads. So an F&B pair whose forward runs on a lane of
+its own while the backward runs on the caller (``runtime.pair_lanes``) never has both directions'
+collectives on one group at once (one NCCL communicator runs its collectives on one stream in
+issue order; gloo matches them by sequence). Why each group's collectives still meet in the
+same order on every peer: the ``ep`` peers of a stage are data-parallel replicas with the same
+pipeline coordinate, so they run the same rank program; actions are joined one after the other,
+and within a pair only the forward lane uses the forward group and only the backward the
+backward group, each issuing its layers' exchanges in its own deterministic order (a stage's
+forward in layer order; a backward in the graph's order, the same graph on every peer). The
+groups are used always, sequential runs too, so there is one code path.
 """
 
 from __future__ import annotations
@@ -45,23 +61,68 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipetrain.runtime import torch_compat
+
 #: the mesh dimensions expert parallel factors data parallel into
 EXPERT_DATA, EXPERT = "edp", "ep"
 
 
+class DirectionGroups:
+    """Two process groups over one ``ep`` row's ranks: ``forward`` for collectives issued in a
+    forward, ``backward`` for those issued inside a backward (module docstring)."""
+
+    #: where a mesh keeps its pair (one per mesh object: its MoE layers share it)
+    ATTRIBUTE = "_pipetrain_ep_direction_groups"
+
+    def __init__(self, forward: Any, backward: Any) -> None:
+        self.forward, self.backward = forward, backward
+
+    @classmethod
+    def of(cls, mesh: Any) -> DirectionGroups:
+        """``mesh``'s pair: its ``ep`` group for forwards, and a group made now over the same
+        ranks for backwards (the first time a mesh asks). Every member of the ``ep`` row asks at
+        the same point of the same program (its layers are sharded in the same order), and only
+        members take part (``use_local_synchronization``), so creation is collective per row."""
+        found = mesh.__dict__.get(cls.ATTRIBUTE)
+        if found is None:
+            forward = mesh.get_group(EXPERT)
+            ranks = dist.get_process_group_ranks(forward)
+            backend = dist.get_backend(forward)
+            backward = dist.new_group(
+                ranks, backend=backend, use_local_synchronization=True, group_desc="ep_backward"
+            )
+            found = mesh.__dict__[cls.ATTRIBUTE] = cls(forward, backward)
+        return found
+
+    def now(self) -> Any:
+        """The group for a collective issued here: ``backward`` inside autograd's engine."""
+        return self.backward if torch_compat.in_backward() else self.forward
+
+    def __deepcopy__(self, memo: dict) -> DirectionGroups:
+        return self  # process groups are handles to the processes' connections: shared, not copied
+
+
 class _AllToAll(torch.autograd.Function):
     """``all_to_all_single`` with uneven splits; its backward sends the gradients back along the
-    same routes (the exchange with the splits swapped)."""
+    same routes (the exchange with the splits swapped), on the backward group."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any):
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        return _exchange(x, out_splits, in_splits, group)
+    def forward(
+        ctx: Any, x: torch.Tensor, out_splits: list[int], in_splits: list[int], groups: Any
+    ):
+        ctx.splits, ctx.groups = (out_splits, in_splits), groups
+        return _exchange(x, out_splits, in_splits, _group_now(groups))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
         out_splits, in_splits = ctx.splits
-        return _exchange(grad, in_splits, out_splits, ctx.group), None, None, None
+        group = ctx.groups.backward if isinstance(ctx.groups, DirectionGroups) else ctx.groups
+        return _exchange(grad, in_splits, out_splits, group), None, None, None
+
+
+def _group_now(groups: Any) -> Any:
+    """A ``DirectionGroups``' group for now, or the one group given."""
+    return groups.now() if isinstance(groups, DirectionGroups) else groups
 
 
 def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any):
@@ -72,7 +133,8 @@ def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], grou
 
 def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any):
     """Rows of ``x`` sent to each rank of ``group`` (``in_splits`` rows to each, in rank order),
-    the rows received (``out_splits`` from each); differentiable."""
+    the rows received (``out_splits`` from each); differentiable. ``group``: a process group,
+    or a ``DirectionGroups`` (forward and backward each on the group of their direction)."""
     result: torch.Tensor = _AllToAll.apply(x, out_splits, in_splits, group)
     return result
 
@@ -124,7 +186,7 @@ class ExpertParallelExperts(nn.Module):
         self.num_experts, self.ep_size = count, size
         self.local_count = count // size
         self.ep_rank = mesh.get_local_rank(EXPERT)
-        self.group = mesh.get_group(EXPERT)
+        self.groups = DirectionGroups.of(mesh)
         first = self.ep_rank * self.local_count
         held = list(experts.named_parameters(recurse=False))
         odd = [n for n, p in held if p.dim() == 0 or p.shape[0] != count]
@@ -154,18 +216,18 @@ class ExpertParallelExperts(nn.Module):
         # ids == num_experts mark "no expert" (transformers' sentinel): sorted last, never sent
         counts = torch.bincount(ids, minlength=self.num_experts + 1)[: self.num_experts]
         received = torch.empty_like(counts)
-        dist.all_to_all_single(received, counts, group=self.group)
+        dist.all_to_all_single(received, counts, group=self.groups.now())
         send = counts.view(self.ep_size, self.local_count).sum(1).tolist()
         per_expert = received.view(self.ep_size, self.local_count)
         recv = per_expert.sum(1).tolist()
         order = order[: sum(send)]
         tokens = order // top_k
-        rows = all_to_all(hidden_states[tokens], recv, send, self.group)
+        rows = all_to_all(hidden_states[tokens], recv, send, self.groups)
         local_ids = torch.arange(self.local_count, device=ids.device).repeat(self.ep_size)
         expert = torch.repeat_interleave(local_ids, per_expert.reshape(-1))
         params = {n: getattr(self, n).to_local() for n in self._names}
         out = local_experts(self.math, params, rows, expert)
-        back = all_to_all(out, send, recv, self.group)
+        back = all_to_all(out, send, recv, self.groups)
         weighted = back * top_k_weights.reshape(-1)[order, None]
         combined = torch.zeros_like(hidden_states)
         return combined.index_add_(0, tokens, weighted.to(hidden_states.dtype))
@@ -222,6 +284,7 @@ def expert_parameters(module: nn.Module) -> list[nn.Parameter]:
 __all__ = [
     "EXPERT",
     "EXPERT_DATA",
+    "DirectionGroups",
     "ExpertParallelExperts",
     "all_to_all",
     "apply_expert_parallel",
