@@ -10,7 +10,7 @@ import json
 import statistics
 from pathlib import Path
 
-OVERLAP = "pipetrain-overlap"  # Pipeline(overlap_pairs=True): F&B pairs on two CUDA streams
+OVERLAP = "pipetrain-overlap"  # Pipeline(overlap_pairs=True): F&B pairs on two lanes (thread + CUDA stream)
 REPLAY = "pipetrain-replayw"  # Pipeline(defer_weight_grads=False): graph-replay I/W
 
 
