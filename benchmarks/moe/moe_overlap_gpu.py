@@ -1,0 +1,345 @@
+"""Does DualPipeV's F&B overlap hide a mixture-of-experts model's expert all-to-all on several
+GPUs? pipetrain's DualPipeV with ``overlap_pairs=True`` against the same schedule without it,
+ZBV and 1F1B, on one Qwen3-MoE-shaped model under pp × ep; a benchmark.
+
+    torchrun --nproc-per-node 4 benchmarks/moe/moe_overlap_gpu.py --preset h200x4 --out $OUT
+    torchrun --nproc-per-node 4 benchmarks/moe/moe_overlap_gpu.py --preset h200x4 --out $OUT --profile
+    torchrun --nproc-per-node 8 benchmarks/moe/moe_overlap_gpu.py --preset h200x8 --out $OUT
+    python benchmarks/moe/moe_overlap_gpu.py --preset cpu-smoke --out /tmp/moe   # gloo, 4 processes
+
+The model (``moe_overlap_model``): Qwen3-MoE from a ``transformers`` config, bf16, random
+weights drawn once per process from one seed, sequence 4,096, every layer routed (64 experts,
+top-8, a narrow expert so the all-to-all is a visible share of the step). The mesh is
+``("pp", "edp", "ep")`` = (pp, 1, ep): every ep rank is a data-parallel replica with its own
+micro-batches, dense gradients reduced over it (DDP), experts sharded over it
+(``apply_expert_parallel``); experts run ``transformers``' grouped GEMM on Hopper in bf16
+(``pipetrain.hf.experts_kernel``'s rule), the loop over experts on the CPU.
+
+Rows share each launch: ``dualpipev+overlap``, ``dualpipev``, ``zbv``, ``1f1b``; each row builds
+its pipeline from the same master weights, runs ``--warmup`` steps, then ``--steps`` timed
+steps (barrier, synchronize, step with AdamW, synchronize; a step's time is the slowest rank's),
+and is torn down before the next. ``--launches`` rounds run in one process group with the rows'
+order rotated each round (the first row of one round is the second of the next), so every
+row meets the machine at each position; each round counts as a launch for the 95% interval
+(``moe_overlap_report``). Peak memory per rank: ``max_memory_allocated`` across the timed steps,
+above what was allocated before the row's pipeline was built.
+
+Before the runs, the simulator's prediction of each row (``moe_overlap_predict``) is printed and
+stored. ``--profile`` is the second, short mode: per row, warm-up steps, then one step under
+``torch.profiler``; each rank's trace is reduced to its exposed all-to-all
+(``moe_overlap_trace``: all-to-all kernel time not covered by any compute kernel) and the
+hidden share ``1 − exposed(dualpipev+overlap) / exposed(dualpipev)``. On the CPU the profile
+still runs and reports the all-to-all op time from the CPU events, marked "cpu, not meaningful".
+
+``--megatron`` adds Megatron-Core's combined 1F1B row (``moe_overlap_megatron``): it records why it
+cannot run where it cannot. Every failure becomes an error row and the run goes on.
+
+Writes ``results.json`` (or ``profile.json`` with ``--profile``) and ``table.md`` under ``--out``
+and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout
+from benchmarks.common.gpu_setup import GIB, slowest, time_steps
+from benchmarks.common.local_launch import launch
+from benchmarks.moe import moe_overlap_model as mm
+from benchmarks.moe.moe_overlap_predict import measure_link_gbs, predict, profile_layers
+from benchmarks.moe.moe_overlap_report import (
+    OVERLAP_ROW,
+    PLAIN_ROW,
+    PROFILE,
+    RESULTS,
+    summarize_timing,
+    write_table,
+)
+from benchmarks.moe.moe_overlap_trace import exposed_all_to_all, hidden_share, load_trace
+
+
+class Run:
+    """One process's state: its arguments, device, mesh and the master weights (duck-typed for
+    ``gpu_setup.time_steps`` and ``slowest``: ``args``, ``sync``, ``barrier``, ``gather``)."""
+
+    def __init__(self, args: argparse.Namespace, shape: mm.Shape) -> None:
+        self.args, self.shape = args, shape
+        self.cuda = shape.device == "cuda"
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        timeout = timedelta(seconds=args.pg_timeout)
+        if self.cuda:
+            torch.cuda.set_device(local)
+            self.device = torch.device("cuda", local)
+            dist.init_process_group("nccl", timeout=timeout, device_id=self.device)
+        else:
+            torch.set_num_threads(1)
+            self.device = torch.device("cpu")
+            dist.init_process_group("gloo", timeout=timeout)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.mesh = mm.make_mesh(shape, self.device)
+        self.master = mm.build_master(shape, self.device)
+        self.ids = mm.batch(shape, mm.replica_of(self.mesh), self.device)
+        self.t0 = time.perf_counter()
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def gather(self, obj) -> list:
+        out: list = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+    def log(self, msg: str) -> None:
+        if self.rank == 0:
+            print(f"[{time.perf_counter() - self.t0:7.1f}s] {msg}", flush=True)
+
+    def mem_reset(self) -> int:
+        gc.collect()
+        if not self.cuda:
+            return 0
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return torch.cuda.memory_allocated(self.device)
+
+    def pipeline(self, row: str):
+        a = self.args
+        return mm.make_pipeline(row, self.shape, self.master, self.mesh, self.device, a.op_timeout)
+
+
+def guarded(run: Run, what: str, fn) -> dict:
+    """``fn()`` on every rank; any rank's exception makes an error row on all of them."""
+    try:
+        row, err = fn(), None
+    except Exception as e:
+        row, err = {}, f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        if run.args.verbose:
+            traceback.print_exc()
+    errors = [e for e in run.gather(err) if e]
+    if errors:
+        run.log(f"{what}: ERROR {errors[0]}")
+        return {"error": errors[0]}
+    return row
+
+
+def time_row(run: Run, row: str) -> dict:
+    """Warm-up, then the timed steps of one row: per-step times (s, slowest rank), peak GiB."""
+    base = run.mem_reset()
+    with run.pipeline(row) as pipe:
+        params = list(pipe.parameters())
+        opt = torch.optim.AdamW(params, lr=1e-4)
+
+        def step() -> None:
+            pipe.step(run.ids, run.ids)
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+
+        for _ in range(run.shape.warmup):
+            step()
+        run.sync()
+        if run.cuda:
+            torch.cuda.reset_peak_memory_stats(run.device)
+        times = slowest(run, time_steps(run, step, run.shape.steps))
+        peak = torch.cuda.max_memory_allocated(run.device) - base if run.cuda else None
+    peaks = run.gather(peak)
+    return {"times": times, "peak_gib": None if peak is None else [p / GIB for p in peaks]}
+
+
+def profile_row(run: Run, row: str, traces: Path) -> dict:
+    """Warm-up steps, then one step under ``torch.profiler``; this rank's trace reduced to its
+    exposed all-to-all (``moe_overlap_trace``), every rank's gathered."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if run.cuda else [])
+    with run.pipeline(row) as pipe:
+        params = list(pipe.parameters())
+        opt = torch.optim.AdamW(params, lr=1e-4)
+        for _ in range(max(run.shape.warmup, 1)):
+            pipe.step(run.ids, run.ids)
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+        run.sync()
+        run.barrier()
+        with profile(activities=activities) as prof:
+            pipe.step(run.ids, run.ids)
+            run.sync()
+    path = traces / f"{row.replace('+', '-')}-r{run.rank}.json.gz"
+    prof.export_chrome_trace(str(path))
+    mine = exposed_all_to_all(load_trace(path))
+    return {"ranks": run.gather(mine), "source": mine["source"]}
+
+
+def rotated(rows: list[str], k: int) -> list[str]:
+    k %= len(rows)
+    return rows[k:] + rows[:k]
+
+
+def timing_mode(run: Run, rows: list[str]) -> dict:
+    launches: dict[str, list] = {r: [] for r in rows}
+    peaks: dict[str, list] = {}
+    errors: dict[str, str] = {}
+    for k in range(run.shape.launches):
+        for row in rotated(rows, k):
+            if row in errors:
+                continue
+            got = guarded(run, row, lambda row=row: time_row(run, row))
+            if "error" in got:
+                errors[row] = got["error"]
+                continue
+            launches[row].append(got["times"])
+            if got["peak_gib"]:
+                peaks[row] = [
+                    max(a, b) for a, b in zip(peaks.get(row, got["peak_gib"]), got["peak_gib"])
+                ]
+            run.log(
+                f"launch {k} {row}: median {1e3 * sorted(got['times'])[len(got['times']) // 2]:.1f} ms"
+            )
+    summary = summarize_timing({r: v for r, v in launches.items() if v})
+    out = {}
+    for row in rows:
+        out[row] = {"error": errors[row]} if row in errors else dict(summary.get(row, {}))
+        out[row]["launches_ms"] = [[round(1e3 * t, 3) for t in x] for x in launches[row]]
+        out[row]["peak_gib"] = peaks.get(row)
+    return out
+
+
+def profile_mode(run: Run, rows: list[str], out: Path) -> tuple[dict, str]:
+    traces = out / "traces"
+    traces.mkdir(parents=True, exist_ok=True)
+    result = {row: guarded(run, row, lambda row=row: profile_row(run, row, traces)) for row in rows}
+    plain = result.get(PLAIN_ROW, {}).get("ranks")
+    over = result.get(OVERLAP_ROW, {}).get("ranks")
+    if plain and over:
+        share = hidden_share([r["exposed_ms"] for r in over], [r["exposed_ms"] for r in plain])
+        result[OVERLAP_ROW]["hidden_share"] = share
+    sources = {r.get("source") for r in result.values() if "source" in r}
+    return result, ", ".join(sorted(s for s in sources if s))
+
+
+def prediction(run: Run, rows: list[str]) -> dict:
+    """The simulator's prediction of every row (``moe_overlap_predict``), from rank 0's layer
+    profile and the measured (or given) expert link; printed before the runs."""
+    layers = profile_layers(run.shape, run.master, run.device)
+    link = run.args.ep_link_gbs or measure_link_gbs(
+        run.shape, run.mesh["ep"].get_group(), run.device
+    )
+    layers, link = run.gather((layers, link))[0]
+    pred = predict(run.shape, rows, layers, link)
+    pred["ep_link"] = "given" if run.args.ep_link_gbs else "measured"
+    run.log(f"expert link {link:.3g} GB/s ({pred['ep_link']}); per micro-batch: {layers}")
+    for row, p in pred["rows"].items():
+        run.log(f"predicted {row}: {p['step_ms']:.1f} ms, hidden {100 * p['hidden_share']:.0f}%")
+    return pred
+
+
+def describe(run: Run, rows: list[str]) -> dict:
+    import transformers
+
+    s = run.shape
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": torch.cuda.get_device_name(run.device) if run.cuda else "cpu",
+        "backend": dist.get_backend(),
+        "world": run.world,
+        "shape": dataclasses.asdict(s),
+        "rows": rows,
+        "argv": sys.argv,
+        "step": "slowest rank's wall time of pipe.step + AdamW step; location = mean over "
+        "launches of each launch's median, 95% interval by a two-level bootstrap",
+    }
+
+
+def start(args: argparse.Namespace, rank: int, world: int) -> int:
+    shape = resolve_shape(args)
+    run = Run(args, shape)
+    out = Path(args.out)
+    rows = [r for r in args.rows.split(",") if r]
+    try:
+        result = {"meta": describe(run, rows), "prediction": prediction(run, rows)}
+        if args.profile:
+            result["rows"], result["source"] = profile_mode(run, rows, out)
+        else:
+            result["rows"] = timing_mode(run, rows)
+        if args.megatron:
+            from benchmarks.moe.moe_overlap_megatron import MEGATRON_ROW, megatron_row
+
+            result["rows"][MEGATRON_ROW] = guarded(run, MEGATRON_ROW, lambda: megatron_row(run))
+        if rank == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / (PROFILE if args.profile else RESULTS)).write_text(json.dumps(result, indent=1))
+            print(write_table(out), flush=True)
+        run.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def resolve_shape(args: argparse.Namespace) -> mm.Shape:
+    """The preset with the command line's overrides; a ``ValueError`` for what cannot run."""
+    shape = mm.PRESETS[args.preset]
+    given = {
+        k: getattr(args, k) for k in ("pp", "ep", "microbatches", "steps", "warmup", "launches")
+    }
+    shape = dataclasses.replace(shape, **{k: v for k, v in given.items() if v is not None})
+    if shape.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--preset {args.preset} needs CUDA GPUs; --preset cpu-smoke runs on gloo")
+    if shape.experts % shape.ep:
+        raise ValueError(f"--ep {shape.ep} must divide the {shape.experts} experts")
+    if shape.microbatches < 2 * shape.pp:
+        raise ValueError(f"--microbatches must be >= 2·pp = {2 * shape.pp} (DualPipeV's need)")
+    return shape
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("--preset", choices=sorted(mm.PRESETS), default="h200x4")
+    ap.add_argument("--out", required=True, help="folder for results.json / profile.json, table.md")
+    ap.add_argument("--profile", action="store_true", help="one profiled step per row (module doc)")
+    ap.add_argument(
+        "--rows", default=",".join(mm.ROWS), help="comma-separated, from: " + ", ".join(mm.ROWS)
+    )
+    ap.add_argument("--megatron", action="store_true", help="add Megatron-Core's combined 1F1B row")
+    for name in ("pp", "ep", "microbatches", "steps", "warmup", "launches"):
+        ap.add_argument(f"--{name}", type=int, help="default: the preset's")
+    ap.add_argument("--ep-link-gbs", type=float, help="expert link GB/s (default: measured here)")
+    ap.add_argument("--nproc", type=int, help="processes to spawn without torchrun (pp·ep)")
+    ap.add_argument("--pg-timeout", type=float, default=600.0)
+    ap.add_argument("--op-timeout", type=float, default=300.0)
+    ap.add_argument("--verbose", action="store_true")
+    args = ap.parse_args(argv)
+    bad = [r for r in args.rows.split(",") if r and r not in mm.ROWS]
+    if bad:
+        ap.error(f"unknown rows {bad}; legal: {', '.join(mm.ROWS)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        shape = resolve_shape(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    args.nproc = args.nproc or shape.pp * shape.ep
+    return launch(args, start)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
