@@ -18,8 +18,9 @@ Per row, the program the ``Pipeline`` runs (``build_schedule``, lowered) and the
 ``stage_costs`` give the simulated step (``simulate``'s makespan: the pipeline alone, without
 the optimizer step and the dense gradients' all-reduce) and the hidden share of the all-to-all
 (``sim.all_to_all.all_to_all_share``). DualPipeV without overlap runs each F&B pair as its
-forward, then its backward: its pair time is set to both halves and both all-to-alls, so nothing
-is hidden; with overlap the pair lasts ``sim.costs.overlapped_pair`` of its halves.
+forward, then its backward (``Pipeline(overlap_pairs=False)``): its program has the two parts in
+that order in place of each pair, so nothing is hidden; with overlap a pair lasts
+``sim.costs.overlapped_pair`` of its halves.
 """
 
 from __future__ import annotations
@@ -159,15 +160,12 @@ def predict_row(row: str, shape: Shape, costs: ModelCosts) -> dict:
     """The simulated step (ms) and all-to-all of one row (module docstring)."""
     schedule, overlap = ROWS[row]
     v = STAGES_PER_RANK[schedule]
-    program = validate(lower(build_schedule(schedule, shape.pp, shape.microbatches, v)))
+    program = build_schedule(schedule, shape.pp, shape.microbatches, v)
+    if not overlap:  # each F&B pair as its forward, then its backward, as the runtime runs it
+        rows = tuple(tuple(p for a in row for p in a.compute_parts) for row in program.actions)
+        program = dataclasses.replace(program, actions=rows)
+    program = validate(lower(program))
     sim_costs = stage_costs(costs, program, cut(shape.layers, v * shape.pp))
-    if schedule == "dualpipev" and not overlap:
-        sc = sim_costs.per_stage(program.num_stages)
-        one_after_other = [
-            sc.forward[s] + sc.backward[s] + sc.forward_all_to_all(s) + sc.backward_all_to_all(s)
-            for s in range(program.num_stages)
-        ]
-        sim_costs = dataclasses.replace(sim_costs, forward_backward=one_after_other)
     share = all_to_all_share(program, sim_costs)
     return {
         "step_ms": simulate(program, sim_costs).makespan,
