@@ -181,6 +181,11 @@ def profile_row(run: Run, row: str, traces: Path) -> dict:
     path = traces / f"{row.replace('+', '-')}-r{run.rank}.json.gz"
     prof.export_chrome_trace(str(path))
     mine = exposed_all_to_all(load_trace(path))
+    if mine["source"] == "gpu" and run.shape.ep > 1 and not mine["all_to_all_kernels"]:
+        raise RuntimeError(
+            f"no all-to-all kernel found in {path.name}: moe_overlap_trace's classification "
+            "missed them (look at the trace's NCCL kernels and their launches)"
+        )
     return {"ranks": run.gather(mine), "source": mine["source"]}
 
 
@@ -315,6 +320,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--rows", default=",".join(mm.ROWS), help="comma-separated, from: " + ", ".join(mm.ROWS)
     )
+    ap.add_argument(
+        "--predict-only",
+        action="store_true",
+        help="the simulator's prediction alone, one process, one device (needs --ep-link-gbs)",
+    )
     ap.add_argument("--megatron", action="store_true", help="add Megatron-Core's combined 1F1B row")
     for name in ("pp", "ep", "microbatches", "steps", "warmup", "launches"):
         ap.add_argument(f"--{name}", type=int, help="default: the preset's")
@@ -330,13 +340,37 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def predict_only(args: argparse.Namespace, shape: mm.Shape) -> int:
+    """The prediction alone, in this one process on one device (no process group): the layer
+    profile on this device, the link from ``--ep-link-gbs``; for a machine with one GPU."""
+    device = torch.device("cuda", 0) if shape.device == "cuda" else torch.device("cpu")
+    rows = [r for r in args.rows.split(",") if r]
+    layers = profile_layers(shape, mm.build_master(shape, device), device)
+    pred = predict(shape, rows, layers, args.ep_link_gbs) | {"ep_link": "given"}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "prediction.json").write_text(json.dumps(pred, indent=1))
+    print(f"per micro-batch (ms): {layers}")
+    for row, p in pred["rows"].items():
+        exposed = " / ".join(f"{x:.1f}" for x in p["exposed_ms"])
+        print(
+            f"{row}: {p['step_ms']:.1f} ms, all-to-all hidden {100 * p['hidden_share']:.0f}%, "
+            f"exposed per rank {exposed} ms"
+        )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         shape = resolve_shape(args)
+        if args.predict_only and not args.ep_link_gbs:
+            raise ValueError("--predict-only needs --ep-link-gbs (no ep group to measure it on)")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.predict_only:
+        return predict_only(args, shape)
     args.nproc = args.nproc or shape.pp * shape.ep
     return launch(args, start)
 

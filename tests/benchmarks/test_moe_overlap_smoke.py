@@ -28,9 +28,8 @@ def _run(out: Path, *extra: str, timeout: int = 240) -> subprocess.CompletedProc
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
-def _check_prediction(result: dict) -> None:
-    pred = result["prediction"]
-    assert pred["ep_link"] == "measured" and pred["ep_link_gbs"] > 0
+def _check_prediction(pred: dict, link: str = "measured") -> None:
+    assert pred["ep_link"] == link and pred["ep_link_gbs"] > 0
     assert pred["dispatched_bytes_per_layer"] > 0
     for row in ROWS:
         p = pred["rows"][row]
@@ -40,8 +39,6 @@ def _check_prediction(result: dict) -> None:
     # only the overlapped pairs hide anything; the same schedule run pair by pair hides none
     assert pred["rows"]["dualpipev"]["hidden_share"] == 0.0
     assert pred["rows"]["dualpipev+overlap"]["hidden_share"] > 0.0
-    overlap, plain = pred["rows"]["dualpipev+overlap"], pred["rows"]["dualpipev"]
-    assert overlap["step_ms"] < plain["step_ms"]
 
 
 def test_cpu_smoke_writes_every_row_with_a_step_time_and_a_prediction(tmp_path: Path) -> None:
@@ -56,7 +53,7 @@ def test_cpu_smoke_writes_every_row_with_a_step_time_and_a_prediction(tmp_path: 
         assert r["step_ms_low"] <= r["step_ms"] <= r["step_ms_high"], row
         assert r["step_ms"] > 0, row
     assert len(result["rows"]["dualpipev+overlap"]["over_plain"]) == 3
-    _check_prediction(result)
+    _check_prediction(result["prediction"])
     table = (tmp_path / "table.md").read_text()
     assert all(f"| {row} |" in table for row in ROWS) and table in done.stdout
 
@@ -72,13 +69,26 @@ def test_cpu_profile_mode_reports_the_all_to_all_from_cpu_events(tmp_path: Path)
         assert len(ranks) == 4 and all(r["all_to_all_ms"] > 0 for r in ranks), row
     assert isinstance(result["rows"]["dualpipev+overlap"]["hidden_share"], float)
     assert NOT_MEANINGFUL in (tmp_path / "table.md").read_text()
-    _check_prediction(result)
+    _check_prediction(result["prediction"])
+
+
+def test_predict_only_on_one_device_prices_a_slow_link_that_overlap_hides(tmp_path: Path) -> None:
+    # 0.002 GB/s makes each layer's all-to-all about as long as its compute on the tiny model
+    done = _run(tmp_path, "--predict-only", "--ep-link-gbs", "0.002", timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    pred = json.loads((tmp_path / "prediction.json").read_text())
+    _check_prediction(pred, link="given")
+    overlap, plain = pred["rows"]["dualpipev+overlap"], pred["rows"]["dualpipev"]
+    assert overlap["step_ms"] < plain["step_ms"]
+    assert sum(overlap["exposed_ms"]) < sum(plain["exposed_ms"]) == sum(plain["all_to_all_ms"])
 
 
 def test_refusals_are_one_line_before_any_process_starts(tmp_path: Path) -> None:
     done = _run(tmp_path, "--ep", "3", timeout=60)
     assert done.returncode == 2
     assert done.stderr.strip() == "error: --ep 3 must divide the 4 experts"
+    done = _run(tmp_path, "--predict-only", timeout=60)
+    assert done.returncode == 2 and "--predict-only needs --ep-link-gbs" in done.stderr
 
 
 def _kernel(ts, dur, name, stream, corr):
