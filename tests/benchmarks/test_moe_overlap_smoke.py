@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.moe.moe_overlap_megatron import MEGATRON_ROW
 from benchmarks.moe.moe_overlap_model import ROWS, cut
 from benchmarks.moe.moe_overlap_report import step_interval
 from benchmarks.moe.moe_overlap_trace import (
@@ -42,11 +43,13 @@ def _check_prediction(pred: dict, link: str = "measured") -> None:
 
 
 def test_cpu_smoke_writes_every_row_with_a_step_time_and_a_prediction(tmp_path: Path) -> None:
-    done = _run(tmp_path, "--steps", "2", "--warmup", "0", "--launches", "1")
+    done = _run(tmp_path, "--steps", "2", "--warmup", "0", "--launches", "1", "--megatron")
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "results.json").read_text())
     assert result["meta"]["world"] == 4 and result["meta"]["backend"] == "gloo"
-    assert set(result["rows"]) == set(ROWS)
+    assert set(result["rows"]) == set(ROWS) | {MEGATRON_ROW}
+    megatron = result["rows"].pop(MEGATRON_ROW)  # a probe: the reason it does not run
+    assert megatron["error"] and "torchtitan" in megatron["fallback"]
     for row, r in result["rows"].items():
         assert "error" not in r, (row, r)
         assert len(r["launches_ms"]) == 1 and len(r["launches_ms"][0]) == 2, row
@@ -55,7 +58,7 @@ def test_cpu_smoke_writes_every_row_with_a_step_time_and_a_prediction(tmp_path: 
     assert len(result["rows"]["dualpipev+overlap"]["over_plain"]) == 3
     _check_prediction(result["prediction"])
     table = (tmp_path / "table.md").read_text()
-    assert all(f"| {row} |" in table for row in ROWS) and table in done.stdout
+    assert all(f"| {row} |" in table for row in [*ROWS, MEGATRON_ROW]) and table in done.stdout
 
 
 @pytest.mark.stress
