@@ -48,6 +48,7 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -69,6 +70,14 @@ from benchmarks.moe.moe_overlap_report import (
 )
 from benchmarks.moe.moe_overlap_trace import exposed_all_to_all, hidden_share, load_trace
 
+#: set (unless already set) before NCCL and the caching allocator start
+CUDA_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+    "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+}
+
 
 class Run:
     """One process's state: its arguments, device, mesh and the master weights (duck-typed for
@@ -80,6 +89,9 @@ class Run:
         local = int(os.environ.get("LOCAL_RANK", "0"))
         timeout = timedelta(seconds=args.pg_timeout)
         if self.cuda:
+            # NVLink multicast off (it can take a shared host's GPUs down), one allocator setting
+            for key, value in CUDA_ENV.items():
+                os.environ.setdefault(key, value)
             torch.cuda.set_device(local)
             self.device = torch.device("cuda", local)
             dist.init_process_group("nccl", timeout=timeout, device_id=self.device)
@@ -181,6 +193,8 @@ def profile_row(run: Run, row: str, traces: Path) -> dict:
     path = traces / f"{row.replace('+', '-')}-r{run.rank}.json.gz"
     prof.export_chrome_trace(str(path))
     mine = exposed_all_to_all(load_trace(path))
+    if not (run.args.keep_traces or (run.rank == 0 and row in (OVERLAP_ROW, PLAIN_ROW))):
+        path.unlink()  # rank 0's two DualPipeV traces are kept: what a missed target is read from
     if mine["source"] == "gpu" and run.shape.ep > 1 and not mine["all_to_all_kernels"]:
         raise RuntimeError(
             f"no all-to-all kernel found in {path.name}: moe_overlap_trace's classification "
@@ -194,10 +208,14 @@ def rotated(rows: list[str], k: int) -> list[str]:
     return rows[k:] + rows[:k]
 
 
-def timing_mode(run: Run, rows: list[str]) -> dict:
+def timing_mode(run: Run, rows: list[str], save: Callable[[dict], None]) -> dict:
+    """Every round (a launch for the interval) runs every row, in an order rotated by one each
+    round; what is measured so far is handed to ``save`` after each round, so a call cut off by
+    its wall limit still leaves the rounds it finished."""
     launches: dict[str, list] = {r: [] for r in rows}
     peaks: dict[str, list] = {}
     errors: dict[str, str] = {}
+    out: dict = {}
     for k in range(run.shape.launches):
         for row in rotated(rows, k):
             if row in errors:
@@ -208,12 +226,16 @@ def timing_mode(run: Run, rows: list[str]) -> dict:
                 continue
             launches[row].append(got["times"])
             if got["peak_gib"]:
-                peaks[row] = [
-                    max(a, b) for a, b in zip(peaks.get(row, got["peak_gib"]), got["peak_gib"])
-                ]
-            run.log(
-                f"launch {k} {row}: median {1e3 * sorted(got['times'])[len(got['times']) // 2]:.1f} ms"
-            )
+                before = peaks.get(row, got["peak_gib"])
+                peaks[row] = [max(a, b) for a, b in zip(before, got["peak_gib"])]
+            median = sorted(got["times"])[len(got["times"]) // 2]
+            run.log(f"launch {k} {row}: median {1e3 * median:.1f} ms")
+        out = timing_rows(rows, launches, peaks, errors)
+        save(out)
+    return out
+
+
+def timing_rows(rows: list[str], launches: dict, peaks: dict, errors: dict) -> dict:
     summary = summarize_timing({r: v for r, v in launches.items() if v})
     out = {}
     for row in rows:
@@ -232,6 +254,12 @@ def profile_mode(run: Run, rows: list[str], out: Path) -> tuple[dict, str]:
     if plain and over:
         share = hidden_share([r["exposed_ms"] for r in over], [r["exposed_ms"] for r in plain])
         result[OVERLAP_ROW]["hidden_share"] = share
+    for got in result.values():  # the all-to-all the step's device time exposes (GPU only)
+        ranks = got.get("ranks") or []
+        if ranks and all("span_ms" in r for r in ranks):
+            got["exposed_share_of_step"] = sum(r["exposed_ms"] for r in ranks) / sum(
+                r["span_ms"] for r in ranks
+            )
     sources = {r.get("source") for r in result.values() if "source" in r}
     return result, ", ".join(sorted(s for s in sources if s))
 
@@ -277,19 +305,27 @@ def start(args: argparse.Namespace, rank: int, world: int) -> int:
     out = Path(args.out)
     rows = [r for r in args.rows.split(",") if r]
     try:
-        result = {"meta": describe(run, rows), "prediction": prediction(run, rows)}
-        if args.profile:
-            result["rows"], result["source"] = profile_mode(run, rows, out)
-        else:
-            result["rows"] = timing_mode(run, rows)
-        if args.megatron:
+        result: dict = {"meta": describe(run, rows), "prediction": prediction(run, rows)}
+        extra: dict = {}
+        if args.megatron:  # a probe, cheap: recorded first, kept whatever happens after
             from benchmarks.moe.moe_overlap_megatron import FALLBACK, MEGATRON_ROW, megatron_row
 
-            result["rows"][MEGATRON_ROW] = guarded(run, MEGATRON_ROW, lambda: megatron_row(run))
+            extra[MEGATRON_ROW] = guarded(run, MEGATRON_ROW, lambda: megatron_row(run))
             result["notes"] = {MEGATRON_ROW: FALLBACK}
+
+        def save(measured: dict) -> None:
+            if rank == 0:
+                result["rows"] = measured | extra
+                out.mkdir(parents=True, exist_ok=True)
+                name = PROFILE if args.profile else RESULTS
+                (out / name).write_text(json.dumps(result, indent=1))
+
+        if args.profile:
+            measured, result["source"] = profile_mode(run, rows, out)
+            save(measured)
+        else:
+            timing_mode(run, rows, save)
         if rank == 0:
-            out.mkdir(parents=True, exist_ok=True)
-            (out / (PROFILE if args.profile else RESULTS)).write_text(json.dumps(result, indent=1))
             print(write_table(out), flush=True)
         run.barrier()
     finally:
@@ -333,6 +369,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--nproc", type=int, help="processes to spawn without torchrun (pp·ep)")
     ap.add_argument("--pg-timeout", type=float, default=600.0)
     ap.add_argument("--op-timeout", type=float, default=300.0)
+    ap.add_argument(
+        "--keep-traces",
+        action="store_true",
+        help="keep every rank's profile trace (default: rank 0's two DualPipeV rows)",
+    )
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args(argv)
     bad = [r for r in args.rows.split(",") if r and r not in mm.ROWS]

@@ -77,8 +77,8 @@ def table(results: dict | None, profile: dict | None) -> str:
         "|---|---|---:|---|---:|---:|---|",
     ]
     for row in rows:
-        r = (results or {}).get("rows", {}).get(row, {})
         p = (profile or {}).get("rows", {}).get(row, {})
+        r = (results or {}).get("rows", {}).get(row) or {k: v for k, v in p.items() if k == "error"}
         pred = prediction.get(row, {})
         if "error" in r:
             step = f"error: {r['error'][:80]}"
@@ -100,6 +100,15 @@ def table(results: dict | None, profile: dict | None) -> str:
         notes.append(
             f"{OVERLAP_ROW} / {PLAIN_ROW} step: {overlap[0]:.3f} [{overlap[1]:.3f}, {overlap[2]:.3f}]"
         )
+    plain = (profile or {}).get("rows", {}).get(PLAIN_ROW, {}).get("exposed_share_of_step")
+    if plain is not None:
+        notes.append(
+            f"{PLAIN_ROW} exposes {plain:.0%} of its device time in all-to-all (the shape should "
+            "make this >= 15%)"
+        )
+    hidden = (profile or {}).get("rows", {}).get(OVERLAP_ROW, {}).get("hidden_share")
+    if isinstance(hidden, float):
+        notes.append(f"hidden share {hidden:.0%} (target >= 80%)")
     for name, note in (source.get("notes") or {}).items():
         notes.append(f"{name}: {note}")
     return "\n".join(lines + [""] + [f"- {n}" for n in notes]) + "\n"
