@@ -193,14 +193,24 @@ def profile_row(run: Run, row: str, traces: Path) -> dict:
     path = traces / f"{row.replace('+', '-')}-r{run.rank}.json.gz"
     prof.export_chrome_trace(str(path))
     mine = exposed_all_to_all(load_trace(path))
-    if not (run.args.keep_traces or (run.rank == 0 and row in (OVERLAP_ROW, PLAIN_ROW))):
-        path.unlink()  # rank 0's two DualPipeV traces are kept: what a missed target is read from
-    if mine["source"] == "gpu" and run.shape.ep > 1 and not mine["all_to_all_kernels"]:
+    missed = mine["source"] == "gpu" and run.shape.ep > 1 and not mine["all_to_all_kernels"]
+    # rank 0's two DualPipeV traces are kept (what a missed target is read from), and any trace
+    # whose all-to-all kernels were not found
+    keep = run.args.keep_traces or missed or (run.rank == 0 and row in (OVERLAP_ROW, PLAIN_ROW))
+    if not keep:
+        path.unlink()
+    ranks = run.gather(mine)
+    blind = [
+        r
+        for r, got in enumerate(ranks)
+        if got["source"] == "gpu" and not got.get("all_to_all_kernels")
+    ]
+    if run.shape.ep > 1 and blind:  # every rank raises alike (guarded gathers the error)
         raise RuntimeError(
-            f"no all-to-all kernel found in {path.name}: moe_overlap_trace's classification "
-            "missed them (look at the trace's NCCL kernels and their launches)"
+            f"no all-to-all kernel found in the traces of ranks {blind} (kept under "
+            f"{traces}): moe_overlap_trace's classification missed them"
         )
-    return {"ranks": run.gather(mine), "source": mine["source"]}
+    return {"ranks": ranks, "source": mine["source"]}
 
 
 def rotated(rows: list[str], k: int) -> list[str]:

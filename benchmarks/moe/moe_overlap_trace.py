@@ -5,8 +5,9 @@
 *all-to-all kernel* when it is an NCCL kernel launched from inside an all-to-all: its launch (the
 CUDA runtime or driver call with the kernel's ``correlation`` id) lies, on the same host thread,
 inside a CPU range whose name says all-to-all (``nccl:all_to_all``, ``c10d::alltoall_base_``,
-or ``record_param_comms`` whose ``Collective name`` is one), or the kernel lies inside a GPU-side
-annotation of that name on its own stream (kineto's ``gpu_user_annotation``). That picks the
+or ``record_param_comms`` whose ``Collective name`` is one), or its ``External id`` (kineto's link
+from a kernel to the host operation that launched it) is such a range's, or the kernel lies
+inside a GPU-side annotation of that name on its own stream (kineto's ``gpu_user_annotation``). That picks the
 dispatch, the combine, their backward exchanges and the small count exchange of
 ``runtime.parallel.expert_parallel``, and leaves out the pipeline's P2P sends (NCCL ``SendRecv``
 kernels too, but launched from ``send``/``recv``) and data parallel's all-reduce. *Compute* is
@@ -122,6 +123,12 @@ def classify_kernels(events: Sequence[dict]) -> tuple[list[Interval], list[Inter
         if e.get("cat") in _LAUNCH_CATS and _inside(host, (e.get("pid"), e.get("tid")), e["ts"])
     }
     launched_in_a2a.discard(None)
+    a2a_ops = {
+        (e.get("args") or {}).get("External id")
+        for e in events
+        if e.get("cat") in ("cpu_op", "user_annotation") and is_all_to_all_range(e)
+    }
+    a2a_ops.discard(None)
     a2a, compute = [], []
     for e in events:
         if e.get("cat") != "kernel":
@@ -132,7 +139,12 @@ def classify_kernels(events: Sequence[dict]) -> tuple[list[Interval], list[Inter
         start, end = _span(e)
         key = (e.get("pid"), e.get("tid"))
         mid = (start + end) / 2
-        if (e.get("args") or {}).get("correlation") in launched_in_a2a or _inside(device, key, mid):
+        args = e.get("args") or {}
+        if (
+            args.get("correlation") in launched_in_a2a
+            or args.get("External id") in a2a_ops
+            or _inside(device, key, mid)
+        ):
             a2a.append((start, end))
     return a2a, compute
 

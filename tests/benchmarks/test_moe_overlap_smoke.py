@@ -156,6 +156,13 @@ def test_exposed_all_to_all_is_the_all_to_all_kernel_time_no_compute_covers() ->
     assert got["all_to_all_ms"] == pytest.approx((100 + 10 + 20) / 1e3)
     assert got["exposed_ms"] == pytest.approx((70 + 10 + 20) / 1e3)
     assert got["compute_ms"] == pytest.approx(30 / 1e3)
+    # a kernel whose launch was not recorded, linked to its all-to-all by its External id
+    linked = _kernel(500, 40, "ncclDevKernel_SendRecv", 20, 6)
+    linked["args"]["External id"] = 77
+    op = _host("cpu_op", 600, 5, "c10d::alltoall_base_", args={"External id": 77})
+    got = exposed_all_to_all([*events, linked, op])
+    assert got["all_to_all_kernels"] == 4
+    assert got["exposed_ms"] == pytest.approx((70 + 10 + 20 + 40) / 1e3)
 
 
 def test_on_cpu_the_all_to_all_is_the_union_of_its_ranges_all_exposed() -> None:
