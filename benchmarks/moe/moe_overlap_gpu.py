@@ -42,14 +42,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
-import os
 import sys
 import time
-import traceback
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -60,93 +56,14 @@ from benchmarks.common.gpu_setup import GIB, slowest, time_steps
 from benchmarks.common.local_launch import launch
 from benchmarks.moe import moe_overlap_model as mm
 from benchmarks.moe.moe_overlap_predict import measure_link_gbs, predict, profile_layers
+from benchmarks.moe.moe_overlap_profile import profile_mode
 from benchmarks.moe.moe_overlap_report import (
-    OVERLAP_ROW,
-    PLAIN_ROW,
     PROFILE,
     RESULTS,
     summarize_timing,
     write_table,
 )
-from benchmarks.moe.moe_overlap_trace import exposed_all_to_all, hidden_share, load_trace
-
-#: set (unless already set) before NCCL and the caching allocator start
-CUDA_ENV = {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-    "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
-}
-
-
-class Run:
-    """One process's state: its arguments, device, mesh and the master weights (duck-typed for
-    ``gpu_setup.time_steps`` and ``slowest``: ``args``, ``sync``, ``barrier``, ``gather``)."""
-
-    def __init__(self, args: argparse.Namespace, shape: mm.Shape) -> None:
-        self.args, self.shape = args, shape
-        self.cuda = shape.device == "cuda"
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        timeout = timedelta(seconds=args.pg_timeout)
-        if self.cuda:
-            # NVLink multicast off (it can take a shared host's GPUs down), one allocator setting
-            for key, value in CUDA_ENV.items():
-                os.environ.setdefault(key, value)
-            torch.cuda.set_device(local)
-            self.device = torch.device("cuda", local)
-            dist.init_process_group("nccl", timeout=timeout, device_id=self.device)
-        else:
-            torch.set_num_threads(1)
-            self.device = torch.device("cpu")
-            dist.init_process_group("gloo", timeout=timeout)
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.mesh = mm.make_mesh(shape, self.device)
-        self.master = mm.build_master(shape, self.device)
-        self.ids = mm.batch(shape, mm.replica_of(self.mesh), self.device)
-        self.t0 = time.perf_counter()
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-
-    def barrier(self) -> None:
-        dist.barrier()
-
-    def gather(self, obj) -> list:
-        out: list = [None] * self.world
-        dist.all_gather_object(out, obj)
-        return out
-
-    def log(self, msg: str) -> None:
-        if self.rank == 0:
-            print(f"[{time.perf_counter() - self.t0:7.1f}s] {msg}", flush=True)
-
-    def mem_reset(self) -> int:
-        gc.collect()
-        if not self.cuda:
-            return 0
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        return torch.cuda.memory_allocated(self.device)
-
-    def pipeline(self, row: str):
-        a = self.args
-        return mm.make_pipeline(row, self.shape, self.master, self.mesh, self.device, a.op_timeout)
-
-
-def guarded(run: Run, what: str, fn) -> dict:
-    """``fn()`` on every rank; any rank's exception makes an error row on all of them."""
-    try:
-        row, err = fn(), None
-    except Exception as e:
-        row, err = {}, f"{type(e).__name__}: {e}".splitlines()[0][:300]
-        if run.args.verbose:
-            traceback.print_exc()
-    errors = [e for e in run.gather(err) if e]
-    if errors:
-        run.log(f"{what}: ERROR {errors[0]}")
-        return {"error": errors[0]}
-    return row
+from benchmarks.moe.moe_overlap_run import Run, guarded
 
 
 def time_row(run: Run, row: str) -> dict:
@@ -170,47 +87,6 @@ def time_row(run: Run, row: str) -> dict:
         peak = torch.cuda.max_memory_allocated(run.device) - base if run.cuda else None
     peaks = run.gather(peak)
     return {"times": times, "peak_gib": None if peak is None else [p / GIB for p in peaks]}
-
-
-def profile_row(run: Run, row: str, traces: Path) -> dict:
-    """Warm-up steps, then one step under ``torch.profiler``; this rank's trace reduced to its
-    exposed all-to-all (``moe_overlap_trace``), every rank's gathered."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if run.cuda else [])
-    with run.pipeline(row) as pipe:
-        params = list(pipe.parameters())
-        opt = torch.optim.AdamW(params, lr=1e-4)
-        for _ in range(max(run.shape.warmup, 1)):
-            pipe.step(run.ids, run.ids)
-            opt.step()
-            opt.zero_grad(set_to_none=False)
-        run.sync()
-        run.barrier()
-        with profile(activities=activities) as prof:
-            pipe.step(run.ids, run.ids)
-            run.sync()
-    path = traces / f"{row.replace('+', '-')}-r{run.rank}.json.gz"
-    prof.export_chrome_trace(str(path))
-    mine = exposed_all_to_all(load_trace(path))
-    missed = mine["source"] == "gpu" and run.shape.ep > 1 and not mine["all_to_all_kernels"]
-    # rank 0's two DualPipeV traces are kept (what a missed target is read from), and any trace
-    # whose all-to-all kernels were not found
-    keep = run.args.keep_traces or missed or (run.rank == 0 and row in (OVERLAP_ROW, PLAIN_ROW))
-    if not keep:
-        path.unlink()
-    ranks = run.gather(mine)
-    blind = [
-        r
-        for r, got in enumerate(ranks)
-        if got["source"] == "gpu" and not got.get("all_to_all_kernels")
-    ]
-    if run.shape.ep > 1 and blind:  # every rank raises alike (guarded gathers the error)
-        raise RuntimeError(
-            f"no all-to-all kernel found in the traces of ranks {blind} (kept under "
-            f"{traces}): moe_overlap_trace's classification missed them"
-        )
-    return {"ranks": ranks, "source": mine["source"]}
 
 
 def rotated(rows: list[str], k: int) -> list[str]:
@@ -253,25 +129,6 @@ def timing_rows(rows: list[str], launches: dict, peaks: dict, errors: dict) -> d
         out[row]["launches_ms"] = [[round(1e3 * t, 3) for t in x] for x in launches[row]]
         out[row]["peak_gib"] = peaks.get(row)
     return out
-
-
-def profile_mode(run: Run, rows: list[str], out: Path) -> tuple[dict, str]:
-    traces = out / "traces"
-    traces.mkdir(parents=True, exist_ok=True)
-    result = {row: guarded(run, row, lambda row=row: profile_row(run, row, traces)) for row in rows}
-    plain = result.get(PLAIN_ROW, {}).get("ranks")
-    over = result.get(OVERLAP_ROW, {}).get("ranks")
-    if plain and over:
-        share = hidden_share([r["exposed_ms"] for r in over], [r["exposed_ms"] for r in plain])
-        result[OVERLAP_ROW]["hidden_share"] = share
-    for got in result.values():  # the all-to-all the step's device time exposes (GPU only)
-        ranks = got.get("ranks") or []
-        if ranks and all("span_ms" in r for r in ranks):
-            got["exposed_share_of_step"] = sum(r["exposed_ms"] for r in ranks) / sum(
-                r["span_ms"] for r in ranks
-            )
-    sources = {r.get("source") for r in result.values() if "source" in r}
-    return result, ", ".join(sorted(s for s in sources if s))
 
 
 def prediction(run: Run, rows: list[str]) -> dict:
