@@ -2,11 +2,13 @@
 Qwen3-MoE model built from a ``transformers`` config with seeded random weights, its cut into
 stages, each row's ``Pipeline`` on the ``("pp", "edp", "ep")`` mesh, and the batches.
 
-The shape is chosen so the expert all-to-all is a visible share of the step: many experts with a
-small ``moe_intermediate_size`` and a large top-k make each token's dispatch (top-k copies of
-its hidden state) large beside its expert GEMMs (top-k × 3 GEMMs of ``hidden × moe_inter``):
-bytes per expert FLOP ≈ 1 / (6 · moe_inter), the ratio DeepSeek-V3's fine-grained experts
-(top-8 of 256, moe_inter 2048) pay across nodes, here over NVLink with a narrower expert.
+The shape is chosen so the expert all-to-all is a visible share of the step: each token's
+dispatch moves top-k copies of its hidden state (``2 · top_k · hidden`` bytes in bf16) for
+``6 · top_k · hidden · moe_inter`` expert FLOPs (three GEMMs of ``hidden × moe_inter`` per copy),
+so the bytes per expert FLOP are ``1 / (3 · moe_inter)`` whatever the hidden size and top-k.
+DeepSeek-V3 (moe_inter 2048) pays that ratio over cross-node links; the presets take an expert
+8 times narrower (256) so that NVLink inside one host, several times faster, still leaves the
+all-to-all a share of the step worth hiding.
 """
 
 from __future__ import annotations
