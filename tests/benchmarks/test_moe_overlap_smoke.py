@@ -44,6 +44,9 @@ def _check_prediction(pred: dict, link: str = "measured") -> None:
     assert pred["rows"]["dualpipev+overlap"]["hidden_share"] > 0.0
 
 
+#: four gloo processes importing transformers: 20-50 s on 2 cores, the stress tier; the runtime's
+#: exactness under the same layout is in the default tier (tests/runtime/test_pair_lanes.py)
+@pytest.mark.stress
 def test_cpu_smoke_writes_every_row_with_a_step_time_and_a_prediction(tmp_path: Path) -> None:
     done = _run(tmp_path, "--steps", "2", "--warmup", "0", "--launches", "1", "--megatron")
     assert done.returncode == 0, done.stderr[-3000:]
