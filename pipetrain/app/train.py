@@ -82,7 +82,7 @@ def train(config: TrainConfig, device: torch.device) -> Run:
     from pipetrain.app import checkpoints
     from pipetrain.app.batch_source import train_batches
     from pipetrain.app.catalog import build
-    from pipetrain.app.data.prefetch import Prefetch
+    from pipetrain.app.data.prefetch import prefetch
     from pipetrain.app.lr_schedule import parameter_groups, resolve_schedule
 
     layout = check_arguments(config)
@@ -118,8 +118,11 @@ def train(config: TrainConfig, device: torch.device) -> Run:
         steps = Steps(config, pipe, opt, schedule, device, mine, start, local * config.dp)
         steps.replica = replica  # its share of a step of its own count (--global-batch-tokens)
         every = config.checkpoint_every or config.steps
-        # the next step's batch is built while this one runs (``app.data.prefetch``)
-        data = Prefetch(train_batches(config, model, layout.microbatches, start))
+        # the next steps' batches are built while this one runs (``app.data.prefetch``;
+        # --prefetch-batches 0: each in the loop)
+        data = prefetch(
+            train_batches(config, model, layout.microbatches, start), config.prefetch_batches
+        )
         try:
             with GarbageCollection(config.gc_every) as collector:
                 for step in range(start, config.steps):
@@ -206,6 +209,10 @@ class Steps:
         self.rows = rows
         self.losses: list[float] = []
         self.measured: list[Timeline] = []
+        #: the program each measured step ran (its own count's, under --global-batch-tokens)
+        self.measured_programs: list[Any] = []
+        #: each step's micro-batch count, under --global-batch-tokens (else empty)
+        self.counts: list[int] = []
         self.skips = Skips(config)
         self.evals: list[tuple[int, float]] = []
         self.replica = 0
@@ -230,8 +237,11 @@ class Steps:
         rate = batch.real_tokens / (time.perf_counter() - t0)
         shown = None if norm is None else float(norm)
         self.bar.update(step + 1, self.losses[-1], rate, shown if config.clip_grad_norm else None)
+        if count is not None:
+            self.counts.append(count)
         if timed and pipe.last_timeline is not None:
             self.measured.append(pipe.last_timeline)
+            self.measured_programs.append(pipe.program)  # the program of this step's count
         eval_loss = self._evaluate() if eval_due(config, step + 1) else None
         if eval_loss is not None:
             self.bar.note(f"step {step + 1}: eval loss {eval_loss:.4f} (--eval-data)")
@@ -328,11 +338,16 @@ def _report(config: TrainConfig, steps: Steps, pipe: Pipeline, cpu_processes: in
     losses, measured, skipped = steps.losses, steps.measured, steps.skips.steps
     args = (config.svg, losses, measured, pipe.program, cpu_processes, _planned(config.plan))
     extra = pipe.extra_losses  # the last step's extra loss terms (a router's), beside its loss
+    options: dict[str, Any] = {
+        "trace": config.trace,
+        "extra_losses": extra,
+        # each measured step simulated with its own count's program (--global-batch-tokens)
+        "programs": steps.measured_programs,
+        "step_counts": steps.counts,
+    }
     if config.cuda_graph:
-        why = "each step replayed as one CUDA graph"
-        text = report(*args, unmeasured=why, trace=config.trace, extra_losses=extra)
-    else:
-        text = report(*args, trace=config.trace, extra_losses=extra)
+        options["unmeasured"] = "each step replayed as one CUDA graph"
+    text = report(*args, **options)
     if skipped:
         shown = ", ".join(map(str, skipped[:10])) + (" ..." if len(skipped) > 10 else "")
         text += f"\nskipped the update of {len(skipped)} step(s) whose loss or gradient norm "
