@@ -311,13 +311,7 @@ def main() -> None:
     if not text.is_file():
         write_text(text, p["lines"])
     if args.host_only:
-        folder = work / "tokenizer"
-        if not (folder / "tokenizer.json").is_file():
-            write_tokenizer(folder, text, p)
-        host = host_batch_ms(folder, text, p, out, args.host_steps or 50)
-        print_host(host)
-        record = {"preset": args.preset, "shape": p, "host_batch_ms": host_record(host)}
-        (out / "host_batch.json").write_text(json.dumps(record, indent=1))
+        host_only(args.preset, work, text, out, args.host_steps or 50)
         return
     if not (folder / "config.json").is_file():
         write_folder(folder, text, p)
@@ -343,6 +337,11 @@ def main() -> None:
     if host:
         result["host_batch_ms"] = host_record(host)
     (out / "packed_tokens.json").write_text(json.dumps(result, indent=1))
+    print_table(rows)
+
+
+def print_table(rows: list[dict]) -> None:
+    """Each launch's tokens per second against the plain loop's, and the prefetch's gain."""
     plains = [r["tok_per_s"] for r in rows if r["run"] == "plain" and "tok_per_s" in r]
     plain = statistics.median(plains) if plains else None
     print("x plain: over the median of the plain launches")
@@ -360,6 +359,18 @@ def main() -> None:
     gain = prefetch_gain(rows)
     if gain:
         print(gain)
+
+
+def host_only(preset: str, work: Path, text: Path, out: Path, steps: int) -> None:
+    """``--host-only``: the batch iterator timed alone, with the preset's tokenizer only."""
+    p = PRESETS[preset]
+    folder = work / "tokenizer"
+    if not (folder / "tokenizer.json").is_file():
+        write_tokenizer(folder, text, p)
+    host = host_batch_ms(folder, text, p, out, steps)
+    print_host(host)
+    record = {"preset": preset, "shape": p, "host_batch_ms": host_record(host)}
+    (out / "host_batch.json").write_text(json.dumps(record, indent=1))
 
 
 def prefetch_gain(rows: list[dict]) -> str | None:

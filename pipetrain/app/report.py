@@ -153,6 +153,51 @@ def report(
     return "\n".join(lines)
 
 
+def run_report(config: Any, steps: Any, pipe: Any, cpu_processes: int) -> str:
+    """The end-of-run text of ``pipetrain train``'s loop (``app.train``: its ``TrainConfig``, its
+    ``Steps`` and its ``Pipeline``): ``report`` on the measured steps, each simulated with the
+    program its own micro-batch count ran (``--global-batch-tokens``), then what the run
+    skipped, evaluated, wrote and exported."""
+    options: dict[str, Any] = {
+        "trace": config.trace,
+        "extra_losses": pipe.extra_losses,  # the last step's (a router's), beside its loss
+        "programs": steps.measured_programs,
+        "step_counts": steps.counts,
+    }
+    if config.cuda_graph:
+        options["unmeasured"] = "each step replayed as one CUDA graph"
+    planned = _planned(config.plan)
+    measured = (config.svg, steps.losses, steps.measured, pipe.program, cpu_processes, planned)
+    text = report(*measured, **options)
+    skipped = steps.skips.steps
+    if skipped:
+        shown = ", ".join(map(str, skipped[:10])) + (" ..." if len(skipped) > 10 else "")
+        text += f"\nskipped the update of {len(skipped)} step(s) whose loss or gradient norm "
+        text += f"was not finite (--on-nonfinite skip): {shown}"
+    if steps.evals:
+        at, loss = steps.evals[-1]
+        text += f"\neval loss {loss:.4f} at step {at} (token mean over --eval-data)"
+    if config.metrics is not None:
+        from pipetrain.app.metrics_chart import write_chart
+
+        text += f"\nmetrics in {config.metrics}; drawn in {write_chart(config.metrics)}"
+    if config.checkpoint_dir:
+        text += f"\ncheckpoints in {config.checkpoint_dir} (latest: step {config.steps})"
+    if config.export is not None:
+        text += f"\nexported to {config.export} (a Hugging Face model folder)"
+    return text
+
+
+def _planned(plan_file: str | None) -> dict[str, Any] | None:
+    """The ``predicted`` record of ``--plan FILE`` (checked before launch), if it has one."""
+    if plan_file is None:
+        return None
+    import json
+
+    predicted = json.loads(Path(plan_file).read_text()).get("predicted")
+    return predicted if isinstance(predicted, dict) else None
+
+
 def _median_step(
     measured: Sequence[Timeline], program: Any, programs: Sequence[Any] | None
 ) -> tuple[Timeline, Any]:
@@ -247,4 +292,4 @@ def _pictures(path: Path, step: Timeline, title: str) -> list[str]:
     return ["", f"{title} — measured step (ms)", render_text(step, width), f"wrote {path}"]
 
 
-__all__ = ["LOSS_WINDOW", "Progress", "counts_line", "report"]
+__all__ = ["LOSS_WINDOW", "Progress", "counts_line", "report", "run_report"]

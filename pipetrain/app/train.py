@@ -28,7 +28,6 @@ import contextlib
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipetrain.app.batch_source import StepBatch
@@ -37,7 +36,7 @@ from pipetrain.app.evaluation import eval_due
 from pipetrain.app.garbage_collection import GarbageCollection
 from pipetrain.app.lr_schedule import LrSchedule, set_lr
 from pipetrain.app.model_folder import run_shape
-from pipetrain.app.report import Progress, report
+from pipetrain.app.report import Progress, run_report
 from pipetrain.app.termination import TermWatch
 from pipetrain.app.train_checks import check_arguments
 from pipetrain.schedule.timeline import Timeline
@@ -145,7 +144,7 @@ def train(config: TrainConfig, device: torch.device) -> Run:
         run = Run(steps.losses, start, state)
         if rank == 0:
             cpu_processes = dist.get_world_size() if device.type == "cpu" else 0
-            run.report = _report(config, steps, pipe, cpu_processes)
+            run.report = run_report(config, steps, pipe, cpu_processes)
         return run
 
 
@@ -333,39 +332,6 @@ class Skips:
         self.consecutive = []
 
 
-def _report(config: TrainConfig, steps: Steps, pipe: Pipeline, cpu_processes: int) -> str:
-    """The end-of-run text (``app.report``) and what the run skipped, wrote and exported."""
-    losses, measured, skipped = steps.losses, steps.measured, steps.skips.steps
-    args = (config.svg, losses, measured, pipe.program, cpu_processes, _planned(config.plan))
-    extra = pipe.extra_losses  # the last step's extra loss terms (a router's), beside its loss
-    options: dict[str, Any] = {
-        "trace": config.trace,
-        "extra_losses": extra,
-        # each measured step simulated with its own count's program (--global-batch-tokens)
-        "programs": steps.measured_programs,
-        "step_counts": steps.counts,
-    }
-    if config.cuda_graph:
-        options["unmeasured"] = "each step replayed as one CUDA graph"
-    text = report(*args, **options)
-    if skipped:
-        shown = ", ".join(map(str, skipped[:10])) + (" ..." if len(skipped) > 10 else "")
-        text += f"\nskipped the update of {len(skipped)} step(s) whose loss or gradient norm "
-        text += f"was not finite (--on-nonfinite skip): {shown}"
-    if steps.evals:
-        at, loss = steps.evals[-1]
-        text += f"\neval loss {loss:.4f} at step {at} (token mean over --eval-data)"
-    if config.metrics is not None:
-        from pipetrain.app.metrics_chart import write_chart
-
-        text += f"\nmetrics in {config.metrics}; drawn in {write_chart(config.metrics)}"
-    if config.checkpoint_dir:
-        text += f"\ncheckpoints in {config.checkpoint_dir} (latest: step {config.steps})"
-    if config.export is not None:
-        text += f"\nexported to {config.export} (a Hugging Face model folder)"
-    return text
-
-
 def _pipeline(
     config: TrainConfig, layout: Layout, model: LayerModel | None, device: torch.device
 ) -> tuple[Pipeline, int]:
@@ -487,16 +453,6 @@ def _sharding_experts(stages: Any, mesh: Any) -> Any:
         return module
 
     return stage
-
-
-def _planned(plan_file: str | None) -> dict[str, Any] | None:
-    """The ``predicted`` record of ``--plan FILE`` (checked before launch), if it has one."""
-    if plan_file is None:
-        return None
-    import json
-
-    predicted = json.loads(Path(plan_file).read_text()).get("predicted")
-    return predicted if isinstance(predicted, dict) else None
 
 
 def _local_state(pipe) -> dict[str, torch.Tensor]:

@@ -1,0 +1,65 @@
+"""benchmarks/data/varlen_gpu.py's CPU dry run: ``pipetrain train`` on 2 gloo processes on a tiny
+generated folder, both variants, the simulator's prediction written before the first run; and the
+launches' rotation."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "data" / "varlen_gpu.py"
+
+
+def test_the_cpu_smoke_preset_predicts_then_runs_both_variants(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    env = {**os.environ, "VARLEN_WORK": str(tmp_path / "work"), "PYTHONPATH": str(ROOT)}
+    argv = [sys.executable, str(SCRIPT), "--preset", "cpu-smoke", "--out", str(out)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    text = done.stdout
+    # the prediction comes before the first run, and names the aware run's token budget
+    assert text.index("predicted before the runs") < text.index("fixed-0: -m pipetrain train")
+    predicted = json.loads((out / "prediction.json").read_text())
+    budget = predicted["global_batch_tokens"]
+    assert budget == round(predicted["fixed"]["real_tokens"] / predicted["fixed"]["steps"])
+    assert f"--global-batch-tokens {budget} --costs" in text
+    for name in ("fixed", "aware"):
+        assert predicted[name]["tok_per_s"] > 0 and predicted[name]["max_over_mean"] >= 1
+        assert sum(predicted[name]["counts"].values()) == predicted[name]["steps"] == 3
+    assert set(predicted["fixed"]["counts"]) == {"4"}  # -m 2 per rank x 2 ranks, every step
+    # the runs' own metrics say the same counts: the prediction priced the steps they ran
+    recorded = [json.loads(x)["microbatches"] for x in (out / "aware-0.metrics.jsonl").open()]
+    planned = [int(k) for k, v in predicted["aware"]["counts"].items() for _ in range(v)]
+    assert sorted(recorded) == planned
+    result = json.loads((out / "varlen_gpu.json").read_text())
+    assert [len(result["measured_tok_per_s"][v]) for v in ("fixed", "aware")] == [1, 1]
+    ratio = result["ratio"]
+    assert ratio["launches"] == 1 and ratio["low"] <= ratio["estimate"] <= ratio["high"]
+    losses = result["losses"]
+    assert len(losses["fixed"]) == len(losses["aware"]) == 3
+    assert "aware / fixed: predicted" in text and "(95% interval)" in text
+    costs = json.loads((out / "costs.json").read_text())
+    assert all(layer["per_token_sq"] is not None for layer in costs["layers"])
+
+
+def test_launches_rotate_which_variant_runs_first() -> None:
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.data.varlen_gpu import rounds
+
+    assert rounds(3) == [
+        (0, "fixed"),
+        (0, "aware"),
+        (1, "aware"),
+        (1, "fixed"),
+        (2, "fixed"),
+        (2, "aware"),
+    ]
