@@ -113,8 +113,18 @@ def write_documents(path: Path, count: int, median_words: float, seed: int = 0) 
             f.write(" ".join(rng.choices(words, weights, k=n)).capitalize() + ".\n")
 
 
-def prepare(p: dict, work: Path, out: Path) -> tuple[Path, Path, Path]:
-    """The text, the model folder and the costs file (each written once, then reused)."""
+def profile_argv(p: dict, folder: Path, costs: Path) -> list[str]:
+    """``pipetrain profile``'s arguments for the folder's length costs at the preset's shape."""
+    seq = p["seq"]
+    argv = ["profile", "--model-dir", str(folder), "--seq-len", str(seq)]
+    argv += ["--seq-lens", f"{seq // 4},{seq // 2},{seq}", "--microbatch-size", str(p["mbs"])]
+    argv += ["--dtype", p["dtype"], "--device", p["device"], "--out", str(costs)]
+    return [*argv, *p.get("profile", [])]
+
+
+def prepare(p: dict, work: Path, out: Path, given: Path | None = None) -> tuple[Path, Path, Path]:
+    """The text, the model folder and the costs file (each written once, then reused; the costs
+    file ``given`` instead, when it is)."""
     from benchmarks.data.packed_tokens_gpu import write_folder
 
     work.mkdir(parents=True, exist_ok=True)
@@ -130,12 +140,11 @@ def prepare(p: dict, work: Path, out: Path) -> tuple[Path, Path, Path]:
         sample = text.read_text().splitlines()[:200]
         per_word = sum(len(tok(x).input_ids) for x in sample) / sum(len(x.split()) for x in sample)
         write_documents(text, p["documents"], target / per_word)
-    if not costs.is_file():
-        seq = p["seq"]
-        cmd = [sys.executable, "-m", "pipetrain", "profile", "--model-dir", str(folder)]
-        cmd += ["--seq-len", str(seq), "--seq-lens", f"{seq // 4},{seq // 2},{seq}"]
-        cmd += ["--microbatch-size", str(p["mbs"]), "--dtype", p["dtype"]]
-        cmd += ["--device", p["device"], "--out", str(costs), *p.get("profile", [])]
+    if given is not None:
+        costs = given
+    elif not costs.is_file():
+        cmd = [sys.executable, "-m", "pipetrain", *profile_argv(p, folder, costs)]
+        print(" ".join(cmd[1:]), flush=True)
         with (out / "profile.log").open("w") as log:
             if subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode != 0:
                 raise SystemExit(f"pipetrain profile failed: see {out / 'profile.log'}")
@@ -294,6 +303,13 @@ def main() -> None:
     )
     ap.add_argument("--launcher", choices=("pipetrain", "torchrun"), default="pipetrain")
     ap.add_argument("--launches", type=int, default=None, help="rounds (default: the preset's)")
+    ap.add_argument(
+        "--costs",
+        type=Path,
+        default=None,
+        help="a costs file of this folder with length costs (pipetrain profile --seq-lens) to "
+        "use instead of profiling it now",
+    )
     args = ap.parse_args()
     p = PRESETS[args.preset]
     launches = p["launches"] if args.launches is None else args.launches
@@ -303,7 +319,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     work = Path(os.environ.get("VARLEN_WORK", "/tmp/varlen-gpu")) / args.preset
     t0 = time.perf_counter()
-    text, folder, costs = prepare(p, work, out)
+    text, folder, costs = prepare(p, work, out, args.costs)
     print(f"prepared {work} in {time.perf_counter() - t0:.0f} s", flush=True)
     tokens = predict_both(p, args.gpus, text, folder, costs, out)
     runs: dict[str, list[list[dict]]] = {name: [] for name in VARIANTS}

@@ -1,6 +1,11 @@
 """benchmarks/data/varlen_gpu.py's CPU dry run: ``pipetrain train`` on 2 gloo processes on a tiny
-generated folder, both variants, the simulator's prediction written before the first run; and the
-launches' rotation."""
+generated folder, both variants, the simulator's prediction written before the first run; the
+``pipetrain profile`` command it would run; and the launches' rotation.
+
+The dry run is given a costs file (``--costs``) of the tiny folder's 5 layers with made-up length
+costs instead of profiling it: ``pipetrain profile --seq-lens`` profiles at three lengths, which
+takes longer on 2 cores than the rest of the run, and is tested itself
+(tests/cli/test_profile_lengths.py); its command line is checked here against the parser."""
 
 from __future__ import annotations
 
@@ -19,10 +24,35 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "data" / "varlen_gpu.py"
 
 
+def made_up_costs(path: Path) -> None:
+    """The tiny folder's layers (embedding, 2 blocks, norm, head) with length costs whose
+    attention term matters at its 128-token rows."""
+    from pipetrain.planner.costs_file import LayerCost, ModelCosts, save_costs
+
+    names = ["embed", "block0", "block1", "norm", "head"]
+    layers = tuple(
+        LayerCost(
+            name=name,
+            forward=1.0,
+            backward_input=1.0,
+            backward_weight=1.0,
+            backward=2.0,
+            activation=1e-3,
+            params=1e-3,
+            per_token=0.01,
+            per_token_sq=1e-4 if name.startswith("block") else 0.0,
+        )
+        for name in names
+    )
+    save_costs(ModelCosts(layers=layers, meta={"device": "cpu"}), path)
+
+
 def test_the_cpu_smoke_preset_predicts_then_runs_both_variants(tmp_path: Path) -> None:
     out = tmp_path / "out"
     env = {**os.environ, "VARLEN_WORK": str(tmp_path / "work"), "PYTHONPATH": str(ROOT)}
+    made_up_costs(tmp_path / "costs.json")
     argv = [sys.executable, str(SCRIPT), "--preset", "cpu-smoke", "--out", str(out)]
+    argv += ["--costs", str(tmp_path / "costs.json")]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     text = done.stdout
@@ -47,8 +77,19 @@ def test_the_cpu_smoke_preset_predicts_then_runs_both_variants(tmp_path: Path) -
     losses = result["losses"]
     assert len(losses["fixed"]) == len(losses["aware"]) == 3
     assert "aware / fixed: predicted" in text and "(95% interval)" in text
-    costs = json.loads((out / "costs.json").read_text())
-    assert all(layer["per_token_sq"] is not None for layer in costs["layers"])
+    # balanced by the given costs' n² term: the aware run's micro-batches cost more alike
+    assert predicted["aware"]["max_over_mean"] <= predicted["fixed"]["max_over_mean"]
+
+
+def test_the_profile_command_line_is_one_pipetrain_profile_accepts(tmp_path: Path) -> None:
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.data.varlen_gpu import PRESETS, profile_argv
+    from pipetrain.cli import build_parser
+
+    for name, preset in PRESETS.items():
+        argv = profile_argv(preset, tmp_path / "model", tmp_path / "costs.json")
+        args = build_parser().parse_args(argv)
+        assert args.command == "profile" and args.seq_lens[-1] == preset["seq"], name
 
 
 def test_launches_rotate_which_variant_runs_first() -> None:
