@@ -68,7 +68,7 @@ PRESETS = {
         ffn=5632,
         vocab=32000,
         seq=16384,
-        mbs=1,
+        mbs=2,  # two rows a micro-batch: one row is one document's cost, nothing to balance
         microbatches_per_rank=4,
         schedule="1f1b",
         dtype="bfloat16",
@@ -204,7 +204,8 @@ def predict_both(p: dict, gpus: int, text: Path, folder: Path, costs: Path, out:
         counts = ", ".join(f"{k} ({v} steps)" for k, v in row["counts"].items())
         print(
             f"  {name:5}: {row['tok_per_s']:>10,.0f} tok/s  step {row['step_ms']:8.1f} ms  "
-            f"max/mean micro-batch cost {row['max_over_mean']:.3f}  micro-batches: {counts}"
+            f"max/mean micro-batch cost {row['max_over_mean']:.3f}  padding "
+            f"{row['padding']:.1%}  micro-batches: {counts}"
         )
     print(f"  aware / fixed: {ratio:.3f} (--global-batch-tokens {tokens})", flush=True)
     return tokens

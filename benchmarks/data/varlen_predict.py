@@ -89,11 +89,12 @@ def predict(
 ) -> dict[str, Any]:
     """``run``'s steps priced (``lengths``: the corpus's document lengths; ``cut``: layers per
     stage): real tokens, mean simulated step (ms), tokens per second, the mean max/mean
-    micro-batch cost and how many steps ran each micro-batch count."""
+    micro-batch cost, the padding share of the token slots and how many steps ran each
+    micro-batch count."""
     if model.num_layers != sum(cut):
         raise ValueError(f"the costs file has {model.num_layers} layers, the cut {sum(cut)}")
     pricing = Pricing(model, run, cut)
-    real = makespan = 0.0
+    real = makespan = slots = 0.0
     spreads: list[float] = []
     counts: Counter[int] = Counter()
     rows = run.microbatch_size
@@ -102,6 +103,7 @@ def predict(
         squares = [sum(int(lengths[i]) ** 2 for row in g for i in row) for g in groups]
         makespan += pricing.step_ms(plan.microbatches, squares)
         real += sum(int(lengths[i]) for row in plan.rows for i in row)
+        slots += plan.microbatches * rows * run.seq_len
         padded = [pricing.microbatch_cost(s) for s in squares]
         spreads.append(max(padded) / statistics.fmean(padded))
         counts[plan.microbatches] += 1
@@ -112,6 +114,7 @@ def predict(
         "step_ms": makespan / steps,
         "tok_per_s": real / (makespan / 1e3),
         "max_over_mean": statistics.fmean(spreads),
+        "padding": 1 - real / slots,
         "counts": dict(sorted(counts.items())),
     }
 
