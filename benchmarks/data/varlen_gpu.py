@@ -12,7 +12,7 @@ median ``seq_len / 8``, one document a line), a Llama-shaped folder of random we
 preset's shape (``llama-1b``: 22 layers of 2048, 1.17 B parameters) with a byte-level BPE
 tokenizer trained on the text (``packed_tokens_gpu.write_folder``), and a costs file from
 ``pipetrain profile --model-dir DIR --seq-lens S/4,S/2,S`` (the per-token and per-token²
-coefficients the length-aware run balances by). Then, before any run, it prices both variants'
+coefficients the length-aware runs balance by). Then, before any run, it prices every variant's
 steps with the simulator and prints them (``varlen_predict``: each planned step's micro-batches,
 from the planner the runs' workers call, on the cut ``pipetrain train`` makes by default):
 
@@ -21,17 +21,23 @@ from the planner the runs' workers call, on the cut ``pipetrain train`` makes by
 * ``aware``: ``--global-batch-tokens N --costs FILE``: a step is ``N`` real tokens (``N`` the
   fixed run's mean real tokens per step over the same steps, so both train on as many tokens),
   in as many micro-batches as they fill, balanced by the profiled length costs and ordered
-  lightest first (``app.data``), each count with its own program.
+  lightest first (``app.data``), each count with its own program;
+* ``balanced`` (with ``--variants fixed,aware,balanced``): ``-m M --costs FILE``: the fixed
+  count, length-aware: the balance (and the packer filling rows' gaps from the step's whole
+  offer) without the token budget, to tell the two apart.
 
-The runs: ``--launches`` rounds (≥ 3 on GPUs), each launching both variants, their order rotated
+The runs: ``--launches`` rounds (≥ 3 on GPUs), each launching every variant, their order rotated
 from one round to the next; each launch is ``pipetrain train`` as a user runs it, a process per
 GPU (``--launcher pipetrain``: the command starts them itself; ``torchrun``: under
-``torch.distributed.run --standalone``). Each run's ``--metrics`` file gives real tokens per
-second per step (the first ``warmup`` steps dropped); the ratio aware / fixed has a 95% interval
-over launches and steps (``benchmarks/common/intervals.py``, on seconds per real token); the
-losses of the first round are compared step by step (bf16 on GPUs: the issue asks them within 1%
-of each other over 50 steps). Writes ``prediction.json`` (before the runs), ``varlen_gpu.json``,
-the metrics files, the logs and the costs file under ``--out``, and prints the table.
+``torch.distributed.run --standalone``). ``--max-launches K`` stops after K launches, and a later
+call with the same ``--out`` keeps the complete ones: for a machine's per-command time limit.
+Each run's ``--metrics`` file gives real tokens per second per step (the first ``warmup`` steps
+dropped); each variant's ratio over fixed has a 95% interval over launches and steps
+(``benchmarks/common/intervals.py``, on seconds per real token), beside its predicted ratio; the
+losses of the first round are compared step by step with fixed's (bf16 on GPUs: the issue asks
+them within 1% of each other over 50 steps). Writes ``prediction.json`` (before the runs),
+``varlen_gpu.json``, the metrics files, the logs and the costs file under ``--out``, and prints
+the table.
 
 Pending: issue 52's second item, pipetrain against torchtitan's own trainer on the same model,
 data and GPUs, is not in this script.
@@ -55,7 +61,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 SIGMA = 1.0  # log-normal shape of the document lengths: a long tail past the median
-VARIANTS = ("fixed", "aware")
+VARIANTS = ("fixed", "aware", "balanced")
 
 PRESETS = {
     # 22 x 2048 Llama, 1.17 B parameters, bf16; 16k-token rows: attention's share is what
@@ -153,7 +159,7 @@ def prepare(p: dict, work: Path, out: Path, given: Path | None = None) -> tuple[
 
 
 def common_flags(p: dict, gpus: int, text: Path, folder: Path, out: Path) -> list[str]:
-    """The ``pipetrain train`` flags both variants share (the data cache beside the text)."""
+    """The ``pipetrain train`` flags every variant shares (the data cache beside the text)."""
     flags = ["--model-dir", str(folder), "--data", str(text), "--device", p["device"]]
     flags += ["-p", str(gpus), "-s", p["schedule"], "--seq-len", str(p["seq"])]
     flags += ["--microbatch-size", str(p["mbs"]), "--dtype", p["dtype"], "--steps", str(p["steps"])]
@@ -161,17 +167,20 @@ def common_flags(p: dict, gpus: int, text: Path, folder: Path, out: Path) -> lis
     return [*flags, "--warmup", "0", "--svg", str(out / "train_step.svg")]
 
 
-def variant_flags(name: str, p: dict, gpus: int, costs: Path, tokens: int | None) -> list[str]:
-    """The flags that make ``name`` (``VARIANTS``): fixed packing, or length-aware steps of
-    ``tokens`` real tokens (None: not known yet)."""
+def variant_flags(name: str, p: dict, gpus: int, costs: Path, tokens: int) -> list[str]:
+    """The flags that make ``name`` (``VARIANTS``); ``tokens``: the aware run's budget."""
+    m = str(p["microbatches_per_rank"] * gpus)
     if name == "fixed":
-        return ["-m", str(p["microbatches_per_rank"] * gpus), "--microbatch-balance", "fixed"]
-    assert tokens is not None
+        return ["-m", m, "--microbatch-balance", "fixed"]
+    if name == "balanced":
+        return ["-m", m, "--microbatch-balance", "length", "--costs", str(costs)]
     return ["--global-batch-tokens", str(tokens), "--costs", str(costs)]
 
 
-def predict_both(p: dict, gpus: int, text: Path, folder: Path, costs: Path, out: Path) -> int:
-    """The simulator's prediction for both variants, printed and written before any run; the
+def predict_all(
+    p: dict, gpus: int, variants: list[str], text: Path, folder: Path, costs: Path, out: Path
+) -> int:
+    """The simulator's prediction for every variant, printed and written before any run; the
     aware run's token budget (the fixed run's mean real tokens per step)."""
     from benchmarks.data.varlen_predict import StepRun, predict
     from pipetrain.app.data import DataOptions, prepare, transformer_cost
@@ -181,33 +190,39 @@ def predict_both(p: dict, gpus: int, text: Path, folder: Path, costs: Path, out:
 
     model = load_costs(costs)
     # the tokens the runs read: the same cache, tokenized here first if missing
-    corpus = prepare(
-        text, folder, DataOptions(seq_len=p["seq"]), cache_dir=text.parent / "data-cache"
-    )
-    lengths = corpus.lengths
+    options = DataOptions(seq_len=p["seq"])
+    lengths = prepare(text, folder, options, cache_dir=text.parent / "data-cache").lengths
     cut = default_cut(p["layers"], gpus, first=1, last=2)  # train's: embedding; norm and head
     shape = dict(schedule=p["schedule"], ranks=gpus, seq_len=p["seq"], microbatch_size=p["mbs"])
-    shape |= {"steps": p["steps"]}
+    shape |= {"steps": p["steps"], "cost": model_length_cost(model)}
     m = p["microbatches_per_rank"] * gpus
-    fixed_run = StepRun(**shape, cost=transformer_cost(p["hidden"]), balanced=False, microbatches=m)
-    fixed = predict(fixed_run, lengths, model, cut)
-    tokens = round(fixed["real_tokens"] / fixed["steps"])
-    aware_run = StepRun(
-        **shape, cost=model_length_cost(model), balanced=True, global_batch_tokens=tokens
+    flops = transformer_cost(p["hidden"])  # what a run without --costs plans by
+    fixed = predict(
+        StepRun(**shape | {"cost": flops}, balanced=False, microbatches=m), lengths, model, cut
     )
-    aware = predict(aware_run, lengths, model, cut)
-    ratio = aware["tok_per_s"] / fixed["tok_per_s"]
-    record = {"fixed": fixed, "aware": aware, "ratio": ratio, "global_batch_tokens": tokens}
+    tokens = round(fixed["real_tokens"] / fixed["steps"])
+    runs = {
+        "fixed": None,
+        "balanced": StepRun(**shape, balanced=True, microbatches=m),
+        "aware": StepRun(**shape, balanced=True, global_batch_tokens=tokens),
+    }
+    rows = {
+        name: fixed if name == "fixed" else predict(runs[name], lengths, model, cut)
+        for name in variants
+    }
+    record: dict = {name: row for name, row in rows.items()}
+    record["ratio"] = {n: rows[n]["tok_per_s"] / fixed["tok_per_s"] for n in variants}
+    record["global_batch_tokens"] = tokens
     (out / "prediction.json").write_text(json.dumps(record, indent=1))
     print(f"predicted before the runs (simulator, {p['steps']} steps, costs from {costs}):")
-    for name, row in (("fixed", fixed), ("aware", aware)):
+    for name, row in rows.items():
         counts = ", ".join(f"{k} ({v} steps)" for k, v in row["counts"].items())
         print(
-            f"  {name:5}: {row['tok_per_s']:>10,.0f} tok/s  step {row['step_ms']:8.1f} ms  "
-            f"max/mean micro-batch cost {row['max_over_mean']:.3f}  padding "
-            f"{row['padding']:.1%}  micro-batches: {counts}"
+            f"  {name:8}: {row['tok_per_s']:>10,.0f} tok/s ({record['ratio'][name]:.3f} x fixed)"
+            f"  step {row['step_ms']:8.1f} ms  max/mean micro-batch cost "
+            f"{row['max_over_mean']:.3f}  padding {row['padding']:.1%}  micro-batches: {counts}"
         )
-    print(f"  aware / fixed: {ratio:.3f} (--global-batch-tokens {tokens})", flush=True)
+    print(f"  (aware: --global-batch-tokens {tokens})", flush=True)
     return tokens
 
 
@@ -229,17 +244,26 @@ def run_train(name: str, argv: list[str], gpus: int, launcher: str, out: Path) -
         raise SystemExit(f"{name}: pipetrain train exited {rc}: see {out / f'{name}.log'}")
     lines = [json.loads(x) for x in metrics.read_text().splitlines()]
     rate = statistics.median(x["tok_per_s"] for x in lines)
-    print(
-        f"{name}: {rate:,.0f} tok/s (median step) in {time.perf_counter() - t0:.0f} s", flush=True
-    )
+    took = time.perf_counter() - t0
+    print(f"{name}: {rate:,.0f} tok/s (median step) in {took:.0f} s", flush=True)
     return lines
 
 
-def rounds(launches: int) -> list[tuple[int, str]]:
-    """(round, variant) in launch order: both variants each round, the first rotated."""
+def complete(metrics: Path, steps: int) -> list[dict] | None:
+    """An earlier call's launch, if it ran all its steps (its metrics lines), else None."""
+    if not metrics.is_file():
+        return None
+    lines = [json.loads(x) for x in metrics.read_text().splitlines()]
+    return lines if len(lines) == steps else None
+
+
+def rounds(launches: int, variants: list[str]) -> list[tuple[int, str]]:
+    """(round, variant) in launch order: every variant each round, the order rotated by one
+    from one round to the next."""
     order = []
     for r in range(launches):
-        order += [(r, name) for name in (VARIANTS[r % 2 :] + VARIANTS[: r % 2])]
+        k = r % len(variants)
+        order += [(r, name) for name in variants[k:] + variants[:k]]
     return order
 
 
@@ -252,35 +276,34 @@ def summarise(p: dict, runs: dict[str, list[list[dict]]], out: Path) -> dict:
     def per_token(lines: list[dict]) -> list[float]:  # seconds per real token, timed steps
         return [1 / x["tok_per_s"] for x in (lines[warm:] or lines)]
 
-    fixed = [per_token(x) for x in runs["fixed"]]
-    aware = [per_token(x) for x in runs["aware"]]
-    speedup = ratio_interval(fixed, aware)  # fixed's time per token over aware's
+    times = {name: [per_token(x) for x in launches] for name, launches in runs.items()}
     predicted = json.loads((out / "prediction.json").read_text())
     rates = {
         name: [statistics.median(1 / t for t in launch) for launch in launches]
-        for name, launches in (("fixed", fixed), ("aware", aware))
+        for name, launches in times.items()
     }
-    loss_fixed = [x["loss"] for x in runs["fixed"][0]]
-    loss_aware = [x["loss"] for x in runs["aware"][0]]
-    worst = max(abs(a - f) / abs(f) for a, f in zip(loss_aware, loss_fixed, strict=True))
-    print(f"\n{'variant':8} {'predicted tok/s':>16} {'measured tok/s (per launch)':>40}")
-    for name in VARIANTS:
+    print(f"\n{'variant':9} {'predicted':>10} {'tok/s per launch':>34}  x fixed, 95% interval")
+    result: dict = {"preset": p, "prediction": predicted, "measured_tok_per_s": rates}
+    result |= {"ratio": {}, "losses": {}}
+    base = [x["loss"] for x in runs["fixed"][0]]
+    for name in runs:
+        speedup = ratio_interval(times["fixed"], times[name])  # fixed's time per token over its
         shown = ", ".join(f"{r:,.0f}" for r in rates[name])
-        print(f"{name:8} {predicted[name]['tok_per_s']:>16,.0f} {shown:>40}")
-    print(f"aware / fixed: predicted {predicted['ratio']:.3f}, measured {speedup} (95% interval)")
-    print(f"  the prediction {where(speedup, predicted['ratio'])}")
-    print(
-        f"losses ({len(loss_fixed)} steps, first round): largest step-wise difference "
-        f"{worst:.2%} ({'within' if worst <= 0.01 else 'NOT within'} 1%); last step "
-        f"{loss_fixed[-1]:.4f} fixed, {loss_aware[-1]:.4f} aware"
-    )
-    result = {
-        "preset": p,
-        "prediction": predicted,
-        "measured_tok_per_s": rates,
-        "ratio": None if speedup is None else dataclasses.asdict(speedup),
-        "losses": {"fixed": loss_fixed, "aware": loss_aware, "largest_difference": worst},
-    }
+        against = f"{speedup} (predicted {predicted['ratio'][name]:.3f}: it "
+        against += f"{where(speedup, predicted['ratio'][name])})"
+        print(f"{name:9} {predicted[name]['tok_per_s']:>10,.0f} {shown:>34}  {against}")
+        result["ratio"][name] = None if speedup is None else dataclasses.asdict(speedup)
+        losses = [x["loss"] for x in runs[name][0]]
+        worst = max(abs(a - f) / abs(f) for a, f in zip(losses, base, strict=True))
+        result["losses"][name] = {"losses": losses, "largest_difference": worst}
+    for name, record in result["losses"].items():
+        if name != "fixed":
+            worst = record["largest_difference"]
+            verdict = "within" if worst <= 0.01 else "NOT within"
+            print(
+                f"losses of {name} against fixed ({len(base)} steps, first round): largest "
+                f"step-wise difference {worst:.2%} ({verdict} 1%)"
+            )
     (out / "varlen_gpu.json").write_text(json.dumps(result, indent=1))
     return result
 
@@ -288,11 +311,10 @@ def summarise(p: dict, runs: dict[str, list[list[dict]]], out: Path) -> dict:
 def where(interval, predicted: float) -> str:  # type: ignore[no-untyped-def]
     """Where the predicted ratio lies against the measured interval."""
     if interval is None:
-        return "has nothing measured to compare with"
+        return "nothing measured"
     if interval.low <= predicted <= interval.high:
-        return "lies inside the measured interval"
-    side = "above" if predicted > interval.high else "below"
-    return f"lies {side} the measured interval"
+        return "inside"
+    return "above" if predicted > interval.high else "below"
 
 
 def main() -> None:
@@ -305,6 +327,18 @@ def main() -> None:
     ap.add_argument("--launcher", choices=("pipetrain", "torchrun"), default="pipetrain")
     ap.add_argument("--launches", type=int, default=None, help="rounds (default: the preset's)")
     ap.add_argument(
+        "--variants",
+        default="fixed,aware",
+        help=f"the runs of a round, fixed first, of {', '.join(VARIANTS)} (default fixed,aware)",
+    )
+    ap.add_argument(
+        "--max-launches",
+        type=int,
+        default=None,
+        help="launch at most this many runs in this call and stop (a later call with the same "
+        "--out keeps the complete ones): for a device's per-command time limit",
+    )
+    ap.add_argument(
         "--costs",
         type=Path,
         default=None,
@@ -314,17 +348,30 @@ def main() -> None:
     args = ap.parse_args()
     p = PRESETS[args.preset]
     launches = p["launches"] if args.launches is None else args.launches
+    variants = args.variants.split(",")
     if launches < 1:
         ap.error("--launches must be >= 1")
+    if variants[0] != "fixed" or not set(variants) <= set(VARIANTS) or len(set(variants)) < 2:
+        ap.error(f"--variants: fixed first, then one or more of {', '.join(VARIANTS[1:])}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(os.environ.get("VARLEN_WORK", "/tmp/varlen-gpu")) / args.preset
     t0 = time.perf_counter()
     text, folder, costs = prepare(p, work, out, args.costs)
     print(f"prepared {work} in {time.perf_counter() - t0:.0f} s", flush=True)
-    tokens = predict_both(p, args.gpus, text, folder, costs, out)
-    runs: dict[str, list[list[dict]]] = {name: [] for name in VARIANTS}
-    for round_, name in rounds(launches):
+    tokens = predict_all(p, args.gpus, variants, text, folder, costs, out)
+    runs: dict[str, list[list[dict]]] = {name: [] for name in variants}
+    started = 0
+    for round_, name in rounds(launches, variants):
+        kept = complete(out / f"{name}-{round_}.metrics.jsonl", p["steps"])
+        if kept is not None:
+            print(f"{name}-{round_}: kept from an earlier call", flush=True)
+            runs[name].append(kept)
+            continue
+        if args.max_launches is not None and started >= args.max_launches:
+            print(f"stopped after {started} launches (--max-launches); call again to go on")
+            return
+        started += 1
         argv = common_flags(p, args.gpus, text, folder, out)
         argv += variant_flags(name, p, args.gpus, costs, tokens)
         runs[name].append(run_train(f"{name}-{round_}", argv, args.gpus, args.launcher, out))

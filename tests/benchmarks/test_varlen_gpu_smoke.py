@@ -48,6 +48,7 @@ def made_up_costs(path: Path) -> None:
 
 
 def test_the_cpu_smoke_preset_predicts_then_runs_both_variants(tmp_path: Path) -> None:
+    sys.path.insert(0, str(ROOT))
     out = tmp_path / "out"
     env = {**os.environ, "VARLEN_WORK": str(tmp_path / "work"), "PYTHONPATH": str(ROOT)}
     made_up_costs(tmp_path / "costs.json")
@@ -72,13 +73,23 @@ def test_the_cpu_smoke_preset_predicts_then_runs_both_variants(tmp_path: Path) -
     assert sorted(recorded) == planned
     result = json.loads((out / "varlen_gpu.json").read_text())
     assert [len(result["measured_tok_per_s"][v]) for v in ("fixed", "aware")] == [1, 1]
-    ratio = result["ratio"]
+    ratio = result["ratio"]["aware"]
     assert ratio["launches"] == 1 and ratio["low"] <= ratio["estimate"] <= ratio["high"]
+    assert result["ratio"]["fixed"]["estimate"] == 1.0
     losses = result["losses"]
-    assert len(losses["fixed"]) == len(losses["aware"]) == 3
-    assert "aware / fixed: predicted" in text and "(95% interval)" in text
+    assert len(losses["fixed"]["losses"]) == len(losses["aware"]["losses"]) == 3
+    assert losses["fixed"]["largest_difference"] == 0.0
+    assert "losses of aware against fixed (3 steps" in text
     # balanced by the given costs' n² term: the aware run's micro-batches cost more alike
     assert predicted["aware"]["max_over_mean"] <= predicted["fixed"]["max_over_mean"]
+    # a later call keeps a complete launch, and runs an incomplete one again
+    from benchmarks.data.varlen_gpu import complete
+
+    assert complete(out / "aware-0.metrics.jsonl", 3) == [
+        json.loads(x) for x in (out / "aware-0.metrics.jsonl").open()
+    ]
+    assert complete(out / "aware-0.metrics.jsonl", 4) is None
+    assert complete(out / "aware-9.metrics.jsonl", 3) is None
 
 
 def test_the_profile_command_line_is_one_pipetrain_profile_accepts(tmp_path: Path) -> None:
@@ -92,11 +103,31 @@ def test_the_profile_command_line_is_one_pipetrain_profile_accepts(tmp_path: Pat
         assert args.command == "profile" and args.seq_lens[-1] == preset["seq"], name
 
 
+def test_every_variants_flags_are_ones_pipetrain_train_accepts(tmp_path: Path) -> None:
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.data.varlen_gpu import PRESETS, VARIANTS, common_flags, variant_flags
+    from pipetrain.cli import build_parser
+
+    p = PRESETS["llama-1b"]
+    common = common_flags(p, 4, tmp_path / "text.txt", tmp_path / "model", tmp_path)
+    seen = {}
+    for name in VARIANTS:
+        argv = ["train", *common, *variant_flags(name, p, 4, tmp_path / "c.json", 123456)]
+        args = build_parser().parse_args(argv)
+        seen[name] = (args.microbatches, args.microbatch_balance, args.global_batch_tokens)
+    assert seen == {
+        "fixed": (16, "fixed", None),
+        "aware": (None, "length", 123456),
+        "balanced": (16, "length", None),
+    }
+
+
 def test_launches_rotate_which_variant_runs_first() -> None:
     sys.path.insert(0, str(ROOT))
     from benchmarks.data.varlen_gpu import rounds
 
-    assert rounds(3) == [
+    two = rounds(3, ["fixed", "aware"])
+    assert two == [
         (0, "fixed"),
         (0, "aware"),
         (1, "aware"),
@@ -104,3 +135,5 @@ def test_launches_rotate_which_variant_runs_first() -> None:
         (2, "fixed"),
         (2, "aware"),
     ]
+    three = [name for r, name in rounds(3, ["fixed", "aware", "balanced"]) if r == 1]
+    assert three == ["aware", "balanced", "fixed"]
