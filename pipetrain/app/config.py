@@ -66,6 +66,7 @@ NON_NEGATIVE = (
     "gc_every",
     "max_restarts",
     "expert_bias_rate",
+    "prefetch_batches",
 )
 #: the fields that give the pipeline's shape (a plan gives them instead)
 SHAPE_FIELDS = ("schedule", "ranks", "microbatches", "stages_per_rank", "recompute")
@@ -168,6 +169,9 @@ class TrainConfig:
     global_batch_tokens: int | None = None
     #: a costs file whose length coefficients balance micro-batches (``profile --seq-lens``)
     costs: str | None = None
+    #: batches built ahead of the loop on a background thread (``app.data.prefetch``); 0: each
+    #: built in the loop, between steps
+    prefetch_batches: int = 1
     deterministic: bool = False
     #: collect Python's garbage every this many steps, never in between (0: Python's own)
     gc_every: int = 50

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from statistics import fmean
@@ -86,6 +87,8 @@ def report(
     unmeasured: str = "the runtime returned none",
     trace: str | os.PathLike | None = None,
     extra_losses: Mapping[str, float] | None = None,
+    programs: Sequence[Any] | None = None,
+    step_counts: Sequence[int] | None = None,
 ) -> str:
     """The end-of-run text: loss trend, measured vs simulated bubble, pictures (writes the
     measured step as SVG to ``svg``, and as a Chrome/Perfetto trace to ``trace`` if given).
@@ -95,7 +98,12 @@ def report(
     ``planned``: the ``predicted`` record of the plan the run followed (``pipetrain plan
     --json``), shown next to the measured step. ``unmeasured``: why ``measured`` is empty.
     ``extra_losses``: the last step's extra loss terms (``Pipeline.extra_losses``: a router's
-    balancing loss), shown beside its loss.
+    balancing loss), shown beside its loss. ``programs``: the program each measured step ran,
+    in ``measured``'s order (None: ``program`` for every one). Under a token budget
+    (``--global-batch-tokens``) each step runs the micro-batch count its documents fill, with the
+    pipeline's program of that count (``runtime.microbatch_counts``): the median step is
+    simulated with its own program, not the run's nominal one, whose count its timeline may not
+    hold. ``step_counts``: every step's micro-batch count, summarised in one line.
     """
     k = max(1, min(LOSS_WINDOW, len(losses) // 4))
     first, last = fmean(losses[:k]), fmean(losses[-k:])
@@ -104,20 +112,22 @@ def report(
         if last < first
         else "the loss did NOT go down"
     )
+    lines = [f"loss {first:.4f} → {last:.4f} (mean of the first vs last {k} steps): {verdict}"]
+    if extra_losses:
+        lines.append(_extra_line(losses[-1], extra_losses))
+    if step_counts:
+        lines.append(counts_line(step_counts))
+    if not measured:
+        return "\n".join([*lines, f"(no measured timeline: {unmeasured})"])
+    from pipetrain.sim.simulate import simulate
+
+    step, program = _median_step(measured, program, programs)
     title = describe_shape(
         program.name,
         program.num_ranks,
         program.placement.stages_per_rank,
         program.num_microbatches,
     )
-    lines = [f"loss {first:.4f} → {last:.4f} (mean of the first vs last {k} steps): {verdict}"]
-    if extra_losses:
-        lines.append(_extra_line(losses[-1], extra_losses))
-    if not measured:
-        return "\n".join([*lines, f"(no measured timeline: {unmeasured})"])
-    from pipetrain.sim.simulate import simulate
-
-    step = sorted(measured, key=lambda tl: tl.makespan)[len(measured) // 2]
     costs = measured_costs([step], program.num_stages)
     predicted = simulate(program, costs)
     lines += [
@@ -126,7 +136,7 @@ def report(
         _costs_table([step], program.num_stages),
         f"simulated step:  makespan {predicted.makespan:8.2f} ms   bubble "
         f"{predicted.bubble_fraction:6.1%}   (from the measured times above, communication "
-        "taken as free)",
+        f"taken as free{_count_note(program, step_counts)})",
     ]
     if step.host_spans:
         lines.append(_host_line(step))
@@ -141,6 +151,77 @@ def report(
         write_trace(step, trace)
         lines.append(f"wrote {trace}")
     return "\n".join(lines)
+
+
+def run_report(config: Any, steps: Any, pipe: Any, cpu_processes: int) -> str:
+    """The end-of-run text of ``pipetrain train``'s loop (``app.train``: its ``TrainConfig``, its
+    ``Steps`` and its ``Pipeline``): ``report`` on the measured steps, each simulated with the
+    program its own micro-batch count ran (``--global-batch-tokens``), then what the run
+    skipped, evaluated, wrote and exported."""
+    options: dict[str, Any] = {
+        "trace": config.trace,
+        "extra_losses": pipe.extra_losses,  # the last step's (a router's), beside its loss
+        "programs": steps.measured_programs,
+        "step_counts": steps.counts,
+    }
+    if config.cuda_graph:
+        options["unmeasured"] = "each step replayed as one CUDA graph"
+    planned = _planned(config.plan)
+    measured = (config.svg, steps.losses, steps.measured, pipe.program, cpu_processes, planned)
+    text = report(*measured, **options)
+    skipped = steps.skips.steps
+    if skipped:
+        shown = ", ".join(map(str, skipped[:10])) + (" ..." if len(skipped) > 10 else "")
+        text += f"\nskipped the update of {len(skipped)} step(s) whose loss or gradient norm "
+        text += f"was not finite (--on-nonfinite skip): {shown}"
+    if steps.evals:
+        at, loss = steps.evals[-1]
+        text += f"\neval loss {loss:.4f} at step {at} (token mean over --eval-data)"
+    if config.metrics is not None:
+        from pipetrain.app.metrics_chart import write_chart
+
+        text += f"\nmetrics in {config.metrics}; drawn in {write_chart(config.metrics)}"
+    if config.checkpoint_dir:
+        text += f"\ncheckpoints in {config.checkpoint_dir} (latest: step {config.steps})"
+    if config.export is not None:
+        text += f"\nexported to {config.export} (a Hugging Face model folder)"
+    return text
+
+
+def _planned(plan_file: str | None) -> dict[str, Any] | None:
+    """The ``predicted`` record of ``--plan FILE`` (checked before launch), if it has one."""
+    if plan_file is None:
+        return None
+    import json
+
+    predicted = json.loads(Path(plan_file).read_text()).get("predicted")
+    return predicted if isinstance(predicted, dict) else None
+
+
+def _median_step(
+    measured: Sequence[Timeline], program: Any, programs: Sequence[Any] | None
+) -> tuple[Timeline, Any]:
+    """The median measured step (by makespan) and the program it ran."""
+    ran = list(programs) if programs is not None else [program] * len(measured)
+    if len(ran) != len(measured):
+        raise ValueError(f"{len(ran)} programs for {len(measured)} measured steps: give one each")
+    median = sorted(range(len(measured)), key=lambda i: measured[i].makespan)[len(measured) // 2]
+    return measured[median], ran[median]
+
+
+def counts_line(step_counts: Sequence[int]) -> str:
+    """How many steps ran each micro-batch count, fewest micro-batches first: under a token budget
+    a step's count follows its documents."""
+    tally = Counter(step_counts)
+    shown = ", ".join(f"{n} ({tally[n]} step{'s' if tally[n] > 1 else ''})" for n in sorted(tally))
+    return f"micro-batches per step: {shown}"
+
+
+def _count_note(program: Any, step_counts: Sequence[int] | None) -> str:
+    """Which count's program simulated the step, where steps ran several."""
+    if not step_counts or len(set(step_counts)) < 2:
+        return ""
+    return f"; with the program of its own {program.num_microbatches} micro-batches"
 
 
 def _extra_line(loss: float, extra_losses: Mapping[str, float]) -> str:
@@ -211,4 +292,4 @@ def _pictures(path: Path, step: Timeline, title: str) -> list[str]:
     return ["", f"{title} — measured step (ms)", render_text(step, width), f"wrote {path}"]
 
 
-__all__ = ["LOSS_WINDOW", "Progress", "report"]
+__all__ = ["LOSS_WINDOW", "Progress", "counts_line", "report", "run_report"]

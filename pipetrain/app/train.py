@@ -28,7 +28,6 @@ import contextlib
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipetrain.app.batch_source import StepBatch
@@ -37,7 +36,7 @@ from pipetrain.app.evaluation import eval_due
 from pipetrain.app.garbage_collection import GarbageCollection
 from pipetrain.app.lr_schedule import LrSchedule, set_lr
 from pipetrain.app.model_folder import run_shape
-from pipetrain.app.report import Progress, report
+from pipetrain.app.report import Progress, run_report
 from pipetrain.app.termination import TermWatch
 from pipetrain.app.train_checks import check_arguments
 from pipetrain.schedule.timeline import Timeline
@@ -82,7 +81,7 @@ def train(config: TrainConfig, device: torch.device) -> Run:
     from pipetrain.app import checkpoints
     from pipetrain.app.batch_source import train_batches
     from pipetrain.app.catalog import build
-    from pipetrain.app.data.prefetch import Prefetch
+    from pipetrain.app.data.prefetch import prefetch
     from pipetrain.app.lr_schedule import parameter_groups, resolve_schedule
 
     layout = check_arguments(config)
@@ -118,8 +117,11 @@ def train(config: TrainConfig, device: torch.device) -> Run:
         steps = Steps(config, pipe, opt, schedule, device, mine, start, local * config.dp)
         steps.replica = replica  # its share of a step of its own count (--global-batch-tokens)
         every = config.checkpoint_every or config.steps
-        # the next step's batch is built while this one runs (``app.data.prefetch``)
-        data = Prefetch(train_batches(config, model, layout.microbatches, start))
+        # the next steps' batches are built while this one runs (``app.data.prefetch``;
+        # --prefetch-batches 0: each in the loop)
+        data = prefetch(
+            train_batches(config, model, layout.microbatches, start), config.prefetch_batches
+        )
         try:
             with GarbageCollection(config.gc_every) as collector:
                 for step in range(start, config.steps):
@@ -142,7 +144,7 @@ def train(config: TrainConfig, device: torch.device) -> Run:
         run = Run(steps.losses, start, state)
         if rank == 0:
             cpu_processes = dist.get_world_size() if device.type == "cpu" else 0
-            run.report = _report(config, steps, pipe, cpu_processes)
+            run.report = run_report(config, steps, pipe, cpu_processes)
         return run
 
 
@@ -206,6 +208,10 @@ class Steps:
         self.rows = rows
         self.losses: list[float] = []
         self.measured: list[Timeline] = []
+        #: the program each measured step ran (its own count's, under --global-batch-tokens)
+        self.measured_programs: list[Any] = []
+        #: each step's micro-batch count, under --global-batch-tokens (else empty)
+        self.counts: list[int] = []
         self.skips = Skips(config)
         self.evals: list[tuple[int, float]] = []
         self.replica = 0
@@ -230,8 +236,11 @@ class Steps:
         rate = batch.real_tokens / (time.perf_counter() - t0)
         shown = None if norm is None else float(norm)
         self.bar.update(step + 1, self.losses[-1], rate, shown if config.clip_grad_norm else None)
+        if count is not None:
+            self.counts.append(count)
         if timed and pipe.last_timeline is not None:
             self.measured.append(pipe.last_timeline)
+            self.measured_programs.append(pipe.program)  # the program of this step's count
         eval_loss = self._evaluate() if eval_due(config, step + 1) else None
         if eval_loss is not None:
             self.bar.note(f"step {step + 1}: eval loss {eval_loss:.4f} (--eval-data)")
@@ -321,34 +330,6 @@ class Skips:
 
     def passed(self) -> None:
         self.consecutive = []
-
-
-def _report(config: TrainConfig, steps: Steps, pipe: Pipeline, cpu_processes: int) -> str:
-    """The end-of-run text (``app.report``) and what the run skipped, wrote and exported."""
-    losses, measured, skipped = steps.losses, steps.measured, steps.skips.steps
-    args = (config.svg, losses, measured, pipe.program, cpu_processes, _planned(config.plan))
-    extra = pipe.extra_losses  # the last step's extra loss terms (a router's), beside its loss
-    if config.cuda_graph:
-        why = "each step replayed as one CUDA graph"
-        text = report(*args, unmeasured=why, trace=config.trace, extra_losses=extra)
-    else:
-        text = report(*args, trace=config.trace, extra_losses=extra)
-    if skipped:
-        shown = ", ".join(map(str, skipped[:10])) + (" ..." if len(skipped) > 10 else "")
-        text += f"\nskipped the update of {len(skipped)} step(s) whose loss or gradient norm "
-        text += f"was not finite (--on-nonfinite skip): {shown}"
-    if steps.evals:
-        at, loss = steps.evals[-1]
-        text += f"\neval loss {loss:.4f} at step {at} (token mean over --eval-data)"
-    if config.metrics is not None:
-        from pipetrain.app.metrics_chart import write_chart
-
-        text += f"\nmetrics in {config.metrics}; drawn in {write_chart(config.metrics)}"
-    if config.checkpoint_dir:
-        text += f"\ncheckpoints in {config.checkpoint_dir} (latest: step {config.steps})"
-    if config.export is not None:
-        text += f"\nexported to {config.export} (a Hugging Face model folder)"
-    return text
 
 
 def _pipeline(
@@ -473,16 +454,6 @@ def _sharding_experts(stages: Any, mesh: Any) -> Any:
         return module
 
     return stage
-
-
-def _planned(plan_file: str | None) -> dict[str, Any] | None:
-    """The ``predicted`` record of ``--plan FILE`` (checked before launch), if it has one."""
-    if plan_file is None:
-        return None
-    import json
-
-    predicted = json.loads(Path(plan_file).read_text()).get("predicted")
-    return predicted if isinstance(predicted, dict) else None
 
 
 def _local_state(pipe) -> dict[str, torch.Tensor]:

@@ -189,6 +189,13 @@ def data_options(choices: dict[str, tuple[str, ...]]) -> tuple[Option, ...]:
             "profile --seq-lens` fitted into this costs file",
             shown_default="a transformer's FLOPs at the model's width",
         ),
+        Option(
+            ("--prefetch-batches",),
+            type=non_negative_int,
+            metavar="N",
+            help="steps' batches built ahead on a background thread while the pipeline runs, "
+            "as DataLoader's prefetch_factor; 0 builds each in the loop, between steps",
+        ),
     )
 
 

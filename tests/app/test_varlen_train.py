@@ -5,6 +5,8 @@ bit for bit."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 pytest.importorskip("transformers")
@@ -25,6 +27,7 @@ def test_token_budget_steps_equal_the_unsplit_model_and_resume(tmp_path):
         lead = results[0][schedule]
         assert len(set(lead["counts"])) > 1, lead["counts"]  # the count does change
         assert lead["recorded"] == lead["counts"]  # --metrics records each step's count
+        _check_report(lead["report"], lead["counts"])
         assert lead["straight"] == pytest.approx(lead["reference"], rel=1e-12, abs=0), schedule
         if "dp" in lead:
             assert lead["dp"] == pytest.approx(lead["dp_reference"], rel=1e-12, abs=0)
@@ -34,6 +37,30 @@ def test_token_budget_steps_equal_the_unsplit_model_and_resume(tmp_path):
             assert result["counts"] == lead["counts"]
             if "resumed" in result:
                 assert result["resumed"] == (2, result["straight"][2:])  # bit for bit
+
+
+def test_batches_built_in_the_loop_or_further_ahead_train_alike(tmp_path):
+    """``--prefetch-batches`` 0 (no thread) and 2 train on the batches the default 1 does: the
+    same losses, bit for bit, over steps of different micro-batch counts."""
+    from prefetch_cases import prefetch_runs
+
+    folder = write_folder(tmp_path / "llama", "llama")
+    losses = launch(2, prefetch_runs, str(tmp_path), folder, timeout=240)[0]
+    assert len(losses[1]) == 3 and len(set(losses[1])) == 3  # three steps, each its own loss
+    assert losses[0] == losses[1] == losses[2]
+
+
+def _check_report(text: str, counts: list[int]) -> None:
+    """The report names every step's count, and simulates its median step with the program of
+    the count that step ran (the title's: the measured timeline's own program)."""
+    from pipetrain.app.report import counts_line
+
+    lines = text.splitlines()
+    assert counts_line(counts) in lines, text
+    title = next(x for x in lines if x.endswith("measured step (ms)"))
+    found = re.search(r"(\d+) micro-batches", title)
+    assert found is not None and int(found.group(1)) in counts, title
+    assert f"with the program of its own {found.group(1)} micro-batches" in text, text
 
 
 def test_budget_and_costs_flags_are_refused_where_they_cannot_apply(tmp_path):

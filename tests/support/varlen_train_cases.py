@@ -60,8 +60,10 @@ def budget_runs(rank: int, world: int, directory: str, folder: str, schedules) -
         ]
         metrics = Path(directory) / f"{schedule}.jsonl"
         config = train_args(*common, "--steps", str(STEPS), "--metrics", str(metrics))
-        result: dict = {"straight": train(config, torch.device("cpu")).losses}
+        straight = train(config, torch.device("cpu"))
+        result: dict = {"straight": straight.losses}
         if rank == 0:
+            result["report"] = straight.report
             lines = metrics.read_text().splitlines()
             result["recorded"] = [json.loads(line)["microbatches"] for line in lines]
         batches = itertools.islice(train_batches(config, None, 4), STEPS)

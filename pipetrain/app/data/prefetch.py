@@ -11,6 +11,10 @@ prefetched run trains on the batches an unprefetched one does. The thread shares
 the loop: the batch is built while the loop waits on the accelerator, on transfers or in
 kernels (which release it), not alongside the loop's own Python.
 
+``ahead`` is ``pipetrain train --prefetch-batches``; its 0 (``prefetch``) builds each item in the
+loop's own thread when the loop asks for it (``InLine``, no thread): the baseline the prefetch's
+gain is measured against, and a run to fall back to where a thread is unwelcome.
+
 An exception raised by the iterator is raised by the ``next`` call that would have returned
 that item. ``close`` (or leaving the ``with`` block) stops the thread and waits for it: nothing
 is left running after a run ends, and nothing waits for good on a queue nobody reads.
@@ -107,4 +111,43 @@ class Prefetch(Generic[T]):
         self.close()
 
 
-__all__ = ["Prefetch"]
+class InLine(Generic[T]):
+    """``source`` iterated in the caller's thread, item by item as asked for, with
+    ``Prefetch``'s ``close`` and ``with``: ``--prefetch-batches 0``."""
+
+    def __init__(self, source: Iterator[T]) -> None:
+        self._source = source
+
+    def __iter__(self) -> InLine[T]:
+        return self
+
+    def __next__(self) -> T:
+        return next(self._source)
+
+    def close(self) -> None:
+        """Close the source (a generator: its ``finally`` blocks run now)."""
+        close = getattr(self._source, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> InLine[T]:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def prefetch(source: Iterator[T], ahead: int) -> Prefetch[T] | InLine[T]:
+    """``source`` with ``ahead`` items built ahead on a thread (``Prefetch``), or with 0 built in
+    the caller's thread when asked for (``InLine``)."""
+    if ahead == 0:
+        return InLine(source)
+    return Prefetch(source, ahead)
+
+
+__all__ = ["InLine", "Prefetch", "prefetch"]
