@@ -2,7 +2,9 @@
 
 A record holds ``step`` (1-based), ``loss``, ``lr``, ``grad_norm`` (the whole model's, before
 any clipping), ``tokens`` (the real tokens of the step's batch, every replica's),
-``padding_tokens``, ``tok_per_s``, ``mfu``, after an evaluation ``eval_loss``, and where the
+``padding_tokens``, ``tok_per_s`` (real tokens over the step's time plus the time the loop waited
+for its batch), ``data_ms`` (that wait: near 0 while ``--prefetch-batches`` keeps ahead),
+``mfu``, after an evaluation ``eval_loss``, and where the
 model's layers record extra loss terms (a router's balancing loss: ``runtime.extra_losses``)
 ``aux_loss/<name>`` for each, beside ``loss``, the main loss alone. The metrics
 file is JSON Lines, flushed after every line, so a run stopped at any point leaves whole lines;

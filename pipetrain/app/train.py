@@ -125,7 +125,9 @@ def train(config: TrainConfig, device: torch.device) -> Run:
         try:
             with GarbageCollection(config.gc_every) as collector:
                 for step in range(start, config.steps):
-                    steps.run(step, next(data))
+                    waited = time.perf_counter()
+                    batch = next(data)  # built ahead (--prefetch-batches), or here
+                    steps.run(step, batch, time.perf_counter() - waited)
                     collector.step(step + 1)
                     due = (step + 1) % every == 0 or step + 1 == config.steps
                     # collective, every step: every rank stops after the same one
@@ -216,8 +218,10 @@ class Steps:
         self.evals: list[tuple[int, float]] = []
         self.replica = 0
 
-    def run(self, step: int, batch: StepBatch) -> None:
-        """Step ``step`` (0-based) on ``batch`` (every replica's rows)."""
+    def run(self, step: int, batch: StepBatch, waited: float = 0.0) -> None:
+        """Step ``step`` (0-based) on ``batch`` (every replica's rows), after ``waited`` seconds
+        for it: the loop's real tokens per second count that wait, as torchtitan's do (its
+        ``data_loading_time``), so a batch built between steps shows in the rate it costs."""
         config, pipe = self.config, self.pipe
         count = batch.microbatches  # None: the pipeline's own
         mine = self.mine if count is None else batch.share(self.replica, config.dp)
@@ -233,7 +237,7 @@ class Steps:
         )
         norm = self._update(loss, lr, step + 1)
         self.losses.append(float(loss))
-        rate = batch.real_tokens / (time.perf_counter() - t0)
+        rate = batch.real_tokens / (time.perf_counter() - t0 + waited)
         shown = None if norm is None else float(norm)
         self.bar.update(step + 1, self.losses[-1], rate, shown if config.clip_grad_norm else None)
         if count is not None:
@@ -254,6 +258,7 @@ class Steps:
                 "tokens": batch.real_tokens,
                 "padding_tokens": batch.padding_tokens,
                 "tok_per_s": rate,
+                "data_ms": 1e3 * waited,
                 "mfu": None if self.peak is None else self.flops * rate / self.peak,
                 **{f"aux_loss/{name}": value for name, value in pipe.extra_losses.items()},
                 **({} if count is None else {"microbatches": count}),  # --global-batch-tokens

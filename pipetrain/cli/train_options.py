@@ -219,7 +219,7 @@ def eval_options() -> tuple[Option, ...]:
             ("--metrics",),
             metavar="FILE",
             help="write one JSON line per step (loss, lr, grad_norm, tokens, padding_tokens, "
-            "tok_per_s, mfu, eval_loss, aux_loss/NAME of a router's loss, microbatches under "
+            "tok_per_s, data_ms, mfu, eval_loss, aux_loss/NAME of a router's loss, microbatches under "
             "--global-batch-tokens), and at the end FILE's loss and lr drawn as SVG beside it; "
             "--resume keeps the lines up to its step",
         ),

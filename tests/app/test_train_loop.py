@@ -33,6 +33,7 @@ def test_schedule_metrics_resume_and_eval_loss(tmp_path):
     for record in straight:
         assert record["tokens"] == 2 * 2 * 16 and record["padding_tokens"] == 0
         assert record["grad_norm"] > 0 and record["tok_per_s"] > 0 and record["mfu"] is None
+        assert record["data_ms"] >= 0  # the loop's wait for the batch, inside tok_per_s
     assert [r["step"] for r in straight if "eval_loss" in r] == [3, 6]
     # resumed from step 2: the lines past it replaced, every value as in the straight run
     for result in results:
