@@ -64,8 +64,8 @@ SIGMA = 1.0  # log-normal shape of the document lengths: a long tail past the me
 VARIANTS = ("fixed", "aware", "balanced")
 
 PRESETS = {
-    # 22 x 2048 Llama, 1.17 B parameters, bf16; 16k-token rows: attention's share is what
-    # length-aware balancing acts on (docs/results/sim-2026-12-02-varlen-balance)
+    # 22 x 2048 Llama, 1.17 B parameters, bf16, rows of 8192 tokens: a 50-step run of 131k
+    # tokens a step on 2 GPUs takes about a minute, so a round of launches fits a device call
     "llama-1b": dict(
         hidden=2048,
         layers=22,
@@ -73,7 +73,7 @@ PRESETS = {
         kv_heads=8,
         ffn=5632,
         vocab=32000,
-        seq=16384,
+        seq=8192,
         mbs=2,  # two rows a micro-batch: one row is one document's cost, nothing to balance
         microbatches_per_rank=4,
         schedule="1f1b",
@@ -81,7 +81,7 @@ PRESETS = {
         steps=50,
         warmup=10,
         launches=3,
-        documents=4000,
+        documents=12000,  # 20 M tokens: 50 steps on 4 GPUs read about 11 M, one epoch
         device="cuda",
     ),
     "cpu-smoke": dict(
