@@ -238,8 +238,9 @@ def _plan(
     budget: TokenBudget | None,
 ) -> tuple[RowPlan, list[int], int]:
     """One step's rows from the left-over documents and as many more of ``stream`` as hold a
-    step's tokens (the shape's slots, or the ``budget``'s tokens); what is left over after it;
-    and the micro-batches per replica the rows fill."""
+    step's tokens (the shape's slots; or the ``budget``'s tokens, which choose the count, then
+    as many more as fill that count's slots); what is left over after it; and the micro-batches
+    per replica the rows fill."""
     offered = list(left)
     step_tokens = shape.rows * options.seq_len if budget is None else budget.tokens
     room = step_tokens - sum(int(lengths[i]) for i in offered)
@@ -253,6 +254,16 @@ def _plan(
     if budget is not None:
         count = budget.count_for(offered_lengths)
         shape = dataclasses.replace(shape, microbatches=count)
+        # the count's rows offered documents enough to fill them, as a fixed count's are: the
+        # packer fills the gaps the budget's documents leave from these (the rest carried over)
+        room = count * budget.tokens_per_count - sum(offered_lengths)
+        while room > 0:
+            index = next(stream, None)
+            if index is None:
+                break
+            offered.append(index)
+            offered_lengths.append(int(lengths[index]))
+            room -= int(lengths[index])
     pack = pack_step(
         offered_lengths,
         microbatches=shape.groups,

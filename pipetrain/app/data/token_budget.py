@@ -4,9 +4,10 @@ With packed documents of varying length, a fixed count of micro-batches per step
 number of real tokens, so the optimizer's step weighs batches of different sizes alike. A budget
 fixes the tokens instead, as Megatron-LM's and torchtitan's global batch sizes in tokens do: a
 step takes the documents left over from the previous one, then the stream's next ones until they
-hold ``tokens``; it runs as many micro-batches as those documents fill (next-fit rows, the
-fixed packing's), rounded to the nearest count the schedule accepts; what does not fit is carried
-to the next step. Every rank derives the count from (seed, step) alike: the pipeline never has to
+hold ``tokens``; it runs as many micro-batches as those documents fill (best-fit decreasing
+rows), rounded to the nearest count the schedule accepts. The step packer fills that count's rows
+from those documents and, where they leave gaps, the stream's next ones; what does not fit is
+carried to the next step. A step therefore holds about ``tokens`` real tokens, and little padding. Every rank derives the count from (seed, step) alike: the pipeline never has to
 negotiate it (``runtime.microbatch_counts``).
 
 The counts a schedule accepts are the ones its builder builds (``schedule.registry``: DualPipeV
@@ -17,6 +18,7 @@ the step).
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 
@@ -110,15 +112,19 @@ class TokenBudget:
         return self.counts.nearest(self.tokens / self.tokens_per_count)
 
     def count_for(self, lengths: Sequence[int]) -> int:
-        """The micro-batches per replica of a step offered documents of ``lengths`` tokens (in
-        order): the rows next-fit packing fills, over the rows of one count, rounded to the
-        nearest accepted count."""
-        rows, room = 0, 0
-        for n in lengths:
-            if n > room:
-                rows, room = rows + 1, self.seq_len
-            room -= n
-        return self.counts.nearest(rows / (self.dp * self.microbatch_size))
+        """The micro-batches per replica of a step offered documents of ``lengths`` tokens: the
+        rows best-fit decreasing packs them into (within 11/9 of the fewest rows, Johnson 1974;
+        about the rows the step packer fills, which then tops them up from the stream), over the
+        rows of one count, rounded to the nearest accepted count."""
+        rooms: list[int] = []  # the open rows' free tokens, ascending
+        for n in sorted(lengths, reverse=True):
+            at = bisect.bisect_left(rooms, n)
+            if at < len(rooms):
+                room = rooms.pop(at) - n
+            else:
+                room = self.seq_len - n
+            bisect.insort(rooms, room)
+        return self.counts.nearest(len(rooms) / (self.dp * self.microbatch_size))
 
 
 __all__ = ["StepCounts", "TokenBudget"]
