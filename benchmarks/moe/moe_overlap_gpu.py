@@ -63,15 +63,14 @@ from benchmarks.moe.moe_overlap_report import (
     summarize_timing,
     write_table,
 )
-from benchmarks.moe.moe_overlap_run import Run, guarded
+from benchmarks.moe.moe_overlap_run import Run, guarded, optimizer
 
 
 def time_row(run: Run, row: str) -> dict:
     """Warm-up, then the timed steps of one row: per-step times (s, slowest rank), peak GiB."""
     base = run.mem_reset()
     with run.pipeline(row) as pipe:
-        params = list(pipe.parameters())
-        opt = torch.optim.AdamW(params, lr=1e-4)
+        opt = optimizer(pipe.parameters())
 
         def step() -> None:
             pipe.step(run.ids, run.ids)

@@ -6,10 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from benchmarks.moe.moe_overlap_report import OVERLAP_ROW, PLAIN_ROW
-from benchmarks.moe.moe_overlap_run import Run, guarded
+from benchmarks.moe.moe_overlap_run import Run, guarded, optimizer
 from benchmarks.moe.moe_overlap_trace import exposed_all_to_all, hidden_share, load_trace
 
 
@@ -20,8 +18,7 @@ def profile_row(run: Run, row: str, traces: Path) -> dict:
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if run.cuda else [])
     with run.pipeline(row) as pipe:
-        params = list(pipe.parameters())
-        opt = torch.optim.AdamW(params, lr=1e-4)
+        opt = optimizer(pipe.parameters())
         for _ in range(max(run.shape.warmup, 1)):
             pipe.step(run.ids, run.ids)
             opt.step()

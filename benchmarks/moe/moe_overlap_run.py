@@ -80,6 +80,19 @@ class Run:
         return mm.make_pipeline(row, self.shape, self.master, self.mesh, self.device, a.op_timeout)
 
 
+def optimizer(params) -> torch.optim.Optimizer:
+    """AdamW with the expert shards (``DTensor``s) in a group of their own: its fused per-device
+    (``foreach``) step refuses a list mixing them with plain tensors, as on CUDA."""
+    from torch.distributed.tensor import DTensor
+
+    params = list(params)
+    groups = [
+        {"params": [p for p in params if isinstance(p, DTensor) == sharded]}
+        for sharded in (False, True)
+    ]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=1e-4)
+
+
 def guarded(run: Run, what: str, fn) -> dict:
     """``fn()`` on every rank; any rank's exception makes an error row on all of them."""
     try:
