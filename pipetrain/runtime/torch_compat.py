@@ -28,6 +28,7 @@ __all__ = [
     "copy_lists_",
     "count_output_bytes",
     "device_spin",
+    "dispatch_mode",
     "engine_run_backward",
     "fsdp_post_backward",
     "get_gradient_edge",
@@ -189,6 +190,15 @@ def saved_by_selective_recompute() -> list:
         if packet is not None:
             ops.append(packet.default)
     return ops
+
+
+def dispatch_mode() -> type:
+    """torch's ``TorchDispatchMode`` (``torch.utils._python_dispatch``), the base of a mode that
+    sees every aten call under it: what the tensor-parallel profiler subclasses to record the
+    collectives a layer issues, as torch's own ``CommDebugMode`` does."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
 
 
 @contextlib.contextmanager
@@ -460,7 +470,8 @@ PRIVATE_APIS: tuple[tuple[str, str, Callable[[], None]], ...] = (
     ),
     (
         "torch.utils._python_dispatch.TorchDispatchMode",
-        "count what selective recompute caches (the profiler)",
+        "count what selective recompute caches, and record the collectives a tensor-parallel "
+        "layer issues (the profiler)",
         _check_count_output_bytes,
     ),
     (

@@ -48,9 +48,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipetrain.planner.costs_file_tp import TpCost
+from pipetrain.runtime import torch_compat
 from pipetrain.runtime.profile.profile_clock import Clock
 from pipetrain.runtime.profile.profile_memory import GIB, OPTIMIZER_STATES
 
@@ -320,7 +320,7 @@ def _detached(outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     return tuple(o.detach() for o in waited)
 
 
-class _Collectives(TorchDispatchMode):
+class _Collectives(torch_compat.dispatch_mode()):  # type: ignore[misc]
     """Records the functional collectives dispatched under it: (name, input shape, dtype).
     DTensor ops are handed back to DTensor (``NotImplemented``), whose own dispatch then issues
     the collectives on local tensors, which this mode sees — as torch's ``CommDebugMode``
