@@ -47,6 +47,9 @@ def made_up_costs(path: Path) -> None:
     save_costs(ModelCosts(layers=layers, meta={"device": "cpu"}), path)
 
 
+#: two gloo launches of pipetrain train and a folder built: 25-30 s on 2 cores, the stress tier;
+#: the token budget's exactness and its report are in the default tier (tests/app/test_varlen_train.py)
+@pytest.mark.stress
 def test_the_cpu_smoke_preset_predicts_then_runs_both_variants(tmp_path: Path) -> None:
     sys.path.insert(0, str(ROOT))
     out = tmp_path / "out"
