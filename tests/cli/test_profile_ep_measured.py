@@ -85,23 +85,32 @@ def test_processes_measure_the_real_dispatch_and_the_link(tmp_path, capsys) -> N
     assert "all-to-all" in capsys.readouterr().out
 
 
-def test_a_given_link_wins_over_the_measured_one(tmp_path, monkeypatch) -> None:
+def test_a_given_link_wins_over_the_measured_one(monkeypatch) -> None:
     """The measurement replaced by a known result: what the choice writes, and which link."""
+    import argparse
+
+    from pipetrain.cli.profile_ep_choice import EpChoice, ep_line
+    from pipetrain.planner.costs_file import uniform_costs
     from pipetrain.runtime.profile import profile_ep_measured
 
-    folder = tmp_path / "mixtral"
-    write_mixtral(folder)
     measured = profile_ep_measured.EpMeasured(
         dispatched_bytes={1: 640.0, 2: 384.0}, rows={1: 10, 2: 6}, link_gbs=3.0
     )
     monkeypatch.setattr(profile_ep_measured, "measure_expert_parallel", lambda *a, **k: measured)
-    out = tmp_path / "costs.json"
-    argv = ["profile", "--model-dir", str(folder), *SHAPE, *QUICK, "--out", str(out)]
-    assert main([*argv, "--ep", "2", "--ep-measure", "processes", "--ep-link-gbs", "50"]) == 0
-    costs = load_costs(out)
-    assert costs.ep_link_gbs == 50
-    assert costs.meta["ep"]["link"] == "given" and costs.meta["ep"]["measured_link_gbs"] == 3.0
-    assert [x.dispatched_bytes for x in costs.layers][1:3] == [640.0, 384.0]
+    choice = EpChoice(moe_layers=[1, 2], why_derived="", group="gloo on CPU processes")
+    costs = uniform_costs(["embed", "moe0", "moe1", "head"])
+    args = argparse.Namespace(ep=2, ep_link_gbs=None, repeats=1)
+    found = choice.apply(args, None, costs, torch.device("cpu"))
+    assert found.ep_link_gbs == 3.0 and found.meta["ep"]["link"] == "measured"
+    args.ep_link_gbs = 50.0
+    given = choice.apply(args, None, costs, torch.device("cpu"))
+    assert given.ep_link_gbs == 50 and given.meta["ep"]["link"] == "given"
+    assert given.meta["ep"]["measured_link_gbs"] == 3.0
+    assert [x.dispatched_bytes for x in given.layers] == [None, 640.0, 384.0, None]
+    assert ep_line(given) == (
+        "expert parallel 2: 2 MoE layers dispatch up to 0.00064 MB each per micro-batch "
+        "(measured on gloo on CPU processes) at 50 GB/s (given)"
+    )
 
 
 def test_what_cannot_be_measured_as_asked_is_refused(tmp_path, capsys, monkeypatch) -> None:
