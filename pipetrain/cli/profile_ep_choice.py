@@ -159,17 +159,22 @@ def _why_not_measured(args: argparse.Namespace, model: Any, device: Any) -> str:
     return ""
 
 
-def expert_layers(args: argparse.Namespace, device: Any) -> tuple[list[Any], tuple[Any, ...]]:
+def expert_layers(
+    args: argparse.Namespace, mesh: Any, device: Any
+) -> tuple[list[Any], tuple[Any, ...]]:
     """One worker's layers of the ``--model-dir`` folder (same weights as the profile's) on
-    ``device``, and the profile's micro-batch at ``--seq-len`` as their first inputs."""
+    ``device``, their experts sharded over ``mesh`` (``("edp", "ep")``) as ``train --ep`` shards
+    them, and the profile's micro-batch at ``--seq-len`` as their first inputs."""
     from pipetrain.app.launch import quiet_import_notices
 
     quiet_import_notices()  # before ``transformers`` is imported
     from pipetrain.cli.profile_models import FolderModel, sample_batch
+    from pipetrain.runtime.parallel.expert_parallel import apply_expert_parallel
 
     model = FolderModel(args, args.seq_len)
     layers, _, batch, vocab, _ = model.at(args.seq_len)
     layers = [layer.to(device) for layer in layers]
+    apply_expert_parallel(layers, mesh)
     inputs, _ = sample_batch(args, batch, vocab, args.seq_len, device)
     return layers, inputs if isinstance(inputs, tuple) else (inputs,)
 

@@ -2,9 +2,9 @@
 (NCCL on GPUs, one per GPU; gloo on a CPU; ``worker_group``): what ``pipetrain profile --ep E``
 writes when the machine runs such a group, instead of deriving them.
 
-* **The real dispatch.** Each rank builds the same layers (same seed, same weights), shards the
-  experts with ``apply_expert_parallel`` on an ``("edp", "ep")`` mesh of ``(1, ep)`` — the
-  function ``train --ep`` shards them with — and runs the profile's micro-batch forward through
+* **The real dispatch.** Each rank builds the same layers (same seed, same weights), its caller's
+  ``build`` sharding the experts on an ``("edp", "ep")`` mesh of ``(1, ep)`` with
+  ``apply_expert_parallel`` — the function ``train --ep`` shards them with — and runs the profile's micro-batch forward through
   the layers. Each ``ExpertParallelExperts`` reports the rows its dispatch sends to every rank
   (``dispatch_observer``); the rows for the other ranks times the row's bytes are the layer's
   dispatched bytes on that rank, and the file keeps the largest over the ranks: the exchange
@@ -45,8 +45,9 @@ TIMEOUT_S = 600.0
 #: the link is timed at these multiples of the largest dispatched bytes (the file keeps 1's)
 LINK_SCALES = (0.5, 1.0, 2.0)
 
-#: builds each rank's layers (in call order) and their first inputs on ``device``; picklable
-Build = Callable[[torch.device], tuple[Sequence[nn.Module], tuple[torch.Tensor, ...]]]
+#: builds each rank's layers (in call order, their experts sharded over the ``("edp", "ep")``
+#: mesh given) and their first inputs on ``device``; picklable, as the workers are spawned
+Build = Callable[[Any, torch.device], tuple[Sequence[nn.Module], tuple[torch.Tensor, ...]]]
 
 
 @dataclass(frozen=True)
@@ -100,16 +101,12 @@ def _worker(rank: int, job: _Job) -> None:
     writes the group's results."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from pipetrain.runtime.parallel.expert_parallel import apply_expert_parallel
-
     device = join_group(rank, job.ep, job.device_type, job.port, job.timeout_s)
     try:
         mesh = init_device_mesh(device.type, (1, job.ep), mesh_dim_names=("edp", "ep"))
-        layers, inputs = job.build(device)
-        if not apply_expert_parallel(layers, mesh):
-            raise ValueError("the layers hold no experts module to shard over expert parallel")
+        layers, inputs = job.build(mesh, device)
         group = mesh.get_group("ep")
-        sent, row_bytes, dtype = dispatched_rows(layers, inputs, rank)
+        sent, row_bytes, dtype = dispatched_rows(layers, inputs)
         indices = sorted(sent)
         counts = torch.tensor([sent[i] for i in indices], dtype=torch.float64, device=device)
         dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=group)
@@ -131,31 +128,32 @@ def _worker(rank: int, job: _Job) -> None:
 
 
 def dispatched_rows(
-    layers: Sequence[nn.Module], inputs: tuple[torch.Tensor, ...], ep_rank: int
+    layers: Sequence[nn.Module], inputs: tuple[torch.Tensor, ...]
 ) -> tuple[dict[int, int], int, torch.dtype]:
     """One forward of ``inputs`` through ``layers`` (up to the last MoE layer): per layer holding
     sharded experts (its index), the rows its dispatches sent from this rank to the other ranks;
-    the bytes of one row; the rows' dtype."""
-    from pipetrain.runtime.parallel.expert_parallel import ExpertParallelExperts
-
+    the bytes of one row; the rows' dtype. The sharded experts are found by their
+    ``dispatch_observer`` (``runtime.parallel.expert_parallel.ExpertParallelExperts``)."""
     sent: dict[int, int] = {}
     shape: list[tuple[int, torch.dtype]] = []
 
-    def observer(index: int) -> Callable[[list[int], torch.Tensor], None]:
+    def observer(index: int, own: int) -> Callable[[list[int], torch.Tensor], None]:
         def seen(send: list[int], hidden: torch.Tensor) -> None:
-            sent[index] += sum(send) - send[ep_rank]
+            sent[index] += sum(send) - send[own]  # the rows kept on this rank cross no link
             shape.append((hidden[0].numel() * hidden.element_size(), hidden.dtype))
 
         return seen
 
     moe = []
     for i, layer in enumerate(layers):
-        experts = [m for m in layer.modules() if isinstance(m, ExpertParallelExperts)]
+        experts = [m for m in layer.modules() if hasattr(m, "dispatch_observer")]
         for m in experts:
-            m.dispatch_observer = observer(i)
+            m.dispatch_observer = observer(i, int(m.ep_rank))
         if experts:
             sent[i] = 0
             moe.append(i)
+    if not moe:
+        raise ValueError("the layers hold no experts sharded over expert parallel")
     with torch.no_grad():
         for layer in layers[: max(moe) + 1]:
             out = layer(*inputs)
