@@ -146,7 +146,7 @@ def dispatched_rows(
 
     moe = []
     for i, layer in enumerate(layers):
-        experts = [m for m in layer.modules() if hasattr(m, "dispatch_observer")]
+        experts: list[Any] = [m for m in layer.modules() if hasattr(m, "dispatch_observer")]
         for m in experts:
             m.dispatch_observer = observer(i, int(m.ep_rank))
         if experts:
