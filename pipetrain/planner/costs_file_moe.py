@@ -6,8 +6,9 @@ expert-parallel link per micro-batch on each rank (its tokens' hidden states sen
 their router picked on other ranks: tokens × top-k × hidden × bytes per element, less what stays
 local); 0 or absent for a dense layer. Per file, ``ep_link_gbs``: the GB/s each rank sends at
 over that link (what ``pipetrain profile --ep E`` measures on a group of E processes, with the
-bytes, where it runs one; ``--ep-link-gbs`` on ``plan`` and ``simulate`` gives or overrides it). Without a link speed nothing is priced: one rank holds
-every expert and there is no all-to-all.
+bytes, where it runs one; ``--ep-link-gbs`` on ``plan`` and ``simulate`` gives or overrides
+it). Without a link speed nothing is priced: one rank holds every expert and there is no
+all-to-all.
 
 A layer's forward waits for a dispatch and a combine (the experts' outputs sent back: the same
 tokens and width, so the same bytes), and its backward for their gradients (the same bytes
