@@ -7,9 +7,9 @@ writes when the machine runs such a group, instead of deriving them.
   ``apply_expert_parallel`` — the function ``train --ep`` shards them with — and runs the
   profile's micro-batch forward through the layers (the same batch on every rank, so the ranks'
   counts differ by the experts they own). Each ``ExpertParallelExperts`` reports the rows its
-  dispatch sends to every rank (``dispatch_observer``); the rows for the other ranks times the row's bytes are the layer's
-  dispatched bytes on that rank, and the file keeps the largest over the ranks: the exchange
-  waits for the slowest sender. The router of a model with its weights routes unevenly (random
+  dispatch sends to every rank (``dispatch_observer``); the rows for the other ranks times the
+  row's bytes are the layer's dispatched bytes on that rank, and the file keeps the largest over
+  the ranks: the exchange waits for the slowest sender. The router of a model with its weights routes unevenly (random
   weights more so), so this differs from the balanced ``tokens × top-k × (ep - 1) / ep``
   derivation (``planner.costs_file_moe.dispatched_bytes``) — which is the point of measuring.
 * **The link.** ``all_to_all_single`` on the ``ep`` group of buffers whose share crossing to the
