@@ -9,9 +9,9 @@ writes when the machine runs such a group, instead of deriving them.
   counts differ by the experts they own). Each ``ExpertParallelExperts`` reports the rows its
   dispatch sends to every rank (``dispatch_observer``); the rows for the other ranks times the
   row's bytes are the layer's dispatched bytes on that rank, and the file keeps the largest over
-  the ranks: the exchange waits for the slowest sender. The router of a model with its weights routes unevenly (random
-  weights more so), so this differs from the balanced ``tokens × top-k × (ep - 1) / ep``
-  derivation (``planner.costs_file_moe.dispatched_bytes``) — which is the point of measuring.
+  the ranks: the exchange waits for the slowest sender. A router routes unevenly (one with
+  random weights more so), so this differs from the balanced ``tokens × top-k × (ep - 1) / ep``
+  derivation (``planner.costs_file_moe.dispatched_bytes``): the point of measuring it.
 * **The link.** ``all_to_all_single`` on the ``ep`` group of buffers whose share crossing to the
   other ranks is half, once and twice the largest dispatched bytes, the median of ``repeats``
   rounds (each after a barrier; the slowest rank's), turned into GB/s as
