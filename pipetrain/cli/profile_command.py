@@ -28,6 +28,9 @@ version 3): measured on a group of that many worker processes where the machine 
 ``--tp-measure processes``), else derived from the layer's degree-1 measurements, its matrix
 products timed alone and its collectives' bytes priced at ``--link-gbs``
 (``runtime.profile.profile_tp``); each entry marked so (``cli.profile_tp_choice`` decides).
+``--ep E`` on a mixture-of-experts folder adds each MoE layer's dispatched bytes and the expert
+link's GB/s, measured on a group of E processes (the real, uneven dispatch of the sharded
+experts, and an all-to-all timed at its size) or derived, as ``cli.profile_ep_choice`` decides.
 torch is imported when the command runs, not when its parser is built.
 """
 
@@ -43,10 +46,9 @@ from pipetrain.cli.flags import (
     Option,
     int_list,
     model_options,
-    positive_float,
-    positive_int,
     require_torch,
 )
+from pipetrain.cli.profile_ep_choice import ep_choice, ep_line, expert_options
 from pipetrain.cli.profile_models import BuiltModel, FolderModel, sample_batch
 from pipetrain.cli.profile_tp_choice import TpChoice, tp_choice, tp_line, tp_options
 from pipetrain.planner.costs_file import ModelCosts, save_costs
@@ -82,7 +84,7 @@ def options() -> tuple[Option, ...]:
             "stay --seq-len's",
         ),
         *tp_options(),
-        *_expert_options(),
+        *expert_options(),
         Option(
             ("--optimizer",),
             default="adamw",
@@ -117,30 +119,6 @@ def options() -> tuple[Option, ...]:
     )
 
 
-def _expert_options() -> tuple[Option, ...]:
-    """What a mixture-of-experts folder's costs add under expert parallel."""
-    return (
-        Option(
-            ("--ep",),
-            type=positive_int,
-            default=1,
-            metavar="E",
-            help="a mixture-of-experts --model-dir folder under expert parallel E: write each MoE "
-            "layer's dispatched_bytes (tokens × top-k × hidden × bytes, the (E-1)/E share "
-            "crossing ranks: derived, not measured) for the planner's all-to-all",
-            shown_default="1",
-        ),
-        Option(
-            ("--ep-link-gbs",),
-            type=positive_float,
-            metavar="GB/s",
-            help="with --ep: the GB/s each rank sends at over the expert-parallel link, written "
-            "as the costs file's ep_link_gbs (what plan and simulate price the all-to-all at)",
-            shown_default="",
-        ),
-    )
-
-
 def run(args: argparse.Namespace) -> int:
     require_torch()
     from pipetrain.app.launch import quiet_import_notices
@@ -165,50 +143,17 @@ def run(args: argparse.Namespace) -> int:
         )
     model = FolderModel(args, max(lengths)) if args.model_dir else BuiltModel(args)
     tp = tp_choice(args, model, device)  # refused before anything is timed
-    moe = _dispatching_layers(args, model)
+    ep = ep_choice(args, model, device)
     by_length = {n: _profile_at(args, model, n, device, tp) for n in lengths}
     costs = by_length[args.seq_len]
     if args.seq_lens is not None:
         costs = with_length_costs(by_length, at=args.seq_len, rows=args.microbatch_size)
-    if moe:
-        costs = _with_expert_dispatch(args, model, costs, moe)
+    if ep is not None:
+        costs = ep.apply(args, model, costs, device)
     if args.out is not None:
         save_costs(costs, args.out)
     _report(args, costs, model.label)
     return 0
-
-
-def _dispatching_layers(args: argparse.Namespace, model: Any) -> list[int]:
-    """The MoE layers whose dispatch ``--ep`` prices (none without it); refused for a model
-    without experts, or a link without ``--ep``."""
-    if args.ep == 1 and args.ep_link_gbs is None:
-        return []
-    if args.ep == 1:
-        raise ValueError("--ep-link-gbs prices expert parallel: give --ep E above 1 with it")
-    moe = model.moe_layers() if isinstance(model, FolderModel) else []
-    if not moe:
-        raise ValueError(
-            f"--ep {args.ep}: {model.label} has no mixture-of-experts layers (no expert "
-            "all-to-all to price); drop --ep, or give a mixture-of-experts --model-dir folder"
-        )
-    return moe
-
-
-def _with_expert_dispatch(
-    args: argparse.Namespace, model: Any, costs: ModelCosts, moe: list[int]
-) -> ModelCosts:
-    """``costs`` with the MoE layers' dispatched bytes at ``--ep`` and the ``--ep-link-gbs``
-    link (``planner.costs_file_moe``)."""
-    import torch
-
-    from pipetrain.planner.costs_file_moe import dispatched_bytes, with_dispatch
-
-    config = model.hf_config
-    size = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
-    tokens = args.microbatch_size * args.seq_len
-    top_k, hidden = int(config.num_experts_per_tok), int(config.hidden_size)
-    per_layer = dispatched_bytes(tokens, top_k, hidden, size, args.ep)
-    return with_dispatch(costs, moe, per_layer, args.ep, args.ep_link_gbs)
 
 
 def _profile_at(
@@ -266,17 +211,9 @@ def _report(args: argparse.Namespace, costs: ModelCosts, label: str) -> None:
             f"token² (fitted over sequence lengths {fitted})",
             file=where,
         )
-    if "ep" in costs.meta:
-        moe = [x.dispatched_bytes for x in costs.layers if x.dispatched_bytes]
-        link = f" at {costs.ep_link_gbs:g} GB/s" if costs.ep_link_gbs else " (no link: not priced)"
-        print(
-            f"expert parallel {costs.meta['ep']['degree']}: {len(moe)} MoE layers dispatch "
-            f"{max(moe) / 1e6:.3g} MB each per micro-batch (derived){link}",
-            file=where,
-        )
-    line = tp_line(costs)
-    if line is not None:
-        print(line, file=where)
+    for line in (ep_line(costs), tp_line(costs)):
+        if line is not None:
+            print(line, file=where)
     if "replay_gap_us" in costs.meta:  # what the device clock adds per kernel, and measured on
         slower = costs.meta.get("sustained_slowdown", 1.0)
         print(

@@ -5,9 +5,10 @@ Per layer, ``dispatched_bytes``: the bytes the layer's token dispatch moves over
 expert-parallel link per micro-batch on each rank (its tokens' hidden states sent to the experts
 their router picked on other ranks: tokens × top-k × hidden × bytes per element, less what stays
 local); 0 or absent for a dense layer. Per file, ``ep_link_gbs``: the GB/s each rank sends at
-over that link (what ``pipetrain profile --ep E`` would measure; ``--ep-link-gbs`` on ``plan``
-and ``simulate`` gives or overrides it). Without a link speed nothing is priced: one rank holds
-every expert and there is no all-to-all.
+over that link (what ``pipetrain profile --ep E`` measures on a group of E processes, with the
+bytes, where it runs one; ``--ep-link-gbs`` on ``plan`` and ``simulate`` gives or overrides
+it). Without a link speed nothing is priced: one rank holds every expert and there is no
+all-to-all.
 
 A layer's forward waits for a dispatch and a combine (the experts' outputs sent back: the same
 tokens and width, so the same bytes), and its backward for their gradients (the same bytes
@@ -24,7 +25,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Mapping, Sequence
 
     from pipetrain.planner.costs_file import LayerCost, ModelCosts
 
@@ -84,15 +85,19 @@ def dispatched_bytes(tokens: int, top_k: int, hidden: int, element_size: int, ep
 
 
 def with_dispatch(
-    costs: ModelCosts, moe_layers: Sequence[int], per_layer: float, ep: int, link_gbs: float | None
+    costs: ModelCosts,
+    per_layer: Mapping[int, float],
+    ep: int,
+    link_gbs: float | None,
+    how: Mapping[str, object],
 ) -> ModelCosts:
-    """``costs`` with ``per_layer`` dispatched bytes on the layers at ``moe_layers`` (indices),
-    ``link_gbs`` as the expert link where given, and how they were derived in ``meta``."""
-    chosen = set(moe_layers)
+    """``costs`` with ``per_layer`` dispatched bytes (by layer index), ``link_gbs`` as the expert
+    link where given, and ``meta["ep"]``: the degree and ``how`` (each value measured, derived
+    or given, as ``pipetrain profile --ep`` had it)."""
     layers = tuple(
-        dataclasses.replace(x, dispatched_bytes=per_layer) if i in chosen else x
+        dataclasses.replace(x, dispatched_bytes=per_layer[i]) if i in per_layer else x
         for i, x in enumerate(costs.layers)
     )
-    meta = {**costs.meta, "ep": {"degree": ep, "dispatched_bytes": "derived"}}
+    meta = {**costs.meta, "ep": {"degree": ep, **how}}
     link = costs.ep_link_gbs if link_gbs is None else link_gbs
     return dataclasses.replace(costs, layers=layers, ep_link_gbs=link, meta=meta)

@@ -53,7 +53,9 @@ def test_profile_writes_the_moe_layers_dispatch_and_plan_prices_it(tmp_path, cap
     }
     assert costs.ep_link_gbs == 50 and costs.meta["ep"] == {
         "degree": 2,
+        "link": "given",
         "dispatched_bytes": "derived",
+        "why_derived": "on a CPU (--ep-measure processes to measure on gloo processes anyway)",
     }
     assert main(["plan", "--costs", str(out), "-p", "2", "--memory-gib", "4"]) == 0
     assert "all-to-all" in capsys.readouterr().out

@@ -54,7 +54,7 @@ groups are used always, sequential runs too, so there is one code path.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -203,6 +203,9 @@ class ExpertParallelExperts(nn.Module):
         experts.num_experts = self.local_count
         self.math = experts
         self._names = tuple(n for n, _ in held)
+        #: called with each dispatch's rows to every rank and the hidden states they are taken
+        #: from (``profile --ep`` counts the bytes a dispatch sends: ``profile_ep_measured``)
+        self.dispatch_observer: Callable[[list[int], torch.Tensor], None] | None = None
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, ep={self.ep_size}, local={self.local_count}"
@@ -220,6 +223,8 @@ class ExpertParallelExperts(nn.Module):
         send = counts.view(self.ep_size, self.local_count).sum(1).tolist()
         per_expert = received.view(self.ep_size, self.local_count)
         recv = per_expert.sum(1).tolist()
+        if self.dispatch_observer is not None:
+            self.dispatch_observer(send, hidden_states)
         order = order[: sum(send)]
         tokens = order // top_k
         rows = all_to_all(hidden_states[tokens], recv, send, self.groups)

@@ -26,7 +26,8 @@ Per layer, on every rank (the slowest rank's number kept: the group waits for it
   (``peak_gib``, in ``meta["tp"]``): what the saved-tensor count leaves out (temporaries).
 
 Times are the layer alone (not scaled by the degree-1 profile's windows of ``context`` layers).
-Rank 0 writes the entries to a file the parent reads; a worker that fails or a group that
+Rank 0 writes the entries to a file the parent reads (``worker_group`` spawns, joins and waits
+for the processes); a worker that fails or a group that
 outlives ``timeout_s`` ends the measurement with one ``ValueError`` line.
 """
 
@@ -34,14 +35,10 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import socket
 import statistics
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +50,13 @@ from pipetrain.planner.costs_file_tp import TpCost
 from pipetrain.runtime import torch_compat
 from pipetrain.runtime.profile.profile_clock import Clock
 from pipetrain.runtime.profile.profile_memory import GIB, OPTIMIZER_STATES
+from pipetrain.runtime.profile.worker_group import (
+    check_gpus,
+    free_port,
+    join_group,
+    run_group,
+    wait_for,
+)
 
 #: the functional collectives a tensor-parallel layer issues, replayed by their c10d calls
 COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
@@ -103,56 +107,23 @@ def measure_degree(
     """Each layer's entry at ``degree``, measured on ``degree`` spawned processes, and on a GPU
     each layer's peak GiB per rank (``None`` on a CPU). ``ValueError``: a worker failed (its
     error, one line) or the group did not finish within ``timeout_s``."""
-    import torch.multiprocessing as mp
-
-    if device_type == "cuda" and degree > torch.cuda.device_count():
-        raise ValueError(
-            f"tensor-parallel degree {degree} needs {degree} GPUs, "
-            f"{torch.cuda.device_count()} visible"
-        )
+    what = f"tensor-parallel degree {degree}"
+    check_gpus(device_type, degree, what)
     if device_type == "cuda":  # the parent's cached blocks on GPU 0, which rank 0 shares
         torch.cuda.empty_cache()
     with tempfile.TemporaryDirectory(prefix="pipetrain-tp-") as scratch:
         out = Path(scratch) / "entries.json"
-        job = _Job(
-            build, degree, device_type, repeats, optimizer, timeout_s, _free_port(), str(out)
-        )
-        context = mp.start_processes(
-            _worker, args=(job,), nprocs=degree, join=False, start_method="spawn"
-        )
-        try:
-            _wait(context, degree, timeout_s)
-        finally:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-                process.join()
+        job = _Job(build, degree, device_type, repeats, optimizer, timeout_s, free_port(), str(out))
+        run_group(_worker, job, degree, f"measuring {what}", timeout_s)
         raw = json.loads(out.read_text())  # rank 0 wrote it before the group's last barrier
     entries = [TpCost(degree=degree, source="measured", **fields) for fields in raw["entries"]]
     return entries, raw["peak_gib"]
 
 
 def _wait(context: Any, degree: int, timeout_s: float) -> None:
-    """Until every worker ends; one ``ValueError`` line for the first to fail or the timeout."""
-    from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
-
-    deadline = time.monotonic() + timeout_s
-    what = f"measuring tensor-parallel degree {degree}"
-    try:
-        while not context.join(timeout=0.2):
-            if time.monotonic() > deadline:
-                raise ValueError(f"{what}: the group did not finish within {timeout_s:g} s")
-    except ProcessRaisedException as e:
-        lines = [line for line in e.msg.strip().splitlines() if line.strip()]
-        raise ValueError(f"{what}: rank {e.error_index} failed: {lines[-1].strip()}") from None
-    except ProcessExitedException as e:
-        raise ValueError(f"{what}: rank {e.error_index} exited with status {e.exit_code}") from None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """Until every worker ends (``worker_group.wait_for``, worded for a tensor-parallel
+    degree)."""
+    wait_for(context, f"measuring tensor-parallel degree {degree}", timeout_s)
 
 
 def _worker(rank: int, job: _Job) -> None:
@@ -160,19 +131,7 @@ def _worker(rank: int, job: _Job) -> None:
     writes the group's entries (each number the maximum over the ranks)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job.port))
-    if job.device_type == "cuda":
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
-    else:
-        torch.set_num_threads(1)  # t processes share the machine's cores
-        device = torch.device("cpu")
-    dist.init_process_group(
-        "nccl" if device.type == "cuda" else "gloo",
-        rank=rank,
-        world_size=job.degree,
-        timeout=timedelta(seconds=job.timeout_s),
-    )
+    device = join_group(rank, job.degree, job.device_type, job.port, job.timeout_s)
     try:
         mesh = init_device_mesh(device.type, (job.degree,), mesh_dim_names=("tp",))
         model = job.build(mesh["tp"], device)
