@@ -5,8 +5,7 @@ paths read the process group's store. Those are private (leading underscore) or 
 attributes, so a torch release may change them without notice. Here each one is named once,
 wrapped in a small function, and listed in ``PRIVATE_APIS`` with the check ``check_private_apis``
 runs: a test calls it, so a torch that changed one fails that test with the API's name, not deep
-inside a step with an ``AttributeError``. Nothing else in ``pipetrain`` touches a private torch name.
-"""
+inside a step with an ``AttributeError``. Nothing else in ``pipetrain`` touches a private name."""
 
 from __future__ import annotations
 
@@ -17,18 +16,19 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+from torch.utils._python_dispatch import TorchDispatchMode  # a mode that sees aten calls
 
 __all__ = [
     "PRIVATE_APIS",
     "GradientEdge",
     "Node",
+    "TorchDispatchMode",
     "accumulate_grad_variable",
     "add_lists_",
     "check_private_apis",
     "copy_lists_",
     "count_output_bytes",
     "device_spin",
-    "dispatch_mode",
     "engine_run_backward",
     "fsdp_post_backward",
     "get_gradient_edge",
@@ -192,23 +192,12 @@ def saved_by_selective_recompute() -> list:
     return ops
 
 
-def dispatch_mode() -> type:
-    """torch's ``TorchDispatchMode`` (``torch.utils._python_dispatch``), the base of a mode that
-    sees every aten call under it: what the tensor-parallel profiler subclasses to record the
-    collectives a layer issues, as torch's own ``CommDebugMode`` does."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    return TorchDispatchMode
-
-
 @contextlib.contextmanager
 def count_output_bytes(ops: Sequence) -> Iterator[list[int]]:
     """Inside the block, count the bytes of the distinct storages the aten ``ops`` return (a
     ``TorchDispatchMode``); the yielded one-element list holds the total. The profiler counts
     what selective recompute caches this way: the cache is not a saved tensor, so
     ``saved_tensors_hooks`` never see it."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     wanted = set(ops)
     seen: set[int] = set()
     total = [0]

@@ -279,7 +279,7 @@ def _detached(outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     return tuple(o.detach() for o in waited)
 
 
-class _Collectives(torch_compat.dispatch_mode()):  # type: ignore[misc]
+class _Collectives(torch_compat.TorchDispatchMode):
     """Records the functional collectives dispatched under it: (name, input shape, dtype).
     DTensor ops are handed back to DTensor (``NotImplemented``), whose own dispatch then issues
     the collectives on local tensors, which this mode sees — as torch's ``CommDebugMode``
