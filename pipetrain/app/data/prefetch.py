@@ -26,7 +26,7 @@ import queue
 import threading
 from collections.abc import Iterator
 from types import TracebackType
-from typing import Generic, TypeVar
+from typing import Generic, Self, TypeVar
 
 T = TypeVar("T")
 
@@ -41,14 +41,46 @@ class _End:
         self.error = error
 
 
-class Prefetch(Generic[T]):
+class InLine(Generic[T]):
+    """``source`` iterated in the caller's thread, item by item as asked for, closed with it
+    (``close``, or leaving the ``with`` block): ``--prefetch-batches 0``, and what ``Prefetch``
+    adds its thread to."""
+
+    def __init__(self, source: Iterator[T]) -> None:
+        self._source = source
+
+    def __iter__(self) -> Self:
+        return self
+
+    def __next__(self) -> T:
+        return next(self._source)
+
+    def close(self) -> None:
+        """Close the source (a generator: its ``finally`` blocks run now)."""
+        close = getattr(self._source, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class Prefetch(InLine[T]):
     """Iterate ``source`` on a background thread, up to ``ahead`` items queued in front of the
     caller (see the module docstring)."""
 
     def __init__(self, source: Iterator[T], ahead: int = 1) -> None:
         if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 1:
             raise ValueError(f"ahead must be an integer >= 1, got {ahead!r}")
-        self._source = source
+        super().__init__(source)
         self._queue: queue.Queue[T | _End] = queue.Queue(maxsize=ahead)
         self._stop = threading.Event()
         self._done = False
@@ -74,9 +106,6 @@ class Prefetch(Generic[T]):
                 continue
         return False
 
-    def __iter__(self) -> Prefetch[T]:
-        return self
-
     def __next__(self) -> T:
         if self._done:
             raise StopIteration
@@ -95,51 +124,7 @@ class Prefetch(Generic[T]):
         self._done = True
         self._stop.set()
         self._thread.join()
-        close = getattr(self._source, "close", None)
-        if close is not None:  # a generator: its ``finally`` blocks run now
-            close()
-
-    def __enter__(self) -> Prefetch[T]:
-        return self
-
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        error: BaseException | None,
-        trace: TracebackType | None,
-    ) -> None:
-        self.close()
-
-
-class InLine(Generic[T]):
-    """``source`` iterated in the caller's thread, item by item as asked for, with
-    ``Prefetch``'s ``close`` and ``with``: ``--prefetch-batches 0``."""
-
-    def __init__(self, source: Iterator[T]) -> None:
-        self._source = source
-
-    def __iter__(self) -> InLine[T]:
-        return self
-
-    def __next__(self) -> T:
-        return next(self._source)
-
-    def close(self) -> None:
-        """Close the source (a generator: its ``finally`` blocks run now)."""
-        close = getattr(self._source, "close", None)
-        if close is not None:
-            close()
-
-    def __enter__(self) -> InLine[T]:
-        return self
-
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        error: BaseException | None,
-        trace: TracebackType | None,
-    ) -> None:
-        self.close()
+        super().close()
 
 
 def prefetch(source: Iterator[T], ahead: int) -> Prefetch[T] | InLine[T]:
