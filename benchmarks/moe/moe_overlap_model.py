@@ -14,6 +14,7 @@ all-to-all a share of the step worth hiding.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -56,51 +57,33 @@ class Shape:
     device: str
 
 
+# 4 GPUs, pp 2 × ep 2: 8 MoE layers (2 per V stage), 64 experts top-8, moe_inter 256
+H200X4 = Shape(
+    layers=8,
+    hidden=2048,
+    heads=16,
+    kv_heads=4,
+    head_dim=128,
+    moe_inter=256,
+    experts=64,
+    top_k=8,
+    vocab=32768,
+    seq=4096,
+    pp=2,
+    ep=2,
+    microbatches=8,
+    mb_size=1,
+    dtype="bfloat16",
+    steps=20,
+    warmup=5,
+    launches=3,
+    device="cuda",
+)
+
 PRESETS: dict[str, Shape] = {
-    # 4 GPUs, pp 2 × ep 2: 8 MoE layers (2 per V stage), 64 experts top-8, moe_inter 256
-    "h200x4": Shape(
-        layers=8,
-        hidden=2048,
-        heads=16,
-        kv_heads=4,
-        head_dim=128,
-        moe_inter=256,
-        experts=64,
-        top_k=8,
-        vocab=32768,
-        seq=4096,
-        pp=2,
-        ep=2,
-        microbatches=8,
-        mb_size=1,
-        dtype="bfloat16",
-        steps=20,
-        warmup=5,
-        launches=3,
-        device="cuda",
-    ),
+    "h200x4": H200X4,
     # 8 GPUs, pp 2 × ep 4: the same layer, three quarters of the copies leave the rank
-    "h200x8": Shape(
-        layers=8,
-        hidden=2048,
-        heads=16,
-        kv_heads=4,
-        head_dim=128,
-        moe_inter=256,
-        experts=64,
-        top_k=8,
-        vocab=32768,
-        seq=4096,
-        pp=2,
-        ep=4,
-        microbatches=8,
-        mb_size=1,
-        dtype="bfloat16",
-        steps=20,
-        warmup=5,
-        launches=3,
-        device="cuda",
-    ),
+    "h200x8": dataclasses.replace(H200X4, ep=4),
     # gloo on CPU: the plumbing only (4 processes, pp 2 × ep 2)
     "cpu-smoke": Shape(
         layers=4,
