@@ -5,6 +5,7 @@ prediction; the trace reduction that gives the exposed all-to-all, on hand-made 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -87,7 +88,9 @@ def test_predict_only_writes_the_prediction_from_this_device(tmp_path: Path) -> 
     pred = json.loads((tmp_path / "prediction.json").read_text())
     _check_prediction(pred, link="given")
     assert pred["ep_link_gbs"] == 2.0
-    assert all(pred["layers_ms"]["moe_layer"][k] > 0 for k in "FIB")
+    # I is a difference of two medians, clamped at 0: on a loaded CPU it may be 0
+    moe = pred["layers_ms"]["moe_layer"]
+    assert moe["F"] > 0 and all(math.isfinite(moe[k]) and moe[k] >= 0 for k in "FIB"), moe
 
 
 def test_the_simulator_prices_what_the_overlap_hides() -> None:
