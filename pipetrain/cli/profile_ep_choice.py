@@ -164,7 +164,9 @@ def expert_layers(
 ) -> tuple[list[Any], tuple[Any, ...]]:
     """One worker's layers of the ``--model-dir`` folder (same weights as the profile's) on
     ``device``, their experts sharded over ``mesh`` (``("edp", "ep")``) as ``train --ep`` shards
-    them, and the profile's micro-batch at ``--seq-len`` as their first inputs."""
+    them, and a micro-batch at ``--seq-len`` as their first inputs: each rank its own, drawn
+    from its ep rank as the seed (rank 0's is the profile's), as the replicas of a job see
+    different batches and route them differently."""
     from pipetrain.app.launch import quiet_import_notices
 
     quiet_import_notices()  # before ``transformers`` is imported
@@ -175,7 +177,8 @@ def expert_layers(
     layers, _, batch, vocab, _ = model.at(args.seq_len)
     layers = [layer.to(device) for layer in layers]
     apply_expert_parallel(layers, mesh)
-    inputs, _ = sample_batch(args, batch, vocab, args.seq_len, device)
+    seed = mesh.get_local_rank("ep")
+    inputs, _ = sample_batch(args, batch, vocab, args.seq_len, device, seed=seed)
     return layers, inputs if isinstance(inputs, tuple) else (inputs,)
 
 

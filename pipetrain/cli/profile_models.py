@@ -121,12 +121,14 @@ def _labels_are_inputs(inputs: Any, _: Any) -> tuple[Any, Any]:
     return inputs, inputs
 
 
-def sample_batch(args: argparse.Namespace, batch: Any, vocab: int, seq_len: int, device: Any):
+def sample_batch(
+    args: argparse.Namespace, batch: Any, vocab: int, seq_len: int, device: Any, seed: int = 0
+):
     """The micro-batch the profile runs: ``--microbatch-size`` rows of ``seq_len`` random
-    tokens (seed 0), as ``(inputs, targets)`` on ``device``."""
+    tokens (drawn from ``seed``), as ``(inputs, targets)`` on ``device``."""
     import torch
 
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seed)
     size = (args.microbatch_size, seq_len)
     tokens = torch.randint(0, vocab, size, generator=gen).to(device)
     inputs, targets = batch(tokens, torch.randint(0, vocab, size, generator=gen))

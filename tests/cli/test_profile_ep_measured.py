@@ -37,21 +37,26 @@ def write_mixtral(folder) -> None:
 
 def rows_to_the_other_rank(folder) -> list[int]:
     """Per decoder layer, the most rows one of two ranks (experts 0-1 and 2-3) sends the other:
-    the unsplit model's router choices on the profile's micro-batch (seed 0 tokens)."""
+    the unsplit model's router choices on each rank's micro-batch (tokens drawn from its rank as
+    the seed)."""
     import transformers
 
     model = transformers.MixtralForCausalLM.from_pretrained(
         folder, dtype=torch.float64, experts_implementation="eager"
     ).eval()
-    tokens = torch.randint(0, VOCAB, (ROWS, SEQ), generator=torch.Generator().manual_seed(0))
     chosen: list[torch.Tensor] = []
     for layer in model.model.layers:
         experts = layer.mlp.experts
         experts.register_forward_hook(lambda _m, args, _out: chosen.append(args[1].flatten()))
-    with torch.no_grad():
-        model(tokens)
-    owner = [ids // (EXPERTS // 2) for ids in chosen]  # rank 0 holds experts 0, 1
-    return [max(int((o != rank).sum()) for rank in (0, 1)) for o in owner]
+    sent = []
+    for rank in (0, 1):
+        chosen.clear()
+        gen = torch.Generator().manual_seed(rank)
+        with torch.no_grad():
+            model(torch.randint(0, VOCAB, (ROWS, SEQ), generator=gen))
+        owner = [ids // (EXPERTS // 2) for ids in chosen]  # rank 0 holds experts 0, 1
+        sent.append([int((o != rank).sum()) for o in owner])
+    return [max(per_rank) for per_rank in zip(*sent, strict=True)]
 
 
 def test_processes_measure_the_real_dispatch_and_the_link(tmp_path, capsys) -> None:

@@ -4,9 +4,9 @@ writes when the machine runs such a group, instead of deriving them.
 
 * **The real dispatch.** Each rank builds the same layers (same seed, same weights), its caller's
   ``build`` sharding the experts on an ``("edp", "ep")`` mesh of ``(1, ep)`` with
-  ``apply_expert_parallel`` — the function ``train --ep`` shards them with — and runs the
-  profile's micro-batch forward through the layers (the same batch on every rank, so the ranks'
-  counts differ by the experts they own). Each ``ExpertParallelExperts`` reports the rows its
+  ``apply_expert_parallel`` — the function ``train --ep`` shards them with — and runs a
+  micro-batch forward through the layers (each rank its own, as a job's replicas route
+  different batches; ``build`` draws it). Each ``ExpertParallelExperts`` reports the rows its
   dispatch sends to every rank (``dispatch_observer``); the rows for the other ranks times the
   row's bytes are the layer's dispatched bytes on that rank, and the file keeps the largest over
   the ranks: the exchange waits for the slowest sender. A router routes unevenly (one with
