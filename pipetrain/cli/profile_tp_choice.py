@@ -40,6 +40,8 @@ class TpChoice:
     group: str = ""
     #: per measured degree, each layer's allocator peak per rank (GPU only)
     peak_gib: dict[int, list[float]] = field(default_factory=dict)
+    #: per measured degree, the windows of ``--context`` layers its times were scaled by
+    windows: dict[int, list[dict]] = field(default_factory=dict)
 
     def measure(
         self, args: argparse.Namespace, seq_len: int, device: Any, layers: int
@@ -53,8 +55,13 @@ class TpChoice:
         build = functools.partial(parallelized, args, seq_len)
         out = {}
         for t in self.measured:
-            entries, peaks = measure_degree(
-                build, t, device.type, repeats=args.repeats, optimizer=args.optimizer
+            entries, peaks, windows = measure_degree(
+                build,
+                t,
+                device.type,
+                repeats=args.repeats,
+                optimizer=args.optimizer,
+                context=args.context,
             )
             if len(entries) != layers:  # the workers built another model than the profile's
                 raise ValueError(
@@ -62,6 +69,7 @@ class TpChoice:
                     f"the profile {layers}"
                 )
             out[t] = entries
+            self.windows[t] = windows
             if peaks is not None:
                 self.peak_gib[t] = peaks
         return out
@@ -76,6 +84,8 @@ class TpChoice:
             tp["why_derived"] = {str(t): why for t, why in sorted(self.why_derived.items())}
         if self.peak_gib:
             tp["peak_gib"] = {str(t): peaks for t, peaks in sorted(self.peak_gib.items())}
+        if any(self.windows.values()):
+            tp["windows"] = {str(t): w for t, w in sorted(self.windows.items())}
         return dataclasses.replace(costs, meta={**costs.meta, "tp": tp})
 
 

@@ -66,11 +66,14 @@ def test_degree_two_is_measured_on_two_processes_of_the_split_layers(
 ) -> None:
     out = tmp_path / "costs.json"
     argv = ["profile", *TINY_LLAMA, "--tp", "1,2", "--tp-measure", "processes", "--out", str(out)]
-    assert main(argv) == 0
+    assert main([*argv, "--context", "2"]) == 0
     assert "tensor parallel: degrees 1, 2 per layer; 2 measured (gloo" in capsys.readouterr().out
     raw = json.loads(out.read_text())
     assert raw["version"] == 3
     assert raw["meta"]["tp"]["measured"] == [2] and raw["meta"]["tp"]["derived"] == []
+    # the times in windows of 2 layers, as the degree-1 profile's: embedding and block, norm and head
+    windows = raw["meta"]["tp"]["windows"]["2"]
+    assert [(w["first"], w["end"]) for w in windows] == [(0, 2), (2, 4)]
     costs = load_costs(out)
     assert costs.tp_degrees == (1, 2)
     by_name = {x.name: x.tp[0] for x in costs.layers}
@@ -190,12 +193,20 @@ def test_a_folders_layers_are_measured_as_train_splits_them(tmp_path: Path) -> N
         weights = {n: p for layer in model.layers for n, p in layer.named_parameters()}
         assert all(isinstance(p, DTensor) for n, p in weights.items() if "proj" in n), weights
         assert not any(isinstance(p, DTensor) for n, p in weights.items() if "embed" in n)
-        entries, peaks = measure_on_group(
-            model, mesh["tp"].get_group(), torch.device("cpu"), repeats=1, optimizer="adamw"
+        entries, peaks, windows = measure_on_group(
+            model,
+            mesh["tp"].get_group(),
+            torch.device("cpu"),
+            repeats=1,
+            optimizer="adamw",
+            context=3,
         )
     finally:
         dist.destroy_process_group()
     assert len(entries) == len(model.layers) == 4 and peaks is None
+    # windows of 3 layers: the first three chained; the head alone is no window
+    assert [(w["first"], w["end"]) for w in windows] == [(0, 3)]
+    assert windows[0]["forward"] > 0 and windows[0]["backward"] > 0
     unique = {id(p): p for layer in model.layers for p in layer.parameters()}
     total = sum(p.numel() * p.element_size() for p in unique.values())
     assert sum(e["params"] for e in entries) == pytest.approx(4 * total / GIB)
@@ -233,3 +244,18 @@ def test_a_group_that_does_not_finish_is_stopped_with_one_line() -> None:
     with pytest.raises(ValueError, match=r"^measuring tensor-parallel degree 2: the group did "
                        r"not finish within 0.3 s$"):  # fmt: skip
         _wait(Stuck(), 2, 0.3)
+
+
+def test_windows_scale_each_layers_forward_and_backward_keeping_the_split() -> None:
+    """Two layers timed alone and as one chain: each forward scaled by the chain's forward over
+    their sum, each full backward and input part by the chain's backward over theirs; the
+    collectives and the saved bytes untouched; a lone last layer unscaled."""
+    from pipetrain.runtime.profile.profile_tp_measured import scale_by_windows
+
+    # forward, backward, backward_input, forward collective, backward collective, activation
+    rows = [[2.0, 4.0, 1.0, 0.5, 0.25, 7.0], [6.0, 8.0, 3.0, 0.5, 0.25, 9.0], [1, 1, 1, 0, 0, 1]]
+    scaled, windows = scale_by_windows(rows, [(0, 2)], [[4.0, 6.0, 99.0]])
+    assert windows == [{"first": 0, "end": 2, "forward": 0.5, "backward": 0.5}]
+    assert scaled[0] == [1.0, 2.0, 0.5, 0.5, 0.25, 7.0]
+    assert scaled[1] == [3.0, 4.0, 1.5, 0.5, 0.25, 9.0]
+    assert scaled[2] == rows[2] and rows[0][0] == 2.0  # the input is not changed

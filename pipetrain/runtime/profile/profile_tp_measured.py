@@ -25,7 +25,13 @@ Per layer, on every rank (the slowest rank's number kept: the group waits for it
   allocator's peak during the layer's forward and backward is kept beside them
   (``peak_gib``, in ``meta["tp"]``): what the saved-tensor count leaves out (temporaries).
 
-Times are the layer alone (not scaled by the degree-1 profile's windows of ``context`` layers).
+Times in context, as the degree-1 profile takes them (``profile_layers``, "Times in context"):
+after the lone layers, windows of ``context`` consecutive layers are timed as one chain on the
+group (forward; full backward; input part), and each layer's forward is scaled by its window's
+forward over the sum of its layers' lone forwards, its full backward and input part both by the
+window's full backward over theirs (the split among them kept). A layer's collectives stay as
+replayed; its compute is the scaled time less them. The window ratios are in ``meta["tp"]``
+under ``windows``, per degree.
 Rank 0 writes the entries to a file the parent reads (``worker_group`` spawns, joins and waits
 for the processes); a worker that fails or a group that
 outlives ``timeout_s`` ends the measurement with one ``ValueError`` line.
@@ -93,6 +99,7 @@ class _Job:
     timeout_s: float
     port: int
     out: str
+    context: int = 1
 
 
 def measure_degree(
@@ -103,21 +110,33 @@ def measure_degree(
     repeats: int = 5,
     optimizer: str = "adamw",
     timeout_s: float = TIMEOUT_S,
-) -> tuple[list[TpCost], list[float] | None]:
-    """Each layer's entry at ``degree``, measured on ``degree`` spawned processes, and on a GPU
-    each layer's peak GiB per rank (``None`` on a CPU). ``ValueError``: a worker failed (its
-    error, one line) or the group did not finish within ``timeout_s``."""
+    context: int = 1,
+) -> tuple[list[TpCost], list[float] | None, list[dict]]:
+    """Each layer's entry at ``degree``, measured on ``degree`` spawned processes (scaled by
+    windows of ``context`` layers), on a GPU each layer's peak GiB per rank (``None`` on a
+    CPU), and the windows' ratios. ``ValueError``: a worker failed (its error, one line) or the
+    group did not finish within ``timeout_s``."""
     what = f"tensor-parallel degree {degree}"
     check_gpus(device_type, degree, what)
     if device_type == "cuda":  # the parent's cached blocks on GPU 0, which rank 0 shares
         torch.cuda.empty_cache()
     with tempfile.TemporaryDirectory(prefix="pipetrain-tp-") as scratch:
         out = Path(scratch) / "entries.json"
-        job = _Job(build, degree, device_type, repeats, optimizer, timeout_s, free_port(), str(out))
+        job = _Job(
+            build,
+            degree,
+            device_type,
+            repeats,
+            optimizer,
+            timeout_s,
+            free_port(),
+            str(out),
+            context,
+        )
         run_group(_worker, job, degree, f"measuring {what}", timeout_s)
         raw = json.loads(out.read_text())  # rank 0 wrote it before the group's last barrier
     entries = [TpCost(degree=degree, source="measured", **fields) for fields in raw["entries"]]
-    return entries, raw["peak_gib"]
+    return entries, raw["peak_gib"], raw["windows"]
 
 
 def _wait(context: Any, degree: int, timeout_s: float) -> None:
@@ -136,27 +155,104 @@ def _worker(rank: int, job: _Job) -> None:
         mesh = init_device_mesh(device.type, (job.degree,), mesh_dim_names=("tp",))
         model = job.build(mesh["tp"], device)
         group = mesh["tp"].get_group()
-        entries, peaks = measure_on_group(
-            model, group, device, repeats=job.repeats, optimizer=job.optimizer
+        entries, peaks, windows = measure_on_group(
+            model, group, device, repeats=job.repeats, optimizer=job.optimizer, context=job.context
         )
         if rank == 0:
-            Path(job.out).write_text(json.dumps({"entries": entries, "peak_gib": peaks}))
+            said = {"entries": entries, "peak_gib": peaks, "windows": windows}
+            Path(job.out).write_text(json.dumps(said))
         dist.barrier(group=group)
     finally:
         dist.destroy_process_group()
 
 
 def measure_on_group(
-    model: Parallelized, group: Any, device: torch.device, *, repeats: int, optimizer: str
-) -> tuple[list[dict[str, float]], list[float] | None]:
+    model: Parallelized,
+    group: Any,
+    device: torch.device,
+    *,
+    repeats: int,
+    optimizer: str,
+    context: int = 1,
+) -> tuple[list[dict[str, float]], list[float] | None, list[dict]]:
     """Every rank of ``group`` calls: each layer's ``TpCost`` fields (the times the slowest
-    rank's, the memory this rank's: the ranks hold equal shares) and, on a GPU, each layer's
-    allocator peak on this rank."""
-    rows, static, peaks = _measure_layers(model, group, device, repeats, optimizer)
-    numbers = torch.tensor(rows, dtype=torch.float64, device=device)
+    rank's, scaled by windows of ``context`` layers; the memory this rank's: the ranks hold
+    equal shares), on a GPU each layer's allocator peak on this rank, and the windows."""
+    rows, static, peaks, layer_inputs = _measure_layers(model, group, device, repeats, optimizer)
+    spans = [
+        (first, min(first + context, len(rows)))
+        for first in range(0, len(rows), context)
+        if min(first + context, len(rows)) - first >= 2
+    ]
+    clock = Clock(device)
+    chains = [_window_times(model, layer_inputs, a, b, clock, group, repeats) for a, b in spans]
+    flat = [x for row in rows + chains for x in row]
+    numbers = torch.tensor(flat, dtype=torch.float64, device=device)
     dist.all_reduce(numbers, op=dist.ReduceOp.MAX, group=group)
-    entries = [_entry(row, own) for row, own in zip(numbers.tolist(), static, strict=True)]
-    return entries, peaks
+    reduced, width = numbers.tolist(), len(_NUMBERS)
+    split = len(rows) * width
+    slowest = [reduced[i : i + width] for i in range(0, split, width)]
+    chained = [reduced[i : i + 3] for i in range(split, len(reduced), 3)]
+    scaled, windows = scale_by_windows(slowest, spans, chained)
+    entries = [_entry(row, own) for row, own in zip(scaled, static, strict=True)]
+    return entries, peaks, windows
+
+
+def scale_by_windows(
+    rows: list[list[float]], spans: list[tuple[int, int]], chains: list[list[float]]
+) -> tuple[list[list[float]], list[dict]]:
+    """``rows`` (``_NUMBERS`` per layer, alone) scaled by each window ``spans[k]`` timed as one
+    chain (``chains[k]``: forward, full backward, input part): the forward by the chain's
+    forward over the sum of its layers', the full backward and the input part both by the
+    chain's full backward over theirs; the collectives and the memory as they were."""
+    out = [list(row) for row in rows]
+    windows = []
+    for (first, end), (forward, backward, _) in zip(spans, chains, strict=True):
+        alone_f = sum(rows[i][0] for i in range(first, end))
+        alone_b = sum(rows[i][1] for i in range(first, end))
+        rf = forward / alone_f if alone_f > 0 else 1.0
+        rb = backward / alone_b if alone_b > 0 else 1.0
+        for i in range(first, end):
+            out[i][0] *= rf
+            out[i][1] *= rb
+            out[i][2] *= rb
+        windows.append({"first": first, "end": end, "forward": rf, "backward": rb})
+    return out, windows
+
+
+def _window_times(
+    model: Parallelized,
+    layer_inputs: list[tuple[torch.Tensor, ...]],
+    first: int,
+    end: int,
+    clock: Clock,
+    group: Any,
+    repeats: int,
+) -> list[float]:
+    """Layers ``first..end-1`` timed as one chain on the group, as a stage runs them (the loss
+    with the last layer): median ms of the forward, the full backward and the input part."""
+    last = end == len(model.layers)
+    chain = _Chain(model.layers[first:end])
+    timer = _LayerTimer(chain, layer_inputs[first], model.loss_fn if last else None, model.target)
+    times = timer.times(clock, group, repeats)
+    for layer in model.layers[first:end]:
+        for p in layer.parameters():
+            p.grad = None
+    return times
+
+
+class _Chain(nn.Module):
+    """Layers run one after the other, a tuple output spread over the next layer's inputs."""
+
+    def __init__(self, layers: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.chain = nn.ModuleList(layers)
+
+    def forward(self, *args: Any) -> Any:
+        out: Any = args
+        for layer in self.chain:
+            out = layer(*(out if isinstance(out, tuple) else (out,)))
+        return out
 
 
 def _entry(row: list[float], static: tuple[float, float]) -> dict[str, float]:
@@ -179,15 +275,18 @@ def _entry(row: list[float], static: tuple[float, float]) -> dict[str, float]:
 
 def _measure_layers(
     model: Parallelized, group: Any, device: torch.device, repeats: int, optimizer: str
-) -> tuple[list[list[float]], list[tuple[float, float]], list[float] | None]:
+) -> tuple[
+    list[list[float]], list[tuple[float, float]], list[float] | None, list[tuple[torch.Tensor, ...]]
+]:
     """Per layer: ``_NUMBERS`` on this rank, its static GiB (parameters with gradients and
-    optimizer states; gradients alone) and, on a GPU, the allocator's peak GiB."""
+    optimizer states; gradients alone), on a GPU the allocator's peak GiB, and its inputs."""
     clock = Clock(device)
     states = OPTIMIZER_STATES[optimizer]
     seen: set[int] = set()
     inputs = model.inputs
-    rows, static, peaks = [], [], []
+    rows, static, peaks, layer_inputs = [], [], [], []
     for n, layer in enumerate(model.layers):
+        layer_inputs.append(inputs)
         last = n == len(model.layers) - 1
         timer = _LayerTimer(layer, inputs, model.loss_fn if last else None, model.target)
         if device.type == "cuda":
@@ -205,7 +304,7 @@ def _measure_layers(
         for p in layer.parameters():
             p.grad = None
         inputs = outputs
-    return rows, static, peaks if device.type == "cuda" else None
+    return rows, static, peaks if device.type == "cuda" else None, layer_inputs
 
 
 class _LayerTimer:
