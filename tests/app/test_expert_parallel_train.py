@@ -6,7 +6,6 @@ replica's micro-batches; what expert parallel cannot run is one line before any 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -14,43 +13,11 @@ pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 import torch
-from finetune_cases import tokenizer, train_args
+from finetune_cases import MOE_COEF, MOE_EXPERTS, MOE_TOP_K, train_args, write_moe_folder
 
 from pipetrain.cli import main
 
-COEF = 0.25
-EXPERTS, TOP_K, M, DP = 4, 2, 2, 2
-
-
-def write_mixtral(folder: Path) -> str:
-    """A tiny float64 Mixtral folder, its routers drawn wide so that routing is decided."""
-    import transformers as tf
-
-    config = tf.MixtralConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=24,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        num_local_experts=EXPERTS,
-        num_experts_per_tok=TOP_K,
-        router_aux_loss_coef=COEF,
-        bos_token_id=2,
-        eos_token_id=0,
-        pad_token_id=1,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(7)
-    model = tf.MixtralForCausalLM(config).double()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("gate.weight"):
-                p.normal_(0.0, 0.5)
-    model.save_pretrained(folder)
-    tokenizer().save_pretrained(folder)
-    return str(folder)
+COEF, EXPERTS, TOP_K, M, DP = MOE_COEF, MOE_EXPERTS, MOE_TOP_K, 2, 2
 
 
 def reference_run(argv: list[str], steps: int) -> tuple[list[float], list[float]]:
@@ -109,7 +76,7 @@ def test_a_mixtral_folder_trains_with_ep_2_as_the_unsplit_model(tmp_path, capfd,
     that breaks its graph at the dispatch's all-to-all, and still trains as the eager model."""
     from pipetrain.app.models.data import make_corpus
 
-    folder = write_mixtral(tmp_path / "mixtral")
+    folder = write_moe_folder(tmp_path / "mixtral")
     text = tmp_path / "tiny.txt"
     text.write_bytes(make_corpus(2048))
     metrics = tmp_path / "metrics.jsonl"
@@ -139,7 +106,7 @@ def test_what_expert_parallel_cannot_run_is_refused_before_launching(tmp_path, c
 
     from pipetrain.app.train_checks import check_arguments
 
-    mixtral = write_mixtral(tmp_path / "mixtral")
+    mixtral = write_moe_folder(tmp_path / "mixtral")
     dense = write_folder(tmp_path / "llama")
     common = ("--seq-len", "16")
     cases = {

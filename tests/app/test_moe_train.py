@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 
@@ -19,50 +18,11 @@ pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 import torch
-from finetune_cases import tokenizer, train_args
+from finetune_cases import MOE_COEF, MOE_EXPERTS, MOE_TOP_K, train_args, write_moe_folder
 
 from pipetrain.cli import main
 
-COEF = 0.25  # large, so the router term weighs in the update
-EXPERTS, TOP_K, M = 4, 2, 2
-
-
-def write_moe_folder(folder: Path, kind: str = "mixtral", coef: float = COEF) -> str:
-    """A tiny float64 folder of ``kind`` as a release has it (``output_router_logits`` false),
-    its routers drawn wide so that routing is decided, with the corpus's tokenizer."""
-    import transformers as tf
-
-    common = dict(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=24,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        num_local_experts=EXPERTS,
-        num_experts_per_tok=TOP_K,
-        router_aux_loss_coef=coef,
-        output_router_logits=False,
-        bos_token_id=2,
-        eos_token_id=0,
-        pad_token_id=1,
-        tie_word_embeddings=False,
-    )
-    if kind == "mixtral":
-        config, cls = tf.MixtralConfig(**common), tf.MixtralForCausalLM
-    else:
-        config = tf.GptOssConfig(**common, head_dim=4, sliding_window=4)
-        cls = tf.GptOssForCausalLM
-    torch.manual_seed(7)
-    model = cls(config).double()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("gate.weight", "router.weight")):
-                p.normal_(0.0, 0.5)
-    model.save_pretrained(folder)
-    tokenizer().save_pretrained(folder)
-    return str(folder)
+COEF, EXPERTS, TOP_K, M = MOE_COEF, MOE_EXPERTS, MOE_TOP_K, 2
 
 
 def reference_run(argv: list[str], steps: int) -> tuple[list[float], list[float]]:

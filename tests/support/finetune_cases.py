@@ -63,6 +63,50 @@ def write_folder(folder: Path, kind: str = "llama", with_tokenizer: bool = True)
     return str(folder)
 
 
+#: the tiny MoE folders' experts, top-k and router loss coefficient (large, so the router term
+#: weighs in the update)
+MOE_EXPERTS, MOE_TOP_K, MOE_COEF = 4, 2, 0.25
+
+
+def write_moe_folder(folder: Path, kind: str = "mixtral", coef: float = MOE_COEF) -> str:
+    """A tiny float64 folder of ``kind`` (``mixtral`` or ``gpt_oss``; router loss coefficient
+    ``coef``) as a release has it (``output_router_logits`` false), its routers
+    drawn wide so that routing is decided, with the corpus's tokenizer."""
+    import transformers as tf
+
+    common = dict(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        num_local_experts=MOE_EXPERTS,
+        num_experts_per_tok=MOE_TOP_K,
+        router_aux_loss_coef=coef,
+        output_router_logits=False,
+        bos_token_id=2,
+        eos_token_id=0,
+        pad_token_id=1,
+        tie_word_embeddings=False,
+    )
+    if kind == "mixtral":
+        config, cls = tf.MixtralConfig(**common), tf.MixtralForCausalLM
+    else:
+        config = tf.GptOssConfig(**common, head_dim=4, sliding_window=4)
+        cls = tf.GptOssForCausalLM
+    torch.manual_seed(7)
+    model = cls(config).double()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("gate.weight", "router.weight")):
+                p.normal_(0.0, 0.5)
+    model.save_pretrained(folder)
+    tokenizer().save_pretrained(folder)
+    return str(folder)
+
+
 def train_args(*argv: str):
     from pipetrain.cli.train_command import config_from_argv
 
