@@ -1,38 +1,23 @@
 """``pipetrain profile --ep E --ep-measure processes``: the dispatch and the expert link
 measured on E gloo worker processes. The bytes each MoE layer's dispatch sends to the other
-rank are checked against the unsplit model's own routing of the same micro-batch (the router's
-top-k choices, counted here), the link is a measured positive GB/s, and ``plan`` prices the
-file; a given link wins over the measured one; what cannot be measured as asked is refused."""
+rank are checked against the unsplit model's own routing of each rank's micro-batch (the
+router's top-k choices, counted here), the link is a measured positive GB/s, and ``plan``
+prices the file; a given link wins over the measured one; what cannot be measured as asked is
+refused."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from finetune_cases import PROFILE_MOE, write_profile_mixtral
 
 from pipetrain.cli import main
 from pipetrain.planner.costs_file import load_costs
 
 QUICK = ["--repeats", "1", "--context", "1", "--device", "cpu"]
-HIDDEN, TOP_K, EXPERTS, ROWS, SEQ, VOCAB = 8, 2, 4, 2, 8, 32
+HIDDEN, TOP_K, EXPERTS, VOCAB = (PROFILE_MOE[k] for k in ("hidden", "top_k", "experts", "vocab"))
+ROWS, SEQ = 2, 8
 SHAPE = ["--seq-len", str(SEQ), "--microbatch-size", str(ROWS), "--dtype", "float64"]
-
-
-def write_mixtral(folder) -> None:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.MixtralConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=12,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-        num_local_experts=EXPERTS,
-        num_experts_per_tok=TOP_K,
-        router_jitter_noise=0.0,
-    )
-    torch.manual_seed(1)
-    transformers.MixtralForCausalLM(config).save_pretrained(folder)
 
 
 def rows_to_the_other_rank(folder) -> list[int]:
@@ -61,7 +46,7 @@ def rows_to_the_other_rank(folder) -> list[int]:
 
 def test_processes_measure_the_real_dispatch_and_the_link(tmp_path, capsys) -> None:
     folder = tmp_path / "mixtral"
-    write_mixtral(folder)
+    write_profile_mixtral(folder, seed=1)
     out = tmp_path / "costs.json"
     argv = ["profile", "--model-dir", str(folder), *SHAPE, *QUICK, "--out", str(out)]
     assert main([*argv, "--ep", "2", "--ep-measure", "processes"]) == 0
@@ -120,7 +105,7 @@ def test_a_given_link_wins_over_the_measured_one(monkeypatch) -> None:
 
 def test_what_cannot_be_measured_as_asked_is_refused(tmp_path, capsys, monkeypatch) -> None:
     folder = tmp_path / "mixtral"
-    write_mixtral(folder)
+    write_profile_mixtral(folder, seed=1)
     argv = ["profile", "--model-dir", str(folder), *SHAPE, *QUICK]
     assert main([*argv, "--ep-measure", "processes"]) == 2
     err = capsys.readouterr().err

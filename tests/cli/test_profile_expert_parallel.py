@@ -4,37 +4,19 @@ file, which ``pipetrain plan`` prices; a dense model or a link without ``--ep`` 
 
 from __future__ import annotations
 
-import pytest
-import torch
+from finetune_cases import PROFILE_MOE, write_profile_mixtral
 
 from pipetrain.cli import main
 from pipetrain.planner.costs_file import load_costs
 from pipetrain.planner.costs_file_moe import dispatched_bytes
 
 QUICK = ["--repeats", "1", "--context", "1", "--device", "cpu"]
-HIDDEN, TOP_K = 8, 2
-
-
-def write_mixtral(folder) -> None:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.MixtralConfig(
-        vocab_size=32,
-        hidden_size=HIDDEN,
-        intermediate_size=12,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-        num_local_experts=4,
-        num_experts_per_tok=TOP_K,
-    )
-    torch.manual_seed(0)
-    transformers.MixtralForCausalLM(config).save_pretrained(folder)
+HIDDEN, TOP_K = PROFILE_MOE["hidden"], PROFILE_MOE["top_k"]
 
 
 def test_profile_writes_the_moe_layers_dispatch_and_plan_prices_it(tmp_path, capsys) -> None:
     folder = tmp_path / "mixtral"
-    write_mixtral(folder)
+    write_profile_mixtral(folder)
     out = tmp_path / "costs.json"
     argv = ["profile", "--model-dir", str(folder), "--seq-len", "8", "--microbatch-size", "2"]
     assert main([*argv, *QUICK, "--ep", "2", "--ep-link-gbs", "50", "--out", str(out)]) == 0
@@ -63,7 +45,7 @@ def test_profile_writes_the_moe_layers_dispatch_and_plan_prices_it(tmp_path, cap
 
 def test_expert_dispatch_is_refused_where_nothing_dispatches(tmp_path, capsys) -> None:
     folder = tmp_path / "mixtral"
-    write_mixtral(folder)
+    write_profile_mixtral(folder)
     gpt = ["--model", "gpt", "--layers", "1", "--hidden", "8", "--heads", "2", "--vocab", "32"]
     assert main(["profile", *gpt, *QUICK, "--ep", "2"]) == 2
     assert "gpt has no mixture-of-experts layers" in capsys.readouterr().err

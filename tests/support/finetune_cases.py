@@ -107,6 +107,30 @@ def write_moe_folder(folder: Path, kind: str = "mixtral", coef: float = MOE_COEF
     return str(folder)
 
 
+#: the profile tests' Mixtral folder: vocabulary, hidden size, experts and top-k
+PROFILE_MOE = {"vocab": 32, "hidden": 8, "experts": 4, "top_k": 2}
+
+
+def write_profile_mixtral(folder: Path, seed: int = 0) -> None:
+    """A tiny float32 Mixtral folder (``PROFILE_MOE``, no tokenizer) for ``pipetrain profile``."""
+    import transformers as tf
+
+    config = tf.MixtralConfig(
+        vocab_size=PROFILE_MOE["vocab"],
+        hidden_size=PROFILE_MOE["hidden"],
+        intermediate_size=12,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        num_local_experts=PROFILE_MOE["experts"],
+        num_experts_per_tok=PROFILE_MOE["top_k"],
+        router_jitter_noise=0.0,
+    )
+    torch.manual_seed(seed)
+    tf.MixtralForCausalLM(config).save_pretrained(folder)
+
+
 def train_args(*argv: str):
     from pipetrain.cli.train_command import config_from_argv
 
