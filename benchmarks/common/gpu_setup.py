@@ -10,6 +10,7 @@ import gc
 import os
 import statistics
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -86,32 +87,28 @@ def local_stages(layout: str, rank: int, world: int, v: int) -> list[int]:
 # ---------------------------------------------------------------------------------------------
 
 
-class Ctx:
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
-        self.cuda = torch.cuda.is_available() and args.device != "cpu"
+class Processes:
+    """This process in the benchmark's group (torchrun's environment): NCCL on its GPU
+    (``LOCAL_RANK``) or gloo on one CPU thread, and the collectives every rank calls in the
+    same order. ``env``: variables set, unless already set, before NCCL and the allocator
+    start."""
+
+    def __init__(self, cuda: bool, pg_timeout: float, env: Mapping[str, str] | None = None) -> None:
+        self.cuda = cuda
         local = int(os.environ.get("LOCAL_RANK", "0"))
-        if self.cuda:
+        timeout = timedelta(seconds=pg_timeout)
+        if cuda:
+            for key, value in (env or {}).items():
+                os.environ.setdefault(key, value)
             torch.cuda.set_device(local)
             self.device = torch.device("cuda", local)
-            dist.init_process_group(
-                "nccl", timeout=timedelta(seconds=args.pg_timeout), device_id=self.device
-            )
+            dist.init_process_group("nccl", timeout=timeout, device_id=self.device)
         else:
             torch.set_num_threads(1)
             self.device = torch.device("cpu")
-            dist.init_process_group("gloo", timeout=timedelta(seconds=args.pg_timeout))
+            dist.init_process_group("gloo", timeout=timeout)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.dtype = getattr(torch, args.dtype)
-        self.cfg = GPTConfig(
-            vocab_size=args.vocab,
-            seq_len=args.seq,
-            num_layers=args.layers,
-            hidden=args.hidden,
-            num_heads=args.heads,
-        )
         self.t0 = time.perf_counter()
-        self._masters: dict[tuple[int, int], torch.nn.Module] = {}
 
     def sync(self) -> None:
         if self.cuda:
@@ -124,6 +121,23 @@ class Ctx:
         out: list = [None] * self.world
         dist.all_gather_object(out, obj)
         return out
+
+
+class Ctx(Processes):
+    """``gpu_pipeline.py``'s process: its arguments, dtype, GPT config and seeded stage copies."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__(torch.cuda.is_available() and args.device != "cpu", args.pg_timeout)
+        self.args = args
+        self.dtype = getattr(torch, args.dtype)
+        self.cfg = GPTConfig(
+            vocab_size=args.vocab,
+            seq_len=args.seq,
+            num_layers=args.layers,
+            hidden=args.hidden,
+            num_heads=args.heads,
+        )
+        self._masters: dict[tuple[int, int], torch.nn.Module] = {}
 
     def agree(self, obj):
         """Rank 0's value on every rank (decisions that all ranks must take together)."""

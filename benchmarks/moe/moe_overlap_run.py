@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import time
 import traceback
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
+from benchmarks.common.gpu_setup import Processes
 from benchmarks.moe import moe_overlap_model as mm
 
 #: set (unless already set) before NCCL and the caching allocator start
@@ -25,43 +23,17 @@ CUDA_ENV = {
 }
 
 
-class Run:
-    """One process's state: its arguments, device, mesh and the master weights (duck-typed for
-    ``gpu_setup.time_steps`` and ``slowest``: ``args``, ``sync``, ``barrier``, ``gather``)."""
+class Run(Processes):
+    """One process's state: its arguments, device, mesh and the master weights (with what
+    ``gpu_setup.time_steps`` and ``slowest`` use: ``args``, ``sync``, ``barrier``, ``gather``)."""
 
     def __init__(self, args: argparse.Namespace, shape: mm.Shape) -> None:
+        # NVLink multicast off (it can take a shared host's GPUs down), one allocator setting
+        super().__init__(shape.device == "cuda", args.pg_timeout, CUDA_ENV)
         self.args, self.shape = args, shape
-        self.cuda = shape.device == "cuda"
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        timeout = timedelta(seconds=args.pg_timeout)
-        if self.cuda:
-            # NVLink multicast off (it can take a shared host's GPUs down), one allocator setting
-            for key, value in CUDA_ENV.items():
-                os.environ.setdefault(key, value)
-            torch.cuda.set_device(local)
-            self.device = torch.device("cuda", local)
-            dist.init_process_group("nccl", timeout=timeout, device_id=self.device)
-        else:
-            torch.set_num_threads(1)
-            self.device = torch.device("cpu")
-            dist.init_process_group("gloo", timeout=timeout)
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.mesh = mm.make_mesh(shape, self.device)
         self.master = mm.build_master(shape, self.device)
         self.ids = mm.batch(shape, mm.replica_of(self.mesh), self.device)
-        self.t0 = time.perf_counter()
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-
-    def barrier(self) -> None:
-        dist.barrier()
-
-    def gather(self, obj) -> list:
-        out: list = [None] * self.world
-        dist.all_gather_object(out, obj)
-        return out
 
     def log(self, msg: str) -> None:
         if self.rank == 0:
