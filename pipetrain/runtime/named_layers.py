@@ -187,6 +187,15 @@ class LazyStages(Sequence):
         return layer
 
 
+def context_windows(num_layers: int, size: int) -> list[range]:
+    """Consecutive windows of ``size`` layers in order (the last one shorter where ``size`` does
+    not divide ``num_layers``), those of one layer left out: what the profiler times as one stage
+    to put lone-layer times in context."""
+    starts = range(0, num_layers, size)
+    spans = [range(first, min(first + size, num_layers)) for first in starts]
+    return [span for span in spans if len(span) >= 2]
+
+
 def require_module(layer: object, index: int) -> None:
     if not isinstance(layer, nn.Module):
         raise TypeError(f"layer {index} is a {type(layer).__name__}, not an nn.Module")

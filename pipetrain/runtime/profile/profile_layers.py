@@ -71,7 +71,7 @@ import torch
 from torch import nn
 
 from pipetrain.planner.costs_file import LayerCost, ModelCosts, save_costs
-from pipetrain.runtime.named_layers import Stage
+from pipetrain.runtime.named_layers import Stage, context_windows
 from pipetrain.runtime.profile import host_link, profile_replay
 from pipetrain.runtime.profile.profile_clock import Clock, DeviceClock, clock_for
 from pipetrain.runtime.profile.profile_memory import (
@@ -285,10 +285,8 @@ def _scale_by_windows(
 ) -> list[dict]:
     """Scale ``measured`` in place by each window's ratios; the windows, for ``meta``."""
     windows = []
-    for first in range(0, len(layers), context):
-        end = min(first + context, len(layers))
-        if end - first < 2:
-            continue
+    for span in context_windows(len(layers), context):
+        first, end = span.start, span.stop
         ratios = _window_ratios(
             layers, measured, layer_inputs[first], first, end, loss_fn, target, clock, rounds
         )

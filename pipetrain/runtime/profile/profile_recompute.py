@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from pipetrain.runtime.backward.activation_checkpoint import Recomputed
-from pipetrain.runtime.named_layers import Stage
+from pipetrain.runtime.named_layers import Stage, context_windows
 from pipetrain.runtime.stage import StageRunner, leaves
 
 #: recompute mode -> the costs file's fields for what it adds to the backward and the forward
@@ -93,11 +93,8 @@ def recompute_times(
             lone[mode, "backward"].append(max(0.0, wrapped[1] - plain[1]))
     scaled = {key: list(times) for key, times in lone.items()}
     windows: list[dict[str, float]] = []
-    for first in range(0, len(layers), context):
-        end = min(first + context, len(layers))
-        if end - first < 2:
-            continue
-        span = range(first, end)
+    for span in context_windows(len(layers), context):
+        first, end = span.start, span.stop
         plain = timer.times(first, [(f"layer{i}", layers[i]) for i in span], layer_inputs[first])
         window: dict[str, float] = {"first": first, "end": end}
         for mode in FIELDS:

@@ -54,6 +54,7 @@ from torch import nn
 
 from pipetrain.planner.costs_file_tp import TpCost
 from pipetrain.runtime import torch_compat
+from pipetrain.runtime.named_layers import Stage, context_windows
 from pipetrain.runtime.profile.profile_clock import Clock
 from pipetrain.runtime.profile.profile_memory import GIB, OPTIMIZER_STATES
 from pipetrain.runtime.profile.worker_group import (
@@ -179,23 +180,22 @@ def measure_on_group(
     rank's, scaled by windows of ``context`` layers; the memory this rank's: the ranks hold
     equal shares), on a GPU each layer's allocator peak on this rank, and the windows."""
     rows, static, peaks, layer_inputs = _measure_layers(model, group, device, repeats, optimizer)
-    spans = [
-        (first, min(first + context, len(rows)))
-        for first in range(0, len(rows), context)
-        if min(first + context, len(rows)) - first >= 2
-    ]
+    spans = [(w.start, w.stop) for w in context_windows(len(rows), context)]
     clock = Clock(device)
     chains = [_window_times(model, layer_inputs, a, b, clock, group, repeats) for a, b in spans]
-    flat = [x for row in rows + chains for x in row]
-    numbers = torch.tensor(flat, dtype=torch.float64, device=device)
-    dist.all_reduce(numbers, op=dist.ReduceOp.MAX, group=group)
-    reduced, width = numbers.tolist(), len(_NUMBERS)
-    split = len(rows) * width
-    slowest = [reduced[i : i + width] for i in range(0, split, width)]
-    chained = [reduced[i : i + 3] for i in range(split, len(reduced), 3)]
+    slowest, chained = (_slowest(numbers, group, device) for numbers in (rows, chains))
     scaled, windows = scale_by_windows(slowest, spans, chained)
     entries = [_entry(row, own) for row, own in zip(scaled, static, strict=True)]
     return entries, peaks, windows
+
+
+def _slowest(rows: list[list[float]], group: Any, device: torch.device) -> list[list[float]]:
+    """``rows`` with each number the largest over the ranks of ``group`` (every rank calls)."""
+    if not rows:
+        return []
+    numbers = torch.tensor(rows, dtype=torch.float64, device=device)
+    dist.all_reduce(numbers, op=dist.ReduceOp.MAX, group=group)
+    return numbers.tolist()
 
 
 def scale_by_windows(
@@ -232,27 +232,13 @@ def _window_times(
     """Layers ``first..end-1`` timed as one chain on the group, as a stage runs them (the loss
     with the last layer): median ms of the forward, the full backward and the input part."""
     last = end == len(model.layers)
-    chain = _Chain(model.layers[first:end])
+    chain = Stage([(f"layer{i}", model.layers[i]) for i in range(first, end)])
     timer = _LayerTimer(chain, layer_inputs[first], model.loss_fn if last else None, model.target)
     times = timer.times(clock, group, repeats)
     for layer in model.layers[first:end]:
         for p in layer.parameters():
             p.grad = None
     return times
-
-
-class _Chain(nn.Module):
-    """Layers run one after the other, a tuple output spread over the next layer's inputs."""
-
-    def __init__(self, layers: Sequence[nn.Module]) -> None:
-        super().__init__()
-        self.chain = nn.ModuleList(layers)
-
-    def forward(self, *args: Any) -> Any:
-        out: Any = args
-        for layer in self.chain:
-            out = layer(*(out if isinstance(out, tuple) else (out,)))
-        return out
 
 
 def _entry(row: list[float], static: tuple[float, float]) -> dict[str, float]:
